@@ -1,0 +1,3 @@
+from narwhal.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,168 @@
+"""Admission: read the body once, check what the router reads, refuse the rest with a 4xx.
+
+The body is parsed once with orjson and kept as a dict; every engine body is built from that
+dict (never spliced from the client's bytes), so a duplicate key cannot smuggle a client
+value through. Client ``kv_transfer_params`` are dropped here, always. Fields the router
+does not read are passed to the engines untouched: vLLM, not the router, owns sampling
+validation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from narwhal.errors import RequestError
+from narwhal.fleet import Fleet
+from narwhal.settings import Settings
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+DEADLINE_HEADER = "x-narwhal-deadline-s"
+FORWARDED_HEADERS = ("traceparent", "tracestate")
+
+
+@dataclass(slots=True)
+class ClientRequest:
+    endpoint: str
+    body: dict[str, Any]
+    model: str
+    stream: bool
+    deadline: float  # loop.time() units
+    forward: dict[str, str]
+
+
+def check_api_key(request: web.Request, keys: list[str]) -> None:
+    if not keys:
+        return
+    given = request.headers.get("Authorization", "")
+    token = given[7:] if given[:7].lower() == "bearer " else ""
+    # Compare against every key so the time taken does not reveal which one nearly matched.
+    ok = False
+    for key in keys:
+        ok |= hmac.compare_digest(token.encode(), key.encode())
+    if not ok:
+        raise RequestError("invalid or missing API key", reason="unauthorized")
+
+
+async def read_body(request: web.Request, settings: Settings) -> bytes:
+    ctype = request.headers.get("Content-Type")
+    if ctype is not None:
+        mime = ctype.split(";", 1)[0].strip().lower()
+        if mime != "application/json" and not mime.endswith("+json"):
+            raise RequestError(
+                f"unsupported content type {mime!r}: send application/json", reason="unsupported_media_type"
+            )
+    limit = settings.server.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise RequestError(f"request body exceeds {limit} bytes", reason="payload_too_large")
+    try:
+        async with asyncio.timeout(settings.server.body_read_timeout_s):
+            return await request.read()
+    except TimeoutError:
+        raise RequestError(
+            f"request body not received within {settings.server.body_read_timeout_s:g}s",
+            reason="request_timeout",
+        ) from None
+    except web.HTTPRequestEntityTooLarge:
+        raise RequestError(f"request body exceeds {limit} bytes", reason="payload_too_large") from None
+
+
+def _bad(message: str) -> RequestError:
+    return RequestError(message, reason="bad_request")
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int
+
+
+def _check_prompt(prompt: Any) -> None:
+    if isinstance(prompt, str):
+        return
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt) or all(_is_int(p) for p in prompt):
+            return
+        if all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt):
+            return
+    raise _bad("'prompt' must be a string, a list of strings, a list of token ids or a list of lists of ids")
+
+
+def _check_fields(body: dict[str, Any], endpoint: str) -> None:
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise _bad("'model' must be a string")
+    if "stream" in body and body["stream"] is not None and not isinstance(body["stream"], bool):
+        raise _bad("'stream' must be a boolean")
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if value is not None and (not _is_int(value) or value < 0):
+            raise _bad(f"'{key}' must be an integer >= 0")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _bad("'stream_options' must be an object")
+    if endpoint == CHAT:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise _bad("'messages' must be a list of objects")
+    else:
+        if "prompt" not in body:
+            raise _bad("'prompt' is required")
+        _check_prompt(body["prompt"])
+    # Disaggregation runs one prefill and one decode: what needs more cannot be honoured.
+    for key in ("n", "best_of"):
+        value = body.get(key)
+        if value is not None and (not _is_int(value) or value > 1):
+            raise _bad(f"'{key}' > 1 is not supported by disaggregated serving")
+    value = body.get("prompt_logprobs")
+    if value is not None and value is not False and value != 0:
+        raise _bad("'prompt_logprobs' is not supported by disaggregated serving")
+
+
+def request_deadline(request: web.Request, settings: Settings, arrival: float) -> float:
+    budget = settings.request.deadline_s
+    raw = request.headers.get(DEADLINE_HEADER)
+    if raw is not None:
+        try:
+            asked = float(raw)
+        except ValueError:
+            asked = math.nan
+        if not math.isfinite(asked) or asked <= 0:
+            raise _bad(f"'{DEADLINE_HEADER}' must be a positive number of seconds")
+        budget = min(budget, asked)
+    return arrival + budget
+
+
+def parse(raw: bytes, endpoint: str, fleet: Fleet) -> tuple[dict[str, Any], str, bool]:
+    """Parse and check the body; return it (client kv params removed), its model and stream."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise _bad(f"invalid JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object")
+    body.pop("kv_transfer_params", None)
+    _check_fields(body, endpoint)
+    model = body.get("model")
+    if model is None:
+        # vLLM serves its one model when none is named; do the same when the fleet has one.
+        served = fleet.served_models
+        if len(served) != 1:
+            raise _bad("'model' is required")
+        model = next(iter(served))
+    if not fleet.serves(model):
+        raise RequestError(f"The model `{model}` does not exist.", reason="model_not_found")
+    return body, model, bool(body.get("stream"))
+
+
+async def admit(request: web.Request, endpoint: str, settings: Settings, fleet: Fleet, arrival: float) -> ClientRequest:
+    check_api_key(request, settings.server.api_keys)
+    deadline = request_deadline(request, settings, arrival)
+    raw = await read_body(request, settings)
+    body, model, stream = parse(raw, endpoint, fleet)
+    forward = {h: v for h in FORWARDED_HEADERS if (v := request.headers.get(h)) is not None}
+    return ClientRequest(endpoint=endpoint, body=body, model=model, stream=stream, deadline=deadline, forward=forward)

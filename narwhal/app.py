@@ -1,0 +1,220 @@
+"""The aiohttp application and the factory gunicorn's aiohttp worker calls.
+
+gunicorn loads ``narwhal.app:create_app`` (no parentheses): an async zero-argument factory
+returning a ``web.AppRunner``. That is the only way, under ``GunicornWebWorker``, to choose
+``handler_cancellation`` — off by default in production yet forced on by aiohttp's test
+server, so a router tested only there would leak upstream requests of departed clients in
+production. Narwhal turns it on explicitly, everywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import time
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from narwhal import metrics
+from narwhal.accesslog import AccessLog
+from narwhal.admission import CHAT, COMPLETIONS
+from narwhal.engines.client import EngineClient
+from narwhal.errors import NarwhalError, RequestError
+from narwhal.fleet import Engine, Fleet, LocalView
+from narwhal.outcomes import Outcomes
+from narwhal.placement import LocalInflight, Placement
+from narwhal.proxy import Router, client_request_id, error_response
+from narwhal.settings import Settings, current_or_load
+
+log = logging.getLogger("narwhal.app")
+
+ROUTER = web.AppKey("router", Router)
+SETTINGS = web.AppKey("settings", Settings)
+_TASKS = web.AppKey("tasks", list)
+
+
+def _json(data: Any, status: int = 200, **headers: str) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json", headers=headers)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every response in the OpenAI error shape with x-request-id; never a traceback."""
+    try:
+        response = await handler(request)
+    except NarwhalError as exc:
+        return error_response(exc, client_request_id(request))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        reason = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(exc.status, "bad_request")
+        error = RequestError(exc.reason if exc.status != 404 else "not found", reason=reason, status=exc.status)
+        return error_response(error, client_request_id(request))
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        error = NarwhalError("internal error", reason="internal_error")
+        return error_response(error, client_request_id(request))
+    if "x-request-id" not in response.headers and not response.prepared:
+        response.headers["x-request-id"] = client_request_id(request)
+    return response
+
+
+@web.middleware
+async def _header_limit(request: web.Request, handler: Any) -> web.StreamResponse:
+    limit = request.app[SETTINGS].server.max_header_bytes
+    size = sum(len(k) + len(v) + 4 for k, v in request.raw_headers)
+    if size > limit:
+        raise RequestError(f"request headers exceed {limit} bytes", reason="header_too_large")
+    return await handler(request)
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await request.app[ROUTER].handle(request, COMPLETIONS)
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    return await request.app[ROUTER].handle(request, CHAT)
+
+
+async def _models(request: web.Request) -> web.Response:
+    router = request.app[ROUTER]
+    created = int(time.time())
+    data = [
+        {"id": m, "object": "model", "created": created, "owned_by": "narwhal"}
+        for m in sorted(router.fleet.served_models)
+    ]
+    return _json({"object": "list", "data": data})
+
+
+async def _health(request: web.Request) -> web.Response:
+    return _json({"status": "ok"})
+
+
+async def _ready(request: web.Request) -> web.Response:
+    router = request.app[ROUTER]
+    models = router.fleet.served_models
+    if not models:
+        return _json({"ready": False, "reason": "no engine has reported a model yet"}, status=503)
+    missing = sorted(m for m in models if not router.placement.has_pair(m))
+    if missing:
+        reason = f"no admitted producer->consumer pair for model {missing[0]!r}"
+        return _json({"ready": False, "reason": reason}, status=503)
+    return _json({"ready": True})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body, content_type = await asyncio.get_running_loop().run_in_executor(None, metrics.render)
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+async def fetch_models(session: aiohttp.ClientSession, engine: Engine, api_key: str) -> frozenset[str] | None:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with asyncio.timeout(5):
+            async with session.get(engine.url + "/v1/models", headers=headers) as resp:
+                if resp.status != 200:
+                    return None
+                data = orjson.loads(await resp.read())
+        return frozenset(m["id"] for m in data["data"] if isinstance(m.get("id"), str))
+    except (TimeoutError, aiohttp.ClientError, OSError, orjson.JSONDecodeError, KeyError, TypeError):
+        return None
+
+
+async def discover_models(fleet: Fleet, session: aiohttp.ClientSession, settings: Settings) -> None:
+    """Read ``/v1/models`` of engines without configured models (unreachable ones keep theirs)."""
+    todo = [e for e in fleet.engines if not e.models_configured]
+    found = await asyncio.gather(*(fetch_models(session, e, settings.engine.api_key) for e in todo))
+    for engine, models in zip(todo, found, strict=True):
+        if models is not None:
+            fleet.set_models(engine, models)
+
+
+async def _keep_discovering(fleet: Fleet, session: aiohttp.ClientSession, settings: Settings) -> None:
+    # Engines that were down at start are picked up as they come; known ones are re-read
+    # now and then so a model swap on an engine shows up. The supervisor will own this.
+    ticks = 0
+    while True:
+        await asyncio.sleep(1.0)
+        ticks += 1
+        if ticks % 30 == 0 or any(not e.models for e in fleet.engines):
+            await discover_models(fleet, session, settings)
+
+
+def _ssl_context(settings: Settings) -> ssl.SSLContext | bool:
+    if settings.engine.ca_file:
+        return ssl.create_default_context(cafile=settings.engine.ca_file)
+    return True
+
+
+def build_app(settings: Settings) -> web.Application:
+    app = web.Application(
+        middlewares=[_errors, _header_limit],
+        client_max_size=settings.server.max_body_bytes,
+    )
+    app[SETTINGS] = settings
+    app[_TASKS] = []
+    app.router.add_post(COMPLETIONS, _completions)
+    app.router.add_post(CHAT, _chat)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/ready", _ready)
+    app.router.add_get("/metrics", _metrics)
+
+    async def startup(app: web.Application) -> None:
+        connector = aiohttp.TCPConnector(
+            limit=0, limit_per_host=0, ssl=_ssl_context(settings), keepalive_timeout=60, enable_cleanup_closed=False
+        )
+        session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
+        fleet = Fleet(settings)
+        placement = Placement(fleet, LocalView(), LocalInflight(len(fleet.engines)), settings.placement)
+        router = Router(
+            settings, fleet, placement, EngineClient(session, settings.engine), Outcomes(),
+            AccessLog(settings.log.access_log),
+        )
+        app[ROUTER] = router
+        await discover_models(fleet, session, settings)
+        app[_TASKS].append(asyncio.ensure_future(_keep_discovering(fleet, session, settings)))
+
+    async def cleanup(app: web.Application) -> None:
+        for task in app[_TASKS]:
+            task.cancel()
+        router = app[ROUTER]
+        await router.drain_background(timeout=settings.engine.first_token_timeout_s)
+        await router.client._session.close()
+        router.access_log.close()
+
+    app.on_startup.append(startup)
+    app.on_cleanup.append(cleanup)
+    return app
+
+
+def make_runner(settings: Settings) -> web.AppRunner:
+    return web.AppRunner(
+        build_app(settings),
+        handler_cancellation=True,
+        keepalive_timeout=settings.server.keepalive_s,
+        shutdown_timeout=settings.server.graceful_timeout_s * 0.95,
+        access_log=None,
+        max_field_size=settings.server.max_header_bytes,
+        max_line_size=settings.server.max_header_bytes,
+    )
+
+
+async def create_app() -> web.AppRunner:
+    """gunicorn's entry point: ``narwhal.app:create_app``."""
+    from narwhal.logs import configure_logging
+
+    settings = current_or_load()
+    configure_logging(settings.log)
+    if settings.handoff.max_age_s <= settings.engine.prefill_timeout_s:
+        log.warning(
+            "handoff.max_age_s (%g) <= engine.prefill_timeout_s (%g): slow prefills will expire "
+            "before their decode starts", settings.handoff.max_age_s, settings.engine.prefill_timeout_s,
+        )
+    return make_runner(settings)

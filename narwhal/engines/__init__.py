@@ -1,0 +1,1 @@
+"""Talking to vLLM engines: the HTTP client (``client``) and the KV handoff (``connector``)."""

@@ -1,0 +1,155 @@
+"""The KV handoff: the prefill rewrite, the descriptor, and its validation (SPEC §3 steps 3–5).
+
+The descriptor is the producer's ``kv_transfer_params``. Proxies copy it *verbatim* into the
+decode request: vLLM adds fields with every NIXL connector version (``tp_size``, ``dcp_size``,
+``remote_num_tokens``, ``transfer_mode`` …), and a router that rebuilt the object from the
+fields it knows would silently drop what a newer consumer needs (without ``tp_size`` the
+consumer sends no lease heartbeats and the producer's blocks expire). So validation checks
+only what would make the decode useless or dangerous, and keeps every other key untouched.
+
+Rule order matters: the first failing rule decides the detail (SPEC §3 step 5).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from narwhal.errors import EngineError
+
+NIXL = "NixlConnector"
+
+# Keys that belong to other connectors' descriptors: seeing one means the producer is not
+# running the connector this router was configured for.
+FOREIGN_KEYS: frozenset[str] = frozenset(
+    {"transfer_id", "remote_bootstrap_addr", "first_tok", "disagg_spec", "ret_first_tok"}
+)
+
+# What a producer is asked to do: prefill, keep the blocks for a remote decoder.
+PREFILL_KV_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+# Removed from the prefill body so the single token never ends the request early and the
+# engine always returns a descriptor; stream_options is refused by vLLM when stream=false.
+_PREFILL_DROPPED = ("stream_options", "min_tokens", "stop", "stop_token_ids")
+
+
+def prefill_body(body: dict[str, Any], *, crossed: bool) -> dict[str, Any]:
+    """The body sent to the producer, built from the parsed client body (shallow copy)."""
+    out = dict(body)
+    for key in _PREFILL_DROPPED:
+        out.pop(key, None)
+    out["stream"] = False
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        out["max_completion_tokens"] = 1
+    out["ignore_eos"] = True
+    if crossed:
+        out["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
+    else:
+        # Same-worker decode: the prefill only warms the prefix cache; asking for a remote
+        # decode would pin KV blocks waiting for a reader that never comes.
+        out.pop("kv_transfer_params", None)
+    return out
+
+
+def decode_body(body: dict[str, Any], descriptor: dict[str, Any] | None) -> dict[str, Any]:
+    """The client's body plus the validated descriptor, unchanged (none for same-worker)."""
+    out = dict(body)
+    if descriptor is None:
+        out.pop("kv_transfer_params", None)
+    else:
+        out["kv_transfer_params"] = descriptor
+    return out
+
+
+def release_body(body: dict[str, Any], descriptor: dict[str, Any]) -> dict[str, Any]:
+    """A one-token, non-streaming decode whose only purpose is to free the producer's blocks."""
+    out = dict(body)
+    out.pop("stream_options", None)
+    out.pop("min_tokens", None)  # vLLM refuses min_tokens > max_tokens before queueing
+    out["stream"] = False
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        out["max_completion_tokens"] = 1
+    out["kv_transfer_params"] = descriptor
+    return out
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    """A finished prefill: the descriptor and what is needed to decode it.
+
+    ``descriptor`` is None for a same-worker prefill. Pass the result unchanged to
+    :meth:`narwhal.engines.client.EngineClient.decode`.
+    """
+
+    producer: str  # the producer engine's name
+    producer_url: str
+    endpoint: str  # "/v1/completions" or "/v1/chat/completions"
+    request_id: str  # the backend X-Request-Id, the same on both legs of an attempt
+    descriptor: dict[str, Any] | None
+    crossed: bool = True  # False: same-worker decode, no descriptor asked for
+    started_at: float = field(default_factory=time.monotonic)  # handoff age starts here
+    finished_at: float = 0.0
+
+    def parameters(self) -> dict[str, Any] | None:
+        """A detached deep copy of the descriptor: mutating it changes nothing here."""
+        return copy.deepcopy(self.descriptor)
+
+    def age(self, now: float | None = None) -> float:
+        return (time.monotonic() if now is None else now) - self.started_at
+
+
+class InvalidHandoff(EngineError):
+    """The descriptor failed validation: a producer fault (502, retryable)."""
+
+    def __init__(self, detail: str, *, engine: str) -> None:
+        super().__init__(f"invalid handoff: {detail}", reason="invalid_handoff", engine=engine, phase="prefill")
+
+
+def _is_block_id(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _block_ids_ok(ids: Any) -> bool:
+    if not isinstance(ids, list):
+        return False
+    if all(_is_block_id(v) for v in ids):
+        return True  # flat (older builds) or empty (prompt shorter than a block)
+    return all(isinstance(group, list) and all(_is_block_id(v) for v in group) for group in ids)
+
+
+def validate_descriptor(
+    descriptor: Any, *, producer: str, prefill_endpoint: str, decode_endpoint: str
+) -> dict[str, Any]:
+    """Check a NixlConnector descriptor; return it unchanged or raise :class:`InvalidHandoff`."""
+    if isinstance(descriptor, dict) and not FOREIGN_KEYS.isdisjoint(descriptor):
+        raise InvalidHandoff("connector mismatch", engine=producer)
+    if not isinstance(descriptor, dict) or not _non_empty_str(descriptor.get("remote_engine_id")):
+        raise InvalidHandoff("missing engine identity", engine=producer)
+    if not _block_ids_ok(descriptor.get("remote_block_ids")):
+        raise InvalidHandoff("malformed block IDs", engine=producer)
+    if not _non_empty_str(descriptor.get("remote_host")):
+        raise InvalidHandoff("malformed field remote_host", engine=producer)
+    port = descriptor.get("remote_port")
+    if type(port) is not int or not 1 <= port <= 65535:
+        raise InvalidHandoff("malformed field remote_port", engine=producer)
+    rid = descriptor.get("remote_request_id")
+    if rid is not None and not _non_empty_str(rid):
+        raise InvalidHandoff("malformed field remote_request_id", engine=producer)
+    if prefill_endpoint != decode_endpoint:
+        raise InvalidHandoff("endpoint mismatch", engine=producer)
+    return descriptor
+
+
+def _non_empty_str(value: Any) -> bool:
+    return isinstance(value, str) and value != ""

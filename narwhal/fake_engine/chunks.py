@@ -1,0 +1,225 @@
+"""Pre-encoded SSE frames and JSON bodies in vLLM's exact wire shapes.
+
+Why byte templates: the perf suite pushes thousands of streamed requests per second through the
+router into a handful of fake engines sharing a small machine. Encoding one JSON object per token
+would make the fake, not the router, the bottleneck. Every frame of a request differs from its
+neighbours only in the token text and the finish reason, so each request builds a head (id,
+created, model) once and every token frame is ``head + token + tail``: three ``bytes`` joined, no
+JSON encoding. Token texts (``" t0"``, ``" t1"`` …) contain nothing that needs JSON escaping, and
+the model name is escaped once per engine with orjson.
+
+Rare paths (errors, usage, non-streaming bodies) use orjson: they happen once per request.
+
+Shapes follow vLLM's OpenAI server (VLLM-PROTOCOL.md A.4): completions frames carry ``text``,
+``logprobs``, ``finish_reason``, ``stop_reason`` and ``"usage": null``; chat frames carry a
+``delta`` and are serialized with ``exclude_unset`` so a plain content chunk has no ``stop_reason``
+while the final one does.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+from typing import Any
+
+import orjson
+
+DONE = b"data: [DONE]\n\n"
+
+_TOKENS: list[bytes] = []
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    408: "RequestTimeoutError",
+    413: "RequestEntityTooLargeError",
+    422: "UnprocessableEntityError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+}
+
+
+def token_text(i: int) -> str:
+    return f" t{i}"
+
+
+def token_bytes(i: int) -> bytes:
+    """``b" t{i}"``, cached: the same few hundred token texts are reused by every request."""
+    cache = _TOKENS
+    if i >= len(cache):
+        cache.extend(f" t{k}".encode() for k in range(len(cache), max(i + 1, 2 * len(cache), 256)))
+    return cache[i]
+
+
+def error_type(status: int) -> str:
+    known = _ERROR_TYPES.get(status)
+    if known is not None:
+        return known
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        return "InternalServerError" if status >= 500 else "BadRequestError"
+    return phrase.replace(" ", "").replace("-", "") + "Error"
+
+
+def error_object(
+    status: int | None,
+    message: str,
+    *,
+    err_type: str | None = None,
+    param: str | None = None,
+    flat: bool = False,
+) -> dict[str, Any]:
+    """vLLM's error body: nested ``{"error": {...}}`` today, flat ``{"object": "error"}`` in ≤0.9."""
+    etype = err_type or error_type(status if status is not None else 500)
+    if flat:
+        return {"object": "error", "message": message, "type": etype, "param": param, "code": status}
+    return {"error": {"message": message, "type": etype, "param": param, "code": status}}
+
+
+def error_event(status: int | None, message: str, *, flat: bool = False) -> bytes:
+    return b"data: " + orjson.dumps(error_object(status, message, flat=flat)) + b"\n\n"
+
+
+def usage_object(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+class ModelTemplates:
+    """Per-engine, per-model constant parts of every frame (the model name escaped once)."""
+
+    __slots__ = ("model", "_model_json")
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self._model_json = orjson.dumps(model)
+
+    def frames(self, chat: bool, rid: str, created: int) -> StreamFrames:
+        common = b'{"id":' + orjson.dumps(rid) + b',"object":'
+        common += b'"chat.completion.chunk"' if chat else b'"text_completion"'
+        common += b',"created":' + str(created).encode() + b',"model":' + self._model_json
+        return ChatFrames(common) if chat else CompletionFrames(common)
+
+
+class StreamFrames:
+    """The SSE frames of one streamed response. Subclasses fill in the chat/completions shapes."""
+
+    __slots__ = ("_common", "_head", "_tail", "_tail_length", "_tail_stop")
+
+    def __init__(self, common: bytes) -> None:
+        self._common = common
+        self._head = b""
+        self._tail = b""
+        self._tail_length = b""
+        self._tail_stop = b""
+
+    def token(self, i: int) -> bytes:
+        return self._head + token_bytes(i) + self._tail
+
+    def last_token(self, i: int, finish_reason: str) -> bytes:
+        tail = self._tail_length if finish_reason == "length" else self._tail_stop
+        return self._head + token_bytes(i) + tail
+
+    def empty_stop(self) -> bytes:
+        """An immediate end of sequence: no text, ``finish_reason: "stop"``."""
+        return self._head + self._tail_stop
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        usage = orjson.dumps(usage_object(prompt_tokens, completion_tokens))
+        return b"data: " + self._common + b',"choices":[],"usage":' + usage + b"}\n\n"
+
+    def role(self) -> bytes:
+        return b""
+
+    def heartbeat(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        raise NotImplementedError
+
+
+class CompletionFrames(StreamFrames):
+    __slots__ = ()
+
+    def __init__(self, common: bytes) -> None:
+        super().__init__(common)
+        self._head = b"data: " + common + b',"choices":[{"index":0,"text":"'
+        self._tail = b'","logprobs":null,"finish_reason":null,"stop_reason":null}],"usage":null}\n\n'
+        self._tail_length = (
+            b'","logprobs":null,"finish_reason":"length","stop_reason":null}],"usage":null}\n\n'
+        )
+        self._tail_stop = b'","logprobs":null,"finish_reason":"stop","stop_reason":null}],"usage":null}\n\n'
+
+    def heartbeat(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        # Completions have no role delta: a usage-only chunk is their metadata event.
+        return self.usage(prompt_tokens, completion_tokens)
+
+
+class ChatFrames(StreamFrames):
+    __slots__ = ("_role", "_role_only")
+
+    def __init__(self, common: bytes) -> None:
+        super().__init__(common)
+        choices = b"data: " + common + b',"choices":[{"index":0,'
+        self._head = choices + b'"delta":{"content":"'
+        self._tail = b'"},"logprobs":null,"finish_reason":null}]}\n\n'
+        self._tail_length = b'"},"logprobs":null,"finish_reason":"length","stop_reason":null}]}\n\n'
+        self._tail_stop = b'"},"logprobs":null,"finish_reason":"stop","stop_reason":null}]}\n\n'
+        self._role = (
+            choices + b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
+        )
+        self._role_only = (
+            choices + b'"delta":{"role":"assistant"},"logprobs":null,"finish_reason":null}]}\n\n'
+        )
+
+    def role(self) -> bytes:
+        return self._role
+
+    def heartbeat(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        return self._role_only
+
+
+def completion_body(
+    chat: bool,
+    rid: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+) -> dict[str, Any]:
+    """A non-streaming ``text_completion`` / ``chat.completion`` object (without kv params)."""
+    if chat:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": []},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+            "stop_reason": None,
+        }
+    else:
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": finish_reason,
+            "stop_reason": None,
+            "prompt_logprobs": None,
+        }
+    usage: dict[str, Any] = usage_object(prompt_tokens, completion_tokens)
+    usage["prompt_tokens_details"] = None
+    return {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage,
+    }

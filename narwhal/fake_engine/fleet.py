@@ -1,0 +1,205 @@
+"""``narwhal fake-engine``: one process hosting several fake engines and a control server.
+
+Why several engines in one process: crossed P→D handoffs between engines of one fleet go through
+the process-local registry (no HTTP side channel), so a perf run on a small machine spends its CPU
+in the router, not in fake engines talking to each other. Each engine still listens on its own port
+and looks like its own vLLM server to the router.
+
+Start-up contract (what test harnesses parse): once every engine and the control server listen,
+exactly one JSON line goes to stdout, ``{"control": URL, "engines": {name: URL}}``, and, with
+``--ready-file``, the same JSON is written atomically (temp file + rename) so a poller never reads
+half a file. SIGTERM or SIGINT stops everything and the process exits 0 without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from narwhal.fake_engine.control import build_control_app
+from narwhal.fake_engine.engine import FakeEngine
+
+CLOSE_TIMEOUT_S = 10.0
+
+
+class Fleet:
+    """Engines plus their control server, started and stopped together."""
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        *,
+        host: str = "127.0.0.1",
+        base_port: int = 0,
+        control_port: int = 0,
+        **engine_kwargs: Any,
+    ) -> None:
+        if len(set(names)) != len(names) or not names:
+            raise ValueError(f"engine names must be unique and non-empty: {list(names)}")
+        self.host = host
+        # A wildcard bind is not an address a consumer (or a test) can dial.
+        self.advertise_host = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+        self.base_port = base_port
+        self.control_port = control_port
+        engine_kwargs.setdefault("advertise_host", self.advertise_host)
+        self.engines: dict[str, FakeEngine] = {name: FakeEngine(name, **engine_kwargs) for name in names}
+        self._control: web.AppRunner | None = None
+        self.control_url: str | None = None
+
+    async def start(self) -> dict[str, Any]:
+        """Listen everywhere; return the ready document ``{"control", "engines"}``."""
+        urls: dict[str, str] = {}
+        for i, (name, engine) in enumerate(self.engines.items()):
+            urls[name] = await engine.start(self.host, self.base_port + i if self.base_port else 0)
+        self._control = web.AppRunner(build_control_app(self.engines), access_log=None, shutdown_timeout=1.0)
+        await self._control.setup()
+        site = web.TCPSite(self._control, self.host, self.control_port)
+        await site.start()
+        self.control_url = f"http://{self.advertise_host}:{site.port}"
+        return {"control": self.control_url, "engines": urls}
+
+    async def close(self) -> None:
+        # Engines first: their open streams are aborted, so nothing waits on a shutdown timeout.
+        for engine in self.engines.values():
+            await engine.close()
+        if self._control is not None:
+            await self._control.cleanup()
+            self._control = None
+
+
+def write_ready_file(path: str, document: dict[str, Any]) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".ready-", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(orjson.dumps(document) + b"\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+async def run_fleet(
+    names: Sequence[str],
+    *,
+    host: str = "127.0.0.1",
+    base_port: int = 0,
+    control_port: int = 0,
+    ready_file: str | None = None,
+    stop_event: asyncio.Event | None = None,
+    on_ready: Callable[[dict[str, Any]], None] | None = None,
+    **engine_kwargs: Any,
+) -> None:
+    """Run a fleet until ``stop_event`` is set (by default: until SIGTERM or SIGINT).
+
+    ``on_ready`` receives the ready document once everything listens (``main`` prints it).
+    ``engine_kwargs`` go to every ``FakeEngine`` (model, version, lease_s, block_size, …).
+    """
+    loop = asyncio.get_running_loop()
+    handled: list[signal.Signals] = []
+    if stop_event is None:
+        stop_event = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop_event.set)
+            handled.append(sig)
+    fleet = Fleet(names, host=host, base_port=base_port, control_port=control_port, **engine_kwargs)
+    try:
+        document = await fleet.start()
+        if ready_file:
+            write_ready_file(ready_file, document)
+        if on_ready is not None:
+            on_ready(document)
+        # Poll as well as wait: stopping must not hinge on a single loop wakeup.
+        while not stop_event.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop_event.wait(), 0.5)
+    finally:
+        # Bounded: a test harness that sent SIGTERM must never need SIGKILL.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(fleet.close(), CLOSE_TIMEOUT_S)
+        for sig in handled:
+            loop.remove_signal_handler(sig)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="narwhal fake-engine",
+        description="Run fake vLLM engines (disaggregated P/D wire format) plus a control server.",
+    )
+    p.add_argument(
+        "--engine", action="append", dest="engines", metavar="NAME", help="engine name (repeatable)"
+    )
+    p.add_argument("--count", type=int, default=None, help="run N engines named e0..eN-1")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument(
+        "--port", type=int, default=0, help="base port: engine i listens on port+i (0 = ephemeral)"
+    )
+    p.add_argument("--control-port", type=int, default=0)
+    p.add_argument("--model", default="fake-model")
+    p.add_argument("--version", default="0.11.0", help="vLLM version reported by /version")
+    p.add_argument("--lease-s", type=float, default=30.0, help="KV block lease of a prefill (seconds)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--tokens", type=int, default=16, help="tokens generated when a request sets no max_tokens"
+    )
+    p.add_argument("--token-delay-s", type=float, default=0.0)
+    p.add_argument("--coalesce", action="store_true", help="write a zero-delay stream in one write")
+    p.add_argument("--flat-block-ids", action="store_true", help="flat remote_block_ids (older vLLM)")
+    p.add_argument("--ready-file", default=None, help="also write the ready JSON here (atomically)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.engines and args.count is not None:
+        print("narwhal fake-engine: use --engine or --count, not both", file=sys.stderr)
+        return 2
+    names = args.engines or [f"e{i}" for i in range(args.count if args.count is not None else 1)]
+    if not names or len(set(names)) != len(names):
+        print(f"narwhal fake-engine: engine names must be unique and non-empty: {names}", file=sys.stderr)
+        return 2
+
+    def announce(document: dict[str, Any]) -> None:
+        sys.stdout.write(orjson.dumps(document).decode() + "\n")
+        sys.stdout.flush()
+
+    fleet = run_fleet(
+        names,
+        host=args.host,
+        base_port=args.port,
+        control_port=args.control_port,
+        ready_file=args.ready_file,
+        on_ready=announce,
+        model=args.model,
+        version=args.version,
+        lease_s=args.lease_s,
+        block_size=args.block_size,
+        default_tokens=args.tokens,
+        token_delay_s=args.token_delay_s,
+        coalesce=args.coalesce,
+        flat_block_ids=args.flat_block_ids,
+    )
+    try:
+        import uvloop
+
+        loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
+    except ImportError:  # pragma: no cover - uvloop is a declared dependency
+        loop_factory = None
+    try:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(fleet)
+    except OSError as exc:
+        print(f"narwhal fake-engine: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,410 @@
+"""``/v1/completions`` and ``/v1/chat/completions``: generation, the KV handoff, and the faults.
+
+Order of events in one request, chosen to match what a router observes from vLLM:
+
+1. parse and validate (4xx like vLLM), record the request, resolve the phase's fault spec;
+2. ``delay_headers_s`` (a slow or queued engine), then ``reset`` (a crash: no response at all) or
+   ``status`` (an HTTP error body);
+3. streaming: headers go out at once (Starlette does so), then the consumer's KV pull — a failed
+   pull is vLLM's ``kv_load_failure_policy="fail"``: an error event inside the 200 stream, then
+   ``[DONE]`` — then the chat role chunk, ``delay_first_token_s`` (with heartbeats), the tokens
+   (with ``token_delay_s``, ``silence_after``/``silence_s``, ``close_after``, ``stream_error``),
+   the usage chunk and ``[DONE]``;
+4. non-streaming: the same, except that every delay is spent before the one JSON answer, and a
+   producer prefill holds its blocks and returns the descriptor in ``kv_transfer_params``.
+
+A decode whose descriptor was never pulled (aborted while queued, rejected by a ``status`` fault or
+by validation) tells the producer to free the blocks, as vLLM does for aborts before scheduling and
+for rejected requests; a ``reset`` does not (a crashed engine notifies no one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import time
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from aiohttp import web
+
+from narwhal.fake_engine import kv
+from narwhal.fake_engine.chunks import (
+    DONE,
+    StreamFrames,
+    completion_body,
+    error_event,
+    error_object,
+    token_text,
+)
+from narwhal.fake_engine.faults import FaultSpec, effective_spec
+from narwhal.fake_engine.parse import ParsedRequest, RequestError, detect_phase, parse_request
+
+if TYPE_CHECKING:
+    from narwhal.fake_engine.engine import FakeEngine
+
+NO_SPEC = FaultSpec()
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+KV_FAILED = "KV transfer failed"
+RECORD_HEADERS = ("x-request-id", "authorization", "traceparent", "tracestate", "content-type")
+
+
+def error_response(
+    status: int, message: str, *, err_type: str | None = None, param: str | None = None, flat: bool = False
+) -> web.Response:
+    body = error_object(status, message, err_type=err_type, param=param, flat=flat)
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+
+
+def drop_connection(request: web.BaseRequest, *, rst: bool) -> None:
+    """Close the TCP connection under the handler: RST for ``reset``, FIN after a partial body."""
+    transport = request.transport
+    if transport is None:
+        return
+    if rst:
+        sock = transport.get_extra_info("socket")
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except (OSError, AttributeError):
+            pass
+        transport.abort()
+    else:
+        transport.close()
+
+
+def _wants_pull(req: ParsedRequest) -> bool:
+    return req.kv_params is not None and req.kv_params.get("do_remote_prefill") is True
+
+
+def _release_unpulled(engine: FakeEngine, params: Any) -> None:
+    if isinstance(params, dict) and params.get("do_remote_prefill") is True and kv.pull_target(params):
+        engine.spawn(kv.pull(engine, params))
+
+
+class _Emitter:
+    """Writes frames one by one (faithful), or coalesced until the next pause (``coalesce``).
+
+    Faithful mode sends the headers at once, like Starlette, and makes one write per frame. In
+    coalesce mode nothing is sent until there is something to wait for (a pause, a heartbeat, a
+    dropped connection); a stream without any wait becomes one plain response whose body holds
+    every frame — one syscall instead of one per token, which is what the perf suite wants.
+    """
+
+    __slots__ = ("request", "state", "resp", "buf", "coalesce")
+
+    def __init__(self, request: web.Request, state: _State, coalesce: bool) -> None:
+        self.request = request
+        self.state = state
+        self.resp: web.StreamResponse | None = None
+        self.buf: list[bytes] = []
+        self.coalesce = coalesce
+
+    async def start(self) -> None:
+        if not self.coalesce:
+            await self._prepare()
+
+    async def _prepare(self) -> web.StreamResponse:
+        resp = self.resp
+        if resp is None:
+            resp = self.resp = self.state.resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
+            await resp.prepare(self.request)
+        return resp
+
+    async def emit(self, frame: bytes) -> None:
+        if self.coalesce:
+            self.buf.append(frame)
+        else:
+            await self.resp.write(frame)  # type: ignore[union-attr]  # prepared by start()
+
+    async def flush(self) -> web.StreamResponse:
+        """Send what is buffered; afterwards the headers are out in any mode."""
+        resp = await self._prepare()
+        if self.buf:
+            data = b"".join(self.buf)
+            self.buf.clear()
+            await resp.write(data)
+        return resp
+
+    async def finish(self) -> web.StreamResponse:
+        if self.resp is None:
+            body = b"".join(self.buf)
+            self.buf.clear()
+            return web.Response(status=200, headers=SSE_HEADERS, body=body)
+        return await self.flush()
+
+    async def pause(self, seconds: float, heartbeat_s: float | None, heartbeat: bytes) -> None:
+        """Sleep; every ``heartbeat_s`` send a metadata event (resets a router's silence timer)."""
+        resp = await self.flush()
+        if heartbeat_s is None:
+            await asyncio.sleep(seconds)
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while (remaining := deadline - loop.time()) > 0:
+            if remaining <= heartbeat_s:
+                await asyncio.sleep(remaining)
+                return
+            await asyncio.sleep(heartbeat_s)
+            await resp.write(heartbeat)
+
+
+async def handle_completion(engine: FakeEngine, request: web.Request, chat: bool) -> web.StreamResponse:
+    if engine.port is None:
+        # In-process test servers never tell the engine its port: learn it from the socket.
+        sockname = request.transport.get_extra_info("sockname") if request.transport else None
+        if sockname:
+            engine.port = sockname[1]
+    headers = {k: v for k in RECORD_HEADERS if (v := request.headers.get(k)) is not None}
+    raw = await request.read()
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        engine.count_request("decode")
+        rec = engine.record("decode", request.path, headers, None)
+        return _fail(rec, error_response(400, f"JSON decode error: {exc}"))
+    try:
+        req = parse_request(body, chat, engine.models)
+    except RequestError as err:
+        phase = detect_phase(body) if isinstance(body, dict) else "decode"
+        engine.count_request(phase)
+        rec = engine.record(phase, request.path, headers, body)
+        if isinstance(body, dict):
+            _release_unpulled(engine, body.get("kv_transfer_params"))
+        resp = error_response(err.status, err.message, err_type=err.err_type, param=err.param)
+        return _fail(rec, resp)
+
+    engine.count_request(req.phase)
+    rec = engine.record(req.phase, request.path, headers, body)
+    request_spec = None
+    if req.faults is not None:
+        request_spec = req.faults.prefill if req.phase == "prefill" else req.faults.decode
+    spec = effective_spec(engine.faults.for_phase(req.phase), request_spec, engine.name) or NO_SPEC
+
+    engine.active_requests += 1
+    state = _State(rec)
+    state.streaming = req.stream
+    if req.stream:
+        engine.active_streams += 1
+    try:
+        if req.stream:
+            return await _stream(engine, request, req, spec, state)
+        return await _plain(engine, request, req, spec, state)
+    except asyncio.CancelledError:
+        state.aborted(engine, req)
+        raise
+    except ConnectionError:
+        # The client went away and a write failed before cancellation reached us.
+        state.aborted(engine, req)
+        return state.resp if state.resp is not None else web.Response()
+    finally:
+        engine.active_requests -= 1
+        if state.streaming:
+            engine.active_streams -= 1
+
+
+def _fail(rec: dict[str, Any], resp: web.Response) -> web.Response:
+    rec["outcome"] = "error"
+    rec["status"] = resp.status
+    return resp
+
+
+class _State:
+    """Per-request bookkeeping so that abort accounting knows what already happened."""
+
+    __slots__ = ("rec", "pulled", "streaming", "done", "resp")
+
+    def __init__(self, rec: dict[str, Any]) -> None:
+        self.rec = rec
+        self.resp: web.StreamResponse | None = None
+        self.pulled = False
+        self.streaming = False
+        self.done = False
+
+    def finish(self, engine: FakeEngine, outcome: str, status: int) -> None:
+        self.done = True
+        self.rec["outcome"] = outcome
+        self.rec["status"] = status
+        if outcome == "completed":
+            engine.completed_requests += 1
+
+    def aborted(self, engine: FakeEngine, req: ParsedRequest) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.rec["outcome"] = "aborted"
+        if self.streaming:
+            engine.aborted_streams += 1
+        if not self.pulled and _wants_pull(req):
+            _release_unpulled(engine, req.kv_params)
+
+
+async def _before_work(
+    engine: FakeEngine, request: web.Request, req: ParsedRequest, spec: FaultSpec, state: _State
+) -> web.StreamResponse | None:
+    """Faults that happen before any response byte: a response to return, or None to go on."""
+    if spec.delay_headers_s:
+        await asyncio.sleep(spec.delay_headers_s)
+    if spec.reset:
+        state.pulled = True  # a crashed engine notifies no producer
+        state.finish(engine, "reset", 0)
+        drop_connection(request, rst=True)
+        return web.Response()
+    if spec.status is not None:
+        message = spec.message or f"fake engine fault: HTTP {spec.status}"
+        resp = error_response(spec.status, message, flat=spec.flat_error)
+        state.finish(engine, "error", spec.status)
+        if _wants_pull(req):
+            state.pulled = True
+            _release_unpulled(engine, req.kv_params)
+        return resp
+    return None
+
+
+def _plan(engine: FakeEngine, req: ParsedRequest, spec: FaultSpec) -> tuple[int, str]:
+    """How many tokens to generate and the finish reason of the last one."""
+    if spec.tokens is not None:
+        n = spec.tokens
+    elif req.max_tokens is not None:
+        n = req.max_tokens
+    else:
+        n = engine.default_tokens
+    finish = "length" if req.max_tokens is not None and n >= req.max_tokens else "stop"
+    return n, finish
+
+
+def _response_id(request: web.Request, engine: FakeEngine, chat: bool) -> str:
+    # vLLM builds its request id from X-Request-Id when the client sends one.
+    base = request.headers.get("x-request-id") or engine.next_id()
+    return ("chatcmpl-" if chat else "cmpl-") + base
+
+
+async def _stream(
+    engine: FakeEngine, request: web.Request, req: ParsedRequest, spec: FaultSpec, state: _State
+) -> web.StreamResponse:
+    early = await _before_work(engine, request, req, spec, state)
+    if early is not None:
+        return early
+    n, finish = _plan(engine, req, spec)
+    rid = _response_id(request, engine, req.chat)
+    frames: StreamFrames = engine.templates(req.model).frames(req.chat, rid, int(time.time()))
+
+    out = _Emitter(request, state, engine.coalesce)
+    await out.start()
+
+    if _wants_pull(req):
+        assert req.kv_params is not None
+        state.pulled = True  # set first: an abort mid-pull must not trigger a second read
+        ok = await engine.pull_kv(req.kv_params)
+        if not ok:
+            await out.emit(error_event(500, KV_FAILED) + DONE)
+            return _stream_end(engine, state, await out.finish(), "error")
+
+    prompt = req.prompt_tokens
+    hb_s = spec.heartbeat_s
+    if req.chat:
+        await out.emit(frames.role())
+    if spec.done_before_token:
+        await out.emit(DONE)
+        return _stream_end(engine, state, await out.finish(), "completed")
+    if spec.empty or n == 0:
+        await out.emit(frames.empty_stop())
+        if req.include_usage:
+            await out.emit(frames.usage(prompt, 0))
+        await out.emit(DONE)
+        return _stream_end(engine, state, await out.finish(), "completed", hold=req)
+    if spec.delay_first_token_s:
+        await out.pause(spec.delay_first_token_s, hb_s, frames.heartbeat(prompt, 0))
+
+    token_delay = spec.token_delay_s if spec.token_delay_s is not None else engine.token_delay_s
+    err = spec.stream_error
+    err_at = err.after if err is not None else -1
+    close_at = spec.close_after if spec.close_after is not None else -1
+    silence_at = spec.silence_after if spec.silence_after is not None and spec.silence_s else -1
+    last = n - 1
+    for i in range(n):
+        if i == err_at or i == close_at:
+            break
+        if i and token_delay:
+            await out.pause(token_delay, None, b"")
+        if i == silence_at:
+            await out.pause(spec.silence_s, hb_s, frames.heartbeat(prompt, i))
+        await out.emit(frames.last_token(i, finish) if i == last else frames.token(i))
+    else:
+        i = n
+    if err is not None and i == min(err_at, n):
+        await out.emit(error_event(err.code, err.message, flat=err.flat) + DONE)
+        return _stream_end(engine, state, await out.finish(), "error")
+    if i == min(close_at, n) and close_at >= 0:
+        resp = await out.flush()
+        state.finish(engine, "closed", 200)
+        drop_connection(request, rst=False)
+        return resp
+    if req.include_usage:
+        await out.emit(frames.usage(prompt, n))
+    await out.emit(DONE)
+    return _stream_end(engine, state, await out.finish(), "completed", hold=req)
+
+
+def _stream_end(
+    engine: FakeEngine,
+    state: _State,
+    resp: web.StreamResponse,
+    outcome: str,
+    hold: ParsedRequest | None = None,
+) -> web.StreamResponse:
+    """A stream that sent its ``[DONE]``; ``hold`` is a request that finished generating."""
+    engine.completed_streams += 1
+    state.finish(engine, outcome, 200)
+    if hold is not None and hold.kv_params is not None and hold.kv_params.get("do_remote_decode") is True:
+        # A streamed producer prefill still pins its blocks, but no descriptor ever reaches
+        # anyone (vLLM never puts kv_transfer_params in chunks): they wait for the lease.
+        engine.kv.allocate(engine.kv.unique_request_id(engine.next_id()), hold.prompt_tokens)
+    return resp
+
+
+async def _plain(
+    engine: FakeEngine, request: web.Request, req: ParsedRequest, spec: FaultSpec, state: _State
+) -> web.StreamResponse:
+    early = await _before_work(engine, request, req, spec, state)
+    if early is not None:
+        return early
+    if _wants_pull(req):
+        assert req.kv_params is not None
+        state.pulled = True  # set first: an abort mid-pull must not trigger a second read
+        ok = await engine.pull_kv(req.kv_params)
+        if not ok:
+            state.finish(engine, "error", 500)
+            return error_response(500, KV_FAILED)
+    n, finish = _plan(engine, req, spec)
+    token_delay = spec.token_delay_s if spec.token_delay_s is not None else engine.token_delay_s
+    produced = n
+    if spec.close_after is not None and spec.close_after < n:
+        produced = spec.close_after
+    # Non-streaming: the whole generation time is spent before the single answer.
+    busy = spec.delay_first_token_s + max(produced - 1, 0) * token_delay
+    if spec.silence_after is not None and spec.silence_after < produced:
+        busy += spec.silence_s
+    if busy:
+        await asyncio.sleep(busy)
+    if spec.close_after is not None:
+        state.finish(engine, "closed", 0)
+        drop_connection(request, rst=False)
+        return web.Response()
+    if spec.stream_error is not None:
+        err = spec.stream_error
+        status = err.code if err.code is not None else 500
+        state.finish(engine, "error", status)
+        return error_response(status, err.message, flat=err.flat)
+
+    if spec.empty or spec.done_before_token or n == 0:
+        text, finish, n = "", "stop", 0
+    else:
+        text = "".join([token_text(i) for i in range(n)])
+    rid = _response_id(request, engine, req.chat)
+    body = completion_body(req.chat, rid, int(time.time()), req.model, text, finish, req.prompt_tokens, n)
+    descriptor = kv.producer_descriptor(engine, req.kv_params, rid, req.prompt_tokens, spec.descriptor)
+    if descriptor is not kv.MISSING:
+        body["kv_transfer_params"] = descriptor
+    state.finish(engine, "completed", 200)
+    return web.Response(body=orjson.dumps(body), content_type="application/json")

@@ -1,0 +1,163 @@
+"""Reading a completion request the way vLLM's OpenAI server does.
+
+Validation mirrors the errors a router meets in production: vLLM answers an unknown model with
+404, ``stream_options`` without ``stream: true`` with 400 (which is why proxies delete it from the
+prefill), and ``min_tokens > max_tokens`` with 400 (which is why proxies pop ``min_tokens`` from the
+prefill). A router that forgets either rewrite fails against the fake as it would against vLLM.
+
+Phase detection decides which fault spec applies and labels the request records:
+``do_remote_decode`` marks a producer prefill, ``do_remote_prefill`` a consumer decode, and a
+non-streaming ``max_tokens: 1`` + ``ignore_eos`` request without ``kv_transfer_params`` is the
+router's same-engine warm-up prefill (SPEC §3 step 3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from narwhal.fake_engine.faults import RequestFaults
+
+
+class RequestError(Exception):
+    """A request vLLM would reject: becomes an error body with this status."""
+
+    def __init__(self, status: int, message: str, *, err_type: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.err_type = err_type
+        self.param = param
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    chat: bool
+    phase: str
+    model: str
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None
+    prompt_tokens: int
+    kv_params: dict[str, Any] | None
+    faults: RequestFaults | None
+
+
+def detect_phase(body: dict[str, Any]) -> str:
+    kv = body.get("kv_transfer_params")
+    if isinstance(kv, dict):
+        if kv.get("do_remote_decode") is True:
+            return "prefill"
+        if kv.get("do_remote_prefill") is True:
+            return "decode"
+        return "decode"
+    if (
+        kv is None
+        and not body.get("stream")
+        and body.get("max_tokens", body.get("max_completion_tokens")) == 1
+        and body.get("ignore_eos") is True
+    ):
+        return "prefill"
+    return "decode"
+
+
+def _words(text: Any) -> int:
+    return len(text.split()) if isinstance(text, str) else 0
+
+
+def count_prompt_tokens(body: dict[str, Any], chat: bool) -> int:
+    """Whitespace words stand in for tokens; token-id lists count their length. Minimum 1."""
+    total = 0
+    if chat:
+        for message in body.get("messages") or ():
+            if not isinstance(message, dict):
+                continue
+            content = message.get("content")
+            if isinstance(content, str):
+                total += _words(content)
+            elif isinstance(content, list):
+                # Multi-part content: only text parts carry words.
+                total += sum(_words(p.get("text")) for p in content if isinstance(p, dict))
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            total = _words(prompt)
+        elif isinstance(prompt, list):
+            for item in prompt:
+                if isinstance(item, str):
+                    total += _words(item)
+                elif isinstance(item, int):
+                    total += 1
+                elif isinstance(item, list):
+                    total += len(item)
+    return max(total, 1)
+
+
+def _int_field(body: dict[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise RequestError(400, f"`{key}` must be a non-negative integer, got {value!r}.")
+    return value
+
+
+def parse_request(body: Any, chat: bool, models: list[str]) -> ParsedRequest:
+    """Validate like vLLM; raise ``RequestError`` with the status vLLM would answer."""
+    if not isinstance(body, dict):
+        raise RequestError(400, "The request body must be a JSON object.")
+    phase = detect_phase(body)
+
+    faults: RequestFaults | None = None
+    raw_faults = body.get("narwhal_fake")
+    if raw_faults is not None:
+        try:
+            faults = RequestFaults.model_validate(raw_faults)
+        except ValidationError as exc:
+            raise RequestError(400, f"invalid narwhal_fake: {exc}") from None
+
+    model = body.get("model")
+    if model is None:
+        model = models[0]
+    elif model not in models:
+        raise RequestError(
+            404, f"The model `{model}` does not exist.", err_type="NotFoundError", param="model"
+        )
+
+    if chat:
+        if not isinstance(body.get("messages"), list):
+            raise RequestError(400, "`messages` must be a list of chat messages.")
+    elif "prompt" not in body or body["prompt"] is None:
+        raise RequestError(400, "`prompt` is required.")
+
+    stream = body.get("stream") is True
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not stream:
+        raise RequestError(400, "Stream options can only be defined when `stream=True`.")
+
+    max_tokens = _int_field(body, "max_tokens")
+    if chat:
+        # vLLM's chat API prefers the newer key when both are given.
+        max_completion = _int_field(body, "max_completion_tokens")
+        if max_completion is not None:
+            max_tokens = max_completion
+    min_tokens = _int_field(body, "min_tokens")
+    if min_tokens is not None and max_tokens is not None and min_tokens > max_tokens:
+        raise RequestError(
+            400, f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}."
+        )
+
+    kv = body.get("kv_transfer_params")
+    return ParsedRequest(
+        chat=chat,
+        phase=phase,
+        model=model,
+        stream=stream,
+        include_usage=isinstance(stream_options, dict) and stream_options.get("include_usage") is True,
+        max_tokens=max_tokens,
+        prompt_tokens=count_prompt_tokens(body, chat),
+        kv_params=kv if isinstance(kv, dict) else None,
+        faults=faults,
+    )

@@ -1,0 +1,11 @@
+"""gunicorn configuration, read from Narwhal's settings (``gunicorn -c gunicorn.conf.py``).
+
+gunicorn executes this module in the master at start and again on every ``SIGHUP``; the
+settings are loaded (and validated: one line and exit 2 on a bad value) each time, so a
+reload picks up a changed TOML file. Hooks only wire process events to
+``narwhal.gunicorn_hooks``; no request logic lives here.
+"""
+
+from narwhal.gunicorn_hooks import child_exit, gunicorn_settings, on_exit, on_starting  # noqa: F401
+
+globals().update(gunicorn_settings())

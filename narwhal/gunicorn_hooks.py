@@ -1,0 +1,84 @@
+"""What the gunicorn master does for Narwhal: settings, the metrics directory, process events.
+
+Prometheus multiprocess mode needs ``PROMETHEUS_MULTIPROC_DIR`` in the environment before
+any process imports ``prometheus_client``; the master sets it here, before forking, and
+every worker inherits it. A directory the master created itself is wiped at start and
+removed at exit; one the operator set is only wiped of stale files at the first start
+(never on a ``SIGHUP`` reload, which would lose the samples of workers still running).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Any
+
+# Nothing here may import prometheus_client (or narwhal.metrics, narwhal.app) at module level:
+# it must first be imported after PROMETHEUS_MULTIPROC_DIR is set.
+from narwhal.settings import Settings, load_settings_or_exit, remember
+
+_PROM_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# Not NARWHAL_-prefixed: every NARWHAL_ variable must be a setting.
+_OWNED_ENV = "_NARWHAL_METRICS_DIR_OWNER"
+
+
+def _prepare_metrics_dir() -> None:
+    if os.environ.get(_OWNED_ENV):
+        return  # a reload: the directory is already in use by live workers
+    path = os.environ.get(_PROM_ENV)
+    if path:
+        os.makedirs(path, exist_ok=True)
+        for name in os.listdir(path):
+            if name.endswith(".db"):
+                os.unlink(os.path.join(path, name))
+        os.environ[_OWNED_ENV] = "external"
+    else:
+        os.environ[_PROM_ENV] = tempfile.mkdtemp(prefix="narwhal-metrics-")
+        os.environ[_OWNED_ENV] = "owned"
+
+
+def _bind(settings: Settings) -> list[str]:
+    return [settings.server.bind]
+
+
+def gunicorn_settings() -> dict[str, Any]:
+    settings = load_settings_or_exit()
+    remember(settings)
+    _prepare_metrics_dir()
+    return {
+        "wsgi_app": "narwhal.app:create_app",
+        "worker_class": "aiohttp.GunicornUVLoopWebWorker",
+        "bind": _bind(settings),
+        "workers": settings.server.workers,
+        "graceful_timeout": settings.server.graceful_timeout_s,
+        "keepalive": settings.server.keepalive_s,
+        # The aiohttp worker heartbeats every second whatever the requests do: this only
+        # catches a worker whose event loop is wedged.
+        "timeout": 30,
+        "proc_name": "narwhal",
+        # gunicorn 27's control socket lives at one path per user: two routers on a host would
+        # fight over it, and Narwhal needs none of its commands.
+        "control_socket_disable": True,
+        "errorlog": "-",
+        "accesslog": None,
+        "loglevel": settings.log.level,
+        "limit_request_field_size": settings.server.max_header_bytes,
+    }
+
+
+def on_starting(server: Any) -> None:
+    """Runs in the master before the listening sockets exist (the supervisor starts here)."""
+
+
+def child_exit(server: Any, worker: Any) -> None:
+    if os.environ.get(_PROM_ENV):
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(worker.pid)
+
+
+def on_exit(server: Any) -> None:
+    path = os.environ.get(_PROM_ENV)
+    if path and os.environ.get(_OWNED_ENV) == "owned":
+        shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,38 @@
+"""The router's own log lines (not the access log): level and format from ``[log]``."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import orjson
+
+from narwhal.settings import LogSettings
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        line = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return orjson.dumps(line).decode()
+
+
+def configure_logging(settings: LogSettings) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if settings.format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        formatter.converter = time.gmtime
+        handler.setFormatter(formatter)
+    logger = logging.getLogger("narwhal")
+    logger.handlers[:] = [handler]
+    logger.setLevel(settings.level.upper())
+    logger.propagate = False

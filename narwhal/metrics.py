@@ -1,0 +1,75 @@
+"""Prometheus metrics (SPEC §8), in multiprocess mode so every worker's samples are scraped.
+
+``PROMETHEUS_MULTIPROC_DIR`` must be in the environment before ``prometheus_client`` is
+first imported in a process: the gunicorn master sets it (``narwhal.gunicorn_hooks``) before
+any worker imports this module. Without it (unit tests, the Python API) the metrics work in
+ordinary single-process mode.
+
+Buckets are LLM-shaped: from 5 ms (a cached prefill on a small model) to 60 s (a long prompt
+on a loaded engine). Labels are bounded: endpoints, reasons and engine names are all finite.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
+
+REQUESTS = Counter("narwhal_requests_total", "Client requests by endpoint and HTTP status", ["endpoint", "code"])
+TTFT = Histogram(
+    "narwhal_ttft_seconds", "Arrival to the producer's prefill completion (handoff ready)", buckets=LATENCY_BUCKETS
+)
+FIRST_BYTE = Histogram(
+    "narwhal_first_byte_seconds",
+    "Arrival to the first generated output sent to the client (what a user feels as TTFT)",
+    buckets=LATENCY_BUCKETS,
+)
+HANDOFF_AGE = Histogram(
+    "narwhal_handoff_age_seconds", "Age of a handoff when its decode starts", buckets=LATENCY_BUCKETS
+)
+ATTEMPTS = Counter("narwhal_attempts_total", "Prefill+decode attempts by outcome", ["outcome"])
+RETRIES = Counter("narwhal_retries_total", "Retries started")
+RETRY_BUDGET_EXHAUSTED = Counter(
+    "narwhal_retry_budget_exhausted_total", "Retries refused because the fleet-wide budget was spent"
+)
+ENGINE_FAILURES = Counter(
+    "narwhal_engine_failures_total", "Engine faults by engine, leg and reason", ["engine", "phase", "reason"]
+)
+ENGINE_INFLIGHT = Gauge(
+    "narwhal_engine_inflight", "Legs in flight per engine and phase", ["engine", "phase"], multiprocess_mode="livesum"
+)
+HANDOFFS_RELEASED = Counter(
+    "narwhal_handoffs_released_total", "Undecoded handoffs handed to a consumer so the producer frees its blocks"
+)
+HANDOFFS_ABANDONED = Counter(
+    "narwhal_handoffs_abandoned_total", "Handoffs that were rejected or could not be released"
+)
+STREAM_ABORTED = Counter(
+    "narwhal_stream_aborted_total", "Client streams ended after HTTP 200 without [DONE]", ["reason"]
+)
+CLIENT_DISCONNECTS = Counter("narwhal_client_disconnects_total", "Clients that went away before the end")
+
+
+def multiprocess_dir() -> str | None:
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
+def render() -> tuple[bytes, str]:
+    """The scrape body: every process's samples when in multiprocess mode."""
+    if multiprocess_dir():
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry), CONTENT_TYPE_LATEST
+    from prometheus_client import REGISTRY
+
+    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST

@@ -1,0 +1,187 @@
+"""Choosing a producer and a consumer together, and holding both phase slots (SPEC §3 step 2).
+
+P and D are chosen *before* the prefill and both slots are reserved at once, so no handoff
+is ever produced that no consumer can take. Each slot is released when its leg ends, however
+it ends; :class:`Reservation` makes releasing idempotent so cleanup code can simply release
+everything in ``finally``.
+
+Counts live behind :class:`InflightCounts`. Today they are this worker's own
+(:class:`LocalInflight`); the supervisor issue swaps in shared-memory counts summed over
+every worker, and the same policy then becomes fleet-wide without change here.
+
+Policy: least in-flight, ties broken at random. A request waits for a pair up to
+``placement.queue_timeout_s`` (and never past its deadline), with at most
+``placement.max_queue`` requests waiting on this worker; then 503 ``no_engine``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Literal, Protocol
+
+from narwhal.errors import PlacementError
+from narwhal.fleet import Engine, Fleet, FleetView
+from narwhal.settings import PlacementSettings
+
+PhaseName = Literal["prefill", "decode"]
+
+# While waiting for a pair, re-check at least this often: slots freed by other processes
+# (and models discovered late) do not wake this worker's waiters.
+_POLL_S = 0.05
+
+
+class InflightCounts(Protocol):
+    def count(self, engine: Engine, phase: PhaseName) -> int: ...
+    def try_reserve(self, engine: Engine, phase: PhaseName, cap: int | None) -> bool: ...
+    def release(self, engine: Engine, phase: PhaseName) -> None: ...
+
+
+class LocalInflight:
+    """This worker's in-flight legs per engine and phase."""
+
+    def __init__(self, size: int) -> None:
+        self._counts: dict[str, list[int]] = {"prefill": [0] * size, "decode": [0] * size}
+
+    def count(self, engine: Engine, phase: PhaseName) -> int:
+        return self._counts[phase][engine.index]
+
+    def try_reserve(self, engine: Engine, phase: PhaseName, cap: int | None) -> bool:
+        counts = self._counts[phase]
+        if cap is not None and counts[engine.index] >= cap:
+            return False
+        counts[engine.index] += 1
+        return True
+
+    def release(self, engine: Engine, phase: PhaseName) -> None:
+        self._counts[phase][engine.index] -= 1
+
+
+class Reservation:
+    """The two slots of one attempt; each released exactly once."""
+
+    __slots__ = ("producer", "consumer", "detached", "_placement", "_prefill_held", "_decode_held")
+
+    def __init__(self, placement: Placement, producer: Engine, consumer: Engine) -> None:
+        self.producer = producer
+        self.consumer = consumer
+        self.detached = False  # True once a background task owns the release
+        self._placement = placement
+        self._prefill_held = True
+        self._decode_held = True
+
+    @property
+    def crossed(self) -> bool:
+        return self.producer is not self.consumer
+
+    def release_prefill(self) -> None:
+        if self._prefill_held:
+            self._prefill_held = False
+            self._placement._release(self.producer, "prefill")
+
+    def release_decode(self) -> None:
+        if self._decode_held:
+            self._decode_held = False
+            self._placement._release(self.consumer, "decode")
+
+    def release(self) -> None:
+        self.release_prefill()
+        self.release_decode()
+
+
+class Placement:
+    def __init__(
+        self,
+        fleet: Fleet,
+        view: FleetView,
+        inflight: InflightCounts,
+        settings: PlacementSettings,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.fleet = fleet
+        self.view = view
+        self.inflight = inflight
+        self.settings = settings
+        self._rng = rng or random.Random()
+        self._freed = asyncio.Event()
+        self.waiting = 0
+
+    def try_place(self, model: str, avoid: frozenset[str] = frozenset()) -> Reservation | None:
+        """Reserve the least-loaded permitted pair serving ``model`` now, or return None."""
+        inflight = self.inflight
+        producers = [
+            e
+            for e in self.fleet.engines
+            if e.can_prefill and model in e.models and e.name not in avoid and self.view.admitted(e)
+        ]
+        self._rng.shuffle(producers)  # random tie-break under the stable sort below
+        producers.sort(key=lambda e: inflight.count(e, "prefill"))
+        for p in producers:
+            if p.max_inflight_prefill is not None and inflight.count(p, "prefill") >= p.max_inflight_prefill:
+                continue
+            consumers = [
+                d
+                for d in p.permitted_consumers
+                if model in d.models and d.name not in avoid and self.view.admitted(d)
+                and (d.max_inflight_decode is None or inflight.count(d, "decode") < d.max_inflight_decode)
+            ]
+            if not consumers:
+                continue
+            self._rng.shuffle(consumers)
+            d = min(consumers, key=lambda e: inflight.count(e, "decode"))
+            if not inflight.try_reserve(p, "prefill", p.max_inflight_prefill):
+                continue
+            if not inflight.try_reserve(d, "decode", d.max_inflight_decode):
+                inflight.release(p, "prefill")
+                continue
+            return Reservation(self, p, d)
+        return None
+
+    def has_pair(self, model: str) -> bool:
+        """Is there an admitted, role-permitted pair for ``model`` (ignoring load)?"""
+        for p in self.fleet.engines:
+            if p.can_prefill and model in p.models and self.view.admitted(p):
+                if any(model in d.models and self.view.admitted(d) for d in p.permitted_consumers):
+                    return True
+        return False
+
+    async def reserve(self, model: str, deadline: float) -> Reservation:
+        """Wait (bounded) for a pair; raise ``no_engine`` when none frees in time."""
+        found = self.try_place(model)
+        if found is not None:
+            return found
+        loop = asyncio.get_running_loop()
+        retry_after = self.settings.retry_after_s
+        if self.waiting >= self.settings.max_queue:
+            raise PlacementError("no engine available: the wait queue is full", retry_after_s=retry_after)
+        if not self.has_pair(model):
+            raise PlacementError(
+                f"no engine available for model {model!r}: every engine serving it is out",
+                retry_after_s=retry_after,
+            )
+        give_up = min(loop.time() + self.settings.queue_timeout_s, deadline)
+        self.waiting += 1
+        try:
+            while True:
+                remaining = give_up - loop.time()
+                if remaining <= 0:
+                    raise PlacementError(
+                        f"no engine available for model {model!r}: all reservations are in use",
+                        retry_after_s=retry_after,
+                    )
+                freed = self._freed
+                try:
+                    async with asyncio.timeout(min(remaining, _POLL_S)):
+                        await freed.wait()
+                except TimeoutError:
+                    pass
+                found = self.try_place(model)
+                if found is not None:
+                    return found
+        finally:
+            self.waiting -= 1
+
+    def _release(self, engine: Engine, phase: PhaseName) -> None:
+        self.inflight.release(engine, phase)
+        freed, self._freed = self._freed, asyncio.Event()
+        freed.set()

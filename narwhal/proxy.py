@@ -1,0 +1,260 @@
+"""The request path of SPEC §3: place, prefill, validate, decode, relay, clean up.
+
+One client request owns everything it starts: both phase reservations, the handoff, the
+upstream connections and the background release of a handoff nobody will decode. Whatever
+way the request ends — success, engine fault, deadline, client disconnect — ``finally``
+blocks give each of those back exactly once.
+
+HTTP 200 is committed only when the first generated token is in hand, so every failure
+before it is still an ordinary HTTP error; after it, a failure becomes one terminal SSE
+error event and the stream ends without ``[DONE]``.
+
+Client disconnects: the app runs with ``handler_cancellation=True`` (also under gunicorn,
+see ``narwhal.app``), so a client that goes away cancels this handler; closing the decode
+generator then closes the upstream connection and the engine aborts the request. A client
+that leaves during the prefill does not cancel the prefill: it finishes in the background
+and its handoff is released, so the producer's KV blocks are not pinned until their lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from narwhal import metrics
+from narwhal.accesslog import AccessLog, AccessRecord
+from narwhal.admission import ClientRequest, admit
+from narwhal.engines.client import EngineClient
+from narwhal.engines.connector import PrefillResult
+from narwhal.errors import EngineError, NarwhalError
+from narwhal.fleet import Fleet
+from narwhal.outcomes import Outcomes
+from narwhal.placement import Placement, Reservation
+from narwhal.settings import Settings
+
+log = logging.getLogger("narwhal.proxy")
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_MAX_REQUEST_ID = 128
+
+
+def client_request_id(request: web.Request) -> str:
+    given = request.headers.get("x-request-id")
+    if given and len(given) <= _MAX_REQUEST_ID and given.isprintable():
+        return given
+    return uuid.uuid4().hex
+
+
+def error_response(exc: NarwhalError, request_id: str) -> web.Response:
+    headers = exc.headers()
+    headers["x-request-id"] = request_id
+    return web.Response(status=exc.status, body=exc.body(), content_type="application/json", headers=headers)
+
+
+class Router:
+    def __init__(
+        self,
+        settings: Settings,
+        fleet: Fleet,
+        placement: Placement,
+        client: EngineClient,
+        outcomes: Outcomes,
+        access_log: AccessLog,
+    ) -> None:
+        self.settings = settings
+        self.fleet = fleet
+        self.placement = placement
+        self.client = client
+        self.outcomes = outcomes
+        self.access_log = access_log
+        self._background: set[asyncio.Task[Any]] = set()
+
+    async def handle(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        arrival = loop.time()
+        rec = AccessRecord(request_id=client_request_id(request), endpoint=endpoint)
+        response: web.StreamResponse | None = None
+        try:
+            req = await admit(request, endpoint, self.settings, self.fleet, arrival)
+            rec.model, rec.stream = req.model, req.stream
+            response = await self._serve(request, req, rec, arrival)
+            rec.status = response.status
+            return response
+        except NarwhalError as exc:
+            rec.reason = exc.reason
+            if rec.first_byte_s is None:
+                rec.status = exc.status
+                return error_response(exc, rec.request_id)
+            # The 200 is already on the wire: end the stream with one terminal error event.
+            rec.status = 200
+            metrics.STREAM_ABORTED.labels(exc.reason).inc()
+            stream = request.get("narwhal.stream")
+            assert isinstance(stream, web.StreamResponse)
+            with contextlib.suppress(ConnectionError):
+                await stream.write(exc.sse_event())
+                await stream.write_eof()
+            return stream
+        except (asyncio.CancelledError, ConnectionError) as exc:
+            # 499: nginx's "client closed request", for the access log and metrics only.
+            rec.status, rec.reason = 499, "client_disconnect"
+            metrics.CLIENT_DISCONNECTS.inc()
+            if rec.first_byte_s is not None:
+                metrics.STREAM_ABORTED.labels("client_disconnect").inc()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            stream = request.get("narwhal.stream")
+            return stream if isinstance(stream, web.StreamResponse) else web.Response(status=499)
+        finally:
+            rec.total_s = loop.time() - arrival
+            metrics.REQUESTS.labels(endpoint, str(rec.status)).inc()
+            self.access_log.write(rec)
+
+    async def _serve(
+        self, request: web.Request, req: ClientRequest, rec: AccessRecord, arrival: float
+    ) -> web.StreamResponse:
+        resv = await self.placement.reserve(req.model, req.deadline)
+        rec.producer, rec.consumer, rec.attempts = resv.producer.name, resv.consumer.name, 1
+        try:
+            result = await self._prefill(req, resv)
+            resv.release_prefill()
+            loop = asyncio.get_running_loop()
+            rec.ttft_s = loop.time() - arrival
+            metrics.TTFT.observe(rec.ttft_s)
+            response = await self._decode(request, req, resv, result, rec, arrival)
+            metrics.ATTEMPTS.labels("success").inc()
+            self.outcomes.success(resv.producer.name, resv.consumer.name)
+            return response
+        except EngineError as exc:
+            metrics.ATTEMPTS.labels(exc.reason).inc()
+            partner = resv.consumer.name if exc.engine == resv.producer.name else resv.producer.name
+            self.outcomes.failure(exc, partner=partner if resv.crossed else None)
+            raise
+        except NarwhalError as exc:
+            metrics.ATTEMPTS.labels(exc.reason).inc()
+            raise
+        finally:
+            if not resv.detached:
+                resv.release()
+
+    async def _prefill(self, req: ClientRequest, resv: Reservation) -> PrefillResult:
+        task = asyncio.ensure_future(
+            self.client.prefill(
+                resv.producer,
+                req.endpoint,
+                req.body,
+                request_id=uuid.uuid4().hex,
+                crossed=resv.crossed,
+                deadline=req.deadline,
+                headers=req.forward,
+            )
+        )
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            # The client left mid-prefill. Let the prefill finish and release its handoff
+            # in the background, which now owns the reservation.
+            resv.detached = True
+            self._spawn(self._finish_abandoned_prefill(task, req, resv))
+            raise
+
+    async def _decode(
+        self,
+        request: web.Request,
+        req: ClientRequest,
+        resv: Reservation,
+        result: PrefillResult,
+        rec: AccessRecord,
+        arrival: float,
+    ) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        stream: web.StreamResponse | None = None
+        sent = False  # did the consumer receive the handoff?
+        try:
+            metrics.HANDOFF_AGE.observe(result.age())
+            chunks = self.client.decode(
+                result,
+                resv.consumer,
+                req.body,
+                stream=req.stream,
+                deadline=req.deadline,
+                max_age_s=self.settings.handoff.max_age_s,
+                headers=req.forward,
+            )
+            async with contextlib.aclosing(chunks):
+                async for data in chunks:
+                    if stream is None:
+                        sent = True
+                        rec.first_byte_s = loop.time() - arrival
+                        metrics.FIRST_BYTE.observe(rec.first_byte_s)
+                        if not req.stream:
+                            return web.Response(
+                                body=data,
+                                content_type="application/json",
+                                headers={"x-request-id": rec.request_id},
+                            )
+                        stream = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": rec.request_id})
+                        request["narwhal.stream"] = stream
+                        await stream.prepare(request)
+                    await self._write(stream, request, data)
+            if stream is None:  # pragma: no cover - decode always yields or raises
+                raise EngineError("empty decode response", reason="engine_disconnect",
+                                  engine=resv.consumer.name, phase="decode")
+            await stream.write_eof()
+            return stream
+        except EngineError as exc:
+            if exc.reason == "invalid_handoff":
+                metrics.HANDOFFS_ABANDONED.inc()  # sent nowhere: no consumer could use it
+            elif exc.reason == "handoff_expired":
+                self._release_later(result, req, resv)
+            raise
+        except (asyncio.CancelledError, ConnectionError):
+            if not sent and result.descriptor is not None and rec.first_byte_s is None:
+                # Gone before the consumer answered: it may never have queued the request.
+                self._release_later(result, req, resv)
+            raise
+
+    async def _write(self, stream: web.StreamResponse, request: web.Request, data: bytes) -> None:
+        transport = request.transport
+        if transport is not None and transport.get_write_buffer_size() > 65536:
+            # The client is not reading: bound how long it may hold this stream (and engine).
+            async with asyncio.timeout(self.settings.server.client_write_timeout_s):
+                await stream.write(data)
+        else:
+            await stream.write(data)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _release_later(self, result: PrefillResult, req: ClientRequest, resv: Reservation) -> None:
+        if result.descriptor is not None and result.crossed:
+            self._spawn(self._release(result, req, resv.consumer))
+
+    async def _release(self, result: PrefillResult, req: ClientRequest, consumer: Any) -> None:
+        if await self.client.release(result, consumer, req.body, headers=req.forward):
+            metrics.HANDOFFS_RELEASED.inc()
+        else:
+            metrics.HANDOFFS_ABANDONED.inc()
+
+    async def _finish_abandoned_prefill(
+        self, task: asyncio.Future[PrefillResult], req: ClientRequest, resv: Reservation
+    ) -> None:
+        try:
+            result = await task
+            resv.release_prefill()
+            if result.crossed:
+                await self._release(result, req, resv.consumer)
+        except Exception:
+            pass  # the prefill failed: there is no handoff to free
+        finally:
+            resv.release()
+
+    async def drain_background(self, timeout: float) -> None:
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=timeout)

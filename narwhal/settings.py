@@ -1,0 +1,297 @@
+"""Narwhal's settings: a TOML file overridden by ``NARWHAL_`` environment variables.
+
+Why this module is stricter than pydantic-settings out of the box:
+
+* every model forbids unknown keys, because a typo in a TOML file (``first_token_timeout``
+  for ``first_token_timeout_s``) would otherwise be dropped silently and the router would run
+  on a default nobody chose;
+* pydantic-settings silently ignores environment variables it does not know and a TOML file
+  that does not exist, so both are checked here by hand;
+* an invalid value must stop the start with *one line naming the key*, never a traceback:
+  :func:`load_settings` raises :class:`SettingsError` whose message is that line, and
+  :func:`load_settings_or_exit` prints it and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tomllib
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+ENV_PREFIX = "NARWHAL_"
+CONFIG_ENV = "NARWHAL_CONFIG"
+
+PositiveFloat = Annotated[float, Field(gt=0)]
+NonNegativeFloat = Annotated[float, Field(ge=0)]
+
+
+class SettingsError(Exception):
+    """An invalid setting; ``str(exc)`` is a single line that names the key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServerSettings(_Section):
+    bind: str = "127.0.0.1:8000"
+    workers: Annotated[int, Field(ge=1, le=256)] = 2
+    admin_token: str = ""
+    api_keys: list[str] = []
+    max_body_bytes: Annotated[int, Field(ge=1024)] = 8 * 1024 * 1024
+    max_header_bytes: Annotated[int, Field(ge=1024)] = 16 * 1024
+    body_read_timeout_s: PositiveFloat = 10
+    client_write_timeout_s: PositiveFloat = 30
+    graceful_timeout_s: PositiveFloat = 30
+    keepalive_s: PositiveFloat = 75
+    max_engines: Annotated[int, Field(ge=1, le=4096)] = 64
+
+    @field_validator("bind")
+    @classmethod
+    def _bind_has_port(cls, value: str) -> str:
+        if value.startswith(("unix:", "fd://")):
+            return value
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ValueError("expected HOST:PORT (or unix:PATH, fd://N)")
+        return value
+
+
+class RequestSettings(_Section):
+    deadline_s: PositiveFloat = 600
+
+
+class EngineSettings(_Section):
+    prefill_timeout_s: PositiveFloat = 30
+    first_token_timeout_s: PositiveFloat = 30
+    decode_read_timeout_s: NonNegativeFloat = 20
+    api_key: str = ""
+    ca_file: str = ""
+
+    @field_validator("ca_file")
+    @classmethod
+    def _ca_file_exists(cls, value: str) -> str:
+        if value and not os.path.isfile(value):
+            raise ValueError(f"file not found: {value}")
+        return value
+
+
+class HandoffSettings(_Section):
+    max_age_s: PositiveFloat = 40
+
+
+class PlacementSettings(_Section):
+    queue_timeout_s: NonNegativeFloat = 5
+    max_queue: Annotated[int, Field(ge=0)] = 1024
+    retry_after_s: Annotated[int, Field(ge=0)] = 1
+
+
+class PreflightSettings(_Section):
+    on_start: bool = True
+
+
+class LogSettings(_Section):
+    level: Literal["debug", "info", "warning", "error", "critical"] = "info"
+    format: Literal["json", "text"] = "json"
+    access_log: str = "-"
+
+
+class RecoverySettings(_Section):
+    eject_after: Annotated[int, Field(ge=1)] = 3
+    failure_quarantine_s: NonNegativeFloat = 0
+    max_retries: Annotated[int, Field(ge=0, le=10)] = 0
+    retry_budget_ratio: Annotated[float, Field(ge=0, le=1)] = 0.2
+    retry_budget_min: Annotated[int, Field(ge=0)] = 3
+    readmit_interval_s: PositiveFloat = 5
+    readmit_interval_max_s: PositiveFloat = 60
+    health_interval_s: PositiveFloat = 5
+    max_ejected_fraction: Annotated[float, Field(ge=0, le=1)] = 1.0
+    whole_wave_restart: bool = True
+    wave_hold_s: NonNegativeFloat = 120
+    readmission: Literal["auto", "probe", "health"] = "auto"
+
+
+class EngineContract(_Section):
+    model: str = ""
+    engine_version: str = ""
+    kv_connector: str = "NixlConnector"
+
+
+Role = Literal["producer", "consumer", "both"]
+
+
+class EngineSpec(_Section):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    url: str
+    role: Role
+    wave: str | None = None
+    max_inflight_prefill: Annotated[int, Field(ge=1)] | None = None
+    max_inflight_decode: Annotated[int, Field(ge=1)] | None = None
+    kv_connector: str | None = None
+    kv_peers: list[str] | None = None
+    models: list[str] | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")) or len(value.split("://", 1)[1]) == 0:
+            raise ValueError("expected an http:// or https:// URL")
+        return value.rstrip("/")
+
+    @property
+    def can_prefill(self) -> bool:
+        return self.role in ("producer", "both")
+
+    @property
+    def can_decode(self) -> bool:
+        return self.role in ("consumer", "both")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="__",
+        extra="forbid",
+        frozen=True,
+    )
+
+    server: ServerSettings = ServerSettings()
+    request: RequestSettings = RequestSettings()
+    engine: EngineSettings = EngineSettings()
+    handoff: HandoffSettings = HandoffSettings()
+    placement: PlacementSettings = PlacementSettings()
+    preflight: PreflightSettings = PreflightSettings()
+    log: LogSettings = LogSettings()
+    recovery: RecoverySettings = RecoverySettings()
+    engine_contract: EngineContract | None = None
+    engines: list[EngineSpec] = []
+
+    @model_validator(mode="after")
+    def _fleet_is_consistent(self) -> Settings:
+        names = [e.name for e in self.engines]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"engines: duplicate engine name {dupes[0]!r}")
+        if len(self.engines) > self.server.max_engines:
+            raise ValueError(f"engines: {len(self.engines)} engines exceed server.max_engines")
+        for i, spec in enumerate(self.engines):
+            for peer in spec.kv_peers or ():
+                if peer not in names:
+                    raise ValueError(f"engines.{i}.kv_peers: unknown engine {peer!r}")
+            if spec.kv_peers is not None and not spec.can_prefill:
+                raise ValueError(f"engines.{i}.kv_peers: only producers hand off")
+        return self
+
+    def connector_of(self, spec: EngineSpec) -> str:
+        if spec.kv_connector:
+            return spec.kv_connector
+        if self.engine_contract is not None:
+            return self.engine_contract.kv_connector
+        return "NixlConnector"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Environment first (wins), then the TOML document passed as init kwargs.
+        return (env_settings, init_settings)
+
+
+_SECTIONS = frozenset(Settings.model_fields)
+
+
+def _check_env_names(environ: dict[str, str]) -> None:
+    """pydantic-settings drops unknown NARWHAL_ variables silently: refuse them instead."""
+    for name in environ:
+        # pydantic-settings matches names case-insensitively: check them the same way.
+        if not name.upper().startswith(ENV_PREFIX) or name.upper() == CONFIG_ENV:
+            continue
+        parts = name[len(ENV_PREFIX):].lower().split("__")
+        section = parts[0]
+        if section not in _SECTIONS:
+            raise SettingsError(f"{name}: unknown setting")
+        field = Settings.model_fields[section]
+        model = field.annotation
+        if len(parts) > 1 and isinstance(model, type) and issubclass(model, BaseModel):
+            if parts[1] not in model.model_fields:
+                raise SettingsError(f"{name}: unknown setting {section}.{parts[1]}")
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise SettingsError(f"config: file not found: {path}") from None
+    except OSError as exc:
+        raise SettingsError(f"config: cannot read {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"config: {path} is not valid TOML: {exc}") from None
+
+
+def _first_error_line(exc: ValidationError, environ: dict[str, str]) -> str:
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"])
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        msg = "unknown setting"
+    env_name = ENV_PREFIX + "__".join(str(p) for p in err["loc"]).upper()
+    where = f" (from {env_name})" if env_name in environ else ""
+    if not loc:
+        return msg.removeprefix("Value error, ")
+    return f"{loc}: {msg.removeprefix('Value error, ')}{where}"
+
+
+def load_settings(path: str | None = None, environ: dict[str, str] | None = None) -> Settings:
+    """Load settings from ``path`` (or ``$NARWHAL_CONFIG``) and the environment.
+
+    Raises :class:`SettingsError` with a one-line message naming the offending key.
+    """
+    env = dict(os.environ if environ is None else environ)
+    path = path or env.get(CONFIG_ENV) or None
+    document = _read_toml(path) if path else {}
+    _check_env_names(env)
+    saved = os.environ.copy() if environ is not None else None
+    try:
+        if saved is not None:
+            os.environ.clear()
+            os.environ.update(env)
+        return Settings(**document)
+    except ValidationError as exc:
+        raise SettingsError(_first_error_line(exc, env)) from None
+    finally:
+        if saved is not None:
+            os.environ.clear()
+            os.environ.update(saved)
+
+
+def load_settings_or_exit(path: str | None = None) -> Settings:
+    """The start-up form: print one line and exit 2 on any invalid setting."""
+    try:
+        return load_settings(path)
+    except SettingsError as exc:
+        print(f"narwhal: invalid settings: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+# The settings the gunicorn master loaded before forking: workers inherit them, so a worker
+# runs on exactly what the master validated (and a SIGHUP reload swaps them for new workers).
+_current: Settings | None = None
+
+
+def remember(settings: Settings) -> None:
+    global _current
+    _current = settings
+
+
+def current_or_load() -> Settings:
+    return _current if _current is not None else load_settings_or_exit()

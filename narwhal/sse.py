@@ -1,0 +1,143 @@
+"""Server-sent events as vLLM writes them: framing and the few facts the stream rules need.
+
+Framing is done by hand over ``iter_any()`` chunks rather than with ``readuntil(b"\\n\\n")``:
+a separator can be split across TCP reads, and aiohttp's line reader refuses lines over about
+128 KiB, while a tool-call or logprobs chunk can be larger than that.
+
+The relay never re-encodes an event. :class:`SSEFramer` returns *spans* of complete events
+(bytes exactly as received, CRLF normalised to LF) so they can be written to the client in
+one piece, and the classification helpers look into an event only as far as the stream
+rules of SPEC §4 require:
+
+* before the first generated token every event is parsed (once, with orjson) to tell a
+  generated token from metadata;
+* after it, an event is parsed only when its bytes could be ``[DONE]`` or an error object.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import orjson
+
+DONE_EVENT = b"data: [DONE]\n\n"
+_SEP = b"\n\n"
+
+
+class SSEFramer:
+    """Accumulates transport chunks; ``feed`` returns the complete events received so far."""
+
+    __slots__ = ("_buf", "_crlf", "_skip_lf")
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._crlf = False  # has this stream ever sent a CR?
+        self._skip_lf = False  # the last chunk ended in CR: an LF opening the next one is its pair
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Return the bytes of every event completed by ``chunk`` (possibly ``b""``)."""
+        if self._crlf or b"\r" in chunk:
+            # Normalise: vLLM writes LF, other servers may write CRLF or lone CR. A CR that
+            # ends a chunk ends its line at once; its LF, if it comes next, is dropped then.
+            self._crlf = True
+            if self._skip_lf and chunk.startswith(b"\n"):
+                chunk = chunk[1:]
+            self._skip_lf = chunk.endswith(b"\r")
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        if not self._buf:
+            end = chunk.rfind(_SEP)
+            if end == -1:
+                self._buf += chunk
+                return b""
+            end += 2
+            if end == len(chunk):
+                return chunk  # the common case: whole events, no copy at all
+            self._buf += chunk[end:]
+            return chunk[:end]
+        self._buf += chunk
+        end = self._buf.rfind(_SEP)
+        if end == -1:
+            return b""
+        end += 2
+        out = bytes(self._buf[:end])
+        del self._buf[:end]
+        return out
+
+    @property
+    def pending(self) -> int:
+        return len(self._buf)
+
+
+def split_events(span: bytes) -> list[bytes]:
+    """Split a span returned by :meth:`SSEFramer.feed` into events (without separators)."""
+    return [e for e in span.split(_SEP) if e]
+
+
+def event_data(event: bytes) -> bytes | None:
+    """The event's data (``data:`` lines joined by LF), or None for comment-only events."""
+    parts: list[bytes] = []
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:"):
+            value = line[5:]
+            parts.append(value[1:] if value.startswith(b" ") else value)
+    if not parts:
+        return None
+    return b"\n".join(parts)
+
+
+class Kind(enum.Enum):
+    METADATA = "metadata"  # role-only deltas, usage-only chunks, comments, unknown events
+    TOKEN = "token"  # generated output: text, content, reasoning, tool calls or finish_reason
+    DONE = "done"
+    ERROR = "error"
+
+
+def classify(event: bytes) -> tuple[Kind, dict[str, Any] | None]:
+    """Classify one event; for ``ERROR`` also return the error object."""
+    data = event_data(event)
+    if data is None:
+        return Kind.METADATA, None
+    if data.strip() == b"[DONE]":
+        return Kind.DONE, None
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return Kind.METADATA, None
+    if not isinstance(obj, dict):
+        return Kind.METADATA, None
+    err = error_object(obj)
+    if err is not None:
+        return Kind.ERROR, err
+    choices = obj.get("choices")
+    if isinstance(choices, list):
+        for choice in choices:
+            if isinstance(choice, dict) and _is_generated(choice):
+                return Kind.TOKEN, None
+    return Kind.METADATA, None
+
+
+def _is_generated(choice: dict[str, Any]) -> bool:
+    if choice.get("finish_reason") is not None or choice.get("text"):
+        return True
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        return bool(delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"))
+    return False
+
+
+def error_object(obj: dict[str, Any]) -> dict[str, Any] | None:
+    """The error inside a decoded body: ``{"error": {...}}`` or vLLM's old flat form."""
+    err = obj.get("error")
+    if isinstance(err, dict):
+        return err
+    if obj.get("object") == "error":
+        return obj
+    if isinstance(err, str):  # some servers send {"error": "message"}
+        return {"message": err}
+    return None
+
+
+def may_end_stream(span: bytes) -> bool:
+    """Cheap test on a span after the first token: could it hold ``[DONE]`` or an error?"""
+    return b"[DONE]" in span or b'"error"' in span

@@ -1,0 +1,139 @@
+"""The entry points a user types: ``narwhal serve``, ``gunicorn -c gunicorn.conf.py``, ``narwhal demo``."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+from narwhal.harness import FakeFleet, children_of, http_get, stop_gunicorn, write_config
+from tests.integration.conftest import MODEL, wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _listening_socket() -> socket.socket:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("NARWHAL_")}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    env.update(extra)
+    return env
+
+
+def _post(url: str, body: dict) -> tuple[int, bytes]:
+    import urllib.request
+
+    req = urllib.request.Request(url, data=orjson.dumps(body), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return resp.status, resp.read()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        [sys.executable, "-m", "narwhal", "serve", "--config", "{config}"],
+        [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py"],
+    ],
+    ids=["narwhal-serve", "gunicorn-conf"],
+)
+def test_the_router_starts_serves_and_stops_cleanly(fleet: FakeFleet, command: list[str]) -> None:
+    config = write_config(
+        [{"name": "p0", "url": fleet.engines["p0"], "role": "producer"},
+         {"name": "d0", "url": fleet.engines["d0"], "role": "consumer"}],
+        {"preflight": {"on_start": False}, "log": {"access_log": ""}},
+    )
+    sock = _listening_socket()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    env = _clean_env(NARWHAL_SERVER__BIND=f"fd://{sock.fileno()}", NARWHAL_CONFIG=config)
+    argv = [part.replace("{config}", config) for part in command]
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, pass_fds=[sock.fileno()], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    sock.close()
+    metrics_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "narwhal-metrics-*")))
+    try:
+        wait_until(lambda: http_get(url + "/ready")[0] == 200, 20, "router ready")
+        status, raw = _post(url + "/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 2})
+        assert status == 200 and orjson.loads(raw)["choices"][0]["text"] == " t0 t1"
+        assert len(children_of(proc.pid)) == 2
+        created = set(glob.glob(os.path.join(tempfile.gettempdir(), "narwhal-metrics-*"))) - metrics_before
+        assert len(created) == 1
+    finally:
+        stop_gunicorn(proc)
+        assert proc.stderr is not None
+        err = proc.stderr.read()
+        proc.stderr.close()
+        os.unlink(config)
+    assert proc.returncode == 0, err.decode()
+    assert b"Traceback" not in err
+    # The metrics directory the master created is gone with it.
+    assert not any(os.path.exists(path) for path in created)
+
+
+def test_demo_prints_how_to_use_it_and_stops_everything_on_ctrl_c() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "narwhal", "demo", "--port", "0"],
+        cwd=ROOT, env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        banner = b""
+        deadline = time.monotonic() + 30
+        while b"Press Ctrl-C" not in banner and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            banner += line
+        text = banner.decode()
+        assert "curl -N http://127.0.0.1:" in text and "from openai import OpenAI" in text
+        url = re.search(r"routing on (http://127\.0\.0\.1:\d+)", text)
+        assert url is not None, text
+        status, raw = _post(url.group(1) + "/v1/chat/completions",
+                            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert status == 200
+        started = _descendants(proc.pid)
+        assert len(started) >= 4  # the fleet, the gunicorn master and its 2 workers
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in started),
+               20, "every process the demo started is gone")
+
+
+def _descendants(root: int) -> set[int]:
+    parent_of: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent_of[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    found: set[int] = set()
+    frontier = {root}
+    while frontier:
+        frontier = {pid for pid, ppid in parent_of.items() if ppid in frontier} - found
+        found |= frontier
+    return found
+

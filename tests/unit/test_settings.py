@@ -1,0 +1,375 @@
+"""Settings: TOML + NARWHAL_ environment, one-line errors naming the key (SPEC §7)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from narwhal.settings import Settings, SettingsError, load_settings
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_PYTHON = str(REPO / ".venv" / "bin" / "python")
+NOT_A_NUMBER = (
+    "engine.first_token_timeout_s: Input should be a valid number, unable to parse string as a number"
+)
+BAD_TIMEOUT_TOML = '[engine]\nfirst_token_timeout_s = "soon"\n'
+
+TWO_ENGINES = """
+[[engines]]
+name = "p0"
+url = "http://10.0.0.5:8100"
+role = "producer"
+
+[[engines]]
+name = "d0"
+url = "http://10.0.0.6:8200"
+role = "consumer"
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "narwhal.toml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def error_of(tmp_path: Path, toml: str | None, environ: dict[str, str] | None = None) -> str:
+    path = write(tmp_path, toml) if toml is not None else None
+    with pytest.raises(SettingsError) as info:
+        load_settings(path, environ={} if environ is None else environ)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    drop = ("NARWHAL_", "PROMETHEUS_MULTIPROC_DIR")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env.update(extra)
+    return env
+
+
+# --------------------------------------------------------------------------- valid loads
+
+
+def test_defaults_without_file_or_env() -> None:
+    s = load_settings(None, environ={})
+    assert s.server.bind == "127.0.0.1:8000"
+    assert s.server.workers == 2
+    assert s.server.max_engines == 64
+    assert s.engine.prefill_timeout_s == 30
+    assert s.engine.first_token_timeout_s == 30
+    assert s.engine.decode_read_timeout_s == 20
+    assert s.handoff.max_age_s == 40
+    assert s.placement.max_queue == 1024
+    assert s.recovery.max_retries == 0
+    assert s.recovery.retry_budget_ratio == 0.2
+    assert s.recovery.eject_after == 3
+    assert s.preflight.on_start is True
+    assert s.engine_contract is None
+    assert s.engines == []
+
+
+def test_toml_file_is_read(tmp_path: Path) -> None:
+    path = write(tmp_path, "[server]\nworkers = 4\nbind = \"0.0.0.0:9000\"\n" + TWO_ENGINES)
+    s = load_settings(path, environ={})
+    assert s.server.workers == 4
+    assert s.server.bind == "0.0.0.0:9000"
+    assert [(e.name, e.url, e.role) for e in s.engines] == [
+        ("p0", "http://10.0.0.5:8100", "producer"),
+        ("d0", "http://10.0.0.6:8200", "consumer"),
+    ]
+
+
+def test_config_path_from_narwhal_config(tmp_path: Path) -> None:
+    path = write(tmp_path, "[request]\ndeadline_s = 12\n")
+    s = load_settings(None, environ={"NARWHAL_CONFIG": path})
+    assert s.request.deadline_s == 12
+
+
+def test_env_overrides_toml_nested_value(tmp_path: Path) -> None:
+    path = write(tmp_path, "[engine]\nprefill_timeout_s = 10\nfirst_token_timeout_s = 25\n")
+    s = load_settings(path, environ={"NARWHAL_ENGINE__FIRST_TOKEN_TIMEOUT_S": "5"})
+    assert s.engine.first_token_timeout_s == 5
+    assert s.engine.prefill_timeout_s == 10  # the rest of the TOML section survives
+    assert s.engine.decode_read_timeout_s == 20
+
+
+def test_env_without_toml() -> None:
+    s = load_settings(None, environ={"NARWHAL_SERVER__WORKERS": "7", "NARWHAL_LOG__LEVEL": "debug"})
+    assert s.server.workers == 7
+    assert s.log.level == "debug"
+
+
+def test_load_settings_leaves_os_environ_alone() -> None:
+    before = dict(os.environ)
+    load_settings(None, environ={"NARWHAL_SERVER__WORKERS": "3"})
+    assert dict(os.environ) == before
+
+
+def test_non_narwhal_env_is_ignored() -> None:
+    s = load_settings(None, environ={"PATH": "/usr/bin", "HOME": "/root", "WORKERS": "0"})
+    assert s.server.workers == 2
+
+
+def test_connector_defaults(tmp_path: Path) -> None:
+    s = load_settings(write(tmp_path, TWO_ENGINES), environ={})
+    assert [s.connector_of(e) for e in s.engines] == ["NixlConnector", "NixlConnector"]
+    toml = '[engine_contract]\nkv_connector = "X"\n' + TWO_ENGINES.replace(
+        'role = "consumer"', 'role = "consumer"\nkv_connector = "Y"'
+    )
+    s = load_settings(write(tmp_path, toml, "b.toml"), environ={})
+    assert [s.connector_of(e) for e in s.engines] == ["X", "Y"]
+
+
+# --------------------------------------------------------------------------- file errors
+
+
+def test_named_config_file_missing(tmp_path: Path) -> None:
+    missing = str(tmp_path / "nope.toml")
+    with pytest.raises(SettingsError) as info:
+        load_settings(missing, environ={})
+    assert str(info.value) == f"config: file not found: {missing}"
+
+
+def test_config_env_naming_missing_file(tmp_path: Path) -> None:
+    missing = str(tmp_path / "nope.toml")
+    with pytest.raises(SettingsError) as info:
+        load_settings(None, environ={"NARWHAL_CONFIG": missing})
+    assert str(info.value) == f"config: file not found: {missing}"
+
+
+def test_invalid_toml(tmp_path: Path) -> None:
+    path = write(tmp_path, "[server\nworkers = 2\n")
+    message = error_of(tmp_path, "[server\nworkers = 2\n")
+    assert message.startswith(f"config: {path} is not valid TOML: ")
+
+
+# --------------------------------------------------------------------------- unknown keys
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ("bogus = 1\n", "bogus: unknown setting"),
+        ("[bogus]\nx = 1\n", "bogus: unknown setting"),
+        ("[server]\nworker = 2\n", "server.worker: unknown setting"),
+        ("[request]\ndeadline = 2\n", "request.deadline: unknown setting"),
+        ("[engine]\nfirst_token_timeout = 5\n", "engine.first_token_timeout: unknown setting"),
+        ("[handoff]\nmax_age = 50\n", "handoff.max_age: unknown setting"),
+        ("[placement]\nqueue_timeout = 1\n", "placement.queue_timeout: unknown setting"),
+        ("[preflight]\nonstart = false\n", "preflight.onstart: unknown setting"),
+        ("[log]\nlevels = \"info\"\n", "log.levels: unknown setting"),
+        ("[recovery]\neject = 3\n", "recovery.eject: unknown setting"),
+        ("[engine_contract]\nconnector = \"NixlConnector\"\n", "engine_contract.connector: unknown setting"),
+        (
+            '[[engines]]\nname = "p0"\nurl = "http://h:1"\nrole = "producer"\npeers = []\n',
+            "engines.0.peers: unknown setting",
+        ),
+    ],
+)
+def test_unknown_toml_key_in_every_section(tmp_path: Path, toml: str, message: str) -> None:
+    assert error_of(tmp_path, toml) == message
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("NARWHAL_BOGUS", "NARWHAL_BOGUS: unknown setting"),
+        ("NARWHAL_SERVER__WORKER", "NARWHAL_SERVER__WORKER: unknown setting server.worker"),
+        (
+            "NARWHAL_ENGINE__FIRST_TOKEN_TIMEOUT",
+            "NARWHAL_ENGINE__FIRST_TOKEN_TIMEOUT: unknown setting engine.first_token_timeout",
+        ),
+    ],
+)
+def test_unknown_env_var(name: str, message: str) -> None:
+    with pytest.raises(SettingsError) as info:
+        load_settings(None, environ={name: "1"})
+    assert str(info.value) == message
+
+
+def test_unknown_env_var_in_optional_section() -> None:
+    with pytest.raises(SettingsError) as info:
+        load_settings(None, environ={"NARWHAL_ENGINE_CONTRACT__CONNECTOR": "x"})
+    assert str(info.value) == (
+        "engine_contract.connector: unknown setting (from NARWHAL_ENGINE_CONTRACT__CONNECTOR)"
+    )
+
+
+def test_router_own_environment_variable_is_not_an_unknown_setting() -> None:
+    # The gunicorn master marks the metrics directory it owns in its own environment; that
+    # marker must never be mistaken for a (mistyped) NARWHAL_ setting.
+    s = load_settings(None, environ={"_NARWHAL_METRICS_DIR_OWNER": "owned"})
+    assert isinstance(s, Settings)
+
+
+def test_unknown_env_var_is_rejected_whatever_its_case() -> None:
+    with pytest.raises(SettingsError) as info:
+        load_settings(None, environ={"narwhal_bogus": "1"})
+    assert str(info.value) == "narwhal_bogus: unknown setting"
+
+
+# --------------------------------------------------------------------------- invalid values
+
+
+@pytest.mark.parametrize(
+    ("toml", "environ", "message"),
+    [
+        (
+            BAD_TIMEOUT_TOML,
+            {},
+            NOT_A_NUMBER,
+        ),
+        ("[engine]\nprefill_timeout_s = 0\n", {}, "engine.prefill_timeout_s: Input should be greater than 0"),
+        ("[server]\nworkers = 0\n", {}, "server.workers: Input should be greater than or equal to 1"),
+        ("[server]\nbind = \"localhost\"\n", {}, "server.bind: expected HOST:PORT (or unix:PATH, fd://N)"),
+        (
+            "[log]\nformat = \"xml\"\n",
+            {},
+            "log.format: Input should be 'json' or 'text'",
+        ),
+        (
+            "",
+            {"NARWHAL_SERVER__WORKERS": "0"},
+            "server.workers: Input should be greater than or equal to 1 (from NARWHAL_SERVER__WORKERS)",
+        ),
+        (
+            "[engine]\nfirst_token_timeout_s = 3\n",
+            {"NARWHAL_ENGINE__FIRST_TOKEN_TIMEOUT_S": "soon"},
+            NOT_A_NUMBER + " (from NARWHAL_ENGINE__FIRST_TOKEN_TIMEOUT_S)",
+        ),
+    ],
+)
+def test_invalid_value_names_the_key(
+    tmp_path: Path, toml: str, environ: dict[str, str], message: str
+) -> None:
+    assert error_of(tmp_path, toml, environ) == message
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        (
+            TWO_ENGINES.replace('name = "d0"', 'name = "p0"'),
+            "engines: duplicate engine name 'p0'",
+        ),
+        (
+            TWO_ENGINES.replace('role = "producer"', 'role = "producer"\nkv_peers = ["d0", "d9"]'),
+            "engines.0.kv_peers: unknown engine 'd9'",
+        ),
+        (
+            TWO_ENGINES.replace('role = "consumer"', 'role = "leader"'),
+            "engines.1.role: Input should be 'producer', 'consumer' or 'both'",
+        ),
+        (
+            TWO_ENGINES.replace("http://10.0.0.6:8200", "10.0.0.6:8200"),
+            "engines.1.url: expected an http:// or https:// URL",
+        ),
+        (
+            TWO_ENGINES.replace("http://10.0.0.6:8200", "ftp://10.0.0.6"),
+            "engines.1.url: expected an http:// or https:// URL",
+        ),
+        (
+            TWO_ENGINES.replace("http://10.0.0.6:8200", "http://"),
+            "engines.1.url: expected an http:// or https:// URL",
+        ),
+        (
+            '[[engines]]\nname = "p0"\nrole = "producer"\n',
+            "engines.0.url: Field required",
+        ),
+    ],
+)
+def test_engines_validation(tmp_path: Path, toml: str, message: str) -> None:
+    assert error_of(tmp_path, toml) == message
+
+
+def test_engine_url_trailing_slash_is_stripped(tmp_path: Path) -> None:
+    toml = TWO_ENGINES.replace("http://10.0.0.5:8100", "https://p0.example/")
+    s = load_settings(write(tmp_path, toml), environ={})
+    assert s.engines[0].url == "https://p0.example"
+
+
+@pytest.mark.parametrize(
+    ("toml", "environ"),
+    [
+        ("[handoff]\nmax_age_s = 30\n", {}),  # equal to the default prefill_timeout_s
+        ("[engine]\nprefill_timeout_s = 50\n", {}),  # above the default max_age_s (40)
+        ("", {"NARWHAL_ENGINE__PREFILL_TIMEOUT_S": "45"}),
+    ],
+)
+def test_handoff_max_age_at_or_below_prefill_timeout_is_allowed(
+    tmp_path: Path, toml: str, environ: dict[str, str]
+) -> None:
+    # Advice, not a rule (SPEC §7 writes it as a comment): the router warns at start-up and
+    # expires slow handoffs with 504 handoff_expired, which is what such a setting asks for.
+    s = load_settings(write(tmp_path, toml), environ=environ)
+    assert s.handoff.max_age_s <= s.engine.prefill_timeout_s
+
+
+def test_handoff_max_age_above_prefill_timeout_is_accepted(tmp_path: Path) -> None:
+    toml = "[engine]\nprefill_timeout_s = 10\n[handoff]\nmax_age_s = 10.5\n"
+    s = load_settings(write(tmp_path, toml), environ={})
+    assert (s.engine.prefill_timeout_s, s.handoff.max_age_s) == (10, 10.5)
+
+
+# --------------------------------------------------------------------------- start-up: no traceback
+
+
+def assert_one_line_exit(proc: subprocess.CompletedProcess[str], key_prefix: str) -> None:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"narwhal: invalid settings: {key_prefix}"), lines[0]
+
+
+def run(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=30)
+
+
+def test_serve_with_bad_config_file_exits_2_with_one_line(tmp_path: Path) -> None:
+    path = write(tmp_path, BAD_TIMEOUT_TOML)
+    proc = run([VENV_PYTHON, "-m", "narwhal", "serve", "--config", path], clean_env(), tmp_path)
+    assert proc.returncode == 2
+    assert_one_line_exit(proc, "engine.first_token_timeout_s: ")
+    assert proc.stderr.strip() == "narwhal: invalid settings: " + NOT_A_NUMBER
+
+
+def test_serve_with_missing_config_file_exits_2(tmp_path: Path) -> None:
+    missing = str(tmp_path / "nope.toml")
+    proc = run([VENV_PYTHON, "-m", "narwhal", "serve", "--config", missing], clean_env(), tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"narwhal: invalid settings: config: file not found: {missing}"
+
+
+def test_serve_with_bad_env_exits_2_with_one_line(tmp_path: Path) -> None:
+    proc = run([VENV_PYTHON, "-m", "narwhal", "serve"], clean_env(NARWHAL_SERVER__WORKERS="0"), tmp_path)
+    assert proc.returncode == 2
+    assert_one_line_exit(proc, "server.workers: ")
+    assert proc.stderr.strip() == (
+        "narwhal: invalid settings: server.workers: Input should be greater than or equal to 1"
+        " (from NARWHAL_SERVER__WORKERS)"
+    )
+
+
+def test_gunicorn_direct_with_bad_config_exits_with_one_line(tmp_path: Path) -> None:
+    path = write(tmp_path, BAD_TIMEOUT_TOML)
+    proc = run(
+        [VENV_PYTHON, "-m", "gunicorn", "-c", "python:narwhal.gunicorn_conf"],
+        clean_env(NARWHAL_CONFIG=path),
+        tmp_path,
+    )
+    assert_one_line_exit(proc, "engine.first_token_timeout_s: ")
+
+
+def test_gunicorn_conf_file_with_bad_env_exits_with_one_line(tmp_path: Path) -> None:
+    proc = run(
+        [VENV_PYTHON, "-m", "gunicorn", "-c", str(REPO / "gunicorn.conf.py")],
+        clean_env(NARWHAL_SERVER__WORKERS="0"),
+        tmp_path,
+    )
+    assert_one_line_exit(proc, "server.workers: ")
