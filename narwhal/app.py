@@ -13,6 +13,7 @@ import asyncio
 import logging
 import ssl
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -32,6 +33,8 @@ from narwhal.settings import Settings, current_or_load
 
 log = logging.getLogger("narwhal.app")
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
 ROUTER = web.AppKey("router", Router)
 SETTINGS = web.AppKey("settings", Settings)
 _TASKS = web.AppKey("tasks", list)
@@ -42,7 +45,7 @@ def _json(data: Any, status: int = 200, **headers: str) -> web.Response:
 
 
 @web.middleware
-async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every response in the OpenAI error shape with x-request-id; never a traceback."""
     try:
         response = await handler(request)
@@ -52,8 +55,8 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         if exc.status < 400:
             raise
         reason = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(exc.status, "bad_request")
-        error = RequestError(exc.reason if exc.status != 404 else "not found", reason=reason, status=exc.status)
-        return error_response(error, client_request_id(request))
+        refused = RequestError(exc.reason if exc.status != 404 else "not found", reason=reason, status=exc.status)
+        return error_response(refused, client_request_id(request))
     except (asyncio.CancelledError, ConnectionError):
         raise
     except Exception:
@@ -66,7 +69,7 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
 
 
 @web.middleware
-async def _header_limit(request: web.Request, handler: Any) -> web.StreamResponse:
+async def _header_limit(request: web.Request, handler: Handler) -> web.StreamResponse:
     limit = request.app[SETTINGS].server.max_header_bytes
     size = sum(len(k) + len(v) + 4 for k, v in request.raw_headers)
     if size > limit:

@@ -75,7 +75,7 @@ def child_exit(server: Any, worker: Any) -> None:
     if os.environ.get(_PROM_ENV):
         from prometheus_client import multiprocess
 
-        multiprocess.mark_process_dead(worker.pid)
+        multiprocess.mark_process_dead(worker.pid)  # type: ignore[no-untyped-call]
 
 
 def on_exit(server: Any) -> None:

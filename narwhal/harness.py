@@ -87,7 +87,8 @@ class FakeFleet:
         return json.loads(raw) if raw else None
 
     def stats(self, name: str) -> dict[str, Any]:
-        return self.control_request("GET", f"/engines/{name}/stats")
+        stats: dict[str, Any] = self.control_request("GET", f"/engines/{name}/stats")
+        return stats
 
     def stop(self) -> None:
         if self.proc.poll() is None:

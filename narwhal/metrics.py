@@ -68,7 +68,7 @@ def render() -> tuple[bytes, str]:
     """The scrape body: every process's samples when in multiprocess mode."""
     if multiprocess_dir():
         registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
         return generate_latest(registry), CONTENT_TYPE_LATEST
     from prometheus_client import REGISTRY
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any, Protocol
 
 import aiohttp
@@ -134,7 +134,7 @@ class EngineClient:
         endpoint: str | None = None,
         max_age_s: float | None = None,
         headers: Mapping[str, str] | None = None,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """Validate the handoff, then decode on ``consumer`` and yield the response bytes.
 
         Use it under ``contextlib.aclosing``: closing the generator early closes the decode
@@ -323,10 +323,12 @@ def _engine_message(data: bytes) -> str:
         return data[:500].decode("utf-8", "replace").strip()
     if isinstance(obj, dict):
         err = sse.error_object(obj)
-        if err is not None and isinstance(err.get("message"), str):
-            return err["message"]
-        if isinstance(obj.get("detail"), str):  # FastAPI's own 4xx form
-            return obj["detail"]
+        message = err.get("message") if err is not None else None
+        if isinstance(message, str):
+            return message
+        detail = obj.get("detail")  # FastAPI's own 4xx form
+        if isinstance(detail, str):
+            return detail
     return ""
 
 

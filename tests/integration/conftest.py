@@ -40,7 +40,7 @@ def fleet() -> Iterator[FakeFleet]:
     fleet.stop()
 
 
-def _router(fleet: FakeFleet, engines: list[dict[str, Any]], tmp: Any, **sections: dict[str, Any]) -> RouterProcess:
+def start_router(fleet: FakeFleet, engines: list[dict[str, Any]], tmp: Any, **sections: dict[str, Any]) -> RouterProcess:
     for engine in engines:
         engine["url"] = fleet.engines[engine["name"]]
     conf = {
@@ -63,7 +63,7 @@ def router(fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         {"name": "d0", "role": "consumer"},
         {"name": "d1", "role": "consumer"},
     ]
-    proc = _router(fleet, engines, tmp_path_factory.mktemp("router"))
+    proc = start_router(fleet, engines, tmp_path_factory.mktemp("router"))
     yield proc
     proc.stop()
 
@@ -71,7 +71,7 @@ def router(fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 @pytest.fixture(scope="module")
 def same_router(fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
     """b0 alone, role both: every decode is a same-worker decode."""
-    proc = _router(fleet, [{"name": "b0", "role": "both"}], tmp_path_factory.mktemp("same"))
+    proc = start_router(fleet, [{"name": "b0", "role": "both"}], tmp_path_factory.mktemp("same"))
     yield proc
     proc.stop()
 
@@ -80,7 +80,7 @@ def same_router(fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> I
 def solo_router(fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
     """p2 → d2 only, no silence bound, a short handoff age: deterministic placement."""
     engines = [{"name": "p2", "role": "producer"}, {"name": "d2", "role": "consumer"}]
-    proc = _router(
+    proc = start_router(
         fleet,
         engines,
         tmp_path_factory.mktemp("solo"),

@@ -1,0 +1,147 @@
+"""The public Python API (SPEC §3 "Python API"): EngineClient and PrefillResult, in process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from narwhal.engines.client import EngineClient
+from narwhal.engines.connector import PrefillResult
+from narwhal.errors import DeadlineExceeded, EngineClientError, EngineError
+from narwhal.fake_engine import FakeEngine
+from narwhal.settings import EngineSettings
+
+ENDPOINT = "/v1/completions"
+BODY = {"model": "fake-model", "prompt": " ".join(f"w{i}" for i in range(40)), "stream": True, "max_tokens": 3}
+
+
+class Ref:
+    def __init__(self, engine: FakeEngine) -> None:
+        self.name = engine.name
+        assert engine.url is not None
+        self.url = engine.url
+
+
+@pytest.fixture
+async def engines() -> AsyncIterator[tuple[FakeEngine, FakeEngine]]:
+    p, d = FakeEngine("p0", block_size=4), FakeEngine("d0", block_size=4)
+    await p.start()
+    await d.start()
+    yield p, d
+    await p.close()
+    await d.close()
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[EngineClient]:
+    async with aiohttp.ClientSession() as session:
+        yield EngineClient(session, EngineSettings(first_token_timeout_s=1, decode_read_timeout_s=0.5,
+                                                   prefill_timeout_s=1))
+
+
+async def collect(stream: AsyncIterator[bytes]) -> list[bytes]:
+    async with contextlib.aclosing(stream):  # type: ignore[type-var]
+        return [span async for span in stream]
+
+
+async def test_prefill_returns_a_result_and_decode_streams_it(
+    engines: tuple[FakeEngine, FakeEngine], client: EngineClient
+) -> None:
+    p, d = engines
+    result = await client.prefill(Ref(p), ENDPOINT, BODY, request_id="rid-1")
+    assert isinstance(result, PrefillResult)
+    assert (result.producer, result.endpoint, result.request_id, result.crossed) == ("p0", ENDPOINT, "rid-1", True)
+    assert result.descriptor is not None and result.descriptor["remote_engine_id"] == p.engine_id
+    assert p.kv.held_blocks == 10
+    spans = await collect(client.decode(result, Ref(d), BODY, stream=True))
+    assert b" t0" in spans[0]  # the first span holds the first generated token
+    assert spans[-1].endswith(b"data: [DONE]\n\n")
+    assert p.kv.held_blocks == 0
+
+
+async def test_parameters_is_a_detached_copy(engines: tuple[FakeEngine, FakeEngine], client: EngineClient) -> None:
+    p, d = engines
+    result = await client.prefill(Ref(p), ENDPOINT, BODY, request_id="rid-2")
+    params = result.parameters()
+    assert params == result.descriptor
+    assert params is not None
+    params["remote_block_ids"][0].append(999)
+    params["remote_engine_id"] = "changed"
+    assert result.descriptor is not None
+    assert 999 not in result.descriptor["remote_block_ids"][0]
+    assert result.descriptor["remote_engine_id"] == p.engine_id
+    assert await client.release(result, Ref(d), BODY) is True
+    assert p.kv.held_blocks == 0
+
+
+async def test_non_streaming_decode_yields_the_whole_body(
+    engines: tuple[FakeEngine, FakeEngine], client: EngineClient
+) -> None:
+    p, d = engines
+    body = {**BODY, "stream": False}
+    result = await client.prefill(Ref(p), ENDPOINT, body, request_id="rid-3")
+    (data,) = await collect(client.decode(result, Ref(d), body, stream=False))
+    assert orjson.loads(data)["choices"][0]["text"] == " t0 t1 t2"
+
+
+async def test_same_worker_prefill_has_no_descriptor(engines: tuple[FakeEngine, FakeEngine],
+                                                     client: EngineClient) -> None:
+    p, _ = engines
+    result = await client.prefill(Ref(p), ENDPOINT, BODY, request_id="rid-4", crossed=False)
+    assert result.descriptor is None and result.parameters() is None
+    spans = await collect(client.decode(result, Ref(p), BODY, stream=True))
+    assert spans[-1].endswith(b"data: [DONE]\n\n")
+    assert p.kv.held_blocks == 0
+
+
+def faulty(**faults: Any) -> dict[str, Any]:
+    return {**BODY, "narwhal_fake": faults}
+
+
+@pytest.mark.parametrize(
+    ("faults", "reason", "status"),
+    [
+        ({"prefill": {"delay_headers_s": 3}}, "prefill_timeout", 504),
+        ({"prefill": {"status": 502}}, "engine_5xx", 502),
+        ({"decode": {"delay_first_token_s": 3}}, "first_token_timeout", 504),
+        ({"decode": {"silence_after": 1, "silence_s": 3}}, "decode_silence", 504),
+        ({"decode": {"done_before_token": True}}, "done_before_token", 502),
+        ({"decode": {"close_after": 1}}, "engine_disconnect", 502),
+        ({"decode": {"stream_error": {"code": 503, "message": "m", "after": 0}}}, "engine_stream_error", 503),
+    ],
+)
+async def test_failures_raise_engine_errors_with_reason_and_status(
+    engines: tuple[FakeEngine, FakeEngine], client: EngineClient, faults: dict, reason: str, status: int
+) -> None:
+    p, d = engines
+    body = faulty(**faults)
+    with pytest.raises(EngineError) as info:
+        result = await client.prefill(Ref(p), ENDPOINT, body, request_id="rid-5")
+        await collect(client.decode(result, Ref(d), body, stream=True))
+    assert (info.value.reason, info.value.status) == (reason, status)
+    await asyncio.sleep(0)
+
+
+async def test_engine_4xx_is_a_client_error_that_does_not_count(
+    engines: tuple[FakeEngine, FakeEngine], client: EngineClient
+) -> None:
+    p, _ = engines
+    with pytest.raises(EngineClientError) as info:
+        await client.prefill(Ref(p), ENDPOINT, {**BODY, "model": "other"}, request_id="rid-6")
+    assert info.value.status == 404 and info.value.counts is False
+    assert info.value.message == "The model `other` does not exist."
+
+
+async def test_a_deadline_shorter_than_the_timeout_wins(engines: tuple[FakeEngine, FakeEngine],
+                                                        client: EngineClient) -> None:
+    p, _ = engines
+    loop = asyncio.get_running_loop()
+    with pytest.raises(DeadlineExceeded):
+        await client.prefill(Ref(p), ENDPOINT, faulty(prefill={"delay_headers_s": 3}), request_id="rid-7",
+                             deadline=loop.time() + 0.2)
