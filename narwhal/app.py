@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import ssl
 import time
 from collections.abc import Awaitable, Callable
@@ -20,16 +21,19 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from narwhal import metrics
+from narwhal import metrics, shm
 from narwhal.accesslog import AccessLog
+from narwhal.admin import add_admin_routes
 from narwhal.admission import CHAT, COMPLETIONS
 from narwhal.engines.client import EngineClient
 from narwhal.errors import NarwhalError, RequestError
-from narwhal.fleet import Engine, Fleet, LocalView
+from narwhal.fleet import Engine, Fleet
 from narwhal.outcomes import Outcomes
-from narwhal.placement import LocalInflight, Placement
+from narwhal.placement import Placement
 from narwhal.proxy import Router, client_request_id, error_response
 from narwhal.settings import Settings, current_or_load
+from narwhal.shm.local import LocalFleetState
+from narwhal.shm.worker import WorkerFleetState
 
 log = logging.getLogger("narwhal.app")
 
@@ -38,6 +42,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ROUTER = web.AppKey("router", Router)
 SETTINGS = web.AppKey("settings", Settings)
 _TASKS = web.AppKey("tasks", list)
+STATE = web.AppKey("state", object)
 
 
 def _json(data: Any, status: int = 200, **headers: str) -> web.Response:
@@ -96,7 +101,8 @@ async def _models(request: web.Request) -> web.Response:
 
 
 async def _health(request: web.Request) -> web.Response:
-    return _json({"status": "ok"})
+    # The worker's pid tells an operator (and the tests) which process answered.
+    return _json({"status": "ok", "worker": os.getpid()})
 
 
 async def _ready(request: web.Request) -> web.Response:
@@ -155,6 +161,21 @@ def _ssl_context(settings: Settings) -> ssl.SSLContext | bool:
     return True
 
 
+def worker_state(fleet: Fleet) -> WorkerFleetState | LocalFleetState:
+    """This worker's slot in the shared fleet state, or process-local state without one."""
+    shared = shm.SHARED
+    if shared is not None:
+        if len(fleet.engines) > shared.layout.engines:
+            log.error("%d engines exceed the shared layout (%d): fleet state is per worker",
+                      len(fleet.engines), shared.layout.engines)
+        else:
+            slot = shared.claim_slot(os.getpid())
+            if slot is not None:
+                return WorkerFleetState(shared, slot, fleet)
+            log.error("no free worker slot in the shared layout: fleet state is per worker")
+    return LocalFleetState(fleet)
+
+
 def build_app(settings: Settings) -> web.Application:
     app = web.Application(
         middlewares=[_errors, _header_limit],
@@ -168,6 +189,8 @@ def build_app(settings: Settings) -> web.Application:
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
     app.router.add_get("/metrics", _metrics)
+    if settings.server.admin_token:
+        add_admin_routes(app, settings.server.admin_token, ROUTER, STATE)
 
     async def startup(app: web.Application) -> None:
         connector = aiohttp.TCPConnector(
@@ -175,11 +198,14 @@ def build_app(settings: Settings) -> web.Application:
         )
         session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
         fleet = Fleet(settings)
-        placement = Placement(fleet, LocalView(), LocalInflight(len(fleet.engines)), settings.placement)
+        state = worker_state(fleet)
+        placement = Placement(fleet, state, state, settings.placement)
+        outcomes = Outcomes(fleet, state, settings.recovery.failure_quarantine_s)
         router = Router(
-            settings, fleet, placement, EngineClient(session, settings.engine), Outcomes(),
+            settings, fleet, placement, EngineClient(session, settings.engine), outcomes, state,
             AccessLog(settings.log.access_log),
         )
+        app[STATE] = state
         app[ROUTER] = router
         await discover_models(fleet, session, settings)
         app[_TASKS].append(asyncio.ensure_future(_keep_discovering(fleet, session, settings)))

@@ -1,4 +1,4 @@
-"""``narwhal`` command line: ``serve``, ``demo`` and ``fake-engine``."""
+"""``narwhal`` command line: ``serve``, ``preflight``, ``demo`` and ``fake-engine``."""
 
 from __future__ import annotations
 
@@ -18,6 +18,15 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
     return 0  # pragma: no cover - execv does not return
 
 
+def _preflight_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help=f"TOML settings file (default: ${CONFIG_ENV})")
+    parser.add_argument("--json", action="store_true", help="print a JSON document instead of the table")
+    parser.add_argument(
+        "--timeout", type=float, default=None, metavar="S",
+        help="bound on every request in seconds (default: engine.first_token_timeout_s)",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="narwhal", description="Router for disaggregated vLLM serving")
@@ -28,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--port", type=int, default=8000, help="router port (default 8000; 0 picks one)")
     demo.add_argument("--workers", type=int, default=2)
     sub.add_parser("fake-engine", help="run fake vLLM engines (see narwhal fake-engine --help)", add_help=False)
+    preflight = sub.add_parser(
+        "preflight", help="check every engine against the contract and probe every permitted KV transfer"
+    )
+    _preflight_arguments(preflight)
 
     if argv[:1] == ["fake-engine"]:
         from narwhal.fake_engine import main as fake_main
@@ -40,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args, extra)
+    if args.command == "preflight":
+        from narwhal.preflight import main as preflight_main
+
+        return preflight_main(args)
     from narwhal.demo import run_demo
 
     return run_demo(port=args.port, workers=args.workers)

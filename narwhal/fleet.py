@@ -102,13 +102,3 @@ class FleetView(Protocol):
     """What placement asks about breaker state: the one seam the supervisor fills in."""
 
     def admitted(self, engine: Engine) -> bool: ...
-
-
-class LocalView:
-    """Every engine is admitted unless this worker was told otherwise (no supervisor yet)."""
-
-    def __init__(self) -> None:
-        self.out: set[int] = set()
-
-    def admitted(self, engine: Engine) -> bool:
-        return engine.index not in self.out

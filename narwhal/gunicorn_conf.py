@@ -6,6 +6,6 @@ reload picks up a changed TOML file. Hooks only wire process events to
 ``narwhal.gunicorn_hooks``; no request logic lives here.
 """
 
-from narwhal.gunicorn_hooks import child_exit, gunicorn_settings, on_exit, on_starting  # noqa: F401
+from narwhal.gunicorn_hooks import child_exit, gunicorn_settings, on_exit, on_reload, on_starting  # noqa: F401
 
 globals().update(gunicorn_settings())

@@ -9,9 +9,12 @@ removed at exit; one the operator set is only wiped of stale files at the first 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import tempfile
+import time
 from typing import Any
 
 # Nothing here may import prometheus_client (or narwhal.metrics, narwhal.app) at module level:
@@ -67,11 +70,38 @@ def gunicorn_settings() -> dict[str, Any]:
     }
 
 
+_WATCHDOG: dict[str, int] = {}
+
+
 def on_starting(server: Any) -> None:
-    """Runs in the master before the listening sockets exist (the supervisor starts here)."""
+    """In the master, before the listening sockets exist: shared memory, then the supervisor."""
+    from narwhal import shm
+    from narwhal.settings import current_or_load
+    from narwhal.shm.shared import SharedFleet
+    from narwhal.supervisor.process import start_watchdog
+
+    settings = current_or_load()
+    # Room for a reload: old and new workers side by side, engines added up to max_engines.
+    shm.SHARED = SharedFleet.create(engines=settings.server.max_engines, slots=max(2 * settings.server.workers, 8))
+    _WATCHDOG["pid"] = start_watchdog(shm.SHARED)
+
+
+def on_reload(server: Any) -> None:
+    """SIGHUP: the supervisor restarts on the reloaded settings (new workers read them too)."""
+    pid = _WATCHDOG.get("pid")
+    if pid:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGHUP)
 
 
 def child_exit(server: Any, worker: Any) -> None:
+    from narwhal import shm
+
+    if shm.SHARED is not None:
+        # The worker is gone: give back whatever it held (its slot has no other writer now).
+        for slot in range(shm.SHARED.layout.slots):
+            if shm.SHARED.slot_pid(slot) == worker.pid:
+                shm.SHARED.clear_slot(slot)
     if os.environ.get(_PROM_ENV):
         from prometheus_client import multiprocess
 
@@ -79,6 +109,14 @@ def child_exit(server: Any, worker: Any) -> None:
 
 
 def on_exit(server: Any) -> None:
+    pid = _WATCHDOG.pop("pid", 0)
+    if pid:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        with contextlib.suppress(ChildProcessError):
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and os.waitpid(pid, os.WNOHANG)[0] == 0:
+                time.sleep(0.02)
     path = os.environ.get(_PROM_ENV)
     if path and os.environ.get(_OWNED_ENV) == "owned":
         shutil.rmtree(path, ignore_errors=True)

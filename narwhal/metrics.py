@@ -46,7 +46,10 @@ ENGINE_FAILURES = Counter(
     "narwhal_engine_failures_total", "Engine faults by engine, leg and reason", ["engine", "phase", "reason"]
 )
 ENGINE_INFLIGHT = Gauge(
-    "narwhal_engine_inflight", "Legs in flight per engine and phase", ["engine", "phase"], multiprocess_mode="livesum"
+    "narwhal_engine_inflight",
+    "Legs in flight per engine and phase, fleet-wide (exported by the supervisor from shared memory)",
+    ["engine", "phase"],
+    multiprocess_mode="livemax",
 )
 HANDOFFS_RELEASED = Counter(
     "narwhal_handoffs_released_total", "Undecoded handoffs handed to a consumer so the producer frees its blocks"
@@ -58,6 +61,16 @@ STREAM_ABORTED = Counter(
     "narwhal_stream_aborted_total", "Client streams ended after HTTP 200 without [DONE]", ["reason"]
 )
 CLIENT_DISCONNECTS = Counter("narwhal_client_disconnects_total", "Clients that went away before the end")
+
+# Written by the supervisor (the only process that knows breaker state).
+ENGINE_STATE = Gauge(
+    "narwhal_engine_state",
+    "Breaker state: 0 admitted, 1 quarantined, 2 ejected, 3 probing, 4 draining, 5 degraded",
+    ["engine", "role"],
+    multiprocess_mode="livemax",
+)
+PROBES = Counter("narwhal_probes_total", "Readmission probes by engine and result", ["engine", "result"])
+SUPERVISOR_RESTARTS = Counter("narwhal_supervisor_restarts_total", "Supervisor processes started after the first")
 
 
 def multiprocess_dir() -> str | None:

@@ -1,23 +1,63 @@
-"""Where the outcome of every leg is reported: the one place breakers will learn from.
+"""Where the outcome of every attempt is reported: the one place breakers learn from.
 
-Workers report; the supervisor (next issue) merges the reports into failure streaks in order
-of completion time. Until then :class:`Outcomes` records metrics only. Blame rules (SPEC §6)
-belong to the supervisor, so a report carries everything it needs: the engine, the leg, the
-reason and the partner engine of a crossed attempt.
+Workers report; the supervisor merges the reports into failure streaks in order of
+completion time and applies the blame rules of SPEC §6 (so an ambiguous crossed-decode fault
+is not charged here). What a worker does at once, without waiting for the supervisor, is
+quarantine an engine a failure is unambiguously charged to (SPEC §5).
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from narwhal import metrics
 from narwhal.errors import EngineError
+from narwhal.fleet import Engine, Fleet
+
+
+class Reporter(Protocol):
+    def report(
+        self,
+        producer: Engine,
+        consumer: Engine,
+        *,
+        ok: bool,
+        failed: Engine | None = None,
+        phase: str | None = None,
+        reason: str | None = None,
+        counts: bool = False,
+        before_first_token: bool = False,
+    ) -> None: ...
+
+    def quarantine(self, engine: Engine, seconds: float) -> None: ...
 
 
 class Outcomes:
-    def failure(self, error: EngineError, *, partner: str | None) -> None:
-        """An engine fault on one leg. 4xx answers and client-side events are not faults."""
-        if not error.counts:
-            return
-        metrics.ENGINE_FAILURES.labels(error.engine, error.phase, error.reason).inc()
+    def __init__(self, fleet: Fleet, reporter: Reporter, quarantine_s: float) -> None:
+        self.fleet = fleet
+        self.reporter = reporter
+        self.quarantine_s = quarantine_s
 
-    def success(self, producer: str, consumer: str) -> None:
+    def success(self, producer: Engine, consumer: Engine) -> None:
         """An attempt decoded to completion: both the handoff and the stream are proven."""
+        self.reporter.report(producer, consumer, ok=True)
+
+    def failure(self, producer: Engine, consumer: Engine, error: EngineError, *, before_first_token: bool) -> None:
+        failed = self.fleet.by_name.get(error.engine)
+        if error.counts:
+            metrics.ENGINE_FAILURES.labels(error.engine, error.phase, error.reason).inc()
+        self.reporter.report(
+            producer,
+            consumer,
+            ok=False,
+            failed=failed,
+            phase=error.phase,
+            reason=error.reason,
+            counts=error.counts,
+            before_first_token=before_first_token,
+        )
+        if not error.counts or failed is None or self.quarantine_s <= 0:
+            return
+        ambiguous = error.phase == "decode" and before_first_token and producer is not consumer
+        if not ambiguous:
+            self.reporter.quarantine(failed, self.quarantine_s)

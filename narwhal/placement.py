@@ -32,6 +32,7 @@ _POLL_S = 0.05
 
 
 class InflightCounts(Protocol):
+    def totals(self, phase: PhaseName) -> list[int]: ...
     def count(self, engine: Engine, phase: PhaseName) -> int: ...
     def try_reserve(self, engine: Engine, phase: PhaseName, cap: int | None) -> bool: ...
     def release(self, engine: Engine, phase: PhaseName) -> None: ...
@@ -42,6 +43,9 @@ class LocalInflight:
 
     def __init__(self, size: int) -> None:
         self._counts: dict[str, list[int]] = {"prefill": [0] * size, "decode": [0] * size}
+
+    def totals(self, phase: PhaseName) -> list[int]:
+        return self._counts[phase]
 
     def count(self, engine: Engine, phase: PhaseName) -> int:
         return self._counts[phase][engine.index]
@@ -109,26 +113,29 @@ class Placement:
     def try_place(self, model: str, avoid: frozenset[str] = frozenset()) -> Reservation | None:
         """Reserve the least-loaded permitted pair serving ``model`` now, or return None."""
         inflight = self.inflight
+        # One read of the (fleet-wide) counts per placement, not one per comparison.
+        prefills = inflight.totals("prefill")
+        decodes = inflight.totals("decode")
         producers = [
             e
             for e in self.fleet.engines
             if e.can_prefill and model in e.models and e.name not in avoid and self.view.admitted(e)
         ]
         self._rng.shuffle(producers)  # random tie-break under the stable sort below
-        producers.sort(key=lambda e: inflight.count(e, "prefill"))
+        producers.sort(key=lambda e: prefills[e.index])
         for p in producers:
-            if p.max_inflight_prefill is not None and inflight.count(p, "prefill") >= p.max_inflight_prefill:
+            if p.max_inflight_prefill is not None and prefills[p.index] >= p.max_inflight_prefill:
                 continue
             consumers = [
                 d
                 for d in p.permitted_consumers
                 if model in d.models and d.name not in avoid and self.view.admitted(d)
-                and (d.max_inflight_decode is None or inflight.count(d, "decode") < d.max_inflight_decode)
+                and (d.max_inflight_decode is None or decodes[d.index] < d.max_inflight_decode)
             ]
             if not consumers:
                 continue
             self._rng.shuffle(consumers)
-            d = min(consumers, key=lambda e: inflight.count(e, "decode"))
+            d = min(consumers, key=lambda e: decodes[e.index])
             if not inflight.try_reserve(p, "prefill", p.max_inflight_prefill):
                 continue
             if not inflight.try_reserve(d, "decode", d.max_inflight_decode):
@@ -145,9 +152,16 @@ class Placement:
                     return True
         return False
 
-    async def reserve(self, model: str, deadline: float) -> Reservation:
+    def _place(self, model: str, avoid: frozenset[str]) -> Reservation | None:
+        # Avoid the engines that just failed, where others exist.
+        found = self.try_place(model, avoid)
+        if found is None and avoid:
+            found = self.try_place(model)
+        return found
+
+    async def reserve(self, model: str, deadline: float, avoid: frozenset[str] = frozenset()) -> Reservation:
         """Wait (bounded) for a pair; raise ``no_engine`` when none frees in time."""
-        found = self.try_place(model)
+        found = self._place(model, avoid)
         if found is not None:
             return found
         loop = asyncio.get_running_loop()
@@ -175,7 +189,7 @@ class Placement:
                         await freed.wait()
                 except TimeoutError:
                     pass
-                found = self.try_place(model)
+                found = self._place(model, avoid)
                 if found is not None:
                     return found
         finally:

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -41,6 +41,22 @@ log = logging.getLogger("narwhal.proxy")
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _MAX_REQUEST_ID = 128
+
+# Transient faults before visible output that a fresh attempt may cure (SPEC §5); 429 and
+# in-stream 5xx errors are decided by status in Router._retryable.
+RETRYABLE = frozenset({
+    "engine_unreachable", "engine_5xx", "engine_disconnect", "prefill_timeout", "first_token_timeout",
+    "invalid_handoff", "handoff_expired", "done_before_token",
+})
+
+
+class WorkerState(Protocol):
+    """The request-level part of the fleet state (local or shared memory)."""
+
+    def request_started(self) -> None: ...
+    def request_finished(self) -> None: ...
+    def try_start_retry(self, ratio: float, minimum: int) -> bool: ...
+    def retry_finished(self) -> None: ...
 
 
 def client_request_id(request: web.Request) -> str:
@@ -64,13 +80,16 @@ class Router:
         placement: Placement,
         client: EngineClient,
         outcomes: Outcomes,
+        state: WorkerState,
         access_log: AccessLog,
     ) -> None:
         self.settings = settings
+        self.recovery = settings.recovery
         self.fleet = fleet
         self.placement = placement
         self.client = client
         self.outcomes = outcomes
+        self.state = state
         self.access_log = access_log
         self._background: set[asyncio.Task[Any]] = set()
 
@@ -117,22 +136,62 @@ class Router:
     async def _serve(
         self, request: web.Request, req: ClientRequest, rec: AccessRecord, arrival: float
     ) -> web.StreamResponse:
-        resv = await self.placement.reserve(req.model, req.deadline)
-        rec.producer, rec.consumer, rec.attempts = resv.producer.name, resv.consumer.name, 1
+        """Attempts until one succeeds or a failure may not be retried (SPEC §5)."""
+        state = self.state
+        avoid: set[str] = set()
+        retrying = False
+        state.request_started()
+        try:
+            while True:
+                rec.attempts += 1
+                try:
+                    return await self._attempt(request, req, rec, arrival, frozenset(avoid))
+                except EngineError as exc:
+                    if not self._retryable(exc, req, rec):
+                        raise
+                    if not retrying:
+                        if not state.try_start_retry(self.recovery.retry_budget_ratio, self.recovery.retry_budget_min):
+                            metrics.RETRY_BUDGET_EXHAUSTED.inc()
+                            raise
+                        retrying = True
+                    metrics.RETRIES.inc()
+                    avoid.add(exc.engine)
+                    if exc.phase == "decode" and rec.producer != rec.consumer and rec.producer:
+                        avoid.add(rec.producer)  # a pre-token crossed fault may be the producer's
+        finally:
+            if retrying:
+                state.retry_finished()
+            state.request_finished()
+
+    def _retryable(self, exc: EngineError, req: ClientRequest, rec: AccessRecord) -> bool:
+        if rec.attempts > self.recovery.max_retries or rec.first_byte_s is not None:
+            return False
+        if exc.reason == "engine_client_error":
+            retry = exc.status == 429
+        elif exc.reason == "engine_stream_error":
+            retry = exc.status >= 500
+        else:
+            retry = exc.reason in RETRYABLE
+        return retry and asyncio.get_running_loop().time() < req.deadline
+
+    async def _attempt(
+        self, request: web.Request, req: ClientRequest, rec: AccessRecord, arrival: float, avoid: frozenset[str]
+    ) -> web.StreamResponse:
+        resv = await self.placement.reserve(req.model, req.deadline, avoid)
+        producer, consumer = resv.producer, resv.consumer
+        rec.producer, rec.consumer = producer.name, consumer.name
         try:
             result = await self._prefill(req, resv)
             resv.release_prefill()
-            loop = asyncio.get_running_loop()
-            rec.ttft_s = loop.time() - arrival
+            rec.ttft_s = asyncio.get_running_loop().time() - arrival
             metrics.TTFT.observe(rec.ttft_s)
             response = await self._decode(request, req, resv, result, rec, arrival)
             metrics.ATTEMPTS.labels("success").inc()
-            self.outcomes.success(resv.producer.name, resv.consumer.name)
+            self.outcomes.success(producer, consumer)
             return response
         except EngineError as exc:
             metrics.ATTEMPTS.labels(exc.reason).inc()
-            partner = resv.consumer.name if exc.engine == resv.producer.name else resv.producer.name
-            self.outcomes.failure(exc, partner=partner if resv.crossed else None)
+            self.outcomes.failure(producer, consumer, exc, before_first_token=rec.first_byte_s is None)
             raise
         except NarwhalError as exc:
             metrics.ATTEMPTS.labels(exc.reason).inc()

@@ -24,7 +24,7 @@ from narwhal.harness import FakeFleet, RouterProcess, write_config
 MODEL = "fake-model"
 # Long enough that a leaked handoff is still held when a module ends: leaks must show up.
 LEASE_S = 120
-ENGINES = ["p0", "p1", "d0", "d1", "b0", "p2", "d2"]
+ENGINES = ["p0", "p1", "d0", "d1", "b0", "p2", "d2", "sp0", "sp1", "sd0", "sd1"]
 
 TIMEOUTS = {
     "prefill_timeout_s": 2.5,
@@ -40,7 +40,9 @@ def fleet() -> Iterator[FakeFleet]:
     fleet.stop()
 
 
-def start_router(fleet: FakeFleet, engines: list[dict[str, Any]], tmp: Any, **sections: dict[str, Any]) -> RouterProcess:
+def start_router(
+    fleet: FakeFleet, engines: list[dict[str, Any]], tmp: Any, **sections: dict[str, Any]
+) -> RouterProcess:
     for engine in engines:
         engine["url"] = fleet.engines[engine["name"]]
     conf = {
@@ -48,6 +50,9 @@ def start_router(fleet: FakeFleet, engines: list[dict[str, Any]], tmp: Any, **se
         "engine": dict(TIMEOUTS),
         "preflight": {"on_start": False},
         "log": {"access_log": str(tmp / "access.log"), "level": "warning"},
+        # Fault tests inject many failures: breakers stay out of their way unless a test
+        # (test_supervisor) is about breakers.
+        "recovery": {"eject_after": 1000},
     }
     for key, values in sections.items():
         conf.setdefault(key, {}).update(values)

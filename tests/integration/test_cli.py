@@ -71,7 +71,10 @@ def test_the_router_starts_serves_and_stops_cleanly(fleet: FakeFleet, command: l
         wait_until(lambda: http_get(url + "/ready")[0] == 200, 20, "router ready")
         status, raw = _post(url + "/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 2})
         assert status == 200 and orjson.loads(raw)["choices"][0]["text"] == " t0 t1"
-        assert len(children_of(proc.pid)) == 2
+        # 2 workers and the supervisor's watchdog, whose child is the supervisor.
+        children = children_of(proc.pid)
+        assert len(children) == 3
+        assert sum(len(children_of(c)) for c in children) == 1
         created = set(glob.glob(os.path.join(tempfile.gettempdir(), "narwhal-metrics-*"))) - metrics_before
         assert len(created) == 1
     finally:

@@ -1,0 +1,14 @@
+"""Fleet state shared between the supervisor and the workers (see ``layout`` for the why).
+
+``SHARED`` is set in the gunicorn master before it forks (``narwhal.gunicorn_hooks``); workers
+and the supervisor inherit it. It stays None when the app runs outside gunicorn.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from narwhal.shm.shared import SharedFleet
+
+SHARED: SharedFleet | None = None

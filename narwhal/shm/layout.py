@@ -1,0 +1,131 @@
+"""The fixed layout of the fleet state shared by the supervisor and every worker.
+
+One memfd, sized once in the gunicorn master before any fork and mapped ``MAP_SHARED``:
+workers and the supervisor inherit both the descriptor and the mapping, so there is no
+name to leak, no resource tracker (``multiprocessing.shared_memory`` on Python 3.11 has
+one that unlinks segments behind your back), and nothing left behind after ``kill -9`` of
+any process: the memory goes when the last process holding it exits.
+
+::
+
+    header                      64 B   magic, sizes, supervisor pid + heartbeat, generation
+    engine records   E ×       64 B   breaker state, written only by the supervisor
+    worker slots     W × (64 B + E·8 B + R·RING_ENTRY)
+        slot header                    pid, requests and retries in flight, ring indices
+        in-flight counts               u32 per engine and phase, written only by that worker
+        outcome ring                   R reports, written by the worker, consumed by the supervisor
+
+One writer per field, always. Multi-field records carry a CRC32 of their payload: a reader
+that sees a torn or (on aarch64, where CPython emits no fences) reordered record finds the
+checksum wrong and reads again; no locks on the read path. Single aligned u32/u64 fields are
+written with one ``pack_into`` and need no checksum.
+
+The memfd also carries byte-range ``lockf`` locks (beyond its end, so they never cover data):
+the only cross-process lock is the short one taken to reserve a slot of a *capped* engine,
+where "a cap of 1 never holds two streams" needs check-and-increment to be one step.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+
+MAGIC = 0x4E52574C  # "NRWL"
+VERSION = 1
+
+HEADER = struct.Struct("<IIIIIIQQQ")  # magic, version, engines, slots, ring, sup_pid, heartbeat_ns, generation, starts
+HEADER_SIZE = 64
+GENERATION_OFFSET = 32
+HEARTBEAT_OFFSET = 24
+SUPERVISOR_PID_OFFSET = 20
+STARTS_OFFSET = 40
+
+RECORD_SIZE = 64
+SLOT_HEADER_SIZE = 64
+# slot header: pid u32, requests in flight u32, retries in flight u32, dropped reports u32,
+#              ring write index u64 (worker), ring read index u64 (supervisor)
+SLOT_PID = 0
+SLOT_REQUESTS = 4
+SLOT_RETRIES = 8
+SLOT_DROPPED = 12
+SLOT_RING_WRITE = 16
+SLOT_RING_READ = 24
+
+RING_ENTRY_SIZE = 32
+DEFAULT_RING = 512
+
+# Lock byte offsets: far beyond the mapped data.
+LOCK_BASE = 1 << 40
+CLAIM_LOCK = LOCK_BASE - 1
+
+
+@dataclass(frozen=True)
+class Layout:
+    engines: int
+    slots: int
+    ring: int = DEFAULT_RING
+
+    @property
+    def records_offset(self) -> int:
+        return HEADER_SIZE
+
+    def record_offset(self, engine: int) -> int:
+        return HEADER_SIZE + engine * RECORD_SIZE
+
+    @property
+    def slot_size(self) -> int:
+        return SLOT_HEADER_SIZE + self.engines * 8 + self.ring * RING_ENTRY_SIZE
+
+    def slot_offset(self, slot: int) -> int:
+        return HEADER_SIZE + self.engines * RECORD_SIZE + slot * self.slot_size
+
+    def counts_offset(self, slot: int) -> int:
+        return self.slot_offset(slot) + SLOT_HEADER_SIZE
+
+    def count_offset(self, slot: int, engine: int, phase: int) -> int:
+        return self.counts_offset(slot) + (engine * 2 + phase) * 4
+
+    def ring_offset(self, slot: int, index: int) -> int:
+        return self.slot_offset(slot) + SLOT_HEADER_SIZE + self.engines * 8 + (index % self.ring) * RING_ENTRY_SIZE
+
+    @property
+    def size(self) -> int:
+        raw = self.slot_offset(self.slots)
+        return (raw + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+
+
+class Region:
+    """The mapping and its descriptor (kept open for ``lockf``)."""
+
+    def __init__(self, layout: Layout, fd: int, mm: mmap.mmap) -> None:
+        self.layout = layout
+        self.fd = fd
+        self.mm = mm
+
+    @classmethod
+    def create(cls, layout: Layout) -> Region:
+        fd = os.memfd_create("narwhal-fleet", 0)  # inherited across fork (not CLOEXEC)
+        os.ftruncate(fd, layout.size)
+        mm = mmap.mmap(fd, layout.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        HEADER.pack_into(mm, 0, MAGIC, VERSION, layout.engines, layout.slots, layout.ring, 0, 0, 0, 0)
+        return cls(layout, fd, mm)
+
+    def close(self) -> None:
+        self.mm.close()
+        os.close(self.fd)
+
+    def u32(self, offset: int) -> int:
+        value: int = struct.unpack_from("<I", self.mm, offset)[0]
+        return value
+
+    def set_u32(self, offset: int, value: int) -> None:
+        struct.pack_into("<I", self.mm, offset, value)
+
+    def u64(self, offset: int) -> int:
+        value: int = struct.unpack_from("<Q", self.mm, offset)[0]
+        return value
+
+    def set_u64(self, offset: int, value: int) -> None:
+        struct.pack_into("<Q", self.mm, offset, value)

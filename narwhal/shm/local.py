@@ -1,0 +1,50 @@
+"""The worker-state interface without shared memory: one process on its own.
+
+Used when the app runs outside gunicorn (in-process tests, embedding) and when a worker
+finds no free slot in the shared layout: counts, caps, quarantine and the retry budget
+then hold for this process only, and no supervisor hears its outcomes.
+"""
+
+from __future__ import annotations
+
+import time
+
+from narwhal.fleet import Engine, Fleet
+from narwhal.placement import LocalInflight
+
+
+class LocalFleetState(LocalInflight):
+    def __init__(self, fleet: Fleet) -> None:
+        super().__init__(len(fleet.engines))
+        self.fleet = fleet
+        self.out: set[int] = set()  # engines taken out by an operator action
+        self._quarantine: dict[int, float] = {}
+        self._requests = 0
+        self._retries = 0
+
+    def admitted(self, engine: Engine) -> bool:
+        if engine.index in self.out:
+            return False
+        until = self._quarantine.get(engine.index)
+        return until is None or time.monotonic() >= until
+
+    def quarantine(self, engine: Engine, seconds: float) -> None:
+        self._quarantine[engine.index] = time.monotonic() + seconds
+
+    def request_started(self) -> None:
+        self._requests += 1
+
+    def request_finished(self) -> None:
+        self._requests -= 1
+
+    def try_start_retry(self, ratio: float, minimum: int) -> bool:
+        if self._retries >= max(minimum, int(ratio * self._requests)):
+            return False
+        self._retries += 1
+        return True
+
+    def retry_finished(self) -> None:
+        self._retries -= 1
+
+    def report(self, producer: Engine, consumer: Engine, **_: object) -> None:
+        """No supervisor listens: outcomes only reach the metrics."""

@@ -1,0 +1,154 @@
+"""Checksummed records in the shared region: engine breaker state and outcome reports.
+
+A writer packs payload and CRC32 in one ``pack_into``; a reader unpacks, recomputes the CRC
+and, on a mismatch, reads again (a torn or reordered write is simply not visible yet). The
+CRC covers the whole payload, including a sequence number, so a stale copy of an older
+record cannot pass for a newer one in a ring.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+from dataclasses import dataclass
+
+from narwhal.shm.layout import Region
+
+REASONS: tuple[str, ...] = (
+    "",
+    "engine_unreachable",
+    "engine_5xx",
+    "invalid_handoff",
+    "engine_disconnect",
+    "done_before_token",
+    "prefill_timeout",
+    "first_token_timeout",
+    "decode_silence",
+    "handoff_expired",
+    "engine_stream_error",
+    "engine_client_error",
+    "deadline_exceeded",
+    "health_check",
+    "probe",
+    "client_disconnect",
+)
+REASON_CODE: dict[str, int] = {r: i for i, r in enumerate(REASONS)}
+
+NONE16 = 0xFFFF
+
+# ---------------------------------------------------------------------------------- engines
+
+_RECORD = struct.Struct("<QBBHIIddI")  # version, state, flags, reason, streak, ejections, q_until, failed_at, name
+_RECORD_CRC = struct.Struct("<I")
+RECORD_BYTES = _RECORD.size + 4
+_MAX_TRIES = 64
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRecord:
+    version: int
+    state: int
+    failure_streak: int
+    ejections: int
+    quarantined_until: float | None  # Unix seconds
+    last_failure_reason: str | None
+    last_failure_at: float | None  # Unix seconds
+    name_hash: int
+    flags: int = 0  # RECORD_BY_OPERATOR | RECORD_WAITING_FOR_WAVE: what a restarted supervisor needs
+
+
+RECORD_BY_OPERATOR = 1
+RECORD_WAITING_FOR_WAVE = 2
+
+
+def name_hash(name: str) -> int:
+    return zlib.crc32(name.encode())
+
+
+def _opt(value: float) -> float | None:
+    return None if math.isnan(value) else value
+
+
+def write_record(region: Region, engine: int, rec: EngineRecord) -> None:
+    reason = REASON_CODE.get(rec.last_failure_reason or "", 0)
+    payload = _RECORD.pack(
+        rec.version,
+        rec.state,
+        rec.flags,
+        reason,
+        rec.failure_streak,
+        rec.ejections,
+        math.nan if rec.quarantined_until is None else rec.quarantined_until,
+        math.nan if rec.last_failure_at is None else rec.last_failure_at,
+        rec.name_hash,
+    )
+    region.mm[region.layout.record_offset(engine) : region.layout.record_offset(engine) + RECORD_BYTES] = (
+        payload + _RECORD_CRC.pack(zlib.crc32(payload))
+    )
+
+
+def read_record(region: Region, engine: int) -> EngineRecord | None:
+    """The engine's record, or None if the supervisor never wrote one."""
+    start = region.layout.record_offset(engine)
+    for _ in range(_MAX_TRIES):
+        raw = region.mm[start : start + RECORD_BYTES]
+        payload = raw[: _RECORD.size]
+        if _RECORD_CRC.unpack_from(raw, _RECORD.size)[0] != zlib.crc32(payload):
+            continue
+        version, state, flags, reason, streak, ejections, q_until, failed_at, nhash = _RECORD.unpack(payload)
+        if version == 0:
+            return None
+        reason_name = REASONS[reason] if reason < len(REASONS) else ""
+        return EngineRecord(
+            version, state, streak, ejections, _opt(q_until), reason_name or None, _opt(failed_at), nhash, flags
+        )
+    return None
+
+
+# ---------------------------------------------------------------------------------- reports
+
+KIND_OUTCOME = 0
+KIND_EJECT = 1
+KIND_READMIT = 2
+KIND_DRAIN = 3
+
+FLAG_OK = 1
+FLAG_COUNTS = 2
+FLAG_BEFORE_TOKEN = 4
+FLAG_PREFILL = 8  # the failed leg was the prefill (else decode)
+
+_ENTRY = struct.Struct("<QdHHHBBxxxx")  # seq, at (monotonic), producer, consumer, failed, reason, flags, kind
+_ENTRY_CRC = struct.Struct("<I")
+ENTRY_BYTES = _ENTRY.size + 4
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    seq: int
+    at: float
+    producer: int
+    consumer: int
+    failed: int  # NONE16 when nothing failed
+    reason: int
+    flags: int
+    kind: int
+
+
+def pack_report(report: Report) -> bytes:
+    payload = _ENTRY.pack(
+        report.seq, report.at, report.producer, report.consumer, report.failed, report.reason,
+        report.flags | (report.kind << 4),
+    )
+    return payload + _ENTRY_CRC.pack(zlib.crc32(payload))
+
+
+def unpack_report(raw: bytes, expected_seq: int) -> Report | None:
+    """The report, or None while it is torn, stale or not fully visible yet."""
+    payload = raw[: _ENTRY.size]
+    if _ENTRY_CRC.unpack_from(raw, _ENTRY.size)[0] != zlib.crc32(payload):
+        return None
+    seq, at, producer, consumer, failed, reason, flags = _ENTRY.unpack(payload)
+    if seq != expected_seq:
+        return None
+    return Report(seq, at, producer, consumer, failed, reason, flags & 0x0F, flags >> 4)

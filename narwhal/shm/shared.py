@@ -1,0 +1,205 @@
+"""Operations on the shared region used by the master, the workers and the supervisor.
+
+Who writes what (one writer per field):
+
+* master: the header's sizes at creation; a dead worker's slot (``child_exit``), since its
+  only writer is gone;
+* supervisor: engine records, generation, heartbeat, its pid, ring read indices, and the
+  slots of workers it finds dead;
+* a worker: its own slot (pid at claim, counts, ring entries, ring write index).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import struct
+import time
+from collections.abc import Iterator
+
+from narwhal.shm import layout as L
+from narwhal.shm.records import ENTRY_BYTES, Report, pack_report, unpack_report
+
+
+class SharedFleet:
+    def __init__(self, region: L.Region) -> None:
+        self.region = region
+        self.layout = region.layout
+        self.mm = region.mm
+        n = self.layout.engines * 2
+        self._counts = struct.Struct(f"<{n}I")
+
+    @classmethod
+    def create(cls, engines: int, slots: int, ring: int = L.DEFAULT_RING) -> SharedFleet:
+        return cls(L.Region.create(L.Layout(engines=engines, slots=slots, ring=ring)))
+
+    def close(self) -> None:
+        self.region.close()
+
+    # -- header ---------------------------------------------------------------------------------
+
+    @property
+    def generation(self) -> int:
+        return self.region.u64(L.GENERATION_OFFSET)
+
+    def bump_generation(self) -> None:
+        self.region.set_u64(L.GENERATION_OFFSET, self.generation + 1)
+
+    def beat(self, pid: int) -> None:
+        self.region.set_u32(L.SUPERVISOR_PID_OFFSET, pid)
+        self.region.set_u64(L.HEARTBEAT_OFFSET, time.monotonic_ns())
+
+    @property
+    def heartbeat_age_s(self) -> float:
+        last = self.region.u64(L.HEARTBEAT_OFFSET)
+        return float("inf") if last == 0 else (time.monotonic_ns() - last) / 1e9
+
+    @property
+    def supervisor_pid(self) -> int:
+        return self.region.u32(L.SUPERVISOR_PID_OFFSET)
+
+    def count_start(self) -> int:
+        starts = self.region.u64(L.STARTS_OFFSET) + 1
+        self.region.set_u64(L.STARTS_OFFSET, starts)
+        return starts
+
+    # -- locks ----------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def locked(self, *offsets: int) -> Iterator[None]:
+        """Byte-range locks on the memfd, taken in increasing order (no deadlock)."""
+        ordered = sorted(set(offsets))
+        for off in ordered:
+            fcntl.lockf(self.region.fd, fcntl.LOCK_EX, 1, off)
+        try:
+            yield
+        finally:
+            for off in reversed(ordered):
+                fcntl.lockf(self.region.fd, fcntl.LOCK_UN, 1, off)
+
+    @staticmethod
+    def cap_lock(engine: int, phase: int) -> int:
+        return L.LOCK_BASE + engine * 2 + phase
+
+    # -- slots ----------------------------------------------------------------------------------
+
+    def slot_pid(self, slot: int) -> int:
+        return self.region.u32(self.layout.slot_offset(slot) + L.SLOT_PID)
+
+    def claim_slot(self, pid: int) -> int | None:
+        """Take a free slot for ``pid`` (a slot whose process is gone counts as free)."""
+        with self.locked(L.CLAIM_LOCK):
+            for slot in range(self.layout.slots):
+                owner = self.slot_pid(slot)
+                if owner == 0 or (owner != pid and not _alive(owner)):
+                    self.clear_slot(slot, keep_ring=owner == 0)
+                    self.region.set_u32(self.layout.slot_offset(slot) + L.SLOT_PID, pid)
+                    return slot
+        return None
+
+    def clear_slot(self, slot: int, *, keep_ring: bool = False) -> None:
+        """Release everything a (dead) worker held: its counts, and its pid."""
+        base = self.layout.slot_offset(slot)
+        self.mm[self.layout.counts_offset(slot) : self.layout.counts_offset(slot) + self.layout.engines * 8] = bytes(
+            self.layout.engines * 8
+        )
+        for field in (L.SLOT_REQUESTS, L.SLOT_RETRIES):
+            self.region.set_u32(base + field, 0)
+        if not keep_ring:
+            # Unread reports of a dead worker are dropped with it: the supervisor reads rings
+            # every few milliseconds, so at most a handful of outcomes are lost.
+            write = self.region.u64(base + L.SLOT_RING_WRITE)
+            self.region.set_u64(base + L.SLOT_RING_READ, write)
+        self.region.set_u32(base + L.SLOT_PID, 0)
+
+    def claimed_slots(self) -> list[int]:
+        return [s for s in range(self.layout.slots) if self.slot_pid(s)]
+
+    # -- counts ---------------------------------------------------------------------------------
+
+    def slot_counts(self, slot: int) -> tuple[int, ...]:
+        return self._counts.unpack_from(self.mm, self.layout.counts_offset(slot))
+
+    def set_count(self, slot: int, engine: int, phase: int, value: int) -> None:
+        self.region.set_u32(self.layout.count_offset(slot, engine, phase), value)
+
+    def totals(self) -> list[int]:
+        """In-flight legs summed over every claimed slot: index ``engine * 2 + phase``."""
+        total = [0] * (self.layout.engines * 2)
+        for slot in range(self.layout.slots):
+            if self.slot_pid(slot):
+                for i, value in enumerate(self.slot_counts(slot)):
+                    if value:
+                        total[i] += value
+        return total
+
+    def engine_total(self, engine: int, phase: int) -> int:
+        return sum(
+            self.region.u32(self.layout.count_offset(slot, engine, phase))
+            for slot in range(self.layout.slots)
+            if self.slot_pid(slot)
+        )
+
+    def set_slot_field(self, slot: int, field: int, value: int) -> None:
+        self.region.set_u32(self.layout.slot_offset(slot) + field, value)
+
+    def slot_field_total(self, field: int) -> int:
+        return sum(
+            self.region.u32(self.layout.slot_offset(s) + field) for s in range(self.layout.slots) if self.slot_pid(s)
+        )
+
+    # -- outcome rings --------------------------------------------------------------------------
+
+    def append(self, slot: int, report: Report) -> bool:
+        """Worker side: add a report; False (and counted) when the ring is full."""
+        base = self.layout.slot_offset(slot)
+        write = self.region.u64(base + L.SLOT_RING_WRITE)
+        if write - self.region.u64(base + L.SLOT_RING_READ) >= self.layout.ring:
+            dropped = self.region.u32(base + L.SLOT_DROPPED)
+            self.region.set_u32(base + L.SLOT_DROPPED, dropped + 1)
+            return False
+        off = self.layout.ring_offset(slot, write)
+        self.mm[off : off + ENTRY_BYTES] = pack_report(_with_seq(report, write))
+        self.region.set_u64(base + L.SLOT_RING_WRITE, write + 1)
+        return True
+
+    def drain(self, slot: int) -> list[Report]:
+        """Supervisor side: every complete report since the last drain."""
+        base = self.layout.slot_offset(slot)
+        read = self.region.u64(base + L.SLOT_RING_READ)
+        write = self.region.u64(base + L.SLOT_RING_WRITE)
+        out: list[Report] = []
+        while read < write:
+            off = self.layout.ring_offset(slot, read)
+            report = unpack_report(self.mm[off : off + ENTRY_BYTES], read)
+            if report is None:
+                break  # not fully visible yet: take it next time
+            out.append(report)
+            read += 1
+        self.region.set_u64(base + L.SLOT_RING_READ, read)
+        return out
+
+
+def _with_seq(report: Report, seq: int) -> Report:
+    return Report(seq, report.at, report.producer, report.consumer, report.failed, report.reason, report.flags,
+                  report.kind)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (exited, not yet reaped by gunicorn) is as gone as a dead process.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def alive(pid: int) -> bool:
+    return _alive(pid)

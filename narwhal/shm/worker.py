@@ -1,0 +1,164 @@
+"""A worker's view of the shared fleet state: admission, fleet-wide counts, outcome reports.
+
+Per request this costs a generation check (one u64 read) and, for placement, one unpack of
+each claimed slot's counts: no lock and no IPC round-trip. Engine records are decoded again
+only when the supervisor bumps the generation. A failure seen here quarantines its engine in
+this worker at once; the fleet learns of it when the supervisor publishes.
+"""
+
+from __future__ import annotations
+
+import time
+
+from narwhal.fleet import Engine, Fleet
+from narwhal.shm import layout as L
+from narwhal.shm.records import (
+    FLAG_BEFORE_TOKEN,
+    FLAG_COUNTS,
+    FLAG_OK,
+    FLAG_PREFILL,
+    KIND_OUTCOME,
+    NONE16,
+    REASON_CODE,
+    EngineRecord,
+    Report,
+    name_hash,
+    read_record,
+)
+from narwhal.shm.shared import SharedFleet
+
+ADMITTED_STATES = frozenset({0, 5})  # admitted, degraded
+_PHASE = {"prefill": 0, "decode": 1}
+
+
+class WorkerFleetState:
+    def __init__(self, shared: SharedFleet, slot: int, fleet: Fleet) -> None:
+        self.shared = shared
+        self.slot = slot
+        self.fleet = fleet
+        self._mine = [0] * (shared.layout.engines * 2)
+        self._generation = -1
+        self._records: list[EngineRecord | None] = [None] * len(fleet.engines)
+        self._hashes = [name_hash(e.name) for e in fleet.engines]
+        self._quarantine: dict[int, float] = {}  # engine index -> monotonic deadline (local, at once)
+        self._requests = 0
+        self._retries = 0
+
+    # -- FleetView ------------------------------------------------------------------------------
+
+    def records(self) -> list[EngineRecord | None]:
+        generation = self.shared.generation
+        if generation != self._generation:
+            fresh: list[EngineRecord | None] = []
+            for engine in self.fleet.engines:
+                rec = read_record(self.shared.region, engine.index)
+                # A record written for another engine list (before a reload) is not ours.
+                fresh.append(rec if rec is not None and rec.name_hash == self._hashes[engine.index] else None)
+            self._records = fresh
+            self._generation = generation
+        return self._records
+
+    def admitted(self, engine: Engine) -> bool:
+        rec = self.records()[engine.index]
+        if rec is not None and rec.state not in ADMITTED_STATES:
+            return False
+        if self._quarantine:
+            until = self._quarantine.get(engine.index)
+            if until is not None:
+                if time.monotonic() < until:
+                    return False
+                del self._quarantine[engine.index]
+        return True
+
+    def quarantine(self, engine: Engine, seconds: float) -> None:
+        self._quarantine[engine.index] = time.monotonic() + seconds
+
+    # -- InflightCounts -------------------------------------------------------------------------
+
+    def totals(self, phase: str) -> list[int]:
+        both = self.shared.totals()
+        p = _PHASE[phase]
+        return both[p::2]
+
+    def count(self, engine: Engine, phase: str) -> int:
+        return self.shared.engine_total(engine.index, _PHASE[phase])
+
+    def try_reserve(self, engine: Engine, phase: str, cap: int | None) -> bool:
+        p = _PHASE[phase]
+        if cap is None:
+            self._bump(engine.index, p, 1)
+            return True
+        with self.shared.locked(SharedFleet.cap_lock(engine.index, p)):
+            if self.shared.engine_total(engine.index, p) >= cap:
+                return False
+            self._bump(engine.index, p, 1)
+        return True
+
+    def release(self, engine: Engine, phase: str) -> None:
+        self._bump(engine.index, _PHASE[phase], -1)
+
+    def _bump(self, engine: int, phase: int, delta: int) -> None:
+        i = engine * 2 + phase
+        self._mine[i] += delta
+        self.shared.set_count(self.slot, engine, phase, self._mine[i])
+
+    # -- requests and retries in flight (the fleet-wide retry budget) -----------------------
+
+    def request_started(self) -> None:
+        self._requests += 1
+        self.shared.set_slot_field(self.slot, L.SLOT_REQUESTS, self._requests)
+
+    def request_finished(self) -> None:
+        self._requests -= 1
+        self.shared.set_slot_field(self.slot, L.SLOT_REQUESTS, self._requests)
+
+    def try_start_retry(self, ratio: float, minimum: int) -> bool:
+        inflight = self.shared.slot_field_total(L.SLOT_REQUESTS)
+        retries = self.shared.slot_field_total(L.SLOT_RETRIES)
+        if retries >= max(minimum, int(ratio * inflight)):
+            return False
+        self._retries += 1
+        self.shared.set_slot_field(self.slot, L.SLOT_RETRIES, self._retries)
+        return True
+
+    def retry_finished(self) -> None:
+        self._retries -= 1
+        self.shared.set_slot_field(self.slot, L.SLOT_RETRIES, self._retries)
+
+    # -- outcome reports ------------------------------------------------------------------------
+
+    def report(
+        self,
+        producer: Engine,
+        consumer: Engine,
+        *,
+        ok: bool,
+        failed: Engine | None = None,
+        phase: str | None = None,
+        reason: str | None = None,
+        counts: bool = False,
+        before_first_token: bool = False,
+    ) -> None:
+        flags = (FLAG_OK if ok else 0) | (FLAG_COUNTS if counts else 0)
+        flags |= (FLAG_BEFORE_TOKEN if before_first_token else 0) | (FLAG_PREFILL if phase == "prefill" else 0)
+        self.shared.append(
+            self.slot,
+            Report(
+                seq=0,
+                at=time.monotonic(),
+                producer=producer.index,
+                consumer=consumer.index,
+                failed=NONE16 if failed is None else failed.index,
+                reason=REASON_CODE.get(reason or "", 0),
+                flags=flags,
+                kind=KIND_OUTCOME,
+            ),
+        )
+
+    def command(self, kind: int, engine: Engine) -> None:
+        """An operator action for the supervisor to apply (admin API)."""
+        self.shared.append(
+            self.slot,
+            Report(seq=0, at=time.monotonic(), producer=engine.index, consumer=engine.index, failed=NONE16,
+                   reason=0, flags=0, kind=kind),
+        )

@@ -1,0 +1,243 @@
+"""The supervisor: the only writer of breaker state, run in its own process.
+
+Its loop, every few milliseconds:
+
+1. beat (workers and the watchdog read the heartbeat);
+2. read every worker's outcome ring, merge the reports in order of completion time and feed
+   them to the breakers (operator actions travel the same rings);
+3. let time pass in the breakers (quarantine and wave-hold expiry), start due probes;
+4. publish every engine record whose status changed, then bump the generation, so workers
+   re-read the records on their next request: an ejection is visible fleet-wide within one
+   loop period (~10 ms) of the report that caused it.
+
+Less often: health checks of admitted engines, sweeping slots of dead workers, exporting
+engine gauges. A supervisor that (re)starts takes the last published records as its starting
+state, so a restart loses no ejection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+import aiohttp
+
+from narwhal import metrics
+from narwhal.breaker import Breakers, EngineInfo, EngineStatus, Outcome, State
+from narwhal.fleet import Engine, Fleet
+from narwhal.settings import Settings
+from narwhal.shm.records import (
+    FLAG_BEFORE_TOKEN,
+    FLAG_COUNTS,
+    FLAG_OK,
+    FLAG_PREFILL,
+    KIND_DRAIN,
+    KIND_EJECT,
+    KIND_OUTCOME,
+    KIND_READMIT,
+    NONE16,
+    REASONS,
+    RECORD_BY_OPERATOR,
+    RECORD_WAITING_FOR_WAVE,
+    EngineRecord,
+    Report,
+    name_hash,
+    read_record,
+    write_record,
+)
+from narwhal.shm.shared import SharedFleet, alive
+from narwhal.supervisor.probes import Prober
+
+log = logging.getLogger("narwhal.supervisor")
+
+LOOP_S = 0.01
+SWEEP_S = 0.25
+EXPORT_S = 1.0
+
+
+class Supervisor:
+    def __init__(self, shared: SharedFleet, settings: Settings) -> None:
+        self.shared = shared
+        self.settings = settings
+        self.fleet = Fleet(settings)
+        infos = [
+            EngineInfo(
+                name=e.name,
+                role=e.role,
+                wave=e.wave,
+                permitted_consumers=frozenset(d.name for d in e.permitted_consumers),
+                permitted_producers=frozenset(p.name for p in e.permitted_producers),
+            )
+            for e in self.fleet.engines
+        ]
+        self.breakers = Breakers(infos, settings.recovery, has_contract=settings.engine_contract is not None)
+        self._published = -1
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._probing: set[str] = set()
+        self._wall = time.time() - time.monotonic()
+
+    # -- state ------------------------------------------------------------------------------------
+
+    def restore(self) -> None:
+        """Start from the records a previous supervisor published (none at first start)."""
+        now = time.monotonic()
+        for engine in self.fleet.engines:
+            rec = read_record(self.shared.region, engine.index)
+            if rec is None or rec.name_hash != name_hash(engine.name):
+                continue
+            self.breakers.restore(
+                EngineStatus(
+                    name=engine.name,
+                    state=State(rec.state),
+                    failure_streak=rec.failure_streak,
+                    ejections=rec.ejections,
+                    quarantined_until=None if rec.quarantined_until is None else rec.quarantined_until - self._wall,
+                    last_failure_reason=rec.last_failure_reason,
+                    last_failure_at=None if rec.last_failure_at is None else rec.last_failure_at - self._wall,
+                ),
+                now,
+                by_operator=bool(rec.flags & RECORD_BY_OPERATOR),
+                waiting=bool(rec.flags & RECORD_WAITING_FOR_WAVE),
+            )
+
+    def publish(self) -> None:
+        version = time.monotonic_ns()
+        for engine in self.fleet.engines:
+            st = self.breakers.status(engine.name)
+            write_record(
+                self.shared.region,
+                engine.index,
+                EngineRecord(
+                    version=version,
+                    state=int(st.state),
+                    failure_streak=st.failure_streak,
+                    ejections=st.ejections,
+                    quarantined_until=None if st.quarantined_until is None else st.quarantined_until + self._wall,
+                    last_failure_reason=st.last_failure_reason,
+                    last_failure_at=None if st.last_failure_at is None else st.last_failure_at + self._wall,
+                    name_hash=name_hash(engine.name),
+                    flags=(RECORD_BY_OPERATOR if self.breakers.ejected_by_operator(engine.name) else 0)
+                    | (RECORD_WAITING_FOR_WAVE if self.breakers.waiting_for_wave(engine.name) else 0),
+                ),
+            )
+        self.shared.bump_generation()
+        self._published = self.breakers.version
+
+    def admitted(self, engine: Engine) -> bool:
+        return self.breakers.admitted(engine.name, time.monotonic())
+
+    # -- reports ----------------------------------------------------------------------------------
+
+    def drain(self) -> None:
+        reports: list[Report] = []
+        for slot in range(self.shared.layout.slots):
+            reports.extend(self.shared.drain(slot))
+        if not reports:
+            return
+        reports.sort(key=lambda r: r.at)  # "consecutive" = in order of completion time
+        now = time.monotonic()
+        engines = self.fleet.engines
+        for r in reports:
+            if r.producer >= len(engines) or r.consumer >= len(engines):
+                continue  # from a worker configured with another engine list (a reload)
+            if r.kind == KIND_OUTCOME:
+                failed = None if r.failed == NONE16 or r.failed >= len(engines) else engines[r.failed].name
+                reason = REASONS[r.reason] if r.reason < len(REASONS) else ""
+                self.breakers.record(
+                    Outcome(
+                        producer=engines[r.producer].name,
+                        consumer=engines[r.consumer].name,
+                        ok=bool(r.flags & FLAG_OK),
+                        failed_engine=failed,
+                        phase=None if failed is None else ("prefill" if r.flags & FLAG_PREFILL else "decode"),
+                        reason=reason or None,
+                        counts=bool(r.flags & FLAG_COUNTS),
+                        before_first_token=bool(r.flags & FLAG_BEFORE_TOKEN),
+                        at=r.at,
+                    )
+                )
+            elif r.kind == KIND_EJECT:
+                self.breakers.eject(engines[r.producer].name, now)
+            elif r.kind == KIND_READMIT:
+                self.breakers.readmit(engines[r.producer].name, now)
+            elif r.kind == KIND_DRAIN:
+                self.breakers.drain(engines[r.producer].name, now)
+
+    def sweep(self) -> None:
+        """Give back the counts of workers that died without a word (kill -9, OOM)."""
+        for slot in range(self.shared.layout.slots):
+            pid = self.shared.slot_pid(slot)
+            if pid and not alive(pid):
+                log.warning("worker %d is gone: releasing its slot", pid)
+                self.shared.drain(slot)
+                self.shared.clear_slot(slot)
+
+    def export(self) -> None:
+        totals = self.shared.totals()
+        for engine in self.fleet.engines:
+            st = self.breakers.status(engine.name)
+            metrics.ENGINE_STATE.labels(engine.name, engine.role).set(int(st.state))
+            metrics.ENGINE_INFLIGHT.labels(engine.name, "prefill").set(totals[engine.index * 2])
+            metrics.ENGINE_INFLIGHT.labels(engine.name, "decode").set(totals[engine.index * 2 + 1])
+
+    # -- checks -----------------------------------------------------------------------------------
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _probe(self, prober: Prober, engine: Engine, plan: Any) -> None:
+        try:
+            result = await prober.probe(engine, plan.kind, plan.as_producer, plan.as_consumer, plan.producer)
+        except Exception:  # a probe must never take the supervisor down
+            log.exception("probe of %s crashed", engine.name)
+            result = "inconclusive"
+        finally:
+            self._probing.discard(engine.name)
+        log.info("probe of %s (%s): %s", engine.name, plan.kind, result)
+        metrics.PROBES.labels(engine.name, result).inc()
+        self.breakers.probe_result(engine.name, result, time.monotonic())
+
+    async def _health(self, prober: Prober, engine: Engine) -> None:
+        if not await prober.health(engine):
+            now = time.monotonic()
+            if self.breakers.admitted(engine.name, now):
+                self.breakers.health_failed(engine.name, now, "health_check")
+
+    async def run(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+            prober = Prober(self.settings, self.fleet, session, self.admitted)
+            self.restore()
+            self.publish()
+            health_every = self.settings.recovery.health_interval_s
+            next_health = time.monotonic() + health_every
+            next_sweep = next_export = 0.0
+            pid = os.getpid()
+            while True:
+                self.shared.beat(pid)
+                self.drain()
+                now = time.monotonic()
+                self.breakers.tick(now)
+                for plan in self.breakers.due_probes(now):
+                    if plan.engine not in self._probing:
+                        self._probing.add(plan.engine)
+                        self._spawn(self._probe(prober, self.fleet.by_name[plan.engine], plan))
+                if now >= next_health:
+                    next_health = now + health_every
+                    for engine in self.fleet.engines:
+                        if self.breakers.admitted(engine.name, now):
+                            self._spawn(self._health(prober, engine))
+                if now >= next_sweep:
+                    next_sweep = now + SWEEP_S
+                    self.sweep()
+                if self.breakers.version != self._published:
+                    self.publish()
+                if now >= next_export:
+                    next_export = now + EXPORT_S
+                    self.export()
+                await asyncio.sleep(LOOP_S)

@@ -1,0 +1,200 @@
+"""Starting, watching and restarting the supervisor under gunicorn.
+
+gunicorn has no periodic master hook, and its arbiter reaps *every* child with
+``waitpid(-1)``, so the master can neither poll a child it forked nor learn its exit status.
+So the master forks one small **watchdog** in ``on_starting`` (before the listening sockets
+exist: neither process ever holds the port), and the watchdog forks the supervisor as *its*
+child, which it can wait for. The watchdog restarts the supervisor within a second when it
+exits, and kills and restarts it when its heartbeat in shared memory goes stale (a wedged
+event loop). ``os.fork`` is used rather than ``multiprocessing``: a daemonic Process is
+terminated by multiprocessing's atexit hook in the first worker that exits.
+
+Lifetimes: the watchdog dies with the master (``PR_SET_PDEATHSIG`` plus a ``getppid`` poll),
+the supervisor with the watchdog. ``SIGHUP`` to the watchdog (sent by the master's
+``on_reload``) restarts the supervisor on freshly loaded settings. Each restart marks the
+previous supervisor dead for prometheus, so its live gauges do not linger or double.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import time
+
+from narwhal.shm.shared import SharedFleet
+
+PR_SET_PDEATHSIG = 1
+STALE_S = 3.0  # heartbeat age after which a running supervisor is presumed wedged
+POLL_S = 0.1
+
+
+def set_parent_death_signal(sig: int) -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the getppid poll still ends us
+        pass
+
+
+def start_watchdog(shared: SharedFleet) -> int:
+    """Fork the watchdog from the gunicorn master; return its pid."""
+    master = os.getpid()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 0
+    try:
+        _reset_signals()
+        set_parent_death_signal(signal.SIGTERM)
+        if os.getppid() != master:
+            os._exit(0)
+        Watchdog(shared, master).run()
+    except BaseException:  # noqa: BLE001 - a forked child must never return into gunicorn
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        os._exit(code)
+
+
+def _reset_signals() -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1,
+                signal.SIGUSR2, signal.SIGWINCH, signal.SIGTTIN, signal.SIGTTOU):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+class Watchdog:
+    def __init__(self, shared: SharedFleet, master: int) -> None:
+        self.shared = shared
+        self.master = master
+        self.stopping = False
+        self.reload = False
+        self.child = 0
+        self.started_at = 0.0
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, self._stop)
+        signal.signal(signal.SIGQUIT, self._stop)
+        signal.signal(signal.SIGHUP, self._reload)
+        self._spawn()
+        while not self.stopping and os.getppid() == self.master:
+            time.sleep(POLL_S)
+            exited = self._reap()
+            if self.reload:
+                self.reload = False
+                self._kill(signal.SIGTERM)
+                exited = True
+            elif not exited and time.monotonic() - self.started_at > STALE_S and self.shared.heartbeat_age_s > STALE_S:
+                print(f"narwhal: supervisor {self.child} stopped beating; restarting it", file=sys.stderr)
+                self._kill(signal.SIGKILL)
+                exited = True
+            if exited and not self.stopping:
+                self._spawn()
+        self._kill(signal.SIGTERM)
+
+    def _stop(self, *_: object) -> None:
+        self.stopping = True
+
+    def _reload(self, *_: object) -> None:
+        self.reload = True
+
+    def _reap(self) -> bool:
+        if not self.child:
+            return True
+        try:
+            pid, _ = os.waitpid(self.child, os.WNOHANG)
+        except ChildProcessError:
+            pid = self.child
+        if pid:
+            self._forget(pid)
+            return True
+        return False
+
+    def _forget(self, pid: int) -> None:
+        self.child = 0
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]
+
+    def _kill(self, sig: int) -> None:
+        if not self.child:
+            return
+        pid = self.child
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done = pid
+            if done:
+                self._forget(pid)
+                return
+            time.sleep(0.02)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        self._forget(pid)
+
+    def _spawn(self) -> None:
+        starts = self.shared.count_start()
+        watchdog = os.getpid()
+        pid = os.fork()
+        if pid:
+            self.child = pid
+            self.started_at = time.monotonic()
+            return
+        code = 0
+        try:
+            _reset_signals()
+            set_parent_death_signal(signal.SIGKILL)
+            if os.getppid() != watchdog:
+                os._exit(0)
+            run_supervisor(self.shared, restarted=starts > 1)
+        except BaseException:  # noqa: BLE001
+            import traceback
+
+            traceback.print_exc()
+            code = 1
+        finally:
+            os._exit(code)
+
+
+def run_supervisor(shared: SharedFleet, *, restarted: bool) -> None:
+    """The supervisor process body: fresh settings, a fresh event loop, run until signalled."""
+    import asyncio
+
+    import uvloop
+
+    from narwhal import metrics
+    from narwhal.logs import configure_logging
+    from narwhal.settings import load_settings_or_exit
+    from narwhal.supervisor.main import Supervisor
+
+    settings = load_settings_or_exit()
+    configure_logging(settings.log)
+    if restarted:
+        metrics.SUPERVISOR_RESTARTS.inc()
+    supervisor = Supervisor(shared, settings)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        done = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+            loop.add_signal_handler(sig, done.set)
+        runner = asyncio.ensure_future(supervisor.run())
+        waiter = asyncio.ensure_future(done.wait())
+        await asyncio.wait({runner, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        runner.cancel()
+        waiter.cancel()
+        if runner.done() and not runner.cancelled() and runner.exception() is not None:
+            raise runner.exception()  # type: ignore[misc]
+
+    uvloop.run(main())

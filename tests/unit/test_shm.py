@@ -1,0 +1,167 @@
+"""The shared fleet layout: checksummed records, outcome rings, slots, exact caps across processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from narwhal.shm.records import KIND_OUTCOME, EngineRecord, Report, read_record, write_record
+from narwhal.shm.shared import SharedFleet
+
+
+@pytest.fixture
+def shared() -> SharedFleet:
+    fleet = SharedFleet.create(engines=4, slots=4, ring=8)
+    yield fleet
+    fleet.close()
+
+
+def _record(n: int) -> EngineRecord:
+    # Every field derives from n: a torn read mixes two n's and is caught by the test.
+    return EngineRecord(
+        version=n, state=n % 6, failure_streak=n, ejections=n * 3, quarantined_until=float(n),
+        last_failure_reason="engine_5xx" if n % 2 else "decode_silence", last_failure_at=float(n) + 0.5,
+        name_hash=n & 0xFFFFFFFF,
+    )
+
+
+def _consistent(rec: EngineRecord) -> bool:
+    n = rec.version
+    return rec == _record(n)
+
+
+def test_record_round_trip_and_absence(shared: SharedFleet) -> None:
+    assert read_record(shared.region, 0) is None
+    write_record(shared.region, 1, _record(7))
+    assert read_record(shared.region, 1) == _record(7)
+    assert read_record(shared.region, 2) is None
+
+
+def test_no_torn_record_is_ever_read_while_a_writer_hammers_it(shared: SharedFleet) -> None:
+    pid = os.fork()
+    if pid == 0:  # the writer: rewrite the record as fast as it can for ~1.5 s
+        try:
+            n, end = 1, time.monotonic() + 1.5
+            while time.monotonic() < end:
+                write_record(shared.region, 0, _record(n))
+                n += 1
+        finally:
+            os._exit(0)
+    reads = distinct = 0
+    last = -1
+    try:
+        end = time.monotonic() + 1.2
+        while time.monotonic() < end:
+            rec = read_record(shared.region, 0)
+            if rec is None:
+                continue
+            assert _consistent(rec), rec
+            reads += 1
+            if rec.version != last:
+                distinct += 1
+                last = rec.version
+    finally:
+        os.waitpid(pid, 0)
+    assert reads > 10_000
+    assert distinct > 100  # the reader really raced the writer
+
+
+def _report(at: float, producer: int = 0) -> Report:
+    return Report(seq=0, at=at, producer=producer, consumer=1, failed=1, reason=2, flags=3, kind=KIND_OUTCOME)
+
+
+def test_ring_delivers_in_order_and_drops_when_full(shared: SharedFleet) -> None:
+    slot = shared.claim_slot(os.getpid())
+    assert slot is not None
+    for i in range(8):
+        assert shared.append(slot, _report(float(i)))
+    assert not shared.append(slot, _report(99.0))  # full: the supervisor has not read yet
+    got = shared.drain(slot)
+    assert [r.at for r in got] == [float(i) for i in range(8)]
+    assert [r.seq for r in got] == list(range(8))
+    assert (got[0].producer, got[0].consumer, got[0].failed, got[0].reason, got[0].flags) == (0, 1, 1, 2, 3)
+    assert shared.append(slot, _report(8.0))
+    assert [r.at for r in shared.drain(slot)] == [8.0]
+    assert shared.drain(slot) == []
+
+
+def test_a_half_written_report_waits_for_the_next_drain(shared: SharedFleet) -> None:
+    slot = shared.claim_slot(os.getpid())
+    assert slot is not None
+    shared.append(slot, _report(1.0))
+    off = shared.layout.ring_offset(slot, 0)
+    good = bytes(shared.mm[off : off + 32])
+    shared.mm[off + 8 : off + 16] = b"\xff" * 8  # as if the payload were not visible yet
+    assert shared.drain(slot) == []
+    shared.mm[off : off + 32] = good
+    assert [r.at for r in shared.drain(slot)] == [1.0]
+
+
+def test_slots_are_claimed_once_and_reclaimed_from_dead_workers(shared: SharedFleet) -> None:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)  # a worker that is gone
+    mine = shared.claim_slot(os.getpid())
+    assert mine is not None
+    dead_slot = (mine + 1) % 4
+    shared.region.set_u32(shared.layout.slot_offset(dead_slot), pid)
+    shared.set_count(dead_slot, 2, 1, 5)
+    assert shared.totals()[2 * 2 + 1] == 5
+    others = [shared.claim_slot(os.getpid() + 100000 + i) for i in range(3)]
+    assert dead_slot in others  # the dead worker's slot was free to take …
+    assert shared.totals()[2 * 2 + 1] == 0  # … and its counts were released
+
+
+def test_fleet_totals_sum_every_claimed_slot(shared: SharedFleet) -> None:
+    a = shared.claim_slot(os.getpid())
+    b = shared.claim_slot(1)  # pid 1 (init) is alive: a second, live owner
+    assert a is not None and b is not None and a != b
+    shared.set_count(a, 0, 0, 2)
+    shared.set_count(b, 0, 0, 3)
+    shared.set_count(b, 3, 1, 1)
+    totals = shared.totals()
+    assert totals[0] == 5 and totals[3 * 2 + 1] == 1 and shared.engine_total(0, 0) == 5
+
+
+def test_a_cap_of_one_is_exact_across_processes(shared: SharedFleet) -> None:
+    """Two processes race to reserve a capped slot thousands of times: never two holders."""
+    violations = SharedFleet.create(engines=1, slots=1, ring=1)  # a scratch flag at an unused header offset
+
+    def worker() -> None:
+        slot = shared.claim_slot(os.getpid())
+        assert slot is not None
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            with shared.locked(SharedFleet.cap_lock(0, 1)):
+                if shared.engine_total(0, 1) >= 1:
+                    continue
+                shared.set_count(slot, 0, 1, 1)
+            if shared.engine_total(0, 1) > 1:
+                violations.region.set_u32(56, 1)
+            shared.set_count(slot, 0, 1, 0)
+
+    pids = []
+    for _ in range(2):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                worker()
+            finally:
+                os._exit(0)
+        pids.append(pid)
+    try:
+        for pid in pids:
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert violations.region.u32(56) == 0
+    violations.close()
