@@ -15,11 +15,18 @@ import aiohttp
 import pytest
 
 from narwhal.harness import FakeFleet, RouterProcess, http_get
+from tests.integration.admin_helpers import (
+    TOKEN,
+    admin,
+    engine_entry,
+    post,
+    readmit_all,
+    sessions_per_worker,
+    wait_state,
+)
 from tests.integration.conftest import records, records_anywhere, start_router, unique_prompt, wait_until
 from tests.integration.helpers import completion, error_of, send
 
-TOKEN = "admin-secret"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
 PRODUCERS = ["sp0", "sp1"]
 CONSUMERS = ["sd0", "sd1"]
 
@@ -59,58 +66,6 @@ def clean_faults(fleet: FakeFleet) -> Iterator[None]:
         fleet.control_request("DELETE", f"/engines/{name}/faults")
 
 
-async def admin(router: RouterProcess, method: str = "GET", path: str = "/admin/engines") -> dict:
-    reply = await send(router.url, path, method=method, headers=AUTH)
-    assert reply.status == 200, reply.raw
-    return reply.json
-
-
-async def engine_entry(router: RouterProcess, name: str) -> dict:
-    return next(e for e in (await admin(router))["engines"] if e["name"] == name)
-
-
-async def wait_state(router: RouterProcess, name: str, state: str, timeout: float = 10) -> dict:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        entry = await engine_entry(router, name)
-        if entry["state"] == state:
-            return entry
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"{name} never became {state}: {entry}")
-
-
-async def readmit_all(router: RouterProcess) -> None:
-    for name in PRODUCERS + CONSUMERS:
-        await admin(router, "POST", f"/admin/engines/{name}/readmit")
-
-
-@pytest.fixture
-async def per_worker(sup_router: RouterProcess) -> AsyncIterator[dict[int, aiohttp.ClientSession]]:
-    """One keep-alive session per worker, keyed by the worker's pid."""
-    sessions: dict[int, aiohttp.ClientSession] = {}
-    spare: list[aiohttp.ClientSession] = []
-    end = time.monotonic() + 20
-    try:
-        while len(sessions) < 3 and time.monotonic() < end:
-            session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
-            async with session.get(sup_router.url + "/health") as resp:
-                pid = (await resp.json())["worker"]
-            if pid in sessions:
-                spare.append(session)
-            else:
-                sessions[pid] = session
-        assert len(sessions) == 3, "could not reach three workers"
-        yield sessions
-    finally:
-        for session in [*sessions.values(), *spare]:
-            await session.close()
-
-
-async def post(session: aiohttp.ClientSession, router: RouterProcess, body: dict) -> tuple[int, bytes]:
-    async with session.post(router.url + "/v1/completions", json=body) as resp:
-        return resp.status, await resp.read()
-
-
 async def test_admin_api_needs_the_token(sup_router: RouterProcess) -> None:
     for headers in ({}, {"Authorization": "Bearer nope"}):
         reply = await send(sup_router.url, "/admin/engines", method="GET", headers=headers)
@@ -125,10 +80,16 @@ async def test_admin_api_needs_the_token(sup_router: RouterProcess) -> None:
     assert entry["models"] == ["fake-model"] and entry["wave"] is None and entry["last_failure"] is None
 
 
+@pytest.fixture
+async def per_worker(sup_router: RouterProcess) -> AsyncIterator[dict[int, aiohttp.ClientSession]]:
+    async with sessions_per_worker(sup_router, 3) as sessions:
+        yield sessions
+
+
 async def test_failures_seen_by_three_workers_add_up_to_one_ejection(
     sup_router: RouterProcess, fleet: FakeFleet, per_worker: dict[int, aiohttp.ClientSession]
 ) -> None:
-    await readmit_all(sup_router)
+    await readmit_all(sup_router, PRODUCERS + CONSUMERS)
     await admin(sup_router, "POST", "/admin/engines/sp1/drain")  # every prefill now goes to sp0
     fleet.control_request("PUT", "/engines/sp0/faults", {"prefill": {"status": 500}})
     try:
@@ -156,7 +117,7 @@ async def test_failures_seen_by_three_workers_add_up_to_one_ejection(
 async def test_a_dead_engine_is_ejected_and_readmitted_by_a_probe_once_it_recovers(
     sup_router: RouterProcess, fleet: FakeFleet
 ) -> None:
-    await readmit_all(sup_router)
+    await readmit_all(sup_router, PRODUCERS + CONSUMERS)
     # vLLM's dead-engine answer: the supervisor's health checks count it as failures …
     fleet.control_request("PUT", "/engines/sd0/faults", {"health_status": 503})
     entry = await wait_state(sup_router, "sd0", "ejected")
