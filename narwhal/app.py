@@ -45,6 +45,15 @@ _TASKS = web.AppKey("tasks", list)
 STATE = web.AppKey("state", object)
 
 
+_stop_requested_at: float | None = None
+
+
+def note_stop_requested(at: float) -> None:
+    global _stop_requested_at
+    if _stop_requested_at is None:
+        _stop_requested_at = at
+
+
 def _json(data: Any, status: int = 200, **headers: str) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json", headers=headers)
 
@@ -218,7 +227,17 @@ def build_app(settings: Settings) -> web.Application:
         await router.client._session.close()
         router.access_log.close()
 
+    async def shutdown(app: web.Application) -> None:
+        # Runs when this worker stops, before aiohttp waits for the handlers: whatever is
+        # still running at 85 % of the graceful timeout (counted from SIGTERM, after which
+        # the master kills the worker) is ended with the terminal event.
+        grace = settings.server.graceful_timeout_s * 0.85
+        if _stop_requested_at is not None:
+            grace -= asyncio.get_running_loop().time() - _stop_requested_at
+        app[ROUTER].begin_drain(max(grace, 0.0))
+
     app.on_startup.append(startup)
+    app.on_shutdown.append(shutdown)
     app.on_cleanup.append(cleanup)
     return app
 

@@ -13,7 +13,9 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
     if args.config:
         os.environ[CONFIG_ENV] = os.path.abspath(args.config)
     load_settings_or_exit()  # fail here, with one line, before gunicorn starts
-    argv = [sys.executable, "-m", "gunicorn", "-c", "python:narwhal.gunicorn_conf", *extra]
+    from narwhal.gunicorn_hooks import CONFIG_FILE
+
+    argv = [sys.executable, "-m", "gunicorn", "-c", CONFIG_FILE, *extra]
     os.execv(sys.executable, argv)
     return 0  # pragma: no cover - execv does not return
 

@@ -6,6 +6,13 @@ reload picks up a changed TOML file. Hooks only wire process events to
 ``narwhal.gunicorn_hooks``; no request logic lives here.
 """
 
-from narwhal.gunicorn_hooks import child_exit, gunicorn_settings, on_exit, on_reload, on_starting  # noqa: F401
+from narwhal.gunicorn_hooks import (  # noqa: F401
+    child_exit,
+    gunicorn_settings,
+    on_exit,
+    on_reload,
+    on_starting,
+    post_worker_init,
+)
 
 globals().update(gunicorn_settings())

@@ -10,16 +10,18 @@ removed at exit; one the operator set is only wiped of stale files at the first 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from typing import Any
 
 # Nothing here may import prometheus_client (or narwhal.metrics, narwhal.app) at module level:
 # it must first be imported after PROMETHEUS_MULTIPROC_DIR is set.
-from narwhal.settings import Settings, load_settings_or_exit, remember
+from narwhal.settings import Settings, SettingsError, current, load_settings, load_settings_or_exit, remember
 
 _PROM_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # Not NARWHAL_-prefixed: every NARWHAL_ variable must be a setting.
@@ -45,8 +47,20 @@ def _bind(settings: Settings) -> list[str]:
     return [settings.server.bind]
 
 
+def _load() -> Settings:
+    running = current()
+    if running is None:
+        return load_settings_or_exit()
+    # A SIGHUP reload: a broken file must not take down a running router.
+    try:
+        return load_settings()
+    except SettingsError as exc:
+        print(f"narwhal: reload refused, keeping the running settings: {exc}", file=sys.stderr, flush=True)
+        return running
+
+
 def gunicorn_settings() -> dict[str, Any]:
-    settings = load_settings_or_exit()
+    settings = _load()
     remember(settings)
     _prepare_metrics_dir()
     return {
@@ -54,8 +68,9 @@ def gunicorn_settings() -> dict[str, Any]:
         "worker_class": "aiohttp.GunicornUVLoopWebWorker",
         "bind": _bind(settings),
         "workers": settings.server.workers,
-        "graceful_timeout": settings.server.graceful_timeout_s,
-        "keepalive": settings.server.keepalive_s,
+        # gunicorn takes whole seconds; the aiohttp runner uses the exact values.
+        "graceful_timeout": math.ceil(settings.server.graceful_timeout_s),
+        "keepalive": math.ceil(settings.server.keepalive_s),
         # The aiohttp worker heartbeats every second whatever the requests do: this only
         # catches a worker whose event loop is wedged.
         "timeout": 30,
@@ -72,6 +87,10 @@ def gunicorn_settings() -> dict[str, Any]:
 
 _WATCHDOG: dict[str, int] = {}
 
+# gunicorn re-executes a config given as a *file* on SIGHUP (one given as python:module is
+# imported once and never re-read), so Narwhal always passes the file.
+CONFIG_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gunicorn_conf.py")
+
 
 def on_starting(server: Any) -> None:
     """In the master, before the listening sockets exist: shared memory, then the supervisor."""
@@ -83,6 +102,11 @@ def on_starting(server: Any) -> None:
     settings = current_or_load()
     # Room for a reload: old and new workers side by side, engines added up to max_engines.
     shm.SHARED = SharedFleet.create(engines=settings.server.max_engines, slots=max(2 * settings.server.workers, 8))
+    if settings.preflight.on_start and settings.engines:
+        from narwhal.supervisor.startup import preflight_on_start
+
+        # Before any worker exists, so an engine that fails starts ejected everywhere.
+        preflight_on_start(shm.SHARED, settings)
     _WATCHDOG["pid"] = start_watchdog(shm.SHARED)
 
 
@@ -92,6 +116,22 @@ def on_reload(server: Any) -> None:
     if pid:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGHUP)
+
+
+def post_worker_init(worker: Any) -> None:
+    """In each worker: note when SIGTERM arrives, so in-flight streams are ended before the
+    master's graceful timeout (counted from the signal) rather than aiohttp's (counted from
+    when the worker gets round to stopping, up to a second later)."""
+    loop = getattr(worker, "loop", None)
+    if loop is None:
+        return
+    from narwhal import app
+
+    def on_term() -> None:
+        app.note_stop_requested(loop.time())
+        worker.handle_exit(signal.SIGTERM, None)
+
+    loop.add_signal_handler(signal.SIGTERM, on_term)
 
 
 def child_exit(server: Any, worker: Any) -> None:

@@ -32,6 +32,14 @@ def _wait(predicate: Any, timeout: float, what: str, proc: subprocess.Popen[Any]
     raise TimeoutError(f"{what}: not ready after {timeout:g}s")
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: whatever launched us (a test run, the demo) may be killed
+    without a chance to clean up; its fleets and routers must not outlive it."""
+    from narwhal.supervisor.process import set_parent_death_signal
+
+    set_parent_death_signal(signal.SIGTERM)
+
+
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
@@ -64,7 +72,7 @@ class FakeFleet:
         cmd = [sys.executable, "-m", "narwhal", "fake-engine", "--ready-file", ready, *args]
         for name in names:
             cmd += ["--engine", name]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
         try:
             _wait(lambda: os.path.exists(ready), timeout, "fake fleet", proc)
             with open(ready) as f:
@@ -147,6 +155,7 @@ class RouterProcess:
         wait_ready: bool = True,
         timeout: float = 30.0,
         log_path: str | None = None,
+        gunicorn_args: Sequence[str] = (),
     ) -> RouterProcess:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -164,7 +173,9 @@ class RouterProcess:
             os.close(fd)
         inherit = log_path == "-"  # the caller's terminal (the demo)
         log = open(os.devnull if inherit else log_path, "ab")
-        cmd = [sys.executable, "-m", "gunicorn", "-c", "python:narwhal.gunicorn_conf"]
+        from narwhal.gunicorn_hooks import CONFIG_FILE
+
+        cmd = [sys.executable, "-m", "gunicorn", "-c", CONFIG_FILE, *gunicorn_args]
         proc = subprocess.Popen(
             cmd,
             env=full_env,
@@ -172,6 +183,7 @@ class RouterProcess:
             stdout=None if inherit else log,
             stderr=None if inherit else log,
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         log.close()
         sock.close()

@@ -92,12 +92,16 @@ class Router:
         self.state = state
         self.access_log = access_log
         self._background: set[asyncio.Task[Any]] = set()
+        self._active: set[asyncio.Task[Any] | None] = set()  # client requests being handled
+        self._stopping = False
+        self._drain_timer: asyncio.Future[None] | None = None
 
     async def handle(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         arrival = loop.time()
         rec = AccessRecord(request_id=client_request_id(request), endpoint=endpoint)
-        response: web.StreamResponse | None = None
+        task = asyncio.current_task()
+        self._active.add(task)
         try:
             req = await admit(request, endpoint, self.settings, self.fleet, arrival)
             rec.model, rec.stream = req.model, req.stream
@@ -105,20 +109,13 @@ class Router:
             rec.status = response.status
             return response
         except NarwhalError as exc:
-            rec.reason = exc.reason
-            if rec.first_byte_s is None:
-                rec.status = exc.status
-                return error_response(exc, rec.request_id)
-            # The 200 is already on the wire: end the stream with one terminal error event.
-            rec.status = 200
-            metrics.STREAM_ABORTED.labels(exc.reason).inc()
-            stream = request.get("narwhal.stream")
-            assert isinstance(stream, web.StreamResponse)
-            with contextlib.suppress(ConnectionError):
-                await stream.write(exc.sse_event())
-                await stream.write_eof()
-            return stream
+            return await self._fail(request, rec, exc)
         except (asyncio.CancelledError, ConnectionError) as exc:
+            if isinstance(exc, asyncio.CancelledError) and self._stopping and task is not None:
+                # The graceful timeout ran out: end the stream properly rather than cut it.
+                task.uncancel()
+                stop = NarwhalError("the router is shutting down", reason="shutting_down")
+                return await self._fail(request, rec, stop)
             # 499: nginx's "client closed request", for the access log and metrics only.
             rec.status, rec.reason = 499, "client_disconnect"
             metrics.CLIENT_DISCONNECTS.inc()
@@ -129,9 +126,37 @@ class Router:
             stream = request.get("narwhal.stream")
             return stream if isinstance(stream, web.StreamResponse) else web.Response(status=499)
         finally:
+            self._active.discard(task)
             rec.total_s = loop.time() - arrival
             metrics.REQUESTS.labels(endpoint, str(rec.status)).inc()
             self.access_log.write(rec)
+
+    async def _fail(self, request: web.Request, rec: AccessRecord, exc: NarwhalError) -> web.StreamResponse:
+        rec.reason = exc.reason
+        stream = request.get("narwhal.stream")
+        if rec.first_byte_s is None or not isinstance(stream, web.StreamResponse):
+            rec.status = exc.status
+            return error_response(exc, rec.request_id)
+        # The 200 is already on the wire: end the stream with one terminal error event.
+        rec.status = 200
+        metrics.STREAM_ABORTED.labels(exc.reason).inc()
+        with contextlib.suppress(ConnectionError):
+            await stream.write(exc.sse_event())
+            await stream.write_eof()
+        return stream
+
+    def begin_drain(self, grace_s: float) -> None:
+        """SIGTERM: in-flight requests may finish for ``grace_s``; then the rest are ended
+        with the terminal ``shutting_down`` event (or a 503 before their first token)."""
+
+        async def expire() -> None:
+            await asyncio.sleep(grace_s)
+            self._stopping = True
+            for task in list(self._active):
+                if task is not None:
+                    task.cancel()
+
+        self._drain_timer = asyncio.ensure_future(expire())
 
     async def _serve(
         self, request: web.Request, req: ClientRequest, rec: AccessRecord, arrival: float
@@ -315,5 +340,7 @@ class Router:
             resv.release()
 
     async def drain_background(self, timeout: float) -> None:
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()  # every request is done: nothing left to end
         if self._background:
             await asyncio.wait(set(self._background), timeout=timeout)

@@ -117,8 +117,21 @@ class RecoverySettings(_Section):
 
 class EngineContract(_Section):
     model: str = ""
-    engine_version: str = ""
+    engine_version: str = ""  # exact, or a PEP 440 specifier set (">=0.10,<0.12")
     kv_connector: str = "NixlConnector"
+
+    @field_validator("engine_version")
+    @classmethod
+    def _pin_parses(cls, value: str) -> str:
+        text = value.strip()
+        if text[:1] in ("<", ">", "=", "!", "~") or "," in text:
+            from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+            try:
+                SpecifierSet(text)
+            except InvalidSpecifier:
+                raise ValueError(f"invalid PEP 440 specifier {text!r}") from None
+        return value
 
 
 Role = Literal["producer", "consumer", "both"]
@@ -291,6 +304,10 @@ _current: Settings | None = None
 def remember(settings: Settings) -> None:
     global _current
     _current = settings
+
+
+def current() -> Settings | None:
+    return _current
 
 
 def current_or_load() -> Settings:

@@ -32,6 +32,7 @@ REASONS: tuple[str, ...] = (
     "health_check",
     "probe",
     "client_disconnect",
+    "preflight",
 )
 REASON_CODE: dict[str, int] = {r: i for i, r in enumerate(REASONS)}
 

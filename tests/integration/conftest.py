@@ -41,7 +41,8 @@ def fleet() -> Iterator[FakeFleet]:
 
 
 def start_router(
-    fleet: FakeFleet, engines: list[dict[str, Any]], tmp: Any, **sections: dict[str, Any]
+    fleet: FakeFleet, engines: list[dict[str, Any]], tmp: Any, gunicorn_args: tuple[str, ...] = (),
+    **sections: dict[str, Any],
 ) -> RouterProcess:
     for engine in engines:
         engine["url"] = fleet.engines[engine["name"]]
@@ -56,7 +57,9 @@ def start_router(
     }
     for key, values in sections.items():
         conf.setdefault(key, {}).update(values)
-    return RouterProcess.start(write_config(engines, conf), log_path=str(tmp / "router.log"))
+    return RouterProcess.start(
+        write_config(engines, conf), log_path=str(tmp / "router.log"), gunicorn_args=gunicorn_args
+    )
 
 
 @pytest.fixture(scope="module")

@@ -140,3 +140,35 @@ def _descendants(root: int) -> set[int]:
         found |= frontier
     return found
 
+
+
+def test_kill_9_of_the_master_takes_every_process_with_it_and_leaves_nothing(fleet: FakeFleet) -> None:
+    config = write_config(
+        [{"name": "p0", "url": fleet.engines["p0"], "role": "producer"},
+         {"name": "d0", "url": fleet.engines["d0"], "role": "consumer"}],
+        {"preflight": {"on_start": False}, "log": {"access_log": ""}},
+    )
+    shm_before = set(os.listdir("/dev/shm"))
+    sock = _listening_socket()
+    port = sock.getsockname()[1]
+    env = _clean_env(NARWHAL_SERVER__BIND=f"fd://{sock.fileno()}", NARWHAL_CONFIG=config)
+    proc = subprocess.Popen([sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py"], cwd=ROOT,
+                            env=env, pass_fds=[sock.fileno()], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    sock.close()
+    try:
+        wait_until(lambda: http_get(f"http://127.0.0.1:{port}/ready")[0] == 200, 20, "router ready")
+        wait_until(lambda: len(_descendants(proc.pid)) == 4, 10, "2 workers, the watchdog and the supervisor")
+        family = _descendants(proc.pid)
+        proc.kill()
+        proc.wait()
+        wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in family), 10,
+                   "workers, watchdog and supervisor gone with the master")
+    finally:
+        os.unlink(config)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    with pytest.raises(ConnectionRefusedError):  # nobody listens on the port any more
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    assert set(os.listdir("/dev/shm")) == shm_before

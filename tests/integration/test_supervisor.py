@@ -143,3 +143,72 @@ async def test_without_a_contract_a_passing_health_check_readmits(
     fleet.control_request("DELETE", "/engines/sd1/faults")
     entry = await wait_state(health_router, "sd1", "admitted", timeout=10)
     assert entry["failure_streak"] == 0
+
+
+async def test_ready_follows_the_admitted_pairs(sup_router: RouterProcess) -> None:
+    await readmit_all(sup_router, PRODUCERS + CONSUMERS)
+    for name in CONSUMERS:
+        await admin(sup_router, "POST", f"/admin/engines/{name}/eject")
+    try:
+        reply = await send(sup_router.url, "/ready", method="GET")
+        assert reply.status == 503
+        assert reply.json == {"ready": False, "reason": "no admitted producer->consumer pair for model 'fake-model'"}
+        refused = await send(sup_router.url, "/v1/completions", completion(unique_prompt()))
+        assert refused.status == 503 and refused.headers["Retry-After"] == "1"
+        assert error_of(refused)["type"] == "no_engine"
+    finally:
+        await readmit_all(sup_router, CONSUMERS)
+    assert (await send(sup_router.url, "/ready", method="GET")).status == 200
+
+
+async def test_a_drained_engine_finishes_its_streams_and_takes_no_new_ones(
+    sup_router: RouterProcess, fleet: FakeFleet
+) -> None:
+    await readmit_all(sup_router, PRODUCERS + CONSUMERS)
+    await admin(sup_router, "POST", "/admin/engines/sd1/drain")
+    prompt = unique_prompt()
+    body = completion(prompt, max_tokens=12, fake={"decode": {"token_delay_s": 0.05}})
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(sup_router.url + "/v1/completions", json=body)
+        assert resp.status == 200
+        await resp.content.readany()  # streaming from sd0, the only consumer left
+        entry = await admin(sup_router, "POST", "/admin/engines/sd0/drain")
+        assert entry["state"] == "draining"
+        raw = await resp.read()
+    assert raw.endswith(b"data: [DONE]\n\n")  # the drained engine finished what it had
+    refused = await send(sup_router.url, "/v1/completions", completion(unique_prompt()))
+    assert refused.status == 503
+    await readmit_all(sup_router, CONSUMERS)
+    assert records(fleet, "sd0", prompt)[0]["outcome"] == "completed"
+
+
+@pytest.fixture(scope="module")
+def preflight_router(fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
+    fleet.control_request("PUT", "/engines/sp1/faults", {"version": "0.10.0"})
+    engines = [{"name": n, "role": "producer"} for n in PRODUCERS] + [{"name": "sd0", "role": "consumer"}]
+    try:
+        proc = start_router(
+            fleet, engines, tmp_path_factory.mktemp("preflight"),
+            server={"workers": 2, "admin_token": TOKEN},
+            preflight={"on_start": True},
+            recovery={"readmit_interval_s": 60, "readmit_interval_max_s": 60},
+            engine_contract={"model": "fake-model", "engine_version": ">=0.11,<0.12"},
+        )
+    finally:
+        fleet.control_request("DELETE", "/engines/sp1/faults")
+    yield proc
+    proc.stop()
+
+
+async def test_an_engine_failing_preflight_at_start_starts_ejected(
+    preflight_router: RouterProcess, fleet: FakeFleet
+) -> None:
+    entry = await engine_entry(preflight_router, "sp1")
+    assert entry["state"] == "ejected"
+    assert entry["last_failure"]["reason"] == "preflight" and entry["ejections"] == 1
+    assert (await engine_entry(preflight_router, "sp0"))["state"] == "admitted"
+    prompts = [unique_prompt() for _ in range(6)]
+    for prompt in prompts:
+        assert (await send(preflight_router.url, "/v1/completions", completion(prompt))).status == 200
+    assert all(not records(fleet, "sp1", p) for p in prompts)
+    assert "version 0.10.0 does not match >=0.11,<0.12" in preflight_router.log_text()

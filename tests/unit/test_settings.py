@@ -373,3 +373,16 @@ def test_gunicorn_conf_file_with_bad_env_exits_with_one_line(tmp_path: Path) -> 
         tmp_path,
     )
     assert_one_line_exit(proc, "server.workers: ")
+
+
+def test_an_invalid_engine_version_specifier_stops_the_start(tmp_path: Path) -> None:
+    toml = '[engine_contract]\nmodel = "m"\nengine_version = ">=zero"\n'
+    with pytest.raises(SettingsError) as info:
+        load_settings(write(tmp_path, toml), environ={})
+    assert str(info.value) == "engine_contract.engine_version: invalid PEP 440 specifier '>=zero'"
+
+
+def test_an_exact_or_specifier_engine_version_is_accepted(tmp_path: Path) -> None:
+    for pin in ("0.11.0", ">=0.10,<0.12", "~=0.11.0"):
+        toml = f'[engine_contract]\nmodel = "m"\nengine_version = "{pin}"\n'
+        assert load_settings(write(tmp_path, toml), environ={}).engine_contract.engine_version == pin

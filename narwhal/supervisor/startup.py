@@ -1,0 +1,47 @@
+"""Preflight at start-up (SPEC §6, ``preflight.on_start``): failing engines start ejected.
+
+Runs in the gunicorn master inside ``on_starting``, before the supervisor and the workers
+exist, so no request is ever placed on an engine that failed it. The verdicts are written as
+the engines' first records (no other writer exists yet); the supervisor takes them over like
+any published state, so those engines are probed back in at the readmission cadence. An
+engine failing preflight never stops the router; an invalid contract already stopped it
+when the settings were loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+from narwhal.breaker import State
+from narwhal.fleet import Fleet
+from narwhal.preflight import run_preflight
+from narwhal.settings import Settings
+from narwhal.shm.records import EngineRecord, name_hash, write_record
+from narwhal.shm.shared import SharedFleet
+
+
+def preflight_on_start(shared: SharedFleet, settings: Settings) -> set[str]:
+    report = asyncio.run(run_preflight(settings))
+    failed = report.failed_engines()
+    print(report.table(), file=sys.stderr, flush=True)
+    now = time.time()
+    for engine in Fleet(settings).engines:
+        bad = engine.name in failed
+        write_record(
+            shared.region,
+            engine.index,
+            EngineRecord(
+                version=1,
+                state=int(State.EJECTED if bad else State.ADMITTED),
+                failure_streak=0,
+                ejections=1 if bad else 0,
+                quarantined_until=None,
+                last_failure_reason="preflight" if bad else None,
+                last_failure_at=now if bad else None,
+                name_hash=name_hash(engine.name),
+            ),
+        )
+    shared.bump_generation()
+    return failed

@@ -1,0 +1,122 @@
+"""Signals and worker recycling under real gunicorn (SPEC §1 "Signals", issue: graceful lifecycle)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+
+from narwhal.harness import FakeFleet, RouterProcess, children_of, http_get, write_config
+from tests.integration.conftest import TIMEOUTS, start_router, unique_prompt, wait_until
+from tests.integration.helpers import Reply, completion, send, terminal_error
+
+ENGINES = [{"name": "p0", "role": "producer"}, {"name": "d0", "role": "consumer"}]
+
+
+def workers_of(router: RouterProcess) -> set[int]:
+    """The master's children but the watchdog (the one whose child is the supervisor)."""
+    return {pid for pid in children_of(router.proc.pid) if not children_of(pid)}
+
+
+def engines(fleet: FakeFleet) -> list[dict[str, Any]]:
+    return [dict(e) for e in ENGINES]
+
+
+async def stream_with_signal(router: RouterProcess, body: dict, sig: int, after_s: float = 0.3) -> Reply:
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(router.url + "/v1/completions", json=body)
+        assert resp.status == 200
+        first = await resp.content.readany()
+        await asyncio.sleep(after_s)
+        os.kill(router.proc.pid, sig)
+        return Reply(resp.status, resp.headers, first + await resp.read())
+
+
+async def test_sigterm_lets_a_stream_finish_and_exits_cleanly(fleet: FakeFleet, tmp_path: Any) -> None:
+    router = start_router(fleet, engines(fleet), tmp_path, server={"graceful_timeout_s": 10})
+    try:
+        body = completion(unique_prompt(), max_tokens=20, fake={"decode": {"token_delay_s": 0.05}})
+        reply = await stream_with_signal(router, body, signal.SIGTERM)
+        assert reply.events[-1] == b"[DONE]"
+        assert len(reply.events) == 21
+        assert router.proc.wait(15) == 0
+    finally:
+        router.stop()
+
+
+async def test_sigterm_ends_a_stream_that_outlives_the_graceful_timeout_with_an_event(
+    fleet: FakeFleet, tmp_path: Any
+) -> None:
+    router = start_router(fleet, engines(fleet), tmp_path, server={"graceful_timeout_s": 2})
+    try:
+        body = completion(unique_prompt(), max_tokens=200, fake={"decode": {"token_delay_s": 0.05}})
+        started = time.monotonic()
+        reply = await stream_with_signal(router, body, signal.SIGTERM, after_s=0.1)
+        assert time.monotonic() - started < 4
+        err = terminal_error(reply)
+        assert err == {"message": "the router is shutting down", "type": "shutting_down", "param": None, "code": 503}
+        assert router.proc.wait(15) == 0
+    finally:
+        router.stop()
+
+
+async def test_sighup_reloads_settings_without_dropping_a_stream(fleet: FakeFleet, tmp_path: Any) -> None:
+    conf = {"engine": dict(TIMEOUTS), "preflight": {"on_start": False}, "log": {"access_log": "", "level": "info"}}
+    config = write_config([{**e, "url": fleet.engines[e["name"]]} for e in ENGINES], conf)
+    router = RouterProcess.start(config, log_path=str(tmp_path / "router.log"))
+    try:
+        old_workers = workers_of(router)
+        # The new settings: client keys are now required.
+        with open(config, "a") as f:
+            f.write('\n[server]\napi_keys = ["k1"]\n')
+        body = completion(unique_prompt(), max_tokens=30, fake={"decode": {"token_delay_s": 0.05}})
+        reply = await stream_with_signal(router, body, signal.SIGHUP, after_s=0.1)
+        assert reply.events[-1] == b"[DONE]" and len(reply.events) == 31
+        wait_until(lambda: not (old_workers & workers_of(router)), 15, "old workers replaced")
+        denied = await send(router.url, "/v1/completions", completion(unique_prompt()))
+        assert denied.status == 401
+        allowed = await send(router.url, "/v1/completions", completion(unique_prompt()),
+                             headers={"Authorization": "Bearer k1"})
+        assert allowed.status == 200
+        # A broken file on the next reload keeps the running settings (and the router).
+        with open(config, "a") as f:
+            f.write("\n[bogus]\nx = 1\n")
+        os.kill(router.proc.pid, signal.SIGHUP)
+        wait_until(lambda: "reload refused" in router.log_text(), 10, "the refused reload logged")
+        assert (await send(router.url, "/v1/completions", completion(unique_prompt()),
+                           headers={"Authorization": "Bearer k1"})).status == 200
+    finally:
+        router.stop()
+        os.unlink(config)
+
+
+def _sample(text: str, pattern: str) -> float:
+    match = re.search(pattern, text)
+    return float(match.group(1)) if match else 0.0
+
+
+@pytest.mark.timeout(120)
+async def test_worker_recycling_keeps_counts_and_shared_state_right(fleet: FakeFleet, tmp_path: Any) -> None:
+    router = start_router(fleet, engines(fleet), tmp_path, gunicorn_args=("--max-requests", "4"),
+                          server={"workers": 2, "admin_token": "t"})
+    try:
+        first = workers_of(router)
+        n = 30
+        for _ in range(n):
+            reply = await send(router.url, "/v1/completions", completion(unique_prompt()))
+            assert reply.status == 200
+        wait_until(lambda: len(workers_of(router) - first) >= 2, 15, "workers recycled")
+        text = http_get(router.url + "/metrics")[1].decode()
+        assert _sample(text, r'narwhal_requests_total\{code="200",endpoint="/v1/completions"\} ([0-9.]+)') == n
+        assert _sample(text, r"narwhal_first_byte_seconds_count ([0-9.]+)") == n
+        reply = await send(router.url, "/admin/engines", method="GET", headers={"Authorization": "Bearer t"})
+        for entry in reply.json["engines"]:
+            assert entry["inflight"] == {"prefill": 0, "decode": 0}
+    finally:
+        router.stop()
