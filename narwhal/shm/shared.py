@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 import struct
 import time
@@ -124,15 +125,19 @@ class SharedFleet:
     def set_count(self, slot: int, engine: int, phase: int, value: int) -> None:
         self.region.set_u32(self.layout.count_offset(slot, engine, phase), value)
 
-    def totals(self) -> list[int]:
-        """In-flight legs summed over every claimed slot: index ``engine * 2 + phase``."""
-        total = [0] * (self.layout.engines * 2)
-        for slot in range(self.layout.slots):
-            if self.slot_pid(slot):
-                for i, value in enumerate(self.slot_counts(slot)):
-                    if value:
-                        total[i] += value
-        return total
+    def totals(self, engines: int | None = None) -> list[int]:
+        """In-flight legs summed over every claimed slot: index ``engine * 2 + phase``.
+
+        ``engines`` limits the sum to the first engines (the configured fleet, usually far
+        fewer than the layout's room): this runs on every placement.
+        """
+        n = self.layout.engines if engines is None else engines
+        fmt = _counts_struct(n)
+        rows = [fmt.unpack_from(self.mm, self.layout.counts_offset(s)) for s in range(self.layout.slots)
+                if self.slot_pid(s)]
+        if not rows:
+            return [0] * (n * 2)
+        return [sum(column) for column in zip(*rows, strict=True)]
 
     def engine_total(self, engine: int, phase: int) -> int:
         return sum(
@@ -179,6 +184,11 @@ class SharedFleet:
             read += 1
         self.region.set_u64(base + L.SLOT_RING_READ, read)
         return out
+
+
+@functools.lru_cache(maxsize=8)
+def _counts_struct(engines: int) -> struct.Struct:
+    return struct.Struct(f"<{engines * 2}I")
 
 
 def _with_seq(report: Report, seq: int) -> Report:

@@ -37,6 +37,7 @@ class WorkerFleetState:
         self.slot = slot
         self.fleet = fleet
         self._mine = [0] * (shared.layout.engines * 2)
+        self._n = len(fleet.engines)
         self._generation = -1
         self._records: list[EngineRecord | None] = [None] * len(fleet.engines)
         self._hashes = [name_hash(e.name) for e in fleet.engines]
@@ -76,7 +77,7 @@ class WorkerFleetState:
     # -- InflightCounts -------------------------------------------------------------------------
 
     def totals(self, phase: str) -> list[int]:
-        both = self.shared.totals()
+        both = self.shared.totals(self._n)
         p = _PHASE[phase]
         return both[p::2]
 
