@@ -62,6 +62,7 @@ def _json(data: Any, status: int = 200, **headers: str) -> web.Response:
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every response in the OpenAI error shape with x-request-id; never a traceback."""
     try:
+        _check_header_size(request)
         response = await handler(request)
     except NarwhalError as exc:
         return error_response(exc, client_request_id(request))
@@ -82,13 +83,11 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     return response
 
 
-@web.middleware
-async def _header_limit(request: web.Request, handler: Handler) -> web.StreamResponse:
+def _check_header_size(request: web.Request) -> None:
     limit = request.app[SETTINGS].server.max_header_bytes
     size = sum(len(k) + len(v) + 4 for k, v in request.raw_headers)
     if size > limit:
         raise RequestError(f"request headers exceed {limit} bytes", reason="header_too_large")
-    return await handler(request)
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
@@ -187,7 +186,7 @@ def worker_state(fleet: Fleet) -> WorkerFleetState | LocalFleetState:
 
 def build_app(settings: Settings) -> web.Application:
     app = web.Application(
-        middlewares=[_errors, _header_limit],
+        middlewares=[_errors],
         client_max_size=settings.server.max_body_bytes,
     )
     app[SETTINGS] = settings
@@ -205,7 +204,14 @@ def build_app(settings: Settings) -> web.Application:
         connector = aiohttp.TCPConnector(
             limit=0, limit_per_host=0, ssl=_ssl_context(settings), keepalive_timeout=60, enable_cleanup_closed=False
         )
-        session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
+        # No cookies and no decompression: engines set none and compress nothing, and each
+        # costs work on every upstream response.
+        session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None),
+            cookie_jar=aiohttp.DummyCookieJar(),
+            auto_decompress=False,
+        )
         fleet = Fleet(settings)
         state = worker_state(fleet)
         placement = Placement(fleet, state, state, settings.placement)

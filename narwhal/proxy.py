@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
-import uuid
+import os
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -59,11 +60,30 @@ class WorkerState(Protocol):
     def retry_finished(self) -> None: ...
 
 
+_ID_PREFIX = os.urandom(8).hex()
+_ID_COUNTER = itertools.count()
+
+
+def new_id() -> str:
+    """A unique id (32 hex digits, like a uuid4's): a random per-process prefix and a counter,
+    which is far cheaper than ``uuid4()`` on the per-request path. Forked workers re-seed."""
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
+
+
+def _reseed_ids() -> None:
+    global _ID_PREFIX, _ID_COUNTER
+    _ID_PREFIX = os.urandom(8).hex()
+    _ID_COUNTER = itertools.count()
+
+
+os.register_at_fork(after_in_child=_reseed_ids)
+
+
 def client_request_id(request: web.Request) -> str:
     given = request.headers.get("x-request-id")
     if given and len(given) <= _MAX_REQUEST_ID and given.isprintable():
         return given
-    return uuid.uuid4().hex
+    return new_id()
 
 
 def error_response(exc: NarwhalError, request_id: str) -> web.Response:
@@ -231,7 +251,7 @@ class Router:
                 resv.producer,
                 req.endpoint,
                 req.body,
-                request_id=uuid.uuid4().hex,
+                request_id=new_id(),
                 crossed=resv.crossed,
                 deadline=req.deadline,
                 headers=req.forward,

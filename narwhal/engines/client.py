@@ -33,6 +33,7 @@ from narwhal.errors import DeadlineExceeded, EngineClientError, EngineError, Pha
 from narwhal.settings import EngineSettings
 
 _JSON = "application/json"
+_DRAIN_S = 1.0
 
 
 class EngineRef(Protocol):
@@ -183,6 +184,14 @@ class EngineClient:
                 return
             async for span in self._relay(resp, name, first_bound, deadline):
                 yield span
+            # After [DONE], read the end of the chunked body (normally already here): a
+            # response released before its end closes the connection instead of pooling it.
+            if not resp.content.at_eof():
+                try:
+                    async with asyncio.timeout(_DRAIN_S):
+                        await resp.read()
+                except (TimeoutError, *_TRANSPORT_ERRORS):
+                    return  # finally closes it
             finished = True
         finally:
             if resp is not None:

@@ -20,8 +20,9 @@ ENGINES = [{"name": "p0", "role": "producer"}, {"name": "d0", "role": "consumer"
 
 
 def workers_of(router: RouterProcess) -> set[int]:
-    """The master's children but the watchdog (the one whose child is the supervisor)."""
-    return {pid for pid in children_of(router.proc.pid) if not children_of(pid)}
+    """Live workers: the master's children that gunicorn booted as workers (its log names them)."""
+    booted = {int(pid) for pid in re.findall(r"Booting worker with pid: (\d+)", router.log_text())}
+    return booted & set(children_of(router.proc.pid))
 
 
 def engines(fleet: FakeFleet) -> list[dict[str, Any]]:
@@ -104,7 +105,7 @@ def _sample(text: str, pattern: str) -> float:
 @pytest.mark.timeout(120)
 async def test_worker_recycling_keeps_counts_and_shared_state_right(fleet: FakeFleet, tmp_path: Any) -> None:
     router = start_router(fleet, engines(fleet), tmp_path, gunicorn_args=("--max-requests", "4"),
-                          server={"workers": 2, "admin_token": "t"})
+                          server={"workers": 2, "admin_token": "t"}, log={"level": "info", "access_log": ""})
     try:
         first = workers_of(router)
         n = 30

@@ -1,0 +1,353 @@
+"""The closed-loop load generator: N virtual users, each sending its next request when the last ends.
+
+Why closed loop: a router's cost shows up as lower throughput and higher latency at a fixed
+number of users, which is how the issue states its targets (concurrency 1, 32, 128, 1,000), and
+a closed loop can never build an unbounded backlog on a small shared machine.
+
+Why so little work per chunk: on a 2-core host the load generator competes with the router and
+the engines for the same CPUs. Events are parsed (orjson) only until the first generated token is
+found — that is what time-to-first-byte needs — and afterwards only counted.
+
+What is measured in a round: requests *completed* inside the window [t0, t1) after a warm-up,
+with CPU snapshots of every process group taken at t0 and t1, so CPU per request divides the CPU
+spent in the window by the requests completed in it (steady state). Errors are counted over the
+whole round, warm-up and drain included: an error is never hidden by timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+
+from perf import procs
+
+MODEL = "fake-model"
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+# 32 words: the fake counts words as tokens, so a prefill pins 2 KV blocks of 16.
+PROMPT = " ".join(f"word{i}" for i in range(32))
+HEADERS = {"Content-Type": "application/json"}
+DONE = b"data: [DONE]"
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """What every request of a scenario looks like (the same bytes go to every target)."""
+
+    endpoint: str = COMPLETIONS
+    stream: bool = True
+    tokens: int = 16
+    fault: Mapping[str, Any] | None = None  # the fake engine's per-request ``narwhal_fake``
+
+    def data(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"model": MODEL, "max_tokens": self.tokens, "stream": self.stream}
+        if self.endpoint == CHAT:
+            data["messages"] = [{"role": "user", "content": PROMPT}]
+        else:
+            data["prompt"] = PROMPT
+        if self.fault is not None:
+            data["narwhal_fake"] = dict(self.fault)
+        return data
+
+    def body(self) -> bytes:
+        return orjson.dumps(self.data())
+
+    def prefill_body(self) -> bytes:
+        """The producer leg as a PD proxy sends it (SPEC §3 step 3), for the client-side PD floor."""
+        data = self.data()
+        data.update(stream=False, max_tokens=1, ignore_eos=True, kv_transfer_params=PREFILL_KV)
+        return orjson.dumps(data)
+
+
+PREFILL_KV = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class PdLegs:
+    """``direct-pd``: the load generator itself does prefill then decode, as a zero-cost router would.
+
+    It measures the floor any PD router has on this fleet (the prefill round trip and the
+    consumer's KV read), so "router overhead" can be told apart from "PD overhead".
+    """
+
+    prefill_url: str
+    prefill_body: bytes
+    decode: dict[str, Any]
+
+
+async def _pd_decode_body(session: aiohttp.ClientSession, legs: PdLegs) -> bytes | Outcome:
+    async with session.post(legs.prefill_url, data=legs.prefill_body, headers=HEADERS) as resp:
+        data = await resp.read()
+        if resp.status != 200:
+            return Outcome(False, error=f"prefill_{resp.status}")
+    try:
+        descriptor = orjson.loads(data)["kv_transfer_params"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return Outcome(False, error="prefill_no_descriptor")
+    return orjson.dumps({**legs.decode, "kv_transfer_params": descriptor})
+
+
+@dataclass(slots=True)
+class Outcome:
+    ok: bool
+    ttfb: float = 0.0
+    total: float = 0.0
+    tokens: int = 0
+    error: str = ""
+
+
+def new_session() -> aiohttp.ClientSession:
+    """One pooled session per target: no connection cap (aiohttp's default is 100)."""
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60, enable_cleanup_closed=False)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False)
+
+
+def _is_token(event: bytes) -> bool:
+    """Does this SSE event carry generated output (SPEC §4: text, content, finish_reason …)?"""
+    for line in event.split(b"\n"):
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            return False
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return False
+        choices = obj.get("choices") if isinstance(obj, dict) else None
+        for choice in choices if isinstance(choices, list) else ():
+            if not isinstance(choice, dict):
+                continue
+            if choice.get("text") or choice.get("finish_reason") is not None:
+                return True
+            delta = choice.get("delta")
+            if isinstance(delta, dict) and (delta.get("content") or delta.get("tool_calls")):
+                return True
+    return False
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, start: float) -> Outcome:
+    carry = b""
+    ttfb = 0.0
+    tokens = 0
+    done = False
+    content = resp.content
+    while chunk := await content.readany():
+        data = carry + chunk if carry else chunk
+        events = data.split(b"\n\n")
+        carry = events.pop()
+        for event in events:
+            if not event:
+                continue
+            if event.startswith(DONE):
+                done = True
+            elif b'"error"' in event:
+                return Outcome(False, error="stream_error")
+            elif tokens:
+                tokens += 1  # after the first token every event is counted, not parsed
+            elif _is_token(event):
+                ttfb = time.perf_counter() - start
+                tokens = 1
+    if not done:
+        return Outcome(False, error="incomplete_stream")
+    if not tokens:
+        return Outcome(False, error="no_token")
+    return Outcome(True, ttfb=ttfb, tokens=tokens)
+
+
+async def _read_body(resp: aiohttp.ClientResponse, start: float) -> Outcome:
+    content = resp.content
+    first = await content.readany()
+    ttfb = time.perf_counter() - start
+    parts = [first]
+    while chunk := await content.readany():
+        parts.append(chunk)
+    try:
+        obj = orjson.loads(b"".join(parts))
+        tokens = int(obj["usage"]["completion_tokens"])
+        if not obj.get("choices"):
+            raise KeyError("choices")
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        return Outcome(False, error="bad_body")
+    return Outcome(True, ttfb=ttfb, tokens=tokens)
+
+
+async def one_request(
+    session: aiohttp.ClientSession, url: str, body: bytes, stream: bool, timeout_s: float, pd: PdLegs | None = None
+) -> Outcome:
+    """Send one request and read all of it; never raises (failures become ``Outcome.error``)."""
+    start = time.perf_counter()
+    try:
+        async with asyncio.timeout(timeout_s):
+            if pd is not None:
+                decode = await _pd_decode_body(session, pd)
+                if isinstance(decode, Outcome):
+                    return decode
+                body = decode
+            async with session.post(url, data=body, headers=HEADERS) as resp:
+                if resp.status != 200:
+                    await resp.read()
+                    return Outcome(False, error=str(resp.status))
+                out = await (_read_stream(resp, start) if stream else _read_body(resp, start))
+    except TimeoutError:
+        return Outcome(False, error="timeout")
+    except (aiohttp.ClientError, OSError) as exc:
+        return Outcome(False, error=type(exc).__name__)
+    out.total = time.perf_counter() - start
+    return out
+
+
+Groups = Mapping[str, list[int]]
+
+
+@dataclass(slots=True)
+class Snapshot:
+    at: float
+    cpu: dict[str, dict[str, float]]  # group -> role -> CPU seconds so far
+    client: float
+    host: procs.HostCpu
+
+    @classmethod
+    def take(cls, groups: Groups) -> Snapshot:
+        return cls(
+            time.perf_counter(),
+            {name: procs.cpu_by_role(pids) for name, pids in groups.items()},
+            procs.self_cpu_seconds(),
+            procs.HostCpu.read(),
+        )
+
+
+@dataclass(slots=True)
+class RoundResult:
+    """One target, one round: raw samples plus CPU deltas of every process group."""
+
+    target: str
+    window_s: float = 0.0
+    requests: int = 0
+    tokens: int = 0
+    ttfb: list[float] = field(default_factory=list)
+    latency: list[float] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)
+    cpu: dict[str, float] = field(default_factory=dict)  # group -> CPU seconds in the window
+    cpu_roles: dict[str, dict[str, float]] = field(default_factory=dict)  # group -> role -> seconds
+    client_cpu: float = 0.0
+    host: dict[str, float] = field(default_factory=dict)  # HostCpu.delta: tasks, irq, steal, total
+    unfinished: int = 0
+
+
+async def run_round(
+    session: aiohttp.ClientSession,
+    target: str,
+    url: str,
+    workload: Workload,
+    concurrency: int,
+    duration_s: float,
+    warmup_s: float,
+    groups: Groups,
+    timeout_s: float = 60.0,
+    drain_s: float = 30.0,
+    prefill_url: str | None = None,
+) -> RoundResult:
+    """Closed loop at ``concurrency`` users against ``url`` for warm-up + ``duration_s``."""
+    body = workload.body()
+    full_url = url + workload.endpoint
+    pd = None
+    if prefill_url is not None:
+        pd = PdLegs(prefill_url + workload.endpoint, workload.prefill_body(), workload.data())
+    stream = workload.stream
+    done_at: list[tuple[float, Outcome]] = []
+    errors: Counter[str] = Counter()
+    stop = False
+
+    async def user() -> None:
+        while not stop:
+            out = await one_request(session, full_url, body, stream, timeout_s, pd)
+            if out.ok:
+                done_at.append((time.perf_counter(), out))
+            else:
+                errors[out.error] += 1
+                await asyncio.sleep(0.01)  # an erroring target must not turn into a busy loop
+
+    tasks = [asyncio.ensure_future(user()) for _ in range(concurrency)]
+    result = RoundResult(target)
+    try:
+        await asyncio.sleep(warmup_s)
+        before = Snapshot.take(groups)
+        await asyncio.sleep(duration_s)
+        after = Snapshot.take(groups)
+    except BaseException:  # cancelled (Ctrl-C, SIGTERM): stop at once, no drain
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    stop = True
+    _, pending = await asyncio.wait(tasks, timeout=drain_s)
+    for task in pending:
+        task.cancel()
+    if pending:
+        await asyncio.wait(pending)
+    result.unfinished = len(pending)
+    result.window_s = after.at - before.at
+    for name in groups:
+        a, b = after.cpu[name], before.cpu[name]
+        # A process that exited in between is in its parent's cutime after: roles can go negative
+        # one by one, their sum cannot.
+        result.cpu_roles[name] = {r: a.get(r, 0.0) - b.get(r, 0.0) for r in set(a) | set(b)}
+        result.cpu[name] = sum(result.cpu_roles[name].values())
+    result.client_cpu = after.client - before.client
+    result.host = after.host.delta(before.host)
+    for at, out in done_at:
+        if before.at <= at < after.at:
+            result.requests += 1
+            result.tokens += out.tokens
+            result.ttfb.append(out.ttfb)
+            result.latency.append(out.total)
+    result.errors = errors
+    if result.unfinished:
+        result.errors["unfinished_at_drain"] += result.unfinished
+    return result
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in 0..100) of unsorted ``values``; None when empty."""
+    if not values:
+        return None
+    data = sorted(values)
+    if len(data) == 1:
+        return data[0]
+    pos = (len(data) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+async def wait_until_serving(
+    session: aiohttp.ClientSession, url: str, timeout_s: float, alive: Callable[[], bool] = lambda: True
+) -> None:
+    """Poll a one-token completion until it answers 200 (a peer router's readiness)."""
+    body = Workload(stream=False, tokens=1).body()
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        if not alive():
+            raise RuntimeError(f"{url}: process exited before serving")
+        out = await one_request(session, url + COMPLETIONS, body, False, 5.0)
+        if out.ok:
+            return
+        last = out.error
+        await asyncio.sleep(0.25)
+    raise TimeoutError(f"{url}: no 200 to a completion within {timeout_s:g}s (last: {last})")

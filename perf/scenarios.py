@@ -1,0 +1,349 @@
+"""The scenarios of the issue, and how one is run: targets interleaved in short rounds, then pooled.
+
+Why interleaving: the host is shared and noisy (other engineers' test runs, CI). A router
+figure measured a minute after its direct baseline would mostly measure the minute; rotating
+the order of targets every round and pooling the rounds makes every ratio come from the same
+stretch of time. The host's busy CPU not accounted to our processes is reported per scenario
+("other CPU %") so a noisy run can be recognised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from perf.load import CHAT, COMPLETIONS, RoundResult, Workload, new_session, percentile, run_round
+from perf.profile import Profiler
+from perf.profile import summarize as summarize_profile
+from perf.stack import Stack, Target
+
+PACED_FAULT = {"decode": {"token_delay_s": 0.01}}
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    title: str
+    kind: str = "load"  # "load", "sweep" or "memory"
+    workload: Workload = Workload()
+    concurrency: int = 32
+    targets: tuple[str, ...] = ("narwhal", "direct", "direct-pd", "peer")
+    warmup_s: float = 0.4
+    workers: tuple[int, ...] = ()  # the sweep's worker counts
+    streams: int = 0  # memory: slow streams held open at once
+    expects_errors: bool = False
+
+
+def sweep_workers(cores: int) -> tuple[int, ...]:
+    """1, 2, 4 … up to 2 × cores (the last step is 2 × cores even when not a power of two)."""
+    out = [1]
+    while out[-1] * 2 <= 2 * cores:
+        out.append(out[-1] * 2)
+    if out[-1] != 2 * cores:
+        out.append(2 * cores)
+    return tuple(out)
+
+
+def all_scenarios(quick: bool, cores: int | None = None) -> list[Scenario]:
+    """Every scenario, full size or ``--quick`` size (same names, smaller counts)."""
+    cores = cores or os.cpu_count() or 1
+    stream = Workload(COMPLETIONS, stream=True, tokens=16)
+    paced = Workload(COMPLETIONS, stream=True, tokens=16, fault=PACED_FAULT)
+    sweep = sweep_workers(cores)
+    if quick:
+        sweep = sweep[:2]
+    big = 200 if quick else 1000
+    scenarios = [
+        Scenario("stream_c1", "streaming completions, 16 tokens, c=1", workload=stream, concurrency=1),
+        Scenario("stream_c32", "streaming completions, 16 tokens, c=32", workload=stream, concurrency=32),
+        Scenario("stream_c128", "streaming completions, 16 tokens, c=128", workload=stream, concurrency=128),
+        Scenario("paced_c128", "paced decode 10 ms/token, 16 tokens, c=128", workload=paced, concurrency=128),
+        Scenario(
+            "paced_c1000",
+            f"paced decode 10 ms/token, 16 tokens, c={big}",
+            workload=paced,
+            concurrency=big,
+            warmup_s=0.8 if quick else 1.5,
+        ),
+        Scenario(
+            "nonstream_c32",
+            "non-streaming completions, 16 tokens, c=32",
+            workload=Workload(COMPLETIONS, stream=False, tokens=16),
+            concurrency=32,
+        ),
+        Scenario(
+            "chat_c32",
+            "streaming chat completions, 16 tokens, c=32",
+            workload=Workload(CHAT, stream=True, tokens=16),
+            concurrency=32,
+        ),
+        Scenario(
+            "accesslog_c32",
+            "streaming, c=32: access log to a file vs none",
+            workload=stream,
+            concurrency=32,
+            targets=("narwhal", "narwhal+log", "direct"),
+        ),
+        Scenario(
+            "workers",
+            "worker sweep: streaming, 16 tokens, c=128",
+            kind="sweep",
+            workload=stream,
+            concurrency=128,
+            workers=sweep,
+            targets=(*(f"narwhal-w{n}" for n in sweep), "direct"),
+        ),
+        Scenario(
+            "memory",
+            f"memory: {big} open slow streams",
+            kind="memory",
+            concurrency=big,
+            streams=big,
+            targets=("narwhal-mem", "peer-mem"),  # fresh processes: earlier load would set the baseline
+        ),
+    ]
+    if quick:
+        scenarios = [replace(s, warmup_s=0.5 if s.concurrency > 128 else 0.2) for s in scenarios]
+    return scenarios
+
+
+def select(scenarios: list[Scenario], spec: str | None) -> list[Scenario]:
+    """``--scenarios a,b``: exact names or prefixes (``stream`` selects stream_c1, stream_c32 …)."""
+    if not spec:
+        return scenarios
+    wanted = [w.strip() for w in spec.split(",") if w.strip()]
+    chosen = [s for s in scenarios if any(s.name == w or s.name.startswith(w) for w in wanted)]
+    unknown = [w for w in wanted if not any(s.name == w or s.name.startswith(w) for s in scenarios)]
+    if unknown:
+        names = ", ".join(s.name for s in scenarios)
+        raise SystemExit(f"perf: unknown scenario {unknown[0]!r} (known: {names})")
+    return chosen
+
+
+def ensure_targets(stack: Stack, scenario: Scenario) -> list[Target]:
+    """Start the routers a scenario needs (the peer is started once, up front, or never)."""
+    out: list[Target] = []
+    for name in scenario.targets:
+        if name in stack.targets:
+            out.append(stack.targets[name])
+        elif name == "narwhal":
+            out.append(stack.narwhal("narwhal"))
+        elif name == "narwhal-mem":
+            out.append(stack.narwhal(name))
+        elif name == "peer-mem" and stack.peer_template and "peer" in stack.targets:
+            started = stack.start_peer(stack.peer_template, name)
+            if started is not None:
+                out.append(started)
+        elif name == "narwhal+log":
+            out.append(stack.narwhal("narwhal+log", access_log=True))
+        elif name.startswith("narwhal-w"):
+            out.append(stack.narwhal(name, workers=int(name.removeprefix("narwhal-w"))))
+        # "peer" when no peer runs: silently absent, the report says why
+    return out
+
+
+async def run_load(
+    stack: Stack,
+    scenario: Scenario,
+    targets: list[Target],
+    rounds: int,
+    duration_s: float,
+    profile_dir: Path | None = None,
+) -> tuple[dict[str, list[RoundResult]], dict[str, Any] | None]:
+    """Rounds of every target in rotating order, each on its own warm connection pool.
+
+    With ``profile_dir``, one extra unmeasured round of the first Narwhal target runs under
+    py-spy afterwards (a profiler costs CPU: it must not touch the measured rounds).
+    """
+    sessions = {t.name: new_session() for t in targets}
+    results: dict[str, list[RoundResult]] = {t.name: [] for t in targets}
+    profile: dict[str, Any] | None = None
+    try:
+        for r in range(rounds):
+            k = r % len(targets)
+            for target in targets[k:] + targets[:k]:
+                if not target.alive():
+                    raise RuntimeError(f"{target.name} is not running any more")
+                result = await run_round(
+                    sessions[target.name],
+                    target.name,
+                    target.url,
+                    scenario.workload,
+                    scenario.concurrency,
+                    duration_s,
+                    scenario.warmup_s,
+                    stack.groups(),
+                    prefill_url=target.prefill_url,
+                )
+                results[target.name].append(result)
+        narwhal = [t for t in targets if t.kind == "narwhal"]
+        if profile_dir is not None and narwhal:
+            profile = await _profiled_round(
+                stack, scenario, narwhal[0], sessions[narwhal[0].name], duration_s, profile_dir
+            )
+    finally:
+        for session in sessions.values():
+            await session.close()
+    return results, profile
+
+
+async def _profiled_round(
+    stack: Stack, scenario: Scenario, target: Target, session: Any, duration_s: float, out_dir: Path
+) -> dict[str, Any]:
+    seconds = max(2.0, duration_s)
+    try:
+        profiler = Profiler(target.pids, seconds + scenario.warmup_s, out_dir, scenario.name)
+    except FileNotFoundError as exc:
+        return {"error": str(exc)}
+    result = await run_round(
+        session,
+        target.name,
+        target.url,
+        scenario.workload,
+        scenario.concurrency,
+        seconds,
+        scenario.warmup_s,
+        stack.groups(),
+    )
+    paths = await asyncio.to_thread(profiler.wait)
+    summary = summarize_profile(paths)
+    summary["target"] = target.name
+    summary["round_rps"] = round(result.requests / result.window_s, 1) if result.window_s else None
+    return summary
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000.0, 3)
+
+
+def _us_per(cpu_s: float, requests: int) -> float | None:
+    return round(cpu_s * 1e6 / requests, 1) if requests else None
+
+
+def summarize(target: Target, rounds: list[RoundResult], cores: int) -> dict[str, Any]:
+    """Pool one target's rounds into the figures of the report."""
+    requests = sum(r.requests for r in rounds)
+    window = sum(r.window_s for r in rounds) or 1e-9
+    tokens = sum(r.tokens for r in rounds)
+    ttfb = [x for r in rounds for x in r.ttfb]
+    latency = [x for r in rounds for x in r.latency]
+    errors: Counter[str] = Counter()
+    for r in rounds:
+        errors.update(r.errors)
+    router_cpu = sum(r.cpu.get(target.name, 0.0) for r in rounds) if target.pids else 0.0
+    engine_cpu = sum(r.cpu.get("producer", 0.0) + r.cpu.get("consumer", 0.0) for r in rounds)
+    ours = sum(sum(r.cpu.values()) + r.client_cpu for r in rounds)
+    groups = sorted({g for r in rounds for g in r.cpu})
+    cores_used = {g: round(sum(r.cpu.get(g, 0.0) for r in rounds) / window, 3) for g in groups}
+    cores_used["client"] = round(sum(r.client_cpu for r in rounds) / window, 3)
+    host = {k: sum(r.host.get(k, 0.0) for r in rounds) for k in ("tasks", "irq", "steal", "total")}
+    capacity = window * cores
+    return {
+        "target": target.name,
+        "kind": target.kind,
+        "requests": requests,
+        "window_s": round(window, 3),
+        "rps": round(requests / window, 2),
+        "tokens_per_s": round(tokens / window, 1),
+        "ttfb_ms": {"p50": _ms(percentile(ttfb, 50)), "p99": _ms(percentile(ttfb, 99))},
+        "latency_ms": {"p50": _ms(percentile(latency, 50)), "p99": _ms(percentile(latency, 99))},
+        "errors": {"count": sum(errors.values()), "by_status": dict(sorted(errors.items()))},
+        "router_cpu_us_per_req": _us_per(router_cpu, requests) if target.pids else None,
+        "router_cpu_by_process_us_per_req": {
+            role: _us_per(sum(r.cpu_roles.get(target.name, {}).get(role, 0.0) for r in rounds), requests)
+            for role in sorted({x for r in rounds for x in r.cpu_roles.get(target.name, {})})
+        }
+        if target.pids
+        else None,
+        "engine_cpu_us_per_req": _us_per(engine_cpu, requests),
+        "producer_cpu_us_per_req": _us_per(sum(r.cpu.get("producer", 0.0) for r in rounds), requests),
+        "consumer_cpu_us_per_req": _us_per(sum(r.cpu.get("consumer", 0.0) for r in rounds), requests),
+        "client_cpu_us_per_req": _us_per(sum(r.client_cpu for r in rounds), requests),
+        "host_busy_pct": round(100.0 * (host["tasks"] + host["irq"]) / capacity, 1),
+        "irq_pct": round(100.0 * host["irq"] / capacity, 1),
+        "steal_pct": round(100.0 * host["steal"] / capacity, 1),
+        "other_cpu_pct": round(100.0 * max(0.0, host["tasks"] - ours) / capacity, 1),
+        "cores_used": cores_used,
+        "rounds_rps": [round(r.requests / r.window_s, 1) if r.window_s else 0.0 for r in rounds],
+        "detail": dict(target.detail),
+    }
+
+
+def compare(stats: dict[str, dict[str, Any]], rounds: dict[str, list[RoundResult]]) -> None:
+    """Add ratios to "direct" (same run) to every other target's figures, in place."""
+    direct = stats.get("direct")
+    if direct is None:
+        return
+    direct_rounds = rounds.get("direct", [])
+    for name, s in stats.items():
+        if name == "direct":
+            continue
+        s["vs_direct"] = ratios(s, direct)
+        per_round = [
+            (a.requests / a.window_s) / (b.requests / b.window_s)
+            for a, b in zip(rounds.get(name, []), direct_rounds, strict=False)
+            if a.window_s and b.window_s and b.requests
+        ]
+        s["vs_direct"]["rps_ratio_rounds"] = [round(x, 3) for x in per_round]
+
+
+def ratios(s: dict[str, Any], d: dict[str, Any]) -> dict[str, Any]:
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a is not None and b else None
+
+    def diff(a: float | None, b: float | None) -> float | None:
+        return round(a - b, 3) if a is not None and b is not None else None
+
+    return {
+        "rps_ratio": ratio(s["rps"], d["rps"]),
+        "tokens_ratio": ratio(s["tokens_per_s"], d["tokens_per_s"]),
+        "ttfb_p50_added_ms": diff(s["ttfb_ms"]["p50"], d["ttfb_ms"]["p50"]),
+        "ttfb_p99_added_ms": diff(s["ttfb_ms"]["p99"], d["ttfb_ms"]["p99"]),
+        "latency_p50_ratio": ratio(s["latency_ms"]["p50"], d["latency_ms"]["p50"]),
+        "latency_p99_ratio": ratio(s["latency_ms"]["p99"], d["latency_ms"]["p99"]),
+    }
+
+
+@dataclass(slots=True)
+class ScenarioResult:
+    scenario: Scenario
+    stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        s = self.scenario
+        workload = {
+            "endpoint": s.workload.endpoint,
+            "stream": s.workload.stream,
+            "tokens": s.workload.tokens,
+            "narwhal_fake": s.workload.fault,
+        }
+        ceiling = None
+        decode = (s.workload.fault or {}).get("decode") or {}
+        if s.kind != "memory" and decode.get("token_delay_s") and s.workload.tokens > 1:
+            # The fake sends the first token at once, then one every token_delay_s.
+            ceiling = round(s.concurrency / ((s.workload.tokens - 1) * decode["token_delay_s"]), 1)
+        return {
+            "name": s.name,
+            "title": s.title,
+            "kind": s.kind,
+            "concurrency": s.concurrency,
+            "ceiling_rps": ceiling,
+            "workload": workload if s.kind != "memory" else None,
+            "expects_errors": s.expects_errors,
+            "targets": self.stats,
+            **self.extra,
+        }
+
+
+def recommend_workers(stats: dict[str, dict[str, Any]], within: float = 0.05) -> int | None:
+    """The smallest worker count whose throughput is within ``within`` of the best."""
+    sweep = {int(k.removeprefix("narwhal-w")): v["rps"] for k, v in stats.items() if k.startswith("narwhal-w")}
+    if not sweep:
+        return None
+    best = max(sweep.values())
+    return min(n for n, rps in sweep.items() if rps >= (1.0 - within) * best)

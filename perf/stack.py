@@ -1,0 +1,312 @@
+"""The processes under test: two fake-engine fleets, Narwhal routers under gunicorn, an optional peer.
+
+Why two fleet processes: the peer's reference command is PD mode with one producer and one
+consumer, so Narwhal gets the same topology; and on a 2-core host a single fleet process
+serving both legs would be the bottleneck, so producer and consumer are separate OS processes
+(the consumer then reads the producer's KV over the fake's HTTP side channel, as a real NIXL
+consumer reads over the network). The direct baseline sends the same bodies to that consumer.
+
+Every process is started in its own session (process group) and stopped in ``close()``, which
+the caller runs in ``finally``: gunicorn through the harness' ``stop_gunicorn``, the fleets
+through ``FakeFleet.stop``, the peer with SIGTERM to its group and SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from narwhal.harness import FakeFleet, RouterProcess, write_config
+from perf.load import COMPLETIONS, MODEL, Workload
+
+# The issue's reference peer: the Rust vllm-router 0.1.17 in PD mode (``--peer vllm-router``).
+VLLM_ROUTER = (
+    "vllm-router --vllm-pd-disaggregation --prefill {producer_url} --decode {consumer_url} "
+    "--host 127.0.0.1 --port {port} --policy round_robin --prometheus-port {free_port}"
+)
+PEER_READY_TIMEOUT_S = 90.0
+PEER_STOP_GRACE_S = 5.0
+
+
+@dataclass(slots=True)
+class Target:
+    """Where a round sends its load, and which process trees are "the router" for CPU/memory."""
+
+    name: str
+    kind: str  # "narwhal", "direct" or "peer"
+    url: str
+    pids: list[int] = field(default_factory=list)
+    alive: Callable[[], bool] = lambda: True
+    detail: dict[str, object] = field(default_factory=dict)
+    prefill_url: str | None = None  # "direct-pd": the load generator runs the prefill leg itself
+
+
+def router_sections(workers: int, access_log: str) -> dict[str, dict[str, object]]:
+    """Narwhal settings for perf: no preflight, quiet logs, timeouts that never fire."""
+    return {
+        # No graceful_timeout_s: a float reaches gunicorn as "5.0", which it refuses (see the report).
+        "server": {"workers": workers},
+        "request": {"deadline_s": 600},
+        "engine": {"prefill_timeout_s": 60, "first_token_timeout_s": 60, "decode_read_timeout_s": 60},
+        "handoff": {"max_age_s": 120},
+        "placement": {"queue_timeout_s": 30, "max_queue": 100000},
+        "preflight": {"on_start": False},
+        "log": {"level": "warning", "access_log": access_log},
+    }
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def expand_peer(template: str) -> str:
+    return VLLM_ROUTER if template.strip() == "vllm-router" else template
+
+
+def _resolve(argv: list[str]) -> list[str]:
+    """Find a bare executable on PATH or next to this interpreter (a venv's bin/)."""
+    if argv and os.sep not in argv[0] and shutil.which(argv[0]) is None:
+        beside = Path(sys.executable).parent / argv[0]
+        if beside.exists():
+            argv = [str(beside), *argv[1:]]
+    return argv
+
+
+def _completion_ok(url: str) -> tuple[bool, str]:
+    req = urllib.request.Request(url + COMPLETIONS, data=Workload(stream=False, tokens=1).body(), method="POST")
+    req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            resp.read()
+            return resp.status == 200, str(resp.status)
+    except urllib.error.HTTPError as exc:
+        return False, str(exc.code)
+    except (urllib.error.URLError, OSError) as exc:
+        return False, type(exc).__name__
+
+
+class Peer:
+    """Another router's command line, run for comparison on the same fleet."""
+
+    def __init__(self, template: str, producer_url: str, consumer_url: str, log_path: Path) -> None:
+        self.template = expand_peer(template)
+        self.port = free_port()
+        extra = free_port()
+        while extra == self.port:
+            extra = free_port()
+        try:
+            self.command = self.template.format(
+                producer_url=producer_url, consumer_url=consumer_url, port=self.port, free_port=extra
+            )
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(
+                f"--peer: bad template ({exc!r}); use {{producer_url}}, {{consumer_url}}, {{port}}, {{free_port}}"
+            ) from None
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        argv = _resolve(shlex.split(self.command))
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_serving(self, timeout_s: float = PEER_READY_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        last = ""
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"peer exited with {self.proc.returncode} (log: {self.log_path})")
+            ok, last = _completion_ok(self.url)
+            if ok:
+                return
+            time.sleep(0.25)
+        raise TimeoutError(f"peer gave no 200 within {timeout_s:g}s (last: {last}; log: {self.log_path})")
+
+    def stop(self) -> None:
+        if self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, PEER_STOP_GRACE_S), (signal.SIGKILL, 5.0)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+class Stack:
+    """Starts what the scenarios need, lazily, and stops everything in ``close()``."""
+
+    def __init__(
+        self, out_dir: Path, *, workers: int, coalesce: bool = False, lease_s: float = 120.0, fleet: str = "split"
+    ) -> None:
+        self.out_dir = out_dir
+        self.fleet = fleet
+        self.workers = workers
+        self.coalesce = coalesce
+        self.lease_s = lease_s
+        self.producer: FakeFleet | None = None
+        self.consumer: FakeFleet | None = None
+        self.routers: dict[str, RouterProcess] = {}
+        self.configs: list[str] = []
+        self.access_logs: list[Path] = []
+        self.peers: dict[str, Peer] = {}
+        self.peer_template: str | None = None
+        self.peer_error: str | None = None
+        self.targets: dict[str, Target] = {}
+
+    # -- fleets --------------------------------------------------------------------------------
+
+    def start_fleets(self) -> None:
+        args = ["--model", MODEL, "--lease-s", str(self.lease_s), "--tokens", "16"]
+        if self.coalesce:
+            args.append("--coalesce")
+        if self.fleet == "single":
+            # One process for both: the KV read is an in-process lookup, but one core at most.
+            self.producer = self.consumer = FakeFleet.start(["p0", "d0"], args=args)
+        else:
+            self.producer = FakeFleet.start(["p0"], args=args)
+            self.consumer = FakeFleet.start(["d0"], args=args)
+        self.targets["direct"] = Target(
+            "direct",
+            "direct",
+            self.consumer_url,
+            [],
+            alive=lambda: self.consumer is not None and self.consumer.proc.poll() is None,
+        )
+        self.targets["direct-pd"] = Target(
+            "direct-pd",
+            "direct",
+            self.consumer_url,
+            [],
+            alive=lambda: self.consumer is not None and self.consumer.proc.poll() is None,
+            prefill_url=self.producer_url,
+        )
+
+    @property
+    def producer_url(self) -> str:
+        assert self.producer is not None
+        return self.producer.engines["p0"]
+
+    @property
+    def consumer_url(self) -> str:
+        assert self.consumer is not None
+        return self.consumer.engines["d0"]
+
+    def engine_groups(self) -> dict[str, list[int]]:
+        assert self.producer is not None and self.consumer is not None
+        if self.producer is self.consumer:
+            return {"producer": [], "consumer": [self.consumer.proc.pid]}
+        return {"producer": [self.producer.proc.pid], "consumer": [self.consumer.proc.pid]}
+
+    def groups(self) -> dict[str, list[int]]:
+        """Every process tree this suite started, by group: engines and each router target."""
+        out = self.engine_groups()
+        for target in self.targets.values():
+            if target.pids:
+                out[target.name] = target.pids
+        return out
+
+    # -- routers -------------------------------------------------------------------------------
+
+    def narwhal(self, name: str, workers: int | None = None, access_log: bool = False) -> Target:
+        """A Narwhal router under gunicorn (1 producer + 1 consumer), started once per name."""
+        if name in self.targets:
+            return self.targets[name]
+        workers = workers or self.workers
+        log_target = ""
+        if access_log:
+            path = self.out_dir / f"access-{name}.log"
+            self.access_logs.append(path)
+            log_target = str(path)
+        engines = [
+            {"name": "p0", "url": self.producer_url, "role": "producer"},
+            {"name": "d0", "url": self.consumer_url, "role": "consumer"},
+        ]
+        config = write_config(engines, router_sections(workers, log_target))
+        self.configs.append(config)
+        router = RouterProcess.start(config, log_path=str(self.out_dir / f"router-{name}.log"), timeout=60)
+        self.routers[name] = router
+        target = Target(
+            name,
+            "narwhal",
+            router.url,
+            [router.proc.pid],
+            alive=lambda: router.proc.poll() is None,
+            detail={"workers": workers, "access_log": bool(access_log)},
+        )
+        self.targets[name] = target
+        return target
+
+    def stop_router(self, name: str) -> None:
+        router = self.routers.pop(name, None)
+        self.targets.pop(name, None)
+        if router is not None:
+            router.stop(timeout=10)
+
+    # -- peer ----------------------------------------------------------------------------------
+
+    def start_peer(self, template: str, name: str = "peer") -> Target | None:
+        """Start the peer router; on failure remember why and carry on without it."""
+        self.peer_template = template
+        try:
+            peer = Peer(template, self.producer_url, self.consumer_url, self.out_dir / f"{name}.log")
+        except (ValueError, OSError) as exc:
+            self.peer_error = str(exc)
+            return None
+        self.peers[name] = peer
+        try:
+            peer.wait_serving()
+        except (RuntimeError, TimeoutError) as exc:
+            self.peer_error = str(exc)
+            self.stop_peer(name)
+            return None
+        target = Target(name, "peer", peer.url, [peer.proc.pid], alive=peer.alive, detail={"command": peer.command})
+        self.targets[name] = target
+        return target
+
+    def stop_peer(self, name: str) -> None:
+        peer = self.peers.pop(name, None)
+        self.targets.pop(name, None)
+        if peer is not None:
+            peer.stop()
+
+    # -- teardown ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop everything; each step guarded so one failure never leaves the rest running."""
+        for name in list(self.routers):
+            with contextlib.suppress(Exception):
+                self.stop_router(name)
+        for name in list(self.peers):
+            with contextlib.suppress(Exception):
+                self.stop_peer(name)
+        for fleet in {id(f): f for f in (self.consumer, self.producer) if f is not None}.values():
+            if fleet is not None:
+                with contextlib.suppress(Exception):
+                    fleet.stop()
+        self.consumer = self.producer = None
+        for path in self.configs:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        for log in self.access_logs:  # megabytes of request lines: only their cost was wanted
+            with contextlib.suppress(OSError):
+                log.unlink()
+        self.configs.clear()
+        self.targets.clear()
