@@ -11,7 +11,9 @@ on a loaded engine). Labels are bounded: endpoints, reasons and engine names are
 
 from __future__ import annotations
 
+import functools
 import os
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -71,6 +73,17 @@ ENGINE_STATE = Gauge(
 )
 PROBES = Counter("narwhal_probes_total", "Readmission probes by engine and result", ["engine", "result"])
 SUPERVISOR_RESTARTS = Counter("narwhal_supervisor_restarts_total", "Supervisor processes started after the first")
+
+
+@functools.lru_cache(maxsize=512)
+def requests_child(endpoint: str, code: int) -> Any:
+    """``REQUESTS.labels(...)`` resolved once per label pair, not on every request."""
+    return REQUESTS.labels(endpoint, str(code))
+
+
+@functools.lru_cache(maxsize=128)
+def attempts_child(outcome: str) -> Any:
+    return ATTEMPTS.labels(outcome)
 
 
 def multiprocess_dir() -> str | None:

@@ -14,6 +14,7 @@ cancel the caller, not this generator.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any, Protocol
@@ -29,6 +30,7 @@ from narwhal.engines.connector import (
     release_body,
     validate_descriptor,
 )
+from narwhal.engines.readtimer import ReadTimer
 from narwhal.errors import DeadlineExceeded, EngineClientError, EngineError, Phase
 from narwhal.settings import EngineSettings
 
@@ -182,8 +184,12 @@ class EngineClient:
                 finished = True
                 yield data
                 return
-            async for span in self._relay(resp, name, first_bound, deadline):
-                yield span
+            timer = ReadTimer()
+            try:
+                async for span in self._relay(resp, name, first_bound, deadline, timer):
+                    yield span
+            finally:
+                timer.close()
             # After [DONE], read the end of the chunked body (normally already here): a
             # response released before its end closes the connection instead of pooling it.
             if not resp.content.at_eof():
@@ -201,7 +207,7 @@ class EngineClient:
                     resp.close()
 
     async def _relay(
-        self, resp: aiohttp.ClientResponse, name: str, first_bound: float, deadline: float | None
+        self, resp: aiohttp.ClientResponse, name: str, first_bound: float, deadline: float | None, timer: ReadTimer
     ) -> AsyncIterator[bytes]:
         loop = asyncio.get_running_loop()
         read_timeout = self.settings.decode_read_timeout_s
@@ -217,10 +223,9 @@ class EngineClient:
                 if deadline is not None and deadline < bound:
                     bound = deadline
             else:
-                bound = deadline if deadline is not None else float("inf")
+                bound = deadline if deadline is not None else math.inf
             try:
-                async with asyncio.timeout_at(_finite(bound)):
-                    chunk = await content.readany()
+                chunk = await timer.read(content, bound)
             except TimeoutError:
                 raise self._timeout(name, bound, deadline, before_token=not seen_token) from None
             except _TRANSPORT_ERRORS:
@@ -241,6 +246,9 @@ class EngineClient:
             out: list[bytes] = held
             done = False
             for event in sse.split_events(span):
+                if seen_token and not sse.may_end_stream(event):
+                    out.append(event + b"\n\n")  # after the first token only the end matters
+                    continue
                 kind, err = sse.classify(event)
                 if kind is sse.Kind.TOKEN:
                     seen_token = True

@@ -1,0 +1,73 @@
+"""Timeouts for the reads of a stream without a timer per read.
+
+``asyncio.timeout_at`` around every ``readany()`` costs a Timeout object and a TimerHandle
+(created, then cancelled) per transport chunk: a measurable share of the relay. Here one
+timer per stream is armed lazily: each read only moves the bound forward, and the timer,
+when it fires early, re-arms itself at the current bound. It cancels the reading task only
+while a read is pending, never while the caller is writing to its client; a cancel that
+races with arriving data is taken back so no data is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import aiohttp
+
+
+class ReadTimer:
+    __slots__ = ("_loop", "_task", "_handle", "_bound", "_reading", "_fired")
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self._handle: asyncio.TimerHandle | None = None
+        self._bound = math.inf
+        self._reading = False
+        self._fired = False
+
+    async def read(self, content: aiohttp.StreamReader, bound: float) -> bytes:
+        """``content.readany()``, raising ``TimeoutError`` when ``bound`` (loop time) passes."""
+        self._bound = bound
+        handle = self._handle
+        if bound != math.inf and (handle is None or handle.when() > bound):
+            if handle is not None:
+                handle.cancel()
+            self._handle = self._loop.call_at(bound, self._fire)
+        self._reading = True
+        try:
+            chunk = await content.readany()
+        except asyncio.CancelledError:
+            self._reading = False
+            if self._fired:
+                self._fired = False
+                if self._task.uncancel() == 0:  # ours alone: a timeout, not a cancellation
+                    raise TimeoutError from None
+            raise
+        self._reading = False
+        if self._fired:  # fired as the data arrived: keep the data, take the cancel back
+            self._fired = False
+            try:
+                await asyncio.sleep(0)
+            except asyncio.CancelledError:
+                if self._task.uncancel() > 0:
+                    raise
+        return chunk
+
+    def _fire(self) -> None:
+        self._handle = None
+        if not self._reading or self._bound == math.inf:
+            return  # the next read re-arms
+        if self._loop.time() >= self._bound:
+            self._fired = True
+            self._task.cancel()
+        else:
+            self._handle = self._loop.call_at(self._bound, self._fire)
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
