@@ -50,6 +50,7 @@ def start_watchdog(shared: SharedFleet) -> int:
         set_parent_death_signal(signal.SIGTERM)
         if os.getppid() != master:
             os._exit(0)
+        _close_inherited_fds(keep=shared.region.fd)
         Watchdog(shared, master).run()
     except BaseException:  # noqa: BLE001 - a forked child must never return into gunicorn
         import traceback
@@ -58,6 +59,18 @@ def start_watchdog(shared: SharedFleet) -> int:
         code = 1
     finally:
         os._exit(code)
+
+
+def _close_inherited_fds(keep: int) -> None:
+    """Keep only stdio and the shared memory: in particular never a listening socket the
+    master was handed (``fd://N``), so the watchdog and the supervisor never hold the port."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2 and fd != keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # the descriptor listdir itself used, already closed
 
 
 def _reset_signals() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from narwhal.harness import FakeFleet, RouterProcess
-from tests.integration.conftest import unique_prompt, wait_until
+from tests.integration.conftest import records_anywhere, unique_prompt, wait_until
 from tests.integration.helpers import chat, completion, error_of, expected_text, send, terminal_error
 
 
@@ -143,12 +143,19 @@ async def test_deadline_before_the_first_token_is_a_504(router: RouterProcess) -
 
 
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
-async def test_engine_5xx_is_a_502(router: RouterProcess, phase: str) -> None:
+async def test_engine_5xx_is_a_502_with_no_retry_by_default(
+    router: RouterProcess, fleet: FakeFleet, phase: str
+) -> None:
+    prompt = unique_prompt()
     reply = await send(router.url, "/v1/completions",
-                       completion(unique_prompt(), fake={phase: {"status": 500, "message": "boom"}}))
+                       completion(prompt, fake={phase: {"status": 500, "message": "boom"}}))
     assert reply.status == 502
     assert reply.headers["x-narwhal-error"] == "engine_5xx"
     assert error_of(reply)["code"] == 502
+    # recovery.max_retries = 0: exactly one prefill (and at most one decode) was tried.
+    prefills = records_anywhere(fleet, prompt, ["p0", "p1"])
+    assert sum(len(recs) for recs in prefills.values()) == 1
+    assert sum(len(recs) for recs in records_anywhere(fleet, prompt, ["d0", "d1"]).values()) == (phase == "decode")
 
 
 @pytest.mark.parametrize(("phase", "status", "flat"), [("prefill", 400, True), ("decode", 429, False),

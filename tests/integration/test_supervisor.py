@@ -129,9 +129,12 @@ async def test_a_dead_engine_is_ejected_and_readmitted_by_a_probe_once_it_recove
     fleet.control_request("DELETE", "/engines/sd0/faults")
     entry = await wait_state(sup_router, "sd0", "admitted", timeout=10)
     assert entry["failure_streak"] == 0
-    # The readmission decoded a real probe stream on sd0.
+    # The readmission decoded a real probe stream on sd0, and the probes were counted.
     probes = records_anywhere(fleet, "narwhal probe", ["sd0"]).get("sd0", [])
     assert len(probes) > before and probes[-1]["body"]["stream"] is True
+    text = http_get(sup_router.url + "/metrics")[1].decode()
+    assert 'narwhal_probes_total{engine="sd0",result="pass"} 1.0' in text
+    assert 'narwhal_probes_total{engine="sd0",result="fail"}' in text
 
 
 async def test_without_a_contract_a_passing_health_check_readmits(
