@@ -10,6 +10,7 @@ production. Narwhal turns it on explicitly, everywhere.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import ssl
@@ -224,6 +225,10 @@ def build_app(settings: Settings) -> web.Application:
         app[ROUTER] = router
         await discover_models(fleet, session, settings)
         app[_TASKS].append(asyncio.ensure_future(_keep_discovering(fleet, session, settings)))
+        # Everything built so far lives as long as the worker: keep it out of the garbage
+        # collector's scans, which otherwise walk it again on every full collection.
+        gc.collect()
+        gc.freeze()
 
     async def cleanup(app: web.Application) -> None:
         for task in app[_TASKS]:

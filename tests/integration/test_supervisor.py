@@ -101,7 +101,7 @@ async def test_failures_seen_by_three_workers_add_up_to_one_ejection(
         visible_after = time.monotonic() - started
         assert entry["failure_streak"] == 3 and entry["ejections"] == 1
         assert entry["last_failure"]["reason"] == "engine_5xx"
-        assert visible_after < 1.0
+        assert visible_after < 2.0  # ~10 ms measured; generous for a loaded CI machine
     finally:
         await admin(sup_router, "POST", "/admin/engines/sp1/readmit")
     # No worker places on the ejected engine any more.
