@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from narwhal.engines.connector import PREFILL_KV_PARAMS
 from perf import procs
 
 MODEL = "fake-model"
@@ -66,14 +67,7 @@ class Workload:
         return orjson.dumps(data)
 
 
-PREFILL_KV = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+PREFILL_KV = PREFILL_KV_PARAMS  # exactly what the router sends a producer
 
 
 @dataclass(frozen=True, slots=True)

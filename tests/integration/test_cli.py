@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import glob
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -66,7 +64,6 @@ def test_the_router_starts_serves_and_stops_cleanly(fleet: FakeFleet, command: l
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, pass_fds=[sock.fileno()], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, start_new_session=True)
     sock.close()
-    metrics_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "narwhal-metrics-*")))
     try:
         wait_until(lambda: http_get(url + "/ready")[0] == 200, 20, "router ready")
         status, raw = _post(url + "/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 2})
@@ -75,7 +72,7 @@ def test_the_router_starts_serves_and_stops_cleanly(fleet: FakeFleet, command: l
         children = children_of(proc.pid)
         assert len(children) == 3
         assert sum(len(children_of(c)) for c in children) == 1
-        created = set(glob.glob(os.path.join(tempfile.gettempdir(), "narwhal-metrics-*"))) - metrics_before
+        created = _metrics_dirs_of(children)
         assert len(created) == 1
     finally:
         stop_gunicorn(proc)
@@ -172,3 +169,18 @@ def test_kill_9_of_the_master_takes_every_process_with_it_and_leaves_nothing(fle
     with pytest.raises(ConnectionRefusedError):  # nobody listens on the port any more
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
     assert set(os.listdir("/dev/shm")) == shm_before
+
+
+def _metrics_dirs_of(pids: list[int]) -> set[str]:
+    """The prometheus multiprocess directories these processes have files mapped from."""
+    found = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    path = line.split()[-1]
+                    if "/narwhal-metrics-" in path:
+                        found.add(os.path.dirname(path))
+        except OSError:
+            continue
+    return found
