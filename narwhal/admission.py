@@ -17,6 +17,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from narwhal.errors import RequestError
 from narwhal.fleet import Fleet
@@ -72,6 +73,9 @@ async def read_body(request: web.Request, settings: Settings) -> bytes:
         ) from None
     except web.HTTPRequestEntityTooLarge:
         raise RequestError(f"request body exceeds {limit} bytes", reason="payload_too_large") from None
+    except (web.RequestPayloadError, HttpProcessingError):
+        # A body that does not decode as its Content-Encoding says, or a broken chunked body.
+        raise RequestError("the request body could not be read (bad encoding or framing)") from None
 
 
 def _bad(message: str) -> RequestError:

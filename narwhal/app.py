@@ -25,13 +25,14 @@ from aiohttp import web
 from narwhal import metrics, shm
 from narwhal.accesslog import AccessLog
 from narwhal.admin import add_admin_routes
-from narwhal.admission import CHAT, COMPLETIONS
+from narwhal.admission import CHAT, COMPLETIONS, check_api_key
 from narwhal.engines.client import EngineClient
 from narwhal.errors import NarwhalError, RequestError
 from narwhal.fleet import Engine, Fleet
 from narwhal.outcomes import Outcomes
 from narwhal.placement import Placement
 from narwhal.proxy import Router, client_request_id, error_response
+from narwhal.server import make_app_runner
 from narwhal.settings import Settings, current_or_load
 from narwhal.shm.local import LocalFleetState
 from narwhal.shm.worker import WorkerFleetState
@@ -86,7 +87,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 def _check_header_size(request: web.Request) -> None:
     limit = request.app[SETTINGS].server.max_header_bytes
-    size = sum(len(k) + len(v) + 4 for k, v in request.raw_headers)
+    size = len(request.raw_path) + sum(len(k) + len(v) + 4 for k, v in request.raw_headers)
     if size > limit:
         raise RequestError(f"request headers exceed {limit} bytes", reason="header_too_large")
 
@@ -101,6 +102,7 @@ async def _chat(request: web.Request) -> web.StreamResponse:
 
 async def _models(request: web.Request) -> web.Response:
     router = request.app[ROUTER]
+    check_api_key(request, router.settings.server.api_keys)  # every /v1/* route needs the key
     created = int(time.time())
     data = [
         {"id": m, "object": "model", "created": created, "owned_by": "narwhal"}
@@ -253,15 +255,23 @@ def build_app(settings: Settings) -> web.Application:
     return app
 
 
+# More header fields than this is refused (431) by the parser itself: no client needs them.
+MAX_HEADER_FIELDS = 128
+
+
 def make_runner(settings: Settings) -> web.AppRunner:
-    return web.AppRunner(
+    # The parser's own limits sit above server.max_header_bytes so that the size check in
+    # the middleware, which answers 431 in the OpenAI shape, is the one that decides.
+    parser_limit = settings.server.max_header_bytes * 2
+    return make_app_runner(
         build_app(settings),
         handler_cancellation=True,
         keepalive_timeout=settings.server.keepalive_s,
         shutdown_timeout=settings.server.graceful_timeout_s * 0.95,
         access_log=None,
-        max_field_size=settings.server.max_header_bytes,
-        max_line_size=settings.server.max_header_bytes,
+        max_field_size=parser_limit,
+        max_line_size=parser_limit,
+        max_headers=MAX_HEADER_FIELDS,
     )
 
 

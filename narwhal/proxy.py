@@ -37,6 +37,7 @@ from narwhal.fleet import Fleet
 from narwhal.outcomes import Outcomes
 from narwhal.placement import Placement, Reservation
 from narwhal.settings import Settings
+from narwhal.timeouts import LazyTimeout
 
 log = logging.getLogger("narwhal.proxy")
 
@@ -283,6 +284,7 @@ class Router:
     ) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         stream: web.StreamResponse | None = None
+        writes: LazyTimeout | None = None
         sent = False  # did the consumer receive the handoff?
         try:
             metrics.HANDOFF_AGE.observe(result.age())
@@ -310,11 +312,13 @@ class Router:
                         stream = _SSEResponse(headers={**SSE_HEADERS, "x-request-id": rec.request_id})
                         request["narwhal.stream"] = stream
                         await stream.prepare(request)
-                    await self._write(stream, request, data)
-            if stream is None:  # pragma: no cover - decode always yields or raises
+                        writes = LazyTimeout()
+                    assert writes is not None
+                    await self._write(stream, request, data, writes)
+            if stream is None or writes is None:  # pragma: no cover - decode always yields or raises
                 raise EngineError("empty decode response", reason="engine_disconnect",
                                   engine=resv.consumer.name, phase="decode")
-            await stream.write_eof()
+            await self._write(stream, request, b"", writes, eof=True)
             return stream
         except EngineError as exc:
             if exc.reason == "invalid_handoff":
@@ -328,14 +332,18 @@ class Router:
                 self._release_later(result, req, resv)
             raise
 
-    async def _write(self, stream: web.StreamResponse, request: web.Request, data: bytes) -> None:
-        transport = request.transport
-        if transport is not None and transport.get_write_buffer_size() > 65536:
-            # The client is not reading: bound how long it may hold this stream (and engine).
-            async with asyncio.timeout(self.settings.server.client_write_timeout_s):
-                await stream.write(data)
-        else:
-            await stream.write(data)
+    async def _write(
+        self, stream: web.StreamResponse, request: web.Request, data: bytes, writes: LazyTimeout, eof: bool = False
+    ) -> None:
+        """Write to the client; one that does not read for ``client_write_timeout_s`` is dropped
+        (its buffer stops growing and the engine stream is closed, like any departed client)."""
+        bound = asyncio.get_running_loop().time() + self.settings.server.client_write_timeout_s
+        try:
+            await writes.wait(stream.write_eof() if eof else stream.write(data), bound)
+        except TimeoutError:
+            if request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError("the client stopped reading its stream") from None
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

@@ -30,9 +30,9 @@ from narwhal.engines.connector import (
     release_body,
     validate_descriptor,
 )
-from narwhal.engines.readtimer import ReadTimer
 from narwhal.errors import DeadlineExceeded, EngineClientError, EngineError, Phase
 from narwhal.settings import EngineSettings
+from narwhal.timeouts import LazyTimeout
 
 _JSON = "application/json"
 _DRAIN_S = 1.0
@@ -184,7 +184,7 @@ class EngineClient:
                 finished = True
                 yield data
                 return
-            timer = ReadTimer()
+            timer = LazyTimeout()
             try:
                 async for span in self._relay(resp, name, first_bound, deadline, timer):
                     yield span
@@ -207,7 +207,7 @@ class EngineClient:
                     resp.close()
 
     async def _relay(
-        self, resp: aiohttp.ClientResponse, name: str, first_bound: float, deadline: float | None, timer: ReadTimer
+        self, resp: aiohttp.ClientResponse, name: str, first_bound: float, deadline: float | None, timer: LazyTimeout
     ) -> AsyncIterator[bytes]:
         loop = asyncio.get_running_loop()
         read_timeout = self.settings.decode_read_timeout_s
@@ -225,7 +225,7 @@ class EngineClient:
             else:
                 bound = deadline if deadline is not None else math.inf
             try:
-                chunk = await timer.read(content, bound)
+                chunk = await timer.wait(content.readany(), bound)
             except TimeoutError:
                 raise self._timeout(name, bound, deadline, before_token=not seen_token) from None
             except _TRANSPORT_ERRORS:

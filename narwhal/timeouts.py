@@ -1,22 +1,24 @@
-"""Timeouts for the reads of a stream without a timer per read.
+"""Per-chunk timeouts for long streams without a timer per chunk.
 
-``asyncio.timeout_at`` around every ``readany()`` costs a Timeout object and a TimerHandle
-(created, then cancelled) per transport chunk: a measurable share of the relay. Here one
-timer per stream is armed lazily: each read only moves the bound forward, and the timer,
-when it fires early, re-arms itself at the current bound. It cancels the reading task only
-while a read is pending, never while the caller is writing to its client; a cancel that
-races with arriving data is taken back so no data is lost.
+``asyncio.timeout_at`` around every upstream read or client write costs a Timeout object and
+a TimerHandle (created, then cancelled) per chunk: a measurable share of the relay. Here one
+timer per stream is armed lazily: each wait only moves the bound forward, and the timer,
+when it fires early, re-arms itself at the current bound. It cancels the task only while one
+of *its* waits is pending (a read timer never fires into a client write, nor the reverse); a
+cancel that races with completion is taken back, so no data is lost.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Awaitable
+from typing import TypeVar
 
-import aiohttp
+T = TypeVar("T")
 
 
-class ReadTimer:
+class LazyTimeout:
     __slots__ = ("_loop", "_task", "_handle", "_bound", "_reading", "_fired")
 
     def __init__(self) -> None:
@@ -29,8 +31,8 @@ class ReadTimer:
         self._reading = False
         self._fired = False
 
-    async def read(self, content: aiohttp.StreamReader, bound: float) -> bytes:
-        """``content.readany()``, raising ``TimeoutError`` when ``bound`` (loop time) passes."""
+    async def wait(self, awaitable: Awaitable[T], bound: float) -> T:
+        """Await ``awaitable``, raising ``TimeoutError`` when ``bound`` (loop time) passes."""
         self._bound = bound
         handle = self._handle
         if bound != math.inf and (handle is None or handle.when() > bound):
@@ -39,7 +41,7 @@ class ReadTimer:
             self._handle = self._loop.call_at(bound, self._fire)
         self._reading = True
         try:
-            chunk = await content.readany()
+            result = await awaitable
         except asyncio.CancelledError:
             self._reading = False
             if self._fired:
@@ -55,7 +57,7 @@ class ReadTimer:
             except asyncio.CancelledError:
                 if self._task.uncancel() > 0:
                     raise
-        return chunk
+        return result
 
     def _fire(self) -> None:
         self._handle = None
