@@ -336,6 +336,17 @@ SPECIAL_HEADERS = st.tuples(
     oversize=st.sampled_from([0, 0, 0, 1, 4]),
     endpoint=st.sampled_from([COMPLETIONS, CHAT, "/health", "/v1/models"]),
 )
+def _short_deadline(headers: list[tuple[str, str]]) -> bool:
+    for name, value in headers:
+        if name.lower() == "x-narwhal-deadline-s":
+            try:
+                seconds = float(value)
+            except ValueError:
+                return False
+            return 0 < seconds < 30
+    return False
+
+
 def test_random_headers_get_a_4xx_or_a_200(
     hostile: RouterProcess, headers: list[tuple[str, str]], oversize: int, endpoint: str
 ) -> None:
@@ -353,7 +364,12 @@ def test_random_headers_get_a_4xx_or_a_200(
         method, body = "GET", None
     answer = http_request(hostile, method, endpoint, body, headers=headers)
     assert b"Traceback" not in answer.body
-    assert answer.status < 500, (answer.status, answer.body[:1000])
+    if _short_deadline(headers) and answer.status in (503, 504):
+        # The client asked for a deadline shorter than the work: 504 deadline_exceeded (or 503
+        # no_engine while still waiting for a pair) is the promised answer, not a router fault.
+        assert answer.headers.get("x-narwhal-error") in ("deadline_exceeded", "no_engine"), answer.body
+    else:
+        assert answer.status < 500, (answer.status, answer.body[:1000])
     if oversize:
         assert answer.status == 431, answer.status
         assert answer.headers.get("x-narwhal-error") == "header_too_large"
