@@ -322,6 +322,17 @@ SPECIAL_HEADERS = st.tuples(
 )
 
 
+def _short_deadline(headers: list[tuple[str, str]]) -> bool:
+    for name, value in headers:
+        if name.lower() == "x-narwhal-deadline-s":
+            try:
+                seconds = float(value)
+            except ValueError:
+                return False
+            return 0 < seconds < 30
+    return False
+
+
 @settings(
     max_examples=40,
     deadline=None,
@@ -336,17 +347,6 @@ SPECIAL_HEADERS = st.tuples(
     oversize=st.sampled_from([0, 0, 0, 1, 4]),
     endpoint=st.sampled_from([COMPLETIONS, CHAT, "/health", "/v1/models"]),
 )
-def _short_deadline(headers: list[tuple[str, str]]) -> bool:
-    for name, value in headers:
-        if name.lower() == "x-narwhal-deadline-s":
-            try:
-                seconds = float(value)
-            except ValueError:
-                return False
-            return 0 < seconds < 30
-    return False
-
-
 def test_random_headers_get_a_4xx_or_a_200(
     hostile: RouterProcess, headers: list[tuple[str, str]], oversize: int, endpoint: str
 ) -> None:
