@@ -1,0 +1,434 @@
+"""Chaos suite: drive Narwhal through every SPEC §9 fault and check every reply and every leak.
+
+Why: unit and integration tests pin each failure mapping in isolation; production breaks in
+combinations — a fault on one request while an engine is down, a breaker ejecting mid-burst, a
+worker killed with streams open, a reload under load. This suite runs a real fake fleet
+(2 producers, 2 consumers) and the router under gunicorn (2 workers), sends a seeded stream of
+requests of which ~30 % carry a per-request fault, and meanwhile stops/starts engines, flaps
+their health, fails their KV reads, kills a worker and the supervisor with SIGKILL and reloads
+with SIGHUP. Every reply is checked against what the contract allows for the fault it met
+(``perf.chaos_faults``); at the end, with faults cleared, every engine must be admitted again,
+no reservation may be held, no KV handoff stranded, and router fds/RSS back near their start
+(``perf.chaos_checks``). Exit status 1 on any violation or leak.
+
+Usage: ``python -m perf.chaos [--requests N] [--concurrency C] [--seed S] [--quick] [--out DIR]``
+(see ``perf/CHAOS.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from narwhal.harness import FakeFleet, RouterProcess, write_config
+from perf import chaos_checks as checks
+from perf.chaos_faults import (
+    DECODE_READ_TIMEOUT_S,
+    FIRST_TOKEN_TIMEOUT_S,
+    KINDS,
+    PREFILL_TIMEOUT_S,
+    Expectation,
+    body_for,
+    classify,
+    make_expectation,
+)
+from perf.chaos_report import print_summary, summarize
+
+PRODUCERS = ["cp0", "cp1"]
+CONSUMERS = ["cd0", "cd1"]
+ADMIN_TOKEN = "chaos-admin-token"
+LEASE_S = 60.0
+DEADLINE_S = 10.0
+CLIENT_SLACK_S = 5.0  # client timeout = deadline + slack: beyond it the router hung
+FAULT_FRACTION = 0.3
+# fds: upstream keep-alive pools and the client connections of the last burst come and go;
+# +20 per process is far below one leaked socket per request (thousands) yet above pool churn.
+# RSS: allocator high-water marks move by a few MB under load; +30 MB per process is well under
+# what a per-request leak over 2,000 requests (>= 15 kB each) would add.
+MAX_FDS_GROWTH = 20
+MAX_RSS_GROWTH_KB = 30 * 1024
+# A client honours Retry-After (placement.retry_after_s = 1) after 503 no_engine: without it
+# the suite would burn through its requests in the few hundred ms an ejection lasts.
+NO_ENGINE_BACKOFF_S = 1.0
+TAIL_S = 2.0  # requests keep flowing this long after the last fault window closed
+ENGINE_EVENTS = ["stop_producer", "stop_consumer", "health_flap", "kv_read_fails"]
+PROCESS_EVENTS = ["kill_worker", "kill_supervisor", "sighup"]
+
+
+@dataclass
+class Window:
+    kind: str
+    engine: str | None
+    start: float  # monotonic
+    end: float = float("inf")
+    wall_start: float = 0.0
+    wall_end: float = float("inf")
+
+
+@dataclass
+class Result:
+    idx: int
+    kind: str
+    outcome: str = ""
+    verdict: str = ""  # ok | allowed | violation
+    problem: str = ""
+    tokens: int | None = None
+    start: float = 0.0
+    end: float = 0.0
+
+
+class Chaos:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.rng = random.Random(args.seed)  # the requests, drawn in request order
+        self.event_rng = random.Random(args.seed + 1)  # the engine/process faults: own stream
+        self.windows: list[Window] = []
+        self.done = 0
+        self.fleet: FakeFleet | None = None
+        self.router: RouterProcess | None = None
+        self.config_path = ""
+        self.states: list[tuple[float, str]] = []
+        self.samples: list[tuple[float, dict[str, str]]] = []
+
+    # -- processes ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        out = self.args.out
+        self.fleet = FakeFleet.start(
+            PRODUCERS + CONSUMERS,
+            args=["--model", "fake-model", "--lease-s", str(LEASE_S), "--block-size", "4", "--token-delay-s", "0.01"],
+        )
+        engines = [{"name": n, "role": "producer", "url": self.fleet.engines[n]} for n in PRODUCERS]
+        engines += [{"name": n, "role": "consumer", "url": self.fleet.engines[n]} for n in CONSUMERS]
+        sections: dict[str, dict[str, Any]] = {
+            "server": {"workers": 2, "admin_token": ADMIN_TOKEN, "graceful_timeout_s": 15},
+            "request": {"deadline_s": 30},
+            "engine": {"prefill_timeout_s": PREFILL_TIMEOUT_S, "first_token_timeout_s": FIRST_TOKEN_TIMEOUT_S,
+                       "decode_read_timeout_s": DECODE_READ_TIMEOUT_S},
+            "placement": {"queue_timeout_s": 3},
+            "preflight": {"on_start": False},
+            "log": {"level": "warning", "access_log": os.path.join(out, "access.log")},
+            "recovery": {"max_retries": 1, "eject_after": 3, "readmit_interval_s": 0.25,
+                         "readmit_interval_max_s": 0.5, "health_interval_s": 0.5},
+        }
+        self.config_path = write_config(engines, sections)
+        self.router = RouterProcess.start(self.config_path, log_path=os.path.join(out, "router.log"))
+
+    def stop(self) -> None:
+        try:
+            if self.router is not None:
+                self.router.stop()
+        finally:
+            if self.fleet is not None:
+                self.fleet.stop()
+            if self.config_path and os.path.exists(self.config_path):
+                os.unlink(self.config_path)
+
+    def control(self, method: str, path: str, body: Any = None) -> Any:
+        assert self.fleet is not None
+        return self.fleet.control_request(method, path, body)
+
+    # -- the schedule ------------------------------------------------------------------------
+
+    def open_window(self, kind: str, engine: str | None) -> Window:
+        w = Window(kind, engine, time.monotonic(), wall_start=time.time())
+        self.windows.append(w)
+        return w
+
+    @staticmethod
+    def close_window(w: Window) -> None:
+        w.end, w.wall_end = time.monotonic(), time.time()
+
+    async def engine_event(self, kind: str) -> None:
+        engine = self.event_rng.choice(CONSUMERS if kind == "stop_consumer" else PRODUCERS if kind in (
+            "stop_producer", "kv_read_fails") else PRODUCERS + CONSUMERS)
+        # Stops last longer than eject_after x health_interval (1.5 s): the breaker must take the
+        # engine out during the window (checked in breaker_schedule).
+        hold = self.event_rng.uniform(2.0, 3.0) if kind != "kv_read_fails" else self.event_rng.uniform(1.0, 2.5)
+        w = self.open_window(kind, engine)
+        try:
+            if kind in ("stop_producer", "stop_consumer"):
+                await asyncio.to_thread(self.control, "POST", f"/engines/{engine}/stop")
+            elif kind == "health_flap":
+                await asyncio.to_thread(self.control, "PUT", f"/engines/{engine}/faults", {"health_status": 503})
+            else:
+                await asyncio.to_thread(self.control, "PUT", f"/engines/{engine}/faults", {"kv_read_fails": True})
+            await asyncio.sleep(hold)
+        finally:
+            if kind.startswith("stop"):
+                await asyncio.to_thread(self.control, "POST", f"/engines/{engine}/start")
+            else:
+                await asyncio.to_thread(self.control, "DELETE", f"/engines/{engine}/faults")
+            self.close_window(w)
+
+    async def process_event(self, kind: str) -> None:
+        assert self.router is not None
+        roles = checks.router_roles(self.router.proc.pid)
+        w = self.open_window(kind, None)
+        if kind == "kill_worker" and roles["worker"]:
+            os.kill(self.event_rng.choice(roles["worker"]), signal.SIGKILL)
+        elif kind == "kill_supervisor" and roles["supervisor"]:
+            os.kill(roles["supervisor"][0], signal.SIGKILL)
+        elif kind == "sighup":
+            os.kill(self.router.proc.pid, signal.SIGHUP)
+        else:
+            w.kind += "_skipped"
+        await asyncio.sleep(1.0)
+        self.close_window(w)
+        await asyncio.sleep(1.5)  # let gunicorn respawn / the watchdog restart before the next one
+
+    async def track(self, events: list[str], runner: Any) -> None:
+        """Fire ``events`` one after the other, the i-th once i/(n+1) of the requests are done."""
+        total = self.args.requests
+        for i, kind in enumerate(events):
+            target = total * (i + 1) / (len(events) + 1)
+            while self.done < target:
+                await asyncio.sleep(0.05)
+            await runner(kind)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    async def one(self, session: aiohttp.ClientSession, idx: int, exp: Expectation, chat: bool) -> Result:
+        assert self.router is not None
+        res = Result(idx, exp.kind)
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        body = body_for(exp, f"chaos{idx}-{uuid.uuid4().hex[:8]}", chat)
+        res.start = time.monotonic()
+        try:
+            async with session.post(self.router.url + path, json=body,
+                                    headers={"x-narwhal-deadline-s": str(DEADLINE_S)}) as resp:
+                raw = await resp.read()
+                res.end = time.monotonic()
+                res.outcome, res.tokens, res.problem = classify(resp.status, resp.headers, raw)
+        except TimeoutError:
+            res.end, res.outcome, res.problem = time.monotonic(), "violation", "no answer within deadline + slack"
+        except aiohttp.ClientError as exc:
+            res.end, res.outcome, res.problem = time.monotonic(), "conn_error", f"{type(exc).__name__}: {exc}"
+        self.judge(res, exp)
+        return res
+
+    def overlapping(self, res: Result, kinds: tuple[str, ...], before: float = 0.5, after: float = 2.0) -> bool:
+        return any(w.kind in kinds and res.start <= w.end + after and res.end >= w.start - before
+                   for w in self.windows)
+
+    def breaker_schedule(self) -> list[str]:
+        """Every engine stopped (refusing connections) was seen out of placement meanwhile.
+
+        Health flaps are not checked: a 503 /health counts as a failure, but an engine that still
+        completes streams has its streak reset by them (SPEC §6: the check is for *idle* dead
+        engines), so under traffic a flapping engine may rightly stay admitted."""
+        problems = []
+        restarts = [w for w in self.windows if w.kind in ("kill_supervisor", "sighup")]
+        for w in self.windows:
+            if w.kind not in ("stop_producer", "stop_consumer") or w.engine is None:
+                continue
+            if any(r.start <= w.end and r.end + 1.0 >= w.start for r in restarts):
+                continue  # no breakers while the supervisor restarts (SPEC §1): not checkable
+            seen = {st[w.engine] for t, st in self.samples if w.start <= t <= w.end + 1.0}
+            if seen and seen <= {"admitted"}:
+                problems.append(f"{w.engine} stayed admitted through {w.kind} ({w.end - w.start:.1f} s)")
+        return problems
+
+    def judge(self, res: Result, exp: Expectation) -> None:
+        if res.outcome == "violation":
+            res.verdict = "violation"
+            return
+        if res.end - res.start > DEADLINE_S + 2.0:
+            res.verdict, res.problem = "violation", f"answered after {res.end - res.start:.1f}s > deadline"
+            return
+        allowed = set(exp.allowed) | {"http:503:no_engine"}  # ejections happen throughout
+        if self.overlapping(res, ("stop_producer", "stop_consumer")):
+            allowed |= {"http:502:engine_unreachable", "http:502:engine_disconnect",
+                        "term:502:engine_disconnect", "http:500:engine_stream_error"}
+        if self.overlapping(res, ("kv_read_fails",)):
+            allowed |= {"http:500:engine_stream_error"}
+        if res.outcome == "conn_error":
+            if self.overlapping(res, ("kill_worker",), before=0.2, after=0.5):
+                res.verdict, res.outcome = "allowed", "conn_error_killed_worker"
+            elif self.overlapping(res, ("sighup",), before=0.2, after=1.5) and not self.args.strict:
+                # Known finding (see perf/CHAOS.md): a reload under load resets a few connections
+                # the old workers accepted but had not read yet. Reported, not failed, unless --strict.
+                res.verdict, res.outcome = "allowed", "conn_error_reload"
+            else:
+                res.verdict = "violation"
+            return
+        if res.outcome == "ok":
+            ok = exp.ok_tokens is not None and res.tokens == exp.ok_tokens
+            res.verdict = "ok" if ok else "violation"
+            if not ok:
+                res.problem = f"full stream of {res.tokens} tokens, expected {exp.ok_tokens} or an error"
+            return
+        if res.outcome not in allowed:
+            res.verdict, res.problem = "violation", f"{res.outcome} not allowed for {exp.kind}"
+            return
+        if res.outcome.startswith("term:") and res.outcome in exp.allowed and exp.term_tokens is not None:
+            if res.tokens != exp.term_tokens:
+                res.verdict = "violation"
+                res.problem = f"{res.tokens} tokens before terminal, expected {exp.term_tokens}"
+                return
+        res.verdict = "allowed"
+
+    async def monitor(self, session: aiohttp.ClientSession, stop: asyncio.Event) -> None:
+        """Sample breaker states every 0.25 s: the report shows them next to the schedule."""
+        assert self.router is not None
+        last = ""
+        while not stop.is_set():
+            try:
+                async with session.get(self.router.url + "/admin/engines",
+                                       headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as resp:
+                    engines = (await resp.json())["engines"]
+                now = " ".join(f"{e['name']}={e['state']}" for e in engines)
+                self.samples.append((time.monotonic(), {e["name"]: e["state"] for e in engines}))
+                if now != last:
+                    self.states.append((time.monotonic(), now))
+                    last = now
+            except (aiohttp.ClientError, ValueError, KeyError):
+                pass
+            try:
+                await asyncio.wait_for(stop.wait(), 0.25)
+            except TimeoutError:
+                pass
+
+    async def drive(self, total: int, concurrency: int, tracks: bool, faults: float = 0.3) -> list[Result]:
+        """Send at least ``total`` requests from ``concurrency`` clients; with ``tracks``, keep
+        sending until every scheduled engine/process fault window has closed (plus a short tail),
+        so no fault happens on an idle router."""
+        kinds: list[str] = []  # fault kinds in seeded rounds of the catalogue: a short run meets all
+
+        def expectation() -> tuple[Expectation, bool]:
+            nonlocal kinds
+            if self.rng.random() < faults:
+                if not kinds:
+                    kinds = list(KINDS)
+                    self.rng.shuffle(kinds)
+                exp = make_expectation(self.rng, PRODUCERS, CONSUMERS, kinds.pop())
+            else:
+                exp = make_expectation_none(self.rng)
+            return exp, self.rng.random() < 0.3
+
+        rounds = 2 if total >= 1000 else 1
+        engine_events = ENGINE_EVENTS * rounds
+        process_events = PROCESS_EVENTS * rounds
+        self.event_rng.shuffle(engine_events)
+        self.event_rng.shuffle(process_events)
+        tail_until = [float("inf") if tracks else 0.0]
+
+        def requests() -> Any:
+            idx = 0
+            while idx < total or time.monotonic() < tail_until[0]:
+                yield idx, *expectation()
+                idx += 1
+
+        queue = requests()
+        results: list[Result] = []
+        timeout = aiohttp.ClientTimeout(total=DEADLINE_S + CLIENT_SLACK_S)
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+            async def worker() -> None:
+                for idx, exp, chat in queue:
+                    res = await self.one(session, idx, exp, chat)
+                    results.append(res)
+                    self.done += 1
+                    if res.outcome == "http:503:no_engine":
+                        await asyncio.sleep(NO_ENGINE_BACKOFF_S)
+
+            async def schedule() -> None:
+                await asyncio.gather(self.track(engine_events, self.engine_event),
+                                     self.track(process_events, self.process_event))
+                tail_until[0] = time.monotonic() + TAIL_S
+
+            background = [asyncio.create_task(schedule())] if tracks else []
+            stop = asyncio.Event()
+            mon = asyncio.create_task(self.monitor(session, stop))
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+            stop.set()
+            await mon
+            await asyncio.gather(*background)
+        return results
+
+
+def make_expectation_none(rng: random.Random) -> Expectation:
+    n = rng.randint(4, 8)
+    return Expectation("none", None, n, n)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    chaos = Chaos(args)
+    report: dict[str, Any] = {"args": vars(args)}
+    try:
+        chaos.start()
+        assert chaos.router is not None and chaos.fleet is not None
+        master = chaos.router.proc.pid
+        # Warm up at full concurrency so pools and allocator arenas exist before the baseline.
+        warm = asyncio.run(chaos.drive(max(2 * args.concurrency, 50), args.concurrency, tracks=False,
+                                       faults=FAULT_FRACTION))
+        report["warmup_violations"] = [r.problem for r in warm if r.verdict == "violation"][:5]
+        time.sleep(1.0)
+        base = checks.resources(master)
+        chaos.done = 0
+        t0 = time.monotonic()
+        results = asyncio.run(chaos.drive(args.requests, args.concurrency, tracks=True, faults=FAULT_FRACTION))
+        report["duration_s"] = round(time.monotonic() - t0, 1)
+        report["windows"] = [{"kind": w.kind, "engine": w.engine, "start_s": round(w.start - t0, 3),
+                              "end_s": round(w.end - t0, 3)} for w in chaos.windows]
+        report["breaker_states"] = [[round(t - t0, 3), st] for t, st in chaos.states]
+        for r in results:
+            r.start, r.end = round(r.start - t0, 3), round(r.end - t0, 3)
+        for name in PRODUCERS + CONSUMERS:  # clear every fault, restart every engine
+            chaos.control("DELETE", f"/engines/{name}/faults")
+            chaos.control("POST", f"/engines/{name}/start")
+        windows = [(w.kind, w.engine, w.wall_start, w.wall_end) for w in chaos.windows]
+        report.update(checks.final_checks(chaos.fleet, chaos.router.url, ADMIN_TOKEN, master, base, windows,
+                                          PRODUCERS, CONSUMERS, (MAX_FDS_GROWTH, MAX_RSS_GROWTH_KB)))
+        # Service is back: with every fault cleared and every engine admitted, clean requests
+        # all succeed (a breaker stuck open or a worker that lost its view would show here).
+        after = asyncio.run(chaos.drive(40, 4, tracks=False, faults=0.0))
+        bad = [f"#{r.idx} {r.outcome} {r.problem}" for r in after if r.outcome != "ok"]
+        if bad:
+            report["leaks"].append(f"{len(bad)} of {len(after)} clean requests failed after recovery: {bad[:3]}")
+        report["breaker_schedule_problems"] = chaos.breaker_schedule()
+        report["leaks"] += report["breaker_schedule_problems"]
+        report.update(summarize(results, chaos.windows, ENGINE_EVENTS + PROCESS_EVENTS))
+        report["violations"] += len(report["warmup_violations"])
+    finally:
+        chaos.stop()
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m perf.chaos", description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=None, help="requests (default 2000, --quick 300)")
+    p.add_argument("--concurrency", type=int, default=None, help="concurrent clients (default 64, --quick 16)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--strict", action="store_true",
+                   help="count connection errors around a SIGHUP reload (a known finding) as violations")
+    p.add_argument("--out", default=None, help="directory for chaos.json and the router logs")
+    args = p.parse_args(argv)
+    args.requests = args.requests or (300 if args.quick else 2000)
+    args.concurrency = args.concurrency or (16 if args.quick else 64)
+    args.out = args.out or tempfile.mkdtemp(prefix="narwhal-chaos-")
+    os.makedirs(args.out, exist_ok=True)
+    rep = run(args)
+    with open(os.path.join(args.out, "chaos.json"), "w") as f:
+        json.dump(rep, f, indent=2, default=str)
+    print_summary(rep)
+    print(f"  report: {os.path.join(args.out, 'chaos.json')}")
+    failed = rep["violations"] or rep["leaks"] or rep["request_faults_missing"]
+    return 1 if failed or rep["engine_and_process_faults_missing"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""The chaos suite's fault catalogue and the contract check of one client-visible reply.
+
+Why a separate module: the catalogue is the suite's statement of SPEC §4/§5 — for each fault a
+request can carry (a ``narwhal_fake`` body key, SPEC §9), what the client is allowed to see.
+Keeping it next to the reply checker, away from process orchestration, makes the promises easy
+to review: every allowed (status, type) pair is written once, here.
+
+An *expectation* lists the outcomes a request may end with: ``ok`` (a full stream of exactly
+the expected tokens, then ``[DONE]``), ``http:<status>:<type>`` (an OpenAI-shaped error with the
+``x-narwhal-error`` header) or ``term:<code>:<type>`` (HTTP 200, a prefix of the expected tokens,
+then exactly one terminal error event and no ``[DONE]``). Disruptions that overlap a request
+(engines stopped, kv reads failing, a worker killed) widen the allowed set in ``perf.chaos``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+MODEL = "fake-model"
+PROMPT_WORDS = 12  # 3 KV blocks at --block-size 4: every crossed handoff pins blocks
+
+# Timeouts the router runs with (perf.chaos writes them into its config) and fault sizes that
+# are clearly beyond them, so a busy machine cannot blur which side of the bound a fault is on.
+PREFILL_TIMEOUT_S = 1.5
+FIRST_TOKEN_TIMEOUT_S = 1.5
+DECODE_READ_TIMEOUT_S = 1.0
+BEYOND_S = 3.0  # a delay "beyond" any of the bounds above
+
+
+@dataclass
+class Expectation:
+    """What a request carried and what the client may see."""
+
+    kind: str
+    fault: dict[str, Any] | None
+    max_tokens: int
+    ok_tokens: int | None  # tokens of the allowed full stream; None: a full stream is a violation
+    allowed: set[str] = field(default_factory=set)  # http:/term: outcomes
+    term_tokens: int | None = None  # exact tokens before the fault's own terminal event
+
+
+def _err(code: int | None) -> int:
+    return code if isinstance(code, int) and 400 <= code <= 599 else 502
+
+
+def _pick_engine(rng: random.Random, names: list[str]) -> str:
+    return names[rng.randrange(len(names))]
+
+
+def make_expectation(
+    rng: random.Random, producers: list[str], consumers: list[str], kind: str | None = None
+) -> Expectation:
+    """One seeded per-request fault (``kind``, else a random one) and the outcomes SPEC §4/§5
+    allow for it."""
+    n = rng.randint(4, 8)
+    kind = kind or rng.choice(KINDS)
+    k = rng.randint(1, n - 1)
+    leg, spec, allowed, ok_tokens, term_tokens = "decode", {}, set(), None, None
+    if kind == "p_5xx":
+        leg, spec, allowed = "prefill", {"status": 500, "message": "chaos"}, {"http:502:engine_5xx"}
+    elif kind == "d_5xx":
+        spec, allowed = {"status": 503, "message": "chaos"}, {"http:502:engine_5xx"}
+    elif kind == "p_4xx":
+        leg, spec, allowed = "prefill", {"status": 400, "message": "chaos", "flat_error": True}, {
+            "http:400:engine_client_error"}
+    elif kind == "d_429":
+        spec, allowed = {"status": 429, "message": "chaos"}, {"http:429:engine_client_error"}
+    elif kind == "p_reset":
+        leg, spec, allowed = "prefill", {"reset": True}, {"http:502:engine_unreachable"}
+    elif kind == "d_reset":
+        spec, allowed = {"reset": True}, {"http:502:engine_unreachable"}
+    elif kind == "p_timeout":
+        leg, spec, allowed = "prefill", {"delay_headers_s": BEYOND_S}, {"http:504:prefill_timeout"}
+    elif kind == "d_first_token":
+        spec, allowed = {"delay_first_token_s": BEYOND_S}, {"http:504:first_token_timeout"}
+    elif kind == "d_headers":
+        spec, allowed = {"delay_headers_s": BEYOND_S}, {"http:504:first_token_timeout"}
+    elif kind == "done_before_token":
+        spec, allowed = {"done_before_token": True}, {"http:502:done_before_token"}
+    elif kind == "close_before_token":
+        spec, allowed = {"close_after": 0}, {"http:502:engine_disconnect"}
+    elif kind == "close_mid_stream":
+        spec, allowed, term_tokens = {"close_after": k}, {"term:502:engine_disconnect"}, k
+    elif kind == "stream_error_before_token":
+        code = rng.choice([500, 503, 429, None, 200])
+        spec = {"stream_error": {"code": code, "message": "chaos", "after": 0, "flat": rng.random() < 0.3}}
+        allowed = {f"http:{_err(code)}:engine_stream_error"}
+    elif kind == "stream_error_mid_stream":
+        code = rng.choice([500, 503, None])
+        spec = {"stream_error": {"code": code, "message": "chaos", "after": k}}
+        allowed, term_tokens = {f"term:{_err(code)}:engine_stream_error"}, k
+    elif kind == "silence":
+        spec, allowed, term_tokens = {"silence_after": k, "silence_s": BEYOND_S - 0.5}, {
+            "term:504:decode_silence"}, k
+    elif kind == "heartbeat":
+        spec, ok_tokens = {"silence_after": k, "silence_s": 1.6, "heartbeat_s": 0.25}, n
+    elif kind.startswith("descriptor_"):
+        leg, spec = "prefill", {"descriptor": kind[len("descriptor_"):]}
+        if spec["descriptor"] == "localhost":
+            ok_tokens = n  # remote_host "localhost" is a valid, non-empty host (§3 step 5)
+        else:
+            allowed = {"http:502:invalid_handoff"}
+    elif kind == "empty":
+        spec, ok_tokens = {"empty": True}, 0
+    elif kind == "short":
+        spec, ok_tokens = {"tokens": k}, k
+    elif kind == "slow_tokens":
+        spec, ok_tokens = {"token_delay_s": 0.05}, n
+    elif kind == "none":
+        return Expectation("none", None, n, n)
+    # A fault aimed at one engine only: a retry on another engine may turn it into a success.
+    if kind in ONLY_ENGINE_OK and rng.random() < 0.35:
+        spec["only_engine"] = _pick_engine(rng, producers if leg == "prefill" else consumers)
+        kind += "@one_engine"
+        ok_tokens = n
+    return Expectation(kind, {leg: spec}, n, ok_tokens, allowed, term_tokens)
+
+
+KINDS = [
+    "p_5xx", "d_5xx", "p_4xx", "d_429", "p_reset", "d_reset", "p_timeout", "d_first_token", "d_headers",
+    "done_before_token", "close_before_token", "close_mid_stream", "stream_error_before_token",
+    "stream_error_mid_stream", "silence", "heartbeat", "descriptor_null", "descriptor_missing",
+    "descriptor_no_engine_id", "descriptor_bad_blocks", "descriptor_mooncake", "descriptor_lmcache",
+    "descriptor_bad_port", "descriptor_localhost", "empty", "short", "slow_tokens",
+]
+# Faults that are retryable before visible output (SPEC §5): with only_engine, retry may succeed.
+ONLY_ENGINE_OK = {
+    "p_5xx", "d_5xx", "p_reset", "d_reset", "p_timeout", "d_first_token", "done_before_token",
+    "close_before_token", "descriptor_null", "descriptor_bad_blocks", "descriptor_mooncake",
+}
+
+
+def body_for(exp: Expectation, tag: str, chat: bool) -> dict[str, Any]:
+    prompt = " ".join([tag] + [f"w{i}" for i in range(PROMPT_WORDS - 1)])
+    body: dict[str, Any] = {"model": MODEL, "stream": True, "max_tokens": exp.max_tokens}
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    if exp.fault is not None:
+        body["narwhal_fake"] = exp.fault
+    return body
+
+
+def expected_text(n: int) -> str:
+    return "".join(f" t{i}" for i in range(n))
+
+
+def _events(raw: bytes) -> list[bytes]:
+    return [e[6:] for e in raw.split(b"\n\n") if e.startswith(b"data: ")]
+
+
+def _chunk_text(obj: Any) -> str:
+    parts = []
+    for choice in obj.get("choices") or []:
+        parts.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+    return "".join(parts)
+
+
+def classify(status: int, headers: Any, raw: bytes) -> tuple[str, int | None, str]:
+    """(outcome, tokens seen, problem): outcome is ``ok``, ``http:S:T``, ``term:C:T`` or
+    ``violation``; tokens is how many in-order tokens a 200 stream carried; problem explains a
+    violation (else "")."""
+    if status != 200:
+        try:
+            body = orjson.loads(raw)
+            err = body["error"]
+            assert set(body) == {"error"} and set(err) == {"message", "type", "param", "code"}
+            assert err["param"] is None and err["code"] == status and isinstance(err["message"], str)
+            assert headers.get("x-narwhal-error") == err["type"]
+        except Exception:
+            return "violation", None, f"HTTP {status} not in the OpenAI error shape: {raw[:200]!r}"
+        return f"http:{status}:{err['type']}", None, ""
+    events = _events(raw)
+    text, terminal, done = "", None, 0
+    for i, data in enumerate(events):
+        if data == b"[DONE]":
+            done += 1
+            if i != len(events) - 1:
+                return "violation", None, "events after [DONE]"
+            continue
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return "violation", None, f"invalid JSON event {data[:120]!r}"
+        if "error" in obj:
+            if i != len(events) - 1 or set(obj) != {"error"}:
+                return "violation", None, "terminal error event not last / not alone"
+            terminal = obj["error"]
+            continue
+        text += _chunk_text(obj)
+    n = 0
+    while expected_text(n + 1) == text[: len(expected_text(n + 1))] and len(expected_text(n + 1)) <= len(text):
+        n += 1
+    if expected_text(n) != text:
+        return "violation", None, f"tokens out of order or duplicated: {text[:120]!r}"
+    if terminal is not None:
+        if done:
+            return "violation", n, "[DONE] together with a terminal error event"
+        if set(terminal) != {"message", "type", "param", "code"}:
+            return "violation", n, f"terminal event not in the OpenAI shape: {terminal}"
+        return f"term:{terminal['code']}:{terminal['type']}", n, ""
+    if done != 1:
+        return "violation", n, "200 stream ended without [DONE] or a terminal event (truncated)"
+    return "ok", n, ""
