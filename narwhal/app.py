@@ -48,12 +48,26 @@ STATE = web.AppKey("state", object)
 
 
 _stop_requested_at: float | None = None
+_runners: list[web.AppRunner] = []
 
 
 def note_stop_requested(at: float) -> None:
+    """SIGTERM reached this worker: stop accepting connections *now*.
+
+    aiohttp's worker notices the signal up to a second later, then closes connections that
+    have no request yet; a connection accepted in that second would be cut before its request
+    is read (a reset at the client during a reload). Closing this worker's listener at once
+    leaves new connections to the other (or the new) workers, and gives the ones already
+    accepted that second to send their request.
+    """
     global _stop_requested_at
     if _stop_requested_at is None:
         _stop_requested_at = at
+    for runner in _runners:
+        for site in runner.sites:
+            server = getattr(site, "_server", None)
+            if server is not None:
+                server.close()
 
 
 def _json(data: Any, status: int = 200, **headers: str) -> web.Response:
@@ -286,4 +300,6 @@ async def create_app() -> web.AppRunner:
             "handoff.max_age_s (%g) <= engine.prefill_timeout_s (%g): slow prefills will expire "
             "before their decode starts", settings.handoff.max_age_s, settings.engine.prefill_timeout_s,
         )
-    return make_runner(settings)
+    runner = make_runner(settings)
+    _runners.append(runner)
+    return runner
