@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 from narwhal.shm.shared import SharedFleet
 
@@ -41,18 +42,28 @@ def set_parent_death_signal(sig: int) -> None:
 def start_watchdog(shared: SharedFleet) -> int:
     """Fork the watchdog from the gunicorn master; return its pid."""
     master = os.getpid()
+
+    def body() -> None:
+        _close_inherited_fds(keep=shared.region.fd)
+        Watchdog(shared, master).run()
+
+    return _fork(body, death_signal=signal.SIGTERM)
+
+
+def _fork(body: Callable[[], None], *, death_signal: int) -> int:
+    """Fork; in the child run ``body`` and exit — it must never return into the parent's code
+    (gunicorn's arbiter, or the watchdog's loop). Returns the child's pid to the parent."""
+    parent = os.getpid()
     pid = os.fork()
     if pid:
         return pid
     code = 0
     try:
         _reset_signals()
-        set_parent_death_signal(signal.SIGTERM)
-        if os.getppid() != master:
-            os._exit(0)
-        _close_inherited_fds(keep=shared.region.fd)
-        Watchdog(shared, master).run()
-    except BaseException:  # noqa: BLE001 - a forked child must never return into gunicorn
+        set_parent_death_signal(death_signal)
+        if os.getppid() == parent:  # else the parent died before the death signal was armed
+            body()
+    except BaseException:  # noqa: BLE001 - whatever happens, the child ends here
         import traceback
 
         traceback.print_exc()
@@ -158,26 +169,8 @@ class Watchdog:
 
     def _spawn(self) -> None:
         starts = self.shared.count_start()
-        watchdog = os.getpid()
-        pid = os.fork()
-        if pid:
-            self.child = pid
-            self.started_at = time.monotonic()
-            return
-        code = 0
-        try:
-            _reset_signals()
-            set_parent_death_signal(signal.SIGKILL)
-            if os.getppid() != watchdog:
-                os._exit(0)
-            run_supervisor(self.shared, restarted=starts > 1)
-        except BaseException:  # noqa: BLE001
-            import traceback
-
-            traceback.print_exc()
-            code = 1
-        finally:
-            os._exit(code)
+        self.child = _fork(lambda: run_supervisor(self.shared, restarted=starts > 1), death_signal=signal.SIGKILL)
+        self.started_at = time.monotonic()
 
 
 def run_supervisor(shared: SharedFleet, *, restarted: bool) -> None:
