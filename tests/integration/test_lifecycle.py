@@ -114,7 +114,12 @@ async def test_worker_recycling_keeps_counts_and_shared_state_right(fleet: FakeF
         end = time.monotonic() + 60
         while len(workers_of(router) - first) < 2 or first & workers_of(router):
             assert time.monotonic() < end, "workers were not recycled"
-            reply = await send(router.url, "/v1/completions", completion(unique_prompt()))
+            try:
+                reply = await send(router.url, "/v1/completions", completion(unique_prompt()))
+            except aiohttp.ClientConnectionError:
+                # A connection accepted by a worker in the instant it retires (max_requests) can
+                # be closed before its request is read: never handled, so never counted either.
+                continue
             assert reply.status == 200
             n += 1
             if n % 10 == 0:
