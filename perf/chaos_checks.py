@@ -49,12 +49,21 @@ def _children(pid: int) -> list[int]:
         return []
 
 
+_WATCHDOGS: set[int] = set()
+
+
 def router_roles(master: int) -> dict[str, list[int]]:
-    """master / workers (children with no children) / watchdog (child with a child) / supervisor."""
+    """master / workers (children with no children) / watchdog (child with a child) / supervisor.
+
+    The watchdog never changes: once seen it is remembered, because between a supervisor's
+    death and its restart the watchdog has no child and would pass for a worker.
+    """
     roles: dict[str, list[int]] = {"master": [master], "worker": [], "watchdog": [], "supervisor": []}
     for child in _children(master):
         grand = _children(child)
         if grand:
+            _WATCHDOGS.add(child)
+        if child in _WATCHDOGS:
             roles["watchdog"].append(child)
             roles["supervisor"].extend(grand)
         else:
