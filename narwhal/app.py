@@ -44,6 +44,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ROUTER = web.AppKey("router", Router)
 SETTINGS = web.AppKey("settings", Settings)
 _TASKS = web.AppKey("tasks", list)
+_SESSION = web.AppKey("session", aiohttp.ClientSession)  # model discovery; engine legs use EngineClient
 STATE = web.AppKey("state", object)
 
 
@@ -234,11 +235,12 @@ def build_app(settings: Settings) -> web.Application:
         placement = Placement(fleet, state, state, settings.placement)
         outcomes = Outcomes(fleet, state, settings.recovery.failure_quarantine_s)
         router = Router(
-            settings, fleet, placement, EngineClient(session, settings.engine), outcomes, state,
+            settings, fleet, placement, EngineClient.for_settings(settings.engine), outcomes, state,
             AccessLog(settings.log.access_log),
         )
         app[STATE] = state
         app[ROUTER] = router
+        app[_SESSION] = session
         await discover_models(fleet, session, settings)
         app[_TASKS].append(asyncio.ensure_future(_keep_discovering(fleet, session, settings)))
         # Everything built so far lives as long as the worker: keep it out of the garbage
@@ -251,7 +253,8 @@ def build_app(settings: Settings) -> web.Application:
             task.cancel()
         router = app[ROUTER]
         await router.drain_background(timeout=settings.engine.first_token_timeout_s)
-        await router.client._session.close()
+        await router.client.close()
+        await app[_SESSION].close()
         router.access_log.close()
 
     async def shutdown(app: web.Application) -> None:

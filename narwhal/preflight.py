@@ -123,9 +123,11 @@ async def run_preflight(
     bound = timeout if timeout is not None else settings.engine.first_token_timeout_s
     own = session is None
     active = make_session(settings) if session is None else session
+    preflight = _Preflight(settings, active, bound, pin)
     try:
-        return await _Preflight(settings, active, bound, pin).run()
+        return await preflight.run()
     finally:
+        await preflight.client.close()
         if own:
             await active.close()
 
@@ -153,7 +155,7 @@ class _Preflight:
                 "decode_read_timeout_s": min(read_timeout, timeout) if read_timeout else timeout,
             }
         )
-        self.client = EngineClient(session, engine_settings)
+        self.client = EngineClient.for_settings(engine_settings)
         key = settings.engine.api_key
         self.auth = {"Authorization": f"Bearer {key}"} if key else {}
         self.gate = asyncio.Semaphore(MAX_CONCURRENCY)

@@ -1,25 +1,24 @@
 """HTTP to vLLM engines: the prefill leg, the decode stream and handoff release.
 
-This is the only module that touches aiohttp's client, and the one place where transport
-errors, HTTP statuses and the stream rules of SPEC §4 become :class:`EngineError` reasons.
+This is the one place where transport errors, HTTP statuses and the stream rules of SPEC §4
+become :class:`EngineError` reasons. The wire itself is :mod:`narwhal.engines.http1`, a lean
+pooled HTTP/1.1 client (see there why not aiohttp's client on this path).
 
-Timeouts are deadlines computed here with ``asyncio.timeout_at`` rather than aiohttp's
-``ClientTimeout``: aiohttp's ``total`` would end any generation longer than it, and its
-``sock_read`` runs from the first byte of the response, so it cannot express "the first token
-within N seconds *including* connect and response headers" (SPEC §4). No timeout context ever
-spans a ``yield``: a timer that fired while the caller was writing to a slow client would
-cancel the caller, not this generator.
+Timeouts are deadlines computed here with ``asyncio.timeout_at``, so "the first token within N
+seconds" covers connect and response headers too (SPEC §4), and no total timeout ever ends a
+long generation. No timeout context ever spans a ``yield``: a timer that fired while the
+caller was writing to a slow client would cancel the caller, not this generator.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import ssl
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any, Protocol
 
-import aiohttp
 import orjson
 
 from narwhal import sse
@@ -30,11 +29,11 @@ from narwhal.engines.connector import (
     release_body,
     validate_descriptor,
 )
+from narwhal.engines.http1 import ConnectFailed, Connection, UpstreamError, UpstreamPool, header_lines
 from narwhal.errors import DeadlineExceeded, EngineClientError, EngineError, Phase
 from narwhal.settings import EngineSettings
 from narwhal.timeouts import LazyTimeout
 
-_JSON = "application/json"
 _DRAIN_S = 1.0
 
 
@@ -45,12 +44,8 @@ class EngineRef(Protocol):
     url: str
 
 
-_CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ClientSSLError)
-_TRANSPORT_ERRORS = (aiohttp.ClientError, ConnectionError, OSError)
-
-
 class EngineClient:
-    """Prefill, decode and release against vLLM engines over one pooled session.
+    """Prefill, decode and release against vLLM engines over one connection pool.
 
     ``prefill(...) -> PrefillResult``; pass the result unchanged to ``decode(...)``, an async
     generator of response bytes: for a stream, spans of whole SSE events as received (the
@@ -58,16 +53,41 @@ class EngineClient:
     non-streaming request, the whole body once. Every failure raises an ``EngineError``.
     """
 
-    def __init__(self, session: aiohttp.ClientSession, settings: EngineSettings) -> None:
-        self._session = session
+    def __init__(self, pool: UpstreamPool, settings: EngineSettings) -> None:
+        self.pool = pool
         self.settings = settings
-        self._auth = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+        self._auth = f"Authorization: Bearer {settings.api_key}\r\n".encode() if settings.api_key else b""
 
-    def _headers(self, request_id: str, extra: Mapping[str, str] | None) -> dict[str, str]:
-        headers = {"Content-Type": _JSON, "X-Request-Id": request_id, **self._auth}
-        if extra:
-            headers.update(extra)
-        return headers
+    @classmethod
+    def for_settings(cls, settings: EngineSettings) -> EngineClient:
+        """A client with its own pool, trusting ``settings.ca_file`` for ``https://`` engines."""
+        return cls(UpstreamPool(ssl_context(settings)), settings)
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    def _headers(self, request_id: str, extra: Mapping[str, str] | None) -> bytes:
+        if "\r" in request_id or "\n" in request_id:
+            raise ValueError("a request id may not hold CR or LF")
+        lines = b"X-Request-Id: " + request_id.encode("latin-1") + b"\r\n" + self._auth
+        return lines + header_lines(extra) if extra else lines
+
+    async def _exchange(
+        self, url: str, endpoint: str, headers: bytes, payload: bytes, bound: float
+    ) -> tuple[int, bytes]:
+        """POST and read the whole answer within ``bound`` (loop time)."""
+        conn: Connection | None = None
+        try:
+            async with asyncio.timeout_at(bound):
+                conn = await self.pool.post(url, endpoint, headers, payload)
+                status = await conn.response()
+                data = await conn.read_all()
+        except BaseException:
+            if conn is not None:
+                conn.close()
+            raise
+        conn.release()
+        return status, data
 
     async def prefill(
         self,
@@ -98,12 +118,9 @@ class EngineClient:
         bound = limit if deadline is None else min(limit, deadline)
         payload = orjson.dumps(prefill_body(body, crossed=crossed))
         try:
-            async with asyncio.timeout_at(bound):
-                async with self._session.post(
-                    producer.url + endpoint, data=payload, headers=self._headers(request_id, headers)
-                ) as resp:
-                    data = await resp.read()
-                    status = resp.status
+            status, data = await self._exchange(
+                producer.url, endpoint, self._headers(request_id, headers), payload, bound
+            )
         except TimeoutError:
             if deadline is not None and bound == deadline:
                 raise DeadlineExceeded("the request deadline ran out during prefill") from None
@@ -113,7 +130,7 @@ class EngineClient:
                 engine=producer.name,
                 phase="prefill",
             ) from None
-        except _TRANSPORT_ERRORS as exc:
+        except UpstreamError as exc:
             raise _transport_error(exc, producer.name, "prefill") from None
         if status != 200:
             raise _status_error(status, data, producer.name, "prefill")
@@ -160,119 +177,116 @@ class EngineClient:
             first = loop.time() + self.settings.first_token_timeout_s
             first_bound = first if deadline is None else min(first, deadline)
         else:
-            first_bound = deadline if deadline is not None else float("inf")
+            first_bound = deadline if deadline is not None else math.inf
         name = consumer.name
-        resp: aiohttp.ClientResponse | None = None
+        conn: Connection | None = None
         finished = False
         try:
             try:
                 async with asyncio.timeout_at(_finite(first_bound)):
-                    resp = await self._session.post(
-                        consumer.url + endpoint,
-                        data=payload,
-                        headers=self._headers(result.request_id, headers),
+                    conn = await self.pool.post(
+                        consumer.url, endpoint, self._headers(result.request_id, headers), payload
                     )
-                    if resp.status != 200:
-                        raise _status_error(resp.status, await resp.read(), name, "decode")
+                    status = await conn.response()
+                    if status != 200:
+                        raise _status_error(status, await conn.read_all(), name, "decode")
                     if not stream:
-                        data = await resp.read()
+                        data = await conn.read_all()
             except TimeoutError:
                 raise self._timeout(name, first_bound, deadline, before_token=True) from None
-            except _TRANSPORT_ERRORS as exc:
+            except UpstreamError as exc:
                 raise _transport_error(exc, name, "decode") from None
             if not stream:
                 finished = True
                 yield data
                 return
+            # The relay. After the first token, a span that cannot hold [DONE] or an error
+            # is passed through untouched: the hot path is one framer call and one yield.
+            read_timeout = self.settings.decode_read_timeout_s
+            framer = sse.SSEFramer()
+            held: list[bytes] = []  # metadata before the first token, sent along with it
+            seen_token = False
+            done = False
             timer = LazyTimeout()
             try:
-                async for span in self._relay(resp, name, first_bound, deadline, timer):
-                    yield span
-            finally:
-                timer.close()
-            # After [DONE], read the end of the chunked body (normally already here): a
-            # response released before its end closes the connection instead of pooling it.
-            if not resp.content.at_eof():
-                try:
-                    async with asyncio.timeout(_DRAIN_S):
-                        await resp.read()
-                except (TimeoutError, *_TRANSPORT_ERRORS):
-                    return  # finally closes it
-            finished = True
-        finally:
-            if resp is not None:
-                if finished:
-                    resp.release()
-                else:
-                    resp.close()
-
-    async def _relay(
-        self, resp: aiohttp.ClientResponse, name: str, first_bound: float, deadline: float | None, timer: LazyTimeout
-    ) -> AsyncIterator[bytes]:
-        loop = asyncio.get_running_loop()
-        read_timeout = self.settings.decode_read_timeout_s
-        framer = sse.SSEFramer()
-        held: list[bytes] = []  # metadata before the first token, sent along with it
-        seen_token = False
-        content = resp.content
-        while True:
-            if not seen_token:
-                bound = first_bound
-            elif read_timeout:
-                bound = loop.time() + read_timeout
-                if deadline is not None and deadline < bound:
-                    bound = deadline
-            else:
-                bound = deadline if deadline is not None else math.inf
-            try:
-                chunk = await timer.wait(content.readany(), bound)
-            except TimeoutError:
-                raise self._timeout(name, bound, deadline, before_token=not seen_token) from None
-            except _TRANSPORT_ERRORS:
-                chunk = b""
-            if not chunk:
-                raise EngineError(
-                    f"engine {name} closed the stream before [DONE]",
-                    reason="engine_disconnect",
-                    engine=name,
-                    phase="decode",
-                )
-            span = framer.feed(chunk)
-            if not span:
-                continue
-            if seen_token and not sse.may_end_stream(span):
-                yield span  # the hot path: pass the bytes through untouched
-                continue
-            out: list[bytes] = held
-            done = False
-            for event in sse.split_events(span):
-                if seen_token and not sse.may_end_stream(event):
-                    out.append(event + b"\n\n")  # after the first token only the end matters
-                    continue
-                kind, err = sse.classify(event)
-                if kind is sse.Kind.TOKEN:
-                    seen_token = True
-                elif kind is sse.Kind.DONE:
+                while not done:
                     if not seen_token:
+                        bound = first_bound
+                    elif read_timeout:
+                        bound = loop.time() + read_timeout
+                        if deadline is not None and deadline < bound:
+                            bound = deadline
+                    else:
+                        bound = deadline if deadline is not None else math.inf
+                    try:
+                        chunk = await timer.wait(conn.read_some(), bound)
+                    except TimeoutError:
+                        raise self._timeout(name, bound, deadline, before_token=not seen_token) from None
+                    except UpstreamError:
+                        chunk = b""
+                    if not chunk:
                         raise EngineError(
-                            "stream ended with [DONE] before any token arrived",
-                            reason="done_before_token",
+                            f"engine {name} closed the stream before [DONE]",
+                            reason="engine_disconnect",
                             engine=name,
                             phase="decode",
                         )
-                    out.append(sse.DONE_EVENT)
-                    done = True
-                    break
-                elif kind is sse.Kind.ERROR:
-                    if seen_token and out:
-                        yield b"".join(out)
-                    raise _stream_error(err or {}, name)
-                out.append(event + b"\n\n")
-            if seen_token:
-                held = []
-                yield b"".join(out)
-            if done:
-                return
+                    span = framer.feed(chunk)
+                    if not span:
+                        continue
+                    if seen_token and not sse.may_end_stream(span):
+                        yield span
+                        continue
+                    out = held
+                    for event in sse.split_events(span):
+                        if seen_token and not sse.may_end_stream(event):
+                            out.append(event + b"\n\n")  # after the first token only the end matters
+                            continue
+                        kind, err = sse.classify(event)
+                        if kind is sse.Kind.TOKEN:
+                            seen_token = True
+                        elif kind is sse.Kind.DONE:
+                            if not seen_token:
+                                raise EngineError(
+                                    "stream ended with [DONE] before any token arrived",
+                                    reason="done_before_token",
+                                    engine=name,
+                                    phase="decode",
+                                )
+                            out.append(sse.DONE_EVENT)
+                            done = True
+                            break
+                        elif kind is sse.Kind.ERROR:
+                            if seen_token and out:
+                                yield b"".join(out)
+                            raise _stream_error(err or {}, name)
+                        out.append(event + b"\n\n")
+                    if done:
+                        # Read the end of the chunked body (normally here already) *before* the
+                        # last span goes out: the caller ends the client's response with it, and
+                        # a client that has its whole answer may leave at once; nothing may wait
+                        # after that. A body that ends cleanly lets the connection be pooled.
+                        finished = conn.complete or await self._drain(conn)
+                    if seen_token:
+                        held = []
+                        yield out[0] if len(out) == 1 else b"".join(out)
+            finally:
+                timer.close()
+        finally:
+            if conn is not None:
+                if finished:
+                    conn.release()
+                else:
+                    conn.close()
+
+    @staticmethod
+    async def _drain(conn: Connection) -> bool:
+        try:
+            async with asyncio.timeout(_DRAIN_S):
+                await conn.read_all()
+        except (TimeoutError, UpstreamError):
+            return False
+        return True
 
     def _timeout(self, name: str, bound: float, deadline: float | None, *, before_token: bool) -> Exception:
         if deadline is not None and bound >= deadline:
@@ -308,25 +322,29 @@ class EngineClient:
         if result.descriptor is None:
             return False
         payload = orjson.dumps(release_body(body, result.descriptor))
+        bound = asyncio.get_running_loop().time() + self.settings.first_token_timeout_s
         try:
-            async with asyncio.timeout(self.settings.first_token_timeout_s):
-                async with self._session.post(
-                    consumer.url + result.endpoint,
-                    data=payload,
-                    headers=self._headers(result.request_id, headers),
-                ) as resp:
-                    await resp.read()
-                    return resp.status == 200
-        except (TimeoutError, *_TRANSPORT_ERRORS):
+            status, _ = await self._exchange(
+                consumer.url, result.endpoint, self._headers(result.request_id, headers), payload, bound
+            )
+        except (TimeoutError, UpstreamError):
             return False
+        return status == 200
+
+
+def ssl_context(settings: EngineSettings) -> ssl.SSLContext | None:
+    """The TLS context for ``https://`` engines: the system store, or ``ca_file`` when set."""
+    if settings.ca_file:
+        return ssl.create_default_context(cafile=settings.ca_file)
+    return None
 
 
 def _finite(bound: float) -> float | None:
     return None if bound == float("inf") else bound
 
 
-def _transport_error(exc: BaseException, name: str, phase: Phase) -> EngineError:
-    if isinstance(exc, _CONNECT_ERRORS):
+def _transport_error(exc: UpstreamError, name: str, phase: Phase) -> EngineError:
+    if isinstance(exc, ConnectFailed):
         message = f"engine {name} is unreachable ({phase})"
     else:
         message = f"engine {name} closed the connection before a response ({phase})"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import ssl
 import time
 import uuid
 from collections import deque
@@ -51,6 +52,7 @@ class FakeEngine:
         max_model_len: int = 8192,
         local_kv: bool = True,
         records_max: int = 2000,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.name = name
         self.engine_id = str(uuid.uuid4())
@@ -86,6 +88,7 @@ class FakeEngine:
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self.listen_host = "127.0.0.1"
+        self.ssl_context = ssl_context  # serve https, as an engine behind a TLS terminator would
         self.created = int(time.time())
         kv.register(self)
 
@@ -101,7 +104,8 @@ class FakeEngine:
 
     @property
     def url(self) -> str | None:
-        return None if self.port is None else f"http://{self.advertise_host}:{self.port}"
+        scheme = "https" if self.ssl_context is not None else "http"
+        return None if self.port is None else f"{scheme}://{self.advertise_host}:{self.port}"
 
     def set_faults(self, faults: EngineFaults | dict[str, Any]) -> EngineFaults:
         self.faults = faults if isinstance(faults, EngineFaults) else EngineFaults.model_validate(faults)
@@ -233,7 +237,9 @@ class FakeEngine:
             await self._runner.setup()
         if self._site is None:
             self.listen_host = host
-            site = web.TCPSite(self._runner, host, self.port if self.port and not port else port)
+            site = web.TCPSite(
+                self._runner, host, self.port if self.port and not port else port, ssl_context=self.ssl_context
+            )
             await site.start()
             self._site = site
             self.port = site.port

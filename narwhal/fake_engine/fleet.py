@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import ssl
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -157,6 +158,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--coalesce", action="store_true", help="write a zero-delay stream in one write")
     p.add_argument("--flat-block-ids", action="store_true", help="flat remote_block_ids (older vLLM)")
     p.add_argument("--ready-file", default=None, help="also write the ready JSON here (atomically)")
+    p.add_argument("--tls-cert", default=None, metavar="PEM", help="serve https with this certificate chain")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="the certificate's private key")
     return p
 
 
@@ -169,6 +172,18 @@ def main(argv: list[str] | None = None) -> int:
     if not names or len(set(names)) != len(names):
         print(f"narwhal fake-engine: engine names must be unique and non-empty: {names}", file=sys.stderr)
         return 2
+
+    tls: ssl.SSLContext | None = None
+    if args.tls_cert or args.tls_key:
+        if not (args.tls_cert and args.tls_key):
+            print("narwhal fake-engine: --tls-cert and --tls-key go together", file=sys.stderr)
+            return 2
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            tls.load_cert_chain(args.tls_cert, args.tls_key)
+        except (OSError, ssl.SSLError) as exc:
+            print(f"narwhal fake-engine: cannot load the TLS certificate: {exc}", file=sys.stderr)
+            return 2
 
     def announce(document: dict[str, Any]) -> None:
         sys.stdout.write(orjson.dumps(document).decode() + "\n")
@@ -189,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         token_delay_s=args.token_delay_s,
         coalesce=args.coalesce,
         flat_block_ids=args.flat_block_ids,
+        ssl_context=tls,
     )
     try:
         import uvloop

@@ -45,7 +45,7 @@ class Prober:
         self.settings = settings
         self.fleet = fleet
         self.session = session
-        self.client = EngineClient(session, settings.engine)
+        self.client = EngineClient.for_settings(settings.engine)
         self.admitted = admitted
         self.timeout = settings.engine.first_token_timeout_s
         self._auth = {"Authorization": f"Bearer {settings.engine.api_key}"} if settings.engine.api_key else {}

@@ -7,7 +7,6 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-import aiohttp
 import orjson
 import pytest
 
@@ -40,9 +39,11 @@ async def engines() -> AsyncIterator[tuple[FakeEngine, FakeEngine]]:
 
 @pytest.fixture
 async def client() -> AsyncIterator[EngineClient]:
-    async with aiohttp.ClientSession() as session:
-        yield EngineClient(session, EngineSettings(first_token_timeout_s=1, decode_read_timeout_s=0.5,
-                                                   prefill_timeout_s=1))
+    client = EngineClient.for_settings(
+        EngineSettings(first_token_timeout_s=1, decode_read_timeout_s=0.5, prefill_timeout_s=1)
+    )
+    yield client
+    await client.close()
 
 
 async def collect(stream: AsyncIterator[bytes]) -> list[bytes]:
