@@ -33,6 +33,7 @@ _POLL_S = 0.05
 
 class InflightCounts(Protocol):
     def totals(self, phase: PhaseName) -> list[int]: ...
+    def both_totals(self) -> tuple[list[int], list[int]]: ...  # (prefill, decode), one read
     def count(self, engine: Engine, phase: PhaseName) -> int: ...
     def try_reserve(self, engine: Engine, phase: PhaseName, cap: int | None) -> bool: ...
     def release(self, engine: Engine, phase: PhaseName) -> None: ...
@@ -46,6 +47,9 @@ class LocalInflight:
 
     def totals(self, phase: PhaseName) -> list[int]:
         return self._counts[phase]
+
+    def both_totals(self) -> tuple[list[int], list[int]]:
+        return self._counts["prefill"], self._counts["decode"]
 
     def count(self, engine: Engine, phase: PhaseName) -> int:
         return self._counts[phase][engine.index]
@@ -114,8 +118,7 @@ class Placement:
         """Reserve the least-loaded permitted pair serving ``model`` now, or return None."""
         inflight = self.inflight
         # One read of the (fleet-wide) counts per placement, not one per comparison.
-        prefills = inflight.totals("prefill")
-        decodes = inflight.totals("decode")
+        prefills, decodes = inflight.both_totals()
         producers = [
             e
             for e in self.fleet.engines

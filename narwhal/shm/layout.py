@@ -27,6 +27,7 @@ where "a cap of 1 never holds two streams" needs check-and-increment to be one s
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import struct
@@ -74,12 +75,16 @@ class Layout:
     def record_offset(self, engine: int) -> int:
         return HEADER_SIZE + engine * RECORD_SIZE
 
-    @property
+    @functools.cached_property
     def slot_size(self) -> int:
         return SLOT_HEADER_SIZE + self.engines * 8 + self.ring * RING_ENTRY_SIZE
 
+    @functools.cached_property
+    def _slots_base(self) -> int:
+        return HEADER_SIZE + self.engines * RECORD_SIZE
+
     def slot_offset(self, slot: int) -> int:
-        return HEADER_SIZE + self.engines * RECORD_SIZE + slot * self.slot_size
+        return self._slots_base + slot * self.slot_size
 
     def counts_offset(self, slot: int) -> int:
         return self.slot_offset(slot) + SLOT_HEADER_SIZE
@@ -117,15 +122,20 @@ class Region:
         os.close(self.fd)
 
     def u32(self, offset: int) -> int:
-        value: int = struct.unpack_from("<I", self.mm, offset)[0]
+        value: int = _U32.unpack_from(self.mm, offset)[0]
         return value
 
     def set_u32(self, offset: int, value: int) -> None:
-        struct.pack_into("<I", self.mm, offset, value)
+        _U32.pack_into(self.mm, offset, value)
 
     def u64(self, offset: int) -> int:
-        value: int = struct.unpack_from("<Q", self.mm, offset)[0]
+        value: int = _U64.unpack_from(self.mm, offset)[0]
         return value
 
     def set_u64(self, offset: int, value: int) -> None:
-        struct.pack_into("<Q", self.mm, offset, value)
+        _U64.pack_into(self.mm, offset, value)
+
+
+# Precompiled: these run several times per request.
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")

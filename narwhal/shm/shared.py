@@ -30,6 +30,10 @@ class SharedFleet:
         self.mm = region.mm
         n = self.layout.engines * 2
         self._counts = struct.Struct(f"<{n}I")
+        # (pid offset, counts offset) per slot: placement reads them on every request.
+        self._slot_offsets = [
+            (self.layout.slot_offset(s) + L.SLOT_PID, self.layout.counts_offset(s)) for s in range(self.layout.slots)
+        ]
 
     @classmethod
     def create(cls, engines: int, slots: int, ring: int = L.DEFAULT_RING) -> SharedFleet:
@@ -133,8 +137,8 @@ class SharedFleet:
         """
         n = self.layout.engines if engines is None else engines
         fmt = _counts_struct(n)
-        rows = [fmt.unpack_from(self.mm, self.layout.counts_offset(s)) for s in range(self.layout.slots)
-                if self.slot_pid(s)]
+        mm, pid = self.mm, _U32.unpack_from
+        rows = [fmt.unpack_from(mm, counts) for pid_at, counts in self._slot_offsets if pid(mm, pid_at)[0]]
         if not rows:
             return [0] * (n * 2)
         return [sum(column) for column in zip(*rows, strict=True)]
@@ -184,6 +188,9 @@ class SharedFleet:
             read += 1
         self.region.set_u64(base + L.SLOT_RING_READ, read)
         return out
+
+
+_U32 = struct.Struct("<I")
 
 
 @functools.lru_cache(maxsize=8)

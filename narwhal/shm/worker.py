@@ -81,6 +81,10 @@ class WorkerFleetState:
         p = _PHASE[phase]
         return both[p::2]
 
+    def both_totals(self) -> tuple[list[int], list[int]]:
+        both = self.shared.totals(self._n)
+        return both[0::2], both[1::2]
+
     def count(self, engine: Engine, phase: str) -> int:
         return self.shared.engine_total(engine.index, _PHASE[phase])
 
