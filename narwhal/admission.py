@@ -64,6 +64,8 @@ async def read_body(request: web.Request, settings: Settings) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise RequestError(f"request body exceeds {limit} bytes", reason="payload_too_large")
     try:
+        if request.content.is_eof():
+            return await request.read()  # the whole body is here: nothing to wait for, no timer
         async with asyncio.timeout(settings.server.body_read_timeout_s):
             return await request.read()
     except TimeoutError:

@@ -4,9 +4,10 @@ This is the one place where transport errors, HTTP statuses and the stream rules
 become :class:`EngineError` reasons. The wire itself is :mod:`narwhal.engines.http1`, a lean
 pooled HTTP/1.1 client (see there why not aiohttp's client on this path).
 
-Timeouts are deadlines computed here with ``asyncio.timeout_at``, so "the first token within N
-seconds" covers connect and response headers too (SPEC §4), and no total timeout ever ends a
-long generation. No timeout context ever spans a ``yield``: a timer that fired while the
+Timeouts are deadlines computed here (loop time) and enforced by the connection, one timer
+per exchange, so "the first token within N seconds" covers connect and response headers too
+(SPEC §4); after the headers each relay read has its own bound, so no total timeout ever ends
+a long generation. No timeout context ever spans a ``yield``: a timer that fired while the
 caller was writing to a slow client would cancel the caller, not this generator.
 """
 
@@ -78,10 +79,9 @@ class EngineClient:
         """POST and read the whole answer within ``bound`` (loop time)."""
         conn: Connection | None = None
         try:
-            async with asyncio.timeout_at(bound):
-                conn = await self.pool.post(url, endpoint, headers, payload)
-                status = await conn.response()
-                data = await conn.read_all()
+            conn = await self.pool.post(url, endpoint, headers, payload, deadline=bound)
+            status = await conn.response()
+            data = await conn.read_all()
         except BaseException:
             if conn is not None:
                 conn.close()
@@ -183,15 +183,15 @@ class EngineClient:
         finished = False
         try:
             try:
-                async with asyncio.timeout_at(_finite(first_bound)):
-                    conn = await self.pool.post(
-                        consumer.url, endpoint, self._headers(result.request_id, headers), payload
-                    )
-                    status = await conn.response()
-                    if status != 200:
-                        raise _status_error(status, await conn.read_all(), name, "decode")
-                    if not stream:
-                        data = await conn.read_all()
+                conn = await self.pool.post(
+                    consumer.url, endpoint, self._headers(result.request_id, headers), payload, deadline=first_bound
+                )
+                status = await conn.response()
+                if status != 200:
+                    raise _status_error(status, await conn.read_all(), name, "decode")
+                if not stream:
+                    data = await conn.read_all()
+                conn.disarm()  # the relay bounds each read itself
             except TimeoutError:
                 raise self._timeout(name, first_bound, deadline, before_token=True) from None
             except UpstreamError as exc:
@@ -337,10 +337,6 @@ def ssl_context(settings: EngineSettings) -> ssl.SSLContext | None:
     if settings.ca_file:
         return ssl.create_default_context(cafile=settings.ca_file)
     return None
-
-
-def _finite(bound: float) -> float | None:
-    return None if bound == float("inf") else bound
 
 
 def _transport_error(exc: UpstreamError, name: str, phase: Phase) -> EngineError:

@@ -280,3 +280,28 @@ def test_header_values_with_line_breaks_are_refused() -> None:
     with pytest.raises(ValueError):
         header_lines({"traceparent": "00-a\r\nX-Evil: 1"})
     assert header_lines({"traceparent": "00-a-b-01"}) == b"traceparent: 00-a-b-01\r\n"
+
+
+async def test_a_deadline_fails_the_exchange_and_closes_the_connection(pool: UpstreamPool) -> None:
+    async def silent(srv: RawServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await srv.read_request(reader)
+        await reader.read()  # never answers
+
+    srv, url = await started(silent)
+    try:
+        loop = asyncio.get_running_loop()
+        conn = await pool.post(url, "/x", b"", b"{}", deadline=loop.time() + 0.2)
+        with pytest.raises(TimeoutError):
+            await conn.response()
+        assert not conn.reusable
+        conn.release()  # a failed exchange is never pooled: the next one connects anew
+        conn = await pool.post(url, "/x", b"", b"{}", deadline=loop.time() + 30)
+        for _ in range(200):  # bounded wait for the server to accept it
+            if srv.connections == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert srv.connections == 2
+        conn.disarm()
+        conn.close()
+    finally:
+        await srv.stop()
