@@ -59,6 +59,31 @@ class _SSEResponse(web.StreamResponse):
     _send_headers_immediately = False
 
 
+class _ClientSink:
+    """Writes relayed spans (``narwhal.engines.relay``) straight to the client's transport,
+    framed as aiohttp frames the rest of the response (chunked on HTTP/1.1). Used only after
+    the first token went out through aiohttp, so headers and ordering are already settled."""
+
+    __slots__ = ("_transport", "_chunked", "_high")
+
+    def __init__(self, request: web.Request) -> None:
+        self._transport = request.transport
+        self._chunked = True
+        self._high = 0
+
+    def start(self, stream: web.StreamResponse) -> None:
+        self._chunked = stream.headers.get("Transfer-Encoding", "").lower() == "chunked"
+        if self._transport is not None:
+            self._high = self._transport.get_write_buffer_limits()[1]
+
+    def __call__(self, span: bytes) -> bool:
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return False
+        transport.write(b"%x\r\n%b\r\n" % (len(span), span) if self._chunked else span)
+        return transport.get_write_buffer_size() <= self._high
+
+
 class WorkerState(Protocol):
     """The request-level part of the fleet state (local or shared memory)."""
 
@@ -288,6 +313,7 @@ class Router:
         stream: web.StreamResponse | None = None
         writes: LazyTimeout | None = None
         sent = False  # did the consumer receive the handoff?
+        sink = _ClientSink(request) if req.stream else None
         try:
             metrics.HANDOFF_AGE.observe(result.age())
             chunks = self.client.decode(
@@ -298,6 +324,7 @@ class Router:
                 deadline=req.deadline,
                 max_age_s=self.settings.handoff.max_age_s,
                 headers=req.forward,
+                sink=sink,
             )
             async with contextlib.aclosing(chunks):
                 async for data in chunks:
@@ -314,8 +341,13 @@ class Router:
                         stream = _SSEResponse(headers={**SSE_HEADERS, "x-request-id": rec.request_id})
                         request["narwhal.stream"] = stream
                         await stream.prepare(request)
+                        assert sink is not None
+                        sink.start(stream)
                         writes = LazyTimeout()
                     assert writes is not None
+                    if not data:  # the relay found the client behind: let it drain
+                        await self._drain(request, writes)
+                        continue
                     # The span with [DONE] goes out with the end of the chunked body: one
                     # write, one client wakeup, instead of a separate 5-byte terminator.
                     await self._write(stream, request, data, writes, eof=data.endswith(sse.DONE_EVENT))
@@ -347,6 +379,17 @@ class Router:
         except TimeoutError:
             if request.transport is not None:
                 request.transport.abort()
+            raise ConnectionResetError("the client stopped reading its stream") from None
+
+    async def _drain(self, request: web.Request, writes: LazyTimeout) -> None:
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the client went away")
+        bound = asyncio.get_running_loop().time() + self.settings.server.client_write_timeout_s
+        try:
+            await writes.wait(request.writer.drain(), bound)
+        except TimeoutError:
+            transport.abort()
             raise ConnectionResetError("the client stopped reading its stream") from None
 
     def _spawn(self, coro: Any) -> None:

@@ -31,11 +31,15 @@ from narwhal.engines.connector import (
     validate_descriptor,
 )
 from narwhal.engines.http1 import ConnectFailed, Connection, UpstreamError, UpstreamPool, header_lines
+from narwhal.engines.relay import DirectRelay, Sink
 from narwhal.errors import DeadlineExceeded, EngineClientError, EngineError, Phase
 from narwhal.settings import EngineSettings
 from narwhal.timeouts import LazyTimeout
 
 _DRAIN_S = 1.0
+# The direct relay has a fixed cost per stream (a timer, a wakeup for the end); it pays off
+# from a few spans on, so the first spans after the first token take the generator path.
+_RELAY_AFTER = 3
 
 
 class EngineRef(Protocol):
@@ -154,11 +158,17 @@ class EngineClient:
         endpoint: str | None = None,
         max_age_s: float | None = None,
         headers: Mapping[str, str] | None = None,
+        sink: Sink | None = None,
     ) -> AsyncGenerator[bytes, None]:
         """Validate the handoff, then decode on ``consumer`` and yield the response bytes.
 
         Use it under ``contextlib.aclosing``: closing the generator early closes the decode
         connection, which makes the engine abort the request.
+
+        With ``sink`` (streams only), spans after the first token that cannot end the stream
+        are handed to ``sink`` from the connection's data callback instead of being yielded
+        (:mod:`narwhal.engines.relay`); the generator then also yields ``b""`` when ``sink``
+        reported the client behind: wait for the client to drain, then go on iterating.
         """
         endpoint = endpoint or result.endpoint
         descriptor = None
@@ -208,33 +218,47 @@ class EngineClient:
             seen_token = False
             done = False
             timer = LazyTimeout()
+            relay = DirectRelay(conn, framer, sink, read_timeout, deadline) if sink is not None else None
+            passed = 0  # spans yielded after the first token
             try:
                 while not done:
-                    if not seen_token:
-                        bound = first_bound
-                    elif read_timeout:
-                        bound = loop.time() + read_timeout
-                        if deadline is not None and deadline < bound:
-                            bound = deadline
-                    else:
-                        bound = deadline if deadline is not None else math.inf
-                    try:
-                        chunk = await timer.wait(conn.read_some(), bound)
-                    except TimeoutError:
-                        raise self._timeout(name, bound, deadline, before_token=not seen_token) from None
-                    except UpstreamError:
-                        chunk = b""
-                    if not chunk:
-                        raise EngineError(
-                            f"engine {name} closed the stream before [DONE]",
-                            reason="engine_disconnect",
-                            engine=name,
-                            phase="decode",
-                        )
-                    span = framer.feed(chunk)
-                    if not span:
-                        continue
+                    span: bytes | None = None
+                    if relay is not None and passed >= _RELAY_AFTER:
+                        try:
+                            span = await relay.run()
+                        except TimeoutError:
+                            bound = relay.timed_out_at or math.inf
+                            raise self._timeout(name, bound, deadline, before_token=False) from None
+                        if span == b"":
+                            yield b""  # the client fell behind: the caller lets it drain
+                            continue
+                    if span is None:  # before the first token, or the relay saw the engine end
+                        if not seen_token:
+                            bound = first_bound
+                        elif read_timeout:
+                            bound = loop.time() + read_timeout
+                            if deadline is not None and deadline < bound:
+                                bound = deadline
+                        else:
+                            bound = deadline if deadline is not None else math.inf
+                        try:
+                            chunk = await timer.wait(conn.read_some(), bound)
+                        except TimeoutError:
+                            raise self._timeout(name, bound, deadline, before_token=not seen_token) from None
+                        except UpstreamError:
+                            chunk = b""
+                        if not chunk:
+                            raise EngineError(
+                                f"engine {name} closed the stream before [DONE]",
+                                reason="engine_disconnect",
+                                engine=name,
+                                phase="decode",
+                            )
+                        span = framer.feed(chunk)
+                        if not span:
+                            continue
                     if seen_token and not sse.may_end_stream(span):
+                        passed += 1
                         yield span
                         continue
                     out = held

@@ -34,7 +34,7 @@ import asyncio
 import math
 import ssl
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -125,6 +125,7 @@ class Connection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self.sink: Callable[[bytes], None] | None = None
         self.idle_since = 0.0
         self._closed = False
         self._reset()
@@ -181,6 +182,10 @@ class Connection(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        sink = self.sink
+        if sink is not None:
+            sink(body)  # a relay takes the bytes in this callback (engines.client._DirectRelay)
+            return
         self._chunks.append(body)
         self._buffered += len(body)
         if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
@@ -239,6 +244,32 @@ class Connection(asyncio.Protocol):
                 raise self._error
             await self._wait()
         return self.status
+
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+    def wake(self) -> None:
+        """Wake whoever waits in :meth:`wait` (a relay that needs its reader)."""
+        self._wake()
+
+    async def wait(self) -> None:
+        """Wait for the next event: headers, the end, a failure, or a ``wake()``."""
+        await self._wait()
+
+    def take(self) -> list[bytes]:
+        """Every body chunk buffered now, as received (for a relay taking over the body)."""
+        chunks, self._chunks, self._buffered = self._chunks, [], 0
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        return chunks
+
+    def unread(self, chunks: list[bytes]) -> None:
+        """Put chunks back in front of the buffer (a relay that stopped midway)."""
+        if chunks:
+            self._chunks[:0] = chunks
+            self._buffered += sum(len(c) for c in chunks)
 
     async def read_some(self) -> bytes:
         """Every body byte buffered now (waiting for some first); ``b""`` once the body ended."""

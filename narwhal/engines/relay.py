@@ -1,0 +1,119 @@
+"""The decode relay after the first token: engine bytes to the client inside the data callback.
+
+Why: once the first token is out, almost every span of SSE events only has to be passed on.
+Doing that through the decode generator costs, per span, a future, a task wakeup, a chain of
+coroutine frames and a client write coroutine — the largest per-token cost left in the router
+(the perf suite's paced-decode scenario sends every token on its own). Here the connection's
+``on_body`` callback frames the bytes and hands each span straight to a *sink* that writes it
+to the client's transport; the generator sleeps until something needs it:
+
+* a span that may end the stream (``[DONE]`` or an error object): the generator classifies it;
+* a client that fell behind (the sink reports its transport above the high-water mark): the
+  generator yields ``b""`` and its caller waits for the client, under its write timeout;
+* silence longer than ``decode_read_timeout_s``, or the deadline: ``TimeoutError``;
+* the engine's end or failure: the generator's ordinary read path reports it.
+
+Invariants: bytes reach the sink in the order received and each exactly once (chunks that
+arrive while the relay is stopped wait in the connection's buffer, which pauses the socket
+when full); one timer per stream, re-armed lazily, not one per span.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable
+
+from narwhal.engines.http1 import Connection
+from narwhal.sse import SSEFramer
+
+Sink = Callable[[bytes], bool]  # write a span to the client; False when the client fell behind
+
+
+class DirectRelay:
+    __slots__ = (
+        "_conn", "_framer", "_sink", "_loop", "_read_timeout", "_deadline", "_last", "_timer",
+        "_stopped", "_held", "timed_out_at",
+    )
+
+    def __init__(
+        self, conn: Connection, framer: SSEFramer, sink: Sink, read_timeout: float, deadline: float | None
+    ) -> None:
+        self._conn = conn
+        self._framer = framer
+        self._sink = sink
+        self._loop = asyncio.get_running_loop()
+        self._read_timeout = read_timeout
+        self._deadline = deadline
+        self._last = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._stopped = False
+        self._held: bytes | None = None
+        self.timed_out_at: float | None = None
+
+    async def run(self) -> bytes | None:
+        """Relay until the generator is needed. Returns a span to classify, ``b""`` when the
+        client must drain first, or None when the engine ended or failed (read it to see how);
+        raises ``TimeoutError`` on silence or the deadline (``timed_out_at`` is the bound)."""
+        conn = self._conn
+        self._stopped, self._held, self.timed_out_at = False, None, None
+        self._last = self._loop.time()
+        conn.sink = self._on_body
+        self._arm()
+        try:
+            pending = conn.take()
+            for i, chunk in enumerate(pending):
+                self._on_body(chunk)
+                if self._stopped:
+                    conn.unread(pending[i + 1 :])
+                    break
+            while not self._stopped and not conn.failed and not conn.complete:
+                await conn.wait()
+        finally:
+            conn.sink = None
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+        if self.timed_out_at is not None:
+            raise TimeoutError
+        if self._held is not None:
+            return self._held
+        return b"" if self._stopped else None
+
+    def _on_body(self, chunk: bytes) -> None:
+        self._last = self._loop.time()
+        span = self._framer.feed(chunk)
+        if not span:
+            return
+        if b"[DONE]" in span or b'"error"' in span:  # sse.may_end_stream, inlined: per span
+            self._stop(span)
+        elif not self._sink(span):
+            self._stop(None)
+
+    def _stop(self, held: bytes | None) -> None:
+        self._stopped = True
+        self._held = held
+        self._conn.sink = None
+        self._conn.wake()
+
+    def _bound(self) -> float:
+        bound = self._last + self._read_timeout if self._read_timeout else math.inf
+        if self._deadline is not None and self._deadline < bound:
+            bound = self._deadline
+        return bound
+
+    def _arm(self) -> None:
+        bound = self._bound()
+        if bound != math.inf:
+            self._timer = self._loop.call_at(bound, self._check)
+
+    def _check(self) -> None:
+        self._timer = None
+        if self._stopped:
+            return
+        bound = self._bound()
+        if self._loop.time() >= bound:
+            self.timed_out_at = bound
+            self._stop(None)
+        else:
+            self._timer = self._loop.call_at(bound, self._check)
