@@ -141,3 +141,15 @@ def error_object(obj: dict[str, Any]) -> dict[str, Any] | None:
 def may_end_stream(span: bytes) -> bool:
     """Cheap test on a span after the first token: could it hold ``[DONE]`` or an error?"""
     return b"[DONE]" in span or b'"error"' in span
+
+
+def ends_with_done(span: bytes) -> bool:
+    """Is ``span`` (whole events) the usual end of a stream — events, then ``[DONE]`` as the
+    last event and the only one, and no error object anywhere? Then it can go out untouched."""
+    n = len(DONE_EVENT)
+    return (
+        span.endswith(DONE_EVENT)
+        and (len(span) == n or span[-n - 2 : -n] == _SEP)
+        and span.find(b"[DONE]") == len(span) - 8
+        and b'"error"' not in span
+    )

@@ -261,6 +261,12 @@ class EngineClient:
                         passed += 1
                         yield span
                         continue
+                    if seen_token and sse.ends_with_done(span):
+                        # The usual end: tokens, [DONE] last, no error object: as received.
+                        done = True
+                        finished = conn.complete or await self._drain(conn)
+                        yield span
+                        continue
                     out = held
                     for event in sse.split_events(span):
                         if seen_token and not sse.may_end_stream(event):

@@ -12,6 +12,7 @@ from narwhal.sse import (
     Kind,
     SSEFramer,
     classify,
+    ends_with_done,
     error_object,
     event_data,
     may_end_stream,
@@ -367,3 +368,19 @@ def test_non_object_data_is_metadata(event: bytes) -> None:
 )
 def test_may_end_stream(span: bytes, expected: bool) -> None:
     assert may_end_stream(span) is expected
+
+
+@pytest.mark.parametrize(
+    ("span", "expected"),
+    [
+        (b"data: [DONE]\n\n", True),
+        (b'data: {"choices":[{"text":" a"}]}\n\ndata: [DONE]\n\n', True),
+        (b'data: {"choices":[{"text":" a"}]}\ndata: [DONE]\n\n', False),  # one event, two data lines
+        (b'data: {"error":{"code":500}}\n\ndata: [DONE]\n\n', False),
+        (b"data: [DONE]\n\ndata: [DONE]\n\n", False),
+        (b'data: [DONE]\n\ndata: {"choices":[]}\n\n', False),
+        (b'data: {"choices":[{"text":" a"}]}\n\n', False),
+    ],
+)
+def test_ends_with_done_only_for_a_clean_final_span(span: bytes, expected: bool) -> None:
+    assert ends_with_done(span) is expected
