@@ -12,10 +12,11 @@ from __future__ import annotations
 import socket
 from urllib.parse import urlsplit
 
+import aiohttp
 import orjson
 
-from narwhal.harness import RouterProcess
-from tests.integration.conftest import MODEL, unique_prompt
+from narwhal.harness import FakeFleet, RouterProcess
+from tests.integration.conftest import MODEL, unique_prompt, wait_until
 from tests.integration.helpers import chat, completion, expected_text, send, terminal_error
 
 PACED = {"token_delay_s": 0.01}
@@ -85,6 +86,25 @@ async def test_the_deadline_ends_a_relayed_stream(solo_router: RouterProcess) ->
     assert err["type"] == "deadline_exceeded" and err["code"] == 504
 
 
+async def test_a_client_leaving_mid_relay_aborts_the_engine_stream(router: RouterProcess, fleet: FakeFleet) -> None:
+    consumers = ("d0", "d1")
+    before = {n: fleet.stats(n)["aborted_streams"] for n in consumers}
+    body = completion(unique_prompt(), max_tokens=400, fake={"decode": {"token_delay_s": 0.02}})
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(router.url + "/v1/completions", json=body)
+        assert resp.status == 200
+        seen = b""
+        while seen.count(b'"text"') < 12:  # well past the spans before the relay takes over
+            seen += await resp.content.readany()
+        resp.close()  # the client goes away mid-relay
+    wait_until(
+        lambda: sum(fleet.stats(n)["aborted_streams"] - before[n] for n in consumers) == 1,
+        10,
+        "the consumer saw its stream aborted",
+    )
+    wait_until(lambda: all(fleet.stats(n)["active_streams"] == 0 for n in consumers), 5, "no stream left open")
+
+
 def test_a_slow_reader_gets_every_byte_after_the_router_buffered_for_it(router: RouterProcess) -> None:
     # ~1.7 MB of SSE to a client with a 4 KiB receive buffer that reads in small sips: the
     # router's transport fills past its high-water mark, the relay stops, the client drains,
@@ -119,6 +139,32 @@ def test_a_slow_reader_gets_every_byte_after_the_router_buffered_for_it(router: 
     assert events[-1] == b"[DONE]"
     texts = [orjson.loads(e)["choices"][0]["text"] for e in events[:-1]]
     assert "".join(texts) == expected_text(tokens)
+
+
+def test_an_http_1_0_client_gets_an_unframed_stream(router: RouterProcess) -> None:
+    # No chunked encoding in HTTP/1.0: the relay writes spans as they are, the end is the close.
+    raw = _raw_request(router, completion(unique_prompt(), max_tokens=20, fake={"decode": PACED}), version="1.0")
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200"), head
+    assert b"transfer-encoding" not in head.lower()
+    events = [e[6:] for e in body.split(b"\n\n") if e.startswith(b"data: ")]
+    assert body.startswith(b"data: ") and events[-1] == b"[DONE]"
+    assert "".join(orjson.loads(e)["choices"][0]["text"] for e in events[:-1]) == expected_text(20)
+
+
+def _raw_request(router: RouterProcess, body: dict[str, object], *, version: str) -> bytes:
+    parts = urlsplit(router.url)
+    assert parts.hostname and parts.port
+    data = orjson.dumps(body)
+    with socket.create_connection((parts.hostname, parts.port), timeout=30) as sock:
+        sock.sendall(
+            f"POST /v1/completions HTTP/{version}\r\nHost: {parts.hostname}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n".encode() + data
+        )
+        out = bytearray()
+        while piece := sock.recv(65536):
+            out += piece
+    return bytes(out)
 
 
 def _dechunk(data: bytes) -> bytes:
