@@ -80,7 +80,10 @@ class _ClientSink:
         transport = self._transport
         if transport is None or transport.is_closing():
             return False
-        transport.write(b"%x\r\n%b\r\n" % (len(span), span) if self._chunked else span)
+        try:
+            transport.write(b"%x\r\n%b\r\n" % (len(span), span) if self._chunked else span)
+        except (OSError, RuntimeError):  # raised inside the engine's data callback: never let it out
+            return False
         return transport.get_write_buffer_size() <= self._high
 
 
