@@ -24,6 +24,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Awaitable
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -284,25 +285,22 @@ class Router:
                 resv.release()
 
     async def _prefill(self, req: ClientRequest, resv: Reservation) -> PrefillResult:
-        task = asyncio.ensure_future(
-            self.client.prefill(
-                resv.producer,
-                req.endpoint,
-                req.body,
-                request_id=new_id(),
-                crossed=resv.crossed,
-                deadline=req.deadline,
-                headers=req.forward,
-            )
-        )
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            # The client left mid-prefill. Let the prefill finish and release its handoff
-            # in the background, which now owns the reservation.
+        def abandon(rest: Awaitable[PrefillResult]) -> None:
+            # The client left mid-prefill. Let the prefill finish and release its handoff in
+            # the background, which now owns the reservation.
             resv.detached = True
-            self._spawn(self._finish_abandoned_prefill(task, req, resv))
-            raise
+            self._spawn(self._finish_abandoned_prefill(rest, req, resv))
+
+        return await self.client.prefill(
+            resv.producer,
+            req.endpoint,
+            req.body,
+            request_id=new_id(),
+            crossed=resv.crossed,
+            deadline=req.deadline,
+            headers=req.forward,
+            on_abandon=abandon,
+        )
 
     async def _decode(
         self,
@@ -411,7 +409,7 @@ class Router:
             metrics.HANDOFFS_ABANDONED.inc()
 
     async def _finish_abandoned_prefill(
-        self, task: asyncio.Future[PrefillResult], req: ClientRequest, resv: Reservation
+        self, task: Awaitable[PrefillResult], req: ClientRequest, resv: Reservation
     ) -> None:
         try:
             result = await task

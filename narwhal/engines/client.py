@@ -17,7 +17,7 @@ import asyncio
 import math
 import ssl
 import time
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 import orjson
@@ -78,17 +78,42 @@ class EngineClient:
         return lines + header_lines(extra) if extra else lines
 
     async def _exchange(
-        self, url: str, endpoint: str, headers: bytes, payload: bytes, bound: float
+        self,
+        url: str,
+        endpoint: str,
+        headers: bytes,
+        payload: bytes,
+        bound: float,
+        on_abandon: Callable[[Awaitable[tuple[int, bytes]]], None] | None = None,
     ) -> tuple[int, bytes]:
-        """POST and read the whole answer within ``bound`` (loop time)."""
+        """POST and read the whole answer within ``bound`` (loop time). Cancelled once the
+        request is out, the rest of the answer goes to ``on_abandon`` when given (else the
+        connection is closed, which makes the engine abort)."""
         conn: Connection | None = None
         try:
             conn = await self.pool.post(url, endpoint, headers, payload, deadline=bound)
             status = await conn.response()
             data = await conn.read_all()
+        except asyncio.CancelledError:
+            if conn is not None and on_abandon is not None:
+                on_abandon(self._rest(conn))
+            elif conn is not None:
+                conn.close()
+            raise
         except BaseException:
             if conn is not None:
                 conn.close()
+            raise
+        conn.release()
+        return status, data
+
+    @staticmethod
+    async def _rest(conn: Connection) -> tuple[int, bytes]:
+        try:
+            status = await conn.response()
+            data = await conn.read_all()
+        except BaseException:
+            conn.close()
             raise
         conn.release()
         return status, data
@@ -103,11 +128,15 @@ class EngineClient:
         crossed: bool = True,
         deadline: float | None = None,
         headers: Mapping[str, str] | None = None,
+        on_abandon: Callable[[Awaitable[PrefillResult]], None] | None = None,
     ) -> PrefillResult:
         """Run the prefill leg on ``producer``; bounded by ``prefill_timeout_s`` and ``deadline``.
 
         ``deadline`` is in ``loop.time()`` units. ``crossed=False`` (same-worker decode) sends
-        no ``kv_transfer_params`` and returns a result without a descriptor.
+        no ``kv_transfer_params`` and returns a result without a descriptor. With
+        ``on_abandon``, a caller cancelled after the request went out does not abort it: the
+        rest of the prefill is handed to ``on_abandon`` as an awaitable of the result (to run
+        in the background and release its handoff) — no task is spent on the common path.
         """
         loop = asyncio.get_running_loop()
         result = PrefillResult(
@@ -121,9 +150,16 @@ class EngineClient:
         limit = loop.time() + self.settings.prefill_timeout_s
         bound = limit if deadline is None else min(limit, deadline)
         payload = orjson.dumps(prefill_body(body, crossed=crossed))
+        on_rest = None
+        if on_abandon is not None:
+            abandon = on_abandon
+
+            def on_rest(rest: Awaitable[tuple[int, bytes]]) -> None:
+                abandon(self._finish_prefill(rest, result))
+
         try:
             status, data = await self._exchange(
-                producer.url, endpoint, self._headers(request_id, headers), payload, bound
+                producer.url, endpoint, self._headers(request_id, headers), payload, bound, on_rest
             )
         except TimeoutError:
             if deadline is not None and bound == deadline:
@@ -136,16 +172,12 @@ class EngineClient:
             ) from None
         except UpstreamError as exc:
             raise _transport_error(exc, producer.name, "prefill") from None
-        if status != 200:
-            raise _status_error(status, data, producer.name, "prefill")
-        result.finished_at = time.monotonic()
-        if crossed:
-            try:
-                answer = orjson.loads(data)
-            except orjson.JSONDecodeError:
-                answer = None
-            result.descriptor = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
-        return result
+        return _prefill_result(result, status, data)
+
+    @staticmethod
+    async def _finish_prefill(rest: Awaitable[tuple[int, bytes]], result: PrefillResult) -> PrefillResult:
+        status, data = await rest
+        return _prefill_result(result, status, data)
 
     async def decode(
         self,
@@ -360,6 +392,19 @@ class EngineClient:
         except (TimeoutError, UpstreamError):
             return False
         return status == 200
+
+
+def _prefill_result(result: PrefillResult, status: int, data: bytes) -> PrefillResult:
+    if status != 200:
+        raise _status_error(status, data, result.producer, "prefill")
+    result.finished_at = time.monotonic()
+    if result.crossed:
+        try:
+            answer = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            answer = None
+        result.descriptor = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+    return result
 
 
 def ssl_context(settings: EngineSettings) -> ssl.SSLContext | None:

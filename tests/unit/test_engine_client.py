@@ -146,3 +146,28 @@ async def test_a_deadline_shorter_than_the_timeout_wins(engines: tuple[FakeEngin
     with pytest.raises(DeadlineExceeded):
         await client.prefill(Ref(p), ENDPOINT, faulty(prefill={"delay_headers_s": 3}), request_id="rid-7",
                              deadline=loop.time() + 0.2)
+
+
+async def test_a_cancelled_prefill_hands_its_rest_to_on_abandon(
+    engines: tuple[FakeEngine, FakeEngine], client: EngineClient
+) -> None:
+    p, d = engines
+    body = faulty(prefill={"delay_headers_s": 0.3})
+    handed: list[Any] = []
+    task = asyncio.ensure_future(
+        client.prefill(Ref(p), ENDPOINT, body, request_id="rid-abandon", on_abandon=handed.append)
+    )
+    for _ in range(200):  # bounded wait: the producer has the request
+        if p.requests_prefill:
+            break
+        await asyncio.sleep(0.01)
+    assert p.requests_prefill == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert len(handed) == 1  # the rest of the prefill, not an abort
+    result = await handed[0]
+    assert isinstance(result, PrefillResult) and result.descriptor is not None
+    assert p.kv.held_blocks == 10
+    assert await client.release(result, Ref(d), body) is True
+    assert p.kv.held_blocks == 0
