@@ -42,6 +42,7 @@ import httptools
 
 IDLE_S = 4.0
 HIGH_WATER = 256 * 1024
+MAX_HEAD = 64 * 1024  # status line and headers: an engine sending more is broken, not verbose
 _WRITE_JOINED_MAX = 64 * 1024  # above this, head and body go out with writev instead of a copy
 
 
@@ -140,6 +141,7 @@ class Connection(asyncio.Protocol):
         self._paused = False
         self._error: UpstreamError | DeadlinePassed | None = None
         self.content_type = b""
+        self._head_bytes = 0
 
     # -- asyncio.Protocol ---------------------------------------------------------------
 
@@ -152,6 +154,12 @@ class Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(ProtocolError(f"invalid HTTP response: {exc}"))
             self.close()
+            return
+        if not self.headers_done:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD:  # the parser would buffer headers without end
+                self._fail(ProtocolError(f"response headers over {MAX_HEAD} bytes"))
+                self.close()
 
     def eof_received(self) -> bool | None:
         return None  # close the transport; connection_lost decides what the EOF meant

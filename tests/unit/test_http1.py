@@ -305,3 +305,22 @@ async def test_a_deadline_fails_the_exchange_and_closes_the_connection(pool: Ups
         conn.close()
     finally:
         await srv.stop()
+
+
+async def test_endless_response_headers_are_a_protocol_error(pool: UpstreamPool) -> None:
+    async def script(srv: RawServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await srv.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\n")
+        for i in range(2000):  # ~100 KiB of headers, never ending
+            writer.write(b"X-Pad-%d: %s\r\n" % (i, b"v" * 40))
+            await writer.drain()
+        await reader.read()
+
+    srv, url = await started(script)
+    try:
+        conn = await pool.post(url, "/x", b"", b"{}")
+        with pytest.raises(ProtocolError, match="headers over"):
+            await conn.response()
+        conn.close()
+    finally:
+        await srv.stop()
