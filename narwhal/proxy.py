@@ -374,23 +374,20 @@ class Router:
     ) -> None:
         """Write to the client; one that does not read for ``client_write_timeout_s`` is dropped
         (its buffer stops growing and the engine stream is closed, like any departed client)."""
+        await self._bounded(request, writes, stream.write_eof(data) if eof else stream.write(data))
+
+    async def _drain(self, request: web.Request, writes: LazyTimeout) -> None:
+        if request.transport is None or request.transport.is_closing():
+            raise ConnectionResetError("the client went away")
+        await self._bounded(request, writes, request.writer.drain())
+
+    async def _bounded(self, request: web.Request, writes: LazyTimeout, client_io: Awaitable[None]) -> None:
         bound = asyncio.get_running_loop().time() + self.settings.server.client_write_timeout_s
         try:
-            await writes.wait(stream.write_eof(data) if eof else stream.write(data), bound)
+            await writes.wait(client_io, bound)
         except TimeoutError:
             if request.transport is not None:
                 request.transport.abort()
-            raise ConnectionResetError("the client stopped reading its stream") from None
-
-    async def _drain(self, request: web.Request, writes: LazyTimeout) -> None:
-        transport = request.transport
-        if transport is None or transport.is_closing():
-            raise ConnectionResetError("the client went away")
-        bound = asyncio.get_running_loop().time() + self.settings.server.client_write_timeout_s
-        try:
-            await writes.wait(request.writer.drain(), bound)
-        except TimeoutError:
-            transport.abort()
             raise ConnectionResetError("the client stopped reading its stream") from None
 
     def _spawn(self, coro: Any) -> None:

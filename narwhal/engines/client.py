@@ -89,34 +89,26 @@ class EngineClient:
         """POST and read the whole answer within ``bound`` (loop time). Cancelled once the
         request is out, the rest of the answer goes to ``on_abandon`` when given (else the
         connection is closed, which makes the engine abort)."""
-        conn: Connection | None = None
+        conn = await self.pool.post(url, endpoint, headers, payload, deadline=bound)
         try:
-            conn = await self.pool.post(url, endpoint, headers, payload, deadline=bound)
-            status = await conn.response()
-            data = await conn.read_all()
+            return await _answer(conn)
         except asyncio.CancelledError:
-            if conn is not None and on_abandon is not None:
-                on_abandon(self._rest(conn))
-            elif conn is not None:
+            if on_abandon is None:
                 conn.close()
+            else:
+                on_abandon(self._rest(conn))
             raise
         except BaseException:
-            if conn is not None:
-                conn.close()
+            conn.close()
             raise
-        conn.release()
-        return status, data
 
     @staticmethod
     async def _rest(conn: Connection) -> tuple[int, bytes]:
         try:
-            status = await conn.response()
-            data = await conn.read_all()
+            return await _answer(conn)
         except BaseException:
             conn.close()
             raise
-        conn.release()
-        return status, data
 
     async def prefill(
         self,
@@ -293,14 +285,12 @@ class EngineClient:
                         passed += 1
                         yield span
                         continue
+                    out = held
                     if seen_token and sse.ends_with_done(span):
                         # The usual end: tokens, [DONE] last, no error object: as received.
+                        out.append(span)
                         done = True
-                        finished = conn.complete or await self._drain(conn)
-                        yield span
-                        continue
-                    out = held
-                    for event in sse.split_events(span):
+                    for event in () if done else sse.split_events(span):
                         if seen_token and not sse.may_end_stream(event):
                             out.append(event + b"\n\n")  # after the first token only the end matters
                             continue
@@ -328,7 +318,7 @@ class EngineClient:
                         # last span goes out: the caller ends the client's response with it, and
                         # a client that has its whole answer may leave at once; nothing may wait
                         # after that. A body that ends cleanly lets the connection be pooled.
-                        finished = conn.complete or await self._drain(conn)
+                        finished = conn.complete or await self._read_to_end(conn)
                     if seen_token:
                         held = []
                         yield out[0] if len(out) == 1 else b"".join(out)
@@ -342,7 +332,7 @@ class EngineClient:
                     conn.close()
 
     @staticmethod
-    async def _drain(conn: Connection) -> bool:
+    async def _read_to_end(conn: Connection) -> bool:
         try:
             async with asyncio.timeout(_DRAIN_S):
                 await conn.read_all()
@@ -392,6 +382,14 @@ class EngineClient:
         except (TimeoutError, UpstreamError):
             return False
         return status == 200
+
+
+async def _answer(conn: Connection) -> tuple[int, bytes]:
+    """The status and whole body of the answer on ``conn``, which then goes back to the pool."""
+    status = await conn.response()
+    data = await conn.read_all()
+    conn.release()
+    return status, data
 
 
 def _prefill_result(result: PrefillResult, status: int, data: bytes) -> PrefillResult:

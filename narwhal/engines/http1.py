@@ -372,13 +372,6 @@ class UpstreamPool:
         conn.send(head, body)
         return conn
 
-    async def get(self, url: str, path: str, headers: bytes = b"", *, deadline: float | None = None) -> Connection:
-        origin = self.origin(url)
-        conn = await self._acquire(origin, deadline)
-        conn.arm(deadline)
-        conn.send(origin.head("GET", path) + headers + b"\r\n", b"")
-        return conn
-
     async def _acquire(self, origin: Origin, deadline: float | None) -> Connection:
         idle = self._idle.get(origin.key)
         if idle:

@@ -25,7 +25,7 @@ import math
 from collections.abc import Callable
 
 from narwhal.engines.http1 import Connection
-from narwhal.sse import SSEFramer
+from narwhal.sse import SSEFramer, may_end_stream
 
 Sink = Callable[[bytes], bool]  # write a span to the client; False when the client fell behind
 
@@ -85,7 +85,7 @@ class DirectRelay:
         span = self._framer.feed(chunk)
         if not span:
             return
-        if b"[DONE]" in span or b'"error"' in span:  # sse.may_end_stream, inlined: per span
+        if may_end_stream(span):
             self._stop(span)
         elif not self._sink(span):
             self._stop(None)

@@ -137,8 +137,8 @@ class SharedFleet:
         """
         n = self.layout.engines if engines is None else engines
         fmt = _counts_struct(n)
-        mm, pid = self.mm, _U32.unpack_from
-        rows = [fmt.unpack_from(mm, counts) for pid_at, counts in self._slot_offsets if pid(mm, pid_at)[0]]
+        mm, u32 = self.mm, _U32.unpack_from
+        rows = [fmt.unpack_from(mm, counts) for pid_at, counts in self._slot_offsets if u32(mm, pid_at)[0]]
         if not rows:
             return [0] * (n * 2)
         return [sum(column) for column in zip(*rows, strict=True)]

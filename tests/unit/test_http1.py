@@ -7,6 +7,7 @@ keep-alive, back-pressure and every transport failure are checked byte for byte.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -81,17 +82,21 @@ def serve_forever(answer: bytes) -> Script:
     return script
 
 
-async def started(script: Script) -> tuple[RawServer, str]:
+@contextlib.asynccontextmanager
+async def serving(script: Script) -> AsyncIterator[tuple[RawServer, str]]:
     srv = RawServer(script)
-    return srv, await srv.start()
+    url = await srv.start()
+    try:
+        yield srv, url
+    finally:
+        await srv.stop()
 
 
 OK_JSON = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"ok":true}'
 
 
 async def test_request_bytes_are_exact_and_the_connection_is_reused(pool: UpstreamPool) -> None:
-    srv, url = await started(serve_forever(OK_JSON))
-    try:
+    async with serving(serve_forever(OK_JSON)) as (srv, url):
         for rid in ("r1", "r2"):
             conn = await pool.post(url + "/base/", "/v1/completions", header_lines({"X-Request-Id": rid}), b'{"a":1}')
             assert await conn.response() == 200
@@ -104,8 +109,6 @@ async def test_request_bytes_are_exact_and_the_connection_is_reused(pool: Upstre
             + b"\r\nAccept: */*\r\nUser-Agent: narwhal\r\nX-Request-Id: r2\r\n"
             b"Content-Type: application/json\r\nContent-Length: 7\r\n\r\n{\"a\":1}"
         )
-    finally:
-        await srv.stop()
 
 
 async def test_chunked_body_in_pieces_is_reassembled(pool: UpstreamPool) -> None:
@@ -117,16 +120,13 @@ async def test_chunked_body_in_pieces_is_reassembled(pool: UpstreamPool) -> None
             await writer.drain()
         await reader.read()
 
-    srv, url = await started(script)
-    try:
+    async with serving(script) as (srv, url):
         conn = await pool.post(url, "/x", b"", b"{}")
         assert await conn.response() == 200
         assert await conn.read_all() == b"hello world"
         assert conn.complete
         conn.release()
         assert pool.open_connections == 1
-    finally:
-        await srv.stop()
 
 
 async def test_a_body_delimited_by_the_end_of_the_connection_is_complete(pool: UpstreamPool) -> None:
@@ -135,42 +135,35 @@ async def test_a_body_delimited_by_the_end_of_the_connection_is_complete(pool: U
         writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nall of it")
         await writer.drain()
 
-    srv, url = await started(script)
-    try:
+    async with serving(script) as (srv, url):
         conn = await pool.post(url, "/x", b"", b"{}")
         assert await conn.response() == 200
         assert await conn.read_all() == b"all of it"
         conn.release()
         assert pool.open_connections == 0  # never pooled
-    finally:
-        await srv.stop()
 
 
 async def test_connection_close_is_not_pooled(pool: UpstreamPool) -> None:
     answer = b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok"
-    srv, url = await started(serve_forever(answer))
-    try:
+    async with serving(serve_forever(answer)) as (srv, url):
         for _ in range(2):
             conn = await pool.post(url, "/x", b"", b"{}")
             assert await conn.read_all() == b"ok"
             conn.release()
         assert srv.connections == 2
-    finally:
-        await srv.stop()
 
 
 async def test_an_idle_connection_past_idle_s_is_not_reused() -> None:
-    srv, url = await started(serve_forever(OK_JSON))
     pool = UpstreamPool(idle_s=0.0)
-    try:
-        for _ in range(2):
-            conn = await pool.post(url, "/x", b"", b"{}")
-            await conn.read_all()
-            conn.release()
-        assert srv.connections == 2
-    finally:
-        await pool.close()
-        await srv.stop()
+    async with serving(serve_forever(OK_JSON)) as (srv, url):
+        try:
+            for _ in range(2):
+                conn = await pool.post(url, "/x", b"", b"{}")
+                await conn.read_all()
+                conn.release()
+            assert srv.connections == 2
+        finally:
+            await pool.close()
 
 
 async def test_closed_before_the_response_and_mid_body_are_connection_lost(pool: UpstreamPool) -> None:
@@ -182,9 +175,7 @@ async def test_closed_before_the_response_and_mid_body_are_connection_lost(pool:
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nshort")
         await writer.drain()
 
-    srv, url = await started(before)
-    srv2, url2 = await started(mid)
-    try:
+    async with serving(before) as (_, url), serving(mid) as (_, url2):
         conn = await pool.post(url, "/x", b"", b"{}")
         with pytest.raises(ConnectionLost) as info:
             await conn.response()
@@ -197,9 +188,6 @@ async def test_closed_before_the_response_and_mid_body_are_connection_lost(pool:
             await conn.read_some()
         assert info.value.got_headers is True
         conn.close()
-    finally:
-        await srv.stop()
-        await srv2.stop()
 
 
 async def test_bytes_that_are_not_http_are_a_protocol_error(pool: UpstreamPool) -> None:
@@ -209,14 +197,11 @@ async def test_bytes_that_are_not_http_are_a_protocol_error(pool: UpstreamPool) 
         await writer.drain()
         await reader.read()
 
-    srv, url = await started(script)
-    try:
+    async with serving(script) as (srv, url):
         conn = await pool.post(url, "/x", b"", b"{}")
         with pytest.raises(ProtocolError):
             await conn.response()
         conn.close()
-    finally:
-        await srv.stop()
 
 
 async def test_refused_is_connect_failed(pool: UpstreamPool) -> None:
@@ -232,19 +217,18 @@ async def test_refused_is_connect_failed(pool: UpstreamPool) -> None:
 def test_upstream_sockets_have_tcp_nodelay(loop_kind: str) -> None:
     # A sync test running its own loop: production runs on uvloop, tests on asyncio's loop.
     async def check() -> int:
-        srv, url = await started(serve_forever(OK_JSON))
         pool = UpstreamPool()
-        try:
-            conn = await pool.post(url, "/x", b"", b"{}")
-            assert conn.transport is not None
-            sock = conn.transport.get_extra_info("socket")
-            nodelay = int(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
-            await conn.read_all()
-            conn.release()
-            return nodelay
-        finally:
-            await pool.close()
-            await srv.stop()
+        async with serving(serve_forever(OK_JSON)) as (_, url):
+            try:
+                conn = await pool.post(url, "/x", b"", b"{}")
+                assert conn.transport is not None
+                sock = conn.transport.get_extra_info("socket")
+                nodelay = int(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                await conn.read_all()
+                conn.release()
+                return nodelay
+            finally:
+                await pool.close()
 
     run = uvloop.run if loop_kind == "uvloop" else asyncio.run
     assert run(check()) != 0
@@ -259,8 +243,7 @@ async def test_a_reader_that_falls_behind_pauses_the_socket(pool: UpstreamPool) 
         await writer.drain()
         await reader.read()
 
-    srv, url = await started(script)
-    try:
+    async with serving(script) as (srv, url):
         conn = await pool.post(url, "/x", b"", b"{}")
         assert await conn.response() == 200
         transport = conn.transport
@@ -272,8 +255,6 @@ async def test_a_reader_that_falls_behind_pauses_the_socket(pool: UpstreamPool) 
         assert not transport.is_reading()
         assert len(await conn.read_all()) == size  # and reading resumes it to the end
         conn.release()
-    finally:
-        await srv.stop()
 
 
 def test_header_values_with_line_breaks_are_refused() -> None:
@@ -287,8 +268,7 @@ async def test_a_deadline_fails_the_exchange_and_closes_the_connection(pool: Ups
         await srv.read_request(reader)
         await reader.read()  # never answers
 
-    srv, url = await started(silent)
-    try:
+    async with serving(silent) as (srv, url):
         loop = asyncio.get_running_loop()
         conn = await pool.post(url, "/x", b"", b"{}", deadline=loop.time() + 0.2)
         with pytest.raises(TimeoutError):
@@ -303,8 +283,6 @@ async def test_a_deadline_fails_the_exchange_and_closes_the_connection(pool: Ups
         assert srv.connections == 2
         conn.disarm()
         conn.close()
-    finally:
-        await srv.stop()
 
 
 async def test_endless_response_headers_are_a_protocol_error(pool: UpstreamPool) -> None:
@@ -316,11 +294,8 @@ async def test_endless_response_headers_are_a_protocol_error(pool: UpstreamPool)
             await writer.drain()
         await reader.read()
 
-    srv, url = await started(script)
-    try:
+    async with serving(script) as (srv, url):
         conn = await pool.post(url, "/x", b"", b"{}")
         with pytest.raises(ProtocolError, match="headers over"):
             await conn.response()
         conn.close()
-    finally:
-        await srv.stop()
