@@ -40,9 +40,9 @@ def _die_with_parent() -> None:
     set_parent_death_signal(signal.SIGTERM)
 
 
-def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+def http_get(url: str, timeout: float = 2.0, headers: Mapping[str, str] | None = None) -> tuple[int, bytes]:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=dict(headers or {})), timeout=timeout) as resp:
             return resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()

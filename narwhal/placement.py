@@ -200,5 +200,6 @@ class Placement:
 
     def _release(self, engine: Engine, phase: PhaseName) -> None:
         self.inflight.release(engine, phase)
-        freed, self._freed = self._freed, asyncio.Event()
-        freed.set()
+        if self.waiting:  # a fresh Event per release costs, and only waiters need one
+            freed, self._freed = self._freed, asyncio.Event()
+            freed.set()

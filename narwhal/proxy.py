@@ -88,6 +88,16 @@ class _ClientSink:
         return transport.get_write_buffer_size() <= self._high
 
 
+def _observe_start(rec: AccessRecord, handoff_age: float) -> None:
+    # Observed once the first output is on its way to the client (or the attempt ended), not
+    # on the way to it: the histograms' timing does not matter, the first token's does.
+    if rec.ttft_s is not None:
+        metrics.TTFT.observe(rec.ttft_s)
+    metrics.HANDOFF_AGE.observe(handoff_age)
+    if rec.first_byte_s is not None:
+        metrics.FIRST_BYTE.observe(rec.first_byte_s)
+
+
 class WorkerState(Protocol):
     """The request-level part of the fleet state (local or shared memory)."""
 
@@ -268,7 +278,6 @@ class Router:
             result = await self._prefill(req, resv)
             resv.release_prefill()
             rec.ttft_s = time.perf_counter() - started
-            metrics.TTFT.observe(rec.ttft_s)
             response = await self._decode(request, req, resv, result, rec, started)
             metrics.attempts_child("success").inc()
             self.outcomes.success(producer, consumer)
@@ -315,8 +324,9 @@ class Router:
         writes: LazyTimeout | None = None
         sent = False  # did the consumer receive the handoff?
         sink = _ClientSink(request) if req.stream else None
+        age = result.age()
+        observed = False
         try:
-            metrics.HANDOFF_AGE.observe(result.age())
             chunks = self.client.decode(
                 result,
                 resv.consumer,
@@ -332,13 +342,17 @@ class Router:
                     if stream is None:
                         sent = True
                         rec.first_byte_s = time.perf_counter() - started
-                        metrics.FIRST_BYTE.observe(rec.first_byte_s)
                         if not req.stream:
-                            return web.Response(
+                            # Written here rather than by aiohttp after the handler returns,
+                            # so the client has it before the bookkeeping, not after.
+                            response = web.Response(
                                 body=data,
                                 content_type="application/json",
                                 headers={"x-request-id": rec.request_id},
                             )
+                            await response.prepare(request)
+                            await response.write_eof()
+                            return response
                         stream = _SSEResponse(headers={**SSE_HEADERS, "x-request-id": rec.request_id})
                         request["narwhal.stream"] = stream
                         await stream.prepare(request)
@@ -352,6 +366,9 @@ class Router:
                     # The span with [DONE] goes out with the end of the chunked body: one
                     # write, one client wakeup, instead of a separate 5-byte terminator.
                     await self._write(stream, request, data, writes, eof=data.endswith(sse.DONE_EVENT))
+                    if not observed:
+                        observed = True
+                        _observe_start(rec, age)
             if stream is None or writes is None:  # pragma: no cover - decode always yields or raises
                 raise EngineError("empty decode response", reason="engine_disconnect",
                                   engine=resv.consumer.name, phase="decode")
@@ -368,6 +385,9 @@ class Router:
                 # Gone before the consumer answered: it may never have queued the request.
                 self._release_later(result, req, resv)
             raise
+        finally:
+            if not observed:
+                _observe_start(rec, age)
 
     async def _write(
         self, stream: web.StreamResponse, request: web.Request, data: bytes, writes: LazyTimeout, eof: bool = False

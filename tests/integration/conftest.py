@@ -117,6 +117,17 @@ def wait_until(predicate: Any, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out after {timeout:g}s waiting for: {what}")
 
 
+def settled(read: Any, expected: Any, timeout: float = 5.0) -> Any:
+    """``read()`` once it returns ``expected`` (bounded), else its last value, for the caller's
+    assert to show. For figures a worker updates just *after* the client has its response."""
+    end = time.monotonic() + timeout
+    value = read()
+    while value != expected and time.monotonic() < end:
+        time.sleep(0.05)
+        value = read()
+    return value
+
+
 def unique_prompt(words: int = 12) -> str:
     tag = uuid.uuid4().hex
     return " ".join([tag] + [f"w{i}" for i in range(words - 1)])

@@ -10,10 +10,11 @@ import time
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 
 from narwhal.harness import FakeFleet, RouterProcess, children_of, http_get, write_config
-from tests.integration.conftest import TIMEOUTS, start_router, unique_prompt, wait_until
+from tests.integration.conftest import TIMEOUTS, settled, start_router, unique_prompt, wait_until
 from tests.integration.helpers import Reply, completion, send, terminal_error
 
 ENGINES = [{"name": "p0", "role": "producer"}, {"name": "d0", "role": "consumer"}]
@@ -124,11 +125,20 @@ async def test_worker_recycling_keeps_counts_and_shared_state_right(fleet: FakeF
             n += 1
             if n % 10 == 0:
                 await asyncio.sleep(0.2)
-        text = http_get(router.url + "/metrics")[1].decode()
-        assert _sample(text, r'narwhal_requests_total\{code="200",endpoint="/v1/completions"\} ([0-9.]+)') == n
-        assert _sample(text, r"narwhal_first_byte_seconds_count ([0-9.]+)") == n
-        reply = await send(router.url, "/admin/engines", method="GET", headers={"Authorization": "Bearer t"})
-        for entry in reply.json["engines"]:
-            assert entry["inflight"] == {"prefill": 0, "decode": 0}
+
+        def counts() -> tuple[float, float]:
+            text = http_get(router.url + "/metrics")[1].decode()
+            return (_sample(text, r'narwhal_requests_total\{code="200",endpoint="/v1/completions"\} ([0-9.]+)'),
+                    _sample(text, r"narwhal_first_byte_seconds_count ([0-9.]+)"))
+
+        # Counted just after each response went out: a scrape may be a moment early.
+        assert settled(counts, (n, n)) == (n, n)
+
+        def inflight() -> list[dict[str, int]]:
+            _, body = http_get(router.url + "/admin/engines", headers={"Authorization": "Bearer t"})
+            return [entry["inflight"] for entry in orjson.loads(body)["engines"]]
+
+        idle = [{"prefill": 0, "decode": 0}] * len(inflight())
+        assert settled(inflight, idle) == idle
     finally:
         router.stop()
