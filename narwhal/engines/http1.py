@@ -127,6 +127,7 @@ class Connection(asyncio.Protocol):
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self.sink: Callable[[bytes], None] | None = None
+        self._relayed: list[bytes] = []  # body bytes of the current read, for the sink
         self.idle_since = 0.0
         self._closed = False
         self._reset()
@@ -152,9 +153,12 @@ class Connection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
+            self._relay()
             self._fail(ProtocolError(f"invalid HTTP response: {exc}"))
             self.close()
             return
+        if self._relayed:
+            self._relay()
         if not self.headers_done:
             self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD:  # the parser would buffer headers without end
@@ -190,9 +194,9 @@ class Connection(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
-        sink = self.sink
-        if sink is not None:
-            sink(body)  # a relay takes the bytes in this callback (engines.client._DirectRelay)
+        if self.sink is not None:
+            # A relay takes the bytes of this read, once it is parsed (see _relay).
+            self._relayed.append(body)
             return
         self._chunks.append(body)
         self._buffered += len(body)
@@ -200,6 +204,20 @@ class Connection(asyncio.Protocol):
             self._paused = True
             self.transport.pause_reading()
         self._wake()
+
+    def _relay(self) -> None:
+        # One sink call per socket read, not per HTTP chunk: an engine writes every SSE event
+        # as its own chunk, and a read that holds many of them becomes one client write.
+        relayed = self._relayed
+        if not relayed:
+            return
+        data = relayed[0] if len(relayed) == 1 else b"".join(relayed)
+        relayed.clear()
+        if self.sink is not None:
+            self.sink(data)
+        else:  # never lose bytes, even to a sink withdrawn mid-read
+            self._chunks.append(data)
+            self._buffered += len(data)
 
     def on_message_complete(self) -> None:
         self.complete = True

@@ -4,8 +4,9 @@ Why: once the first token is out, almost every span of SSE events only has to be
 Doing that through the decode generator costs, per span, a future, a task wakeup, a chain of
 coroutine frames and a client write coroutine — the largest per-token cost left in the router
 (the perf suite's paced-decode scenario sends every token on its own). Here the connection's
-``on_body`` callback frames the bytes and hands each span straight to a *sink* that writes it
-to the client's transport; the generator sleeps until something needs it:
+data callback frames the bytes of each socket read (events the engine wrote as separate
+chunks but that arrived together become one client write) and hands each span to a *sink*
+that writes it to the client's transport; the generator sleeps until something needs it:
 
 * a span that may end the stream (``[DONE]`` or an error object): the generator classifies it;
 * a client that fell behind (the sink reports its transport above the high-water mark): the

@@ -299,3 +299,42 @@ async def test_endless_response_headers_are_a_protocol_error(pool: UpstreamPool)
         with pytest.raises(ProtocolError, match="headers over"):
             await conn.response()
         conn.close()
+
+
+async def test_a_sink_gets_each_read_whole_not_each_chunk(pool: UpstreamPool) -> None:
+    # Engines write every SSE event as its own HTTP chunk; when several arrive in one read the
+    # relay must see them as one span (one client write), in order, none lost.
+    go_on, more = asyncio.Event(), asyncio.Event()
+    events = [b"data: %d\n\n" % i for i in range(5)]
+
+    async def script(srv: RawServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await srv.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await go_on.wait()
+        # One small write arrives as one read on loopback.
+        writer.write(b"".join(b"%x\r\n%b\r\n" % (len(e), e) for e in events))
+        await writer.drain()
+        await more.wait()
+        writer.write(b"6\r\nlast\n\n\r\n0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async with serving(script) as (srv, url):
+        conn = await pool.post(url, "/x", b"", b"{}")
+        assert await conn.response() == 200
+        got: list[bytes] = []
+        conn.sink = got.append
+        go_on.set()
+        for _ in range(500):  # bounded waits: the first read, then the end of the body
+            if got:
+                break
+            await asyncio.sleep(0.01)
+        more.set()
+        for _ in range(500):
+            if conn.complete:
+                break
+            await asyncio.sleep(0.01)
+        assert got == [b"".join(events), b"last\n\n"]
+        assert conn.take() == []  # nothing left behind in the buffer
+        conn.sink = None
+        conn.release()
