@@ -350,8 +350,7 @@ class Router:
                                 content_type="application/json",
                                 headers={"x-request-id": rec.request_id},
                             )
-                            await response.prepare(request)
-                            await response.write_eof()
+                            await self._send_whole(request, response)
                             return response
                         stream = _SSEResponse(headers={**SSE_HEADERS, "x-request-id": rec.request_id})
                         request["narwhal.stream"] = stream
@@ -395,6 +394,19 @@ class Router:
         """Write to the client; one that does not read for ``client_write_timeout_s`` is dropped
         (its buffer stops growing and the engine stream is closed, like any departed client)."""
         await self._bounded(request, writes, stream.write_eof(data) if eof else stream.write(data))
+
+    async def _send_whole(self, request: web.Request, response: web.Response) -> None:
+        # Under the same write bound as a stream: a client that does not read its answer must
+        # not keep this request (and its reservations) alive.
+        async def send() -> None:
+            await response.prepare(request)
+            await response.write_eof()
+
+        writes = LazyTimeout()
+        try:
+            await self._bounded(request, writes, send())
+        finally:
+            writes.close()
 
     async def _drain(self, request: web.Request, writes: LazyTimeout) -> None:
         if request.transport is None or request.transport.is_closing():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import resource
 import socket
 import string
@@ -24,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from narwhal.harness import FakeFleet, RouterProcess, children_of
+from narwhal.harness import FakeFleet, RouterProcess, children_of, http_get
 from tests.integration.conftest import MODEL, start_router, unique_prompt, wait_until
 
 COMPLETIONS = "/v1/completions"
@@ -543,3 +544,34 @@ def test_many_idle_keepalive_connections_do_not_block_new_clients(hostile: Route
         for s in conns:
             s.close()
     assert_alive(hostile, hostile.initial_children)  # type: ignore[attr-defined]
+
+
+def test_a_client_that_never_reads_its_whole_answer_is_dropped_too(hostile: RouterProcess) -> None:
+    # A non-streaming answer is written under the same client_write_timeout_s (2 s here) as a
+    # stream: the request ends (499, its reservations given back) instead of waiting for ever.
+    host, port = _addr(hostile)
+    code_499 = re.compile(r'narwhal_requests_total\{code="499",endpoint="/v1/completions"\} ([0-9.]+)')
+
+    def dropped_so_far() -> float:
+        match = code_499.search(http_get(hostile.url + "/metrics")[1].decode())
+        return float(match.group(1)) if match else 0.0
+
+    before = dropped_so_far()
+    # ~8 MB of JSON: more than the loopback socket buffers (4 MiB at most) and a 4 KiB receiver hold.
+    body = orjson.dumps({"model": MODEL, "prompt": unique_prompt(), "stream": False, "max_tokens": 1_000_000})
+    stuck = socket.socket()
+    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stuck.connect((host, port))
+    try:
+        stuck.sendall(
+            f"POST {COMPLETIONS} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        wait_until(lambda: dropped_so_far() == before + 1, 20, "the non-reading client counted as gone (499)")
+        answer = http_request(
+            hostile, "POST", COMPLETIONS, orjson.dumps({"model": MODEL, "prompt": unique_prompt(), "max_tokens": 3})
+        )
+        assert answer.status == 200, answer.body  # its reservations were given back
+    finally:
+        stuck.close()
