@@ -156,7 +156,13 @@ class RouterProcess:
         timeout: float = 30.0,
         log_path: str | None = None,
         gunicorn_args: Sequence[str] = (),
+        root: str | None = None,
     ) -> RouterProcess:
+        """Start gunicorn on a fresh 127.0.0.1 socket and wait until it serves.
+
+        ``root``: a directory holding another ``narwhal`` package (e.g. an older commit, for
+        the perf suite's ``--baseline``) to run instead of this one, with this one's dependencies.
+        """
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", port))
@@ -166,7 +172,7 @@ class RouterProcess:
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("NARWHAL_")}
         full_env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         full_env.update(env or {})
-        full_env["NARWHAL_CONFIG"] = config_path
+        full_env["NARWHAL_CONFIG"] = os.path.abspath(config_path)
         full_env["NARWHAL_SERVER__BIND"] = f"fd://{sock.fileno()}"
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix="narwhal-router-", suffix=".log")
@@ -175,9 +181,15 @@ class RouterProcess:
         log = open(os.devnull if inherit else log_path, "ab")
         from narwhal.gunicorn_hooks import CONFIG_FILE
 
-        cmd = [sys.executable, "-m", "gunicorn", "-c", CONFIG_FILE, *gunicorn_args]
+        config_file = CONFIG_FILE
+        if root is not None:
+            # `python -m` puts the working directory first on sys.path: run from there.
+            config_file = os.path.join(root, "narwhal", os.path.basename(CONFIG_FILE))
+            full_env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, full_env.get("PYTHONPATH"))))
+        cmd = [sys.executable, "-m", "gunicorn", "-c", config_file, *gunicorn_args]
         proc = subprocess.Popen(
             cmd,
+            cwd=root,
             env=full_env,
             pass_fds=[sock.fileno()],
             stdout=None if inherit else log,

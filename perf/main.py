@@ -21,11 +21,12 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from perf import procs, report
+from perf import baseline, procs, report
 from perf.memory import run_memory
 from perf.scenarios import (
     Scenario,
     ScenarioResult,
+    against_baseline,
     all_scenarios,
     compare,
     ensure_targets,
@@ -38,6 +39,7 @@ from perf.stack import Stack, expand_peer
 
 T = TypeVar("T")
 RESULTS = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parent.parent
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -68,6 +70,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="COMMAND",
         help="another router to compare, templated with {producer_url} {consumer_url} {port} "
         "{free_port}; 'vllm-router' is short for the vllm-router 0.1.17 PD command",
+    )
+    p.add_argument(
+        "--baseline",
+        default=None,
+        metavar="REF",
+        help="also run the narwhal/ package of git commit REF (e.g. HEAD, main~3) in the same "
+        "interleaved rounds, and report this checkout against it",
     )
     p.add_argument(
         "--profile",
@@ -261,6 +270,7 @@ def run(args: argparse.Namespace) -> int:
         + ("each in its own process" if args.fleet == "split" else "both in one process"),
         "fleet": args.fleet,
         "peer": {"command": None, "error": None},
+        "baseline": {"ref": args.baseline, "commit": None, "error": None},
     }
     results: dict[str, Any] = {}
     failed: list[str] = []
@@ -276,6 +286,14 @@ def run(args: argparse.Namespace) -> int:
             meta["peer"] = {"command": peer.detail["command"] if peer else None, "error": stack.peer_error}
             if peer is None:
                 _say(f"peer not used: {stack.peer_error}")
+        if args.baseline:
+            try:
+                meta["baseline"]["commit"] = baseline.export(args.baseline, REPO, out_dir / "baseline")
+                stack.baseline_root = str((out_dir / "baseline").resolve())
+                _say(f"baseline: {args.baseline} = {meta['baseline']['commit'][:12]}")
+            except baseline.BaselineError as exc:
+                meta["baseline"]["error"] = str(exc)
+                _say(f"baseline not used: {exc}")
         try:
             import uvloop
 
@@ -309,6 +327,8 @@ def run(args: argparse.Namespace) -> int:
         stack.close()
         INTERRUPTS.restore()
 
+    if stack.baseline_error is not None:
+        meta["baseline"]["error"] = stack.baseline_error
     meta["elapsed_s"] = round(time.monotonic() - t_start, 1)
     meta["loadavg_end"] = [round(x, 2) for x in procs.loadavg()]
     doc: dict[str, Any] = {
@@ -376,6 +396,7 @@ def _run_one(
     for target in targets:
         result.stats[target.name] = summarize(target, raw[target.name], cores)
     compare(result.stats, raw)
+    against_baseline(result.stats, raw)
     if profile is not None:
         result.extra["profile"] = profile
     if scenario.kind == "sweep":

@@ -157,6 +157,35 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def _baseline_table(results: dict[str, Any], base: dict[str, Any]) -> list[str]:
+    rows = [
+        (name, res["targets"]["narwhal"], res["targets"]["baseline"])
+        for name, res in results.items()
+        if res["kind"] == "load" and "baseline" in res["targets"] and "narwhal" in res["targets"]
+    ]
+    if not rows:
+        return []
+    lines = [
+        "",
+        f"## This checkout against the baseline ({base.get('ref')} = {(base.get('commit') or '')[:12]})",
+        "",
+        "Ratios are medians of per-round ratios (the two ran back to back in every round); below 1 "
+        "means this checkout uses less CPU, above 1 that it serves more requests.",
+        "",
+        "| scenario | router CPU µs | baseline µs | CPU ratio | req/s ratio | TTFB p50 ms | baseline ms "
+        "| per-round CPU ratios |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, mine, theirs in rows:
+        vs = mine.get("vs_baseline", {})
+        lines.append(
+            f"| {name} | {_fmt(mine['router_cpu_us_per_req'], 0)} | {_fmt(theirs['router_cpu_us_per_req'], 0)} "
+            f"| {_fmt(vs.get('cpu_ratio'), 3)} | {_fmt(vs.get('rps_ratio'), 3)} | {_fmt(mine['ttfb_ms']['p50'], 2)} "
+            f"| {_fmt(theirs['ttfb_ms']['p50'], 2)} | {', '.join(f'{x:.3f}' for x in vs.get('cpu_ratio_rounds', []))} |"
+        )
+    return lines
+
+
 def markdown(doc: dict[str, Any]) -> str:
     meta = doc["meta"]
     results = {k: v for k, v in doc["scenarios"].items() if "error" not in v}
@@ -173,6 +202,12 @@ def markdown(doc: dict[str, Any]) -> str:
         if meta["peer"].get("command")
         else f"peer: not run ({meta['peer'].get('error') or 'no --peer given'})"
     )
+    base = meta.get("baseline") or {}
+    if base.get("ref"):
+        lines.append(
+            f"baseline: `{base['ref']}` = {base['commit'][:12]}" if base.get("commit") and not base.get("error")
+            else f"baseline: `{base['ref']}` not run ({base.get('error')})"
+        )
     lines += [
         "",
         "## Targets",
@@ -221,6 +256,8 @@ def markdown(doc: dict[str, Any]) -> str:
                 f"| {_fmt(s['engine_cpu_us_per_req'], 0)} | {_fmt(s['client_cpu_us_per_req'], 0)} "
                 f"| {_fmt(s['other_cpu_pct'])} |"
             )
+
+    lines += _baseline_table(results, base)
 
     breakdown = [
         (name, target, s["router_cpu_by_process_us_per_req"], s["router_cpu_us_per_req"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import statistics
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -31,7 +32,7 @@ class Scenario:
     kind: str = "load"  # "load", "sweep" or "memory"
     workload: Workload = Workload()
     concurrency: int = 32
-    targets: tuple[str, ...] = ("narwhal", "direct", "direct-pd", "peer")
+    targets: tuple[str, ...] = ("narwhal", "baseline", "direct", "direct-pd", "peer")
     warmup_s: float = 0.4
     workers: tuple[int, ...] = ()  # the sweep's worker counts
     streams: int = 0  # memory: slow streams held open at once
@@ -132,6 +133,10 @@ def ensure_targets(stack: Stack, scenario: Scenario) -> list[Target]:
             out.append(stack.targets[name])
         elif name == "narwhal":
             out.append(stack.narwhal("narwhal"))
+        elif name == "baseline":
+            baseline = stack.baseline()
+            if baseline is not None:
+                out.append(baseline)
         elif name == "narwhal-mem":
             out.append(stack.narwhal(name))
         elif name == "peer-mem" and stack.peer_template and "peer" in stack.targets:
@@ -142,7 +147,7 @@ def ensure_targets(stack: Stack, scenario: Scenario) -> list[Target]:
             out.append(stack.narwhal("narwhal+log", access_log=True))
         elif name.startswith("narwhal-w"):
             out.append(stack.narwhal(name, workers=int(name.removeprefix("narwhal-w"))))
-        # "peer" when no peer runs: silently absent, the report says why
+        # "peer" / "baseline" when none runs: silently absent, the report says why
     return out
 
 
@@ -289,6 +294,34 @@ def compare(stats: dict[str, dict[str, Any]], rounds: dict[str, list[RoundResult
             if a.window_s and b.window_s and b.requests
         ]
         s["vs_direct"]["rps_ratio_rounds"] = [round(x, 3) for x in per_round]
+
+
+def against_baseline(stats: dict[str, dict[str, Any]], rounds: dict[str, list[RoundResult]]) -> None:
+    """``--baseline``: Narwhal over the baseline, as the median of per-round ratios (the two
+    ran back to back in every round, so host drift between rounds cancels out), in place."""
+    mine, base = rounds.get("narwhal", []), rounds.get("baseline", [])
+    if "narwhal" not in stats or not base:
+        return
+
+    def cpu_per_req(r: RoundResult, name: str) -> float | None:
+        return r.cpu.get(name, 0.0) / r.requests if r.requests else None
+
+    cpu: list[float] = []
+    rps: list[float] = []
+    for a, b in zip(mine, base, strict=False):
+        ca, cb = cpu_per_req(a, "narwhal"), cpu_per_req(b, "baseline")
+        if ca is not None and cb:
+            cpu.append(ca / cb)
+        if a.window_s and b.window_s and b.requests:
+            rps.append((a.requests / a.window_s) / (b.requests / b.window_s))
+    ttfb, base_ttfb = stats["narwhal"]["ttfb_ms"]["p50"], stats["baseline"]["ttfb_ms"]["p50"]
+    stats["narwhal"]["vs_baseline"] = {
+        "cpu_ratio": round(statistics.median(cpu), 3) if cpu else None,
+        "rps_ratio": round(statistics.median(rps), 3) if rps else None,
+        "cpu_ratio_rounds": [round(x, 3) for x in cpu],
+        "rps_ratio_rounds": [round(x, 3) for x in rps],
+        "ttfb_p50_diff_ms": round(ttfb - base_ttfb, 3) if ttfb is not None and base_ttfb is not None else None,
+    }
 
 
 def ratios(s: dict[str, Any], d: dict[str, Any]) -> dict[str, Any]:

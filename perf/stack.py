@@ -169,6 +169,8 @@ class Stack:
         self.peers: dict[str, Peer] = {}
         self.peer_template: str | None = None
         self.peer_error: str | None = None
+        self.baseline_root: str | None = None  # --baseline: another commit's narwhal/ lives here
+        self.baseline_error: str | None = None
         self.targets: dict[str, Target] = {}
 
     # -- fleets --------------------------------------------------------------------------------
@@ -225,8 +227,11 @@ class Stack:
 
     # -- routers -------------------------------------------------------------------------------
 
-    def narwhal(self, name: str, workers: int | None = None, access_log: bool = False) -> Target:
-        """A Narwhal router under gunicorn (1 producer + 1 consumer), started once per name."""
+    def narwhal(
+        self, name: str, workers: int | None = None, access_log: bool = False, root: str | None = None
+    ) -> Target:
+        """A Narwhal router under gunicorn (1 producer + 1 consumer), started once per name;
+        with ``root``, the ``narwhal`` package found there (``--baseline``)."""
         if name in self.targets:
             return self.targets[name]
         workers = workers or self.workers
@@ -241,7 +246,9 @@ class Stack:
         ]
         config = write_config(engines, router_sections(workers, log_target))
         self.configs.append(config)
-        router = RouterProcess.start(config, log_path=str(self.out_dir / f"router-{name}.log"), timeout=60)
+        router = RouterProcess.start(
+            config, log_path=str(self.out_dir / f"router-{name}.log"), timeout=60, root=root
+        )
         self.routers[name] = router
         target = Target(
             name,
@@ -253,6 +260,16 @@ class Stack:
         )
         self.targets[name] = target
         return target
+
+    def baseline(self) -> Target | None:
+        """The ``--baseline`` router, started once; on failure remember why and carry on."""
+        if self.baseline_root is None or self.baseline_error is not None:
+            return None
+        try:
+            return self.narwhal("baseline", root=self.baseline_root)
+        except (RuntimeError, TimeoutError, OSError) as exc:
+            self.baseline_error = f"the baseline router did not start: {exc}"
+            return None
 
     def stop_router(self, name: str) -> None:
         router = self.routers.pop(name, None)

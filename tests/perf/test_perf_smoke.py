@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from narwhal.harness import FakeFleet, RouterProcess, http_get, write_config
 from perf.scenarios import all_scenarios
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,3 +74,73 @@ def test_quick_run_works(tmp_path: Path) -> None:
     assert "| scenario | target | req/s |" in table
     assert "## Targets" in table and "Recommended `server.workers`" in table
     assert "| scenario | target | req/s |" in proc.stdout  # the table is printed too
+
+
+def _git_head() -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
+    except OSError:
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+@pytest.mark.timeout(120)
+def test_baseline_runs_in_the_same_rounds(tmp_path: Path) -> None:
+    head = _git_head()
+    if head is None:
+        pytest.skip("not a git checkout: --baseline needs one")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NARWHAL_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "perf", "--quick", "--scenarios", "nonstream", "--baseline", "HEAD",
+         "--out", str(tmp_path)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=100,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["meta"]["baseline"] == {"ref": "HEAD", "commit": head, "error": None}
+    assert (tmp_path / "baseline" / "narwhal" / "__init__.py").is_file()
+    targets = doc["scenarios"]["nonstream_c32"]["targets"]
+    assert targets["baseline"]["requests"] > 0 and targets["baseline"]["errors"]["count"] == 0
+    vs = targets["narwhal"]["vs_baseline"]
+    assert vs["cpu_ratio"] > 0 and vs["rps_ratio"] > 0 and len(vs["cpu_ratio_rounds"]) == 1
+    assert f"## This checkout against the baseline (HEAD = {head[:12]})" in (tmp_path / "results.md").read_text()
+
+
+def test_a_baseline_that_is_no_commit_is_reported_not_fatal(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NARWHAL_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "perf", "--quick", "--scenarios", "nonstream", "--baseline", "no-such-ref",
+         "--out", str(tmp_path)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=100,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["meta"]["baseline"]["commit"] is None
+    assert doc["meta"]["baseline"]["error"] == f"--baseline 'no-such-ref' is not a commit of {REPO}"
+    assert "baseline" not in doc["scenarios"]["nonstream_c32"]["targets"]
+    assert "baseline: `no-such-ref` not run (--baseline 'no-such-ref' is not a commit of" in proc.stdout
+
+
+def test_a_router_started_from_another_root_runs_that_code(tmp_path: Path) -> None:
+    # What --baseline relies on: RouterProcess(root=...) serves the narwhal package found there.
+    root = tmp_path / "other"
+    shutil.copytree(REPO / "narwhal", root / "narwhal", ignore=shutil.ignore_patterns("__pycache__"))
+    app = root / "narwhal" / "app.py"
+    source = app.read_text()
+    assert '{"status": "ok", "worker": os.getpid()}' in source
+    app.write_text(source.replace('{"status": "ok", "worker"', '{"status": "ok-from-other-root", "worker"'))
+    fleet = FakeFleet.start(["p0", "d0"], args=["--model", "m"])
+    try:
+        config = write_config(
+            [{"name": "p0", "url": fleet.engines["p0"], "role": "producer"},
+             {"name": "d0", "url": fleet.engines["d0"], "role": "consumer"}],
+            {"preflight": {"on_start": False}, "log": {"access_log": ""}},
+        )
+        router = RouterProcess.start(config, root=str(root), log_path=str(tmp_path / "router.log"), timeout=60)
+        try:
+            status, body = http_get(router.url + "/health")
+            assert status == 200 and json.loads(body)["status"] == "ok-from-other-root"
+        finally:
+            router.stop()
+    finally:
+        fleet.stop()

@@ -1,0 +1,54 @@
+"""``--baseline REF``: the ``narwhal`` package of another commit, to measure beside this one.
+
+Why an export and not a worktree: ``git archive`` of the one directory writes nothing into the
+repository (no worktree to forget to remove) and takes a fraction of a second. The baseline runs
+with this checkout's installed dependencies, so a REF that needs other versions will not start;
+the suite then reports the baseline as not run and carries on.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import tarfile
+from pathlib import Path
+
+PACKAGE = "narwhal"
+
+
+class BaselineError(RuntimeError):
+    pass
+
+
+def _git(repo: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
+    try:
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise BaselineError(f"git is not usable here: {exc}") from None
+
+
+def export(ref: str, repo: Path, dest: Path) -> str:
+    """Write REF's ``narwhal/`` under ``dest`` and return the full commit id."""
+    resolved = _git(repo, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
+    if resolved.returncode != 0:
+        raise BaselineError(f"--baseline {ref!r} is not a commit of {repo}")
+    commit = resolved.stdout.decode().strip()
+    archive = subprocess.Popen(
+        ["git", "-C", str(repo), "archive", "--format=tar", commit, PACKAGE],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert archive.stdout is not None
+    dest.mkdir(parents=True, exist_ok=True)
+    try:
+        with tarfile.open(fileobj=archive.stdout, mode="r|") as tar:
+            tar.extractall(dest, filter="data")
+    except tarfile.TarError as exc:
+        archive.kill()
+        raise BaselineError(f"could not unpack {ref}'s {PACKAGE}/: {exc}") from None
+    finally:
+        stderr = archive.communicate()[1]
+    if archive.returncode != 0:
+        raise BaselineError(f"git archive {ref} {PACKAGE}: {stderr.decode(errors='replace').strip()}")
+    if not (dest / PACKAGE / "__init__.py").is_file():
+        raise BaselineError(f"{ref} has no {PACKAGE}/ package")
+    return commit
