@@ -88,6 +88,11 @@ class _ClientSink:
         return transport.get_write_buffer_size() <= self._high
 
 
+async def _prepare_and_end(response: web.Response, request: web.Request) -> None:
+    await response.prepare(request)
+    await response.write_eof()
+
+
 def _observe_start(rec: AccessRecord, handoff_age: float) -> None:
     # Observed once the first output is on its way to the client (or the attempt ended), not
     # on the way to it: the histograms' timing does not matter, the first token's does.
@@ -398,13 +403,9 @@ class Router:
     async def _send_whole(self, request: web.Request, response: web.Response) -> None:
         # Under the same write bound as a stream: a client that does not read its answer must
         # not keep this request (and its reservations) alive.
-        async def send() -> None:
-            await response.prepare(request)
-            await response.write_eof()
-
         writes = LazyTimeout()
         try:
-            await self._bounded(request, writes, send())
+            await self._bounded(request, writes, _prepare_and_end(response, request))
         finally:
             writes.close()
 

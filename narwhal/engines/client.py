@@ -244,12 +244,14 @@ class EngineClient:
             seen_token = False
             done = False
             timer = LazyTimeout()
-            relay = DirectRelay(conn, framer, sink, read_timeout, deadline) if sink is not None else None
+            relay: DirectRelay | None = None  # built when first needed: short streams never are
             passed = 0  # spans yielded after the first token
             try:
                 while not done:
                     span: bytes | None = None
-                    if relay is not None and seen_token and passed >= _RELAY_AFTER:
+                    if sink is not None and seen_token and passed >= _RELAY_AFTER:
+                        if relay is None:
+                            relay = DirectRelay(conn, framer, sink, read_timeout, deadline)
                         try:
                             span = await relay.run()
                         except TimeoutError:

@@ -291,12 +291,6 @@ class Connection(asyncio.Protocol):
             self.transport.resume_reading()
         return chunks
 
-    def unread(self, chunks: list[bytes]) -> None:
-        """Put chunks back in front of the buffer (a relay that stopped midway)."""
-        if chunks:
-            self._chunks[:0] = chunks
-            self._buffered += sum(len(c) for c in chunks)
-
     async def read_some(self) -> bytes:
         """Every body byte buffered now (waiting for some first); ``b""`` once the body ended."""
         while not self._chunks:

@@ -63,11 +63,8 @@ class DirectRelay:
         self._arm()
         try:
             pending = conn.take()
-            for i, chunk in enumerate(pending):
-                self._on_body(chunk)
-                if self._stopped:
-                    conn.unread(pending[i + 1 :])
-                    break
+            if pending:  # what arrived before the relay started: one span, like any read
+                self._on_body(pending[0] if len(pending) == 1 else b"".join(pending))
             while not self._stopped and not conn.failed and not conn.complete:
                 await conn.wait()
         finally:

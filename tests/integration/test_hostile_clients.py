@@ -414,6 +414,19 @@ def _log_size(router: RouterProcess) -> int:
     return os.path.getsize(router.log_path)
 
 
+def _never_reading_client(host: str, port: int, body: bytes) -> socket.socket:
+    """A client with a 4 KiB receive buffer that sends one completion and never reads."""
+    stuck = socket.socket()
+    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stuck.connect((host, port))
+    stuck.sendall(
+        f"POST {COMPLETIONS} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    return stuck
+
+
 def _log_since(router: RouterProcess, offset: int) -> str:
     with open(router.log_path, "rb") as f:
         f.seek(offset)
@@ -431,15 +444,8 @@ def test_a_client_that_never_reads_is_dropped_and_harms_no_one(hostile: RouterPr
     # 2000 tokens (~340 kB of SSE) fit in the loopback socket buffers between the engine, the
     # router and the client: the stream must outlast them for "never reads" to matter.
     body = orjson.dumps({"model": MODEL, "prompt": prompt, "stream": True, "max_tokens": 200_000})
-    stuck = socket.socket()
-    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    stuck.connect((host, port))
+    stuck = _never_reading_client(host, port, body)
     try:
-        stuck.sendall(
-            f"POST {COMPLETIONS} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
         wait_until(
             lambda: fleet.stats("d2")["active_streams"] > before["active_streams"], 10, "the stuck stream starts on d2"
         )
@@ -559,15 +565,8 @@ def test_a_client_that_never_reads_its_whole_answer_is_dropped_too(hostile: Rout
     before = dropped_so_far()
     # ~8 MB of JSON: more than the loopback socket buffers (4 MiB at most) and a 4 KiB receiver hold.
     body = orjson.dumps({"model": MODEL, "prompt": unique_prompt(), "stream": False, "max_tokens": 1_000_000})
-    stuck = socket.socket()
-    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    stuck.connect((host, port))
+    stuck = _never_reading_client(host, port, body)
     try:
-        stuck.sendall(
-            f"POST {COMPLETIONS} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
         wait_until(lambda: dropped_so_far() == before + 1, 20, "the non-reading client counted as gone (499)")
         answer = http_request(
             hostile, "POST", COMPLETIONS, orjson.dumps({"model": MODEL, "prompt": unique_prompt(), "max_tokens": 3})

@@ -35,17 +35,22 @@ EXPECTED = {
 }
 
 
-@pytest.mark.timeout(180)
-def test_quick_run_works(tmp_path: Path) -> None:
+def run_perf(out: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``python -m perf --quick ARGS --out OUT`` exactly as a user runs it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("NARWHAL_")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "perf", "--quick", "--out", str(tmp_path)],
+    return subprocess.run(
+        [sys.executable, "-m", "perf", "--quick", *args, "--out", str(out)],
         cwd=REPO,
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
     )
+
+
+@pytest.mark.timeout(180)
+def test_quick_run_works(tmp_path: Path) -> None:
+    proc = run_perf(tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
     doc = json.loads((tmp_path / "results.json").read_text())
@@ -89,12 +94,7 @@ def test_baseline_runs_in_the_same_rounds(tmp_path: Path) -> None:
     head = _git_head()
     if head is None:
         pytest.skip("not a git checkout: --baseline needs one")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NARWHAL_")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "perf", "--quick", "--scenarios", "nonstream", "--baseline", "HEAD",
-         "--out", str(tmp_path)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=100,
-    )
+    proc = run_perf(tmp_path, "--scenarios", "nonstream", "--baseline", "HEAD", timeout=100)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     doc = json.loads((tmp_path / "results.json").read_text())
     assert doc["meta"]["baseline"] == {"ref": "HEAD", "commit": head, "error": None}
@@ -107,12 +107,7 @@ def test_baseline_runs_in_the_same_rounds(tmp_path: Path) -> None:
 
 
 def test_a_baseline_that_is_no_commit_is_reported_not_fatal(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NARWHAL_")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "perf", "--quick", "--scenarios", "nonstream", "--baseline", "no-such-ref",
-         "--out", str(tmp_path)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=100,
-    )
+    proc = run_perf(tmp_path, "--scenarios", "nonstream", "--baseline", "no-such-ref", timeout=100)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     doc = json.loads((tmp_path / "results.json").read_text())
     assert doc["meta"]["baseline"]["commit"] is None
