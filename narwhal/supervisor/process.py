@@ -28,6 +28,9 @@ from narwhal.shm.shared import SharedFleet
 
 PR_SET_PDEATHSIG = 1
 STALE_S = 3.0  # heartbeat age after which a running supervisor is presumed wedged
+# A new supervisor imports, loads settings and restores state before its first beat; on a
+# loaded host that can take longer than STALE_S, and the old one's beat says nothing about it.
+STARTUP_S = 30.0
 POLL_S = 0.1
 
 
@@ -112,13 +115,18 @@ class Watchdog:
                 self.reload = False
                 self._kill(signal.SIGTERM)
                 exited = True
-            elif not exited and time.monotonic() - self.started_at > STALE_S and self.shared.heartbeat_age_s > STALE_S:
+            elif not exited and self._wedged():
                 print(f"narwhal: supervisor {self.child} stopped beating; restarting it", file=sys.stderr)
                 self._kill(signal.SIGKILL)
                 exited = True
             if exited and not self.stopping:
                 self._spawn()
         self._kill(signal.SIGTERM)
+
+    def _wedged(self) -> bool:
+        if self.shared.supervisor_pid != self.child:  # this one has not beaten yet
+            return time.monotonic() - self.started_at > STARTUP_S
+        return self.shared.heartbeat_age_s > STALE_S
 
     def _stop(self, *_: object) -> None:
         self.stopping = True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ from tests.integration.admin_helpers import (
     sessions_per_worker,
     wait_state,
 )
-from tests.integration.conftest import records, start_router, unique_prompt, wait_until
+from tests.integration.conftest import records, settled, start_router, unique_prompt, wait_until
 from tests.integration.helpers import completion, send, terminal_error
 
 PRODUCERS = ["sp0", "sp1"]
@@ -224,6 +225,29 @@ async def test_kill_9_of_the_supervisor_mid_load_loses_no_request(
     assert (await engine_entry(retry_router, "sp1"))["state"] == "draining"
     await admin(retry_router, "POST", "/admin/engines/sp1/readmit")
     assert "narwhal_supervisor_restarts_total 1.0" in http_get(retry_router.url + "/metrics")[1].decode()
+
+
+def _restarts(router: RouterProcess) -> float:
+    text = http_get(router.url + "/metrics")[1].decode()
+    match = re.search(r"^narwhal_supervisor_restarts_total ([0-9.]+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+async def test_a_wedged_supervisor_is_replaced_once(retry_router: RouterProcess) -> None:
+    # SIGSTOP: alive but beating no more. The watchdog replaces it after its heartbeat is
+    # STALE_S old, once, and a new supervisor is not taken for wedged while it starts.
+    old = _supervisor_pid(retry_router)
+    assert old is not None
+    before = _restarts(retry_router)
+    os.kill(old, signal.SIGSTOP)
+    try:
+        wait_until(lambda: _supervisor_pid(retry_router) not in (None, old), 15, "a new supervisor")
+        reply = await send(retry_router.url, "/v1/completions", completion(unique_prompt(), max_tokens=3))
+        assert reply.status == 200
+        assert settled(lambda: _restarts(retry_router), before + 1) == before + 1
+    finally:
+        if _supervisor_pid(retry_router) == old:
+            os.kill(old, signal.SIGCONT)
 
 
 async def test_a_consumer_is_probed_with_a_handoff_from_its_original_producer(
