@@ -63,6 +63,7 @@ class Fleet:
         for d in self.engines:
             d.permitted_producers = tuple(p for p in self.engines if d in p.permitted_consumers)
         self._served: frozenset[str] = frozenset()
+        self.version = 0  # bumped whenever an engine's models change (placement caches by it)
         self._refresh_served()
 
     def set_models(self, engine: Engine, models: frozenset[str]) -> None:
@@ -72,6 +73,7 @@ class Fleet:
         self._refresh_served()
 
     def _refresh_served(self) -> None:
+        self.version += 1
         self._served = frozenset(m for e in self.engines for m in e.models)
 
     @property

@@ -113,32 +113,39 @@ class Placement:
         self._rng = rng or random.Random()
         self._freed = asyncio.Event()
         self.waiting = 0
+        self._by_model: dict[str, tuple[tuple[Engine, tuple[Engine, ...]], ...]] = {}
+        self._version = -1
 
     def try_place(self, model: str, avoid: frozenset[str] = frozenset()) -> Reservation | None:
         """Reserve the least-loaded permitted pair serving ``model`` now, or return None."""
         inflight = self.inflight
+        admitted = self.view.admitted
         # One read of the (fleet-wide) counts per placement, not one per comparison.
         prefills, decodes = inflight.both_totals()
-        producers = [
-            e
-            for e in self.fleet.engines
-            if e.can_prefill and model in e.models and e.name not in avoid and self.view.admitted(e)
+        candidates = [
+            (p, consumers)
+            for p, consumers in self._candidates(model)
+            if (not avoid or p.name not in avoid) and admitted(p)
         ]
-        self._rng.shuffle(producers)  # random tie-break under the stable sort below
-        producers.sort(key=lambda e: prefills[e.index])
-        for p in producers:
+        if len(candidates) > 1:
+            self._rng.shuffle(candidates)  # random tie-break under the stable sort below
+            candidates.sort(key=lambda c: prefills[c[0].index])
+        for p, serving in candidates:
             if p.max_inflight_prefill is not None and prefills[p.index] >= p.max_inflight_prefill:
                 continue
             consumers = [
                 d
-                for d in p.permitted_consumers
-                if model in d.models and d.name not in avoid and self.view.admitted(d)
+                for d in serving
+                if (not avoid or d.name not in avoid) and admitted(d)
                 and (d.max_inflight_decode is None or decodes[d.index] < d.max_inflight_decode)
             ]
             if not consumers:
                 continue
-            self._rng.shuffle(consumers)
-            d = min(consumers, key=lambda e: decodes[e.index])
+            if len(consumers) > 1:
+                self._rng.shuffle(consumers)
+                d = min(consumers, key=lambda e: decodes[e.index])
+            else:
+                d = consumers[0]
             if not inflight.try_reserve(p, "prefill", p.max_inflight_prefill):
                 continue
             if not inflight.try_reserve(d, "decode", d.max_inflight_decode):
@@ -146,6 +153,22 @@ class Placement:
                 continue
             return Reservation(self, p, d)
         return None
+
+    def _candidates(self, model: str) -> tuple[tuple[Engine, tuple[Engine, ...]], ...]:
+        """Every producer serving ``model`` with its permitted consumers serving it: fixed
+        until an engine's models change, so built once per model rather than per request."""
+        if self._version != self.fleet.version:
+            self._by_model.clear()
+            self._version = self.fleet.version
+        found = self._by_model.get(model)
+        if found is None:
+            found = tuple(
+                (p, tuple(d for d in p.permitted_consumers if model in d.models))
+                for p in self.fleet.engines
+                if p.can_prefill and model in p.models
+            )
+            self._by_model[model] = found
+        return found
 
     def has_pair(self, model: str) -> bool:
         """Is there an admitted, role-permitted pair for ``model`` (ignoring load)?"""

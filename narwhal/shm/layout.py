@@ -122,20 +122,20 @@ class Region:
         os.close(self.fd)
 
     def u32(self, offset: int) -> int:
-        value: int = _U32.unpack_from(self.mm, offset)[0]
+        value: int = U32.unpack_from(self.mm, offset)[0]
         return value
 
     def set_u32(self, offset: int, value: int) -> None:
-        _U32.pack_into(self.mm, offset, value)
+        U32.pack_into(self.mm, offset, value)
 
     def u64(self, offset: int) -> int:
-        value: int = _U64.unpack_from(self.mm, offset)[0]
+        value: int = U64.unpack_from(self.mm, offset)[0]
         return value
 
     def set_u64(self, offset: int, value: int) -> None:
-        _U64.pack_into(self.mm, offset, value)
+        U64.pack_into(self.mm, offset, value)
 
 
 # Precompiled: these run several times per request.
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
+U32 = struct.Struct("<I")
+U64 = struct.Struct("<Q")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import functools
 import os
 import struct
 import time
@@ -30,10 +29,7 @@ class SharedFleet:
         self.mm = region.mm
         n = self.layout.engines * 2
         self._counts = struct.Struct(f"<{n}I")
-        # (pid offset, counts offset) per slot: placement reads them on every request.
-        self._slot_offsets = [
-            (self.layout.slot_offset(s) + L.SLOT_PID, self.layout.counts_offset(s)) for s in range(self.layout.slots)
-        ]
+        self._all_counts: dict[int, struct.Struct] = {}  # by engine count: see totals()
 
     @classmethod
     def create(cls, engines: int, slots: int, ring: int = L.DEFAULT_RING) -> SharedFleet:
@@ -130,18 +126,21 @@ class SharedFleet:
         self.region.set_u32(self.layout.count_offset(slot, engine, phase), value)
 
     def totals(self, engines: int | None = None) -> list[int]:
-        """In-flight legs summed over every claimed slot: index ``engine * 2 + phase``.
+        """In-flight legs summed over every slot: index ``engine * 2 + phase``.
 
         ``engines`` limits the sum to the first engines (the configured fleet, usually far
-        fewer than the layout's room): this runs on every placement.
+        fewer than the layout's room): this runs on every placement, so it is one unpack of
+        every slot's counts, with no pid check. An unclaimed slot holds zeros (``clear_slot``
+        zeroes the counts before it frees the pid, and only the owner writes them), and a
+        dead worker's slot counts until it is cleared, as it does for ``engine_total``.
         """
         n = self.layout.engines if engines is None else engines
-        fmt = _counts_struct(n)
-        mm, u32 = self.mm, _U32.unpack_from
-        rows = [fmt.unpack_from(mm, counts) for pid_at, counts in self._slot_offsets if u32(mm, pid_at)[0]]
-        if not rows:
-            return [0] * (n * 2)
-        return [sum(column) for column in zip(*rows, strict=True)]
+        fmt = self._all_counts.get(n)
+        if fmt is None:
+            fmt = self._all_counts[n] = _all_counts_struct(self.layout, n)
+        values = fmt.unpack_from(self.mm, self.layout.counts_offset(0))
+        width = n * 2
+        return [sum(values[i::width]) for i in range(width)]
 
     def engine_total(self, engine: int, phase: int) -> int:
         return sum(
@@ -190,12 +189,12 @@ class SharedFleet:
         return out
 
 
-_U32 = struct.Struct("<I")
-
-
-@functools.lru_cache(maxsize=8)
-def _counts_struct(engines: int) -> struct.Struct:
-    return struct.Struct(f"<{engines * 2}I")
+def _all_counts_struct(layout: L.Layout, engines: int) -> struct.Struct:
+    """The first ``engines`` engines' counts of every slot, in one struct (slot gaps skipped)."""
+    width = engines * 2
+    row = f"{width}I"
+    gap = f"{layout.slot_size - width * 4}x"
+    return struct.Struct("<" + (row + gap) * (layout.slots - 1) + row)
 
 
 def _with_seq(report: Report, seq: int) -> Report:

@@ -1,7 +1,7 @@
 """A worker's view of the shared fleet state: admission, fleet-wide counts, outcome reports.
 
 Per request this costs a generation check (one u64 read) and, for placement, one unpack of
-each claimed slot's counts: no lock and no IPC round-trip. Engine records are decoded again
+every slot's counts at once: no lock and no IPC round-trip. Engine records are decoded again
 only when the supervisor bumps the generation. A failure seen here quarantines its engine in
 this worker at once; the fleet learns of it when the supervisor publishes.
 """
@@ -44,11 +44,16 @@ class WorkerFleetState:
         self._quarantine: dict[int, float] = {}  # engine index -> monotonic deadline (local, at once)
         self._requests = 0
         self._retries = 0
+        # This slot's fields at fixed offsets, written several times per request: one
+        # pack_into each, not a chain of offset helpers (see SharedFleet for the layout).
+        self._mm = shared.mm
+        self._count_at = [shared.layout.count_offset(slot, e, p) for e in range(len(fleet.engines)) for p in (0, 1)]
+        self._requests_at = shared.layout.slot_offset(slot) + L.SLOT_REQUESTS
 
     # -- FleetView ------------------------------------------------------------------------------
 
     def records(self) -> list[EngineRecord | None]:
-        generation = self.shared.generation
+        generation: int = L.U64.unpack_from(self._mm, L.GENERATION_OFFSET)[0]
         if generation != self._generation:
             fresh: list[EngineRecord | None] = []
             for engine in self.fleet.engines:
@@ -105,17 +110,17 @@ class WorkerFleetState:
     def _bump(self, engine: int, phase: int, delta: int) -> None:
         i = engine * 2 + phase
         self._mine[i] += delta
-        self.shared.set_count(self.slot, engine, phase, self._mine[i])
+        L.U32.pack_into(self._mm, self._count_at[i], self._mine[i])
 
     # -- requests and retries in flight (the fleet-wide retry budget) -----------------------
 
     def request_started(self) -> None:
         self._requests += 1
-        self.shared.set_slot_field(self.slot, L.SLOT_REQUESTS, self._requests)
+        L.U32.pack_into(self._mm, self._requests_at, self._requests)
 
     def request_finished(self) -> None:
         self._requests -= 1
-        self.shared.set_slot_field(self.slot, L.SLOT_REQUESTS, self._requests)
+        L.U32.pack_into(self._mm, self._requests_at, self._requests)
 
     def try_start_retry(self, ratio: float, minimum: int) -> bool:
         inflight = self.shared.slot_field_total(L.SLOT_REQUESTS)
