@@ -116,16 +116,19 @@ class InvalidHandoff(EngineError):
         super().__init__(f"invalid handoff: {detail}", reason="invalid_handoff", engine=engine, phase="prefill")
 
 
-def _is_block_id(value: Any) -> bool:
-    return type(value) is int and value >= 0
+def _ids_ok(ids: list[Any]) -> bool:
+    # Element types and the minimum in C: a long prompt's descriptor holds hundreds of block
+    # ids, and a Python call per id was the costliest part of validation. ``type`` is exact,
+    # so a bool is refused as an id.
+    return not ids or (list(map(type, ids)).count(int) == len(ids) and min(ids) >= 0)
 
 
 def _block_ids_ok(ids: Any) -> bool:
     if not isinstance(ids, list):
         return False
-    if all(_is_block_id(v) for v in ids):
+    if _ids_ok(ids):
         return True  # flat (older builds) or empty (prompt shorter than a block)
-    return all(isinstance(group, list) and all(_is_block_id(v) for v in group) for group in ids)
+    return all(isinstance(group, list) and _ids_ok(group) for group in ids)
 
 
 def validate_descriptor(
