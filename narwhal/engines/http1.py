@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import ssl
 import time
 from collections.abc import Callable, Mapping
@@ -115,6 +116,19 @@ def header_lines(headers: Mapping[str, str]) -> bytes:
     return "".join(out).encode("latin-1")
 
 
+# A header line giving the body a length: Content-Length, or a Transfer-Encoding that
+# includes chunked. Otherwise the body ends with the connection.
+_FRAMED = re.compile(rb"\n(?:content-length[ \t]*:|transfer-encoding[ \t]*:[^\n]*chunked)", re.IGNORECASE)
+
+
+def _head_end(head: bytes) -> int:
+    """Where the header block in ``head`` ends (the rest, if any, is body)."""
+    end = head.find(b"\r\n\r\n")
+    if end == -1:
+        end = head.find(b"\n\n")  # a lenient server's bare LF
+    return len(head) if end == -1 else end
+
+
 class Connection(asyncio.Protocol):
     """One keep-alive connection and the response currently being read on it."""
 
@@ -141,8 +155,7 @@ class Connection(asyncio.Protocol):
         self._buffered = 0
         self._paused = False
         self._error: UpstreamError | DeadlinePassed | None = None
-        self.content_type = b""
-        self._head_bytes = 0
+        self._head = b""  # the bytes read before the headers ended (usually one read)
 
     # -- asyncio.Protocol ---------------------------------------------------------------
 
@@ -150,6 +163,8 @@ class Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
 
     def data_received(self, data: bytes) -> None:
+        if not self.headers_done:
+            self._head = self._head + data if self._head else data
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -160,8 +175,7 @@ class Connection(asyncio.Protocol):
         if self._relayed:
             self._relay()
         if not self.headers_done:
-            self._head_bytes += len(data)
-            if self._head_bytes > MAX_HEAD:  # the parser would buffer headers without end
+            if len(self._head) > MAX_HEAD:  # the parser would buffer headers without end
                 self._fail(ProtocolError(f"response headers over {MAX_HEAD} bytes"))
                 self.close()
 
@@ -181,15 +195,13 @@ class Connection(asyncio.Protocol):
 
     # -- httptools callbacks --------------------------------------------------------------
 
-    def on_header(self, name: bytes, value: bytes) -> None:
-        lowered = name.lower()
-        if lowered == b"content-length" or (lowered == b"transfer-encoding" and b"chunked" in value.lower()):
-            self._framed = True
-        elif lowered == b"content-type":
-            self.content_type = value
+    # No on_header: a Python call per header line was most of the callbacks per response;
+    # the one fact the headers give here (is the body framed?) is read from the head at once.
 
     def on_headers_complete(self) -> None:
         self.status = self._parser.get_status_code()
+        self._framed = _FRAMED.search(self._head, 0, _head_end(self._head)) is not None
+        self._head = b""
         self.headers_done = True
         self._wake()
 
