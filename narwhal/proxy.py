@@ -28,6 +28,7 @@ from collections.abc import Awaitable
 from typing import Any, Protocol
 
 from aiohttp import web
+from multidict import CIMultiDict
 
 from narwhal import metrics, sse
 from narwhal.accesslog import AccessLog, AccessRecord
@@ -44,6 +45,10 @@ from narwhal.timeouts import LazyTimeout
 log = logging.getLogger("narwhal.proxy")
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_SSE_HEADERS = CIMultiDict(SSE_HEADERS)  # copied per stream: cheaper than building it from a dict
+# A write of at most this many bytes into an empty transport buffer can not pause it (the
+# high-water mark is 64 KiB, never lowered here), so aiohttp's write returns without waiting.
+_UNBLOCKED_WRITE = 16 * 1024
 _MAX_REQUEST_ID = 128
 
 # Transient faults before visible output that a fresh attempt may cure (SPEC §5); 429 and
@@ -357,7 +362,8 @@ class Router:
                             )
                             await self._send_whole(request, response)
                             return response
-                        stream = _SSEResponse(headers={**SSE_HEADERS, "x-request-id": rec.request_id})
+                        stream = _SSEResponse(headers=_SSE_HEADERS)
+                        stream.headers["x-request-id"] = rec.request_id
                         request["narwhal.stream"] = stream
                         await stream.prepare(request)
                         assert sink is not None
@@ -398,6 +404,11 @@ class Router:
     ) -> None:
         """Write to the client; one that does not read for ``client_write_timeout_s`` is dropped
         (its buffer stops growing and the engine stream is closed, like any departed client)."""
+        transport = request.transport
+        if transport is not None and len(data) <= _UNBLOCKED_WRITE and not transport.get_write_buffer_size():
+            # The usual case, the first token's included: nothing can wait, so nothing to bound.
+            await (stream.write_eof(data) if eof else stream.write(data))
+            return
         await self._bounded(request, writes, stream.write_eof(data) if eof else stream.write(data))
 
     async def _send_whole(self, request: web.Request, response: web.Response) -> None:
