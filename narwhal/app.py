@@ -24,6 +24,7 @@ import orjson
 from aiohttp import web
 
 from narwhal import metrics, shm
+from narwhal.accept import BalancedSite, ConnectionShare, take_listeners
 from narwhal.accesslog import AccessLog
 from narwhal.admin import add_admin_routes
 from narwhal.admission import CHAT, COMPLETIONS, check_api_key
@@ -67,6 +68,9 @@ def note_stop_requested(at: float) -> None:
         _stop_requested_at = at
     for runner in _runners:
         for site in runner.sites:
+            if isinstance(site, BalancedSite):
+                site.stop_accepting()
+                continue
             server = getattr(site, "_server", None)
             if server is not None:
                 server.close()
@@ -282,8 +286,16 @@ def make_runner(settings: Settings) -> web.AppRunner:
     # The parser's own limits sit above server.max_header_bytes so that the size check in
     # the middleware, which answers 431 in the OpenAI shape, is the one that decides.
     parser_limit = settings.server.max_header_bytes * 2
+    app = build_app(settings)
+
+    def share() -> ConnectionShare | None:
+        state = app.get(STATE)
+        return state if isinstance(state, WorkerFleetState) else None
+
     return make_app_runner(
-        build_app(settings),
+        app,
+        listeners=take_listeners(),
+        share=share,
         handler_cancellation=True,
         keepalive_timeout=settings.server.keepalive_s,
         shutdown_timeout=settings.server.graceful_timeout_s * 0.95,

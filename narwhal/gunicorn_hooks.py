@@ -119,13 +119,20 @@ def on_reload(server: Any) -> None:
 
 
 def post_worker_init(worker: Any) -> None:
-    """In each worker: note when SIGTERM arrives, so in-flight streams are ended before the
-    master's graceful timeout (counted from the signal) rather than aiohttp's (counted from
-    when the worker gets round to stopping, up to a second later)."""
+    """In each worker: take over the listening sockets (``narwhal.accept``), and note when
+    SIGTERM arrives, so in-flight streams are ended before the master's graceful timeout
+    (counted from the signal) rather than aiohttp's (counted from when the worker gets round
+    to stopping, up to a second later)."""
     loop = getattr(worker, "loop", None)
     if loop is None:
         return
-    from narwhal import app
+    from narwhal import accept, app
+
+    if not worker.cfg.is_ssl:
+        # The app accepts from these itself (narwhal.accept): aiohttp's worker starts no
+        # server of its own on them. TLS listeners stay with aiohttp.
+        accept.LISTENERS[:] = worker.sockets
+        worker.sockets = []
 
     def on_term() -> None:
         app.note_stop_requested(loop.time())

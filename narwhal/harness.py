@@ -7,6 +7,7 @@ handed to gunicorn as ``fd://N``: no "find a free port, then race for it" window
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -52,6 +53,15 @@ def http_get(url: str, timeout: float = 2.0, headers: Mapping[str, str] | None =
 
 def _http_ok(url: str) -> bool:
     return http_get(url)[0] == 200
+
+
+def _worker_answered(url: str, seen: set[int]) -> int:
+    """Ask ``/health`` once on a new connection; add the worker that answered to ``seen``."""
+    status, body = http_get(url + "/health")
+    if status == 200:
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            seen.add(int(json.loads(body)["worker"]))
+    return len(seen)
 
 
 class FakeFleet:
@@ -157,8 +167,13 @@ class RouterProcess:
         log_path: str | None = None,
         gunicorn_args: Sequence[str] = (),
         root: str | None = None,
+        workers: int = 1,
     ) -> RouterProcess:
-        """Start gunicorn on a fresh 127.0.0.1 socket and wait until it serves.
+        """Start gunicorn on a fresh 127.0.0.1 socket and wait until ``workers`` workers serve.
+
+        Waiting for every worker matters to whoever opens many connections at once next:
+        a worker still starting accepts none of them, and keep-alive keeps them where they
+        landed (see ``narwhal.accept``).
 
         ``root``: a directory holding another ``narwhal`` package (e.g. an older commit, for
         the perf suite's ``--baseline``) to run instead of this one, with this one's dependencies.
@@ -202,6 +217,8 @@ class RouterProcess:
         router = cls(proc, url, log_path)
         try:
             _wait(lambda: _http_ok(url + "/health"), timeout, "router", proc)
+            seen: set[int] = set()
+            _wait(lambda: _worker_answered(url, seen) >= workers, timeout, f"router: {workers} workers", proc)
             if wait_ready:
                 _wait(lambda: _http_ok(url + "/ready"), timeout, "router /ready", proc)
         except BaseException:

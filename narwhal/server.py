@@ -5,11 +5,14 @@ limit, too many headers, a duplicated singleton header, a malformed request line
 them in plain text, echoing the offending bytes and logging a traceback. Narwhal's contract is
 one error shape everywhere and never an echo of client bytes, so ``handle_error`` is replaced
 on the connection handler. ``make_runner`` wires it in: the one place that knows about it.
+Under gunicorn the runner also accepts the connections itself (``narwhal.accept``).
 """
 
 from __future__ import annotations
 
 import logging
+import socket
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -17,6 +20,7 @@ from aiohttp.http_exceptions import LineTooLong
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
+from narwhal.accept import BalancedSite, ConnectionShare
 from narwhal.errors import error_body
 
 log = logging.getLogger("narwhal.server")
@@ -58,11 +62,32 @@ class _Server(web.Server):
 
 
 class NarwhalRunner(web.AppRunner):
+    """The app's runner; with ``listeners`` (gunicorn's sockets) it also starts one
+    :class:`narwhal.accept.BalancedSite` per socket once the app is up."""
+
+    def __init__(
+        self,
+        app: web.Application,
+        *,
+        listeners: Sequence[socket.socket] = (),
+        share: Callable[[], ConnectionShare | None] = lambda: None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(app, **kwargs)
+        self._listeners = list(listeners)
+        self._share = share
+
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         # Same object, one overridden factory method: no private constructor to replicate.
         server.__class__ = _Server
         return server
+
+    async def setup(self) -> None:
+        await super().setup()
+        share = self._share()
+        for sock in self._listeners:
+            await BalancedSite(self, sock, share).start()
 
 
 def make_app_runner(app: web.Application, **kwargs: Any) -> web.AppRunner:

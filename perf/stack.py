@@ -247,7 +247,7 @@ class Stack:
         config = write_config(engines, router_sections(workers, log_target))
         self.configs.append(config)
         router = RouterProcess.start(
-            config, log_path=str(self.out_dir / f"router-{name}.log"), timeout=60, root=root
+            config, log_path=str(self.out_dir / f"router-{name}.log"), timeout=60, root=root, workers=workers
         )
         self.routers[name] = router
         target = Target(

@@ -11,7 +11,8 @@ any process: the memory goes when the last process holding it exits.
     header                      64 B   magic, sizes, supervisor pid + heartbeat, generation
     engine records   E ×       64 B   breaker state, written only by the supervisor
     worker slots     W × (64 B + E·8 B + R·RING_ENTRY)
-        slot header                    pid, requests and retries in flight, ring indices
+        slot header                    pid, requests and retries in flight, ring indices,
+                                       client connections
         in-flight counts               u32 per engine and phase, written only by that worker
         outcome ring                   R reports, written by the worker, consumed by the supervisor
 
@@ -46,13 +47,16 @@ STARTS_OFFSET = 40
 RECORD_SIZE = 64
 SLOT_HEADER_SIZE = 64
 # slot header: pid u32, requests in flight u32, retries in flight u32, dropped reports u32,
-#              ring write index u64 (worker), ring read index u64 (supervisor)
+#              ring write index u64 (worker), ring read index u64 (supervisor),
+#              client connections u32 (worker; NOT_ACCEPTING while it accepts none)
 SLOT_PID = 0
 SLOT_REQUESTS = 4
 SLOT_RETRIES = 8
 SLOT_DROPPED = 12
 SLOT_RING_WRITE = 16
 SLOT_RING_READ = 24
+SLOT_CONNECTIONS = 32
+NOT_ACCEPTING = 0xFFFFFFFF
 
 RING_ENTRY_SIZE = 32
 DEFAULT_RING = 512

@@ -107,6 +107,7 @@ class SharedFleet:
         )
         for field in (L.SLOT_REQUESTS, L.SLOT_RETRIES):
             self.region.set_u32(base + field, 0)
+        self.region.set_u32(base + L.SLOT_CONNECTIONS, L.NOT_ACCEPTING)
         if not keep_ring:
             # Unread reports of a dead worker are dropped with it: the supervisor reads rings
             # every few milliseconds, so at most a handful of outcomes are lost.
@@ -156,6 +157,17 @@ class SharedFleet:
         return sum(
             self.region.u32(self.layout.slot_offset(s) + field) for s in range(self.layout.slots) if self.slot_pid(s)
         )
+
+    def least_connections(self, excluding: int) -> int | None:
+        """The fewest client connections of a worker other than slot ``excluding`` that is
+        accepting (None when there is none): see ``narwhal.accept``."""
+        counts = [
+            held
+            for s in range(self.layout.slots)
+            if s != excluding and self.slot_pid(s)
+            and (held := self.region.u32(self.layout.slot_offset(s) + L.SLOT_CONNECTIONS)) != L.NOT_ACCEPTING
+        ]
+        return min(counts) if counts else None
 
     # -- outcome rings --------------------------------------------------------------------------
 

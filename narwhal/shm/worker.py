@@ -49,6 +49,7 @@ class WorkerFleetState:
         self._mm = shared.mm
         self._count_at = [shared.layout.count_offset(slot, e, p) for e in range(len(fleet.engines)) for p in (0, 1)]
         self._requests_at = shared.layout.slot_offset(slot) + L.SLOT_REQUESTS
+        self._connections_at = shared.layout.slot_offset(slot) + L.SLOT_CONNECTIONS
 
     # -- FleetView ------------------------------------------------------------------------------
 
@@ -134,6 +135,14 @@ class WorkerFleetState:
     def retry_finished(self) -> None:
         self._retries -= 1
         self.shared.set_slot_field(self.slot, L.SLOT_RETRIES, self._retries)
+
+    # -- client connections (narwhal.accept.ConnectionShare) ----------------------------------
+
+    def publish(self, connections: int | None) -> None:
+        L.U32.pack_into(self._mm, self._connections_at, L.NOT_ACCEPTING if connections is None else connections)
+
+    def least_other(self) -> int | None:
+        return self.shared.least_connections(excluding=self.slot)
 
     # -- outcome reports ------------------------------------------------------------------------
 

@@ -58,7 +58,8 @@ def start_router(
     for key, values in sections.items():
         conf.setdefault(key, {}).update(values)
     return RouterProcess.start(
-        write_config(engines, conf), log_path=str(tmp / "router.log"), gunicorn_args=gunicorn_args
+        write_config(engines, conf), log_path=str(tmp / "router.log"), gunicorn_args=gunicorn_args,
+        workers=int(conf["server"].get("workers", 2)),
     )
 
 
