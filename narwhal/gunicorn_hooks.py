@@ -128,9 +128,10 @@ def post_worker_init(worker: Any) -> None:
         return
     from narwhal import accept, app
 
-    if not worker.cfg.is_ssl:
-        # The app accepts from these itself (narwhal.accept): aiohttp's worker starts no
-        # server of its own on them. TLS listeners stay with aiohttp.
+    if worker.wsgi is app.create_app and not worker.cfg.is_ssl:
+        # Narwhal's app accepts from these itself (narwhal.accept): aiohttp's worker starts
+        # no server of its own on them. TLS listeners, and any other app run with this
+        # configuration, stay with aiohttp.
         accept.LISTENERS[:] = worker.sockets
         worker.sockets = []
 
