@@ -187,6 +187,15 @@ class Interrupts:
 INTERRUPTS = Interrupts()
 
 
+def _dig(stats: dict[str, Any] | None, path: tuple[str, ...]) -> float | None:
+    value: Any = stats
+    for key in path:
+        if not isinstance(value, dict):
+            return None
+        value = value.get(key)
+    return float(value) if isinstance(value, int | float) else None
+
+
 def _notes(results: dict[str, Any], cores: int) -> list[str]:
     """Say when the fake engine, the host or other people's processes, not the router, set the limit."""
     notes: list[str] = []
@@ -214,6 +223,24 @@ def _notes(results: dict[str, Any], cores: int) -> list[str]:
             "(a prefill leg, and the consumer's KV read from the producer over HTTP between the two fleet "
             "processes): on a small host that CPU, not the router's, is much of why ×direct is low — compare "
             "with the peer, which pays the same."
+        )
+    floor_notes = []
+    for name, what, path, unit in (
+        ("stream_c1", "added TTFB p50", ("vs_direct", "ttfb_p50_added_ms"), "ms"),
+        ("stream_c32", "router CPU", ("router_cpu_us_per_req",), "µs/request"),
+        ("nonstream_c32", "router CPU", ("router_cpu_us_per_req",), "µs/request"),
+    ):
+        targets = results.get(name, {}).get("targets", {})
+        figures = [_dig(targets.get(t), path) for t in ("narwhal", "aiohttp-floor", "peer")]
+        if figures[0] is not None and figures[1] is not None:
+            shown = [f"{v:.3f}" if unit == "ms" else f"{v:,.0f}" for v in figures if v is not None]
+            peer = f", the peer {shown[2]}" if len(shown) == 3 else ""
+            floor_notes.append(f"{name} {what}: Narwhal {shown[0]}, the aiohttp floor {shown[1]}{peer} {unit}")
+    if floor_notes:
+        notes.append(
+            "aiohttp floor (`perf/floor_proxy.py`: gunicorn + aiohttp + Narwhal's engine client and nothing "
+            "else): " + "; ".join(floor_notes) + ". What the floor adds over the PD floor is the framework's "
+            "cost; what Narwhal adds over the floor is its features'."
         )
     if engine_bound:
         notes.append(

@@ -349,7 +349,7 @@ def write_json(doc: dict[str, Any], path: Path) -> None:
     path.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
 
 
-COLORS = {"narwhal": "C0", "peer": "C1", "direct-pd": "C2", "direct": "C7"}
+COLORS = {"narwhal": "C0", "peer": "C1", "direct-pd": "C2", "aiohttp-floor": "C3", "direct": "C7"}
 
 
 def have_matplotlib() -> bool:

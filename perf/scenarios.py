@@ -23,6 +23,9 @@ from perf.profile import summarize as summarize_profile
 from perf.stack import Stack, Target
 
 PACED_FAULT = {"decode": {"token_delay_s": 0.01}}
+TARGETS = ("narwhal", "baseline", "direct", "direct-pd", "peer")
+# The aiohttp floor (perf/floor_proxy.py) beside them: what of Narwhal's figures is the framework's.
+WITH_FLOOR = (*TARGETS, "aiohttp-floor")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +35,7 @@ class Scenario:
     kind: str = "load"  # "load", "sweep" or "memory"
     workload: Workload = Workload()
     concurrency: int = 32
-    targets: tuple[str, ...] = ("narwhal", "baseline", "direct", "direct-pd", "peer")
+    targets: tuple[str, ...] = TARGETS
     warmup_s: float = 0.4
     workers: tuple[int, ...] = ()  # the sweep's worker counts
     streams: int = 0  # memory: slow streams held open at once
@@ -59,8 +62,14 @@ def all_scenarios(quick: bool, cores: int | None = None) -> list[Scenario]:
         sweep = sweep[:2]
     big = 200 if quick else 1000
     scenarios = [
-        Scenario("stream_c1", "streaming completions, 16 tokens, c=1", workload=stream, concurrency=1),
-        Scenario("stream_c32", "streaming completions, 16 tokens, c=32", workload=stream, concurrency=32),
+        Scenario(
+            "stream_c1", "streaming completions, 16 tokens, c=1", workload=stream, concurrency=1,
+            targets=WITH_FLOOR,
+        ),
+        Scenario(
+            "stream_c32", "streaming completions, 16 tokens, c=32", workload=stream, concurrency=32,
+            targets=WITH_FLOOR,
+        ),
         Scenario("stream_c128", "streaming completions, 16 tokens, c=128", workload=stream, concurrency=128),
         Scenario("paced_c128", "paced decode 10 ms/token, 16 tokens, c=128", workload=paced, concurrency=128),
         Scenario(
@@ -75,6 +84,7 @@ def all_scenarios(quick: bool, cores: int | None = None) -> list[Scenario]:
             "non-streaming completions, 16 tokens, c=32",
             workload=Workload(COMPLETIONS, stream=False, tokens=16),
             concurrency=32,
+            targets=WITH_FLOOR,
         ),
         Scenario(
             "chat_c32",
@@ -143,6 +153,10 @@ def ensure_targets(stack: Stack, scenario: Scenario) -> list[Target]:
             started = stack.start_peer(stack.peer_template, name)
             if started is not None:
                 out.append(started)
+        elif name == "aiohttp-floor":
+            floor = stack.floor(name)
+            if floor is not None:
+                out.append(floor)
         elif name == "narwhal+log":
             out.append(stack.narwhal("narwhal+log", access_log=True))
         elif name.startswith("narwhal-w"):

@@ -169,6 +169,7 @@ class Stack:
         self.peers: dict[str, Peer] = {}
         self.peer_template: str | None = None
         self.peer_error: str | None = None
+        self.floor_error: str | None = None
         self.baseline_root: str | None = None  # --baseline: another commit's narwhal/ lives here
         self.baseline_error: str | None = None
         self.targets: dict[str, Target] = {}
@@ -295,6 +296,35 @@ class Stack:
             self.stop_peer(name)
             return None
         target = Target(name, "peer", peer.url, [peer.proc.pid], alive=peer.alive, detail={"command": peer.command})
+        self.targets[name] = target
+        return target
+
+    def floor(self, name: str = "aiohttp-floor") -> Target | None:
+        """The aiohttp floor (``perf/floor_proxy.py``) under gunicorn with Narwhal's worker
+        count, started once; a failure is remembered and the run goes on without it."""
+        if name in self.targets:
+            return self.targets[name]
+        if self.floor_error is not None:
+            return None
+        root = Path(__file__).resolve().parent.parent
+        template = (
+            "env FLOOR_PRODUCER={producer_url} FLOOR_CONSUMER={consumer_url} "
+            f"{shlex.quote(sys.executable)} -m gunicorn -c /dev/null --chdir {shlex.quote(str(root))} "
+            f"-w {self.workers} -k aiohttp.GunicornUVLoopWebWorker -b 127.0.0.1:{{port}} perf.floor_proxy:app"
+        )
+        try:
+            floor = Peer(template, self.producer_url, self.consumer_url, self.out_dir / f"{name}.log")
+        except (ValueError, OSError) as exc:
+            self.floor_error = str(exc)
+            return None
+        self.peers[name] = floor
+        try:
+            floor.wait_serving()
+        except (RuntimeError, TimeoutError) as exc:
+            self.floor_error = str(exc)
+            self.stop_peer(name)
+            return None
+        target = Target(name, "peer", floor.url, [floor.proc.pid], alive=floor.alive, detail={"command": floor.command})
         self.targets[name] = target
         return target
 

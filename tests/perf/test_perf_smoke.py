@@ -72,6 +72,11 @@ def test_quick_run_works(tmp_path: Path) -> None:
         if res["kind"] == "load":
             assert {"narwhal", "direct"} <= set(res["targets"]), name
             assert res["targets"]["narwhal"]["router_cpu_us_per_req"] is not None, name
+    # The aiohttp floor runs beside Narwhal where the scenarios name it, and the notes compare.
+    for name in ("stream_c1", "stream_c32", "nonstream_c32"):
+        floor = scenarios[name]["targets"]["aiohttp-floor"]
+        assert floor["requests"] > 0 and floor["router_cpu_us_per_req"] is not None, name
+    assert "aiohttp floor (`perf/floor_proxy.py`" in (tmp_path / "results.md").read_text()
     assert scenarios["workers"]["recommended_workers"] in scenarios["workers"]["workers"]
     assert len(doc["targets"]) == 6 and all(t["result"] in ("PASS", "FAIL", "n/a") for t in doc["targets"])
 
