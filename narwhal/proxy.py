@@ -360,7 +360,7 @@ class Router:
                                 content_type="application/json",
                                 headers={"x-request-id": rec.request_id},
                             )
-                            await self._send_whole(request, response)
+                            await self._send_whole(request, response, len(data))
                             return response
                         stream = _SSEResponse(headers=_SSE_HEADERS)
                         stream.headers["x-request-id"] = rec.request_id
@@ -411,9 +411,13 @@ class Router:
             return
         await self._bounded(request, writes, stream.write_eof(data) if eof else stream.write(data))
 
-    async def _send_whole(self, request: web.Request, response: web.Response) -> None:
+    async def _send_whole(self, request: web.Request, response: web.Response, size: int) -> None:
         # Under the same write bound as a stream: a client that does not read its answer must
         # not keep this request (and its reservations) alive.
+        transport = request.transport
+        if transport is not None and size <= _UNBLOCKED_WRITE and not transport.get_write_buffer_size():
+            await _prepare_and_end(response, request)  # cannot wait: see _write
+            return
         writes = LazyTimeout()
         try:
             await self._bounded(request, writes, _prepare_and_end(response, request))
