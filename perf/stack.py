@@ -284,20 +284,10 @@ class Stack:
         """Start the peer router; on failure remember why and carry on without it."""
         self.peer_template = template
         try:
-            peer = Peer(template, self.producer_url, self.consumer_url, self.out_dir / f"{name}.log")
-        except (ValueError, OSError) as exc:
+            return self._launch(template, name)
+        except (ValueError, OSError, RuntimeError, TimeoutError) as exc:
             self.peer_error = str(exc)
             return None
-        self.peers[name] = peer
-        try:
-            peer.wait_serving()
-        except (RuntimeError, TimeoutError) as exc:
-            self.peer_error = str(exc)
-            self.stop_peer(name)
-            return None
-        target = Target(name, "peer", peer.url, [peer.proc.pid], alive=peer.alive, detail={"command": peer.command})
-        self.targets[name] = target
-        return target
 
     def floor(self, name: str = "aiohttp-floor") -> Target | None:
         """The aiohttp floor (``perf/floor_proxy.py``) under gunicorn with Narwhal's worker
@@ -313,18 +303,21 @@ class Stack:
             f"-w {self.workers} -k aiohttp.GunicornUVLoopWebWorker -b 127.0.0.1:{{port}} perf.floor_proxy:app"
         )
         try:
-            floor = Peer(template, self.producer_url, self.consumer_url, self.out_dir / f"{name}.log")
-        except (ValueError, OSError) as exc:
+            return self._launch(template, name)
+        except (ValueError, OSError, RuntimeError, TimeoutError) as exc:
             self.floor_error = str(exc)
             return None
-        self.peers[name] = floor
+
+    def _launch(self, template: str, name: str) -> Target:
+        """A command line on this fleet as a target, once it answers a completion."""
+        peer = Peer(template, self.producer_url, self.consumer_url, self.out_dir / f"{name}.log")
+        self.peers[name] = peer
         try:
-            floor.wait_serving()
-        except (RuntimeError, TimeoutError) as exc:
-            self.floor_error = str(exc)
+            peer.wait_serving()
+        except BaseException:
             self.stop_peer(name)
-            return None
-        target = Target(name, "peer", floor.url, [floor.proc.pid], alive=floor.alive, detail={"command": floor.command})
+            raise
+        target = Target(name, "peer", peer.url, [peer.proc.pid], alive=peer.alive, detail={"command": peer.command})
         self.targets[name] = target
         return target
 
