@@ -184,3 +184,44 @@ def _metrics_dirs_of(pids: list[int]) -> set[str]:
         except OSError:
             continue
     return found
+
+
+def test_a_unix_socket_bind_serves_through_every_worker(fleet: FakeFleet, tmp_path: Path) -> None:
+    # unix:PATH listeners go through narwhal.accept like TCP ones (no TCP_NODELAY there).
+    config = write_config(
+        [{"name": "p0", "url": fleet.engines["p0"], "role": "producer"},
+         {"name": "d0", "url": fleet.engines["d0"], "role": "consumer"}],
+        {"preflight": {"on_start": False}, "log": {"access_log": ""}},
+    )
+    path = str(tmp_path / "narwhal.sock")
+    env = _clean_env(NARWHAL_SERVER__BIND=f"unix:{path}", NARWHAL_CONFIG=config)
+    proc = subprocess.Popen([sys.executable, "-m", "narwhal", "serve", "--config", config], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    seen: set[int] = set()
+
+    def health() -> bool:
+        try:
+            with socket.socket(socket.AF_UNIX) as s:
+                s.settimeout(5)
+                s.connect(path)
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                data = b""
+                while chunk := s.recv(65536):
+                    data += chunk
+        except OSError:
+            return False
+        head, _, body = data.partition(b"\r\n\r\n")
+        if head.startswith(b"HTTP/1.1 200"):
+            seen.add(int(orjson.loads(body)["worker"]))
+        return len(seen) == 2
+
+    try:
+        wait_until(health, 20, "both workers answering on the unix socket")
+    finally:
+        stop_gunicorn(proc)
+        assert proc.stderr is not None
+        err = proc.stderr.read()
+        proc.stderr.close()
+        os.unlink(config)
+    assert proc.returncode == 0, err.decode()
+    assert b"Traceback" not in err
