@@ -74,7 +74,9 @@ class BalancedSite(web.BaseSite):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reading = False
         self._resume: asyncio.TimerHandle | None = None
-        self._pending = 0  # accepted, transport not made yet
+        # Accepted, and not yet known to have made its connection: counted beside the server's
+        # connections until the connect task is done, so for a moment twice (it errs on pausing).
+        self._pending = 0
         self._handler: web.Server | None = None
 
     @property

@@ -44,8 +44,8 @@ from narwhal.timeouts import LazyTimeout
 
 log = logging.getLogger("narwhal.proxy")
 
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-_SSE_HEADERS = CIMultiDict(SSE_HEADERS)  # copied per stream: cheaper than building it from a dict
+# Copied per stream: cheaper than building the header set from a dict each time.
+SSE_HEADERS = CIMultiDict({"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 # A write of at most this many bytes into an empty transport buffer can not pause it (the
 # high-water mark is 64 KiB, never lowered here), so aiohttp's write returns without waiting.
 _UNBLOCKED_WRITE = 16 * 1024
@@ -91,6 +91,12 @@ class _ClientSink:
         except (OSError, RuntimeError):  # raised inside the engine's data callback: never let it out
             return False
         return transport.get_write_buffer_size() <= self._high
+
+
+def _cannot_wait(request: web.Request, size: int) -> bool:
+    """Would writing ``size`` bytes to this client return at once? Then no write timer is armed."""
+    transport = request.transport
+    return transport is not None and size <= _UNBLOCKED_WRITE and not transport.get_write_buffer_size()
 
 
 async def _prepare_and_end(response: web.Response, request: web.Request) -> None:
@@ -362,7 +368,7 @@ class Router:
                             )
                             await self._send_whole(request, response, len(data))
                             return response
-                        stream = _SSEResponse(headers=_SSE_HEADERS)
+                        stream = _SSEResponse(headers=SSE_HEADERS)
                         stream.headers["x-request-id"] = rec.request_id
                         request["narwhal.stream"] = stream
                         await stream.prepare(request)
@@ -404,9 +410,8 @@ class Router:
     ) -> None:
         """Write to the client; one that does not read for ``client_write_timeout_s`` is dropped
         (its buffer stops growing and the engine stream is closed, like any departed client)."""
-        transport = request.transport
-        if transport is not None and len(data) <= _UNBLOCKED_WRITE and not transport.get_write_buffer_size():
-            # The usual case, the first token's included: nothing can wait, so nothing to bound.
+        if _cannot_wait(request, len(data)):
+            # The usual case, the first token's included: nothing to bound.
             await (stream.write_eof(data) if eof else stream.write(data))
             return
         await self._bounded(request, writes, stream.write_eof(data) if eof else stream.write(data))
@@ -414,9 +419,8 @@ class Router:
     async def _send_whole(self, request: web.Request, response: web.Response, size: int) -> None:
         # Under the same write bound as a stream: a client that does not read its answer must
         # not keep this request (and its reservations) alive.
-        transport = request.transport
-        if transport is not None and size <= _UNBLOCKED_WRITE and not transport.get_write_buffer_size():
-            await _prepare_and_end(response, request)  # cannot wait: see _write
+        if _cannot_wait(request, size):
+            await _prepare_and_end(response, request)
             return
         writes = LazyTimeout()
         try:

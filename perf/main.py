@@ -187,15 +187,6 @@ class Interrupts:
 INTERRUPTS = Interrupts()
 
 
-def _dig(stats: dict[str, Any] | None, path: tuple[str, ...]) -> float | None:
-    value: Any = stats
-    for key in path:
-        if not isinstance(value, dict):
-            return None
-        value = value.get(key)
-    return float(value) if isinstance(value, int | float) else None
-
-
 def _notes(results: dict[str, Any], cores: int) -> list[str]:
     """Say when the fake engine, the host or other people's processes, not the router, set the limit."""
     notes: list[str] = []
@@ -230,8 +221,7 @@ def _notes(results: dict[str, Any], cores: int) -> list[str]:
         ("stream_c32", "router CPU", ("router_cpu_us_per_req",), "µs/request"),
         ("nonstream_c32", "router CPU", ("router_cpu_us_per_req",), "µs/request"),
     ):
-        targets = results.get(name, {}).get("targets", {})
-        figures = [_dig(targets.get(t), path) for t in ("narwhal", "aiohttp-floor", "peer")]
+        figures = [report.figure(results, name, t, *path) for t in ("narwhal", "aiohttp-floor", "peer")]
         if figures[0] is not None and figures[1] is not None:
             shown = [f"{v:.3f}" if unit == "ms" else f"{v:,.0f}" for v in figures if v is not None]
             peer = f", the peer {shown[2]}" if len(shown) == 3 else ""

@@ -39,7 +39,7 @@ def _verdict(ok: bool | None) -> str:
     return "n/a" if ok is None else ("PASS" if ok else "FAIL")
 
 
-def _fig(results: dict[str, Any], scenario: str, target: str, *path: str) -> Any:
+def figure(results: dict[str, Any], scenario: str, target: str, *path: str) -> Any:
     """A figure of one target in one scenario (``path`` into its stats), or None."""
     value: Any = _get(results, scenario, target)
     for key in path:
@@ -64,15 +64,15 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         floor: bool = True,
         here: tuple[str, Any] | None = None,
     ) -> None:
-        value = _fig(results, scenario, "narwhal", *path)
+        value = figure(results, scenario, "narwhal", *path)
         host_threshold, host_test = here if here is not None else (threshold, test)
         rows.append(
             {
                 "target": name,
                 "narwhal": value,
                 "threshold": threshold,
-                "peer": _fig(results, scenario, "peer", *path),
-                "pd_floor": _fig(results, scenario, "direct-pd", *path) if floor else None,
+                "peer": figure(results, scenario, "peer", *path),
+                "pd_floor": figure(results, scenario, "direct-pd", *path) if floor else None,
                 "result": _verdict(None if value is None else bool(test(value))),
                 "host_threshold": host_threshold if host_test is not None else "n/a (needs --peer)",
                 "host_result": _verdict(None if value is None or host_test is None else bool(host_test(value))),
@@ -83,9 +83,9 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     # used PEER_CPU_US_C32 per request; here they are scaled by what the peer used in this run,
     # and the paced ratio is taken against the PD floor (a router costing nothing), which on a
     # small host where engines and load share the cores is far below direct.
-    peer_cpu = _fig(results, "stream_c32", "peer", "router_cpu_us_per_req")
-    peer_ttfb = _fig(results, "stream_c1", "peer", "vs_direct", "ttfb_p50_added_ms")
-    floor_paced = _fig(results, "paced_c128", "direct-pd", "vs_direct", "rps_ratio")
+    peer_cpu = figure(results, "stream_c32", "peer", "router_cpu_us_per_req")
+    peer_ttfb = figure(results, "stream_c1", "peer", "vs_direct", "ttfb_p50_added_ms")
+    floor_paced = figure(results, "paced_c128", "direct-pd", "vs_direct", "rps_ratio")
     cpu_here = None if peer_cpu is None else CPU_US_C32 * peer_cpu / PEER_CPU_US_C32
     ttfb_here = None if peer_ttfb is None else ADDED_TTFB_MS_C1 * peer_ttfb / PEER_ADDED_TTFB_MS_C1
     paced_here = None if floor_paced is None else PACED_RATIO * floor_paced
@@ -101,7 +101,7 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         if cpu_here is not None
         else ("", None),
     )
-    peer_ratio = _fig(results, "stream_c32", "peer", "vs_direct", "rps_ratio")
+    peer_ratio = figure(results, "stream_c32", "peer", "vs_direct", "rps_ratio")
     bar = peer_ratio if peer_ratio is not None else RATIO_C32_FALLBACK
     row(
         "throughput ×direct, streaming c=32",

@@ -35,6 +35,16 @@ def _clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _stop(proc: subprocess.Popen[bytes], config: str) -> bytes:
+    """Stop the router, remove its config; return what it wrote to stderr."""
+    stop_gunicorn(proc)
+    assert proc.stderr is not None
+    err = proc.stderr.read()
+    proc.stderr.close()
+    os.unlink(config)
+    return err
+
+
 def _post(url: str, body: dict) -> tuple[int, bytes]:
     import urllib.request
 
@@ -75,11 +85,7 @@ def test_the_router_starts_serves_and_stops_cleanly(fleet: FakeFleet, command: l
         created = _metrics_dirs_of(children)
         assert len(created) == 1
     finally:
-        stop_gunicorn(proc)
-        assert proc.stderr is not None
-        err = proc.stderr.read()
-        proc.stderr.close()
-        os.unlink(config)
+        err = _stop(proc, config)
     assert proc.returncode == 0, err.decode()
     assert b"Traceback" not in err
     # The metrics directory the master created is gone with it.
@@ -218,10 +224,6 @@ def test_a_unix_socket_bind_serves_through_every_worker(fleet: FakeFleet, tmp_pa
     try:
         wait_until(health, 20, "both workers answering on the unix socket")
     finally:
-        stop_gunicorn(proc)
-        assert proc.stderr is not None
-        err = proc.stderr.read()
-        proc.stderr.close()
-        os.unlink(config)
+        err = _stop(proc, config)
     assert proc.returncode == 0, err.decode()
     assert b"Traceback" not in err
