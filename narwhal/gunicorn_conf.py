@@ -9,6 +9,7 @@ reload picks up a changed TOML file. Hooks only wire process events to
 from narwhal.gunicorn_hooks import (  # noqa: F401
     child_exit,
     gunicorn_settings,
+    nworkers_changed,
     on_exit,
     on_reload,
     on_starting,

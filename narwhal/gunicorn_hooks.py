@@ -9,14 +9,12 @@ removed at exit; one the operator set is only wiped of stale files at the first 
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import shutil
 import signal
 import sys
 import tempfile
-import time
 from typing import Any
 
 # Nothing here may import prometheus_client (or narwhal.metrics, narwhal.app) at module level:
@@ -85,37 +83,106 @@ def gunicorn_settings() -> dict[str, Any]:
     }
 
 
-_WATCHDOG: dict[str, int] = {}
-
 # gunicorn re-executes a config given as a *file* on SIGHUP (one given as python:module is
 # imported once and never re-read), so Narwhal always passes the file.
 CONFIG_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gunicorn_conf.py")
+
+_KEEPER: list[Any] = []  # the master's SupervisorKeeper, once on_starting made it
+
+
+def reconcile(settings: Settings, cfg: Any) -> tuple[Settings, list[str]]:
+    """gunicorn's own options (``--workers``, ``--bind``, ``--graceful-timeout``, on its command
+    line or in ``GUNICORN_CMD_ARGS``) override what this configuration derived from the
+    settings. They win, visibly and consistently: each override is one line on stderr, and
+    the settings every Narwhal process runs on (workers, supervisor, the shared layout's
+    slot count, the drain timers) are rewritten to match what gunicorn will actually do."""
+    server = settings.server
+    changes: dict[str, Any] = {}
+    if cfg.workers != server.workers:
+        changes["workers"] = cfg.workers
+    binds = list(cfg.bind or [])
+    if binds and binds != [server.bind]:
+        changes["bind"] = binds[0]
+    if cfg.graceful_timeout != math.ceil(server.graceful_timeout_s):
+        changes["graceful_timeout_s"] = float(cfg.graceful_timeout)
+    lines = [
+        f"narwhal: gunicorn's {_FLAG[key]} {cfg_value} overrides server.{key} = {getattr(server, key)!r}"
+        for key, cfg_value in (("workers", cfg.workers), ("bind", ",".join(binds)),
+                               ("graceful_timeout_s", cfg.graceful_timeout))
+        if key in changes
+    ]
+    if not changes:
+        return settings, []
+    return settings.model_copy(update={"server": server.model_copy(update=changes)}), lines
+
+
+_FLAG = {"workers": "--workers", "bind": "--bind", "graceful_timeout_s": "--graceful-timeout"}
+
+
+def _adopt_gunicorn_options(server: Any) -> Settings:
+    from narwhal.settings import current_or_load
+
+    settings, lines = reconcile(current_or_load(), server.cfg)
+    for line in lines:
+        print(line, file=sys.stderr, flush=True)
+    remember(settings)
+    return settings
 
 
 def on_starting(server: Any) -> None:
     """In the master, before the listening sockets exist: shared memory, then the supervisor."""
     from narwhal import shm
-    from narwhal.settings import current_or_load
     from narwhal.shm.shared import SharedFleet
-    from narwhal.supervisor.process import start_watchdog
+    from narwhal.supervisor.process import SupervisorKeeper
 
-    settings = current_or_load()
+    settings = _adopt_gunicorn_options(server)
     # Room for a reload: old and new workers side by side, engines added up to max_engines.
-    shm.SHARED = SharedFleet.create(engines=settings.server.max_engines, slots=max(2 * settings.server.workers, 8))
+    shm.SHARED = SharedFleet.create(engines=settings.server.max_engines, slots=slots_for(settings.server.workers))
     if settings.preflight.on_start and settings.engines:
         from narwhal.supervisor.startup import preflight_on_start
 
         # Before any worker exists, so an engine that fails starts ejected everywhere.
         preflight_on_start(shm.SHARED, settings)
-    _WATCHDOG["pid"] = start_watchdog(shm.SHARED)
+    keeper = SupervisorKeeper(shm.SHARED)
+    keeper.start()
+    _KEEPER[:] = [keeper]
+    _watch_from_the_main_loop(server, keeper)
+
+
+def slots_for(workers: int) -> int:
+    """Worker slots in the shared layout: a reload runs old and new workers side by side."""
+    return max(2 * workers, 8)
+
+
+def _watch_from_the_main_loop(server: Any, keeper: Any) -> None:
+    """gunicorn has no periodic master hook; its main loop calls ``manage_workers`` at least
+    once a second and after every signal (SIGCHLD included): the keeper's check rides on it
+    (see ``narwhal.supervisor.process``)."""
+    manage_workers = server.manage_workers
+
+    def manage_workers_and_supervisor() -> None:
+        manage_workers()
+        keeper.check()
+
+    server.manage_workers = manage_workers_and_supervisor
 
 
 def on_reload(server: Any) -> None:
-    """SIGHUP: the supervisor restarts on the reloaded settings (new workers read them too)."""
-    pid = _WATCHDOG.get("pid")
-    if pid:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGHUP)
+    """SIGHUP: the settings were re-read (``gunicorn_settings``); gunicorn's options win again,
+    and the supervisor restarts on them (new workers read them too)."""
+    _adopt_gunicorn_options(server)
+    if _KEEPER:
+        _KEEPER[0].reload()
+
+
+def nworkers_changed(server: Any, new_value: int, old_value: int | None) -> None:
+    """TTIN/TTOU change the worker count at run time; beyond the layout's slots a worker
+    would run on per-process state, so say so where the operator looks."""
+    from narwhal import shm
+
+    if old_value is not None and shm.SHARED is not None and new_value > shm.SHARED.layout.slots:
+        print(f"narwhal: {new_value} workers exceed the shared layout's {shm.SHARED.layout.slots} slots: "
+              "the extra workers keep per-process state; restart to grow the layout", file=sys.stderr, flush=True)
 
 
 def post_worker_init(worker: Any) -> None:
@@ -157,14 +224,8 @@ def child_exit(server: Any, worker: Any) -> None:
 
 
 def on_exit(server: Any) -> None:
-    pid = _WATCHDOG.pop("pid", 0)
-    if pid:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-        with contextlib.suppress(ChildProcessError):
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline and os.waitpid(pid, os.WNOHANG)[0] == 0:
-                time.sleep(0.02)
+    if _KEEPER:
+        _KEEPER.pop().stop()
     path = os.environ.get(_PROM_ENV)
     if path and os.environ.get(_OWNED_ENV) == "owned":
         shutil.rmtree(path, ignore_errors=True)

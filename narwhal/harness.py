@@ -234,6 +234,34 @@ class RouterProcess:
         return stop_gunicorn(self.proc, sig, timeout)
 
 
+def process_title(pid: int) -> str:
+    """What ``ps`` shows for ``pid`` (``setproctitle`` rewrites ``/proc/PID/cmdline``); "" once gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+from narwhal.supervisor.process import TITLE as SUPERVISOR_TITLE  # noqa: E402
+
+
+def router_roles(master: int) -> dict[str, list[int]]:
+    """The master's children by the role their title names: the supervisor, and workers
+    (gunicorn's ``worker [narwhal]``; a worker forked a moment ago still bears the master's
+    title, and counts as a worker)."""
+    roles: dict[str, list[int]] = {"master": [master], "worker": [], "supervisor": [], "other": []}
+    for child in children_of(master):
+        title = process_title(child)
+        if title.startswith(SUPERVISOR_TITLE):
+            roles["supervisor"].append(child)
+        elif "worker" in title or "master" in title:
+            roles["worker"].append(child)
+        elif title:
+            roles["other"].append(child)
+    return roles
+
+
 def children_of(pid: int) -> list[int]:
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from narwhal.harness import FakeFleet
+from narwhal.harness import router_roles as harness_roles
 
 
 def proc_fds(pid: int) -> int | None:
@@ -41,33 +42,10 @@ def proc_rss_kb(pid: int) -> int | None:
     return None
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except OSError:
-        return []
-
-
-_WATCHDOGS: set[int] = set()
-
-
 def router_roles(master: int) -> dict[str, list[int]]:
-    """master / workers (children with no children) / watchdog (child with a child) / supervisor.
-
-    The watchdog never changes: once seen it is remembered, because between a supervisor's
-    death and its restart the watchdog has no child and would pass for a worker.
-    """
-    roles: dict[str, list[int]] = {"master": [master], "worker": [], "watchdog": [], "supervisor": []}
-    for child in _children(master):
-        grand = _children(child)
-        if grand:
-            _WATCHDOGS.add(child)
-        if child in _WATCHDOGS:
-            roles["watchdog"].append(child)
-            roles["supervisor"].extend(grand)
-        else:
-            roles["worker"].append(child)
+    """master / workers / supervisor, told apart by the titles the processes give themselves."""
+    roles = harness_roles(master)
+    roles.pop("other", None)
     return roles
 
 

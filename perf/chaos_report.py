@@ -51,7 +51,7 @@ def print_summary(rep: dict[str, Any]) -> None:
     kv = rep.get("kv", {})
     print(f"  KV: unread handoffs {kv.get('unread_handoffs')}, excused {kv.get('excused')}, "
           f"leaked {kv.get('leaked_handoffs')}, held blocks {kv.get('held_blocks')}")
-    for role in ("master", "worker", "watchdog", "supervisor"):
+    for role in ("master", "worker", "supervisor"):
         a, b = rep.get("resources_start", {}).get(role, []), rep.get("resources_end", {}).get(role, [])
         print(f"  {role:<10} fds {[p['fds'] for p in a]} -> {[p['fds'] for p in b]}   RSS MB "
               f"{[round(p['rss_kb'] / 1024, 1) for p in a]} -> {[round(p['rss_kb'] / 1024, 1) for p in b]}")

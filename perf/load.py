@@ -243,6 +243,9 @@ class RoundResult:
     unfinished: int = 0
 
 
+WARMUP_CAP_S = 10.0  # the longest a round waits for every user's first answer
+
+
 async def run_round(
     session: aiohttp.ClientSession,
     target: str,
@@ -280,6 +283,11 @@ async def run_round(
     result = RoundResult(target)
     try:
         await asyncio.sleep(warmup_s)
+        # Steady state: every user has finished (or failed) a request, so the window does not
+        # open on a cold start where nothing can finish yet (slow streams on a loaded host).
+        settle_until = time.perf_counter() + WARMUP_CAP_S
+        while len(done_at) + sum(errors.values()) < concurrency and time.perf_counter() < settle_until:
+            await asyncio.sleep(0.05)
         before = Snapshot.take(groups)
         await asyncio.sleep(duration_s)
         after = Snapshot.take(groups)

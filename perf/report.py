@@ -269,7 +269,7 @@ def markdown(doc: dict[str, Any]) -> str:
     if breakdown:
         lines += [
             "",
-            "Router CPU by process, µs per request (`other` = the supervisor and its watchdog, whose "
+            "Router CPU by process, µs per request (`other` = the supervisor, whose "
             "idle polling is charged to the requests of the window too):",
             "",
             "| scenario | target | workers | master | other | total |",

@@ -2,16 +2,16 @@
 
 Its loop, every few milliseconds:
 
-1. beat (workers and the watchdog read the heartbeat);
+1. beat (the master's keeper reads the heartbeat: a stale one means a wedged loop);
 2. read every worker's outcome ring, merge the reports in order of completion time and feed
    them to the breakers (operator actions travel the same rings);
 3. let time pass in the breakers (quarantine and wave-hold expiry), start due probes;
 4. publish every engine record whose status changed, then bump the generation, so workers
    re-read the records on their next request: an ejection is visible fleet-wide within one
-   loop period (~10 ms) of the report that caused it.
+   loop period (~20 ms) of the report that caused it; the state gauges follow at once.
 
 Less often: health checks of admitted engines, sweeping slots of dead workers, exporting
-engine gauges. A supervisor that (re)starts takes the last published records as its starting
+the in-flight gauges. A supervisor that (re)starts takes the last published records as its starting
 state, so a restart loses no ejection.
 """
 
@@ -125,6 +125,13 @@ class Supervisor:
             )
         self.shared.bump_generation()
         self._published = self.breakers.version
+        self.export_states()
+
+    def export_states(self) -> None:
+        """Engine states as gauges, at every publish: they follow ``/admin/engines`` within one
+        loop (SPEC §8: 100 ms), not an export period behind it."""
+        for engine in self.fleet.engines:
+            metrics.ENGINE_STATE.labels(engine.name, engine.role).set(int(self.breakers.status(engine.name).state))
 
     def admitted(self, engine: Engine) -> bool:
         return self.breakers.admitted(engine.name, time.monotonic())
@@ -176,10 +183,10 @@ class Supervisor:
                 self.shared.clear_slot(slot)
 
     def export(self) -> None:
+        """In-flight gauges, every EXPORT_S: they change with every request, and a scrape
+        every few seconds needs no fresher figure."""
         totals = self.shared.totals()
         for engine in self.fleet.engines:
-            st = self.breakers.status(engine.name)
-            metrics.ENGINE_STATE.labels(engine.name, engine.role).set(int(st.state))
             metrics.ENGINE_INFLIGHT.labels(engine.name, "prefill").set(totals[engine.index * 2])
             metrics.ENGINE_INFLIGHT.labels(engine.name, "decode").set(totals[engine.index * 2 + 1])
 

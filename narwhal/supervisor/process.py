@@ -1,24 +1,33 @@
-"""Starting, watching and restarting the supervisor under gunicorn.
+"""Starting, watching and restarting the supervisor from the gunicorn master.
 
-gunicorn has no periodic master hook, and its arbiter reaps *every* child with
-``waitpid(-1)``, so the master can neither poll a child it forked nor learn its exit status.
-So the master forks one small **watchdog** in ``on_starting`` (before the listening sockets
-exist: neither process ever holds the port), and the watchdog forks the supervisor as *its*
-child, which it can wait for. The watchdog restarts the supervisor within a second when it
-exits, and kills and restarts it when its heartbeat in shared memory goes stale (a wedged
-event loop). ``os.fork`` is used rather than ``multiprocessing``: a daemonic Process is
-terminated by multiprocessing's atexit hook in the first worker that exits.
+Invariant: while the master lives, a supervisor is running or is restarted within about a
+second — whatever killed the previous one (SPEC §1). Only the master can promise that: any
+process below it can be OOM-killed, and a watcher that is itself killed watches nothing (the
+previous design forked a watchdog that forked the supervisor; a SIGKILL of the watchdog
+took the supervisor with it, for good). So the master watches the supervisor itself.
 
-Lifetimes: the watchdog dies with the master (``PR_SET_PDEATHSIG`` plus a ``getppid`` poll),
-the supervisor with the watchdog. ``SIGHUP`` to the watchdog (sent by the master's
-``on_reload``) restarts the supervisor on freshly loaded settings. Each restart marks the
-previous supervisor dead for prometheus, so its live gauges do not linger or double.
+How the master watches without a periodic hook of its own: gunicorn's main loop calls
+``Arbiter.manage_workers`` at least once a second and right after every signal (SIGCHLD
+included), so ``narwhal.gunicorn_hooks`` wraps that one method of the running arbiter to call
+:meth:`SupervisorKeeper.check`. gunicorn reaps every child with ``waitpid(-1)`` (an unknown
+pid is reaped and forgotten), so the keeper cannot ``waitpid`` its child; it learns of the
+exit from a **pidfd** (``pidfd_open``, exact even after the reap and immune to pid reuse),
+falling back to ``kill(pid, 0)`` where pidfds are missing. A supervisor whose heartbeat in
+shared memory goes stale (a wedged event loop) is killed and replaced the same way.
+
+Deliberately left out: a master thread (``PR_SET_PDEATHSIG`` fires when the forking *thread*
+ends) and ``multiprocessing`` (its atexit hook in the first worker that exits terminates a
+daemonic child). ``os.fork`` from the master's main thread is all it takes: the child closes
+every inherited descriptor but stdio and the shared memory (never a listening socket), dies
+with the master (``PR_SET_PDEATHSIG`` plus a ``getppid`` check), and names itself in ``ps``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import select
 import signal
 import sys
 import time
@@ -27,35 +36,137 @@ from collections.abc import Callable
 from narwhal.shm.shared import SharedFleet
 
 PR_SET_PDEATHSIG = 1
+TITLE = "narwhal: supervisor"
 STALE_S = 3.0  # heartbeat age after which a running supervisor is presumed wedged
 # A new supervisor imports, loads settings and restores state before its first beat; on a
 # loaded host that can take longer than STALE_S, and the old one's beat says nothing about it.
 STARTUP_S = 30.0
-POLL_S = 0.1
+TERM_GRACE_S = 3.0  # a supervisor asked to stop (reload, shutdown) that is still there is killed
+# A supervisor that dies at once (say, its settings no longer load) is restarted no faster
+# than this: a crash loop must not fork as fast as SIGCHLD can wake the master.
+MIN_RESPAWN_S = 1.0
 
 
 def set_parent_death_signal(sig: int) -> None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the getppid poll still ends us
+    except (OSError, AttributeError):  # not Linux: the getppid check still ends us
         pass
 
 
-def start_watchdog(shared: SharedFleet) -> int:
-    """Fork the watchdog from the gunicorn master; return its pid."""
-    master = os.getpid()
-
-    def body() -> None:
-        _close_inherited_fds(keep=shared.region.fd)
-        Watchdog(shared, master).run()
-
-    return _fork(body, death_signal=signal.SIGTERM)
+def set_title(title: str) -> None:
+    """What ``ps`` and ``top`` show for this process (``setproctitle`` is a dependency)."""
+    try:
+        from setproctitle import setproctitle
+    except ImportError:  # pragma: no cover - installed with narwhal
+        return
+    setproctitle(title)
 
 
-def _fork(body: Callable[[], None], *, death_signal: int) -> int:
-    """Fork; in the child run ``body`` and exit — it must never return into the parent's code
-    (gunicorn's arbiter, or the watchdog's loop). Returns the child's pid to the parent."""
+class SupervisorKeeper:
+    """The master's handle on its supervisor: start, check (every master loop), reload, stop."""
+
+    def __init__(self, shared: SharedFleet, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.shared = shared
+        self.clock = clock
+        self.pid = 0
+        self._pidfd = -1
+        self.started_at = 0.0
+        self._term_sent_at: float | None = None
+        self.stopping = False
+
+    # -- the master's calls ----------------------------------------------------------------
+
+    def start(self) -> None:
+        starts = self.shared.count_start()
+        pid = fork_child(lambda: run_supervisor(self.shared, restarted=starts > 1), death_signal=signal.SIGTERM,
+                         keep_fd=self.shared.region.fd)
+        self.pid, self.started_at, self._term_sent_at = pid, self.clock(), None
+        self._pidfd = _pidfd_open(pid)
+
+    def check(self) -> None:
+        """Restart a supervisor that is gone, kill one that is wedged or will not stop."""
+        if self.stopping:
+            return
+        if self.pid and self._exited():
+            self._forget()
+        if not self.pid:
+            if self.clock() - self.started_at >= MIN_RESPAWN_S:
+                self.start()
+            return
+        now = self.clock()
+        if self._term_sent_at is not None:
+            if now - self._term_sent_at > TERM_GRACE_S:
+                self._signal(signal.SIGKILL)
+        elif self.wedged():
+            print(f"narwhal: supervisor {self.pid} stopped beating; restarting it", file=sys.stderr, flush=True)
+            self._signal(signal.SIGKILL)
+
+    def reload(self) -> None:
+        """SIGHUP: the running supervisor stops; :meth:`check` starts one on the new settings."""
+        if self.pid and self._term_sent_at is None:
+            self._term_sent_at = self.clock()
+            self.started_at = 0.0  # a reload is not a crash loop: restart as soon as it is gone
+            self._signal(signal.SIGTERM)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.stopping = True
+        if not self.pid:
+            return
+        self._signal(signal.SIGTERM)
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and not self._exited():
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(self.pid, os.WNOHANG)  # gunicorn no longer reaps once it is exiting
+            time.sleep(0.02)
+        if not self._exited():
+            self._signal(signal.SIGKILL)
+        self._forget()
+
+    # -- state -----------------------------------------------------------------------------
+
+    def wedged(self) -> bool:
+        if self.shared.supervisor_pid != self.pid:  # this one has not beaten yet
+            return self.clock() - self.started_at > STARTUP_S
+        return self.shared.heartbeat_age_s > STALE_S
+
+    def _exited(self) -> bool:
+        if self._pidfd >= 0:
+            readable, _, _ = select.select([self._pidfd], [], [], 0)
+            return bool(readable)
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    def _signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, sig)
+
+    def _forget(self) -> None:
+        pid, self.pid = self.pid, 0
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
+        if pid and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            # Its live gauges must not linger or double beside its successor's.
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]
+
+
+def _pidfd_open(pid: int) -> int:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfd (old kernel, not Linux): kill(pid, 0) instead
+        return -1
+
+
+def fork_child(body: Callable[[], None], *, death_signal: int, keep_fd: int) -> int:
+    """Fork; in the child run ``body`` and exit — it must never return into gunicorn's
+    arbiter. Returns the child's pid to the parent."""
     parent = os.getpid()
     pid = os.fork()
     if pid:
@@ -64,6 +175,7 @@ def _fork(body: Callable[[], None], *, death_signal: int) -> int:
     try:
         _reset_signals()
         set_parent_death_signal(death_signal)
+        _close_inherited_fds(keep=keep_fd)
         if os.getppid() == parent:  # else the parent died before the death signal was armed
             body()
     except BaseException:  # noqa: BLE001 - whatever happens, the child ends here
@@ -76,15 +188,13 @@ def _fork(body: Callable[[], None], *, death_signal: int) -> int:
 
 
 def _close_inherited_fds(keep: int) -> None:
-    """Keep only stdio and the shared memory: in particular never a listening socket the
-    master was handed (``fd://N``), so the watchdog and the supervisor never hold the port."""
+    """Keep only stdio and the shared memory: never a listening socket the master holds, so
+    the supervisor never holds the port."""
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
         if fd > 2 and fd != keep:
-            try:
+            with contextlib.suppress(OSError):  # the descriptor listdir itself used, closed
                 os.close(fd)
-            except OSError:
-                pass  # the descriptor listdir itself used, already closed
 
 
 def _reset_signals() -> None:
@@ -93,106 +203,21 @@ def _reset_signals() -> None:
         signal.signal(sig, signal.SIG_DFL)
 
 
-class Watchdog:
-    def __init__(self, shared: SharedFleet, master: int) -> None:
-        self.shared = shared
-        self.master = master
-        self.stopping = False
-        self.reload = False
-        self.child = 0
-        self.started_at = 0.0
-
-    def run(self) -> None:
-        signal.signal(signal.SIGTERM, self._stop)
-        signal.signal(signal.SIGINT, self._stop)
-        signal.signal(signal.SIGQUIT, self._stop)
-        signal.signal(signal.SIGHUP, self._reload)
-        self._spawn()
-        while not self.stopping and os.getppid() == self.master:
-            time.sleep(POLL_S)
-            exited = self._reap()
-            if self.reload:
-                self.reload = False
-                self._kill(signal.SIGTERM)
-                exited = True
-            elif not exited and self._wedged():
-                print(f"narwhal: supervisor {self.child} stopped beating; restarting it", file=sys.stderr)
-                self._kill(signal.SIGKILL)
-                exited = True
-            if exited and not self.stopping:
-                self._spawn()
-        self._kill(signal.SIGTERM)
-
-    def _wedged(self) -> bool:
-        if self.shared.supervisor_pid != self.child:  # this one has not beaten yet
-            return time.monotonic() - self.started_at > STARTUP_S
-        return self.shared.heartbeat_age_s > STALE_S
-
-    def _stop(self, *_: object) -> None:
-        self.stopping = True
-
-    def _reload(self, *_: object) -> None:
-        self.reload = True
-
-    def _reap(self) -> bool:
-        if not self.child:
-            return True
-        try:
-            pid, _ = os.waitpid(self.child, os.WNOHANG)
-        except ChildProcessError:
-            pid = self.child
-        if pid:
-            self._forget(pid)
-            return True
-        return False
-
-    def _forget(self, pid: int) -> None:
-        self.child = 0
-        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-            from prometheus_client import multiprocess
-
-            multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]
-
-    def _kill(self, sig: int) -> None:
-        if not self.child:
-            return
-        pid = self.child
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-        end = time.monotonic() + 3.0
-        while time.monotonic() < end:
-            try:
-                done, _ = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                done = pid
-            if done:
-                self._forget(pid)
-                return
-            time.sleep(0.02)
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        self._forget(pid)
-
-    def _spawn(self) -> None:
-        starts = self.shared.count_start()
-        self.child = _fork(lambda: run_supervisor(self.shared, restarted=starts > 1), death_signal=signal.SIGKILL)
-        self.started_at = time.monotonic()
-
-
 def run_supervisor(shared: SharedFleet, *, restarted: bool) -> None:
-    """The supervisor process body: fresh settings, a fresh event loop, run until signalled."""
+    """The supervisor process body: the master's settings, a fresh event loop, run until signalled."""
     import asyncio
 
     import uvloop
 
     from narwhal import metrics
     from narwhal.logs import configure_logging
-    from narwhal.settings import load_settings_or_exit
+    from narwhal.settings import current_or_load
     from narwhal.supervisor.main import Supervisor
 
-    settings = load_settings_or_exit()
+    set_title(TITLE)
+    # The settings the master validated and reconciled with gunicorn's options (the workers
+    # run on the same object), not a fresh read that could disagree with them.
+    settings = current_or_load()
     configure_logging(settings.log)
     if restarted:
         metrics.SUPERVISOR_RESTARTS.inc()

@@ -14,7 +14,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from narwhal.harness import FakeFleet, children_of, http_get, stop_gunicorn, write_config
+from narwhal.harness import FakeFleet, children_of, http_get, router_roles, stop_gunicorn, write_config
 from tests.integration.conftest import MODEL, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,10 +78,12 @@ def test_the_router_starts_serves_and_stops_cleanly(fleet: FakeFleet, command: l
         wait_until(lambda: http_get(url + "/ready")[0] == 200, 20, "router ready")
         status, raw = _post(url + "/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 2})
         assert status == 200 and orjson.loads(raw)["choices"][0]["text"] == " t0 t1"
-        # 2 workers and the supervisor's watchdog, whose child is the supervisor.
+        # 2 workers and the supervisor, each named in its title; nothing below them.
+        wait_until(lambda: len(router_roles(proc.pid)["supervisor"]) == 1, 10, "the supervisor named")
+        roles = router_roles(proc.pid)
         children = children_of(proc.pid)
-        assert len(children) == 3
-        assert sum(len(children_of(c)) for c in children) == 1
+        assert len(roles["worker"]) == 2 and len(children) == 3 and roles["other"] == []
+        assert sum(len(children_of(c)) for c in children) == 0
         created = _metrics_dirs_of(children)
         assert len(created) == 1
     finally:
@@ -161,12 +163,12 @@ def test_kill_9_of_the_master_takes_every_process_with_it_and_leaves_nothing(fle
     sock.close()
     try:
         wait_until(lambda: http_get(f"http://127.0.0.1:{port}/ready")[0] == 200, 20, "router ready")
-        wait_until(lambda: len(_descendants(proc.pid)) == 4, 10, "2 workers, the watchdog and the supervisor")
+        wait_until(lambda: len(_descendants(proc.pid)) == 3, 10, "2 workers and the supervisor")
         family = _descendants(proc.pid)
         proc.kill()
         proc.wait()
         wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in family), 10,
-                   "workers, watchdog and supervisor gone with the master")
+                   "workers and supervisor gone with the master")
     finally:
         os.unlink(config)
         if proc.poll() is None:

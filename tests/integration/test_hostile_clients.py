@@ -43,7 +43,7 @@ def hostile(fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Itera
         tmp_path_factory.mktemp("hostile"),
         server={"client_write_timeout_s": 2, "body_read_timeout_s": 1},
     )
-    # The master's children (workers and the supervisor's watchdog) at start: nothing may replace them.
+    # The master's children (workers and the supervisor) at start: nothing may replace them.
     proc.initial_children = worker_pids(proc)  # type: ignore[attr-defined]
     yield proc
     proc.stop()
@@ -272,7 +272,7 @@ def test_random_bodies_get_a_4xx_or_a_correct_200(hostile: RouterProcess, req: t
 
 def test_workers_survive_the_random_bodies(hostile: RouterProcess) -> None:
     pids = hostile.initial_children  # type: ignore[attr-defined]
-    assert len(pids) >= 3  # 2 workers + the watchdog
+    assert len(pids) >= 3  # 2 workers + the supervisor
     # Same property for a fixed set of the nastiest inputs, then the workers are the same.
     for raw in (b"\xff" * 10, b"[" * 100000, b'{"prompt":' * 2000, orjson.dumps({"prompt": "x" * 4_000_000})):
         assert_sane(http_request(hostile, "POST", COMPLETIONS, raw))

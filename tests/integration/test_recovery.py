@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import orjson
 import pytest
 
-from narwhal.harness import FakeFleet, RouterProcess, children_of, http_get
+from narwhal.harness import FakeFleet, RouterProcess, http_get, router_roles
 from tests.integration.admin_helpers import (
     TOKEN,
     admin,
@@ -193,11 +193,8 @@ async def test_a_killed_worker_gives_its_reservations_back(
 
 
 def _supervisor_pid(router: RouterProcess) -> int | None:
-    for child in children_of(router.proc.pid):
-        grandchildren = children_of(child)
-        if grandchildren:
-            return grandchildren[0]
-    return None
+    found = router_roles(router.proc.pid)["supervisor"]
+    return found[0] if found else None
 
 
 async def test_kill_9_of_the_supervisor_mid_load_loses_no_request(
@@ -234,7 +231,7 @@ def _restarts(router: RouterProcess) -> float:
 
 
 async def test_a_wedged_supervisor_is_replaced_once(retry_router: RouterProcess) -> None:
-    # SIGSTOP: alive but beating no more. The watchdog replaces it after its heartbeat is
+    # SIGSTOP: alive but beating no more. The master's keeper replaces it after its heartbeat is
     # STALE_S old, once, and a new supervisor is not taken for wedged while it starts.
     old = _supervisor_pid(retry_router)
     assert old is not None
