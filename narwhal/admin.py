@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from narwhal.breaker_blame import State
 from narwhal.errors import RequestError
 from narwhal.fleet import Engine
 from narwhal.proxy import Router
@@ -25,8 +26,10 @@ from narwhal.shm.local import LocalFleetState
 from narwhal.shm.records import KIND_DRAIN, KIND_EJECT, KIND_READMIT
 from narwhal.shm.worker import WorkerFleetState
 
-STATE_NAMES = ("admitted", "quarantined", "ejected", "probing", "draining", "degraded")
-ACTIONS = {"eject": (KIND_EJECT, 2), "readmit": (KIND_READMIT, 0), "drain": (KIND_DRAIN, 4)}
+STATE_NAMES = tuple(state.name.lower() for state in State)  # index = the state's gauge value
+# action -> (the command for the supervisor, the state that shows it took effect)
+ACTIONS = {"eject": (KIND_EJECT, State.EJECTED), "readmit": (KIND_READMIT, State.ADMITTED),
+           "drain": (KIND_DRAIN, State.DRAINING)}
 _ACTION_WAIT_S = 2.0
 
 

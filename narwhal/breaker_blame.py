@@ -44,17 +44,9 @@ from typing import Literal
 
 RoleName = Literal["producer", "consumer"]
 
-# Reasons that never count, even if a report says ``counts=True`` (belt and braces: SPEC §4, §6).
-UNCOUNTED_REASONS = frozenset(
-    {
-        "engine_client_error",
-        "handoff_expired",
-        "deadline_exceeded",
-        "client_disconnect",
-        "shutting_down",
-        "no_engine",
-    }
-)
+# Reasons that never count, even if a report says ``counts=True`` (belt and braces: SPEC §4,
+# §6), come from the one table of reasons.
+from narwhal.reasons import UNCOUNTED_REASONS  # noqa: E402, F401
 
 
 class State(enum.IntEnum):

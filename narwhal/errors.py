@@ -9,8 +9,9 @@ The hierarchy::
     └── EngineError              an engine's fault or answer; knows the engine and the leg
         └── EngineClientError    an engine's 4xx: passed through, never counted against it
 
-Engine errors are raised in exactly one place (``narwhal.engines.client``), which maps
-aiohttp's exceptions and the stream rules of SPEC §4 onto these reasons.
+Engine errors are raised by the engine client (``narwhal.engines``), which maps transport
+failures and the stream rules of SPEC §4 onto these reasons; each reason's status, retry rule
+and breaker weight are in ``narwhal.reasons``.
 """
 
 from __future__ import annotations
@@ -21,31 +22,8 @@ import orjson
 
 Phase = Literal["prefill", "decode"]
 
-# reason -> HTTP status, for the reasons whose status is fixed (SPEC §2).
-STATUS_OF: dict[str, int] = {
-    "bad_request": 400,
-    "unauthorized": 401,
-    "model_not_found": 404,
-    "not_found": 404,
-    "method_not_allowed": 405,
-    "request_timeout": 408,
-    "payload_too_large": 413,
-    "unsupported_media_type": 415,
-    "header_too_large": 431,
-    "no_engine": 503,
-    "shutting_down": 503,
-    "engine_unreachable": 502,
-    "engine_5xx": 502,
-    "invalid_handoff": 502,
-    "engine_disconnect": 502,
-    "done_before_token": 502,
-    "prefill_timeout": 504,
-    "first_token_timeout": 504,
-    "decode_silence": 504,
-    "handoff_expired": 504,
-    "deadline_exceeded": 504,
-    "internal_error": 500,
-}
+# Statuses come from the one table of reasons (its module says why there is one).
+from narwhal.reasons import STATUS_OF  # noqa: E402
 
 
 class NarwhalError(Exception):

@@ -39,6 +39,7 @@ from narwhal.errors import EngineError, NarwhalError
 from narwhal.fleet import Fleet
 from narwhal.outcomes import Outcomes
 from narwhal.placement import Placement, Reservation
+from narwhal.reasons import retryable
 from narwhal.settings import Settings
 from narwhal.timeouts import LazyTimeout
 
@@ -50,13 +51,6 @@ SSE_HEADERS = CIMultiDict({"Content-Type": "text/event-stream", "Cache-Control":
 # high-water mark is 64 KiB, never lowered here), so aiohttp's write returns without waiting.
 _UNBLOCKED_WRITE = 16 * 1024
 _MAX_REQUEST_ID = 128
-
-# Transient faults before visible output that a fresh attempt may cure (SPEC §5); 429 and
-# in-stream 5xx errors are decided by status in Router._retryable.
-RETRYABLE = frozenset({
-    "engine_unreachable", "engine_5xx", "engine_disconnect", "prefill_timeout", "first_token_timeout",
-    "invalid_handoff", "handoff_expired", "done_before_token",
-})
 
 
 class _SSEResponse(web.StreamResponse):
@@ -276,13 +270,7 @@ class Router:
     def _retryable(self, exc: EngineError, req: ClientRequest, rec: AccessRecord) -> bool:
         if rec.attempts > self.recovery.max_retries or rec.first_byte_s is not None:
             return False
-        if exc.reason == "engine_client_error":
-            retry = exc.status == 429
-        elif exc.reason == "engine_stream_error":
-            retry = exc.status >= 500
-        else:
-            retry = exc.reason in RETRYABLE
-        return retry and asyncio.get_running_loop().time() < req.deadline
+        return retryable(exc.reason, exc.status) and asyncio.get_running_loop().time() < req.deadline
 
     async def _attempt(
         self, request: web.Request, req: ClientRequest, rec: AccessRecord, started: float, avoid: frozenset[str]

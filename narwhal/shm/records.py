@@ -13,28 +13,12 @@ import struct
 import zlib
 from dataclasses import dataclass
 
+from narwhal.reasons import RING_CODE, RING_NAMES
 from narwhal.shm.layout import Region
 
-REASONS: tuple[str, ...] = (
-    "",
-    "engine_unreachable",
-    "engine_5xx",
-    "invalid_handoff",
-    "engine_disconnect",
-    "done_before_token",
-    "prefill_timeout",
-    "first_token_timeout",
-    "decode_silence",
-    "handoff_expired",
-    "engine_stream_error",
-    "engine_client_error",
-    "deadline_exceeded",
-    "health_check",
-    "probe",
-    "client_disconnect",
-    "preflight",
-)
-REASON_CODE: dict[str, int] = {r: i for i, r in enumerate(REASONS)}
+# Reason codes of reports and records: the one table's ring codes (frozen, see narwhal.reasons).
+REASONS: tuple[str, ...] = RING_NAMES
+REASON_CODE: dict[str, int] = RING_CODE
 
 NONE16 = 0xFFFF
 
