@@ -2,8 +2,8 @@
 
 Who writes what (one writer per field):
 
-* master: the header's sizes at creation; a dead worker's slot (``child_exit``), since its
-  only writer is gone;
+* master: the header's sizes at creation, the supervisor start count (it starts every
+  supervisor); a dead worker's slot (``child_exit``), since its only writer is gone;
 * supervisor: engine records, generation, heartbeat, its pid, ring read indices, and the
   slots of workers it finds dead;
 * a worker: its own slot (pid at claim, counts, ring entries, ring write index).
