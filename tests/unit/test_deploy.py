@@ -250,6 +250,8 @@ def test_systemd_unit_directives(tmp_path: Path) -> None:
     unit = _unit()
     graceful = _load_toml_text((DEPLOY / "narwhal.toml").read_text(), tmp_path).server.graceful_timeout_s
     assert unit["ExecStart"] == ["/opt/narwhal/venv/bin/narwhal serve --config /etc/narwhal/narwhal.toml"]
+    # gunicorn's master (the exec'd main pid) sends READY=1 after the preflight and the bind.
+    assert (unit["Type"], unit["NotifyAccess"], unit["TimeoutStartSec"]) == (["notify"], ["main"], ["120"])
     assert unit["EnvironmentFile"] == ["-/etc/narwhal/narwhal.env"]
     assert unit["ExecReload"] == ["/bin/kill -HUP $MAINPID"]
     assert (unit["Restart"], unit["LimitNOFILE"], unit["KillSignal"]) == (["on-failure"], ["1048576"], ["SIGTERM"])
