@@ -19,13 +19,15 @@ from typing import Any
 import pytest
 import yaml
 
-from narwhal.settings import Settings, load_settings
+from narwhal.settings import Settings, SettingsError, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 UNIT = DEPLOY / "systemd" / "narwhal.service"
 DASHBOARD = DEPLOY / "grafana" / "narwhal-dashboard.json"
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"
+ALERTS_TEST = DEPLOY / "prometheus" / "alerts_test.yml"
+JOB = "narwhal"
 K8S = DEPLOY / "kubernetes"
 
 # SPEC §8, plus the supervisor's restart counter the alerts need.
@@ -181,9 +183,11 @@ def test_alert_rules() -> None:
     alerts = {r["alert"]: r for r in rules if "alert" in r}
     assert sorted(alerts) == [
         "NarwhalEngineEjected", "NarwhalFirstByteP99High", "NarwhalHandoffsAbandoned", "NarwhalHigh5xxRatio",
-        "NarwhalRetryBudgetExhausted", "NarwhalRoleBelowCapacity", "NarwhalRoleDown", "NarwhalRouterDown",
-        "NarwhalSupervisorRestarts",
+        "NarwhalRetryBudgetExhausted", "NarwhalRoleBelowCapacity", "NarwhalRoleDown", "NarwhalRouterAbsent",
+        "NarwhalRouterDown", "NarwhalSupervisorRestarts",
     ]
+    assert alerts["NarwhalRouterDown"]["expr"] == f'up{{job="{JOB}"}} == 0'
+    assert alerts["NarwhalRouterAbsent"]["expr"] == f'absent(up{{job="{JOB}"}})'
     for rule in alerts.values():
         assert rule["labels"]["severity"] in ("warning", "critical")
         assert rule["annotations"]["summary"]
@@ -198,12 +202,52 @@ def test_alert_rules() -> None:
     assert all(name in used for name in records)
 
 
-def test_alert_rules_pass_promtool(tmp_path: Path) -> None:
+def _promtool() -> str:
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.skip("promtool is not installed")
-    proc = subprocess.run([promtool, "check", "rules", str(ALERTS)], capture_output=True, text=True)
+        pytest.skip("promtool is not installed (.ci/run installs it where apt-get runs as root)")
+    return promtool
+
+
+def _rules() -> list[dict[str, Any]]:
+    return [r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]]
+
+
+def test_alert_rules_pass_promtool() -> None:
+    proc = subprocess.run([_promtool(), "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"SUCCESS: {len(_rules())} rules found" in proc.stdout
+
+
+def test_alert_rules_fire_on_series_shaped_like_the_scrapes() -> None:
+    proc = subprocess.run([_promtool(), "test", "rules", str(ALERTS_TEST)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip().endswith("SUCCESS")
+
+
+def test_the_rule_tests_use_the_job_both_scrape_paths_produce() -> None:
+    # Static scrape config: job_name. Prometheus Operator: the value of the pod label that the
+    # PodMonitor's jobLabel names (its default, "<namespace>/<name>", would match no alert).
+    (job,) = yaml.safe_load((DEPLOY / "prometheus" / "scrape.yml").read_text())["scrape_configs"]
+    docs = _manifests()
+    monitor = docs["PodMonitor"]
+    pod_labels = docs["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert job["job_name"] == pod_labels[monitor["spec"]["jobLabel"]] == JOB
+    tests = yaml.safe_load(ALERTS_TEST.read_text())
+    assert tests["rule_files"] == [ALERTS.name]
+    series = [s["series"] for t in tests["tests"] for s in t["input_series"]]
+    assert series[0].startswith(f'up{{job="{JOB}", ')
+    # The test of the operator's default job name uses exactly that name.
+    default_job = f"{monitor['metadata']['namespace']}/{monitor['metadata']['name']}"
+    assert series[1].startswith(f'up{{job="{default_job}", ')
+
+
+def test_the_prometheusrule_carries_exactly_the_alert_rules() -> None:
+    rule = _manifests()["PrometheusRule"]
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["metadata"]["namespace"] == "llm"
+    assert rule["spec"]["groups"] == yaml.safe_load(ALERTS.read_text())["groups"]
 
 
 def test_scrape_config() -> None:
@@ -292,7 +336,9 @@ def _manifests() -> dict[str, dict[str, Any]]:
 
 def test_kubernetes_manifests_fit_together(tmp_path: Path) -> None:
     docs = _manifests()
-    assert sorted(docs) == ["ConfigMap", "Deployment", "Kustomization", "PodDisruptionBudget", "PodMonitor", "Service"]
+    assert sorted(docs) == [
+        "ConfigMap", "Deployment", "Kustomization", "PodDisruptionBudget", "PodMonitor", "PrometheusRule", "Service",
+    ]
     assert docs["PodMonitor"]["apiVersion"] == "monitoring.coreos.com/v1"
     deploy, config = docs["Deployment"], docs["ConfigMap"]
     pod = deploy["spec"]["template"]
@@ -304,6 +350,7 @@ def test_kubernetes_manifests_fit_together(tmp_path: Path) -> None:
         assert selector.get("matchLabels", selector) == labels
     assert docs["PodMonitor"]["spec"]["selector"]["matchLabels"] == labels
     (container,) = pod["spec"]["containers"]
+    assert pod["spec"]["enableServiceLinks"] is False  # see test_service_links_would_stop_the_router
     assert [p["name"] for p in container["ports"]] == ["http"]
     assert docs["Service"]["spec"]["ports"][0]["targetPort"] == "http"
     assert docs["PodMonitor"]["spec"]["podMetricsEndpoints"][0]["port"] == "http"
@@ -332,4 +379,25 @@ def test_kustomize_builds() -> None:
     proc = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     kinds = sorted(doc["kind"] for doc in yaml.safe_load_all(proc.stdout))
-    assert kinds == ["ConfigMap", "Deployment", "PodDisruptionBudget", "PodMonitor", "Service"]
+    assert kinds == ["ConfigMap", "Deployment", "PodDisruptionBudget", "PodMonitor", "PrometheusRule", "Service"]
+
+
+def test_service_links_would_stop_the_router() -> None:
+    # What Kubernetes puts into every pod of the namespace for the `narwhal` Service when
+    # enableServiceLinks is left on: the router refuses to start on the first of them.
+    service = _manifests()["Service"]
+    name = service["metadata"]["name"].upper()
+    links = {f"{name}_SERVICE_HOST": "10.96.0.10", f"{name}_SERVICE_PORT": str(service["spec"]["ports"][0]["port"]),
+             f"{name}_PORT": "tcp://10.96.0.10:80"}
+    with pytest.raises(SettingsError, match=f"^{name}_SERVICE_HOST: unknown setting$"):
+        load_settings(None, environ=links)
+
+
+def test_ci_runs_exactly_the_readme_test_command_after_installing_promtool() -> None:
+    readme = (ROOT / "README.md").read_text()
+    command = "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/python -m pytest"
+    assert f"\n{command}\n" in readme
+    lines = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
+    # -q only quiets pip's progress; the last step is the README's command.
+    assert lines[-1] == command.replace("pip install -e", "pip install -q -e")
+    assert lines[-2] == "install_promtool"
