@@ -23,7 +23,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from narwhal import metrics, shm
+from narwhal import __version__, metrics, shm
 from narwhal.accept import BalancedSite, ConnectionShare, take_listeners
 from narwhal.accesslog import AccessLog
 from narwhal.admin import add_admin_routes
@@ -48,6 +48,7 @@ SETTINGS = web.AppKey("settings", Settings)
 _TASKS = web.AppKey("tasks", list)
 _SESSION = web.AppKey("session", aiohttp.ClientSession)  # model discovery; engine legs use EngineClient
 STATE = web.AppKey("state", object)
+_VERSION_BODY = web.AppKey("version_body", bytes)
 
 
 _stop_requested_at: float | None = None
@@ -137,6 +138,16 @@ async def _health(request: web.Request) -> web.Response:
     return _json({"status": "ok", "worker": os.getpid()})
 
 
+def version_document(settings: Settings) -> dict[str, str | None]:
+    """``GET /version``: this router's version and the engine version its contract pins."""
+    pin = settings.engine_contract.engine_version if settings.engine_contract else ""
+    return {"version": __version__, "engine_version": pin or None}
+
+
+async def _version(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[_VERSION_BODY], content_type="application/json")
+
+
 async def _ready(request: web.Request) -> web.Response:
     router = request.app[ROUTER]
     models = router.fleet.served_models
@@ -215,16 +226,20 @@ def build_app(settings: Settings) -> web.Application:
     )
     app[SETTINGS] = settings
     app[_TASKS] = []
+    app[_VERSION_BODY] = orjson.dumps(version_document(settings))
     app.router.add_post(COMPLETIONS, _completions)
     app.router.add_post(CHAT, _chat)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
+    app.router.add_get("/version", _version)
     app.router.add_get("/metrics", _metrics)
     if settings.server.admin_token:
         add_admin_routes(app, settings.server.admin_token, ROUTER, STATE)
 
     async def startup(app: web.Application) -> None:
+        pin = settings.engine_contract.engine_version if settings.engine_contract else ""
+        metrics.publish_build_info(__version__, pin)
         connector = aiohttp.TCPConnector(
             limit=0, limit_per_host=0, ssl=_ssl_context(settings), keepalive_timeout=60, enable_cleanup_closed=False
         )

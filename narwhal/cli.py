@@ -1,12 +1,23 @@
-"""``narwhal`` command line: ``serve``, ``preflight``, ``demo`` and ``fake-engine``."""
+"""``narwhal`` command line: ``serve``, ``preflight``, ``demo``, ``fake-engine`` and ``--version``.
+
+Every command's output goes through ``main``, which is the one place a closed pipe is handled:
+``narwhal preflight --json | head`` ends with one line on stderr and exit status 141 (128 +
+SIGPIPE, what a program killed by SIGPIPE reports), not a traceback, and not a second one from
+the interpreter's last flush of what is still buffered for the closed pipe.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
+from narwhal import DISTRIBUTION, __version__
 from narwhal.settings import CONFIG_ENV, load_settings_or_exit
+
+# 128 + SIGPIPE: the status a shell reports for a writer its reader left (`set -o pipefail`).
+CLOSED_PIPE_STATUS = 141
 
 
 def _serve(args: argparse.Namespace, extra: list[str]) -> int:
@@ -31,12 +42,40 @@ def _preflight_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _run(argv)
+    except BrokenPipeError:
+        return _closed_pipe(argv)
+
+
+def _closed_pipe(argv: list[str]) -> int:
+    """The reader of stdout went away (``| head``): say so once, exit like a SIGPIPE'd writer."""
+    # What is still buffered for the closed pipe would raise again when the interpreter
+    # flushes stdout at exit: point the descriptor at /dev/null so that flush succeeds.
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    command = next((a for a in argv if not a.startswith("-")), "")
+    with contextlib.suppress(OSError):
+        print(f"narwhal{' ' + command if command else ''}: output not fully written: "
+              "the reader closed the pipe", file=sys.stderr, flush=True)
+    return CLOSED_PIPE_STATUS
+
+
+def _run(argv: list[str]) -> int:
+    from narwhal.demo import DEFAULT_PORT
+
     parser = argparse.ArgumentParser(prog="narwhal", description="Router for disaggregated vLLM serving")
+    parser.add_argument("--version", action="version", version=f"{DISTRIBUTION} {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the router under gunicorn (extra gunicorn flags after --)")
     serve.add_argument("--config", help=f"TOML settings file (default: ${CONFIG_ENV})")
     demo = sub.add_parser("demo", help="a fake fleet (2 producers, 2 consumers) and the router on 127.0.0.1")
-    demo.add_argument("--port", type=int, default=8000, help="router port (default 8000; 0 picks one)")
+    demo.add_argument(
+        "--port", type=int, default=DEFAULT_PORT,
+        help=f"router port (default {DEFAULT_PORT}, off vLLM's own 8000; 0 picks a free one)",
+    )
     demo.add_argument("--workers", type=int, default=2)
     sub.add_parser("fake-engine", help="run fake vLLM engines (see narwhal fake-engine --help)", add_help=False)
     preflight = sub.add_parser(

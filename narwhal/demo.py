@@ -1,15 +1,45 @@
-"""``narwhal demo``: a fake fleet (2 producers, 2 consumers) and the router on 127.0.0.1."""
+"""``narwhal demo``: a fake fleet (2 producers, 2 consumers) and the router on 127.0.0.1.
+
+The router listens on 8080 by default, not 8000: 8000 is vLLM's own default port, so a demo
+started next to a local vLLM would collide with it. A port that is taken ends the demo with one
+line before anything is started (and again if another program takes it in the meantime).
+"""
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import socket
 import sys
 import threading
 
 from narwhal.harness import FakeFleet, RouterProcess, write_config
 
 MODEL = "fake-model"
+DEFAULT_PORT = 8080
+HOST = "127.0.0.1"
+
+
+def _port_in_use(port: int) -> bool:
+    """Whether binding the router's socket would fail with EADDRINUSE (as harness binds it)."""
+    if port == 0:
+        return False
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((HOST, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return True
+            raise
+    return False
+
+
+def _busy(port: int) -> int:
+    print(f"narwhal demo: {HOST}:{port} is already in use; pick another port with --port N "
+          "(0 picks a free one)", file=sys.stderr)
+    return 1
 
 
 def _banner(url: str) -> str:
@@ -35,7 +65,9 @@ Press Ctrl-C to stop everything.
 """
 
 
-def run_demo(port: int = 8000, workers: int = 2) -> int:
+def run_demo(port: int = DEFAULT_PORT, workers: int = 2) -> int:
+    if _port_in_use(port):
+        return _busy(port)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -51,7 +83,12 @@ def run_demo(port: int = 8000, workers: int = 2) -> int:
             engines,
             {"server": {"workers": workers}, "preflight": {"on_start": False}, "log": {"format": "text"}},
         )
-        router = RouterProcess.start(config, port=port, log_path="-")
+        try:
+            router = RouterProcess.start(config, port=port, log_path="-")
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            return _busy(port)  # taken after the check above
         print(_banner(router.url), flush=True)
         while not stop.wait(0.5):
             if router.proc.poll() is not None:

@@ -71,6 +71,14 @@ ENGINE_STATE = Gauge(
     ["engine", "role"],
     multiprocess_mode="livemax",
 )
+# Written by every worker at start: one series per (Narwhal version, engine pin) being served.
+BUILD_INFO = Gauge(
+    "narwhal_build_info",
+    "Always 1: the Narwhal version serving, and the pinned engine version (engine_contract.engine_version, "
+    "empty without a contract)",
+    ["version", "engine_version"],
+    multiprocess_mode="livemax",
+)
 PROBES = Counter("narwhal_probes_total", "Readmission probes by engine and result", ["engine", "result"])
 SUPERVISOR_RESTARTS = Counter("narwhal_supervisor_restarts_total", "Supervisor processes started after the first")
 
@@ -84,6 +92,11 @@ def requests_child(endpoint: str, code: int) -> Any:
 @functools.lru_cache(maxsize=128)
 def attempts_child(outcome: str) -> Any:
     return ATTEMPTS.labels(outcome)
+
+
+def publish_build_info(version: str, engine_version: str) -> None:
+    """Set ``narwhal_build_info`` for this process (a worker, at start; never on a request)."""
+    BUILD_INFO.labels(version, engine_version).set(1)
 
 
 def multiprocess_dir() -> str | None:
