@@ -21,7 +21,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from perf import baseline, procs, report
+from perf import baseline, procs, report, report_plots
 from perf.memory import run_memory
 from perf.scenarios import (
     Scenario,
@@ -357,8 +357,8 @@ def run(args: argparse.Namespace) -> int:
     if failed:
         doc["notes"].insert(0, f"scenarios that failed to run: {', '.join(failed)}")
     try:
-        plots = report.plots(doc, out_dir)
-        if not plots and not report.have_matplotlib():
+        plots = report_plots.plots(doc, out_dir)
+        if not plots and not report_plots.have_matplotlib():
             doc["notes"].append("no plots: matplotlib is not installed (pip install -e '.[perf]')")
     except Exception as exc:  # a plot must never cost the figures
         plots = []
