@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from perf import baseline, procs, report, report_plots
 from perf.memory import run_memory
+from perf.notes import notes
 from perf.scenarios import (
     Scenario,
     ScenarioResult,
@@ -187,79 +188,6 @@ class Interrupts:
 INTERRUPTS = Interrupts()
 
 
-def _notes(results: dict[str, Any], cores: int) -> list[str]:
-    """Say when the fake engine, the host or other people's processes, not the router, set the limit."""
-    notes: list[str] = []
-    engine_bound, saturated, noisy, unpaced = [], [], [], []
-    for name, res in results.items():
-        if res.get("kind") not in ("load", "sweep") or not res.get("targets"):
-            continue
-        direct = res["targets"].get("direct")
-        if direct and direct["cores_used"].get("consumer", 0) >= 0.85:
-            engine_bound.append(f"{name} ({direct['cores_used']['consumer']:.2f})")
-        ceiling = res.get("ceiling_rps")
-        if direct and ceiling and direct["rps"] < 0.9 * ceiling:
-            unpaced.append(f"{name} ({100 * direct['rps'] / ceiling:.0f}% of {ceiling:.0f} req/s)")
-        busy = max(s["host_busy_pct"] for s in res["targets"].values())
-        if busy >= 95:
-            saturated.append(name)
-        other = max(s["other_cpu_pct"] for s in res["targets"].values())
-        if other >= 10:
-            noisy.append(f"{name} ({other:.0f}%)")
-    ref = results.get("stream_c32", {}).get("targets", {})
-    if ref.get("narwhal") and ref.get("direct") and ref["direct"]["engine_cpu_us_per_req"]:
-        n, d = ref["narwhal"]["engine_cpu_us_per_req"], ref["direct"]["engine_cpu_us_per_req"]
-        notes.append(
-            f"stream_c32: the fake engines spent {n:,.0f} µs per request behind the router vs {d:,.0f} µs direct "
-            "(a prefill leg, and the consumer's KV read from the producer over HTTP between the two fleet "
-            "processes): on a small host that CPU, not the router's, is much of why ×direct is low — compare "
-            "with the peer, which pays the same."
-        )
-    floor_notes = []
-    for name, what, path, unit in (
-        ("stream_c1", "added TTFB p50", ("vs_direct", "ttfb_p50_added_ms"), "ms"),
-        ("stream_c32", "router CPU", ("router_cpu_us_per_req",), "µs/request"),
-        ("nonstream_c32", "router CPU", ("router_cpu_us_per_req",), "µs/request"),
-    ):
-        figures = [report.figure(results, name, t, *path) for t in ("narwhal", "aiohttp-floor", "peer")]
-        if figures[0] is not None and figures[1] is not None:
-            shown = [f"{v:.3f}" if unit == "ms" else f"{v:,.0f}" for v in figures if v is not None]
-            peer = f", the peer {shown[2]}" if len(shown) == 3 else ""
-            floor_notes.append(f"{name} {what}: Narwhal {shown[0]}, the aiohttp floor {shown[1]}{peer} {unit}")
-    if floor_notes:
-        notes.append(
-            "aiohttp floor (`perf/floor_proxy.py`: gunicorn + aiohttp + Narwhal's engine client and nothing "
-            "else): " + "; ".join(floor_notes) + ". What the floor adds over the PD floor is the framework's "
-            "cost; what Narwhal adds over the floor is its features'."
-        )
-    if engine_bound:
-        notes.append(
-            "the fake consumer used most of a core in the direct baseline of "
-            + ", ".join(engine_bound)
-            + ": one fleet process can use one core at most, so that baseline is engine-bound."
-        )
-    if unpaced:
-        notes.append(
-            "paced direct baseline below its pacing ceiling (concurrency / stream time) in "
-            + ", ".join(unpaced)
-            + ": the host's CPU, not the 10 ms/token pacing, set the limit."
-        )
-    if saturated:
-        notes.append(
-            f"host CPU ≥ 95% busy ({cores} cores shared by router, engines and load generator) in "
-            + ", ".join(saturated)
-            + ": throughput there is CPU-bound, so ratios to direct mostly "
-            "compare CPU cost per request."
-        )
-    if noisy:
-        notes.append(
-            "processes outside this suite used ≥ 10% of the host CPU in "
-            + ", ".join(noisy)
-            + ": a noisy machine, treat those figures with care."
-        )
-    return notes
-
-
 def run(args: argparse.Namespace) -> int:
     quick: bool = args.quick
     cores = os.cpu_count() or 1
@@ -352,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
         "meta": meta,
         "scenarios": results,
         "targets": report.evaluate_targets(results),
-        "notes": _notes(results, cores),
+        "notes": notes(results, cores),
     }
     if failed:
         doc["notes"].insert(0, f"scenarios that failed to run: {', '.join(failed)}")
