@@ -24,19 +24,9 @@ from perf import baseline, procs, report, report_plots
 from perf.interrupts import INTERRUPTS
 from perf.memory import run_memory
 from perf.notes import notes
-from perf.scenarios import (
-    Scenario,
-    ScenarioResult,
-    against_baseline,
-    all_scenarios,
-    compare,
-    ensure_targets,
-    recommend_workers,
-    run_load,
-    select,
-    summarize,
-)
+from perf.scenarios import Scenario, ScenarioResult, all_scenarios, ensure_targets, run_load, select
 from perf.stack import Stack, expand_peer
+from perf.summary import against_baseline, compare, recommend_workers, summarize
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
