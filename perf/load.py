@@ -280,29 +280,57 @@ async def run_round(
                 await asyncio.sleep(0.01)  # an erroring target must not turn into a busy loop
 
     tasks = [asyncio.ensure_future(user()) for _ in range(concurrency)]
-    result = RoundResult(target)
     try:
-        await asyncio.sleep(warmup_s)
-        # Steady state: every user has finished (or failed) a request, so the window does not
-        # open on a cold start where nothing can finish yet (slow streams on a loaded host).
-        settle_until = time.perf_counter() + WARMUP_CAP_S
-        while len(done_at) + sum(errors.values()) < concurrency and time.perf_counter() < settle_until:
-            await asyncio.sleep(0.05)
-        before = Snapshot.take(groups)
-        await asyncio.sleep(duration_s)
-        after = Snapshot.take(groups)
+        before, after = await _window(
+            groups, warmup_s, duration_s, lambda: len(done_at) + sum(errors.values()) >= concurrency
+        )
     except BaseException:  # cancelled (Ctrl-C, SIGTERM): stop at once, no drain
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
     stop = True
+    unfinished = await _drain(tasks, drain_s)
+    return _tally(target, groups, before, after, done_at, errors, unfinished)
+
+
+async def _window(
+    groups: Groups, warmup_s: float, duration_s: float, settled: Callable[[], bool]
+) -> tuple[Snapshot, Snapshot]:
+    """The measured window's edges: after the warm-up and once ``settled``, then ``duration_s`` on."""
+    await asyncio.sleep(warmup_s)
+    # Steady state: every user has finished (or failed) a request, so the window does not
+    # open on a cold start where nothing can finish yet (slow streams on a loaded host).
+    settle_until = time.perf_counter() + WARMUP_CAP_S
+    while not settled() and time.perf_counter() < settle_until:
+        await asyncio.sleep(0.05)
+    before = Snapshot.take(groups)
+    await asyncio.sleep(duration_s)
+    return before, Snapshot.take(groups)
+
+
+async def _drain(tasks: list[asyncio.Task[None]], drain_s: float) -> int:
+    """Let the users finish their last request (up to ``drain_s``); cancel the rest, return how many."""
     _, pending = await asyncio.wait(tasks, timeout=drain_s)
     for task in pending:
         task.cancel()
     if pending:
         await asyncio.wait(pending)
-    result.unfinished = len(pending)
+    return len(pending)
+
+
+def _tally(
+    target: str,
+    groups: Groups,
+    before: Snapshot,
+    after: Snapshot,
+    done_at: list[tuple[float, Outcome]],
+    errors: Counter[str],
+    unfinished: int,
+) -> RoundResult:
+    """The round's figures: CPU deltas over the window, the requests completed inside it, all errors."""
+    result = RoundResult(target)
+    result.unfinished = unfinished
     result.window_s = after.at - before.at
     for name in groups:
         a, b = after.cpu[name], before.cpu[name]

@@ -12,37 +12,28 @@ import argparse
 import asyncio
 import os
 import platform
-import signal
 import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Coroutine
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-from perf import baseline, procs, report
+from perf import baseline, procs, report, report_plots
+from perf.interrupts import INTERRUPTS
 from perf.memory import run_memory
-from perf.scenarios import (
-    Scenario,
-    ScenarioResult,
-    against_baseline,
-    all_scenarios,
-    compare,
-    ensure_targets,
-    recommend_workers,
-    run_load,
-    select,
-    summarize,
-)
+from perf.notes import notes
+from perf.scenarios import Scenario, ScenarioResult, all_scenarios, ensure_targets, run_load, select
 from perf.stack import Stack, expand_peer
+from perf.summary import against_baseline, compare, recommend_workers, summarize
 
-T = TypeVar("T")
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The options of README.md's table; values no run can use are refused here, not mid-run."""
     p = argparse.ArgumentParser(prog="python -m perf", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny durations and counts (the CI smoke run)")
     p.add_argument(
@@ -64,6 +55,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--out", default=None, metavar="DIR", help="write the results here (default perf/results/<timestamp>/)"
     )
+    _add_comparison_options(p)
+    args = p.parse_args(argv)
+    if args.duration is not None and args.duration <= 0:
+        p.error("--duration must be > 0")
+    if args.rounds is not None and args.rounds < 1:
+        p.error("--rounds must be >= 1")
+    if args.workers < 1:
+        p.error("--workers must be >= 1")
+    return args
+
+
+def _add_comparison_options(p: argparse.ArgumentParser) -> None:
+    """What the run measures Narwhal against (peer, baseline), profiles, and how the fleet is built."""
     p.add_argument(
         "--peer",
         default=None,
@@ -99,14 +103,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="fake engines write a zero-delay stream in one write (not faithful; less engine CPU)",
     )
-    args = p.parse_args(argv)
-    if args.duration is not None and args.duration <= 0:
-        p.error("--duration must be > 0")
-    if args.rounds is not None and args.rounds < 1:
-        p.error("--rounds must be >= 1")
-    if args.workers < 1:
-        p.error("--workers must be >= 1")
-    return args
 
 
 def _git() -> str:
@@ -134,211 +130,40 @@ def _say(message: str) -> None:
     print(f"[perf] {message}", file=sys.stderr, flush=True)
 
 
-class Interrupts:
-    """SIGTERM and Ctrl-C stop the run cleanly, wherever it is.
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What every scenario of a run shares: its size, the host's cores, where it writes."""
 
-    Raising from a signal handler while the event loop runs would land in whatever callback is
-    running (uvloop reports it as a transport error and carries on), so inside the loop the
-    handler only cancels the scenario's task, whose ``finally`` blocks stop its load; between
-    scenarios (starting processes, sync code) it raises KeyboardInterrupt. Either way ``run``'s
-    ``finally`` then stops every process.
-    """
-
-    def __init__(self) -> None:
-        self.task: asyncio.Task[Any] | None = None
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.hit = False
-        self._saved: dict[int, Any] = {}
-
-    def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            if sig == signal.SIGINT and signal.getsignal(sig) == signal.SIG_IGN:
-                continue  # started in the background with SIGINT ignored: keep it so
-            self._saved[sig] = signal.signal(sig, self._handle)
-
-    def restore(self) -> None:
-        for sig, handler in self._saved.items():
-            signal.signal(sig, handler)
-        self._saved.clear()
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.hit = True
-        if self.task is not None and self.loop is not None:
-            self.loop.call_soon_threadsafe(self.task.cancel)
-            return
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    def run(self, runner: asyncio.Runner, coro: Coroutine[Any, Any, T]) -> T:
-        async def guarded() -> T:
-            self.task, self.loop = asyncio.current_task(), asyncio.get_running_loop()
-            try:
-                return await coro
-            finally:
-                self.task = self.loop = None
-
-        try:
-            return runner.run(guarded())
-        except asyncio.CancelledError:
-            if self.hit:
-                raise KeyboardInterrupt("interrupted") from None
-            raise
-
-
-INTERRUPTS = Interrupts()
-
-
-def _notes(results: dict[str, Any], cores: int) -> list[str]:
-    """Say when the fake engine, the host or other people's processes, not the router, set the limit."""
-    notes: list[str] = []
-    engine_bound, saturated, noisy, unpaced = [], [], [], []
-    for name, res in results.items():
-        if res.get("kind") not in ("load", "sweep") or not res.get("targets"):
-            continue
-        direct = res["targets"].get("direct")
-        if direct and direct["cores_used"].get("consumer", 0) >= 0.85:
-            engine_bound.append(f"{name} ({direct['cores_used']['consumer']:.2f})")
-        ceiling = res.get("ceiling_rps")
-        if direct and ceiling and direct["rps"] < 0.9 * ceiling:
-            unpaced.append(f"{name} ({100 * direct['rps'] / ceiling:.0f}% of {ceiling:.0f} req/s)")
-        busy = max(s["host_busy_pct"] for s in res["targets"].values())
-        if busy >= 95:
-            saturated.append(name)
-        other = max(s["other_cpu_pct"] for s in res["targets"].values())
-        if other >= 10:
-            noisy.append(f"{name} ({other:.0f}%)")
-    ref = results.get("stream_c32", {}).get("targets", {})
-    if ref.get("narwhal") and ref.get("direct") and ref["direct"]["engine_cpu_us_per_req"]:
-        n, d = ref["narwhal"]["engine_cpu_us_per_req"], ref["direct"]["engine_cpu_us_per_req"]
-        notes.append(
-            f"stream_c32: the fake engines spent {n:,.0f} µs per request behind the router vs {d:,.0f} µs direct "
-            "(a prefill leg, and the consumer's KV read from the producer over HTTP between the two fleet "
-            "processes): on a small host that CPU, not the router's, is much of why ×direct is low — compare "
-            "with the peer, which pays the same."
-        )
-    floor_notes = []
-    for name, what, path, unit in (
-        ("stream_c1", "added TTFB p50", ("vs_direct", "ttfb_p50_added_ms"), "ms"),
-        ("stream_c32", "router CPU", ("router_cpu_us_per_req",), "µs/request"),
-        ("nonstream_c32", "router CPU", ("router_cpu_us_per_req",), "µs/request"),
-    ):
-        figures = [report.figure(results, name, t, *path) for t in ("narwhal", "aiohttp-floor", "peer")]
-        if figures[0] is not None and figures[1] is not None:
-            shown = [f"{v:.3f}" if unit == "ms" else f"{v:,.0f}" for v in figures if v is not None]
-            peer = f", the peer {shown[2]}" if len(shown) == 3 else ""
-            floor_notes.append(f"{name} {what}: Narwhal {shown[0]}, the aiohttp floor {shown[1]}{peer} {unit}")
-    if floor_notes:
-        notes.append(
-            "aiohttp floor (`perf/floor_proxy.py`: gunicorn + aiohttp + Narwhal's engine client and nothing "
-            "else): " + "; ".join(floor_notes) + ". What the floor adds over the PD floor is the framework's "
-            "cost; what Narwhal adds over the floor is its features'."
-        )
-    if engine_bound:
-        notes.append(
-            "the fake consumer used most of a core in the direct baseline of "
-            + ", ".join(engine_bound)
-            + ": one fleet process can use one core at most, so that baseline is engine-bound."
-        )
-    if unpaced:
-        notes.append(
-            "paced direct baseline below its pacing ceiling (concurrency / stream time) in "
-            + ", ".join(unpaced)
-            + ": the host's CPU, not the 10 ms/token pacing, set the limit."
-        )
-    if saturated:
-        notes.append(
-            f"host CPU ≥ 95% busy ({cores} cores shared by router, engines and load generator) in "
-            + ", ".join(saturated)
-            + ": throughput there is CPU-bound, so ratios to direct mostly "
-            "compare CPU cost per request."
-        )
-    if noisy:
-        notes.append(
-            "processes outside this suite used ≥ 10% of the host CPU in "
-            + ", ".join(noisy)
-            + ": a noisy machine, treat those figures with care."
-        )
-    return notes
+    out_dir: Path
+    rounds: int
+    duration: float
+    cores: int
+    quick: bool
+    profile: str | None  # --profile: the scenario that gets one extra round under py-spy
 
 
 def run(args: argparse.Namespace) -> int:
-    quick: bool = args.quick
+    """The phases of a run: plan, start the fleets and comparisons, run the scenarios, stop, report."""
     cores = os.cpu_count() or 1
-    duration = args.duration if args.duration is not None else (0.5 if quick else 2.0)
-    rounds = args.rounds if args.rounds is not None else (1 if quick else 3)
-    chosen: list[Scenario] = select(all_scenarios(quick, cores), args.scenarios)
+    chosen: list[Scenario] = select(all_scenarios(args.quick, cores), args.scenarios)
     started = time.strftime("%Y%m%d-%H%M%S")
-    out_dir = Path(args.out) if args.out else RESULTS / started
-    out_dir.mkdir(parents=True, exist_ok=True)
+    plan = _plan(args, cores, started)
+    plan.out_dir.mkdir(parents=True, exist_ok=True)
     nofile = procs.raise_nofile_limit()
-    meta: dict[str, Any] = {
-        "started": started,
-        "quick": quick,
-        "cores": cores,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "git": _git(),
-        "workers": args.workers,
-        "rounds": rounds,
-        "duration_s": duration,
-        "coalesce": args.coalesce,
-        "nofile": list(nofile),
-        "loadavg_start": [round(x, 2) for x in procs.loadavg()],
-        "topology": "1 producer + 1 consumer fake engine, "
-        + ("each in its own process" if args.fleet == "split" else "both in one process"),
-        "fleet": args.fleet,
-        "peer": {"command": None, "error": None},
-        "baseline": {"ref": args.baseline, "commit": None, "error": None},
-    }
+    meta = _meta(args, plan, started, nofile)
     results: dict[str, Any] = {}
     failed: list[str] = []
     t_start = time.monotonic()
-    stack = Stack(out_dir, workers=args.workers, coalesce=args.coalesce, fleet=args.fleet)
+    stack = Stack(plan.out_dir, workers=args.workers, coalesce=args.coalesce, fleet=args.fleet)
     INTERRUPTS.install()
     try:
-        _say(f"results in {out_dir}; starting fake engines")
+        _say(f"results in {plan.out_dir}; starting fake engines")
         stack.start_fleets()
         if args.peer:
-            _say(f"starting peer: {expand_peer(args.peer)}")
-            peer = stack.start_peer(args.peer)
-            meta["peer"] = {"command": peer.detail["command"] if peer else None, "error": stack.peer_error}
-            if peer is None:
-                _say(f"peer not used: {stack.peer_error}")
+            _start_peer(stack, args.peer, meta)
         if args.baseline:
-            try:
-                meta["baseline"]["commit"] = baseline.export(args.baseline, REPO, out_dir / "baseline")
-                stack.baseline_root = str((out_dir / "baseline").resolve())
-                _say(f"baseline: {args.baseline} = {meta['baseline']['commit'][:12]}")
-            except baseline.BaselineError as exc:
-                meta["baseline"]["error"] = str(exc)
-                _say(f"baseline not used: {exc}")
-        try:
-            import uvloop
-
-            loop_factory = uvloop.new_event_loop
-        except ImportError:  # pragma: no cover - uvloop is a narwhal dependency
-            loop_factory = None
-        with asyncio.Runner(loop_factory=loop_factory) as runner:
-            for scenario in chosen:
-                t0 = time.monotonic()
-                try:
-                    profile = out_dir if args.profile == scenario.name else None
-                    results[scenario.name] = _run_one(runner, stack, scenario, rounds, duration, cores, quick, profile)
-                except KeyboardInterrupt:
-                    raise
-                except Exception as exc:
-                    failed.append(scenario.name)
-                    results[scenario.name] = {
-                        "name": scenario.name,
-                        "kind": scenario.kind,
-                        "title": scenario.title,
-                        "concurrency": scenario.concurrency,
-                        "error": f"{type(exc).__name__}: {exc}",
-                        "targets": {},
-                    }
-                    _say(f"{scenario.name} FAILED: {exc}")
-                    traceback.print_exc(file=sys.stderr)
-                _say(f"{scenario.name} done in {time.monotonic() - t0:.1f}s")
-                report.write_json({"meta": meta, "scenarios": results, "partial": True}, out_dir / "results.json")
+            _export_baseline(stack, args.baseline, plan.out_dir, meta)
+        _run_scenarios(stack, chosen, plan, meta, results, failed)
     finally:
         _say("stopping processes")
         stack.close()
@@ -348,22 +173,133 @@ def run(args: argparse.Namespace) -> int:
         meta["baseline"]["error"] = stack.baseline_error
     meta["elapsed_s"] = round(time.monotonic() - t_start, 1)
     meta["loadavg_end"] = [round(x, 2) for x in procs.loadavg()]
+    _write_report(meta, results, failed, plan)
+    return 1 if failed else 0
+
+
+def _plan(args: argparse.Namespace, cores: int, started: str) -> Plan:
+    """The run's shape from the options; ``--quick`` changes the defaults, not explicit values."""
+    quick: bool = args.quick
+    return Plan(
+        out_dir=Path(args.out) if args.out else RESULTS / started,
+        rounds=args.rounds if args.rounds is not None else (1 if quick else 3),
+        duration=args.duration if args.duration is not None else (0.5 if quick else 2.0),
+        cores=cores,
+        quick=quick,
+        profile=args.profile,
+    )
+
+
+def _meta(args: argparse.Namespace, plan: Plan, started: str, nofile: tuple[int, int]) -> dict[str, Any]:
+    """The report's header: how, where and on what this run ran (peer and baseline filled in later)."""
+    return {
+        "started": started,
+        "quick": plan.quick,
+        "cores": plan.cores,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "git": _git(),
+        "workers": args.workers,
+        "rounds": plan.rounds,
+        "duration_s": plan.duration,
+        "coalesce": args.coalesce,
+        "nofile": list(nofile),
+        "loadavg_start": [round(x, 2) for x in procs.loadavg()],
+        "topology": "1 producer + 1 consumer fake engine, "
+        + ("each in its own process" if args.fleet == "split" else "both in one process"),
+        "fleet": args.fleet,
+        "peer": {"command": None, "error": None},
+        "baseline": {"ref": args.baseline, "commit": None, "error": None},
+    }
+
+
+def _start_peer(stack: Stack, command: str, meta: dict[str, Any]) -> None:
+    """``--peer``: a peer that does not start is reported, and the run goes on without it."""
+    _say(f"starting peer: {expand_peer(command)}")
+    peer = stack.start_peer(command)
+    meta["peer"] = {"command": peer.detail["command"] if peer else None, "error": stack.peer_error}
+    if peer is None:
+        _say(f"peer not used: {stack.peer_error}")
+
+
+def _export_baseline(stack: Stack, ref: str, out_dir: Path, meta: dict[str, Any]) -> None:
+    """``--baseline``: REF's ``narwhal/`` into ``<out>/baseline``; a REF that is no commit is reported."""
+    try:
+        meta["baseline"]["commit"] = baseline.export(ref, REPO, out_dir / "baseline")
+        stack.baseline_root = str((out_dir / "baseline").resolve())
+        _say(f"baseline: {ref} = {meta['baseline']['commit'][:12]}")
+    except baseline.BaselineError as exc:
+        meta["baseline"]["error"] = str(exc)
+        _say(f"baseline not used: {exc}")
+
+
+def _run_scenarios(
+    stack: Stack,
+    chosen: list[Scenario],
+    plan: Plan,
+    meta: dict[str, Any],
+    results: dict[str, Any],
+    failed: list[str],
+) -> None:
+    """Every scenario in one event loop; one that fails is recorded and the next one runs.
+
+    ``results.json`` is rewritten after each scenario (``"partial": true``) so an interrupted
+    or crashed run still leaves the figures it measured.
+    """
+    try:
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:  # pragma: no cover - uvloop is a narwhal dependency
+        loop_factory = None
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        for scenario in chosen:
+            t0 = time.monotonic()
+            try:
+                profile = plan.out_dir if plan.profile == scenario.name else None
+                results[scenario.name] = _run_one(runner, stack, scenario, plan, profile)
+            except KeyboardInterrupt:
+                raise
+            except Exception as exc:
+                failed.append(scenario.name)
+                results[scenario.name] = _failure(scenario, exc)
+                _say(f"{scenario.name} FAILED: {exc}")
+                traceback.print_exc(file=sys.stderr)
+            _say(f"{scenario.name} done in {time.monotonic() - t0:.1f}s")
+            report.write_json({"meta": meta, "scenarios": results, "partial": True}, plan.out_dir / "results.json")
+
+
+def _failure(scenario: Scenario, exc: Exception) -> dict[str, Any]:
+    """A scenario that could not run, shaped like one that did (no targets) so the report lists it."""
+    return {
+        "name": scenario.name,
+        "kind": scenario.kind,
+        "title": scenario.title,
+        "concurrency": scenario.concurrency,
+        "error": f"{type(exc).__name__}: {exc}",
+        "targets": {},
+    }
+
+
+def _write_report(meta: dict[str, Any], results: dict[str, Any], failed: list[str], plan: Plan) -> None:
+    """The final ``results.json``, the plots and ``results.md``, which is printed too."""
     doc: dict[str, Any] = {
         "meta": meta,
         "scenarios": results,
         "targets": report.evaluate_targets(results),
-        "notes": _notes(results, cores),
+        "notes": notes(results, plan.cores),
     }
     if failed:
         doc["notes"].insert(0, f"scenarios that failed to run: {', '.join(failed)}")
     try:
-        plots = report.plots(doc, out_dir)
-        if not plots and not report.have_matplotlib():
+        plots = report_plots.plots(doc, plan.out_dir)
+        if not plots and not report_plots.have_matplotlib():
             doc["notes"].append("no plots: matplotlib is not installed (pip install -e '.[perf]')")
     except Exception as exc:  # a plot must never cost the figures
         plots = []
         doc["notes"].append(f"plots failed: {type(exc).__name__}: {exc}")
     doc["plots"] = plots
+    out_dir = plan.out_dir
     report.write_json(doc, out_dir / "results.json")
     text = report.markdown(doc)
     (out_dir / "results.md").write_text(text)
@@ -373,24 +309,16 @@ def run(args: argparse.Namespace) -> int:
         + (f", {', '.join(plots)}" if plots else " (no plots)")
         + f" in {meta['elapsed_s']:.0f}s"
     )
-    return 1 if failed else 0
 
 
 def _run_one(
-    runner: asyncio.Runner,
-    stack: Stack,
-    scenario: Scenario,
-    rounds: int,
-    duration: float,
-    cores: int,
-    quick: bool,
-    profile_dir: Path | None = None,
+    runner: asyncio.Runner, stack: Stack, scenario: Scenario, plan: Plan, profile_dir: Path | None = None
 ) -> dict[str, Any]:
     _say(f"{scenario.name}: {scenario.title}")
     targets = ensure_targets(stack, scenario)
     result = ScenarioResult(scenario)
     if scenario.kind == "memory":
-        delay, tokens = (0.2, 10) if quick else (0.5, 16)
+        delay, tokens = (0.2, 10) if plan.quick else (0.5, 16)
         try:
             for target in targets:
                 result.stats[target.name.removesuffix("-mem")] = INTERRUPTS.run(
@@ -404,14 +332,15 @@ def _run_one(
                     stack.stop_router(target.name)
         return result.as_json()
     try:
-        raw, profile = INTERRUPTS.run(runner, run_load(stack, scenario, targets, rounds, duration, profile_dir))
+        load = run_load(stack, scenario, targets, plan.rounds, plan.duration, profile_dir)
+        raw, profile = INTERRUPTS.run(runner, load)
     finally:
         if scenario.kind == "sweep":
             for target in targets:
                 if target.name.startswith("narwhal-w"):
                     stack.stop_router(target.name)
     for target in targets:
-        result.stats[target.name] = summarize(target, raw[target.name], cores)
+        result.stats[target.name] = summarize(target, raw[target.name], plan.cores)
     compare(result.stats, raw)
     against_baseline(result.stats, raw)
     if profile is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import aiohttp
@@ -26,17 +26,30 @@ BATCH_PAUSE_S = 0.05
 SAMPLE_EVERY_S = 0.2
 
 
+@dataclass(slots=True)
+class _Tally:
+    """What the slow streams report while they run: how many are open now, their TTFBs and errors."""
+
+    errors: Counter[str]
+    open: int = 0
+    max_open: int = 0
+    ttfb: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Peak:
+    """The memory sample taken with the most streams open (at equal counts, the larger RSS)."""
+
+    open: int
+    mem: procs.Memory
+
+
 async def _slow_stream(
-    session: aiohttp.ClientSession,
-    url: str,
-    body: bytes,
-    timeout_s: float,
-    state: dict[str, int],
-    ttfb: list[float],
-    errors: Counter[str],
+    session: aiohttp.ClientSession, url: str, body: bytes, timeout_s: float, tally: _Tally
 ) -> None:
     start = time.perf_counter()
     opened = False
+    errors = tally.errors
     try:
         async with asyncio.timeout(timeout_s):
             async with session.post(url, data=body, headers=HEADERS) as resp:
@@ -48,9 +61,9 @@ async def _slow_stream(
                 async for chunk in resp.content.iter_any():
                     if not opened:
                         opened = True
-                        state["open"] += 1
-                        state["max_open"] = max(state["max_open"], state["open"])
-                        ttfb.append(time.perf_counter() - start)
+                        tally.open += 1
+                        tally.max_open = max(tally.max_open, tally.open)
+                        tally.ttfb.append(time.perf_counter() - start)
                     tail = (tail + chunk)[-64:]
                 if b"[DONE]" not in tail:
                     errors["incomplete_stream"] += 1
@@ -60,7 +73,7 @@ async def _slow_stream(
         errors[type(exc).__name__] += 1
     finally:
         if opened:
-            state["open"] -= 1
+            tally.open -= 1
 
 
 def _sample(target: Target) -> procs.Memory:
@@ -82,47 +95,12 @@ async def run_memory(
     """Idle memory, memory with ``streams`` slow streams open, and memory after they ended."""
     session = new_session()
     try:
-        # Warm the router's code paths and pools first: idle means "has served", not "fresh".
-        warm = await run_round(session, target.name, target.url, Workload(), min(32, streams), 0.5, 0.2, {})
-        await asyncio.sleep(1.0)
-        idle_samples = []
-        for _ in range(3):
-            idle_samples.append(_sample(target))
-            await asyncio.sleep(0.1)
-        idle = _mean(idle_samples)
-
+        warm_errors, idle = await _idle(session, target, streams)
         body = Workload(stream=True, tokens=tokens, fault={"decode": {"token_delay_s": token_delay_s}}).body()
-        state = {"open": 0, "max_open": 0}
-        ttfb: list[float] = []
-        errors: Counter[str] = Counter({f"warmup:{k}": v for k, v in warm.errors.items()})
-        url = target.url + COMPLETIONS
-        tasks: list[asyncio.Task[None]] = []
-        peak_open, peak = 0, idle
+        tally = _Tally(warm_errors)
+        peak = _Peak(0, idle)
         started = time.perf_counter()
-
-        async def sampler() -> None:
-            nonlocal peak_open, peak
-            while True:
-                open_now = state["open"]
-                mem = _sample(target)
-                if open_now > peak_open or (open_now == peak_open and mem.rss_kib > peak.rss_kib):
-                    peak_open, peak = open_now, mem
-                await asyncio.sleep(SAMPLE_EVERY_S)
-
-        watcher = asyncio.ensure_future(sampler())
-        try:
-            for i in range(0, streams, BATCH):
-                for _ in range(min(BATCH, streams - i)):
-                    tasks.append(
-                        asyncio.ensure_future(_slow_stream(session, url, body, timeout_s, state, ttfb, errors))
-                    )
-                await asyncio.sleep(BATCH_PAUSE_S)
-            await asyncio.gather(*tasks)
-        finally:
-            watcher.cancel()
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(watcher, *tasks, return_exceptions=True)
+        await _hold_streams(session, target, body, streams, timeout_s, tally, peak)
         elapsed = time.perf_counter() - started
         await asyncio.sleep(1.0)
         after = _sample(target)
@@ -130,28 +108,75 @@ async def run_memory(
         await session.close()
 
     def per_stream(a: int, b: int) -> float | None:
-        return round((a - b) / peak_open, 2) if peak_open else None
+        return round((a - b) / peak.open, 2) if peak.open else None
 
     return {
         "target": target.name,
         "kind": target.kind,
         "streams": streams,
         "stream_s": round(tokens * token_delay_s, 2),
-        "open_at_peak": peak_open,
-        "max_open": state["max_open"],
+        "open_at_peak": peak.open,
+        "max_open": tally.max_open,
         "elapsed_s": round(elapsed, 2),
-        "errors": {"count": sum(errors.values()), "by_status": dict(sorted(errors.items()))},
+        "errors": {"count": sum(tally.errors.values()), "by_status": dict(sorted(tally.errors.items()))},
         "ttfb_ms": {
-            "p50": _ms(percentile(ttfb, 50)),
-            "p99": _ms(percentile(ttfb, 99)),
+            "p50": _ms(percentile(tally.ttfb, 50)),
+            "p99": _ms(percentile(tally.ttfb, 99)),
         },
         "idle": asdict(idle),
-        "peak": asdict(peak),
+        "peak": asdict(peak.mem),
         "after": asdict(after),
-        "rss_growth_kib_per_stream": per_stream(peak.rss_kib, idle.rss_kib),
-        "pss_growth_kib_per_stream": per_stream(peak.pss_kib, idle.pss_kib),
+        "rss_growth_kib_per_stream": per_stream(peak.mem.rss_kib, idle.rss_kib),
+        "pss_growth_kib_per_stream": per_stream(peak.mem.pss_kib, idle.pss_kib),
         "detail": dict(target.detail),
     }
+
+
+async def _idle(session: aiohttp.ClientSession, target: Target, streams: int) -> tuple[Counter[str], procs.Memory]:
+    """The warm-up's errors (kept, prefixed) and the mean of three idle samples after it."""
+    # Warm the router's code paths and pools first: idle means "has served", not "fresh".
+    warm = await run_round(session, target.name, target.url, Workload(), min(32, streams), 0.5, 0.2, {})
+    await asyncio.sleep(1.0)
+    idle_samples = []
+    for _ in range(3):
+        idle_samples.append(_sample(target))
+        await asyncio.sleep(0.1)
+    return Counter({f"warmup:{k}": v for k, v in warm.errors.items()}), _mean(idle_samples)
+
+
+async def _hold_streams(
+    session: aiohttp.ClientSession,
+    target: Target,
+    body: bytes,
+    streams: int,
+    timeout_s: float,
+    tally: _Tally,
+    peak: _Peak,
+) -> None:
+    """Open ``streams`` slow streams in batches and wait for them to end, sampling memory all along."""
+    url = target.url + COMPLETIONS
+    tasks: list[asyncio.Task[None]] = []
+    watcher = asyncio.ensure_future(_watch_peak(target, tally, peak))
+    try:
+        for i in range(0, streams, BATCH):
+            for _ in range(min(BATCH, streams - i)):
+                tasks.append(asyncio.ensure_future(_slow_stream(session, url, body, timeout_s, tally)))
+            await asyncio.sleep(BATCH_PAUSE_S)
+        await asyncio.gather(*tasks)
+    finally:
+        watcher.cancel()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(watcher, *tasks, return_exceptions=True)
+
+
+async def _watch_peak(target: Target, tally: _Tally, peak: _Peak) -> None:
+    while True:
+        open_now = tally.open
+        mem = _sample(target)
+        if open_now > peak.open or (open_now == peak.open and mem.rss_kib > peak.mem.rss_kib):
+            peak.open, peak.mem = open_now, mem
+        await asyncio.sleep(SAMPLE_EVERY_S)
 
 
 def _ms(value: float | None) -> float | None:

@@ -4,20 +4,18 @@ Why interleaving: the host is shared and noisy (other engineers' test runs, CI).
 figure measured a minute after its direct baseline would mostly measure the minute; rotating
 the order of targets every round and pooling the rounds makes every ratio come from the same
 stretch of time. The host's busy CPU not accounted to our processes is reported per scenario
-("other CPU %") so a noisy run can be recognised.
+("other CPU %") so a noisy run can be recognised. The pooling itself is ``perf/summary.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import statistics
-from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from perf.load import CHAT, COMPLETIONS, RoundResult, Workload, new_session, percentile, run_round
+from perf.load import CHAT, COMPLETIONS, RoundResult, Workload, new_session, run_round
 from perf.profile import Profiler
 from perf.profile import summarize as summarize_profile
 from perf.stack import Stack, Target
@@ -26,6 +24,8 @@ PACED_FAULT = {"decode": {"token_delay_s": 0.01}}
 TARGETS = ("narwhal", "baseline", "direct", "direct-pd", "peer")
 # The aiohttp floor (perf/floor_proxy.py) beside them: what of Narwhal's figures is the framework's.
 WITH_FLOOR = (*TARGETS, "aiohttp-floor")
+STREAM = Workload(COMPLETIONS, stream=True, tokens=16)
+PACED = Workload(COMPLETIONS, stream=True, tokens=16, fault=PACED_FAULT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,27 +55,35 @@ def sweep_workers(cores: int) -> tuple[int, ...]:
 def all_scenarios(quick: bool, cores: int | None = None) -> list[Scenario]:
     """Every scenario, full size or ``--quick`` size (same names, smaller counts)."""
     cores = cores or os.cpu_count() or 1
-    stream = Workload(COMPLETIONS, stream=True, tokens=16)
-    paced = Workload(COMPLETIONS, stream=True, tokens=16, fault=PACED_FAULT)
-    sweep = sweep_workers(cores)
-    if quick:
-        sweep = sweep[:2]
     big = 200 if quick else 1000
-    scenarios = [
+    scenarios = [*_load_scenarios(quick, big), _sweep_scenario(cores, quick), _memory_scenario(big)]
+    if quick:
+        # Paced streams last 160 ms and more: a 0.2 s warm-up on a loaded host can leave the
+        # 0.5 s window with none finished yet (seen as a CI-style smoke failure, 0 requests).
+        scenarios = [
+            replace(s, warmup_s=0.5 if s.concurrency > 128 or s.workload.fault is not None else 0.2)
+            for s in scenarios
+        ]
+    return scenarios
+
+
+def _load_scenarios(quick: bool, big: int) -> list[Scenario]:
+    """The closed-loop scenarios at one concurrency each, Narwhal next to the baselines."""
+    return [
         Scenario(
-            "stream_c1", "streaming completions, 16 tokens, c=1", workload=stream, concurrency=1,
+            "stream_c1", "streaming completions, 16 tokens, c=1", workload=STREAM, concurrency=1,
             targets=WITH_FLOOR,
         ),
         Scenario(
-            "stream_c32", "streaming completions, 16 tokens, c=32", workload=stream, concurrency=32,
+            "stream_c32", "streaming completions, 16 tokens, c=32", workload=STREAM, concurrency=32,
             targets=WITH_FLOOR,
         ),
-        Scenario("stream_c128", "streaming completions, 16 tokens, c=128", workload=stream, concurrency=128),
-        Scenario("paced_c128", "paced decode 10 ms/token, 16 tokens, c=128", workload=paced, concurrency=128),
+        Scenario("stream_c128", "streaming completions, 16 tokens, c=128", workload=STREAM, concurrency=128),
+        Scenario("paced_c128", "paced decode 10 ms/token, 16 tokens, c=128", workload=PACED, concurrency=128),
         Scenario(
             "paced_c1000",
             f"paced decode 10 ms/token, 16 tokens, c={big}",
-            workload=paced,
+            workload=PACED,
             concurrency=big,
             warmup_s=0.8 if quick else 1.5,
         ),
@@ -95,36 +103,38 @@ def all_scenarios(quick: bool, cores: int | None = None) -> list[Scenario]:
         Scenario(
             "accesslog_c32",
             "streaming, c=32: access log to a file vs none",
-            workload=stream,
+            workload=STREAM,
             concurrency=32,
             targets=("narwhal", "narwhal+log", "direct"),
         ),
-        Scenario(
-            "workers",
-            "worker sweep: streaming, 16 tokens, c=128",
-            kind="sweep",
-            workload=stream,
-            concurrency=128,
-            workers=sweep,
-            targets=(*(f"narwhal-w{n}" for n in sweep), "direct"),
-        ),
-        Scenario(
-            "memory",
-            f"memory: {big} open slow streams",
-            kind="memory",
-            concurrency=big,
-            streams=big,
-            targets=("narwhal-mem", "peer-mem"),  # fresh processes: earlier load would set the baseline
-        ),
     ]
+
+
+def _sweep_scenario(cores: int, quick: bool) -> Scenario:
+    """One router per worker count, all up at once and interleaved like any other targets."""
+    sweep = sweep_workers(cores)
     if quick:
-        # Paced streams last 160 ms and more: a 0.2 s warm-up on a loaded host can leave the
-        # 0.5 s window with none finished yet (seen as a CI-style smoke failure, 0 requests).
-        scenarios = [
-            replace(s, warmup_s=0.5 if s.concurrency > 128 or s.workload.fault is not None else 0.2)
-            for s in scenarios
-        ]
-    return scenarios
+        sweep = sweep[:2]
+    return Scenario(
+        "workers",
+        "worker sweep: streaming, 16 tokens, c=128",
+        kind="sweep",
+        workload=STREAM,
+        concurrency=128,
+        workers=sweep,
+        targets=(*(f"narwhal-w{n}" for n in sweep), "direct"),
+    )
+
+
+def _memory_scenario(big: int) -> Scenario:
+    return Scenario(
+        "memory",
+        f"memory: {big} open slow streams",
+        kind="memory",
+        concurrency=big,
+        streams=big,
+        targets=("narwhal-mem", "peer-mem"),  # fresh processes: earlier load would set the baseline
+    )
 
 
 def select(scenarios: list[Scenario], spec: str | None) -> list[Scenario]:
@@ -240,126 +250,6 @@ async def _profiled_round(
     return summary
 
 
-def _ms(value: float | None) -> float | None:
-    return None if value is None else round(value * 1000.0, 3)
-
-
-def _us_per(cpu_s: float, requests: int) -> float | None:
-    return round(cpu_s * 1e6 / requests, 1) if requests else None
-
-
-def summarize(target: Target, rounds: list[RoundResult], cores: int) -> dict[str, Any]:
-    """Pool one target's rounds into the figures of the report."""
-    requests = sum(r.requests for r in rounds)
-    window = sum(r.window_s for r in rounds) or 1e-9
-    tokens = sum(r.tokens for r in rounds)
-    ttfb = [x for r in rounds for x in r.ttfb]
-    latency = [x for r in rounds for x in r.latency]
-    errors: Counter[str] = Counter()
-    for r in rounds:
-        errors.update(r.errors)
-    router_cpu = sum(r.cpu.get(target.name, 0.0) for r in rounds) if target.pids else 0.0
-    engine_cpu = sum(r.cpu.get("producer", 0.0) + r.cpu.get("consumer", 0.0) for r in rounds)
-    ours = sum(sum(r.cpu.values()) + r.client_cpu for r in rounds)
-    groups = sorted({g for r in rounds for g in r.cpu})
-    cores_used = {g: round(sum(r.cpu.get(g, 0.0) for r in rounds) / window, 3) for g in groups}
-    cores_used["client"] = round(sum(r.client_cpu for r in rounds) / window, 3)
-    host = {k: sum(r.host.get(k, 0.0) for r in rounds) for k in ("tasks", "irq", "steal", "total")}
-    capacity = window * cores
-    return {
-        "target": target.name,
-        "kind": target.kind,
-        "requests": requests,
-        "window_s": round(window, 3),
-        "rps": round(requests / window, 2),
-        "tokens_per_s": round(tokens / window, 1),
-        "ttfb_ms": {"p50": _ms(percentile(ttfb, 50)), "p99": _ms(percentile(ttfb, 99))},
-        "latency_ms": {"p50": _ms(percentile(latency, 50)), "p99": _ms(percentile(latency, 99))},
-        "errors": {"count": sum(errors.values()), "by_status": dict(sorted(errors.items()))},
-        "router_cpu_us_per_req": _us_per(router_cpu, requests) if target.pids else None,
-        "router_cpu_by_process_us_per_req": {
-            role: _us_per(sum(r.cpu_roles.get(target.name, {}).get(role, 0.0) for r in rounds), requests)
-            for role in sorted({x for r in rounds for x in r.cpu_roles.get(target.name, {})})
-        }
-        if target.pids
-        else None,
-        "engine_cpu_us_per_req": _us_per(engine_cpu, requests),
-        "producer_cpu_us_per_req": _us_per(sum(r.cpu.get("producer", 0.0) for r in rounds), requests),
-        "consumer_cpu_us_per_req": _us_per(sum(r.cpu.get("consumer", 0.0) for r in rounds), requests),
-        "client_cpu_us_per_req": _us_per(sum(r.client_cpu for r in rounds), requests),
-        "host_busy_pct": round(100.0 * (host["tasks"] + host["irq"]) / capacity, 1),
-        "irq_pct": round(100.0 * host["irq"] / capacity, 1),
-        "steal_pct": round(100.0 * host["steal"] / capacity, 1),
-        "other_cpu_pct": round(100.0 * max(0.0, host["tasks"] - ours) / capacity, 1),
-        "cores_used": cores_used,
-        "rounds_rps": [round(r.requests / r.window_s, 1) if r.window_s else 0.0 for r in rounds],
-        "detail": dict(target.detail),
-    }
-
-
-def compare(stats: dict[str, dict[str, Any]], rounds: dict[str, list[RoundResult]]) -> None:
-    """Add ratios to "direct" (same run) to every other target's figures, in place."""
-    direct = stats.get("direct")
-    if direct is None:
-        return
-    direct_rounds = rounds.get("direct", [])
-    for name, s in stats.items():
-        if name == "direct":
-            continue
-        s["vs_direct"] = ratios(s, direct)
-        per_round = [
-            (a.requests / a.window_s) / (b.requests / b.window_s)
-            for a, b in zip(rounds.get(name, []), direct_rounds, strict=False)
-            if a.window_s and b.window_s and b.requests
-        ]
-        s["vs_direct"]["rps_ratio_rounds"] = [round(x, 3) for x in per_round]
-
-
-def against_baseline(stats: dict[str, dict[str, Any]], rounds: dict[str, list[RoundResult]]) -> None:
-    """``--baseline``: Narwhal over the baseline, as the median of per-round ratios (the two
-    ran back to back in every round, so host drift between rounds cancels out), in place."""
-    mine, base = rounds.get("narwhal", []), rounds.get("baseline", [])
-    if "narwhal" not in stats or not base:
-        return
-
-    def cpu_per_req(r: RoundResult, name: str) -> float | None:
-        return r.cpu.get(name, 0.0) / r.requests if r.requests else None
-
-    cpu: list[float] = []
-    rps: list[float] = []
-    for a, b in zip(mine, base, strict=False):
-        ca, cb = cpu_per_req(a, "narwhal"), cpu_per_req(b, "baseline")
-        if ca is not None and cb:
-            cpu.append(ca / cb)
-        if a.window_s and b.window_s and b.requests:
-            rps.append((a.requests / a.window_s) / (b.requests / b.window_s))
-    ttfb, base_ttfb = stats["narwhal"]["ttfb_ms"]["p50"], stats["baseline"]["ttfb_ms"]["p50"]
-    stats["narwhal"]["vs_baseline"] = {
-        "cpu_ratio": round(statistics.median(cpu), 3) if cpu else None,
-        "rps_ratio": round(statistics.median(rps), 3) if rps else None,
-        "cpu_ratio_rounds": [round(x, 3) for x in cpu],
-        "rps_ratio_rounds": [round(x, 3) for x in rps],
-        "ttfb_p50_diff_ms": round(ttfb - base_ttfb, 3) if ttfb is not None and base_ttfb is not None else None,
-    }
-
-
-def ratios(s: dict[str, Any], d: dict[str, Any]) -> dict[str, Any]:
-    def ratio(a: float | None, b: float | None) -> float | None:
-        return round(a / b, 3) if a is not None and b else None
-
-    def diff(a: float | None, b: float | None) -> float | None:
-        return round(a - b, 3) if a is not None and b is not None else None
-
-    return {
-        "rps_ratio": ratio(s["rps"], d["rps"]),
-        "tokens_ratio": ratio(s["tokens_per_s"], d["tokens_per_s"]),
-        "ttfb_p50_added_ms": diff(s["ttfb_ms"]["p50"], d["ttfb_ms"]["p50"]),
-        "ttfb_p99_added_ms": diff(s["ttfb_ms"]["p99"], d["ttfb_ms"]["p99"]),
-        "latency_p50_ratio": ratio(s["latency_ms"]["p50"], d["latency_ms"]["p50"]),
-        "latency_p99_ratio": ratio(s["latency_ms"]["p99"], d["latency_ms"]["p99"]),
-    }
-
-
 @dataclass(slots=True)
 class ScenarioResult:
     scenario: Scenario
@@ -390,12 +280,3 @@ class ScenarioResult:
             "targets": self.stats,
             **self.extra,
         }
-
-
-def recommend_workers(stats: dict[str, dict[str, Any]], within: float = 0.05) -> int | None:
-    """The smallest worker count whose throughput is within ``within`` of the best."""
-    sweep = {int(k.removeprefix("narwhal-w")): v["rps"] for k, v in stats.items() if k.startswith("narwhal-w")}
-    if not sweep:
-        return None
-    best = max(sweep.values())
-    return min(n for n, rps in sweep.items() if rps >= (1.0 - within) * best)
