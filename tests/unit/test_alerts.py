@@ -74,4 +74,5 @@ def test_ci_runs_exactly_the_readme_test_command_after_installing_promtool() -> 
     lines = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
     # -q only quiets pip's progress; the last step is the README's command.
     assert lines[-1] == command.replace("pip install -e", "pip install -q -e")
-    assert lines[-2] == "install_promtool"
+    # A failed install skips the promtool tests; it never stops CI before the test command.
+    assert lines[-2] == 'install_promtool || echo ".ci/run: promtool could not be installed: its tests will skip" >&2'
