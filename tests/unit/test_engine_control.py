@@ -16,6 +16,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from narwhal.engines.client import EngineClient
 from narwhal.engines.control import (
     ControlClient,
     ControlError,
@@ -27,6 +28,8 @@ from narwhal.engines.control import (
     parse_version,
     ssl_context,
 )
+from narwhal.engines.http1 import Origin, UpstreamPool
+from narwhal.errors import EngineError
 from narwhal.fake_engine import FakeEngine
 from narwhal.settings import EngineContract, EngineSettings
 from tests.tls_certs import HAVE_OPENSSL, make_ca, make_server_cert, server_context
@@ -126,6 +129,33 @@ async def test_without_the_ca_a_private_ca_engine_is_refused(good: FakeEngine) -
     async with open_session(settings) as session:
         assert await ControlClient(session, settings, timeout_s=5).health(_ref(good)) is False
     assert good.control_reads["health"] == 0
+
+
+@needs_openssl
+async def test_the_data_plane_client_uses_the_same_context_and_key(
+    pki: dict[str, Path], good: FakeEngine, rogue: FakeEngine
+) -> None:
+    client = EngineClient.for_settings(EngineSettings(ca_file=str(pki["ca_a"]), api_key="engine-key"))
+    try:
+        body = {"model": "fake-model", "prompt": "a b c d e f g h", "max_tokens": 2}
+        result = await client.prefill(_ref(good), "/v1/completions", body, request_id="rid-tls")
+        assert result.producer == "good"
+        assert good.get_records()[-1]["headers"]["authorization"] == "Bearer engine-key"
+        with pytest.raises(EngineError) as info:
+            await client.prefill(_ref(rogue), "/v1/completions", body, request_id="rid-rogue")
+        assert info.value.reason == "engine_unreachable"
+        assert info.value.message == "engine rogue is unreachable (prefill)"
+        assert rogue.get_records() == []
+    finally:
+        await client.close()
+
+
+def test_an_https_origin_without_a_context_is_refused() -> None:
+    # No silent fallback to the system store: that would bypass engine.ca_file.
+    with pytest.raises(ValueError, match="needs a TLS context"):
+        Origin("https://127.0.0.1:8443", None)
+    assert Origin("http://127.0.0.1:8000", None).ssl is None
+    assert UpstreamPool().origin("http://127.0.0.1:8000").ssl is None
 
 
 # ---------------------------------------------------------------------- the engine key
