@@ -14,7 +14,6 @@ import gc
 import itertools
 import logging
 import os
-import ssl
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -29,8 +28,9 @@ from narwhal.accesslog import AccessLog
 from narwhal.admin import add_admin_routes
 from narwhal.admission import CHAT, COMPLETIONS, check_api_key
 from narwhal.engines.client import EngineClient
+from narwhal.engines.control import ControlClient, open_session
 from narwhal.errors import NarwhalError, RequestError
-from narwhal.fleet import Engine, Fleet
+from narwhal.fleet import Fleet
 from narwhal.outcomes import Outcomes
 from narwhal.placement import Placement
 from narwhal.proxy import Router, client_request_id, error_response
@@ -165,29 +165,19 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
-async def fetch_models(session: aiohttp.ClientSession, engine: Engine, api_key: str) -> frozenset[str] | None:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        async with asyncio.timeout(5):
-            async with session.get(engine.url + "/v1/models", headers=headers) as resp:
-                if resp.status != 200:
-                    return None
-                data = orjson.loads(await resp.read())
-        return frozenset(m["id"] for m in data["data"] if isinstance(m.get("id"), str))
-    except (TimeoutError, aiohttp.ClientError, OSError, orjson.JSONDecodeError, KeyError, TypeError):
-        return None
+DISCOVERY_TIMEOUT_S = 5.0  # one /v1/models read; an engine slower than this is asked again later
 
 
-async def discover_models(fleet: Fleet, session: aiohttp.ClientSession, settings: Settings) -> None:
+async def discover_models(fleet: Fleet, control: ControlClient) -> None:
     """Read ``/v1/models`` of engines without configured models (unreachable ones keep theirs)."""
     todo = [e for e in fleet.engines if not e.models_configured]
-    found = await asyncio.gather(*(fetch_models(session, e, settings.engine.api_key) for e in todo))
+    found = await asyncio.gather(*(control.models(e) for e in todo))
     for engine, models in zip(todo, found, strict=True):
         if models is not None:
-            fleet.set_models(engine, models)
+            fleet.set_models(engine, frozenset(models))
 
 
-async def _keep_discovering(fleet: Fleet, session: aiohttp.ClientSession, settings: Settings) -> None:
+async def _keep_discovering(fleet: Fleet, control: ControlClient) -> None:
     # Engines that were down at start are picked up as they come; known ones are re-read
     # now and then so a model swap on an engine shows up. The supervisor will own this.
     ticks = 0
@@ -195,13 +185,7 @@ async def _keep_discovering(fleet: Fleet, session: aiohttp.ClientSession, settin
         await asyncio.sleep(1.0)
         ticks += 1
         if ticks % 30 == 0 or any(not e.models for e in fleet.engines):
-            await discover_models(fleet, session, settings)
-
-
-def _ssl_context(settings: Settings) -> ssl.SSLContext | bool:
-    if settings.engine.ca_file:
-        return ssl.create_default_context(cafile=settings.engine.ca_file)
-    return True
+            await discover_models(fleet, control)
 
 
 def worker_state(fleet: Fleet) -> WorkerFleetState | LocalFleetState:
@@ -240,17 +224,7 @@ def build_app(settings: Settings) -> web.Application:
     async def startup(app: web.Application) -> None:
         pin = settings.engine_contract.engine_version if settings.engine_contract else ""
         metrics.publish_build_info(__version__, pin)
-        connector = aiohttp.TCPConnector(
-            limit=0, limit_per_host=0, ssl=_ssl_context(settings), keepalive_timeout=60, enable_cleanup_closed=False
-        )
-        # No cookies and no decompression: engines set none and compress nothing, and each
-        # costs work on every upstream response.
-        session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(total=None),
-            cookie_jar=aiohttp.DummyCookieJar(),
-            auto_decompress=False,
-        )
+        session = open_session(settings.engine)  # TLS and key as on every engine link
         fleet = Fleet(settings)
         state = worker_state(fleet)
         placement = Placement(fleet, state, state, settings.placement)
@@ -262,8 +236,9 @@ def build_app(settings: Settings) -> web.Application:
         app[STATE] = state
         app[ROUTER] = router
         app[_SESSION] = session
-        await discover_models(fleet, session, settings)
-        app[_TASKS].append(asyncio.ensure_future(_keep_discovering(fleet, session, settings)))
+        control = ControlClient(session, settings.engine, DISCOVERY_TIMEOUT_S)
+        await discover_models(fleet, control)
+        app[_TASKS].append(asyncio.ensure_future(_keep_discovering(fleet, control)))
         # Everything built so far lives as long as the worker: keep it out of the garbage
         # collector's scans, which otherwise walk it again on every full collection.
         gc.collect()

@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import contextlib
 import ipaddress
-import ssl
 import sys
 import time
 import uuid
@@ -36,12 +35,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
-import orjson
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from packaging.version import InvalidVersion, Version
 
 from narwhal.engines.client import EngineClient
 from narwhal.engines.connector import NIXL, InvalidHandoff, PrefillResult, validate_descriptor
+from narwhal.engines.control import ControlClient, ControlError, VersionPin, open_session, parse_models, parse_version
 from narwhal.errors import DeadlineExceeded, NarwhalError
 from narwhal.fleet import Engine, Fleet
 from narwhal.preflight_report import (
@@ -55,60 +52,13 @@ from narwhal.preflight_report import (
     charge_transfers,
     unused_engines,
 )
-from narwhal.settings import Settings, SettingsError, load_settings_or_exit
+from narwhal.settings import Settings, load_settings_or_exit
 
-__all__ = ["PreflightReport", "VersionPin", "check_contract", "main", "run_preflight"]
+__all__ = ["PreflightReport", "main", "run_preflight"]
 
 ENDPOINT = "/v1/completions"
 PROMPT = "narwhal preflight"
 MAX_CONCURRENCY = 32  # checks in flight at once: tiny requests, but a 64×64 fleet has 4096 pairs
-
-
-class VersionPin:
-    """``engine_contract.engine_version``: an exact string, or a PEP 440 specifier set.
-
-    A pin starting with an operator (``>=0.10,<0.12``, ``==0.11.*``, ``~=0.11.0``) or containing
-    a comma is a specifier; anything else must equal the engine's ``/version`` exactly. Pre-release
-    and dev builds (``0.11.1.dev3+gabc``) may satisfy a specifier: operators run them on purpose.
-    """
-
-    def __init__(self, text: str) -> None:
-        self.text = text.strip()
-        self.spec: SpecifierSet | None = None
-        if self.text[:1] in ("<", ">", "=", "!", "~") or "," in self.text:
-            try:
-                self.spec = SpecifierSet(self.text)
-            except InvalidSpecifier:
-                raise SettingsError(
-                    f"engine_contract.engine_version: invalid PEP 440 specifier {self.text!r}"
-                ) from None
-
-    def matches(self, version: str) -> bool:
-        if self.spec is None:
-            return version == self.text
-        try:
-            return self.spec.contains(Version(version), prereleases=True)
-        except InvalidVersion:
-            return False
-
-
-def check_contract(settings: Settings) -> VersionPin | None:
-    """The contract's version pin, or None; raises :class:`SettingsError` when it is invalid."""
-    contract = settings.engine_contract
-    if contract is None or not contract.engine_version.strip():
-        return None
-    return VersionPin(contract.engine_version)
-
-
-def _ssl_context(settings: Settings) -> ssl.SSLContext | bool:
-    if settings.engine.ca_file:
-        return ssl.create_default_context(cafile=settings.engine.ca_file)
-    return True
-
-
-def make_session(settings: Settings) -> aiohttp.ClientSession:
-    connector = aiohttp.TCPConnector(limit=0, ssl=_ssl_context(settings))
-    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
 
 
 async def run_preflight(
@@ -116,13 +66,13 @@ async def run_preflight(
 ) -> PreflightReport:
     """Check every engine and every role-permitted transfer; never raises for engine faults.
 
-    ``timeout`` bounds every single request (default ``engine.first_token_timeout_s``). Raises
-    :class:`SettingsError` only for an invalid contract (a start-stopping setting).
+    ``timeout`` bounds every single request (default ``engine.first_token_timeout_s``). An
+    invalid contract never gets here: the settings refused it.
     """
-    pin = check_contract(settings)
+    pin = VersionPin.of(settings.engine_contract)
     bound = timeout if timeout is not None else settings.engine.first_token_timeout_s
     own = session is None
-    active = make_session(settings) if session is None else session
+    active = open_session(settings.engine) if session is None else session
     preflight = _Preflight(settings, active, bound, pin)
     try:
         return await preflight.run()
@@ -132,16 +82,10 @@ async def run_preflight(
             await active.close()
 
 
-class _GetError(Exception):
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
 class _Preflight:
     def __init__(self, settings: Settings, session: aiohttp.ClientSession, timeout: float, pin: VersionPin | None):
         self.settings = settings
-        self.session = session
+        self.control = ControlClient(session, settings.engine, timeout)
         self.timeout = timeout
         self.pin = pin
         self.contract = settings.engine_contract
@@ -156,8 +100,6 @@ class _Preflight:
             }
         )
         self.client = EngineClient.for_settings(engine_settings)
-        key = settings.engine.api_key
-        self.auth = {"Authorization": f"Bearer {key}"} if key else {}
         self.gate = asyncio.Semaphore(MAX_CONCURRENCY)
         self.report = PreflightReport(timeout_s=timeout)
         self.handoffs: dict[str, tuple[PrefillResult, dict[str, Any]]] = {}  # to release
@@ -193,8 +135,8 @@ class _Preflight:
     async def _check_engine(self, engine: Engine, result: EngineResult) -> None:
         later = ["version", "models"] + (["handoff"] if engine.can_prefill else [])
         try:
-            status, _ = await self._get(engine, "/health")
-        except _GetError as exc:
+            status, _ = await self.control.get(engine, "/health")
+        except ControlError as exc:
             status, reason = 0, exc.reason if exc.reason == "unreachable" else f"health {exc.reason}"
         else:
             reason = f"health {status}"
@@ -220,24 +162,14 @@ class _Preflight:
         else:
             result.checks["handoff"] = check
 
-    async def _get(self, engine: Engine, path: str) -> tuple[int, bytes]:
-        try:
-            async with asyncio.timeout(self.timeout):
-                async with self.session.get(engine.url + path, headers=self.auth) as resp:
-                    return resp.status, await resp.read()
-        except TimeoutError:
-            raise _GetError(f"timed out after {self.timeout:g}s") from None
-        except (aiohttp.ClientError, OSError):
-            raise _GetError("unreachable") from None
-
     async def _version(self, engine: Engine, result: EngineResult) -> Check:
         unreadable = FAIL if self.pin is not None else SKIP
         try:
-            status, data = await self._get(engine, "/version")
-        except _GetError as exc:
+            status, data = await self.control.get(engine, "/version")
+        except ControlError as exc:
             return Check(unreadable, f"version unreadable: {exc.reason}")
-        version = _json_field(data, "version") if status == 200 else None
-        if not isinstance(version, str):
+        version = parse_version(data) if status == 200 else None
+        if version is None:
             why = f"HTTP {status}" if status != 200 else "no version in the answer"
             return Check(unreadable, f"version unreadable: {why}")
         result.version = version
@@ -249,10 +181,10 @@ class _Preflight:
 
     async def _models(self, engine: Engine, result: EngineResult) -> Check:
         try:
-            status, data = await self._get(engine, "/v1/models")
-        except _GetError as exc:
+            status, data = await self.control.get(engine, "/v1/models")
+        except ControlError as exc:
             return Check(FAIL, f"models unreadable: {exc.reason}")
-        served = _model_ids(data) if status == 200 else None
+        served = parse_models(data) if status == 200 else None
         if served is None:
             why = f"HTTP {status}" if status != 200 else "not an OpenAI model list"
             return Check(FAIL, f"models unreadable: {why}")
@@ -391,21 +323,6 @@ def _ms_since(started: float) -> float:
     return round((time.monotonic() - started) * 1000, 1)
 
 
-def _json_field(data: bytes, key: str) -> Any:
-    try:
-        obj = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return None
-    return obj.get(key) if isinstance(obj, dict) else None
-
-
-def _model_ids(data: bytes) -> list[str] | None:
-    listing = _json_field(data, "data")
-    if not isinstance(listing, list):
-        return None
-    return [m["id"] for m in listing if isinstance(m, dict) and isinstance(m.get("id"), str)]
-
-
 # ---------------------------------------------------------------------- command line
 
 
@@ -414,11 +331,6 @@ def main(args: argparse.Namespace) -> int:
     settings = load_settings_or_exit(args.config)
     if args.timeout is not None and not args.timeout > 0:
         print("narwhal preflight: --timeout must be > 0", file=sys.stderr)
-        return 2
-    try:
-        check_contract(settings)
-    except SettingsError as exc:
-        print(f"narwhal: invalid settings: {exc}", file=sys.stderr)
         return 2
     try:
         report = asyncio.run(run_preflight(settings, timeout=args.timeout))

@@ -19,6 +19,8 @@ import sys
 import tomllib
 from typing import Annotated, Any, Literal
 
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -117,21 +119,38 @@ class RecoverySettings(_Section):
 
 class EngineContract(_Section):
     model: str = ""
-    engine_version: str = ""  # exact, or a PEP 440 specifier set (">=0.10,<0.12")
+    engine_version: str = ""  # a PEP 440 version ("0.11.0") or specifier set (">=0.10,<0.12")
     kv_connector: str = "NixlConnector"
 
     @field_validator("engine_version")
     @classmethod
     def _pin_parses(cls, value: str) -> str:
-        text = value.strip()
-        if text[:1] in ("<", ">", "=", "!", "~") or "," in text:
-            from packaging.specifiers import InvalidSpecifier, SpecifierSet
-
-            try:
-                SpecifierSet(text)
-            except InvalidSpecifier:
-                raise ValueError(f"invalid PEP 440 specifier {text!r}") from None
+        # Checked here, not when the first probe runs: a pin nothing can meet would pass the
+        # start and then fail every probe and preflight forever (issue 16).
+        if value.strip():
+            parse_version_pin(value)
         return value
+
+
+def parse_version_pin(text: str) -> Version | SpecifierSet:
+    """``engine_contract.engine_version`` parsed (SPEC §6); ValueError names what is wrong.
+
+    A pin that starts with an operator or holds a comma is a specifier set, anything else a
+    single version: so ``>=zero`` is reported as a bad specifier, not as a bad version.
+    """
+    text = text.strip()
+    if text[:1] in ("<", ">", "=", "!", "~") or "," in text:
+        try:
+            return SpecifierSet(text)
+        except InvalidSpecifier:
+            raise ValueError(f"invalid PEP 440 specifier {text!r}") from None
+    try:
+        return Version(text)
+    except InvalidVersion:
+        raise ValueError(
+            f"invalid PEP 440 version {text!r} (expected a version such as 0.11.0 "
+            "or a specifier set such as >=0.11,<0.12)"
+        ) from None
 
 
 Role = Literal["producer", "consumer", "both"]

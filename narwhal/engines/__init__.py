@@ -1,1 +1,2 @@
-"""Talking to vLLM engines: the HTTP client (``client``) and the KV handoff (``connector``)."""
+"""Talking to vLLM engines: TLS, the engine key and control reads (``control``), the request
+legs (``client`` over ``http1``) and the KV handoff (``connector``)."""

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import math
-import ssl
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
 
@@ -30,6 +29,7 @@ from narwhal.engines.connector import (
     release_body,
     validate_descriptor,
 )
+from narwhal.engines.control import EngineRef, auth_line, ssl_context
 from narwhal.engines.http1 import ConnectFailed, Connection, UpstreamError, UpstreamPool, header_lines
 from narwhal.engines.relay import DirectRelay, Sink
 from narwhal.errors import DeadlineExceeded, EngineClientError, EngineError, Phase
@@ -44,13 +44,6 @@ _DRAIN_S = 1.0
 _RELAY_AFTER = 1
 
 
-class EngineRef(Protocol):
-    """Anything with a ``name`` and a base ``url`` (a fleet Engine, an EngineSpec …)."""
-
-    name: str
-    url: str
-
-
 class EngineClient:
     """Prefill, decode and release against vLLM engines over one connection pool.
 
@@ -63,12 +56,12 @@ class EngineClient:
     def __init__(self, pool: UpstreamPool, settings: EngineSettings) -> None:
         self.pool = pool
         self.settings = settings
-        self._auth = f"Authorization: Bearer {settings.api_key}\r\n".encode() if settings.api_key else b""
+        self._auth = auth_line(settings)  # the one engine header (engines.control), prebuilt
 
     @classmethod
     def for_settings(cls, settings: EngineSettings) -> EngineClient:
-        """A client with its own pool, trusting ``settings.ca_file`` for ``https://`` engines."""
-        return cls(UpstreamPool(ssl_context(settings)), settings)
+        """A client with its own pool, verifying ``https://`` engines as every caller does."""
+        return cls(UpstreamPool(ssl_context(settings.ca_file)), settings)
 
     async def close(self) -> None:
         await self.pool.close()
@@ -407,13 +400,6 @@ def _prefill_result(result: PrefillResult, status: int, data: bytes) -> PrefillR
             answer = None
         result.descriptor = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
     return result
-
-
-def ssl_context(settings: EngineSettings) -> ssl.SSLContext | None:
-    """The TLS context for ``https://`` engines: the system store, or ``ca_file`` when set."""
-    if settings.ca_file:
-        return ssl.create_default_context(cafile=settings.ca_file)
-    return None
 
 
 def _transport_error(exc: UpstreamError, name: str, phase: Phase) -> EngineError:

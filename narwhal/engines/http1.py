@@ -87,7 +87,11 @@ class Origin:
         self.base_path = parts.path.rstrip("/")
         self.ssl: ssl.SSLContext | None = None
         if parts.scheme == "https":
-            self.ssl = ssl_context or ssl.create_default_context()
+            # No default context here: one built on the spot would trust the system store, not
+            # engine.ca_file. The context comes from engines.control, as on every engine link.
+            if ssl_context is None:
+                raise ValueError("an https:// engine needs a TLS context (engines.control.ssl_context)")
+            self.ssl = ssl_context
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.key = f"{self.scheme}://{host}:{self.port}"
         self._host_header = host if self.port == default else f"{host}:{self.port}"

@@ -80,6 +80,9 @@ class FakeEngine:
         self.completed_requests = 0
         self.kv_pulls = 0
         self.kv_pull_failures = 0
+        # GETs of /health, /version and /v1/models answered: lets a test wait for N health
+        # checks (or a lifecycle validation) instead of sleeping and hoping they happened.
+        self.control_reads = {"health": 0, "version": 0, "models": 0}
         self._id_prefix = secrets.token_hex(4)
         self._seq = 0
         self._templates: dict[str, ModelTemplates] = {}
@@ -181,6 +184,7 @@ class FakeEngine:
             "aborted_streams": self.aborted_streams,
             "completed_streams": self.completed_streams,
             "completed_requests": self.completed_requests,
+            "control_reads": dict(self.control_reads),
         }
 
     # -- KV side channel (consumer side) -------------------------------------------------------

@@ -32,12 +32,15 @@ def add_routes(app: web.Application, engine: FakeEngine) -> None:
         return await handle_completion(engine, request, chat=True)
 
     async def health(request: web.Request) -> web.Response:
+        engine.control_reads["health"] += 1
         return web.Response(status=engine.faults.health_status or 200)
 
     async def version(request: web.Request) -> web.Response:
+        engine.control_reads["version"] += 1
         return json_response({"version": engine.version})
 
     async def models(request: web.Request) -> web.Response:
+        engine.control_reads["models"] += 1
         data: list[dict[str, object]] = [
             {
                 "id": name,

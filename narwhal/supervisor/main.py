@@ -23,10 +23,9 @@ import os
 import time
 from typing import Any
 
-import aiohttp
-
 from narwhal import metrics
 from narwhal.breaker import Breakers, EngineInfo, EngineStatus, Outcome, State
+from narwhal.engines.control import open_session
 from narwhal.fleet import Engine, Fleet
 from narwhal.settings import Settings
 from narwhal.shm.records import (
@@ -216,8 +215,9 @@ class Supervisor:
                 self.breakers.health_failed(engine.name, now, "health_check")
 
     async def run(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0)
-        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+        # engine.ca_file and the engine key come with the session (engines.control): health checks
+        # and probes must reach engines as the request path does, or an https fleet is ejected.
+        async with open_session(self.settings.engine) as session:
             prober = Prober(self.settings, self.fleet, session, self.admitted)
             self.restore()
             self.publish()

@@ -10,7 +10,10 @@ unavailable, or the producer leg failed): the engine stays out without being bla
   decode failure the handoff comes from the *original* producer, so a consumer that cannot
   receive from that producer is not readmitted by a handoff from another one.
 
-Every leg is bounded by ``engine.first_token_timeout_s``.
+Every leg is bounded by ``engine.first_token_timeout_s``. The control reads (``/health``,
+``/version``, ``/v1/models``) go through :class:`narwhal.engines.control.ControlClient`, so they
+verify engines with ``engine.ca_file`` and send the engine key exactly as the request path does:
+a check that cannot reach an engine the request path reaches would eject a healthy fleet.
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
-import orjson
 
 from narwhal.engines.client import EngineClient
 from narwhal.engines.connector import PrefillResult
+from narwhal.engines.control import ControlClient, VersionPin
 from narwhal.errors import EngineError, NarwhalError
 from narwhal.fleet import Engine, Fleet
 from narwhal.settings import Settings
@@ -44,23 +47,14 @@ class Prober:
     ) -> None:
         self.settings = settings
         self.fleet = fleet
-        self.session = session
         self.client = EngineClient.for_settings(settings.engine)
         self.admitted = admitted
         self.timeout = settings.engine.first_token_timeout_s
-        self._auth = {"Authorization": f"Bearer {settings.engine.api_key}"} if settings.engine.api_key else {}
-
-    async def get(self, engine: Engine, path: str) -> tuple[int, bytes]:
-        """(status, body); status 0 when the engine could not be reached in time."""
-        try:
-            async with asyncio.timeout(self.timeout):
-                async with self.session.get(engine.url + path, headers=self._auth) as resp:
-                    return resp.status, await resp.read()
-        except (TimeoutError, aiohttp.ClientError, OSError):
-            return 0, b""
+        self.control = ControlClient(session, settings.engine, self.timeout)
+        self.pin = VersionPin.of(settings.engine_contract)
 
     async def health(self, engine: Engine) -> bool:
-        return (await self.get(engine, "/health"))[0] == 200
+        return await self.control.health(engine)
 
     async def probe(self, engine: Engine, kind: str, as_producer: bool, as_consumer: bool,
                     producer: str | None) -> str:
@@ -80,17 +74,12 @@ class Prober:
         contract = self.settings.engine_contract
         if not await self.health(engine):
             return None
-        status, body = await self.get(engine, "/v1/models")
-        models = _model_ids(body) if status == 200 else []
+        models = await self.control.models(engine) or []
         if contract is None:
             return models[0] if models else (next(iter(engine.models), None))
-        from narwhal.preflight import check_contract
-
-        pin = check_contract(self.settings)
-        if pin is not None:
-            status, body = await self.get(engine, "/version")
-            version = _field(body, "version") if status == 200 else None
-            if not isinstance(version, str) or not pin.matches(version):
+        if self.pin is not None:
+            version = await self.control.version(engine)
+            if version is None or not self.pin.matches(version):
                 return None
         if contract.model and contract.model not in models:
             return None
@@ -156,18 +145,3 @@ class Prober:
 
 def _rid() -> str:
     return "probe-" + uuid.uuid4().hex
-
-
-def _field(body: bytes, key: str) -> Any:
-    try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None
-    return obj.get(key) if isinstance(obj, dict) else None
-
-
-def _model_ids(body: bytes) -> list[str]:
-    data = _field(body, "data")
-    if not isinstance(data, list):
-        return []
-    return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]

@@ -45,7 +45,8 @@ def start_router(
     **sections: dict[str, Any],
 ) -> RouterProcess:
     for engine in engines:
-        engine["url"] = fleet.engines[engine["name"]]
+        if "url" not in engine:  # an engine of another fleet comes with its own
+            engine["url"] = fleet.engines[engine["name"]]
     conf = {
         "server": {"workers": 2},
         "engine": dict(TIMEOUTS),

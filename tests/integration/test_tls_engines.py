@@ -7,8 +7,6 @@ the CA must not talk to the engine at all: 502 ``engine_unreachable``, the engin
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,26 +15,17 @@ import pytest
 from narwhal.harness import FakeFleet, RouterProcess
 from tests.integration.conftest import MODEL, start_router, unique_prompt
 from tests.integration.helpers import completion, send
+from tests.tls_certs import HAVE_OPENSSL, make_ca, make_server_cert
 
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+pytestmark = pytest.mark.skipif(not HAVE_OPENSSL, reason="needs the openssl command")
 
 NAMES = ["tp0", "td0"]
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
 
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("tls")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
-             "-days", "2", "-subj", "/CN=narwhal test CA", cwd=d)
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
-             "-subj", "/CN=127.0.0.1", cwd=d)
-    (d / "san.ext").write_text("subjectAltName = IP:127.0.0.1\n")
-    _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-             "-out", "server.pem", "-days", "2", "-extfile", "san.ext", cwd=d)
+    make_server_cert(d, make_ca(d, "ca"), "server")
     return d
 
 

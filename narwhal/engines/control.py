@@ -1,0 +1,217 @@
+"""How Narwhal reaches an engine: TLS, the engine key, and the control-plane reads.
+
+Invariant: every connection to an engine — both legs and releases (``client`` over
+``http1``), the workers' model discovery, preflight, and the supervisor's health checks,
+lifecycle validation and probes — verifies the engine with the context :func:`ssl_context`
+builds from ``engine.ca_file``, sends the ``Authorization`` of :func:`auth_headers`, and
+every ``/v1/models`` and ``/version`` answer is read by :func:`parse_models` and
+:func:`parse_version`. SPEC §2 asks for the CA "on every connection to an engine".
+
+Why one module: each caller used to build its own context and header. The supervisor's
+session forgot the CA, so an ``https://`` fleet behind a private CA was ejected by its own
+health checks (issue 16) while the request path served it fine. A fix made to one copy is
+not a fix; a caller that does not come through here has no TLS and no key, which shows.
+
+The control reads (``GET /health``, ``/version``, ``/v1/models``) go through
+:class:`ControlClient`: one timeout bounds the whole exchange (connect, handshake, headers,
+body), so a hung engine costs one check, never a loop; every transport failure, a
+certificate the CA did not sign included, is one :class:`ControlError` with a short reason
+for reports. The version pin (:class:`VersionPin`) lives here too: it is how a ``/version``
+answer is judged. Deliberately not here: the hot path's wire and its error mapping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from typing import Any, Protocol
+
+import aiohttp
+import orjson
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from narwhal.settings import EngineContract, EngineSettings, parse_version_pin
+
+__all__ = [
+    "ControlClient",
+    "ControlError",
+    "EngineRef",
+    "VersionPin",
+    "auth_headers",
+    "auth_line",
+    "open_session",
+    "parse_models",
+    "parse_version",
+    "ssl_context",
+]
+
+
+class EngineRef(Protocol):
+    """Anything with a ``name`` and a base ``url`` (a fleet Engine, an EngineSpec …)."""
+
+    name: str
+    url: str
+
+
+# ---------------------------------------------------------------------- TLS and the key
+
+
+def ssl_context(ca_file: str = "") -> ssl.SSLContext:
+    """The context that verifies ``https://`` engines.
+
+    With ``ca_file`` only that bundle is trusted (a private CA, as SPEC §7 means it), else the
+    system store. Hostname checks stay on either way: a CA-signed certificate for another
+    host is refused too. A new context per call: a reload may point at a new bundle.
+    """
+    return ssl.create_default_context(cafile=ca_file or None)
+
+
+def auth_headers(settings: EngineSettings) -> dict[str, str]:
+    """``Authorization: Bearer <engine.api_key>`` when a key is set (SPEC §2), else nothing.
+
+    The client's own Authorization never gets here: engines see only the engine key.
+    """
+    return {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+
+
+def auth_line(settings: EngineSettings) -> bytes:
+    """The same header as a raw HTTP/1.1 line, for the hand-written data-plane client."""
+    return b"".join(f"{name}: {value}\r\n".encode() for name, value in auth_headers(settings).items())
+
+
+def open_session(settings: EngineSettings) -> aiohttp.ClientSession:
+    """An aiohttp session for control reads, verifying engines with :func:`ssl_context`.
+
+    No connection cap (a 64-engine fleet is health-checked at once), no cookies and no
+    decompression (engines set none and compress nothing). No session-wide timeout: each
+    read carries its own bound (:class:`ControlClient`). Call inside a running loop.
+    """
+    connector = aiohttp.TCPConnector(limit=0, ssl=ssl_context(settings.ca_file), keepalive_timeout=60)
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None),
+        cookie_jar=aiohttp.DummyCookieJar(),
+        auto_decompress=False,
+    )
+
+
+# ---------------------------------------------------------------------- reading answers
+
+
+def _json_object(body: bytes) -> dict[str, Any] | None:
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def parse_models(body: bytes) -> list[str] | None:
+    """The model ids of an OpenAI model list (``{"data": [{"id": ...}, ...]}``).
+
+    None when the body is not such a list (not JSON, no ``data`` list): the engine said
+    nothing about its models, which differs from saying "none". Entries without a string
+    ``id`` are skipped; ids keep the engine's order, each once.
+    """
+    obj = _json_object(body)
+    listing = obj.get("data") if obj is not None else None
+    if not isinstance(listing, list):
+        return None
+    ids = [m["id"] for m in listing if isinstance(m, dict) and isinstance(m.get("id"), str)]
+    return list(dict.fromkeys(ids))
+
+
+def parse_version(body: bytes) -> str | None:
+    """vLLM's ``/version`` answer, ``{"version": "0.11.0"}``; None for anything else."""
+    obj = _json_object(body)
+    version = obj.get("version") if obj is not None else None
+    return version if isinstance(version, str) else None
+
+
+class VersionPin:
+    """``engine_contract.engine_version`` (SPEC §6): a PEP 440 version or specifier set.
+
+    Settings already refused anything else, so building one never fails. A version pin is
+    met by an equal PEP 440 version (``0.11`` equals ``0.11.0``; a local label such as
+    ``+cu121`` makes a different build). A specifier set admits pre-release and dev builds
+    (``0.11.1.dev3+gabc``): operators run those on purpose.
+    """
+
+    __slots__ = ("text", "_pin")
+
+    def __init__(self, text: str) -> None:
+        self.text = text.strip()
+        self._pin: Version | SpecifierSet = parse_version_pin(self.text)
+
+    @classmethod
+    def of(cls, contract: EngineContract | None) -> VersionPin | None:
+        """The contract's pin, or None when there is no contract or no pin in it."""
+        if contract is None or not contract.engine_version.strip():
+            return None
+        return cls(contract.engine_version)
+
+    def matches(self, version: str) -> bool:
+        try:
+            found = Version(version)
+        except InvalidVersion:
+            return False  # an engine that cannot name its version meets no pin
+        if isinstance(self._pin, Version):
+            return found == self._pin
+        return self._pin.contains(found, prereleases=True)
+
+
+# ---------------------------------------------------------------------- the client
+
+
+class ControlError(Exception):
+    """A control read got no HTTP answer; ``reason`` says why in a few words."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class ControlClient:
+    """``GET /health``, ``/version`` and ``/v1/models`` of engines, TLS and key included.
+
+    ``get`` returns ``(status, body)`` or raises :class:`ControlError` (unreachable,
+    refused certificate, timed out); the typed reads fold every failure into a falsy
+    answer, for callers that only need the verdict.
+    """
+
+    __slots__ = ("session", "timeout_s", "_headers")
+
+    def __init__(self, session: aiohttp.ClientSession, settings: EngineSettings, timeout_s: float) -> None:
+        self.session = session
+        self.timeout_s = timeout_s
+        self._headers = auth_headers(settings)
+
+    async def get(self, engine: EngineRef, path: str) -> tuple[int, bytes]:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                async with self.session.get(engine.url + path, headers=self._headers) as resp:
+                    return resp.status, await resp.read()
+        except TimeoutError:
+            raise ControlError(f"timed out after {self.timeout_s:g}s") from None
+        except (aiohttp.ClientError, OSError):  # a refused certificate is a ClientError too
+            raise ControlError("unreachable") from None
+
+    async def _answer(self, engine: EngineRef, path: str) -> bytes | None:
+        try:
+            status, body = await self.get(engine, path)
+        except ControlError:
+            return None
+        return body if status == 200 else None
+
+    async def health(self, engine: EngineRef) -> bool:
+        """200 within the bound; a 503 is vLLM's dead-engine answer."""
+        return await self._answer(engine, "/health") is not None
+
+    async def version(self, engine: EngineRef) -> str | None:
+        body = await self._answer(engine, "/version")
+        return None if body is None else parse_version(body)
+
+    async def models(self, engine: EngineRef) -> list[str] | None:
+        body = await self._answer(engine, "/v1/models")
+        return None if body is None else parse_models(body)
