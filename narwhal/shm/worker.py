@@ -8,8 +8,9 @@ this worker at once; the fleet learns of it when the supervisor publishes.
 Out and quarantined are kept apart (see :class:`narwhal.fleet.FleetView`): ejected, probing
 and draining engines are not :meth:`~WorkerFleetState.placeable`; quarantined ones (published
 or local) are, but not :meth:`~WorkerFleetState.admitted`, so placement takes them only when
-nothing else can serve. Whether any is quarantined is known without a scan (a flag set when
-the records are decoded, and the local table's size), so the normal path pays nothing for it.
+nothing else can serve. Whether any is quarantined is known without a scan per placement (a
+flag set once per generation when the records are decoded, and the local table's size), and
+the normal path never asks it anyway: only a placement whose first pass found nothing does.
 """
 
 from __future__ import annotations
