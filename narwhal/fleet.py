@@ -2,9 +2,9 @@
 
 This is static configuration plus discovered models. *Whether an engine is admitted right
 now* is not stored here: it is asked of a :class:`FleetView`, the single seam through which
-placement learns breaker state. Today's view (:class:`LocalView`) admits every engine not
-marked otherwise in this worker; the supervisor's shared-memory view replaces it without
-touching placement.
+placement learns breaker state: the supervisor's shared-memory view in a gunicorn worker
+(:class:`narwhal.shm.worker.WorkerFleetState`), a process-local one elsewhere
+(:class:`narwhal.shm.local.LocalFleetState`).
 """
 
 from __future__ import annotations
@@ -101,6 +101,29 @@ def _engine(index: int, spec: EngineSpec, connector: str) -> Engine:
 
 
 class FleetView(Protocol):
-    """What placement asks about breaker state: the one seam the supervisor fills in."""
+    """What placement asks about breaker state: the one seam the supervisor fills in.
 
-    def admitted(self, engine: Engine) -> bool: ...
+    Two kinds of "not now" (SPEC §5, §6). *Out* — ejected, probing, draining, taken out by an
+    operator — is hard: such an engine takes no new request. *Quarantined* — the supervisor's
+    published QUARANTINED state or this worker's own quarantine after a failure it saw — is
+    soft: placement steers around it while other engines can take the request, and uses it
+    when none can, since a fault that follows requests quarantines every engine in turn.
+    """
+
+    def admitted(self, engine: Engine) -> bool:
+        """Neither out nor quarantined: what the normal (hot) placement path asks."""
+        ...
+
+    def placeable(self, engine: Engine) -> bool:
+        """Not out; quarantined or not."""
+        ...
+
+    def any_quarantined(self) -> bool:
+        """Might some engine be quarantined now? Cheap; False means :meth:`admitted` and
+        :meth:`placeable` agree on every engine (a stale True only costs a second look)."""
+        ...
+
+    def quarantine_left(self, engine: Engine) -> float:
+        """Seconds until the engine's quarantine ends (the later of the local and the
+        published one); 0.0 when it is not quarantined."""
+        ...

@@ -68,3 +68,23 @@ def print_summary(rep: dict[str, Any]) -> None:
             print(f"  not exercised ({k}): {rep[k]}")
 
 
+
+
+def print_storm(rep: dict[str, Any]) -> None:
+    """One poison-storm run (``perf.chaos_storm``): the figure first, then what explains it."""
+    judged = "" if rep.get("enforced") else " (not judged: at 1.0 ejections may take a whole role)"
+    print(f"poison storm, max_ejected_fraction {rep['max_ejected_fraction']}: {rep.get('requests', 0)} requests "
+          f"in {rep.get('duration_s', '?')} s ({rep.get('req_per_s', '?')} req/s) at concurrency "
+          f"{rep['concurrency']}, half poisoned")
+    print(f"  clean_success_share {rep.get('clean_success_share')} ({rep.get('clean_ok')} of "
+          f"{rep.get('clean')} clean requests){judged}")
+    print(f"  clean failures {rep.get('clean_failures')}   poisoned {rep.get('poisoned_outcomes')}")
+    for role in ("producer", "consumer"):
+        shares = rep.get("roles", {}).get(role, {})
+        print(f"  every {role} out {shares.get('all_out')} / out or quarantined "
+              f"{shares.get('all_out_or_quarantined')} of the breaker samples")
+    print(f"  violations: {rep.get('violations')}   leaks: {len(rep.get('leaks', []))}")
+    for s in rep.get("violation_samples", [])[:5]:
+        print(f"    VIOLATION #{s['idx']} {s['kind']}: {s['outcome']} {s['problem']}")
+    for reason in rep.get("failed", []):
+        print(f"    FAILED {reason}")

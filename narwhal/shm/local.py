@@ -2,7 +2,8 @@
 
 Used when the app runs outside gunicorn (in-process tests, embedding) and when a worker
 finds no free slot in the shared layout: counts, caps, quarantine and the retry budget
-then hold for this process only, and no supervisor hears its outcomes.
+then hold for this process only, and no supervisor hears its outcomes. Operator actions
+(``out``) take an engine out; quarantine only steers placement away from it, as in a worker.
 """
 
 from __future__ import annotations
@@ -25,8 +26,24 @@ class LocalFleetState(LocalInflight):
     def admitted(self, engine: Engine) -> bool:
         if engine.index in self.out:
             return False
+        if self._quarantine:
+            until = self._quarantine.get(engine.index)
+            if until is not None:
+                if time.monotonic() < until:
+                    return False
+                del self._quarantine[engine.index]  # over: any_quarantined() stops saying so
+        return True
+
+    # Quarantine is soft (narwhal.fleet.FleetView): a quarantined engine stays placeable.
+    def placeable(self, engine: Engine) -> bool:
+        return engine.index not in self.out
+
+    def any_quarantined(self) -> bool:
+        return bool(self._quarantine)  # expired entries go lazily: one costs a second look, no more
+
+    def quarantine_left(self, engine: Engine) -> float:
         until = self._quarantine.get(engine.index)
-        return until is None or time.monotonic() >= until
+        return 0.0 if until is None else max(until - time.monotonic(), 0.0)
 
     def quarantine(self, engine: Engine, seconds: float) -> None:
         self._quarantine[engine.index] = time.monotonic() + seconds

@@ -4,6 +4,13 @@ Per request this costs a generation check (one u64 read) and, for placement, one
 every slot's counts at once: no lock and no IPC round-trip. Engine records are decoded again
 only when the supervisor bumps the generation. A failure seen here quarantines its engine in
 this worker at once; the fleet learns of it when the supervisor publishes.
+
+Out and quarantined are kept apart (see :class:`narwhal.fleet.FleetView`): ejected, probing
+and draining engines are not :meth:`~WorkerFleetState.placeable`; quarantined ones (published
+or local) are, but not :meth:`~WorkerFleetState.admitted`, so placement takes them only when
+nothing else can serve. Whether any is quarantined is known without a scan per placement (a
+flag set once per generation when the records are decoded, and the local table's size), and
+the normal path never asks it anyway: only a placement whose first pass found nothing does.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from narwhal.shm.records import (
 from narwhal.shm.shared import SharedFleet
 
 ADMITTED_STATES = frozenset({0, 5})  # admitted, degraded
+QUARANTINED = 1
+PLACEABLE_STATES = ADMITTED_STATES | {QUARANTINED}  # quarantine is soft (SPEC §5); 2-4 are out
 _PHASE = {"prefill": 0, "decode": 1}
 
 
@@ -40,6 +49,7 @@ class WorkerFleetState:
         self._n = len(fleet.engines)
         self._generation = -1
         self._records: list[EngineRecord | None] = [None] * len(fleet.engines)
+        self._published_quarantine = False  # some record of this generation is QUARANTINED
         self._hashes = [name_hash(e.name) for e in fleet.engines]
         self._quarantine: dict[int, float] = {}  # engine index -> monotonic deadline (local, at once)
         self._requests = 0
@@ -62,6 +72,7 @@ class WorkerFleetState:
                 # A record written for another engine list (before a reload) is not ours.
                 fresh.append(rec if rec is not None and rec.name_hash == self._hashes[engine.index] else None)
             self._records = fresh
+            self._published_quarantine = any(r is not None and r.state == QUARANTINED for r in fresh)
             self._generation = generation
         return self._records
 
@@ -76,6 +87,26 @@ class WorkerFleetState:
                     return False
                 del self._quarantine[engine.index]
         return True
+
+    def placeable(self, engine: Engine) -> bool:
+        rec = self.records()[engine.index]
+        return rec is None or rec.state in PLACEABLE_STATES
+
+    def any_quarantined(self) -> bool:
+        # Local entries are dropped lazily (admitted() deletes expired ones): a stale entry
+        # here only costs placement a second pass that finds what the first did.
+        self.records()
+        return self._published_quarantine or bool(self._quarantine)
+
+    def quarantine_left(self, engine: Engine) -> float:
+        left = 0.0
+        until = self._quarantine.get(engine.index)
+        if until is not None:
+            left = until - time.monotonic()
+        rec = self.records()[engine.index]
+        if rec is not None and rec.state == QUARANTINED and rec.quarantined_until is not None:
+            left = max(left, rec.quarantined_until - time.time())  # published in Unix seconds
+        return max(left, 0.0)
 
     def quarantine(self, engine: Engine, seconds: float) -> None:
         self._quarantine[engine.index] = time.monotonic() + seconds

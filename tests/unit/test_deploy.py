@@ -230,6 +230,18 @@ def test_the_example_settings_load_and_have_every_section(tmp_path: Path) -> Non
     assert len(section_lines) == len(SETTINGS_SECTIONS) - 1
 
 
+def test_production_settings_bound_quarantine_and_ejections(tmp_path: Path) -> None:
+    # Issue 16: a storm of requests every engine fails on must not empty a role. The example
+    # settings, the Kubernetes ConfigMap and the README's production guidance say the same.
+    configmap = _manifests()["ConfigMap"]["data"]["narwhal.toml"]
+    for text in ((DEPLOY / "narwhal.toml").read_text(), configmap):
+        recovery = _load_toml_text(text, tmp_path).recovery
+        assert (recovery.failure_quarantine_s, recovery.max_ejected_fraction, recovery.max_retries) == (1.0, 0.5, 1)
+    readme = (ROOT / "README.md").read_text()
+    assert "`failure_quarantine_s = 1` and `max_ejected_fraction = 0.5`" in readme
+    assert "Envoy's outlier detection ejects at most 10 %" in readme
+
+
 # ----------------------------------------------------------------------------- systemd
 
 
