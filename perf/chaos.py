@@ -172,7 +172,7 @@ class Chaos:
             w.kind += "_skipped"
         await asyncio.sleep(1.0)
         self.close_window(w)
-        await asyncio.sleep(1.5)  # let gunicorn respawn / the watchdog restart before the next one
+        await asyncio.sleep(1.5)  # let gunicorn respawn a worker / the master restart the supervisor before the next one
 
     async def track(self, events: list[str], runner: Any) -> None:
         """Fire ``events`` one after the other, the i-th once i/(n+1) of the requests are done."""
