@@ -16,8 +16,9 @@ Control routes (fleet process): ``GET /engines``, ``GET /engines/{name}/stats``,
 Per-request faults: the body key ``narwhal_fake: {"prefill": FaultSpec, "decode": FaultSpec}``.
 
 Modules: ``faults`` (specs), ``chunks`` (pre-encoded frames), ``parse`` (vLLM-like validation),
-``kv`` (held blocks, leases, side channel), ``generate`` (completions), ``routes`` (small routes),
-``engine`` (state + app), ``control`` (control app), ``fleet`` (process + CLI).
+``kvstore`` (held blocks, leases), ``state`` (engine state), ``kv`` (descriptor, pull, side
+channel), ``generate`` (completions), ``routes`` (small routes), ``engine`` (listener + app),
+``control`` (control app), ``fleet`` (process + CLI).
 """
 
 from __future__ import annotations

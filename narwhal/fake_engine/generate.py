@@ -24,7 +24,7 @@ import asyncio
 import socket
 import struct
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -40,9 +40,7 @@ from narwhal.fake_engine.chunks import (
 )
 from narwhal.fake_engine.faults import FaultSpec, effective_spec
 from narwhal.fake_engine.parse import ParsedRequest, RequestError, detect_phase, parse_request
-
-if TYPE_CHECKING:
-    from narwhal.fake_engine.engine import FakeEngine
+from narwhal.fake_engine.state import EngineState
 
 NO_SPEC = FaultSpec()
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -77,7 +75,7 @@ def _wants_pull(req: ParsedRequest) -> bool:
     return req.kv_params is not None and req.kv_params.get("do_remote_prefill") is True
 
 
-def _release_unpulled(engine: FakeEngine, params: Any) -> None:
+def _release_unpulled(engine: EngineState, params: Any) -> None:
     if isinstance(params, dict) and params.get("do_remote_prefill") is True and kv.pull_target(params):
         engine.spawn(kv.pull(engine, params))
 
@@ -149,7 +147,7 @@ class _Emitter:
             await resp.write(heartbeat)
 
 
-async def handle_completion(engine: FakeEngine, request: web.Request, chat: bool) -> web.StreamResponse:
+async def handle_completion(engine: EngineState, request: web.Request, chat: bool) -> web.StreamResponse:
     if engine.port is None:
         # In-process test servers never tell the engine its port: learn it from the socket.
         sockname = request.transport.get_extra_info("sockname") if request.transport else None
@@ -221,14 +219,14 @@ class _State:
         self.streaming = False
         self.done = False
 
-    def finish(self, engine: FakeEngine, outcome: str, status: int) -> None:
+    def finish(self, engine: EngineState, outcome: str, status: int) -> None:
         self.done = True
         self.rec["outcome"] = outcome
         self.rec["status"] = status
         if outcome == "completed":
             engine.completed_requests += 1
 
-    def aborted(self, engine: FakeEngine, req: ParsedRequest) -> None:
+    def aborted(self, engine: EngineState, req: ParsedRequest) -> None:
         if self.done:
             return
         self.done = True
@@ -240,7 +238,7 @@ class _State:
 
 
 async def _before_work(
-    engine: FakeEngine, request: web.Request, req: ParsedRequest, spec: FaultSpec, state: _State
+    engine: EngineState, request: web.Request, req: ParsedRequest, spec: FaultSpec, state: _State
 ) -> web.StreamResponse | None:
     """Faults that happen before any response byte: a response to return, or None to go on."""
     if spec.delay_headers_s:
@@ -261,7 +259,7 @@ async def _before_work(
     return None
 
 
-def _plan(engine: FakeEngine, req: ParsedRequest, spec: FaultSpec) -> tuple[int, str]:
+def _plan(engine: EngineState, req: ParsedRequest, spec: FaultSpec) -> tuple[int, str]:
     """How many tokens to generate and the finish reason of the last one."""
     if spec.tokens is not None:
         n = spec.tokens
@@ -273,14 +271,14 @@ def _plan(engine: FakeEngine, req: ParsedRequest, spec: FaultSpec) -> tuple[int,
     return n, finish
 
 
-def _response_id(request: web.Request, engine: FakeEngine, chat: bool) -> str:
+def _response_id(request: web.Request, engine: EngineState, chat: bool) -> str:
     # vLLM builds its request id from X-Request-Id when the client sends one.
     base = request.headers.get("x-request-id") or engine.next_id()
     return ("chatcmpl-" if chat else "cmpl-") + base
 
 
 async def _stream(
-    engine: FakeEngine, request: web.Request, req: ParsedRequest, spec: FaultSpec, state: _State
+    engine: EngineState, request: web.Request, req: ParsedRequest, spec: FaultSpec, state: _State
 ) -> web.StreamResponse:
     early = await _before_work(engine, request, req, spec, state)
     if early is not None:
@@ -295,7 +293,7 @@ async def _stream(
     if _wants_pull(req):
         assert req.kv_params is not None
         state.pulled = True  # set first: an abort mid-pull must not trigger a second read
-        ok = await engine.pull_kv(req.kv_params)
+        ok = await kv.consumer_pull(engine, req.kv_params)
         if not ok:
             await out.emit(error_event(500, KV_FAILED) + DONE)
             return _stream_end(engine, state, await out.finish(), "error")
@@ -347,7 +345,7 @@ async def _stream(
 
 
 def _stream_end(
-    engine: FakeEngine,
+    engine: EngineState,
     state: _State,
     resp: web.StreamResponse,
     outcome: str,
@@ -364,7 +362,7 @@ def _stream_end(
 
 
 async def _plain(
-    engine: FakeEngine, request: web.Request, req: ParsedRequest, spec: FaultSpec, state: _State
+    engine: EngineState, request: web.Request, req: ParsedRequest, spec: FaultSpec, state: _State
 ) -> web.StreamResponse:
     early = await _before_work(engine, request, req, spec, state)
     if early is not None:
@@ -372,7 +370,7 @@ async def _plain(
     if _wants_pull(req):
         assert req.kv_params is not None
         state.pulled = True  # set first: an abort mid-pull must not trigger a second read
-        ok = await engine.pull_kv(req.kv_params)
+        ok = await kv.consumer_pull(engine, req.kv_params)
         if not ok:
             state.finish(engine, "error", 500)
             return error_response(500, KV_FAILED)

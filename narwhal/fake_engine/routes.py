@@ -8,23 +8,19 @@ route, completions, lives in ``generate.py``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import orjson
 from aiohttp import web
 
 from narwhal.fake_engine import kv
 from narwhal.fake_engine.generate import handle_completion
-
-if TYPE_CHECKING:
-    from narwhal.fake_engine.engine import FakeEngine
+from narwhal.fake_engine.state import EngineState
 
 
 def json_response(data: object, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
 
 
-def add_routes(app: web.Application, engine: FakeEngine) -> None:
+def add_routes(app: web.Application, engine: EngineState) -> None:
     async def completions(request: web.Request) -> web.StreamResponse:
         return await handle_completion(engine, request, chat=False)
 
@@ -81,7 +77,7 @@ def add_routes(app: web.Application, engine: FakeEngine) -> None:
     app.router.add_post("/fake/kv/read", kv_read)
 
 
-def render_metrics(engine: FakeEngine) -> str:
+def render_metrics(engine: EngineState) -> str:
     """A few gauges and counters named like vLLM's, enough for a scraper or a load-aware policy."""
     label = '{engine="0",model_name="' + engine.model.replace('"', '\\"') + '"}'
     store = engine.kv
