@@ -184,6 +184,12 @@ def test_fake_engine_imports_nothing_else_from_narwhal() -> None:
     assert {name: targets for name, targets in foreign.items() if targets} == {}
 
 
+def test_fake_engine_modules_and_functions_stay_small() -> None:
+    modules, functions = sizes()
+    assert {m: n for m, n in modules.items() if n > MAX_MODULE_LINES} == {}
+    assert {f: n for f, n in functions.items() if n > MAX_FUNCTION_LINES} == {}
+
+
 def test_every_fake_engine_module_opens_with_a_docstring() -> None:
     missing = [name for name, path in module_files().items() if not ast.get_docstring(ast.parse(path.read_text()))]
     assert missing == []
