@@ -3,6 +3,11 @@
 Why a separate server rather than more ``/fake/*`` routes on each engine: ``stop`` must make an
 engine refuse connections, and a stopped engine cannot answer its own ``start``. One control port
 per fleet process also lets a test reach every engine's state from a single URL.
+
+Invariant: the control server only reads and sets engine state through ``FakeEngine``'s own
+methods (stats, records, faults, stop/start) and never serves a completion, so what a test sees
+here is exactly what the engine's requests see, and a control call cannot disturb the wire format
+a router is tested against. It sits above ``engine`` and below ``fleet``.
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@ These mirror what a router's probes and preflight touch on a real vLLM server
 (VLLM-PROTOCOL.md A.4): ``/health`` with an empty body (503 when the engine is dead),
 ``/version``, ``/v1/models``, ``/load`` and a Prometheus ``/metrics`` in vLLM's naming. The heavy
 route, completions, lives in ``generate.py``.
+
+Invariant: handlers are typed against ``state.EngineState`` and this module never imports
+``engine``: ``engine.build_engine_app`` calls ``add_routes``, so the app is assembled at the top of
+the package and the request path below it has no import cycle.
 """
 
 from __future__ import annotations
