@@ -15,9 +15,18 @@ Control routes (fleet process): ``GET /engines``, ``GET /engines/{name}/stats``,
 
 Per-request faults: the body key ``narwhal_fake: {"prefill": FaultSpec, "decode": FaultSpec}``.
 
-Modules: ``faults`` (specs), ``chunks`` (pre-encoded frames), ``parse`` (vLLM-like validation),
-``kv`` (held blocks, leases, side channel), ``generate`` (completions), ``routes`` (small routes),
-``engine`` (state + app), ``control`` (control app), ``fleet`` (process + CLI).
+Invariant: the package imports nothing else from ``narwhal`` (it shares no wire code with the
+router it tests, so a router bug cannot hide in both), and its modules import only downward, so
+there is no import cycle (``tests/unit/test_fake_engine_layout.py`` checks both). From the bottom:
+
+* ``faults`` (fault specs), ``chunks`` (vLLM's frames, pre-encoded), ``kvstore`` (held blocks and
+  their leases): leaves;
+* ``parse`` (vLLM-like validation), ``emit`` (SSE writes, error bodies, dropped connections),
+  ``state`` (``EngineState``: one engine's state, and the registry of engines by id);
+* ``kv`` (descriptor and pull: the KV handoff), then ``generate`` (completions), then ``routes``
+  (the engine's routes);
+* ``engine`` (``FakeEngine``, an ``EngineState`` that listens, and ``build_engine_app``), then
+  ``control`` (control app), then ``fleet`` (process and CLI).
 """
 
 from __future__ import annotations

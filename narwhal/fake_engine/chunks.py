@@ -10,6 +10,10 @@ the model name is escaped once per engine with orjson.
 
 Rare paths (errors, usage, non-streaming bodies) use orjson: they happen once per request.
 
+Invariant: every completion body and frame the fake sends is built here and nowhere else (``emit``
+writes them, ``generate`` picks them), so matching vLLM byte for byte is this module's job alone.
+It is a leaf: it imports nothing from the rest of the fake.
+
 Shapes follow vLLM's OpenAI server (VLLM-PROTOCOL.md A.4): completions frames carry ``text``,
 ``logprobs``, ``finish_reason``, ``stop_reason`` and ``"usage": null``; chat frames carry a
 ``delta`` and are serialized with ``exclude_unset`` so a plain content chunk has no ``stop_reason``

@@ -3,6 +3,11 @@
 Why a separate server rather than more ``/fake/*`` routes on each engine: ``stop`` must make an
 engine refuse connections, and a stopped engine cannot answer its own ``start``. One control port
 per fleet process also lets a test reach every engine's state from a single URL.
+
+Invariant: the control server only reads and sets engine state through ``FakeEngine``'s own
+methods (stats, records, faults, stop/start) and never serves a completion, so what a test sees
+here is exactly what the engine's requests see, and a control call cannot disturb the wire format
+a router is tested against. It sits above ``engine`` and below ``fleet``.
 """
 
 from __future__ import annotations
@@ -36,42 +41,42 @@ def _serving_view(engine: FakeEngine) -> dict[str, Any]:
     return {"name": engine.name, "serving": engine.serving, "url": engine.url}
 
 
-def build_control_app(engines: Mapping[str, FakeEngine]) -> web.Application:
-    """Routes: see the package docstring (``narwhal.fake_engine``) for the JSON shapes."""
-    app = web.Application()
+class _Control:
+    """The control routes over one fleet's engines (by name)."""
 
-    def engine_of(request: web.Request) -> FakeEngine:
+    def __init__(self, engines: Mapping[str, FakeEngine]) -> None:
+        self.engines = engines
+
+    def engine_of(self, request: web.Request) -> FakeEngine:
         name = request.match_info["name"]
-        engine = engines.get(name)
+        engine = self.engines.get(name)
         if engine is None:
             error = {"message": f"no engine {name!r}", "type": "NotFoundError", "param": None, "code": 404}
-            raise web.HTTPNotFound(
-                text=orjson.dumps({"error": error}).decode(), content_type="application/json"
-            )
+            raise web.HTTPNotFound(text=orjson.dumps({"error": error}).decode(), content_type="application/json")
         return engine
 
-    async def all_stats(request: web.Request) -> web.Response:
-        return _json({name: engine.stats() for name, engine in engines.items()})
+    async def all_stats(self, request: web.Request) -> web.Response:
+        return _json({name: engine.stats() for name, engine in self.engines.items()})
 
-    async def stats(request: web.Request) -> web.Response:
-        return _json(engine_of(request).stats())
+    async def stats(self, request: web.Request) -> web.Response:
+        return _json(self.engine_of(request).stats())
 
-    async def get_requests(request: web.Request) -> web.Response:
-        engine = engine_of(request)
+    async def get_requests(self, request: web.Request) -> web.Response:
+        engine = self.engine_of(request)
         records = engine.get_records(request.query.get("contains"))
         return _json({"name": engine.name, "count": len(records), "requests": records})
 
-    async def clear_requests(request: web.Request) -> web.Response:
-        engine = engine_of(request)
+    async def clear_requests(self, request: web.Request) -> web.Response:
+        engine = self.engine_of(request)
         cleared = len(engine.records)
         engine.clear_records()
         return _json({"name": engine.name, "cleared": cleared})
 
-    async def get_faults(request: web.Request) -> web.Response:
-        return _json(_faults_view(engine_of(request)))
+    async def get_faults(self, request: web.Request) -> web.Response:
+        return _json(_faults_view(self.engine_of(request)))
 
-    async def put_faults(request: web.Request) -> web.Response:
-        engine = engine_of(request)
+    async def put_faults(self, request: web.Request) -> web.Response:
+        engine = self.engine_of(request)
         try:
             faults = EngineFaults.model_validate_json(await request.read())
         except ValidationError as exc:
@@ -79,39 +84,44 @@ def build_control_app(engines: Mapping[str, FakeEngine]) -> web.Application:
         engine.set_faults(faults)
         return _json(_faults_view(engine))
 
-    async def clear_faults(request: web.Request) -> web.Response:
-        engine = engine_of(request)
+    async def clear_faults(self, request: web.Request) -> web.Response:
+        engine = self.engine_of(request)
         engine.clear_faults()
         return _json(_faults_view(engine))
 
-    async def stop(request: web.Request) -> web.Response:
-        engine = engine_of(request)
+    async def stop(self, request: web.Request) -> web.Response:
+        engine = self.engine_of(request)
         await engine.stop()
         return _json(_serving_view(engine))
 
-    async def start(request: web.Request) -> web.Response:
-        engine = engine_of(request)
+    async def start(self, request: web.Request) -> web.Response:
+        engine = self.engine_of(request)
         try:
             await engine.start(engine.listen_host)
         except OSError as exc:
             return _error(500, f"cannot listen again on port {engine.port}: {exc}")
         return _json(_serving_view(engine))
 
-    async def reset(request: web.Request) -> web.Response:
+    async def reset(self, request: web.Request) -> web.Response:
         # Held blocks stay: they are the state under test, and leases clean them up anyway.
-        for engine in engines.values():
+        for engine in self.engines.values():
             engine.clear_faults()
             engine.clear_records()
-        return _json({"reset": list(engines)})
+        return _json({"reset": list(self.engines)})
 
-    app.router.add_get("/engines", all_stats)
-    app.router.add_get("/engines/{name}/stats", stats)
-    app.router.add_get("/engines/{name}/requests", get_requests)
-    app.router.add_delete("/engines/{name}/requests", clear_requests)
-    app.router.add_get("/engines/{name}/faults", get_faults)
-    app.router.add_put("/engines/{name}/faults", put_faults)
-    app.router.add_delete("/engines/{name}/faults", clear_faults)
-    app.router.add_post("/engines/{name}/stop", stop)
-    app.router.add_post("/engines/{name}/start", start)
-    app.router.add_post("/reset", reset)
+
+def build_control_app(engines: Mapping[str, FakeEngine]) -> web.Application:
+    """Routes: see the package docstring (``narwhal.fake_engine``) for the JSON shapes."""
+    app = web.Application()
+    control = _Control(engines)
+    app.router.add_get("/engines", control.all_stats)
+    app.router.add_get("/engines/{name}/stats", control.stats)
+    app.router.add_get("/engines/{name}/requests", control.get_requests)
+    app.router.add_delete("/engines/{name}/requests", control.clear_requests)
+    app.router.add_get("/engines/{name}/faults", control.get_faults)
+    app.router.add_put("/engines/{name}/faults", control.put_faults)
+    app.router.add_delete("/engines/{name}/faults", control.clear_faults)
+    app.router.add_post("/engines/{name}/stop", control.stop)
+    app.router.add_post("/engines/{name}/start", control.start)
+    app.router.add_post("/reset", control.reset)
     return app

@@ -16,140 +16,44 @@ Order of events in one request, chosen to match what a router observes from vLLM
 A decode whose descriptor was never pulled (aborted while queued, rejected by a ``status`` fault or
 by validation) tells the producer to free the blocks, as vLLM does for aborts before scheduling and
 for rejected requests; a ``reset`` does not (a crashed engine notifies no one).
+
+Invariant: each request's record gets exactly one outcome (``_State.done``) and a decode reads its
+descriptor at most once (``pulled`` is set before the pull starts), whichever ``await`` an abort
+lands on: the counters and held blocks that tests assert on stay exact. This module only orders
+the events; how the bytes go out (faithful or coalesced writes) is ``emit.py``'s business.
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
-import struct
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from aiohttp import web
 
 from narwhal.fake_engine import kv
-from narwhal.fake_engine.chunks import (
-    DONE,
-    StreamFrames,
-    completion_body,
-    error_event,
-    error_object,
-    token_text,
-)
+from narwhal.fake_engine.chunks import DONE, StreamFrames, completion_body, error_event, token_text
+from narwhal.fake_engine.emit import Emitter, drop_connection, error_response
 from narwhal.fake_engine.faults import FaultSpec, effective_spec
 from narwhal.fake_engine.parse import ParsedRequest, RequestError, detect_phase, parse_request
-
-if TYPE_CHECKING:
-    from narwhal.fake_engine.engine import FakeEngine
+from narwhal.fake_engine.state import EngineState
 
 NO_SPEC = FaultSpec()
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 KV_FAILED = "KV transfer failed"
 RECORD_HEADERS = ("x-request-id", "authorization", "traceparent", "tracestate", "content-type")
-
-
-def error_response(
-    status: int, message: str, *, err_type: str | None = None, param: str | None = None, flat: bool = False
-) -> web.Response:
-    body = error_object(status, message, err_type=err_type, param=param, flat=flat)
-    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
-
-
-def drop_connection(request: web.BaseRequest, *, rst: bool) -> None:
-    """Close the TCP connection under the handler: RST for ``reset``, FIN after a partial body."""
-    transport = request.transport
-    if transport is None:
-        return
-    if rst:
-        sock = transport.get_extra_info("socket")
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        except (OSError, AttributeError):
-            pass
-        transport.abort()
-    else:
-        transport.close()
 
 
 def _wants_pull(req: ParsedRequest) -> bool:
     return req.kv_params is not None and req.kv_params.get("do_remote_prefill") is True
 
 
-def _release_unpulled(engine: FakeEngine, params: Any) -> None:
+def _release_unpulled(engine: EngineState, params: Any) -> None:
     if isinstance(params, dict) and params.get("do_remote_prefill") is True and kv.pull_target(params):
         engine.spawn(kv.pull(engine, params))
 
 
-class _Emitter:
-    """Writes frames one by one (faithful), or coalesced until the next pause (``coalesce``).
-
-    Faithful mode sends the headers at once, like Starlette, and makes one write per frame. In
-    coalesce mode nothing is sent until there is something to wait for (a pause, a heartbeat, a
-    dropped connection); a stream without any wait becomes one plain response whose body holds
-    every frame — one syscall instead of one per token, which is what the perf suite wants.
-    """
-
-    __slots__ = ("request", "state", "resp", "buf", "coalesce")
-
-    def __init__(self, request: web.Request, state: _State, coalesce: bool) -> None:
-        self.request = request
-        self.state = state
-        self.resp: web.StreamResponse | None = None
-        self.buf: list[bytes] = []
-        self.coalesce = coalesce
-
-    async def start(self) -> None:
-        if not self.coalesce:
-            await self._prepare()
-
-    async def _prepare(self) -> web.StreamResponse:
-        resp = self.resp
-        if resp is None:
-            resp = self.resp = self.state.resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
-            await resp.prepare(self.request)
-        return resp
-
-    async def emit(self, frame: bytes) -> None:
-        if self.coalesce:
-            self.buf.append(frame)
-        else:
-            await self.resp.write(frame)  # type: ignore[union-attr]  # prepared by start()
-
-    async def flush(self) -> web.StreamResponse:
-        """Send what is buffered; afterwards the headers are out in any mode."""
-        resp = await self._prepare()
-        if self.buf:
-            data = b"".join(self.buf)
-            self.buf.clear()
-            await resp.write(data)
-        return resp
-
-    async def finish(self) -> web.StreamResponse:
-        if self.resp is None:
-            body = b"".join(self.buf)
-            self.buf.clear()
-            return web.Response(status=200, headers=SSE_HEADERS, body=body)
-        return await self.flush()
-
-    async def pause(self, seconds: float, heartbeat_s: float | None, heartbeat: bytes) -> None:
-        """Sleep; every ``heartbeat_s`` send a metadata event (resets a router's silence timer)."""
-        resp = await self.flush()
-        if heartbeat_s is None:
-            await asyncio.sleep(seconds)
-            return
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + seconds
-        while (remaining := deadline - loop.time()) > 0:
-            if remaining <= heartbeat_s:
-                await asyncio.sleep(remaining)
-                return
-            await asyncio.sleep(heartbeat_s)
-            await resp.write(heartbeat)
-
-
-async def handle_completion(engine: FakeEngine, request: web.Request, chat: bool) -> web.StreamResponse:
+async def handle_completion(engine: EngineState, request: web.Request, chat: bool) -> web.StreamResponse:
     if engine.port is None:
         # In-process test servers never tell the engine its port: learn it from the socket.
         sockname = request.transport.get_extra_info("sockname") if request.transport else None
@@ -221,14 +125,14 @@ class _State:
         self.streaming = False
         self.done = False
 
-    def finish(self, engine: FakeEngine, outcome: str, status: int) -> None:
+    def finish(self, engine: EngineState, outcome: str, status: int) -> None:
         self.done = True
         self.rec["outcome"] = outcome
         self.rec["status"] = status
         if outcome == "completed":
             engine.completed_requests += 1
 
-    def aborted(self, engine: FakeEngine, req: ParsedRequest) -> None:
+    def aborted(self, engine: EngineState, req: ParsedRequest) -> None:
         if self.done:
             return
         self.done = True
@@ -240,7 +144,7 @@ class _State:
 
 
 async def _before_work(
-    engine: FakeEngine, request: web.Request, req: ParsedRequest, spec: FaultSpec, state: _State
+    engine: EngineState, request: web.Request, req: ParsedRequest, spec: FaultSpec, state: _State
 ) -> web.StreamResponse | None:
     """Faults that happen before any response byte: a response to return, or None to go on."""
     if spec.delay_headers_s:
@@ -261,7 +165,7 @@ async def _before_work(
     return None
 
 
-def _plan(engine: FakeEngine, req: ParsedRequest, spec: FaultSpec) -> tuple[int, str]:
+def _plan(engine: EngineState, req: ParsedRequest, spec: FaultSpec) -> tuple[int, str]:
     """How many tokens to generate and the finish reason of the last one."""
     if spec.tokens is not None:
         n = spec.tokens
@@ -273,14 +177,23 @@ def _plan(engine: FakeEngine, req: ParsedRequest, spec: FaultSpec) -> tuple[int,
     return n, finish
 
 
-def _response_id(request: web.Request, engine: FakeEngine, chat: bool) -> str:
+def _response_id(request: web.Request, engine: EngineState, chat: bool) -> str:
     # vLLM builds its request id from X-Request-Id when the client sends one.
     base = request.headers.get("x-request-id") or engine.next_id()
     return ("chatcmpl-" if chat else "cmpl-") + base
 
 
+async def _pull_for(engine: EngineState, req: ParsedRequest, state: _State) -> bool:
+    """The consumer's KV pull when the request is a decode with a descriptor; False: it failed."""
+    if not _wants_pull(req):
+        return True
+    assert req.kv_params is not None
+    state.pulled = True  # set first: an abort mid-pull must not trigger a second read
+    return await kv.consumer_pull(engine, req.kv_params)
+
+
 async def _stream(
-    engine: FakeEngine, request: web.Request, req: ParsedRequest, spec: FaultSpec, state: _State
+    engine: EngineState, request: web.Request, req: ParsedRequest, spec: FaultSpec, state: _State
 ) -> web.StreamResponse:
     early = await _before_work(engine, request, req, spec, state)
     if early is not None:
@@ -289,19 +202,13 @@ async def _stream(
     rid = _response_id(request, engine, req.chat)
     frames: StreamFrames = engine.templates(req.model).frames(req.chat, rid, int(time.time()))
 
-    out = _Emitter(request, state, engine.coalesce)
+    out = Emitter(request, state, engine.coalesce)
     await out.start()
-
-    if _wants_pull(req):
-        assert req.kv_params is not None
-        state.pulled = True  # set first: an abort mid-pull must not trigger a second read
-        ok = await engine.pull_kv(req.kv_params)
-        if not ok:
-            await out.emit(error_event(500, KV_FAILED) + DONE)
-            return _stream_end(engine, state, await out.finish(), "error")
+    if not await _pull_for(engine, req, state):
+        await out.emit(error_event(500, KV_FAILED) + DONE)
+        return _stream_end(engine, state, await out.finish(), "error")
 
     prompt = req.prompt_tokens
-    hb_s = spec.heartbeat_s
     if req.chat:
         await out.emit(frames.role())
     if spec.done_before_token:
@@ -314,28 +221,14 @@ async def _stream(
         await out.emit(DONE)
         return _stream_end(engine, state, await out.finish(), "completed", hold=req)
     if spec.delay_first_token_s:
-        await out.pause(spec.delay_first_token_s, hb_s, frames.heartbeat(prompt, 0))
+        await out.pause(spec.delay_first_token_s, spec.heartbeat_s, frames.heartbeat(prompt, 0))
 
-    token_delay = spec.token_delay_s if spec.token_delay_s is not None else engine.token_delay_s
+    i = await _emit_tokens(engine, out, spec, frames, prompt, n, finish)
     err = spec.stream_error
-    err_at = err.after if err is not None else -1
-    close_at = spec.close_after if spec.close_after is not None else -1
-    silence_at = spec.silence_after if spec.silence_after is not None and spec.silence_s else -1
-    last = n - 1
-    for i in range(n):
-        if i == err_at or i == close_at:
-            break
-        if i and token_delay:
-            await out.pause(token_delay, None, b"")
-        if i == silence_at:
-            await out.pause(spec.silence_s, hb_s, frames.heartbeat(prompt, i))
-        await out.emit(frames.last_token(i, finish) if i == last else frames.token(i))
-    else:
-        i = n
-    if err is not None and i == min(err_at, n):
+    if err is not None and i == min(err.after, n):
         await out.emit(error_event(err.code, err.message, flat=err.flat) + DONE)
         return _stream_end(engine, state, await out.finish(), "error")
-    if i == min(close_at, n) and close_at >= 0:
+    if spec.close_after is not None and i == min(spec.close_after, n):
         resp = await out.flush()
         state.finish(engine, "closed", 200)
         drop_connection(request, rst=False)
@@ -346,8 +239,29 @@ async def _stream(
     return _stream_end(engine, state, await out.finish(), "completed", hold=req)
 
 
+async def _emit_tokens(
+    engine: EngineState, out: Emitter, spec: FaultSpec, frames: StreamFrames, prompt: int, n: int, finish: str
+) -> int:
+    """Send the token frames with their pauses: the index a fault stopped at (``n``: all sent)."""
+    token_delay = spec.token_delay_s if spec.token_delay_s is not None else engine.token_delay_s
+    hb_s = spec.heartbeat_s
+    err_at = spec.stream_error.after if spec.stream_error is not None else -1
+    close_at = spec.close_after if spec.close_after is not None else -1
+    silence_at = spec.silence_after if spec.silence_after is not None and spec.silence_s else -1
+    last = n - 1
+    for i in range(n):
+        if i == err_at or i == close_at:
+            return i
+        if i and token_delay:
+            await out.pause(token_delay, None, b"")
+        if i == silence_at:
+            await out.pause(spec.silence_s, hb_s, frames.heartbeat(prompt, i))
+        await out.emit(frames.last_token(i, finish) if i == last else frames.token(i))
+    return n
+
+
 def _stream_end(
-    engine: FakeEngine,
+    engine: EngineState,
     state: _State,
     resp: web.StreamResponse,
     outcome: str,
@@ -364,18 +278,14 @@ def _stream_end(
 
 
 async def _plain(
-    engine: FakeEngine, request: web.Request, req: ParsedRequest, spec: FaultSpec, state: _State
+    engine: EngineState, request: web.Request, req: ParsedRequest, spec: FaultSpec, state: _State
 ) -> web.StreamResponse:
     early = await _before_work(engine, request, req, spec, state)
     if early is not None:
         return early
-    if _wants_pull(req):
-        assert req.kv_params is not None
-        state.pulled = True  # set first: an abort mid-pull must not trigger a second read
-        ok = await engine.pull_kv(req.kv_params)
-        if not ok:
-            state.finish(engine, "error", 500)
-            return error_response(500, KV_FAILED)
+    if not await _pull_for(engine, req, state):
+        state.finish(engine, "error", 500)
+        return error_response(500, KV_FAILED)
     n, finish = _plan(engine, req, spec)
     token_delay = spec.token_delay_s if spec.token_delay_s is not None else engine.token_delay_s
     produced = n

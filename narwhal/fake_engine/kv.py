@@ -1,4 +1,4 @@
-"""Imitation of NixlConnector's KV handoff: held blocks, leases, and the consumer's pull.
+"""Imitation of NixlConnector's KV handoff: the producer's descriptor and the consumer's pull.
 
 What vLLM does (VLLM-PROTOCOL.md A.2–A.5): a prefill sent with ``do_remote_decode: true`` finishes,
 but its KV blocks stay allocated on the producer (``delay_free_blocks``) until a consumer READs
@@ -9,118 +9,31 @@ that cannot happen at all (producer unreachable, transfer error) with
 
 How the fake does it:
 
-* ``KvStore`` is one producer's table of held entries, keyed by ``remote_request_id``. The lease is
-  constant per engine, so expiry order equals insertion order: the sweeper pops from the front of
-  an insertion-ordered dict and stops at the first live entry (cost proportional to what expires).
-  Accesses also sweep, so a read racing the sweeper still sees an expired entry as expired.
-* The "side channel" is, first, a process-local registry of engines by ``engine_id`` (no HTTP: a
-  fleet of engines in one process hands off at memory speed), and otherwise
-  ``POST http://{remote_host}:{remote_port}/fake/kv/read`` on the producer.
+* The held blocks are each producer's ``kvstore.KvStore`` (lease and sweep rules there). A
+  descriptor holds its blocks unless no consumer could ever read it (``producer_descriptor``).
+* The "side channel" is, first, the process-local registry of engines by ``engine_id``
+  (``state.lookup``; no HTTP: a fleet of engines in one process hands off at memory speed), and
+  otherwise ``POST http://{remote_host}:{remote_port}/fake/kv/read`` on the producer.
 
 Late reads and reads are counted on the *producer* (vLLM logs them there); the consumer counts its
-own pulls and pull failures.
+own pulls and pull failures (``consumer_pull``), but not the reads that only release the blocks of
+a decode that never ran. Works on ``state.EngineState``, below the engine's app: nothing here
+imports ``engine``, ``routes`` or ``generate``.
 """
 
 from __future__ import annotations
 
-import time
-import weakref
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 
-if TYPE_CHECKING:
-    from narwhal.fake_engine.engine import FakeEngine
-
-# Process-local side channel: engine_id -> engine. Weak, so engines dropped by tests vanish.
-_REGISTRY: weakref.WeakValueDictionary[str, FakeEngine] = weakref.WeakValueDictionary()
-
-
-def register(engine: FakeEngine) -> None:
-    _REGISTRY[engine.engine_id] = engine
-
-
-def unregister(engine: FakeEngine) -> None:
-    if _REGISTRY.get(engine.engine_id) is engine:
-        del _REGISTRY[engine.engine_id]
-
-
-def lookup(engine_id: str) -> FakeEngine | None:
-    return _REGISTRY.get(engine_id)
-
-
-@dataclass(slots=True)
-class HeldEntry:
-    blocks: list[int]
-    expires_at: float
-
-
-@dataclass(slots=True)
-class KvStore:
-    """One producer's held KV blocks and the counters around them."""
-
-    lease_s: float
-    block_size: int
-    held: dict[str, HeldEntry] = field(default_factory=dict)
-    next_block: int = 0
-    held_blocks: int = 0
-    kv_reads: int = 0
-    late_reads: int = 0
-    expired_blocks: int = 0
-    expired_requests: int = 0
-
-    def allocate(self, remote_request_id: str, prompt_tokens: int) -> list[int]:
-        """Pin ``prompt_tokens // block_size`` fresh blocks until read or lease expiry."""
-        n = prompt_tokens // self.block_size
-        start = self.next_block
-        self.next_block = start + n
-        blocks = list(range(start, start + n))
-        self.held[remote_request_id] = HeldEntry(blocks, time.monotonic() + self.lease_s)
-        self.held_blocks += n
-        return blocks
-
-    def unique_request_id(self, candidate: str) -> str:
-        """``candidate`` unless already held (a reused X-Request-Id must not clobber an entry)."""
-        if candidate not in self.held:
-            return candidate
-        k = 1
-        while f"{candidate}-{k}" in self.held:
-            k += 1
-        return f"{candidate}-{k}"
-
-    def release(self, remote_request_id: str) -> int | None:
-        """A consumer read the blocks: free them. None means unknown or expired (a late read)."""
-        self.sweep()
-        entry = self.held.pop(remote_request_id, None)
-        if entry is None:
-            self.late_reads += 1
-            return None
-        self.held_blocks -= len(entry.blocks)
-        self.kv_reads += 1
-        return len(entry.blocks)
-
-    def sweep(self, now: float | None = None) -> None:
-        if not self.held:
-            return
-        now = time.monotonic() if now is None else now
-        expired: list[str] = []
-        for key, entry in self.held.items():
-            if entry.expires_at > now:
-                break
-            expired.append(key)
-        for key in expired:
-            entry = self.held.pop(key)
-            self.held_blocks -= len(entry.blocks)
-            self.expired_blocks += len(entry.blocks)
-            self.expired_requests += 1
-
+from narwhal.fake_engine.state import EngineState, lookup
 
 MISSING: Any = object()
 
 
 def producer_descriptor(
-    engine: FakeEngine, params: dict[str, Any] | None, rid: str, prompt_tokens: int, fault: str | None
+    engine: EngineState, params: dict[str, Any] | None, rid: str, prompt_tokens: int, fault: str | None
 ) -> Any:
     """The producer's handoff (VLLM-PROTOCOL.md A.2, newest key set), corrupted on demand.
 
@@ -188,7 +101,7 @@ def pull_target(params: dict[str, Any]) -> tuple[str, str, str, int] | None:
     return engine_id, request_id, host, port
 
 
-async def pull(consumer: FakeEngine, params: dict[str, Any]) -> bool:
+async def pull(consumer: EngineState, params: dict[str, Any]) -> bool:
     """Read the producer's KV for a decode. False means the transfer failed (fail the decode)."""
     target = pull_target(params)
     if target is None:
@@ -203,8 +116,18 @@ async def pull(consumer: FakeEngine, params: dict[str, Any]) -> bool:
     return await _pull_http(consumer, engine_id, request_id, host, port, params.get("remote_block_ids"))
 
 
+async def consumer_pull(consumer: EngineState, params: dict[str, Any]) -> bool:
+    """``pull`` for a decode about to run, counted on the consumer (a pull or a pull failure)."""
+    ok = await pull(consumer, params)
+    if ok:
+        consumer.kv_pulls += 1
+    else:
+        consumer.kv_pull_failures += 1
+    return ok
+
+
 async def _pull_http(
-    consumer: FakeEngine, engine_id: str, request_id: str, host: str, port: int, blocks: Any
+    consumer: EngineState, engine_id: str, request_id: str, host: str, port: int, blocks: Any
 ) -> bool:
     if not 0 < port < 65536:
         return False
@@ -219,7 +142,7 @@ async def _pull_http(
         return False
 
 
-def serve_read(producer: FakeEngine, body: Any) -> tuple[int, dict[str, Any]]:
+def serve_read(producer: EngineState, body: Any) -> tuple[int, dict[str, Any]]:
     """The producer's side of ``POST /fake/kv/read``: (status, JSON body)."""
     if not isinstance(body, dict) or not isinstance(body.get("remote_request_id"), str):
         return 400, {"ok": False, "reason": "remote_request_id required"}

@@ -9,6 +9,11 @@ Phase detection decides which fault spec applies and labels the request records:
 ``do_remote_decode`` marks a producer prefill, ``do_remote_prefill`` a consumer decode, and a
 non-streaming ``max_tokens: 1`` + ``ignore_eos`` request without ``kv_transfer_params`` is the
 router's same-engine warm-up prefill (SPEC §3 step 3).
+
+Invariant: ``parse_request`` either returns a ``ParsedRequest`` that generation can trust as is
+(known model, non-negative integer ``max_tokens``, ``kv_params`` a dict or None) or raises
+``RequestError`` with vLLM's status; it records, counts and holds nothing, so a rejected request
+leaves the engine's state to the caller.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from narwhal.fake_engine.faults import RequestFaults
 class RequestError(Exception):
     """A request vLLM would reject: becomes an error body with this status."""
 
-    def __init__(self, status: int, message: str, *, err_type: str | None = None, param: str | None = None):
+    def __init__(
+        self, status: int, message: str, *, err_type: str | None = None, param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message

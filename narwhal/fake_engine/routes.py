@@ -4,27 +4,27 @@ These mirror what a router's probes and preflight touch on a real vLLM server
 (VLLM-PROTOCOL.md A.4): ``/health`` with an empty body (503 when the engine is dead),
 ``/version``, ``/v1/models``, ``/load`` and a Prometheus ``/metrics`` in vLLM's naming. The heavy
 route, completions, lives in ``generate.py``.
+
+Invariant: handlers are typed against ``state.EngineState`` and this module never imports
+``engine``: ``engine.build_engine_app`` calls ``add_routes``, so the app is assembled at the top of
+the package and the request path below it has no import cycle.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import orjson
 from aiohttp import web
 
 from narwhal.fake_engine import kv
 from narwhal.fake_engine.generate import handle_completion
-
-if TYPE_CHECKING:
-    from narwhal.fake_engine.engine import FakeEngine
+from narwhal.fake_engine.state import EngineState
 
 
 def json_response(data: object, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
 
 
-def add_routes(app: web.Application, engine: FakeEngine) -> None:
+def add_routes(app: web.Application, engine: EngineState) -> None:
     async def completions(request: web.Request) -> web.StreamResponse:
         return await handle_completion(engine, request, chat=False)
 
@@ -84,7 +84,7 @@ def add_routes(app: web.Application, engine: FakeEngine) -> None:
     app.router.add_post("/fake/kv/read", kv_read)
 
 
-def render_metrics(engine: FakeEngine) -> str:
+def render_metrics(engine: EngineState) -> str:
     """A few gauges and counters named like vLLM's, enough for a scraper or a load-aware policy."""
     label = '{engine="0",model_name="' + engine.model.replace('"', '\\"') + '"}'
     store = engine.kv

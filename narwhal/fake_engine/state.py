@@ -1,0 +1,223 @@
+"""What one fake engine is, without its HTTP app: configuration, faults, counters, records, KV.
+
+Invariant: this module sits at the bottom of the engine's import stack. It imports only the leaf
+modules (``chunks``, ``faults``, ``kvstore``), never ``kv``, ``generate``, ``routes`` or ``engine``,
+and everything a request handler touches on an engine lives here. That is why the handoff
+(``kv``), the completions (``generate``) and the small routes (``routes``) are typed against
+``EngineState`` and import it, while ``engine.FakeEngine`` (an ``EngineState`` that can listen,
+stop and restart) sits on top and assembles the aiohttp app: arrows only point down.
+
+The process-wide registry of engines by ``engine_id`` lives here too, for the same reason: it is
+the in-process half of the KV side channel (``kv.pull`` looks producers up in it, the engine's
+lifecycle keeps it current), and both ends must reach it without importing each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import ssl
+import time
+import uuid
+import weakref
+from collections import deque
+from collections.abc import Coroutine
+from typing import Any
+
+import aiohttp
+import orjson
+
+from narwhal.fake_engine.chunks import ModelTemplates
+from narwhal.fake_engine.faults import NO_FAULTS, EngineFaults
+from narwhal.fake_engine.kvstore import KvStore
+
+# Process-local side channel: engine_id -> engine. Weak, so engines dropped by tests vanish.
+_REGISTRY: weakref.WeakValueDictionary[str, EngineState] = weakref.WeakValueDictionary()
+
+
+def register(engine: EngineState) -> None:
+    _REGISTRY[engine.engine_id] = engine
+
+
+def unregister(engine: EngineState) -> None:
+    if _REGISTRY.get(engine.engine_id) is engine:
+        del _REGISTRY[engine.engine_id]
+
+
+def lookup(engine_id: str) -> EngineState | None:
+    return _REGISTRY.get(engine_id)
+
+
+class EngineState:
+    """State of one fake engine (acts as producer and consumer, like vLLM with ``kv_both``)."""
+
+    def __init__(
+        self,
+        name: str = "e0",
+        *,
+        model: str = "fake-model",
+        version: str = "0.11.0",
+        lease_s: float = 30.0,
+        block_size: int = 16,
+        default_tokens: int = 16,
+        token_delay_s: float = 0.0,
+        coalesce: bool = False,
+        flat_block_ids: bool = False,
+        advertise_host: str = "127.0.0.1",
+        max_model_len: int = 8192,
+        local_kv: bool = True,
+        records_max: int = 2000,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        self.name = name
+        self.engine_id = str(uuid.uuid4())
+        self.model = model
+        self.base_version = version
+        self.default_tokens = default_tokens
+        self.token_delay_s = token_delay_s
+        self.coalesce = coalesce
+        self.flat_block_ids = flat_block_ids
+        self.advertise_host = advertise_host
+        self.max_model_len = max_model_len
+        # False forces consumers to use the HTTP side channel even for producers in this process.
+        self.local_kv = local_kv
+        self.port: int | None = None
+        self.serving = False
+        self.faults: EngineFaults = NO_FAULTS
+        self.kv = KvStore(lease_s=lease_s, block_size=block_size)
+        self.records: deque[dict[str, Any]] = deque(maxlen=records_max)
+        self.requests_prefill = 0
+        self.requests_decode = 0
+        self.active_requests = 0
+        self.active_streams = 0
+        self.aborted_streams = 0
+        self.completed_streams = 0
+        self.completed_requests = 0
+        self.kv_pulls = 0
+        self.kv_pull_failures = 0
+        # GETs of /health, /version and /v1/models answered: lets a test wait for N health
+        # checks (or a lifecycle validation) instead of sleeping and hoping they happened.
+        self.control_reads = {"health": 0, "version": 0, "models": 0}
+        self._id_prefix = secrets.token_hex(4)
+        self._seq = 0
+        self._templates: dict[str, ModelTemplates] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.listen_host = "127.0.0.1"
+        self.ssl_context = ssl_context  # serve https, as an engine behind a TLS terminator would
+        self.created = int(time.time())
+        register(self)
+
+    # -- configuration seen by requests -------------------------------------------------------
+
+    @property
+    def models(self) -> list[str]:
+        return self.faults.models if self.faults.models else [self.model]
+
+    @property
+    def version(self) -> str:
+        return self.faults.version or self.base_version
+
+    @property
+    def url(self) -> str | None:
+        scheme = "https" if self.ssl_context is not None else "http"
+        return None if self.port is None else f"{scheme}://{self.advertise_host}:{self.port}"
+
+    def set_faults(self, faults: EngineFaults | dict[str, Any]) -> EngineFaults:
+        self.faults = faults if isinstance(faults, EngineFaults) else EngineFaults.model_validate(faults)
+        return self.faults
+
+    def clear_faults(self) -> None:
+        self.faults = NO_FAULTS
+
+    def templates(self, model: str) -> ModelTemplates:
+        tpl = self._templates.get(model)
+        if tpl is None:
+            tpl = self._templates[model] = ModelTemplates(model)
+        return tpl
+
+    def next_id(self) -> str:
+        self._seq += 1
+        return f"{self._id_prefix}{self._seq:08x}"
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def count_request(self, phase: str) -> None:
+        if phase == "prefill":
+            self.requests_prefill += 1
+        else:
+            self.requests_decode += 1
+
+    def record(self, phase: str, path: str, headers: dict[str, str], body: Any) -> dict[str, Any]:
+        rec: dict[str, Any] = {
+            "phase": phase,
+            "path": path,
+            "headers": headers,
+            "body": body,
+            "t": time.time(),
+            "outcome": "pending",
+            "status": None,
+        }
+        self.records.append(rec)
+        return rec
+
+    def get_records(self, contains: str | None = None) -> list[dict[str, Any]]:
+        records = list(self.records)
+        if contains:
+            needle = contains.encode()
+            records = [r for r in records if needle in orjson.dumps(r["body"])]
+        return records
+
+    def clear_records(self) -> None:
+        self.records.clear()
+
+    def stats(self) -> dict[str, Any]:
+        self.kv.sweep()
+        store = self.kv
+        return {
+            "name": self.name,
+            "engine_id": self.engine_id,
+            "url": self.url,
+            "serving": self.serving,
+            "held_blocks": store.held_blocks,
+            "held_requests": len(store.held),
+            "requests": {
+                "prefill": self.requests_prefill,
+                "decode": self.requests_decode,
+                "total": self.requests_prefill + self.requests_decode,
+            },
+            "kv_reads": store.kv_reads,
+            "late_reads": store.late_reads,
+            "expired_blocks": store.expired_blocks,
+            "expired_requests": store.expired_requests,
+            "kv_pulls": self.kv_pulls,
+            "kv_pull_failures": self.kv_pull_failures,
+            "active_requests": self.active_requests,
+            "active_streams": self.active_streams,
+            "aborted_streams": self.aborted_streams,
+            "completed_streams": self.completed_streams,
+            "completed_requests": self.completed_requests,
+            "control_reads": dict(self.control_reads),
+        }
+
+    # -- background work and the side channel's HTTP client ----------------------------------
+
+    def client_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5, sock_connect=2))
+        return self._session
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run background work (e.g. releasing a producer's blocks after an abort) tied to us."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def end_background(self, *others: asyncio.Task[Any]) -> None:
+        """Cancel spawned work, wait for it and for ``others`` (already cancelled), close the client."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*others, *self._tasks, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
