@@ -24,7 +24,7 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
     if args.config:
         os.environ[CONFIG_ENV] = os.path.abspath(args.config)
     load_settings_or_exit()  # fail here, with one line, before gunicorn starts
-    from narwhal.gunicorn_hooks import CONFIG_FILE
+    from narwhal.front.gunicorn_hooks import CONFIG_FILE
 
     argv = [sys.executable, "-m", "gunicorn", "-c", CONFIG_FILE, *extra]
     os.execv(sys.executable, argv)
@@ -95,7 +95,7 @@ def _run(argv: list[str]) -> int:
     if args.command == "serve":
         return _serve(args, extra)
     if args.command == "preflight":
-        from narwhal.preflight import main as preflight_main
+        from narwhal.preflight.check import main as preflight_main
 
         return preflight_main(args)
     from narwhal.demo import run_demo

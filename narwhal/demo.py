@@ -14,7 +14,7 @@ import socket
 import sys
 import threading
 
-from narwhal.harness import FakeFleet, RouterProcess, write_config
+from narwhal.testing.harness import FakeFleet, RouterProcess, write_config
 
 MODEL = "fake-model"
 DEFAULT_PORT = 8080

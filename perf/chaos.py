@@ -34,7 +34,7 @@ from typing import Any
 
 import aiohttp
 
-from narwhal.harness import FakeFleet, RouterProcess, write_config
+from narwhal.testing.harness import FakeFleet, RouterProcess, write_config
 from perf import chaos_checks as checks
 from perf import chaos_storm as storm
 from perf.chaos_faults import (
@@ -172,7 +172,7 @@ class Chaos:
             w.kind += "_skipped"
         await asyncio.sleep(1.0)
         self.close_window(w)
-        await asyncio.sleep(1.5)  # let gunicorn respawn a worker / the master restart the supervisor before the next one
+        await asyncio.sleep(1.5)  # gunicorn respawns a worker / the master the supervisor before the next
 
     async def track(self, events: list[str], runner: Any) -> None:
         """Fire ``events`` one after the other, the i-th once i/(n+1) of the requests are done."""

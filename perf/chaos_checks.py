@@ -20,8 +20,8 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from narwhal.harness import FakeFleet
-from narwhal.harness import router_roles as harness_roles
+from narwhal.testing.harness import FakeFleet
+from narwhal.testing.harness import router_roles as harness_roles
 
 
 def proc_fds(pid: int) -> int | None:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from narwhal.harness import FakeFleet, RouterProcess, write_config
+from narwhal.testing.harness import FakeFleet, RouterProcess, write_config
 from perf.load import COMPLETIONS, MODEL, Workload
 
 # The reference peer: the Rust vllm-router 0.1.17 in PD mode (``--peer vllm-router``).

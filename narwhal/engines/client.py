@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from narwhal import sse
+from narwhal.engines import sse
 from narwhal.engines.connector import (
     PrefillResult,
     decode_body,
@@ -32,9 +32,9 @@ from narwhal.engines.connector import (
 from narwhal.engines.control import EngineRef, auth_line, ssl_context
 from narwhal.engines.http1 import ConnectFailed, Connection, UpstreamError, UpstreamPool, header_lines
 from narwhal.engines.relay import DirectRelay, Sink
+from narwhal.engines.timers import LazyTimeout
 from narwhal.errors import DeadlineExceeded, EngineClientError, EngineError, Phase
 from narwhal.settings import EngineSettings
-from narwhal.timeouts import LazyTimeout
 
 _DRAIN_S = 1.0
 # The direct relay has a fixed cost per stream (a timer, a wakeup for the end). The span after

@@ -21,7 +21,7 @@ module does just that, in a few steps per request:
   client never makes the router buffer an engine's whole answer.
 
 TCP_NODELAY is set by the event loop itself (uvloop and asyncio do it for every TCP transport);
-``tests/unit/test_http1.py`` checks it on the upstream sockets rather than setting it twice.
+``tests/unit/engines/test_http1.py`` checks it on the upstream sockets rather than setting it twice.
 
 Errors are three classes, mapped to SPEC reasons in exactly one place (``engines.client``):
 :class:`ConnectFailed` (nothing was sent), :class:`ConnectionLost` (the connection ended before

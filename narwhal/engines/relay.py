@@ -26,7 +26,7 @@ import math
 from collections.abc import Callable
 
 from narwhal.engines.http1 import Connection
-from narwhal.sse import SSEFramer, may_end_stream
+from narwhal.engines.sse import SSEFramer, may_end_stream
 
 Sink = Callable[[bytes], bool]  # write a span to the client; False when the client fell behind
 

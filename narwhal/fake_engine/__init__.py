@@ -17,7 +17,7 @@ Per-request faults: the body key ``narwhal_fake: {"prefill": FaultSpec, "decode"
 
 Invariant: the package imports nothing else from ``narwhal`` (it shares no wire code with the
 router it tests, so a router bug cannot hide in both), and its modules import only downward, so
-there is no import cycle (``tests/unit/test_fake_engine_layout.py`` checks both). From the bottom:
+there is no import cycle (``tests/unit/fake_engine/test_fake_engine_layout.py`` checks both). From the bottom:
 
 * ``faults`` (fault specs), ``chunks`` (vLLM's frames, pre-encoded), ``kvstore`` (held blocks and
   their leases): leaves;

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from narwhal.fleet import Engine, Fleet
-from narwhal.placement import LocalInflight
+from narwhal.fleet.placement import LocalInflight
 
 
 class LocalFleetState(LocalInflight):
@@ -34,7 +34,7 @@ class LocalFleetState(LocalInflight):
                 del self._quarantine[engine.index]  # over: any_quarantined() stops saying so
         return True
 
-    # Quarantine is soft (narwhal.fleet.FleetView): a quarantined engine stays placeable.
+    # Quarantine is soft (narwhal.fleet.roster.FleetView): a quarantined engine stays placeable.
     def placeable(self, engine: Engine) -> bool:
         return engine.index not in self.out
 

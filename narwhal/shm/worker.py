@@ -5,7 +5,7 @@ every slot's counts at once: no lock and no IPC round-trip. Engine records are d
 only when the supervisor bumps the generation. A failure seen here quarantines its engine in
 this worker at once; the fleet learns of it when the supervisor publishes.
 
-Out and quarantined are kept apart (see :class:`narwhal.fleet.FleetView`): ejected, probing
+Out and quarantined are kept apart (see :class:`narwhal.fleet.roster.FleetView`): ejected, probing
 and draining engines are not :meth:`~WorkerFleetState.placeable`; quarantined ones (published
 or local) are, but not :meth:`~WorkerFleetState.admitted`, so placement takes them only when
 nothing else can serve. Whether any is quarantined is known without a scan per placement (a
@@ -167,7 +167,7 @@ class WorkerFleetState:
         self._retries -= 1
         self.shared.set_slot_field(self.slot, L.SLOT_RETRIES, self._retries)
 
-    # -- client connections (narwhal.accept.ConnectionShare) ----------------------------------
+    # -- client connections (narwhal.front.accept.ConnectionShare) ----------------------------------
 
     def publish(self, connections: int | None) -> None:
         L.U32.pack_into(self._mm, self._connections_at, L.NOT_ACCEPTING if connections is None else connections)

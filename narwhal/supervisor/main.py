@@ -24,9 +24,9 @@ import time
 from typing import Any
 
 from narwhal import metrics
-from narwhal.breaker import Breakers, EngineInfo, EngineStatus, Outcome, State
 from narwhal.engines.control import open_session
 from narwhal.fleet import Engine, Fleet
+from narwhal.fleet.breaker import Breakers, EngineInfo, EngineStatus, Outcome, State
 from narwhal.settings import Settings
 from narwhal.shm.records import (
     FLAG_BEFORE_TOKEN,

@@ -8,7 +8,7 @@ took the supervisor with it, for good). So the master watches the supervisor its
 
 How the master watches without a periodic hook of its own: gunicorn's main loop calls
 ``Arbiter.manage_workers`` at least once a second and right after every signal (SIGCHLD
-included), so ``narwhal.gunicorn_hooks`` wraps that one method of the running arbiter to call
+included), so ``narwhal.front.gunicorn_hooks`` wraps that one method of the running arbiter to call
 :meth:`SupervisorKeeper.check`. gunicorn reaps every child with ``waitpid(-1)`` (an unknown
 pid is reaped and forgotten), so the keeper cannot ``waitpid`` its child; it learns of the
 exit from a **pidfd** (``pidfd_open``, exact even after the reap and immune to pid reuse),

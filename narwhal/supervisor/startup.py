@@ -14,9 +14,9 @@ import asyncio
 import sys
 import time
 
-from narwhal.breaker import State
 from narwhal.fleet import Fleet
-from narwhal.preflight import run_preflight
+from narwhal.fleet.breaker import State
+from narwhal.preflight.check import run_preflight
 from narwhal.settings import Settings
 from narwhal.shm.records import EngineRecord, name_hash, write_record
 from narwhal.shm.shared import SharedFleet

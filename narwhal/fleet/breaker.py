@@ -1,0 +1,445 @@
+"""Circuit breakers, quarantine, probes and readmission of engines (SPEC §5, §6): pure state.
+
+The supervisor owns one :class:`Breakers`. It feeds it the workers' reports in completion
+order (:meth:`~Breakers.record`), its own health checks (:meth:`~Breakers.health_failed`),
+probe results and operator actions, calls :meth:`~Breakers.tick` and
+:meth:`~Breakers.due_probes` on its clock, and publishes :meth:`~Breakers.statuses` whenever
+:attr:`~Breakers.version` moved. Nothing here does I/O, awaits or reads a clock: every time is
+an argument (seconds on the supervisor's monotonic-like clock; converting
+``quarantined_until`` / ``last_failure_at`` to Unix seconds for the admin API is the
+supervisor's job). Blame — who a failed attempt counts against — is in
+:mod:`narwhal.fleet.blame`, with the types that cross this module's boundary (re-exported
+here: :class:`State`, :class:`EngineInfo`, :class:`Outcome`, :class:`ProbePlan`,
+:class:`EngineStatus`).
+
+State machine (one per engine)::
+
+    ADMITTED/DEGRADED --charged failure, quarantine_s > 0--> QUARANTINED
+    QUARANTINED --tick at the deadline--> ADMITTED, or DEGRADED while a streak >= eject_after
+    ADMITTED/QUARANTINED/DEGRADED --a streak reaches eject_after, the cap allows--> EJECTED
+    ADMITTED --a streak reaches eject_after, max_ejected_fraction forbids, no quarantine--> DEGRADED
+    DEGRADED --success resets the streak--> ADMITTED
+    EJECTED --due_probes at next_probe_at--> PROBING --"fail"/"inconclusive"--> EJECTED
+    PROBING --"pass"--> ADMITTED, or EJECTED *waiting for its wave* (whole-wave restart)
+    waiting --every wave member passed, or wave_hold_s since the first pass--> ADMITTED
+    any --operator eject--> EJECTED (not probed);  any --drain--> DRAINING;  any --readmit--> ADMITTED
+
+Streaks are kept per role (``failure_streak`` shows the larger): a stream decoded to ``[DONE]``
+resets its consumer's consumer streak and its producer's producer streak, a passed probe both;
+either reaching ``eject_after`` ejects. With one streak, an engine of role ``both`` whose
+handoffs all fail would stay admitted because it decodes others' handoffs fine. A health
+failure counts in every role of the engine.
+
+Invariants (checked on every engine a call touched):
+
+* ``quarantined_until`` is set exactly when the state is QUARANTINED;
+* ADMITTED means every streak is below ``eject_after``; DEGRADED means one is not;
+* a probe is scheduled (``next_probe_at``) only for an engine that is EJECTED or PROBING, was
+  ejected by the breaker (not by the operator) and is not waiting for its wave;
+* an engine waiting for its wave is EJECTED and has a wave;
+* :attr:`Breakers.version` moves by one exactly when some :class:`EngineStatus` changed.
+
+Rules decided where the SPEC is silent:
+
+* Reports about an engine that is out (EJECTED, PROBING) change nothing for it (stale
+  evidence: only a probe or the operator readmits). Unknown names in reports are ignored;
+  operator actions and queries on unknown names raise :class:`KeyError`.
+* A QUARANTINED engine still counts failures and successes; a success does not lift the
+  quarantine. A charged failure while quarantined extends the deadline to ``now + q``.
+  :meth:`Breakers.admitted` honours the deadline even before :meth:`~Breakers.tick` ran.
+* A DEGRADED engine is re-checked for ejection on each later charged failure only (not when
+  another engine is readmitted).
+* A DRAINING engine counts failures (streak, last failure) but is never quarantined, ejected
+  or probed: it stays DRAINING until the operator's ``readmit``.
+* Operator ``eject`` counts as an ejection (``ejections`` + 1, so it grows later breaker
+  probe intervals) and is *not* probed back: it stays out until ``readmit``.
+  ``eject(..., probe=True)`` is the same ejection probed back like a breaker ejection (for an
+  engine that failed preflight at start).
+* Whole-wave restart: an engine that passes while every other member of its wave is out (or
+  while another member already waits) waits, shown as EJECTED (see
+  :meth:`Breakers.waiting_for_wave`), is not probed again, and comes back when no member of
+  the wave is still out unproven (every one passed, or was readmitted or drained by the
+  operator) or ``wave_hold_s`` after the first pass. ``wave_hold_s = 0`` releases at once.
+* A probe result for an engine that is not PROBING (the operator acted meanwhile) is ignored.
+* ``last_failure_reason`` / ``last_failure_at`` move on charged failures and health failures
+  only: a failed probe or a fault only remembered as ambiguous leaves them alone.
+
+Deliberately left out: a timeout for a probe whose result never comes (the supervisor owns
+probe tasks and always reports); carrying ambiguity sets and probe schedules across a
+supervisor restart (:meth:`Breakers.restore` takes the published statuses only); half-open
+trickle admission (SPEC §6 readmits on a probe, not on sampled traffic); any decay of streaks
+or ambiguity sets with time (only successes, probes and the operator reset them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from narwhal.fleet.blame import (
+    EngineInfo,
+    EngineStatus,
+    Outcome,
+    Pending,
+    ProbePlan,
+    RoleName,
+    State,
+    charges,
+    counted,
+)
+from narwhal.settings import RecoverySettings
+
+__all__ = ["Breakers", "EngineInfo", "EngineStatus", "Outcome", "ProbePlan", "State"]
+
+
+_OUT = (State.EJECTED, State.PROBING)
+_SERVING = (State.ADMITTED, State.DEGRADED)
+PROBE_RESULTS = ("pass", "fail", "inconclusive")
+
+
+@dataclass
+class _Engine:
+    info: EngineInfo
+    state: State = State.ADMITTED
+    streak: dict[RoleName, int] = field(default_factory=lambda: {"producer": 0, "consumer": 0})
+    ejections: int = 0
+    quarantined_until: float | None = None
+    last_failure_reason: str | None = None
+    last_failure_at: float | None = None
+    original_producer: str | None = None  # of the last charged failure, when it was crossed
+    by_operator: bool = False
+    next_probe_at: float | None = None
+    waiting: bool = False  # passed readmission, held for its wave
+
+    def status(self) -> EngineStatus:
+        return EngineStatus(
+            name=self.info.name,
+            state=self.state,
+            failure_streak=max(self.streak.values()),
+            ejections=self.ejections,
+            quarantined_until=self.quarantined_until,
+            last_failure_reason=self.last_failure_reason,
+            last_failure_at=self.last_failure_at,
+        )
+
+
+@dataclass
+class _Wave:
+    members: list[_Engine]
+    hold_since: float | None = None  # when the first member of this episode passed
+
+
+class Breakers:
+    """Every engine's breaker; the supervisor is the only caller (not thread-safe)."""
+
+    def __init__(
+        self, engines: Sequence[EngineInfo], settings: RecoverySettings, *, has_contract: bool = False
+    ) -> None:
+        self._settings = settings
+        if settings.readmission == "auto":
+            self._kind = "probe" if has_contract else "health"
+        else:
+            self._kind = settings.readmission
+        self._engines: dict[str, _Engine] = {}
+        for info in engines:
+            if info.role not in ("producer", "consumer", "both"):
+                raise ValueError(f"engine {info.name!r}: unknown role {info.role!r}")
+            if info.name in self._engines:
+                raise ValueError(f"duplicate engine name {info.name!r}")
+            self._engines[info.name] = _Engine(info)
+        self._pending = Pending({name: rec.info for name, rec in self._engines.items()})
+        self._role_size: dict[RoleName, int] = {"producer": 0, "consumer": 0}
+        self._waves: dict[str, _Wave] = {}
+        for rec in self._engines.values():
+            for role in rec.info.roles:
+                self._role_size[role] += 1
+            if rec.info.wave is not None:
+                self._waves.setdefault(rec.info.wave, _Wave([])).members.append(rec)
+        self._status = {name: rec.status() for name, rec in self._engines.items()}
+        self._touched: set[str] = set()
+        self.version = 0
+
+    # ------------------------------------------------------------------------------ reports
+
+    def record(self, outcome: Outcome) -> None:
+        """Apply one worker report (in completion order)."""
+        if outcome.ok:
+            self._succeeded(outcome.consumer, "consumer")
+            self._succeeded(outcome.producer, "producer")
+        elif counted(outcome):
+            for charge in charges(outcome, self._pending, self._is_out):
+                self._charge(charge.engine, (charge.role,), outcome.at, outcome.reason, charge.original_producer)
+        self._commit()
+
+    def health_failed(self, engine: str, now: float, reason: str) -> None:
+        """A supervisor health check saw 503 or no answer: a failure in every role of the engine."""
+        rec = self._engines.get(engine)
+        if rec is not None:
+            self._charge(engine, rec.info.roles, now, reason, None)
+        self._commit()
+
+    # --------------------------------------------------------------------------- the clock
+
+    def tick(self, now: float) -> None:
+        """End the quarantines and wave holds that are over."""
+        for rec in self._engines.values():
+            if rec.state is State.QUARANTINED and rec.quarantined_until is not None and rec.quarantined_until <= now:
+                self._touched.add(rec.info.name)
+                rec.quarantined_until = None
+                rec.state = State.DEGRADED if self._over(rec) else State.ADMITTED
+        for wave in self._waves.values():
+            self._settle(wave, now)
+        self._commit()
+
+    def due_probes(self, now: float) -> list[ProbePlan]:
+        """Plans for the ejected engines whose probe is due; they are PROBING from now on."""
+        plans: list[ProbePlan] = []
+        for name, rec in self._engines.items():
+            if rec.state is State.EJECTED and rec.next_probe_at is not None and rec.next_probe_at <= now:
+                self._touched.add(name)
+                rec.state = State.PROBING
+                as_consumer = "consumer" in rec.info.roles
+                producer = rec.original_producer if self._kind == "probe" and as_consumer else None
+                plans.append(ProbePlan(name, self._kind, "producer" in rec.info.roles, as_consumer, producer))
+        self._commit()
+        return plans
+
+    def probe_result(self, engine: str, result: str, now: float) -> None:
+        """``"pass"`` readmits (subject to whole-wave restart); anything else keeps the interval."""
+        if result not in PROBE_RESULTS:
+            raise ValueError(f"probe result must be one of {PROBE_RESULTS}, not {result!r}")
+        rec = self._engines.get(engine)
+        if rec is None or rec.state is not State.PROBING:
+            return  # the operator acted meanwhile, or the engine is gone
+        self._touched.add(engine)
+        if result != "pass":
+            rec.state = State.EJECTED
+            rec.next_probe_at = now + self.probe_interval(rec.ejections)
+        else:
+            wave = self._wave_of(rec)
+            if wave is not None and (
+                any(m.waiting for m in wave.members) or all(m.state in _OUT for m in wave.members if m is not rec)
+            ):
+                rec.state = State.EJECTED
+                rec.waiting = True
+                rec.next_probe_at = None
+                if wave.hold_since is None:
+                    wave.hold_since = now
+            else:
+                self._readmit(rec)
+            if wave is not None:
+                self._settle(wave, now)
+        self._commit()
+
+    # --------------------------------------------------------------------- operator actions
+
+    def eject(self, engine: str, now: float, *, probe: bool = False) -> None:
+        """Take the engine out now, whatever ``max_ejected_fraction`` and waves say.
+
+        Without ``probe`` it stays out until :meth:`readmit`; with it, it is probed back like
+        a breaker ejection (an engine that failed preflight at start).
+        """
+        rec = self._engines[engine]
+        self._touched.add(engine)
+        if rec.state not in _OUT:
+            self._eject(rec, now, by_operator=not probe)
+        elif not probe:
+            rec.state, rec.by_operator, rec.waiting, rec.next_probe_at = State.EJECTED, True, False, None
+        elif rec.by_operator:
+            rec.by_operator = False
+            rec.next_probe_at = now + self.probe_interval(rec.ejections)
+        self._settle_wave_of(rec, now)
+        self._commit()
+
+    def readmit(self, engine: str, now: float) -> None:
+        """Back in service now: streaks, quarantine, probes and wave hold cleared."""
+        rec = self._engines[engine]
+        self._readmit(rec)
+        self._settle_wave_of(rec, now)
+        self._commit()
+
+    def drain(self, engine: str, now: float) -> None:
+        """No new requests (in-flight ones finish); only :meth:`readmit` undoes it."""
+        rec = self._engines[engine]
+        self._touched.add(engine)
+        rec.state = State.DRAINING
+        rec.quarantined_until = rec.next_probe_at = None
+        rec.waiting = rec.by_operator = False
+        self._settle_wave_of(rec, now)
+        self._commit()
+
+    def restore(self, status: EngineStatus, now: float, *, by_operator: bool = False, waiting: bool = False) -> None:
+        """Take over what a previous supervisor published (a restart); unknown names are ignored.
+
+        ``by_operator`` / ``waiting`` say whether an EJECTED engine was the operator's (never
+        probed) or waiting for its wave (see :meth:`ejected_by_operator`,
+        :meth:`waiting_for_wave`). Lost with the old process: ambiguity sets, original
+        producers, probe schedules and wave holds: the streak goes to every role of the engine,
+        an engine that was PROBING is probed again at once, an EJECTED one after one interval,
+        and a wave hold restarts at ``now``.
+        """
+        rec = self._engines.get(status.name)
+        if rec is None:
+            return
+        self._touched.add(status.name)
+        self._pending.clear(status.name)
+        rec.streak = {"producer": 0, "consumer": 0}
+        for role in rec.info.roles:
+            rec.streak[role] = status.failure_streak
+        rec.ejections, rec.original_producer = status.ejections, None
+        rec.last_failure_reason, rec.last_failure_at = status.last_failure_reason, status.last_failure_at
+        rec.state, rec.quarantined_until, rec.next_probe_at = status.state, status.quarantined_until, None
+        rec.by_operator = rec.waiting = False
+        wave = self._wave_of(rec)
+        if status.state in _OUT:
+            rec.state, rec.quarantined_until = State.EJECTED, None
+            rec.by_operator = by_operator
+            if waiting and not by_operator and wave is not None:
+                rec.waiting = True
+                wave.hold_since = now if wave.hold_since is None else wave.hold_since
+            elif not by_operator:
+                interval = 0.0 if status.state is State.PROBING else self.probe_interval(rec.ejections)
+                rec.next_probe_at = now + interval
+        elif status.state is not State.QUARANTINED or status.quarantined_until is None:
+            rec.quarantined_until = None
+            if rec.state is not State.DRAINING:
+                rec.state = State.DEGRADED if self._over(rec) else State.ADMITTED
+        self._commit()
+
+    # ------------------------------------------------------------------------------ queries
+
+    def status(self, engine: str) -> EngineStatus:
+        return self._status[engine]
+
+    def statuses(self) -> list[EngineStatus]:
+        return [self._status[name] for name in self._engines]
+
+    def admitted(self, engine: str, now: float) -> bool:
+        """Whether the engine takes new requests now."""
+        rec = self._engines[engine]
+        if rec.state is State.QUARANTINED:
+            return rec.quarantined_until is not None and rec.quarantined_until <= now
+        return rec.state in _SERVING
+
+    def ejected_by_operator(self, engine: str) -> bool:
+        """Ejected by the operator: not probed, out until :meth:`readmit`."""
+        rec = self._engines[engine]
+        return rec.by_operator and rec.state in _OUT
+
+    def waiting_for_wave(self, engine: str) -> bool:
+        """Passed readmission but held (shown EJECTED) until its wave comes back together."""
+        return self._engines[engine].waiting
+
+    def probe_interval(self, ejections: int) -> float:
+        """Seconds between probes after the n-th ejection: readmit_interval_s × 2^(n−1), capped."""
+        s = self._settings
+        return min(s.readmit_interval_s * 2.0 ** min(max(ejections, 1) - 1, 64), s.readmit_interval_max_s)
+
+    # ------------------------------------------------------------------------------ helpers
+
+    def _is_out(self, engine: str) -> bool:
+        rec = self._engines.get(engine)
+        return rec is not None and rec.state in _OUT
+
+    def _over(self, rec: _Engine) -> bool:
+        return max(rec.streak.values()) >= self._settings.eject_after
+
+    def _succeeded(self, engine: str, role: RoleName) -> None:
+        rec = self._engines.get(engine)
+        if rec is None or rec.state in _OUT:
+            return
+        self._pending.clear(engine, role)
+        if rec.streak[role]:
+            self._touched.add(engine)
+            rec.streak[role] = 0
+            if rec.state is State.DEGRADED and not self._over(rec):
+                rec.state = State.ADMITTED
+
+    def _charge(
+        self, engine: str, roles: Sequence[RoleName], now: float, reason: str | None, original: str | None
+    ) -> None:
+        rec = self._engines.get(engine)
+        if rec is None or rec.state in _OUT:
+            return
+        self._touched.add(engine)
+        for role in roles:
+            rec.streak[role] += 1
+        rec.last_failure_reason, rec.last_failure_at = reason, now
+        rec.original_producer = original
+        if rec.state is State.DRAINING:
+            return
+        over = self._over(rec)
+        if over and self._may_eject(rec):
+            self._eject(rec, now, by_operator=False)
+        elif self._settings.failure_quarantine_s > 0:
+            until = now + self._settings.failure_quarantine_s
+            rec.state = State.QUARANTINED
+            rec.quarantined_until = until if rec.quarantined_until is None else max(until, rec.quarantined_until)
+        elif over:
+            rec.state = State.DEGRADED
+
+    def _may_eject(self, rec: _Engine) -> bool:
+        """``ejected / engines of that role ≤ max_ejected_fraction`` afterwards, for every role."""
+        for role in rec.info.roles:
+            out = sum(1 for r in self._engines.values() if r.state in _OUT and role in r.info.roles)
+            if (out + 1) / self._role_size[role] > self._settings.max_ejected_fraction:
+                return False
+        return True
+
+    def _eject(self, rec: _Engine, now: float, *, by_operator: bool) -> None:
+        self._touched.add(rec.info.name)
+        rec.state = State.EJECTED
+        rec.ejections += 1
+        rec.quarantined_until = None
+        rec.by_operator = by_operator
+        rec.waiting = False
+        rec.next_probe_at = None if by_operator else now + self.probe_interval(rec.ejections)
+
+    def _readmit(self, rec: _Engine) -> None:
+        self._touched.add(rec.info.name)
+        rec.state = State.ADMITTED
+        rec.streak = {"producer": 0, "consumer": 0}
+        rec.quarantined_until = rec.next_probe_at = rec.original_producer = None
+        rec.by_operator = rec.waiting = False
+        self._pending.clear(rec.info.name)
+
+    def _wave_of(self, rec: _Engine) -> _Wave | None:
+        if not self._settings.whole_wave_restart or rec.info.wave is None:
+            return None
+        return self._waves[rec.info.wave]
+
+    def _settle_wave_of(self, rec: _Engine, now: float) -> None:
+        wave = self._wave_of(rec)
+        if wave is not None:
+            self._settle(wave, now)
+
+    def _settle(self, wave: _Wave, now: float) -> None:
+        """Release the members waiting for their wave once none is out unproven, or at the hold."""
+        waiting = [m for m in wave.members if m.waiting]
+        if not waiting or wave.hold_since is None:
+            wave.hold_since = None
+            return
+        blocked = any(m.state in _OUT and not m.waiting for m in wave.members)
+        if not blocked or now >= wave.hold_since + self._settings.wave_hold_s:
+            for member in waiting:
+                self._readmit(member)
+            wave.hold_since = None
+
+    def _commit(self) -> None:
+        changed = False
+        for name in self._touched:
+            rec = self._engines[name]
+            self._check(rec)
+            status = rec.status()
+            if status != self._status[name]:
+                self._status[name] = status
+                changed = True
+        self._touched.clear()
+        if changed:
+            self.version += 1
+
+    def _check(self, rec: _Engine) -> None:
+        assert (rec.quarantined_until is not None) == (rec.state is State.QUARANTINED), rec
+        assert rec.state not in _SERVING or self._over(rec) == (rec.state is State.DEGRADED), rec
+        assert rec.next_probe_at is None or (rec.state in _OUT and not rec.by_operator and not rec.waiting), rec
+        assert not rec.waiting or (rec.state is State.EJECTED and rec.info.wave is not None), rec

@@ -1,0 +1,129 @@
+"""The engines a router knows, what they serve, and which producer→consumer pairs are permitted.
+
+This is static configuration plus discovered models. *Whether an engine is admitted right
+now* is not stored here: it is asked of a :class:`FleetView`, the single seam through which
+placement learns breaker state: the supervisor's shared-memory view in a gunicorn worker
+(:class:`narwhal.shm.worker.WorkerFleetState`), a process-local one elsewhere
+(:class:`narwhal.shm.local.LocalFleetState`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from narwhal.settings import EngineSpec, Settings
+
+log = logging.getLogger("narwhal.fleet.roster")
+
+
+@dataclass(slots=True, eq=False)
+class Engine:
+    index: int
+    name: str
+    url: str
+    role: str
+    connector: str
+    wave: str | None
+    max_inflight_prefill: int | None
+    max_inflight_decode: int | None
+    peers: frozenset[str] | None  # the consumers a producer may hand off to; None: any
+    models: frozenset[str] = frozenset()
+    models_configured: bool = False
+    permitted_consumers: tuple[Engine, ...] = ()
+    permitted_producers: tuple[Engine, ...] = field(default=())
+
+    @property
+    def can_prefill(self) -> bool:
+        return self.role in ("producer", "both")
+
+    @property
+    def can_decode(self) -> bool:
+        return self.role in ("consumer", "both")
+
+
+def pair_permitted(p: Engine, d: Engine) -> bool:
+    """SPEC §3 step 2: roles, kv_peers, same connector; P = D only for role ``both``."""
+    if not (p.can_prefill and d.can_decode) or p.connector != d.connector:
+        return False
+    if p is d:
+        return p.role == "both"
+    return p.peers is None or d.name in p.peers
+
+
+class Fleet:
+    def __init__(self, settings: Settings) -> None:
+        self.engines: list[Engine] = [
+            _engine(i, spec, settings.connector_of(spec)) for i, spec in enumerate(settings.engines)
+        ]
+        self.by_name: dict[str, Engine] = {e.name: e for e in self.engines}
+        for p in self.engines:
+            p.permitted_consumers = tuple(d for d in self.engines if pair_permitted(p, d))
+        for d in self.engines:
+            d.permitted_producers = tuple(p for p in self.engines if d in p.permitted_consumers)
+        self._served: frozenset[str] = frozenset()
+        self.version = 0  # bumped whenever an engine's models change (placement caches by it)
+        self._refresh_served()
+
+    def set_models(self, engine: Engine, models: frozenset[str]) -> None:
+        if engine.models != models:
+            log.info("engine %s serves %s", engine.name, sorted(models))
+        engine.models = models
+        self._refresh_served()
+
+    def _refresh_served(self) -> None:
+        self.version += 1
+        self._served = frozenset(m for e in self.engines for m in e.models)
+
+    @property
+    def served_models(self) -> frozenset[str]:
+        return self._served
+
+    def serves(self, model: str) -> bool:
+        return model in self._served
+
+
+def _engine(index: int, spec: EngineSpec, connector: str) -> Engine:
+    return Engine(
+        index=index,
+        name=spec.name,
+        url=spec.url,
+        role=spec.role,
+        connector=connector,
+        wave=spec.wave,
+        max_inflight_prefill=spec.max_inflight_prefill,
+        max_inflight_decode=spec.max_inflight_decode,
+        peers=frozenset(spec.kv_peers) if spec.kv_peers is not None else None,
+        models=frozenset(spec.models or ()),
+        models_configured=spec.models is not None,
+    )
+
+
+class FleetView(Protocol):
+    """What placement asks about breaker state: the one seam the supervisor fills in.
+
+    Two kinds of "not now" (SPEC §5, §6). *Out* — ejected, probing, draining, taken out by an
+    operator — is hard: such an engine takes no new request. *Quarantined* — the supervisor's
+    published QUARANTINED state or this worker's own quarantine after a failure it saw — is
+    soft: placement steers around it while other engines can take the request, and uses it
+    when none can, since a fault that follows requests quarantines every engine in turn.
+    """
+
+    def admitted(self, engine: Engine) -> bool:
+        """Neither out nor quarantined: what the normal (hot) placement path asks."""
+        ...
+
+    def placeable(self, engine: Engine) -> bool:
+        """Not out; quarantined or not."""
+        ...
+
+    def any_quarantined(self) -> bool:
+        """Might some engine be quarantined now? Cheap; False means :meth:`admitted` and
+        :meth:`placeable` agree on every engine (a stale True only costs a second look)."""
+        ...
+
+    def quarantine_left(self, engine: Engine) -> float:
+        """Seconds until the engine's quarantine ends (the later of the local and the
+        published one); 0.0 when it is not quarantined."""
+        ...

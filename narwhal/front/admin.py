@@ -1,0 +1,108 @@
+"""The admin API (SPEC §2): the fleet as the supervisor sees it, and operator actions.
+
+Registered only when ``server.admin_token`` is set, so without one the routes answer 404
+``not_found`` like any unknown route. Tokens are compared in constant time.
+
+An action travels the worker's outcome ring to the supervisor (the only writer of breaker
+state); the route waits, bounded, until the published record shows it, so the answer
+already reflects the action on every worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from narwhal.errors import RequestError
+from narwhal.fleet import Engine
+from narwhal.fleet.blame import State
+from narwhal.request.router import Router
+from narwhal.shm.local import LocalFleetState
+from narwhal.shm.records import KIND_DRAIN, KIND_EJECT, KIND_READMIT
+from narwhal.shm.worker import WorkerFleetState
+
+STATE_NAMES = tuple(state.name.lower() for state in State)  # index = the state's gauge value
+# action -> (the command for the supervisor, the state that shows it took effect)
+ACTIONS = {"eject": (KIND_EJECT, State.EJECTED), "readmit": (KIND_READMIT, State.ADMITTED),
+           "drain": (KIND_DRAIN, State.DRAINING)}
+_ACTION_WAIT_S = 2.0
+
+
+def engine_view(router: Router, state: WorkerFleetState | LocalFleetState, engine: Engine) -> dict[str, Any]:
+    totals_p, totals_d = state.totals("prefill"), state.totals("decode")
+    entry: dict[str, Any] = {
+        "name": engine.name,
+        "url": engine.url,
+        "role": engine.role,
+        "wave": engine.wave,
+        "models": sorted(engine.models),
+        "state": "admitted",
+        "failure_streak": 0,
+        "ejections": 0,
+        "quarantined_until": None,
+        "inflight": {"prefill": totals_p[engine.index], "decode": totals_d[engine.index]},
+        "last_failure": None,
+    }
+    if isinstance(state, WorkerFleetState):
+        rec = state.records()[engine.index]
+        if rec is not None:
+            entry.update(
+                state=STATE_NAMES[rec.state] if rec.state < len(STATE_NAMES) else "admitted",
+                failure_streak=rec.failure_streak,
+                ejections=rec.ejections,
+                quarantined_until=rec.quarantined_until,
+            )
+            if rec.last_failure_reason is not None:
+                entry["last_failure"] = {"reason": rec.last_failure_reason, "at": rec.last_failure_at}
+    elif engine.index in state.out:
+        entry["state"] = "ejected"
+    return entry
+
+
+def add_admin_routes(app: web.Application, token: str, router_key: Any, state_key: Any) -> None:
+    expected = token.encode()
+
+    def authorize(request: web.Request) -> None:
+        given = request.headers.get("Authorization", "")
+        presented = given[7:].encode() if given[:7].lower() == "bearer " else b""
+        if not hmac.compare_digest(presented, expected):
+            raise RequestError("invalid or missing admin token", reason="unauthorized")
+
+    def json(data: Any, status: int = 200) -> web.Response:
+        return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+    async def list_engines(request: web.Request) -> web.Response:
+        authorize(request)
+        router: Router = request.app[router_key]
+        state = request.app[state_key]
+        return json({"engines": [engine_view(router, state, e) for e in router.fleet.engines]})
+
+    async def act(request: web.Request) -> web.Response:
+        authorize(request)
+        router: Router = request.app[router_key]
+        state = request.app[state_key]
+        engine = router.fleet.by_name.get(request.match_info["name"])
+        if engine is None:
+            raise RequestError(f"no engine named {request.match_info['name']!r}", reason="not_found")
+        kind, target = ACTIONS[request.match_info["action"]]
+        if isinstance(state, WorkerFleetState):
+            state.command(kind, engine)
+            end = time.monotonic() + _ACTION_WAIT_S
+            while time.monotonic() < end:
+                rec = state.records()[engine.index]
+                if rec is not None and rec.state == target:
+                    break
+                await asyncio.sleep(0.005)
+        elif kind == KIND_READMIT:
+            state.out.discard(engine.index)
+        else:
+            state.out.add(engine.index)
+        return json(engine_view(router, state, engine))
+
+    app.router.add_get("/admin/engines", list_engines)
+    app.router.add_post(r"/admin/engines/{name}/{action:eject|readmit|drain}", act)

@@ -1,0 +1,312 @@
+"""The aiohttp application and the factory gunicorn's aiohttp worker calls.
+
+gunicorn loads ``narwhal.front.app:create_app`` (no parentheses): an async zero-argument factory
+returning a ``web.AppRunner``. That is the only way, under ``GunicornWebWorker``, to choose
+``handler_cancellation`` — off by default in production yet forced on by aiohttp's test
+server, so a router tested only there would leak upstream requests of departed clients in
+production. Narwhal turns it on explicitly, everywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import itertools
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from narwhal import __version__, metrics, shm
+from narwhal.engines.client import EngineClient
+from narwhal.engines.control import ControlClient, open_session
+from narwhal.errors import NarwhalError, RequestError
+from narwhal.fleet import Fleet
+from narwhal.fleet.placement import Placement
+from narwhal.front.accept import BalancedSite, ConnectionShare, take_listeners
+from narwhal.front.admin import add_admin_routes
+from narwhal.front.server import make_app_runner
+from narwhal.request.accesslog import AccessLog
+from narwhal.request.admission import CHAT, COMPLETIONS, check_api_key
+from narwhal.request.outcomes import Outcomes
+from narwhal.request.router import Router, client_request_id, error_response
+from narwhal.settings import Settings, current_or_load
+from narwhal.shm.local import LocalFleetState
+from narwhal.shm.worker import WorkerFleetState
+
+log = logging.getLogger("narwhal.front.app")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+ROUTER = web.AppKey("router", Router)
+SETTINGS = web.AppKey("settings", Settings)
+_TASKS = web.AppKey("tasks", list)
+_SESSION = web.AppKey("session", aiohttp.ClientSession)  # model discovery; engine legs use EngineClient
+STATE = web.AppKey("state", object)
+_VERSION_BODY = web.AppKey("version_body", bytes)
+
+
+_stop_requested_at: float | None = None
+_runners: list[web.AppRunner] = []
+
+
+def note_stop_requested(at: float) -> None:
+    """SIGTERM reached this worker: stop accepting connections *now*.
+
+    aiohttp's worker notices the signal up to a second later, then closes connections that
+    have no request yet; a connection accepted in that second would be cut before its request
+    is read (a reset at the client during a reload). Closing this worker's listener at once
+    leaves new connections to the other (or the new) workers, and gives the ones already
+    accepted that second to send their request.
+    """
+    global _stop_requested_at
+    if _stop_requested_at is None:
+        _stop_requested_at = at
+    for runner in _runners:
+        for site in runner.sites:
+            if isinstance(site, BalancedSite):
+                site.stop_accepting()
+                continue
+            server = getattr(site, "_server", None)
+            if server is not None:
+                server.close()
+
+
+def _json(data: Any, status: int = 200, **headers: str) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json", headers=headers)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every response in the OpenAI error shape with x-request-id; never a traceback."""
+    try:
+        _check_header_size(request)
+        response = await handler(request)
+    except NarwhalError as exc:
+        return error_response(exc, client_request_id(request))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        reason = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(exc.status, "bad_request")
+        refused = RequestError(exc.reason if exc.status != 404 else "not found", reason=reason, status=exc.status)
+        return error_response(refused, client_request_id(request))
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        error = NarwhalError("internal error", reason="internal_error")
+        return error_response(error, client_request_id(request))
+    if "x-request-id" not in response.headers and not response.prepared:
+        response.headers["x-request-id"] = client_request_id(request)
+    return response
+
+
+def _check_header_size(request: web.Request) -> None:
+    limit = request.app[SETTINGS].server.max_header_bytes
+    raw = request.raw_headers  # each line is "name: value\r\n": 4 bytes beside the two
+    size = len(request.raw_path) + 4 * len(raw) + sum(map(len, itertools.chain.from_iterable(raw)))
+    if size > limit:
+        raise RequestError(f"request headers exceed {limit} bytes", reason="header_too_large")
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await request.app[ROUTER].handle(request, COMPLETIONS)
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    return await request.app[ROUTER].handle(request, CHAT)
+
+
+async def _models(request: web.Request) -> web.Response:
+    router = request.app[ROUTER]
+    check_api_key(request, router.settings.server.api_keys)  # every /v1/* route needs the key
+    created = int(time.time())
+    data = [
+        {"id": m, "object": "model", "created": created, "owned_by": "narwhal"}
+        for m in sorted(router.fleet.served_models)
+    ]
+    return _json({"object": "list", "data": data})
+
+
+async def _health(request: web.Request) -> web.Response:
+    # The worker's pid tells an operator (and the tests) which process answered.
+    return _json({"status": "ok", "worker": os.getpid()})
+
+
+def version_document(settings: Settings) -> dict[str, str | None]:
+    """``GET /version``: this router's version and the engine version its contract pins."""
+    pin = settings.engine_contract.engine_version if settings.engine_contract else ""
+    return {"version": __version__, "engine_version": pin or None}
+
+
+async def _version(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[_VERSION_BODY], content_type="application/json")
+
+
+async def _ready(request: web.Request) -> web.Response:
+    router = request.app[ROUTER]
+    models = router.fleet.served_models
+    if not models:
+        return _json({"ready": False, "reason": "no engine has reported a model yet"}, status=503)
+    missing = sorted(m for m in models if not router.placement.has_pair(m))
+    if missing:
+        reason = f"no admitted producer->consumer pair for model {missing[0]!r}"
+        return _json({"ready": False, "reason": reason}, status=503)
+    return _json({"ready": True})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body, content_type = await asyncio.get_running_loop().run_in_executor(None, metrics.render)
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+DISCOVERY_TIMEOUT_S = 5.0  # one /v1/models read; an engine slower than this is asked again later
+
+
+async def discover_models(fleet: Fleet, control: ControlClient) -> None:
+    """Read ``/v1/models`` of engines without configured models (unreachable ones keep theirs)."""
+    todo = [e for e in fleet.engines if not e.models_configured]
+    found = await asyncio.gather(*(control.models(e) for e in todo))
+    for engine, models in zip(todo, found, strict=True):
+        if models is not None:
+            fleet.set_models(engine, frozenset(models))
+
+
+async def _keep_discovering(fleet: Fleet, control: ControlClient) -> None:
+    # Engines that were down at start are picked up as they come; known ones are re-read
+    # now and then so a model swap on an engine shows up. The supervisor will own this.
+    ticks = 0
+    while True:
+        await asyncio.sleep(1.0)
+        ticks += 1
+        if ticks % 30 == 0 or any(not e.models for e in fleet.engines):
+            await discover_models(fleet, control)
+
+
+def worker_state(fleet: Fleet) -> WorkerFleetState | LocalFleetState:
+    """This worker's slot in the shared fleet state, or process-local state without one."""
+    shared = shm.SHARED
+    if shared is not None:
+        if len(fleet.engines) > shared.layout.engines:
+            log.error("%d engines exceed the shared layout (%d): fleet state is per worker",
+                      len(fleet.engines), shared.layout.engines)
+        else:
+            slot = shared.claim_slot(os.getpid())
+            if slot is not None:
+                return WorkerFleetState(shared, slot, fleet)
+            log.error("no free worker slot in the shared layout: fleet state is per worker")
+    return LocalFleetState(fleet)
+
+
+def build_app(settings: Settings) -> web.Application:
+    app = web.Application(
+        middlewares=[_errors],
+        client_max_size=settings.server.max_body_bytes,
+    )
+    app[SETTINGS] = settings
+    app[_TASKS] = []
+    app[_VERSION_BODY] = orjson.dumps(version_document(settings))
+    app.router.add_post(COMPLETIONS, _completions)
+    app.router.add_post(CHAT, _chat)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/ready", _ready)
+    app.router.add_get("/version", _version)
+    app.router.add_get("/metrics", _metrics)
+    if settings.server.admin_token:
+        add_admin_routes(app, settings.server.admin_token, ROUTER, STATE)
+
+    async def startup(app: web.Application) -> None:
+        pin = settings.engine_contract.engine_version if settings.engine_contract else ""
+        metrics.publish_build_info(__version__, pin)
+        session = open_session(settings.engine)  # TLS and key as on every engine link
+        fleet = Fleet(settings)
+        state = worker_state(fleet)
+        placement = Placement(fleet, state, state, settings.placement)
+        outcomes = Outcomes(fleet, state, settings.recovery.failure_quarantine_s)
+        router = Router(
+            settings, fleet, placement, EngineClient.for_settings(settings.engine), outcomes, state,
+            AccessLog(settings.log.access_log),
+        )
+        app[STATE] = state
+        app[ROUTER] = router
+        app[_SESSION] = session
+        control = ControlClient(session, settings.engine, DISCOVERY_TIMEOUT_S)
+        await discover_models(fleet, control)
+        app[_TASKS].append(asyncio.ensure_future(_keep_discovering(fleet, control)))
+        # Everything built so far lives as long as the worker: keep it out of the garbage
+        # collector's scans, which otherwise walk it again on every full collection.
+        gc.collect()
+        gc.freeze()
+
+    async def cleanup(app: web.Application) -> None:
+        for task in app[_TASKS]:
+            task.cancel()
+        router = app[ROUTER]
+        await router.drain_background(timeout=settings.engine.first_token_timeout_s)
+        await router.client.close()
+        await app[_SESSION].close()
+        router.access_log.close()
+
+    async def shutdown(app: web.Application) -> None:
+        # Runs when this worker stops, before aiohttp waits for the handlers: whatever is
+        # still running at 85 % of the graceful timeout (counted from SIGTERM, after which
+        # the master kills the worker) is ended with the terminal event.
+        grace = settings.server.graceful_timeout_s * 0.85
+        if _stop_requested_at is not None:
+            grace -= asyncio.get_running_loop().time() - _stop_requested_at
+        app[ROUTER].begin_drain(max(grace, 0.0))
+
+    app.on_startup.append(startup)
+    app.on_shutdown.append(shutdown)
+    app.on_cleanup.append(cleanup)
+    return app
+
+
+# More header fields than this is refused (431) by the parser itself: no client needs them.
+MAX_HEADER_FIELDS = 128
+
+
+def make_runner(settings: Settings) -> web.AppRunner:
+    # The parser's own limits sit above server.max_header_bytes so that the size check in
+    # the middleware, which answers 431 in the OpenAI shape, is the one that decides.
+    parser_limit = settings.server.max_header_bytes * 2
+    app = build_app(settings)
+
+    def share() -> ConnectionShare | None:
+        state = app.get(STATE)
+        return state if isinstance(state, WorkerFleetState) else None
+
+    return make_app_runner(
+        app,
+        listeners=take_listeners(),
+        share=share,
+        handler_cancellation=True,
+        keepalive_timeout=settings.server.keepalive_s,
+        shutdown_timeout=settings.server.graceful_timeout_s * 0.95,
+        access_log=None,
+        max_field_size=parser_limit,
+        max_line_size=parser_limit,
+        max_headers=MAX_HEADER_FIELDS,
+    )
+
+
+async def create_app() -> web.AppRunner:
+    """gunicorn's entry point: ``narwhal.front.app:create_app``."""
+    from narwhal.logs import configure_logging
+
+    settings = current_or_load()
+    configure_logging(settings.log)
+    if settings.handoff.max_age_s <= settings.engine.prefill_timeout_s:
+        log.warning(
+            "handoff.max_age_s (%g) <= engine.prefill_timeout_s (%g): slow prefills will expire "
+            "before their decode starts", settings.handoff.max_age_s, settings.engine.prefill_timeout_s,
+        )
+    runner = make_runner(settings)
+    _runners.append(runner)
+    return runner

@@ -1,0 +1,19 @@
+"""gunicorn configuration, read from Narwhal's settings (``gunicorn -c gunicorn.conf.py``).
+
+gunicorn executes this module in the master at start and again on every ``SIGHUP``; the
+settings are loaded (and validated: one line and exit 2 on a bad value) each time, so a
+reload picks up a changed TOML file. Hooks only wire process events to
+``narwhal.front.gunicorn_hooks``; no request logic lives here.
+"""
+
+from narwhal.front.gunicorn_hooks import (  # noqa: F401
+    child_exit,
+    gunicorn_settings,
+    nworkers_changed,
+    on_exit,
+    on_reload,
+    on_starting,
+    post_worker_init,
+)
+
+globals().update(gunicorn_settings())

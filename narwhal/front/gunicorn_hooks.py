@@ -1,0 +1,231 @@
+"""What the gunicorn master does for Narwhal: settings, the metrics directory, process events.
+
+Prometheus multiprocess mode needs ``PROMETHEUS_MULTIPROC_DIR`` in the environment before
+any process imports ``prometheus_client``; the master sets it here, before forking, and
+every worker inherits it. A directory the master created itself is wiped at start and
+removed at exit; one the operator set is only wiped of stale files at the first start
+(never on a ``SIGHUP`` reload, which would lose the samples of workers still running).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from typing import Any
+
+# Nothing here may import prometheus_client (or narwhal.metrics, narwhal.front.app) at module level:
+# it must first be imported after PROMETHEUS_MULTIPROC_DIR is set.
+from narwhal.settings import Settings, SettingsError, current, load_settings, load_settings_or_exit, remember
+
+_PROM_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# Not NARWHAL_-prefixed: every NARWHAL_ variable must be a setting.
+_OWNED_ENV = "_NARWHAL_METRICS_DIR_OWNER"
+
+
+def _prepare_metrics_dir() -> None:
+    if os.environ.get(_OWNED_ENV):
+        return  # a reload: the directory is already in use by live workers
+    path = os.environ.get(_PROM_ENV)
+    if path:
+        os.makedirs(path, exist_ok=True)
+        for name in os.listdir(path):
+            if name.endswith(".db"):
+                os.unlink(os.path.join(path, name))
+        os.environ[_OWNED_ENV] = "external"
+    else:
+        os.environ[_PROM_ENV] = tempfile.mkdtemp(prefix="narwhal-metrics-")
+        os.environ[_OWNED_ENV] = "owned"
+
+
+def _bind(settings: Settings) -> list[str]:
+    return [settings.server.bind]
+
+
+def _load() -> Settings:
+    running = current()
+    if running is None:
+        return load_settings_or_exit()
+    # A SIGHUP reload: a broken file must not take down a running router.
+    try:
+        return load_settings()
+    except SettingsError as exc:
+        print(f"narwhal: reload refused, keeping the running settings: {exc}", file=sys.stderr, flush=True)
+        return running
+
+
+def gunicorn_settings() -> dict[str, Any]:
+    settings = _load()
+    remember(settings)
+    _prepare_metrics_dir()
+    return {
+        "wsgi_app": "narwhal.app:create_app",  # the documented path (narwhal/app.py re-exports it)
+        "worker_class": "aiohttp.GunicornUVLoopWebWorker",
+        "bind": _bind(settings),
+        "workers": settings.server.workers,
+        # gunicorn takes whole seconds; the aiohttp runner uses the exact values.
+        "graceful_timeout": math.ceil(settings.server.graceful_timeout_s),
+        "keepalive": math.ceil(settings.server.keepalive_s),
+        # The aiohttp worker heartbeats every second whatever the requests do: this only
+        # catches a worker whose event loop is wedged.
+        "timeout": 30,
+        "proc_name": "narwhal",
+        # gunicorn 27's control socket lives at one path per user: two routers on a host would
+        # fight over it, and Narwhal needs none of its commands.
+        "control_socket_disable": True,
+        "errorlog": "-",
+        "accesslog": None,
+        "loglevel": settings.log.level,
+        "limit_request_field_size": settings.server.max_header_bytes,
+    }
+
+
+# gunicorn re-executes a config given as a *file* on SIGHUP (one given as python:module is
+# imported once and never re-read), so Narwhal always passes the file.
+CONFIG_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gunicorn_conf.py")
+
+_KEEPER: list[Any] = []  # the master's SupervisorKeeper, once on_starting made it
+
+
+def reconcile(settings: Settings, cfg: Any) -> tuple[Settings, list[str]]:
+    """gunicorn's own options (``--workers``, ``--bind``, ``--graceful-timeout``, on its command
+    line or in ``GUNICORN_CMD_ARGS``) override what this configuration derived from the
+    settings. They win, visibly and consistently: each override is one line on stderr, and
+    the settings every Narwhal process runs on (workers, supervisor, the shared layout's
+    slot count, the drain timers) are rewritten to match what gunicorn will actually do."""
+    server = settings.server
+    changes: dict[str, Any] = {}
+    if cfg.workers != server.workers:
+        changes["workers"] = cfg.workers
+    binds = list(cfg.bind or [])
+    if binds and binds != [server.bind]:
+        changes["bind"] = binds[0]
+    if cfg.graceful_timeout != math.ceil(server.graceful_timeout_s):
+        changes["graceful_timeout_s"] = float(cfg.graceful_timeout)
+    lines = [
+        f"narwhal: gunicorn's {_FLAG[key]} {cfg_value} overrides server.{key} = {getattr(server, key)!r}"
+        for key, cfg_value in (("workers", cfg.workers), ("bind", ",".join(binds)),
+                               ("graceful_timeout_s", cfg.graceful_timeout))
+        if key in changes
+    ]
+    if not changes:
+        return settings, []
+    return settings.model_copy(update={"server": server.model_copy(update=changes)}), lines
+
+
+_FLAG = {"workers": "--workers", "bind": "--bind", "graceful_timeout_s": "--graceful-timeout"}
+
+
+def _adopt_gunicorn_options(server: Any) -> Settings:
+    from narwhal.settings import current_or_load
+
+    settings, lines = reconcile(current_or_load(), server.cfg)
+    for line in lines:
+        print(line, file=sys.stderr, flush=True)
+    remember(settings)
+    return settings
+
+
+def on_starting(server: Any) -> None:
+    """In the master, before the listening sockets exist: shared memory, then the supervisor."""
+    from narwhal import shm
+    from narwhal.shm.shared import SharedFleet
+    from narwhal.supervisor.process import SupervisorKeeper
+
+    settings = _adopt_gunicorn_options(server)
+    # Room for a reload: old and new workers side by side, engines added up to max_engines.
+    shm.SHARED = SharedFleet.create(engines=settings.server.max_engines, slots=slots_for(settings.server.workers))
+    if settings.preflight.on_start and settings.engines:
+        from narwhal.supervisor.startup import preflight_on_start
+
+        # Before any worker exists, so an engine that fails starts ejected everywhere.
+        preflight_on_start(shm.SHARED, settings)
+    keeper = SupervisorKeeper(shm.SHARED)
+    keeper.start()
+    _KEEPER[:] = [keeper]
+    _watch_from_the_main_loop(server, keeper)
+
+
+def slots_for(workers: int) -> int:
+    """Worker slots in the shared layout: a reload runs old and new workers side by side."""
+    return max(2 * workers, 8)
+
+
+def _watch_from_the_main_loop(server: Any, keeper: Any) -> None:
+    """gunicorn has no periodic master hook; its main loop calls ``manage_workers`` at least
+    once a second and after every signal (SIGCHLD included): the keeper's check rides on it
+    (see ``narwhal.supervisor.process``)."""
+    manage_workers = server.manage_workers
+
+    def manage_workers_and_supervisor() -> None:
+        manage_workers()
+        keeper.check()
+
+    server.manage_workers = manage_workers_and_supervisor
+
+
+def on_reload(server: Any) -> None:
+    """SIGHUP: the settings were re-read (``gunicorn_settings``); gunicorn's options win again,
+    and the supervisor restarts on them (new workers read them too)."""
+    _adopt_gunicorn_options(server)
+    if _KEEPER:
+        _KEEPER[0].reload()
+
+
+def nworkers_changed(server: Any, new_value: int, old_value: int | None) -> None:
+    """TTIN/TTOU change the worker count at run time; beyond the layout's slots a worker
+    would run on per-process state, so say so where the operator looks."""
+    from narwhal import shm
+
+    if old_value is not None and shm.SHARED is not None and new_value > shm.SHARED.layout.slots:
+        print(f"narwhal: {new_value} workers exceed the shared layout's {shm.SHARED.layout.slots} slots: "
+              "the extra workers keep per-process state; restart to grow the layout", file=sys.stderr, flush=True)
+
+
+def post_worker_init(worker: Any) -> None:
+    """In each worker: take over the listening sockets (``narwhal.front.accept``), and note when
+    SIGTERM arrives, so in-flight streams are ended before the master's graceful timeout
+    (counted from the signal) rather than aiohttp's (counted from when the worker gets round
+    to stopping, up to a second later)."""
+    loop = getattr(worker, "loop", None)
+    if loop is None:
+        return
+    from narwhal.front import accept, app
+
+    if worker.wsgi is app.create_app and not worker.cfg.is_ssl:
+        # Narwhal's app accepts from these itself (narwhal.front.accept): aiohttp's worker starts
+        # no server of its own on them. TLS listeners, and any other app run with this
+        # configuration, stay with aiohttp.
+        accept.LISTENERS[:] = worker.sockets
+        worker.sockets = []
+
+    def on_term() -> None:
+        app.note_stop_requested(loop.time())
+        worker.handle_exit(signal.SIGTERM, None)
+
+    loop.add_signal_handler(signal.SIGTERM, on_term)
+
+
+def child_exit(server: Any, worker: Any) -> None:
+    from narwhal import shm
+
+    if shm.SHARED is not None:
+        # The worker is gone: give back whatever it held (its slot has no other writer now).
+        for slot in range(shm.SHARED.layout.slots):
+            if shm.SHARED.slot_pid(slot) == worker.pid:
+                shm.SHARED.clear_slot(slot)
+    if os.environ.get(_PROM_ENV):
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(worker.pid)  # type: ignore[no-untyped-call]
+
+
+def on_exit(server: Any) -> None:
+    if _KEEPER:
+        _KEEPER.pop().stop()
+    path = os.environ.get(_PROM_ENV)
+    if path and os.environ.get(_OWNED_ENV) == "owned":
+        shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,340 @@
+"""``narwhal preflight``: check every engine against the contract, then every KV transfer.
+
+Why it exists (SPEC §6 "Preflight"): a disaggregated fleet fails in ways a health check never
+shows — a producer on the wrong vLLM version, a consumer serving another model, a producer whose
+descriptors belong to another connector, a NIXL side channel that advertises ``localhost`` to
+consumers on other hosts. Each of those only shows up when a real prefill is handed to a real
+decode, so preflight does exactly that, once per role-permitted pair, before any user does.
+
+Two phases, each concurrent (bounded by a semaphore):
+
+1. engines: ``/health`` → ``/version`` and ``/v1/models`` (together) → for producer-capable
+   engines, a tiny prefill whose descriptor must validate (NixlConnector profile). The first
+   failing check is the engine's reason; later checks are ``skip``.
+2. pairs: every producer→consumer pair ``pair_permitted`` allows gets a fresh tiny prefill and a
+   streamed decode to ``[DONE]`` through :class:`EngineClient`, exactly the router's path. At
+   the same time the handoffs made in phase 1 are *released* to a healthy consumer, so no KV
+   blocks stay pinned until the producer's lease.
+
+Transfer failures are then charged to engines with the rule of SPEC §6: a producer whose
+handoffs failed on two consumers (or on its only permitted consumer) fails, likewise a consumer
+that failed with two producers (or its only one); one broken producer never fails every
+consumer. The server calls :func:`run_preflight` at start and ejects ``failed_engines()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ipaddress
+import sys
+import time
+import uuid
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from narwhal.engines.client import EngineClient
+from narwhal.engines.connector import NIXL, InvalidHandoff, PrefillResult, validate_descriptor
+from narwhal.engines.control import ControlClient, ControlError, VersionPin, open_session, parse_models, parse_version
+from narwhal.errors import DeadlineExceeded, NarwhalError
+from narwhal.fleet import Engine, Fleet
+from narwhal.preflight.report import (
+    FAIL,
+    OK,
+    SKIP,
+    Check,
+    EngineResult,
+    PairResult,
+    PreflightReport,
+    charge_transfers,
+    unused_engines,
+)
+from narwhal.settings import Settings, load_settings_or_exit
+
+__all__ = ["PreflightReport", "main", "run_preflight"]
+
+ENDPOINT = "/v1/completions"
+PROMPT = "narwhal preflight"
+MAX_CONCURRENCY = 32  # checks in flight at once: tiny requests, but a 64×64 fleet has 4096 pairs
+
+
+async def run_preflight(
+    settings: Settings, session: aiohttp.ClientSession | None = None, *, timeout: float | None = None
+) -> PreflightReport:
+    """Check every engine and every role-permitted transfer; never raises for engine faults.
+
+    ``timeout`` bounds every single request (default ``engine.first_token_timeout_s``). An
+    invalid contract never gets here: the settings refused it.
+    """
+    pin = VersionPin.of(settings.engine_contract)
+    bound = timeout if timeout is not None else settings.engine.first_token_timeout_s
+    own = session is None
+    active = open_session(settings.engine) if session is None else session
+    preflight = _Preflight(settings, active, bound, pin)
+    try:
+        return await preflight.run()
+    finally:
+        await preflight.client.close()
+        if own:
+            await active.close()
+
+
+class _Preflight:
+    def __init__(self, settings: Settings, session: aiohttp.ClientSession, timeout: float, pin: VersionPin | None):
+        self.settings = settings
+        self.control = ControlClient(session, settings.engine, timeout)
+        self.timeout = timeout
+        self.pin = pin
+        self.contract = settings.engine_contract
+        self.fleet = Fleet(settings)
+        self.specs = {spec.name: spec for spec in settings.engines}
+        read_timeout = settings.engine.decode_read_timeout_s
+        engine_settings = settings.engine.model_copy(
+            update={
+                "prefill_timeout_s": timeout,
+                "first_token_timeout_s": timeout,
+                "decode_read_timeout_s": min(read_timeout, timeout) if read_timeout else timeout,
+            }
+        )
+        self.client = EngineClient.for_settings(engine_settings)
+        self.gate = asyncio.Semaphore(MAX_CONCURRENCY)
+        self.report = PreflightReport(timeout_s=timeout)
+        self.handoffs: dict[str, tuple[PrefillResult, dict[str, Any]]] = {}  # to release
+
+    async def run(self) -> PreflightReport:
+        report = self.report
+        if not self.fleet.engines:
+            report.errors.append("no engines configured")
+            return report
+        report.engines = list(await asyncio.gather(*(self._engine(e) for e in self.fleet.engines)))
+        by_name = {r.name: r for r in report.engines}
+        pairs = [(p, d) for p in self.fleet.engines for d in p.permitted_consumers]
+        if not pairs:
+            report.errors.append("no role-permitted producer -> consumer pair")
+        probes = asyncio.gather(*(self._pair(p, d, by_name) for p, d in pairs))
+        results, _ = await asyncio.gather(probes, self._release_all(by_name))
+        report.pairs = list(results)
+        report.warnings += [f"{p.name}: {p.note}" for p in report.pairs if p.note]
+        charge_transfers(self.fleet, report)
+        report.warnings += unused_engines(self.fleet)
+        return report
+
+    # ------------------------------------------------------------------ phase 1: engines
+
+    async def _engine(self, engine: Engine) -> EngineResult:
+        result = EngineResult(engine.name, engine.role)
+        async with self.gate:
+            started = time.monotonic()
+            await self._check_engine(engine, result)
+            result.latency_ms = _ms_since(started)
+        return result
+
+    async def _check_engine(self, engine: Engine, result: EngineResult) -> None:
+        later = ["version", "models"] + (["handoff"] if engine.can_prefill else [])
+        try:
+            status, _ = await self.control.get(engine, "/health")
+        except ControlError as exc:
+            status, reason = 0, exc.reason if exc.reason == "unreachable" else f"health {exc.reason}"
+        else:
+            reason = f"health {status}"
+        if status != 200:
+            result.fail("health", reason)
+            _skip(result, later)
+            return
+        result.checks["health"] = Check(OK, "200")
+        version, models = await asyncio.gather(self._version(engine, result), self._models(engine, result))
+        for name, check in (("version", version), ("models", models)):
+            if check.verdict == FAIL:
+                result.fail(name, check.detail)
+            else:
+                result.checks[name] = check
+        if not engine.can_prefill:
+            return
+        if not result.ok:
+            _skip(result, ["handoff"])
+            return
+        check = await self._handoff(engine, result)
+        if check.verdict == FAIL:
+            result.fail("handoff", check.detail)
+        else:
+            result.checks["handoff"] = check
+
+    async def _version(self, engine: Engine, result: EngineResult) -> Check:
+        unreadable = FAIL if self.pin is not None else SKIP
+        try:
+            status, data = await self.control.get(engine, "/version")
+        except ControlError as exc:
+            return Check(unreadable, f"version unreadable: {exc.reason}")
+        version = parse_version(data) if status == 200 else None
+        if version is None:
+            why = f"HTTP {status}" if status != 200 else "no version in the answer"
+            return Check(unreadable, f"version unreadable: {why}")
+        result.version = version
+        if self.pin is None:
+            return Check(OK, f"{version} (not pinned)")
+        if not self.pin.matches(version):
+            return Check(FAIL, f"version {version} does not match {self.pin.text}")
+        return Check(OK, version)
+
+    async def _models(self, engine: Engine, result: EngineResult) -> Check:
+        try:
+            status, data = await self.control.get(engine, "/v1/models")
+        except ControlError as exc:
+            return Check(FAIL, f"models unreadable: {exc.reason}")
+        served = parse_models(data) if status == 200 else None
+        if served is None:
+            why = f"HTTP {status}" if status != 200 else "not an OpenAI model list"
+            return Check(FAIL, f"models unreadable: {why}")
+        result.models = served
+        required = [self.contract.model] if self.contract is not None and self.contract.model else []
+        required += [m for m in self.specs[engine.name].models or () if m not in required]
+        missing = [m for m in required if m not in served]
+        if len(missing) == 1:
+            return Check(FAIL, f"model {missing[0]} not served")
+        if missing:
+            return Check(FAIL, f"models {', '.join(missing)} not served")
+        if not served:
+            return Check(FAIL, "no model served")
+        return Check(OK, ", ".join(served))
+
+    async def _handoff(self, engine: Engine, result: EngineResult) -> Check:
+        body = _probe_body(self._models_of(engine, result)[0])
+        try:
+            handoff = await self.client.prefill(engine, ENDPOINT, body, request_id=_request_id())
+        except NarwhalError as exc:
+            return Check(FAIL, f"prefill failed: {exc.message}")
+        if engine.connector != NIXL:
+            if isinstance(handoff.descriptor, dict):
+                self.handoffs[engine.name] = (handoff, body)
+            return Check(SKIP, f"{engine.connector} descriptors are not validated")
+        try:
+            validate_descriptor(
+                handoff.descriptor, producer=engine.name, prefill_endpoint=ENDPOINT, decode_endpoint=ENDPOINT
+            )
+        except InvalidHandoff as exc:
+            return Check(FAIL, f"connector mismatch: {exc.message}")  # sent nowhere (SPEC §3 step 5)
+        self.handoffs[engine.name] = (handoff, body)
+        return Check(OK, NIXL)
+
+    def _models_of(self, engine: Engine, result: EngineResult) -> list[str]:
+        """The models placement would use this engine for, the contract's first."""
+        if self.contract is not None and self.contract.model:
+            return [self.contract.model]
+        configured = self.specs[engine.name].models
+        return list(configured) if configured is not None else result.models
+
+    # ------------------------------------------------------------------ phase 2: pairs
+
+    async def _release_all(self, by_name: dict[str, EngineResult]) -> None:
+        await asyncio.gather(*(self._release(name, *item, by_name) for name, item in self.handoffs.items()))
+
+    async def _release(
+        self, name: str, handoff: PrefillResult, body: dict[str, Any], by_name: dict[str, EngineResult]
+    ) -> None:
+        p = self.fleet.by_name[name]
+        permitted = [d for d in p.permitted_consumers if by_name[d.name].ok]
+        permitted.sort(key=lambda d: d is p)  # a crossed consumer first: the way traffic goes
+        if not permitted:  # no permitted consumer passed: any healthy reader of the same connector
+            permitted = [d for d in self.fleet.engines if d.can_decode and d.connector == p.connector
+                         and by_name[d.name].ok]
+        if permitted:  # else nothing can free it now: the producer's lease will
+            await self.client.release(handoff, permitted[0], body)
+
+    async def _pair(self, p: Engine, d: Engine, by_name: dict[str, EngineResult]) -> PairResult:
+        result = PairResult(p.name, d.name)
+        failed = [f"{role} {e.name}" for role, e in (("producer", p), ("consumer", d)) if not by_name[e.name].ok]
+        if p is d and failed:
+            failed = [f"engine {p.name}"]
+        if failed:
+            result.verdict, result.reason = SKIP, " and ".join(failed) + " failed"
+            return result
+        common = [m for m in self._models_of(p, by_name[p.name]) if m in self._models_of(d, by_name[d.name])]
+        if not common:
+            result.verdict, result.reason, result.required = SKIP, "no common model", False
+            return result
+        async with self.gate:
+            started = time.monotonic()
+            try:
+                await self._transfer(p, d, common[0], result)
+            except DeadlineExceeded:
+                result.verdict, result.reason = FAIL, f"transfer failed: no [DONE] within {self.timeout:g}s"
+            except NarwhalError as exc:
+                result.verdict, result.reason = FAIL, f"transfer failed: {exc.message}"
+            result.latency_ms = _ms_since(started)
+        return result
+
+    async def _transfer(self, p: Engine, d: Engine, model: str, result: PairResult) -> None:
+        crossed = p is not d  # P = D: a same-worker decode, no descriptor (SPEC §3 step 3)
+        body = _probe_body(model)
+        handoff = await self.client.prefill(p, ENDPOINT, body, request_id=_request_id(), crossed=crossed)
+        if crossed:
+            result.note = _localhost_note(p, d, handoff.descriptor)
+        deadline = asyncio.get_running_loop().time() + self.timeout
+        # An invalid descriptor raises before any request: it is sent nowhere, as in the router.
+        stream = self.client.decode(handoff, d, {**body, "stream": True}, stream=True, deadline=deadline)
+        async with contextlib.aclosing(stream) as spans:
+            async for _ in spans:
+                pass  # decode() returns only after [DONE]; every other ending raises
+
+
+def _skip(result: EngineResult, checks: list[str]) -> None:
+    for name in checks:
+        result.checks.setdefault(name, Check(SKIP))
+
+
+def _is_loopback(host: str) -> bool:
+    host = host.strip("[]").lower()
+    if host in ("localhost", "localhost.localdomain", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _host_of(url: str) -> str:
+    host = (urlsplit(url).hostname or "").lower()
+    return "loopback" if _is_loopback(host) else host
+
+
+def _localhost_note(p: Engine, d: Engine, descriptor: Any) -> str:
+    """vLLM's side channel defaults to ``localhost``: fine on one host, a dead transfer across."""
+    host = descriptor.get("remote_host") if isinstance(descriptor, dict) else None
+    if not isinstance(host, str) or not _is_loopback(host) or _host_of(p.url) == _host_of(d.url):
+        return ""
+    return (
+        f"descriptor remote_host is {host} but {p.name} and {d.name} are on different hosts "
+        f"(set VLLM_NIXL_SIDE_CHANNEL_HOST on {p.name})"
+    )
+
+
+def _probe_body(model: str) -> dict[str, Any]:
+    return {"model": model, "prompt": PROMPT, "max_tokens": 2, "temperature": 0.0}
+
+
+def _request_id() -> str:
+    return f"narwhal-preflight-{uuid.uuid4().hex}"
+
+
+def _ms_since(started: float) -> float:
+    return round((time.monotonic() - started) * 1000, 1)
+
+
+# ---------------------------------------------------------------------- command line
+
+
+def main(args: argparse.Namespace) -> int:
+    """Exit 0 when every engine and every required pair passed, 1 otherwise, 2 on bad settings."""
+    settings = load_settings_or_exit(args.config)
+    if args.timeout is not None and not args.timeout > 0:
+        print("narwhal preflight: --timeout must be > 0", file=sys.stderr)
+        return 2
+    try:
+        report = asyncio.run(run_preflight(settings, timeout=args.timeout))
+    except KeyboardInterrupt:
+        return 130
+    print(report.to_json() if args.json else report.table())
+    return 0 if report.ok else 1

@@ -1,0 +1,302 @@
+"""Start and stop real processes on 127.0.0.1: a fake fleet and the router under gunicorn.
+
+Shared by ``narwhal demo``, the integration tests and the perf suite, so all three run the
+exact same processes a user would. The router's listening socket is created here and
+handed to gunicorn as ``fd://N``: no "find a free port, then race for it" window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+def _wait(predicate: Any, timeout: float, what: str, proc: subprocess.Popen[Any] | None = None) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what}: process exited with {proc.returncode}")
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"{what}: not ready after {timeout:g}s")
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: whatever launched us (a test run, the demo) may be killed
+    without a chance to clean up; its fleets and routers must not outlive it."""
+    from narwhal.supervisor.process import set_parent_death_signal
+
+    set_parent_death_signal(signal.SIGTERM)
+
+
+def http_get(url: str, timeout: float = 2.0, headers: Mapping[str, str] | None = None) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=dict(headers or {})), timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except (urllib.error.URLError, OSError):
+        return 0, b""
+
+
+def _http_ok(url: str) -> bool:
+    return http_get(url)[0] == 200
+
+
+def _worker_answered(url: str, seen: set[int]) -> int:
+    """Ask ``/health`` once on a new connection; add the worker that answered to ``seen``."""
+    status, body = http_get(url + "/health")
+    if status == 200:
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            seen.add(int(json.loads(body)["worker"]))
+    return len(seen)
+
+
+class FakeFleet:
+    """One ``narwhal fake-engine`` process hosting several engines and a control server."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], control: str, engines: dict[str, str]) -> None:
+        self.proc = proc
+        self.control = control
+        self.engines = engines
+
+    @classmethod
+    def start(
+        cls, names: Sequence[str], *, args: Sequence[str] = (), timeout: float = 30.0
+    ) -> FakeFleet:
+        fd, ready = tempfile.mkstemp(prefix="narwhal-fleet-", suffix=".json")
+        os.close(fd)
+        os.unlink(ready)
+        cmd = [sys.executable, "-m", "narwhal", "fake-engine", "--ready-file", ready, *args]
+        for name in names:
+            cmd += ["--engine", name]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
+        try:
+            _wait(lambda: os.path.exists(ready), timeout, "fake fleet", proc)
+            with open(ready) as f:
+                info = json.load(f)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        finally:
+            if os.path.exists(ready):
+                os.unlink(ready)
+        return cls(proc, info["control"], info["engines"])
+
+    def control_request(self, method: str, path: str, body: Any = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.control + path, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            raw = resp.read()
+        return json.loads(raw) if raw else None
+
+    def stats(self, name: str) -> dict[str, Any]:
+        stats: dict[str, Any] = self.control_request("GET", f"/engines/{name}/stats")
+        return stats
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def write_config(engines: Sequence[Mapping[str, Any]], sections: Mapping[str, Mapping[str, Any]] | None = None) -> str:
+    """Write a TOML settings file for the given engines; return its path."""
+    lines: list[str] = []
+    for section, values in (sections or {}).items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {_toml(v)}" for k, v in values.items()]
+        lines.append("")
+    for engine in engines:
+        lines.append("[[engines]]")
+        lines += [f"{k} = {_toml(v)}" for k, v in engine.items()]
+        lines.append("")
+    fd, path = tempfile.mkstemp(prefix="narwhal-", suffix=".toml")
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(lines))
+    return path
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+class RouterProcess:
+    """The router under real gunicorn (master + workers) on an inherited 127.0.0.1 socket."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], url: str, log_path: str) -> None:
+        self.proc = proc
+        self.url = url
+        self.log_path = log_path
+
+    @classmethod
+    def start(
+        cls,
+        config_path: str,
+        *,
+        port: int = 0,
+        env: Mapping[str, str] | None = None,
+        wait_ready: bool = True,
+        timeout: float = 30.0,
+        log_path: str | None = None,
+        gunicorn_args: Sequence[str] = (),
+        root: str | None = None,
+        workers: int = 1,
+    ) -> RouterProcess:
+        """Start gunicorn on a fresh 127.0.0.1 socket and wait until ``workers`` workers serve.
+
+        Waiting for every worker matters to whoever opens many connections at once next:
+        a worker still starting accepts none of them, and keep-alive keeps them where they
+        landed (see ``narwhal.front.accept``).
+
+        ``root``: a directory holding another ``narwhal`` package (e.g. an older commit, for
+        the perf suite's ``--baseline``) to run instead of this one, with this one's dependencies.
+        """
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen(1024)
+        sock.set_inheritable(True)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("NARWHAL_")}
+        full_env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        full_env.update(env or {})
+        full_env["NARWHAL_CONFIG"] = os.path.abspath(config_path)
+        full_env["NARWHAL_SERVER__BIND"] = f"fd://{sock.fileno()}"
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix="narwhal-router-", suffix=".log")
+            os.close(fd)
+        inherit = log_path == "-"  # the caller's terminal (the demo)
+        log = open(os.devnull if inherit else log_path, "ab")
+        from narwhal.front.gunicorn_hooks import CONFIG_FILE
+
+        config_file = CONFIG_FILE
+        if root is not None:
+            # `python -m` puts the working directory first on sys.path: run from there.
+            # Where that tree keeps its gunicorn configuration: narwhal/front/ since the layers,
+            # narwhal/ in older commits (which --baseline runs too).
+            name = os.path.basename(CONFIG_FILE)
+            front = os.path.join(root, "narwhal", "front", name)
+            config_file = front if os.path.exists(front) else os.path.join(root, "narwhal", name)
+            full_env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, full_env.get("PYTHONPATH"))))
+        cmd = [sys.executable, "-m", "gunicorn", "-c", config_file, *gunicorn_args]
+        proc = subprocess.Popen(
+            cmd,
+            cwd=root,
+            env=full_env,
+            pass_fds=[sock.fileno()],
+            stdout=None if inherit else log,
+            stderr=None if inherit else log,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        log.close()
+        sock.close()
+        router = cls(proc, url, log_path)
+        try:
+            _wait(lambda: _http_ok(url + "/health"), timeout, "router", proc)
+            seen: set[int] = set()
+            _wait(lambda: _worker_answered(url, seen) >= workers, timeout, f"router: {workers} workers", proc)
+            if wait_ready:
+                _wait(lambda: _http_ok(url + "/ready"), timeout, "router /ready", proc)
+        except BaseException:
+            router.stop()
+            raise
+        return router
+
+    def log_text(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        return stop_gunicorn(self.proc, sig, timeout)
+
+
+def process_title(pid: int) -> str:
+    """What ``ps`` shows for ``pid`` (``setproctitle`` rewrites ``/proc/PID/cmdline``); "" once gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+from narwhal.supervisor.process import TITLE as SUPERVISOR_TITLE  # noqa: E402
+
+
+def router_roles(master: int) -> dict[str, list[int]]:
+    """The master's children by the role their title names: the supervisor, and workers
+    (gunicorn's ``worker [narwhal]``; a worker forked a moment ago still bears the master's
+    title, and counts as a worker)."""
+    roles: dict[str, list[int]] = {"master": [master], "worker": [], "supervisor": [], "other": []}
+    for child in children_of(master):
+        title = process_title(child)
+        if title.startswith(SUPERVISOR_TITLE):
+            roles["supervisor"].append(child)
+        elif "worker" in title or "master" in title:
+            roles["worker"].append(child)
+        elif title:
+            roles["other"].append(child)
+    return roles
+
+
+def children_of(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+def stop_gunicorn(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+    """Signal the master, and repeat the signal to workers that are still there a second later.
+
+    A worker forked a moment before the master's signal still runs the master's handlers
+    until gunicorn installs its own, and loses the signal; the master never repeats it, so
+    such a worker would live on until the graceful timeout. Quick starts and stops (tests,
+    the demo) hit this window.
+    """
+    if proc.poll() is not None:
+        return proc.returncode
+    workers = children_of(proc.pid)
+    proc.send_signal(sig)
+    try:
+        proc.wait(1.0)
+    except subprocess.TimeoutExpired:
+        for pid in workers:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode

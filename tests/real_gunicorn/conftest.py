@@ -1,0 +1,79 @@
+"""Real processes for the integration tests: one fake fleet, routers under real gunicorn.
+
+One fake-fleet process serves every engine of the session; each router fixture is a real
+gunicorn master with 2 aiohttp workers on an inherited 127.0.0.1 socket. Faults are injected
+per request (``narwhal_fake`` in the body, which the router forwards like any unknown field)
+or per engine through the fleet's control API. Every test writes a unique prompt so it can
+find exactly the engine requests it caused.
+
+At the end of each module every producer must hold zero KV blocks: a handoff the router
+produced and neither decoded nor released would show up here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from narwhal.testing.harness import FakeFleet, RouterProcess
+from tests.real_gunicorn.support import (
+    ENGINES,
+    LEASE_S,
+    MODEL,
+    start_router,
+    wait_until,
+)
+
+
+@pytest.fixture(scope="session")
+def fleet() -> Iterator[FakeFleet]:
+    fleet = FakeFleet.start(ENGINES, args=["--model", MODEL, "--lease-s", str(LEASE_S), "--block-size", "4"])
+    yield fleet
+    fleet.stop()
+
+
+@pytest.fixture(scope="module")
+def router(fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
+    """p0, p1 → d0, d1: crossed decodes only."""
+    engines = [
+        {"name": "p0", "role": "producer"},
+        {"name": "p1", "role": "producer"},
+        {"name": "d0", "role": "consumer"},
+        {"name": "d1", "role": "consumer"},
+    ]
+    proc = start_router(fleet, engines, tmp_path_factory.mktemp("router"))
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def same_router(fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
+    """b0 alone, role both: every decode is a same-worker decode."""
+    proc = start_router(fleet, [{"name": "b0", "role": "both"}], tmp_path_factory.mktemp("same"))
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def solo_router(fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
+    """p2 → d2 only, no silence bound, a short handoff age: deterministic placement."""
+    engines = [{"name": "p2", "role": "producer"}, {"name": "d2", "role": "consumer"}]
+    proc = start_router(
+        fleet,
+        engines,
+        tmp_path_factory.mktemp("solo"),
+        engine={"decode_read_timeout_s": 0},
+        handoff={"max_age_s": 0.6},
+    )
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_stranded_blocks(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "fleet" not in request.fixturenames:
+        return
+    fleet: FakeFleet = request.getfixturevalue("fleet")
+    wait_until(lambda: all(fleet.stats(n)["held_blocks"] == 0 for n in ENGINES), 10, "held KV blocks back to 0")

@@ -1,0 +1,245 @@
+"""What the real-gunicorn tests share: the fake fleet's names and timeouts, starting a router,
+bounded waits, unique prompts, sending requests and reading replies, and the admin API."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from narwhal.testing.harness import FakeFleet, RouterProcess, write_config
+
+MODEL = "fake-model"
+
+
+LEASE_S = 120
+
+
+ENGINES = ["p0", "p1", "d0", "d1", "b0", "p2", "d2", "sp0", "sp1", "sd0", "sd1"]
+
+
+TIMEOUTS = {
+    "prefill_timeout_s": 2.5,
+    "first_token_timeout_s": 2.5,
+    "decode_read_timeout_s": 1.5,
+}
+
+
+def start_router(
+    fleet: FakeFleet, engines: list[dict[str, Any]], tmp: Any, gunicorn_args: tuple[str, ...] = (),
+    **sections: dict[str, Any],
+) -> RouterProcess:
+    for engine in engines:
+        if "url" not in engine:  # an engine of another fleet comes with its own
+            engine["url"] = fleet.engines[engine["name"]]
+    conf = {
+        "server": {"workers": 2},
+        "engine": dict(TIMEOUTS),
+        "preflight": {"on_start": False},
+        "log": {"access_log": str(tmp / "access.log"), "level": "warning"},
+        # Fault tests inject many failures: breakers stay out of their way unless a test
+        # (test_supervisor) is about breakers.
+        "recovery": {"eject_after": 1000},
+    }
+    for key, values in sections.items():
+        conf.setdefault(key, {}).update(values)
+    return RouterProcess.start(
+        write_config(engines, conf), log_path=str(tmp / "router.log"), gunicorn_args=gunicorn_args,
+        workers=int(conf["server"].get("workers", 2)),
+    )
+
+
+def wait_until(predicate: Any, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout:g}s waiting for: {what}")
+
+
+def settled(read: Any, expected: Any, timeout: float = 5.0) -> Any:
+    """``read()`` once it returns ``expected`` (bounded), else its last value, for the caller's
+    assert to show. For figures a worker updates just *after* the client has its response."""
+    end = time.monotonic() + timeout
+    value = read()
+    while value != expected and time.monotonic() < end:
+        time.sleep(0.05)
+        value = read()
+    return value
+
+
+def unique_prompt(words: int = 12) -> str:
+    tag = uuid.uuid4().hex
+    return " ".join([tag] + [f"w{i}" for i in range(words - 1)])
+
+
+def records(fleet: FakeFleet, engine: str, prompt: str) -> list[dict[str, Any]]:
+    tag = prompt.split()[0]
+    return fleet.control_request("GET", f"/engines/{engine}/requests?contains={tag}")["requests"]
+
+
+def records_anywhere(fleet: FakeFleet, prompt: str, engines: list[str]) -> dict[str, list[dict[str, Any]]]:
+    return {name: recs for name in engines if (recs := records(fleet, name, prompt))}
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: Any
+    raw: bytes
+
+    @property
+    def json(self) -> Any:
+        return orjson.loads(self.raw)
+
+    @property
+    def events(self) -> list[bytes]:
+        """The data payloads of an SSE body, in order."""
+        out = []
+        for event in self.raw.split(b"\n\n"):
+            if event.startswith(b"data: "):
+                out.append(event[6:])
+        return out
+
+    @property
+    def text(self) -> str:
+        """The generated text of a completions or chat stream."""
+        parts = []
+        for data in self.events:
+            if data == b"[DONE]":
+                continue
+            obj = orjson.loads(data)
+            for choice in obj.get("choices", []):
+                parts.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+        return "".join(parts)
+
+
+def completion(prompt: str, *, stream: bool = True, max_tokens: int = 4, fake: Any = None, **extra: Any) -> dict:
+    body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "stream": stream, "max_tokens": max_tokens}
+    if fake is not None:
+        body["narwhal_fake"] = fake
+    body.update(extra)
+    return body
+
+
+def chat(prompt: str, *, stream: bool = True, max_tokens: int = 4, fake: Any = None, **extra: Any) -> dict:
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": prompt}],
+        "stream": stream,
+        "max_tokens": max_tokens,
+    }
+    if fake is not None:
+        body["narwhal_fake"] = fake
+    body.update(extra)
+    return body
+
+
+async def send(
+    base: str,
+    path: str,
+    body: Any = None,
+    *,
+    raw: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    method: str = "POST",
+) -> Reply:
+    data: Any = raw if raw is not None else (orjson.dumps(body) if body is not None else None)
+    if isinstance(data, bytes) and len(data) > 1024 * 1024:
+        data = io.BytesIO(data)  # aiohttp warns about large raw bodies
+    hdrs = {"Content-Type": "application/json"}
+    hdrs.update(headers or {})
+    async with aiohttp.ClientSession() as session:
+        async with session.request(method, base + path, data=data, headers=hdrs) as resp:
+            return Reply(resp.status, resp.headers, await resp.read())
+
+
+def expected_text(n: int) -> str:
+    return "".join(f" t{i}" for i in range(n))
+
+
+def error_of(reply: Reply) -> dict[str, Any]:
+    body = reply.json
+    assert set(body) == {"error"}, body
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+def terminal_error(reply: Reply) -> dict[str, Any]:
+    """The terminal error event of a stream that ended after HTTP 200 (no [DONE] after it)."""
+    events = reply.events
+    assert events, reply.raw
+    assert b"[DONE]" not in events, reply.raw
+    last = orjson.loads(events[-1])
+    assert set(last) == {"error"}, last
+    return last["error"]
+
+
+TOKEN = "admin-secret"
+
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+async def admin(router: RouterProcess, method: str = "GET", path: str = "/admin/engines") -> dict:
+    reply = await send(router.url, path, method=method, headers=AUTH)
+    assert reply.status == 200, reply.raw
+    return reply.json
+
+
+async def engine_entry(router: RouterProcess, name: str) -> dict:
+    return next(e for e in (await admin(router))["engines"] if e["name"] == name)
+
+
+async def wait_state(router: RouterProcess, name: str, state: str, timeout: float = 10) -> dict:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        entry = await engine_entry(router, name)
+        if entry["state"] == state:
+            return entry
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{name} never became {state}: {entry}")
+
+
+async def readmit_all(router: RouterProcess, names: list[str]) -> None:
+    for name in names:
+        await admin(router, "POST", f"/admin/engines/{name}/readmit")
+
+
+@contextlib.asynccontextmanager
+async def sessions_per_worker(router: RouterProcess, workers: int) -> AsyncIterator[dict[int, aiohttp.ClientSession]]:
+    """One keep-alive session per worker, keyed by the worker's pid.
+
+    A connection stays with the worker that accepted it, and ``/health`` names that worker.
+    """
+    sessions: dict[int, aiohttp.ClientSession] = {}
+    spare: list[aiohttp.ClientSession] = []
+    end = time.monotonic() + 20
+    try:
+        while len(sessions) < workers and time.monotonic() < end:
+            session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
+            async with session.get(router.url + "/health") as resp:
+                pid = (await resp.json())["worker"]
+            if pid in sessions:
+                spare.append(session)
+            else:
+                sessions[pid] = session
+        assert len(sessions) == workers, f"could not reach {workers} workers"
+        yield sessions
+    finally:
+        for session in [*sessions.values(), *spare]:
+            await session.close()
+
+
+async def post(session: aiohttp.ClientSession, router: RouterProcess, body: dict) -> tuple[int, bytes]:
+    async with session.post(router.url + "/v1/completions", json=body) as resp:
+        return resp.status, await resp.read()

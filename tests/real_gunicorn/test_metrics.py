@@ -1,0 +1,78 @@
+"""SPEC §8 metrics after faulty traffic through 2 workers: each counter moves by exactly what happened."""
+
+from __future__ import annotations
+
+import re
+
+import aiohttp
+
+from narwhal.testing.harness import RouterProcess, http_get
+from tests.real_gunicorn.support import completion, send, unique_prompt, wait_until
+
+
+def scrape(router: RouterProcess) -> str:
+    return http_get(router.url + "/metrics")[1].decode()
+
+
+def value(text: str, name: str, **labels: str) -> float:
+    inner = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    pattern = re.escape(name) + (r"\{" + re.escape(inner) + r"\}" if labels else "") + r" ([0-9.e+-]+)$"
+    match = re.search(pattern, text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+async def test_fault_metrics_count_exactly_what_happened(solo_router: RouterProcess) -> None:
+    before = scrape(solo_router)
+    for fault in ("bad_blocks", "mooncake"):  # two handoffs rejected and sent nowhere
+        reply = await send(solo_router.url, "/v1/completions",
+                           completion(unique_prompt(), fake={"prefill": {"descriptor": fault}}))
+        assert reply.status == 502
+    # one handoff too old to decode: released to the consumer
+    reply = await send(solo_router.url, "/v1/completions",
+                       completion(unique_prompt(), fake={"prefill": {"delay_headers_s": 0.9}}))
+    assert reply.status == 504
+    # one stream cut by the engine after its first tokens
+    reply = await send(solo_router.url, "/v1/completions",
+                       completion(unique_prompt(), max_tokens=6, fake={"decode": {"close_after": 2}}))
+    assert reply.status == 200
+    # one client that leaves mid-stream
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(solo_router.url + "/v1/completions",
+                                  json=completion(unique_prompt(), max_tokens=100,
+                                                  fake={"decode": {"token_delay_s": 0.05}}))
+        await resp.content.readany()
+        resp.close()
+
+    def delta(name: str, **labels: str) -> float:
+        return value(scrape(solo_router), name, **labels) - value(before, name, **labels)
+
+    wait_until(lambda: delta("narwhal_client_disconnects_total") == 1, 5, "the disconnect counted")
+    wait_until(lambda: delta("narwhal_handoffs_released_total") == 1, 5, "the release counted")
+    assert delta("narwhal_handoffs_abandoned_total") == 2
+    assert delta("narwhal_engine_failures_total", engine="p2", phase="prefill", reason="invalid_handoff") == 2
+    assert delta("narwhal_engine_failures_total", engine="d2", phase="decode", reason="engine_disconnect") == 1
+    assert delta("narwhal_stream_aborted_total", reason="engine_disconnect") == 1
+    assert delta("narwhal_stream_aborted_total", reason="client_disconnect") == 1
+    assert delta("narwhal_attempts_total", outcome="invalid_handoff") == 2
+    assert delta("narwhal_attempts_total", outcome="handoff_expired") == 1
+    assert delta("narwhal_requests_total", endpoint="/v1/completions", code="502") == 2
+    assert delta("narwhal_requests_total", endpoint="/v1/completions", code="504") == 1
+    assert delta("narwhal_requests_total", endpoint="/v1/completions", code="499") == 1
+    # handoff_expired is nobody's fault: not an engine failure
+    assert delta("narwhal_engine_failures_total", engine="p2", phase="prefill", reason="handoff_expired") == 0
+
+
+async def test_the_supervisor_exports_engine_state_and_fleet_wide_inflight(solo_router: RouterProcess) -> None:
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(solo_router.url + "/v1/completions",
+                                  json=completion(unique_prompt(), max_tokens=60,
+                                                  fake={"decode": {"token_delay_s": 0.05}}))
+        await resp.content.readany()
+        wait_until(lambda: value(scrape(solo_router), "narwhal_engine_inflight", engine="d2", phase="decode") == 1,
+                   5, "the open stream exported")
+        await resp.read()
+    text = scrape(solo_router)
+    assert value(text, "narwhal_engine_state", engine="p2", role="producer") == 0
+    assert 'narwhal_engine_state{engine="d2",role="consumer"} 0.0' in text
+    wait_until(lambda: value(scrape(solo_router), "narwhal_engine_inflight", engine="d2", phase="decode") == 0,
+               5, "the finished stream exported")

@@ -1,0 +1,146 @@
+"""The perf suite's CI smoke run: ``python -m perf --quick`` must *work* (not be fast).
+
+Why a subprocess: the suite is a command that starts fake engines and gunicorn routers and must
+clean up after itself; running it exactly as a user does is the only way to test that. The
+numbers are not checked (CI machines are small and shared); what is checked is that every
+scenario ran, sent traffic, met no errors where none are expected, and that the reports exist.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from narwhal.testing.harness import FakeFleet, RouterProcess, http_get, write_config
+from perf.scenarios import all_scenarios
+
+REPO = Path(__file__).resolve().parents[2]
+EXPECTED = {
+    "stream_c1",
+    "stream_c32",
+    "stream_c128",
+    "paced_c128",
+    "paced_c1000",
+    "nonstream_c32",
+    "chat_c32",
+    "accesslog_c32",
+    "workers",
+    "memory",
+}
+
+
+def run_perf(out: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``python -m perf --quick ARGS --out OUT`` exactly as a user runs it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NARWHAL_")}
+    return subprocess.run(
+        [sys.executable, "-m", "perf", "--quick", *args, "--out", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.timeout(180)
+def test_quick_run_works(tmp_path: Path) -> None:
+    proc = run_perf(tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+    doc = json.loads((tmp_path / "results.json").read_text())
+    scenarios = doc["scenarios"]
+    names = {s.name for s in all_scenarios(quick=True)}
+    assert EXPECTED <= names
+    assert set(scenarios) == names
+    for name, res in scenarios.items():
+        assert "error" not in res, (name, res.get("error"))
+        assert res["targets"], name
+        for target, stats in res["targets"].items():
+            if res["kind"] == "memory":
+                assert stats["open_at_peak"] > 0, (name, target)
+            else:
+                assert stats["requests"] > 0, (name, target)
+                assert stats["rps"] > 0 and stats["ttfb_ms"]["p50"] is not None, (name, target)
+            if not res["expects_errors"]:
+                assert stats["errors"]["count"] == 0, (name, target, stats["errors"])
+        if res["kind"] == "load":
+            assert {"narwhal", "direct"} <= set(res["targets"]), name
+            assert res["targets"]["narwhal"]["router_cpu_us_per_req"] is not None, name
+    # The aiohttp floor runs beside Narwhal where the scenarios name it, and the notes compare.
+    for name in ("stream_c1", "stream_c32", "nonstream_c32"):
+        floor = scenarios[name]["targets"]["aiohttp-floor"]
+        assert floor["requests"] > 0 and floor["router_cpu_us_per_req"] is not None, name
+    assert "aiohttp floor (`perf/floor_proxy.py`" in (tmp_path / "results.md").read_text()
+    assert scenarios["workers"]["recommended_workers"] in scenarios["workers"]["workers"]
+    assert len(doc["targets"]) == 6 and all(t["result"] in ("PASS", "FAIL", "n/a") for t in doc["targets"])
+
+    table = (tmp_path / "results.md").read_text()
+    assert "| scenario | target | req/s |" in table
+    assert "## Targets" in table and "Recommended `server.workers`" in table
+    assert "| scenario | target | req/s |" in proc.stdout  # the table is printed too
+
+
+def _git_head() -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
+    except OSError:
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+@pytest.mark.timeout(120)
+def test_baseline_runs_in_the_same_rounds(tmp_path: Path) -> None:
+    head = _git_head()
+    if head is None:
+        pytest.skip("not a git checkout: --baseline needs one")
+    proc = run_perf(tmp_path, "--scenarios", "nonstream", "--baseline", "HEAD", timeout=100)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["meta"]["baseline"] == {"ref": "HEAD", "commit": head, "error": None}
+    assert (tmp_path / "baseline" / "narwhal" / "__init__.py").is_file()
+    targets = doc["scenarios"]["nonstream_c32"]["targets"]
+    assert targets["baseline"]["requests"] > 0 and targets["baseline"]["errors"]["count"] == 0
+    vs = targets["narwhal"]["vs_baseline"]
+    assert vs["cpu_ratio"] > 0 and vs["rps_ratio"] > 0 and len(vs["cpu_ratio_rounds"]) == 1
+    assert f"## This checkout against the baseline (HEAD = {head[:12]})" in (tmp_path / "results.md").read_text()
+
+
+def test_a_baseline_that_is_no_commit_is_reported_not_fatal(tmp_path: Path) -> None:
+    proc = run_perf(tmp_path, "--scenarios", "nonstream", "--baseline", "no-such-ref", timeout=100)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["meta"]["baseline"]["commit"] is None
+    assert doc["meta"]["baseline"]["error"] == f"--baseline 'no-such-ref' is not a commit of {REPO}"
+    assert "baseline" not in doc["scenarios"]["nonstream_c32"]["targets"]
+    assert "baseline: `no-such-ref` not run (--baseline 'no-such-ref' is not a commit of" in proc.stdout
+
+
+def test_a_router_started_from_another_root_runs_that_code(tmp_path: Path) -> None:
+    # What --baseline relies on: RouterProcess(root=...) serves the narwhal package found there.
+    root = tmp_path / "other"
+    shutil.copytree(REPO / "narwhal", root / "narwhal", ignore=shutil.ignore_patterns("__pycache__"))
+    app = root / "narwhal" / "front" / "app.py"
+    source = app.read_text()
+    assert '{"status": "ok", "worker": os.getpid()}' in source
+    app.write_text(source.replace('{"status": "ok", "worker"', '{"status": "ok-from-other-root", "worker"'))
+    fleet = FakeFleet.start(["p0", "d0"], args=["--model", "m"])
+    try:
+        config = write_config(
+            [{"name": "p0", "url": fleet.engines["p0"], "role": "producer"},
+             {"name": "d0", "url": fleet.engines["d0"], "role": "consumer"}],
+            {"preflight": {"on_start": False}, "log": {"access_log": ""}},
+        )
+        router = RouterProcess.start(config, root=str(root), log_path=str(tmp_path / "router.log"), timeout=60)
+        try:
+            status, body = http_get(router.url + "/health")
+            assert status == 200 and json.loads(body)["status"] == "ok-from-other-root"
+        finally:
+            router.stop()
+    finally:
+        fleet.stop()

@@ -1,0 +1,336 @@
+"""``narwhal preflight`` through the real CLI against a fake fleet (SPEC §6 "Preflight").
+
+The fleet is this module's own (``pf-*`` names), so injected faults never disturb the other
+modules' routers. Blocks are one token each, so every probe's handoff really holds KV blocks: a
+test ends only when every producer holds nothing again, which proves preflight decoded or
+released every handoff it made (except where a fault makes the release impossible, and the
+short lease cleans up).
+
+Decision recorded here: a producer whose transfers fail on two consumers (``kv_read_fails``) gets
+an engine row ``fail`` with reason ``transfers to … failed`` (SPEC §6 blame), while a single
+failed pair charges no engine: only the pair row fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from narwhal.preflight.check import run_preflight
+from narwhal.settings import load_settings
+from narwhal.testing.harness import FakeFleet, write_config
+from tests.real_gunicorn.support import wait_until
+
+MODEL = "fake-model"
+LEASE_S = 1.5
+NAMES = ["pf-p0", "pf-p1", "pf-d0", "pf-d1", "pf-b0"]
+ROOT = Path(__file__).resolve().parents[2]
+FOUR = [("pf-p0", "producer"), ("pf-p1", "producer"), ("pf-d0", "consumer"), ("pf-d1", "consumer")]
+PAIRS = ["pf-p0 -> pf-d0", "pf-p0 -> pf-d1", "pf-p1 -> pf-d0", "pf-p1 -> pf-d1"]
+CONTRACT = {"model": MODEL, "engine_version": "0.11.0", "kv_connector": "NixlConnector"}
+FLEET_ARGS = ["--model", MODEL, "--lease-s", str(LEASE_S), "--block-size", "1"]
+
+
+@pytest.fixture(scope="module")
+def pf_fleet() -> Iterator[FakeFleet]:
+    fleet = FakeFleet.start(NAMES, args=FLEET_ARGS)
+    yield fleet
+    fleet.stop()
+
+
+@pytest.fixture(autouse=True)
+def clean_fleet(pf_fleet: FakeFleet) -> Iterator[None]:
+    yield
+    for name in NAMES:
+        if not pf_fleet.stats(name)["serving"]:
+            pf_fleet.control_request("POST", f"/engines/{name}/start")
+    pf_fleet.control_request("POST", "/reset")
+    wait_until(lambda: _held(pf_fleet) == 0, LEASE_S + 5, "every handoff decoded, released or expired")
+
+
+def _held(fleet: FakeFleet) -> int:
+    return sum(fleet.stats(n)["held_requests"] for n in NAMES)
+
+
+def _config(
+    fleet: FakeFleet, tmp_path: Path, engines: list[tuple[str, str]] = FOUR, **sections: dict[str, Any]
+) -> str:
+    conf: dict[str, dict[str, Any]] = {
+        "engine": {"prefill_timeout_s": 3, "first_token_timeout_s": 3, "decode_read_timeout_s": 2},
+        "engine_contract": dict(CONTRACT),
+    }
+    for key, values in sections.items():
+        conf.setdefault(key, {}).update(values)
+    rows = [{"name": n, "url": fleet.engines[n], "role": role} for n, role in engines]
+    path = tmp_path / "narwhal.toml"
+    shutil.move(write_config(rows, conf), path)
+    return str(path)
+
+
+def _cli(config: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("NARWHAL_")}
+    cmd = [sys.executable, "-m", "narwhal", "preflight", "--config", config, *args]
+    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def _rows(stdout: str) -> dict[str, tuple[str, str, str]]:
+    """``{"engine pf-p0": (verdict, reason, note), "pair pf-p0 -> pf-d0": ...}`` from the table."""
+    lines = stdout.splitlines()
+    assert re.split(r"\s{2,}", lines[0].strip()) == ["KIND", "NAME", "VERDICT", "REASON", "LATENCY_MS", "NOTE"]
+    rows = {}
+    for line in lines[1:]:
+        if not line.startswith(("engine ", "pair ")):
+            continue
+        kind, name, verdict, reason, latency, note = re.split(r"\s{2,}", line.strip())
+        assert latency == "-" or float(latency) >= 0
+        assert f"{kind} {name}" not in rows
+        rows[f"{kind} {name}"] = (verdict, reason, note)
+    return rows
+
+
+def _all_ok(names: list[str], pairs: list[str]) -> dict[str, tuple[str, str, str]]:
+    rows = {f"engine {n}": ("ok", "-", "-") for n in names}
+    rows.update({f"pair {p}": ("ok", "-", "-") for p in pairs})
+    return rows
+
+
+def _fault(fleet: FakeFleet, name: str, faults: dict[str, Any]) -> None:
+    fleet.control_request("PUT", f"/engines/{name}/faults", faults)
+
+
+def test_all_good_exits_0_with_one_row_per_engine_and_pair(pf_fleet: FakeFleet, tmp_path: Path) -> None:
+    proc = _cli(_config(pf_fleet, tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _rows(proc.stdout) == _all_ok(["pf-p0", "pf-p1", "pf-d0", "pf-d1"], PAIRS)
+    assert proc.stdout.splitlines()[-1] == "preflight: ok (4 engines, 4 pairs)"
+    assert len(proc.stdout.splitlines()) == 10  # header, 4 engines, 4 pairs, summary
+    assert proc.stderr == ""
+    # Every handoff was decoded (pairs) or released (the engine checks), not left to the lease.
+    assert _held(pf_fleet) == 0
+    assert pf_fleet.stats("pf-p0")["requests"]["prefill"] == 3  # 1 engine check + 2 pairs
+
+
+def test_version_mismatch_fails_the_engine_and_skips_its_pairs(pf_fleet: FakeFleet, tmp_path: Path) -> None:
+    _fault(pf_fleet, "pf-p1", {"version": "0.10.0"})
+    proc = _cli(_config(pf_fleet, tmp_path))
+    assert proc.returncode == 1
+    expected = _all_ok(["pf-p0", "pf-d0", "pf-d1"], PAIRS[:2])
+    expected["engine pf-p1"] = ("fail", "version 0.10.0 does not match 0.11.0", "-")
+    expected["pair pf-p1 -> pf-d0"] = ("skip", "producer pf-p1 failed", "-")
+    expected["pair pf-p1 -> pf-d1"] = ("skip", "producer pf-p1 failed", "-")
+    assert _rows(proc.stdout) == expected
+    assert proc.stdout.splitlines()[-1] == "preflight: FAILED (1 of 4 engines, 2 of 4 pairs failed)"
+
+
+def test_wrong_model_fails_the_consumer(pf_fleet: FakeFleet, tmp_path: Path) -> None:
+    _fault(pf_fleet, "pf-d0", {"models": ["other-model"]})
+    proc = _cli(_config(pf_fleet, tmp_path))
+    assert proc.returncode == 1
+    expected = _all_ok(["pf-p0", "pf-p1", "pf-d1"], ["pf-p0 -> pf-d1", "pf-p1 -> pf-d1"])
+    expected["engine pf-d0"] = ("fail", "model fake-model not served", "-")
+    expected["pair pf-p0 -> pf-d0"] = ("skip", "consumer pf-d0 failed", "-")
+    expected["pair pf-p1 -> pf-d0"] = ("skip", "consumer pf-d0 failed", "-")
+    assert _rows(proc.stdout) == expected
+
+
+def test_connector_mismatch_fails_the_producer(pf_fleet: FakeFleet, tmp_path: Path) -> None:
+    _fault(pf_fleet, "pf-p0", {"prefill": {"descriptor": "mooncake"}})
+    proc = _cli(_config(pf_fleet, tmp_path))
+    assert proc.returncode == 1
+    expected = _all_ok(["pf-p1", "pf-d0", "pf-d1"], PAIRS[2:])
+    expected["engine pf-p0"] = ("fail", "connector mismatch: invalid handoff: connector mismatch", "-")
+    expected["pair pf-p0 -> pf-d0"] = ("skip", "producer pf-p0 failed", "-")
+    expected["pair pf-p0 -> pf-d1"] = ("skip", "producer pf-p0 failed", "-")
+    assert _rows(proc.stdout) == expected
+
+
+def test_failed_transfers_fail_the_pairs_and_charge_the_producer(pf_fleet: FakeFleet, tmp_path: Path) -> None:
+    _fault(pf_fleet, "pf-p0", {"kv_read_fails": True})
+    proc = _cli(_config(pf_fleet, tmp_path))
+    assert proc.returncode == 1
+    expected = _all_ok(["pf-p1", "pf-d0", "pf-d1"], PAIRS[2:])
+    # Its own checks pass, but its handoffs failed on two consumers: the producer is charged,
+    # the consumers (which decoded pf-p1's handoffs) are not.
+    expected["engine pf-p0"] = ("fail", "transfers to pf-d0, pf-d1 failed", "-")
+    expected["pair pf-p0 -> pf-d0"] = ("fail", "transfer failed: KV transfer failed", "-")
+    expected["pair pf-p0 -> pf-d1"] = ("fail", "transfer failed: KV transfer failed", "-")
+    assert _rows(proc.stdout) == expected
+
+
+def test_an_unreachable_engine(pf_fleet: FakeFleet, tmp_path: Path) -> None:
+    pf_fleet.control_request("POST", "/engines/pf-d1/stop")
+    proc = _cli(_config(pf_fleet, tmp_path))
+    assert proc.returncode == 1
+    expected = _all_ok(["pf-p0", "pf-p1", "pf-d0"], ["pf-p0 -> pf-d0", "pf-p1 -> pf-d0"])
+    expected["engine pf-d1"] = ("fail", "unreachable", "-")
+    expected["pair pf-p0 -> pf-d1"] = ("skip", "consumer pf-d1 failed", "-")
+    expected["pair pf-p1 -> pf-d1"] = ("skip", "consumer pf-d1 failed", "-")
+    assert _rows(proc.stdout) == expected
+
+
+def test_a_dead_engine_health_503(pf_fleet: FakeFleet, tmp_path: Path) -> None:
+    _fault(pf_fleet, "pf-d0", {"health_status": 503})
+    proc = _cli(_config(pf_fleet, tmp_path))
+    assert proc.returncode == 1
+    rows = _rows(proc.stdout)
+    assert rows["engine pf-d0"] == ("fail", "health 503", "-")
+    assert rows["pair pf-p0 -> pf-d0"] == ("skip", "consumer pf-d0 failed", "-")
+    assert sorted(k for k, v in rows.items() if v[0] != "ok") == [
+        "engine pf-d0", "pair pf-p0 -> pf-d0", "pair pf-p1 -> pf-d0"
+    ]
+
+
+def test_json_document(pf_fleet: FakeFleet, tmp_path: Path) -> None:
+    _fault(pf_fleet, "pf-p1", {"version": "0.10.0"})
+    proc = _cli(_config(pf_fleet, tmp_path), "--json")
+    assert proc.returncode == 1
+    doc = json.loads(proc.stdout)
+    assert sorted(doc) == ["engines", "errors", "ok", "pairs", "timeout_s", "warnings"]
+    assert doc["ok"] is False
+    assert doc["timeout_s"] == 3.0
+    assert doc["warnings"] == [] and doc["errors"] == []
+    summary = [(e["name"], e["role"], e["verdict"], e["reason"]) for e in doc["engines"]]
+    assert summary == [
+        ("pf-p0", "producer", "ok", ""),
+        ("pf-p1", "producer", "fail", "version 0.10.0 does not match 0.11.0"),
+        ("pf-d0", "consumer", "ok", ""),
+        ("pf-d1", "consumer", "ok", ""),
+    ]
+    p1 = doc["engines"][1]
+    assert p1["checks"] == {
+        "health": {"verdict": "ok", "detail": "200"},
+        "version": {"verdict": "fail", "detail": "version 0.10.0 does not match 0.11.0"},
+        "models": {"verdict": "ok", "detail": MODEL},
+        "handoff": {"verdict": "skip", "detail": ""},
+    }
+    assert p1["version"] == "0.10.0" and p1["models"] == [MODEL]
+    assert doc["engines"][0]["checks"]["handoff"] == {"verdict": "ok", "detail": "NixlConnector"}
+    assert doc["engines"][0]["checks"]["transfers"] == {"verdict": "ok", "detail": "2 of 2 ok"}
+    assert all(isinstance(e["latency_ms"], float) for e in doc["engines"])
+    pairs = [(p["producer"], p["consumer"], p["verdict"], p["reason"]) for p in doc["pairs"]]
+    assert pairs == [
+        ("pf-p0", "pf-d0", "ok", ""),
+        ("pf-p0", "pf-d1", "ok", ""),
+        ("pf-p1", "pf-d0", "skip", "producer pf-p1 failed"),
+        ("pf-p1", "pf-d1", "skip", "producer pf-p1 failed"),
+    ]
+    assert [p["latency_ms"] is None for p in doc["pairs"]] == [False, False, True, True]
+
+
+def test_a_pep440_specifier_pin(pf_fleet: FakeFleet, tmp_path: Path) -> None:
+    _fault(pf_fleet, "pf-p0", {"version": "0.10.5"})
+    _fault(pf_fleet, "pf-p1", {"version": "0.12.1"})
+    _fault(pf_fleet, "pf-d0", {"version": "0.11.1.dev3+g0123abc"})
+    config = _config(pf_fleet, tmp_path, engine_contract={"engine_version": ">=0.10,<0.12"})
+    proc = _cli(config)
+    assert proc.returncode == 1
+    expected = _all_ok(["pf-p0", "pf-d0", "pf-d1"], PAIRS[:2])
+    expected["engine pf-p1"] = ("fail", "version 0.12.1 does not match >=0.10,<0.12", "-")
+    expected["pair pf-p1 -> pf-d0"] = ("skip", "producer pf-p1 failed", "-")
+    expected["pair pf-p1 -> pf-d1"] = ("skip", "producer pf-p1 failed", "-")
+    assert _rows(proc.stdout) == expected
+
+
+def test_an_invalid_specifier_is_an_invalid_setting(pf_fleet: FakeFleet, tmp_path: Path) -> None:
+    proc = _cli(_config(pf_fleet, tmp_path, engine_contract={"engine_version": ">=zero"}))
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr == (
+        "narwhal: invalid settings: engine_contract.engine_version: invalid PEP 440 specifier '>=zero'\n"
+    )
+
+
+def test_same_worker_pair_and_a_short_timeout(pf_fleet: FakeFleet, tmp_path: Path) -> None:
+    engines = [("pf-b0", "both"), ("pf-d0", "consumer")]
+    proc = _cli(_config(pf_fleet, tmp_path, engines))
+    assert proc.returncode == 0, proc.stdout
+    assert _rows(proc.stdout) == _all_ok(["pf-b0", "pf-d0"], ["pf-b0 -> pf-b0", "pf-b0 -> pf-d0"])
+    same = pf_fleet.control_request("GET", "/engines/pf-b0/requests")["requests"]
+    # The engine check's and the crossed pair's prefills ask for a descriptor; the same-worker
+    # prefill must not (SPEC §3 step 3).
+    prefills = sorted("kv_transfer_params" in r["body"] for r in same if r["phase"] == "prefill")
+    assert prefills == [False, True, True]
+
+    _fault(pf_fleet, "pf-d0", {"decode": {"delay_first_token_s": 2}})
+    proc = _cli(_config(pf_fleet, tmp_path, engines), "--timeout", "0.5")
+    assert proc.returncode == 1
+    rows = _rows(proc.stdout)
+    assert rows["pair pf-b0 -> pf-d0"] == ("fail", "transfer failed: no [DONE] within 0.5s", "-")
+    assert rows["pair pf-b0 -> pf-b0"] == ("ok", "-", "-")
+    assert rows["engine pf-d0"] == ("fail", "transfers from pf-b0 failed", "-")  # its only producer
+    assert rows["engine pf-b0"] == ("ok", "-", "-")
+
+
+def test_no_permitted_pair_is_an_error(pf_fleet: FakeFleet, tmp_path: Path) -> None:
+    proc = _cli(_config(pf_fleet, tmp_path, [("pf-d0", "consumer"), ("pf-d1", "consumer")]))
+    assert proc.returncode == 1
+    assert _rows(proc.stdout) == _all_ok(["pf-d0", "pf-d1"], [])
+    assert proc.stdout.splitlines()[-4:] == [
+        "warning: pf-d0: no role-permitted producer (check roles, kv_peers and kv_connector)",
+        "warning: pf-d1: no role-permitted producer (check roles, kv_peers and kv_connector)",
+        "error: no role-permitted producer -> consumer pair",
+        "preflight: FAILED (0 of 2 engines, 0 of 0 pairs failed)",
+    ]
+
+
+async def test_the_python_api(pf_fleet: FakeFleet, tmp_path: Path) -> None:
+    _fault(pf_fleet, "pf-p0", {"kv_read_fails": True})
+    _fault(pf_fleet, "pf-d1", {"models": ["other-model"]})
+    report = await run_preflight(load_settings(_config(pf_fleet, tmp_path), environ={}), timeout=2)
+    assert report.ok is False
+    # pf-p0's only probed transfer failed, but it has two permitted consumers: not charged.
+    assert report.failed_engines() == {"pf-d1"}
+    assert report.failed_pairs() == {
+        ("pf-p0", "pf-d0"), ("pf-p0", "pf-d1"), ("pf-p1", "pf-d1")
+    }
+    assert report.engine("pf-p0").checks["transfers"].detail == "0 of 1 ok"
+    assert json.loads(report.to_json())["ok"] is False
+
+
+def _outbound_ipv4() -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 9))  # no packet is sent: this only picks a source address
+            address = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") or address == "0.0.0.0" else address
+
+
+def test_localhost_descriptor_across_hosts_is_a_warning(tmp_path: Path) -> None:
+    address = _outbound_ipv4()
+    if address is None:
+        pytest.skip("no non-loopback IPv4 address to stand for a second host")
+    fleet = FakeFleet.start(["pf-lp0", "pf-ld0"], args=[*FLEET_ARGS, "--host", "0.0.0.0"])
+    try:
+        _fault(fleet, "pf-lp0", {"prefill": {"descriptor": "localhost"}})
+        d_url = fleet.engines["pf-ld0"].replace("127.0.0.1", address)
+        rows = [
+            {"name": "pf-lp0", "url": fleet.engines["pf-lp0"], "role": "producer"},
+            {"name": "pf-ld0", "url": d_url, "role": "consumer"},
+        ]
+        path = tmp_path / "narwhal.toml"
+        shutil.move(write_config(rows, {"engine_contract": CONTRACT}), path)
+        proc = _cli(str(path))
+        note = (
+            "descriptor remote_host is localhost but pf-lp0 and pf-ld0 are on different hosts "
+            "(set VLLM_NIXL_SIDE_CHANNEL_HOST on pf-lp0)"
+        )
+        assert proc.returncode == 0, proc.stdout  # a warning, not a failure
+        assert _rows(proc.stdout)["pair pf-lp0 -> pf-ld0"] == ("ok", "-", note)
+        assert f"warning: pf-lp0 -> pf-ld0: {note}" in proc.stdout.splitlines()
+        doc = json.loads(_cli(str(path), "--json").stdout)
+        assert doc["warnings"] == [f"pf-lp0 -> pf-ld0: {note}"]
+        assert doc["pairs"][0]["note"] == note
+    finally:
+        fleet.stop()

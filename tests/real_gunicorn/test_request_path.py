@@ -1,0 +1,250 @@
+"""SPEC §3 through real gunicorn (2 workers) and real fake engines over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import orjson
+import pytest
+
+from narwhal.testing.harness import FakeFleet, RouterProcess
+from tests.real_gunicorn.support import (
+    MODEL,
+    chat,
+    completion,
+    error_of,
+    expected_text,
+    records,
+    records_anywhere,
+    send,
+    unique_prompt,
+    wait_until,
+)
+
+PRODUCERS = ["p0", "p1"]
+CONSUMERS = ["d0", "d1"]
+
+
+def one(fleet: FakeFleet, prompt: str, names: list[str]) -> tuple[str, dict]:
+    """The single engine (and its single record) among ``names`` that saw ``prompt``."""
+    found = records_anywhere(fleet, prompt, names)
+    assert len(found) == 1, found
+    name, recs = next(iter(found.items()))
+    assert len(recs) == 1, recs
+    return name, recs[0]
+
+
+async def test_stream_completion_prefills_then_decodes_with_the_descriptor(
+    router: RouterProcess, fleet: FakeFleet
+) -> None:
+    prompt = unique_prompt()
+    reply = await send(router.url, "/v1/completions", completion(prompt, max_tokens=6),
+                       headers={"x-request-id": "client-rid-1", "traceparent": "00-abc-def-01"})
+    assert reply.status == 200
+    assert reply.headers["Content-Type"].startswith("text/event-stream")
+    assert reply.headers["x-request-id"] == "client-rid-1"
+    assert reply.text == expected_text(6)
+    assert reply.events[-1] == b"[DONE]"
+
+    pname, prefill = one(fleet, prompt, PRODUCERS)
+    dname, decode = one(fleet, prompt, CONSUMERS)
+    assert prefill["phase"] == "prefill" and decode["phase"] == "decode"
+    # The same fresh backend id on both legs, never the client's.
+    rid = prefill["headers"]["x-request-id"]
+    assert rid == decode["headers"]["x-request-id"] != "client-rid-1"
+    assert prefill["headers"]["traceparent"] == decode["headers"]["traceparent"] == "00-abc-def-01"
+    # The decode carries the producer's descriptor, opaque fields and all.
+    producer_stats = fleet.stats(pname)
+    kv = decode["body"]["kv_transfer_params"]
+    assert kv["remote_engine_id"] == producer_stats["engine_id"]
+    assert kv["remote_port"] == int(fleet.engines[pname].rsplit(":", 1)[1])
+    assert kv["do_remote_prefill"] is True and kv["do_remote_decode"] is False
+    for opaque in ("tp_size", "dcp_size", "pp_size", "remote_num_tokens", "transfer_mode", "remote_request_id"):
+        assert opaque in kv, opaque
+    assert kv["remote_num_tokens"] == 12
+    # The decode body is the client's body plus the descriptor, nothing else changed.
+    expected = completion(prompt, max_tokens=6)
+    expected["kv_transfer_params"] = kv
+    assert decode["body"] == expected
+
+
+async def test_prefill_body_is_rewritten_exactly(router: RouterProcess, fleet: FakeFleet) -> None:
+    prompt = unique_prompt()
+    body = completion(
+        prompt,
+        max_tokens=5,
+        max_completion_tokens=5,
+        stream_options={"include_usage": True},
+        min_tokens=2,
+        stop=["\n"],
+        stop_token_ids=[7],
+        temperature=0.5,
+        kv_transfer_params={"do_remote_prefill": True, "remote_engine_id": "evil", "remote_host": "10.9.9.9"},
+    )
+    reply = await send(router.url, "/v1/completions", body)
+    assert reply.status == 200, reply.raw
+    _, prefill = one(fleet, prompt, PRODUCERS)
+    assert prefill["body"] == {
+        "model": MODEL,
+        "prompt": prompt,
+        "stream": False,
+        "max_tokens": 1,
+        "max_completion_tokens": 1,
+        "temperature": 0.5,
+        "ignore_eos": True,
+        "kv_transfer_params": {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        },
+    }
+    _, decode = one(fleet, prompt, CONSUMERS)
+    sent = dict(body)
+    del sent["kv_transfer_params"]
+    kv = decode["body"].pop("kv_transfer_params")
+    assert decode["body"] == sent  # stream, stop, stream_options… as the client sent them
+    assert kv["remote_engine_id"] != "evil" and kv["remote_host"] == "127.0.0.1"
+
+
+async def test_client_kv_transfer_params_never_reach_an_engine(router: RouterProcess, fleet: FakeFleet) -> None:
+    prompt = unique_prompt()
+    raw = (
+        b'{"model": "fake-model", "kv_transfer_params": {"remote_host": "attacker"}, "prompt": "'
+        + prompt.encode()
+        + b'", "stream": false, "max_tokens": 2, "kv_transfer_params": {"remote_host": "attacker2"}}'
+    )
+    reply = await send(router.url, "/v1/completions", raw=raw)
+    assert reply.status == 200, reply.raw
+    for recs in records_anywhere(fleet, prompt, PRODUCERS + CONSUMERS).values():
+        for rec in recs:
+            assert b"attacker" not in orjson.dumps(rec["body"])
+
+
+async def test_non_streaming_completion_and_chat(router: RouterProcess, fleet: FakeFleet) -> None:
+    prompt = unique_prompt()
+    reply = await send(router.url, "/v1/completions", completion(prompt, stream=False, max_tokens=3))
+    assert reply.status == 200
+    assert reply.headers["Content-Type"].startswith("application/json")
+    body = reply.json
+    assert body["object"] == "text_completion"
+    assert body["choices"][0]["text"] == expected_text(3)
+
+    prompt = unique_prompt()
+    reply = await send(router.url, "/v1/chat/completions", chat(prompt, stream=False, max_tokens=3))
+    assert reply.status == 200
+    assert reply.json["choices"][0]["message"]["content"] == expected_text(3)
+    _, decode = one(fleet, prompt, CONSUMERS)
+    assert decode["body"]["stream"] is False and "kv_transfer_params" in decode["body"]
+
+
+async def test_stream_chat_relays_role_chunk_tokens_and_usage(router: RouterProcess) -> None:
+    prompt = unique_prompt()
+    reply = await send(
+        router.url,
+        "/v1/chat/completions",
+        chat(prompt, max_tokens=5, stream_options={"include_usage": True}),
+    )
+    assert reply.status == 200
+    events = [e for e in reply.events if e != b"[DONE]"]
+    first = orjson.loads(events[0])
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert orjson.loads(events[-1])["usage"]["completion_tokens"] == 5
+    assert reply.text == expected_text(5)
+    assert reply.events[-1] == b"[DONE]"
+
+
+async def test_same_worker_decode_sends_no_transfer_parameters(same_router: RouterProcess, fleet: FakeFleet) -> None:
+    prompt = unique_prompt()
+    reply = await send(same_router.url, "/v1/completions", completion(prompt, max_tokens=3))
+    assert reply.status == 200
+    assert reply.text == expected_text(3)
+    recs = records(fleet, "b0", prompt)
+    assert [r["phase"] for r in recs] == ["prefill", "decode"]
+    prefill, decode = recs
+    assert "kv_transfer_params" not in prefill["body"]
+    assert prefill["body"]["max_tokens"] == 1 and prefill["body"]["stream"] is False
+    assert "kv_transfer_params" not in decode["body"]
+    assert fleet.stats("b0")["held_blocks"] == 0
+
+
+@pytest.mark.parametrize(
+    ("fault", "detail"),
+    [
+        ("null", "invalid handoff: missing engine identity"),
+        ("missing", "invalid handoff: missing engine identity"),
+        ("no_engine_id", "invalid handoff: missing engine identity"),
+        ("bad_blocks", "invalid handoff: malformed block IDs"),
+        ("mooncake", "invalid handoff: connector mismatch"),
+        ("lmcache", "invalid handoff: connector mismatch"),
+        ("bad_port", "invalid handoff: malformed field remote_port"),
+    ],
+)
+async def test_invalid_descriptor_is_a_502_and_is_sent_nowhere(
+    router: RouterProcess, fleet: FakeFleet, fault: str, detail: str
+) -> None:
+    prompt = unique_prompt()
+    reply = await send(router.url, "/v1/completions", completion(prompt, fake={"prefill": {"descriptor": fault}}))
+    assert reply.status == 502
+    assert reply.headers["x-narwhal-error"] == "invalid_handoff"
+    assert error_of(reply) == {"message": detail, "type": "invalid_handoff", "param": None, "code": 502}
+    assert records_anywhere(fleet, prompt, CONSUMERS) == {}
+
+
+async def test_handoff_older_than_max_age_is_not_decoded_but_released(
+    solo_router: RouterProcess, fleet: FakeFleet
+) -> None:
+    prompt = unique_prompt()
+    before = fleet.stats("p2")["expired_blocks"]
+    # The prefill answers after 0.9 s: the handoff is older than handoff.max_age_s = 0.6.
+    reply = await send(
+        solo_router.url, "/v1/completions", completion(prompt, fake={"prefill": {"delay_headers_s": 0.9}})
+    )
+    assert reply.status == 504
+    assert error_of(reply)["type"] == "handoff_expired"
+    assert reply.headers["x-narwhal-error"] == "handoff_expired"
+    # Released: a one-token, non-streaming decode carrying the descriptor, and P frees its blocks.
+    wait_until(lambda: len(records(fleet, "d2", prompt)) == 1, 5, "release decode on d2")
+    release = records(fleet, "d2", prompt)[0]["body"]
+    assert release["stream"] is False and release["max_tokens"] == 1
+    assert "stream_options" not in release
+    assert release["kv_transfer_params"]["remote_engine_id"] == fleet.stats("p2")["engine_id"]
+    wait_until(lambda: fleet.stats("p2")["held_blocks"] == 0, 5, "p2 blocks freed")
+    assert fleet.stats("p2")["expired_blocks"] == before
+
+
+async def test_client_gone_during_prefill_releases_the_handoff(solo_router: RouterProcess, fleet: FakeFleet) -> None:
+    prompt = unique_prompt()
+    before = fleet.stats("p2")["expired_blocks"]
+    body = completion(prompt, fake={"prefill": {"delay_headers_s": 0.4}})
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(asyncio.TimeoutError):
+            async with asyncio.timeout(0.15):
+                await session.post(solo_router.url + "/v1/completions", json=body)
+    # The prefill still finishes; its handoff goes to d2 as a release, never as a stream.
+    wait_until(lambda: len(records(fleet, "d2", prompt)) == 1, 5, "release decode on d2")
+    rec = records(fleet, "d2", prompt)[0]
+    assert rec["body"]["stream"] is False and rec["body"]["max_tokens"] == 1
+    wait_until(lambda: fleet.stats("p2")["held_blocks"] == 0, 5, "p2 blocks freed")
+    assert fleet.stats("p2")["expired_blocks"] == before
+
+
+async def test_client_disconnect_mid_stream_aborts_the_engine_request(router: RouterProcess, fleet: FakeFleet) -> None:
+    prompt = unique_prompt()
+    before = {n: fleet.stats(n)["aborted_streams"] for n in CONSUMERS}
+    body = completion(prompt, max_tokens=200, fake={"decode": {"token_delay_s": 0.05}})
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(router.url + "/v1/completions", json=body)
+        assert resp.status == 200
+        await resp.content.readany()  # the stream is flowing
+        resp.close()  # the client goes away
+    wait_until(
+        lambda: sum(fleet.stats(n)["aborted_streams"] - before[n] for n in CONSUMERS) == 1,
+        10,
+        "the consumer saw its stream aborted",
+    )
+    dname, _ = one(fleet, prompt, CONSUMERS)
+    wait_until(lambda: fleet.stats(dname)["active_streams"] == 0, 5, "no stream left open on the consumer")

@@ -1,0 +1,1 @@
+"""Unit tests: deploy/, the image, alert rules, engine recipes."""

@@ -1,0 +1,225 @@
+"""The engine recipes start exactly the fleet the settings name, with flags vLLM 0.11.0 has.
+
+Why: a ``vllm serve`` line that disagrees with ``deploy/narwhal.toml`` or the Kubernetes
+ConfigMap (another port, two engines on one side-channel port, a TP size without the GPUs for
+it, another connector) fails only on GPU hosts, at the first KV transfer. These tests check the
+README's bare-metal lines ("Real engines") and ``deploy/kubernetes/engines/`` against the
+settings, and every flag and variable against the ones read in vLLM 0.11.0's sources (the
+version the settings pin): ``vllm/engine/arg_utils.py``, ``vllm/entrypoints/openai/cli_args.py``,
+``vllm/config/kv_transfer.py``, ``vllm/envs.py`` and ``.../kv_connector/v1/nixl_connector.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+from packaging.specifiers import SpecifierSet
+
+from narwhal.settings import Settings, load_settings
+
+ROOT = Path(__file__).resolve().parents[3]
+K8S = ROOT / "deploy" / "kubernetes"
+ENGINES = K8S / "engines"
+VLLM = "0.11.0"
+
+# Read in vLLM 0.11.0: arg_utils.py (--tensor-parallel-size, --max-num-seqs, --enable-prefix-caching,
+# --kv-transfer-config) and cli_args.py (--port, --enable-prompt-tokens-details).
+VERIFIED_FLAGS = {
+    "--port", "--tensor-parallel-size", "--max-num-seqs", "--enable-prefix-caching",
+    "--enable-prompt-tokens-details", "--kv-transfer-config",
+}
+BOOLEAN_FLAGS = {"--enable-prefix-caching", "--enable-prompt-tokens-details"}
+# envs.py and nixl_connector.py (VLLM_NIXL_*); UCX_NET_DEVICES is UCX's, from vLLM's 0.11.0 guide.
+VERIFIED_ENV = {"CUDA_VISIBLE_DEVICES", "VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT", "UCX_NET_DEVICES"}
+KV_ROLES = {"kv_producer", "kv_consumer", "kv_both"}  # config/kv_transfer.py, KVRole
+
+
+@dataclass(frozen=True)
+class Command:
+    env: dict[str, str]
+    model: str
+    flags: dict[str, str | None]
+
+    def flag(self, name: str) -> str:
+        value = self.flags[name]
+        assert value is not None, name
+        return value
+
+
+def parse_serve(argv: list[str], env: dict[str, str]) -> Command:
+    """``[model, --flag, value, --bool-flag, ...]`` (what follows ``vllm serve``)."""
+    model, rest = argv[0], argv[1:]
+    flags: dict[str, str | None] = {}
+    i = 0
+    while i < len(rest):
+        name = rest[i]
+        assert name.startswith("--") and name not in flags, name
+        if name in BOOLEAN_FLAGS:
+            flags[name] = None
+            i += 1
+        else:
+            flags[name] = rest[i + 1]
+            i += 2
+    return Command(env, model, flags)
+
+
+def readme_commands() -> list[Command]:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Real engines", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```sh\n", 1)[1].split("```", 1)[0]
+    commands = []
+    for line in block.replace("\\\n", " ").splitlines():
+        words = shlex.split(line)
+        env = dict(w.split("=", 1) for w in words if "=" in w and w.split("=", 1)[0].isupper())
+        rest = words[len(env):]
+        assert rest[:2] == ["vllm", "serve"], line
+        commands.append(parse_serve(rest[2:], env))
+    return commands
+
+
+def _settings(text: str, tmp_path: Path) -> Settings:
+    path = tmp_path / "narwhal.toml"
+    path.write_text(text)
+    return load_settings(str(path), environ={})
+
+
+def _check_engine_flags(command: Command, settings: Settings, consumer_streams: int | None) -> None:
+    contract = settings.engine_contract
+    assert contract is not None
+    assert set(command.flags) <= VERIFIED_FLAGS
+    assert command.model == contract.model
+    kv = json.loads(command.flag("--kv-transfer-config"))
+    assert kv == {"kv_connector": contract.kv_connector, "kv_role": "kv_both"} and kv["kv_role"] in KV_ROLES
+    assert command.flags["--enable-prefix-caching"] is None and command.flags["--enable-prompt-tokens-details"] is None
+    if consumer_streams is not None:
+        assert int(command.flag("--max-num-seqs")) >= consumer_streams
+    else:
+        assert "--max-num-seqs" not in command.flags
+
+
+def test_the_readme_starts_exactly_the_engines_of_the_example_settings(tmp_path: Path) -> None:
+    settings = _settings((ROOT / "deploy" / "narwhal.toml").read_text(), tmp_path)
+    commands = readme_commands()
+    assert len(commands) == len(settings.engines) == 6
+    for engine in settings.engines:
+        url = urlsplit(engine.url)
+        (command,) = [c for c in commands if int(c.flag("--port")) == url.port]
+        assert set(command.env) == VERIFIED_ENV
+        assert command.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == url.hostname  # never localhost across hosts
+        gpus = command.env["CUDA_VISIBLE_DEVICES"].split(",")
+        assert int(command.flag("--tensor-parallel-size")) == len(gpus) == (2 if engine.role == "producer" else 1)
+        streams = engine.max_inflight_decode if engine.role == "consumer" else None
+        _check_engine_flags(command, settings, streams)
+
+
+def test_engines_on_one_host_share_no_gpu_and_no_port(tmp_path: Path) -> None:
+    settings = _settings((ROOT / "deploy" / "narwhal.toml").read_text(), tmp_path)
+    router_port = int(settings.server.bind.rsplit(":", 1)[1])
+    commands = readme_commands()
+    assert {c.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] for c in commands} == {"10.0.0.5"}
+    gpus = [g for c in commands for g in c.env["CUDA_VISIBLE_DEVICES"].split(",")]
+    assert sorted(gpus) == [str(i) for i in range(8)]
+    http = [int(c.flag("--port")) for c in commands]
+    # Each TP rank listens on base + rank: an engine holds tensor-parallel-size ports.
+    side = [int(c.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) + rank
+            for c in commands for rank in range(int(c.flag("--tensor-parallel-size")))]
+    assert side == list(range(5600, 5608))
+    assert len(set(http)) == len(http) and router_port not in http and not set(http) & set(side)
+
+
+def test_the_pinned_engine_version_is_the_one_the_recipes_were_checked_against(tmp_path: Path) -> None:
+    config = yaml.safe_load((K8S / "configmap.yaml").read_text())["data"]["narwhal.toml"]
+    for text in ((ROOT / "deploy" / "narwhal.toml").read_text(), config):
+        contract = _settings(text, tmp_path).engine_contract
+        assert contract is not None and SpecifierSet(contract.engine_version).contains(VLLM)
+    assert f"checked against **vLLM {VLLM}**" in (ROOT / "README.md").read_text()
+
+
+# ----------------------------------------------------------------------------- Kubernetes
+
+
+def _engine_docs() -> dict[tuple[str, str], dict[str, Any]]:
+    docs = {}
+    for name in yaml.safe_load((ENGINES / "kustomization.yaml").read_text())["resources"]:
+        for doc in yaml.safe_load_all((ENGINES / name).read_text()):
+            docs[(doc["kind"], doc["metadata"]["name"])] = doc
+    return docs
+
+
+def _container(statefulset: dict[str, Any]) -> dict[str, Any]:
+    (container,) = statefulset["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def test_the_kubernetes_engines_are_the_configmaps_engines(tmp_path: Path) -> None:
+    settings = _settings(yaml.safe_load((K8S / "configmap.yaml").read_text())["data"]["narwhal.toml"], tmp_path)
+    replicas = yaml.safe_load((K8S / "deployment.yaml").read_text())["spec"]["replicas"]
+    docs = _engine_docs()
+    assert sorted(docs) == [("Service", "vllm-decode"), ("Service", "vllm-prefill"),
+                            ("StatefulSet", "vllm-decode"), ("StatefulSet", "vllm-prefill")]
+    pods = {f"{name}-{i}" for (kind, name), d in docs.items() if kind == "StatefulSet"
+            for i in range(d["spec"]["replicas"])}
+    named = set()
+    for engine in settings.engines:
+        url = urlsplit(engine.url)
+        assert url.hostname is not None
+        pod, service, namespace, *domain = url.hostname.split(".")
+        assert (namespace, domain) == ("llm", ["svc", "cluster", "local"])
+        statefulset = docs[("StatefulSet", service)]
+        assert statefulset["spec"]["serviceName"] == service
+        assert statefulset["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == (
+            "prefill" if engine.role == "producer" else "decode")
+        container = _container(statefulset)
+        assert url.port == container["ports"][0]["containerPort"] == 8000
+        assert container["ports"][0]["name"] == "http"
+        named.add(pod)
+        streams = engine.max_inflight_decode * replicas if engine.role == "consumer" else None
+        assert container["command"] == ["vllm", "serve"]
+        command = parse_serve(container["args"], {})
+        assert int(command.flag("--port")) == url.port
+        _check_engine_flags(command, settings, streams)
+    assert named == pods  # every engine pod is in the ConfigMap, and no ConfigMap engine is missing
+
+
+@pytest.mark.parametrize("name", ["vllm-prefill", "vllm-decode"])
+def test_each_engine_pod_has_its_gpus_side_channel_and_no_service_links(name: str) -> None:
+    docs = _engine_docs()
+    statefulset, service = docs[("StatefulSet", name)], docs[("Service", name)]
+    labels = statefulset["spec"]["template"]["metadata"]["labels"]
+    assert statefulset["spec"]["selector"]["matchLabels"] == labels == service["spec"]["selector"]
+    assert (service["spec"]["clusterIP"], service["spec"]["publishNotReadyAddresses"]) == ("None", True)
+    pod = statefulset["spec"]["template"]["spec"]
+    assert pod["enableServiceLinks"] is False
+    container = _container(statefulset)
+    assert container["image"] == f"vllm/vllm-openai:v{VLLM}"
+    tp = int(parse_serve(container["args"], {}).flag("--tensor-parallel-size"))
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == tp
+    env = {e["name"]: e for e in container["env"]}
+    assert set(env) == VERIFIED_ENV - {"CUDA_VISIBLE_DEVICES"} | {"HF_TOKEN"}
+    assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    base = int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"])
+    nixl = [(p["name"], p["containerPort"]) for p in container["ports"][1:]]
+    assert nixl == [(f"nixl-{rank}", base + rank) for rank in range(tp)]
+    for probe in ("startupProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}
+
+
+def test_kustomize_builds_the_engines() -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    proc = subprocess.run([kubectl, "kustomize", str(ENGINES)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    docs = yaml.safe_load_all(proc.stdout)
+    built = sorted((d["kind"], d["metadata"]["name"], d["metadata"]["namespace"]) for d in docs)
+    assert built == [("Service", "vllm-decode", "llm"), ("Service", "vllm-prefill", "llm"),
+                     ("StatefulSet", "vllm-decode", "llm"), ("StatefulSet", "vllm-prefill", "llm")]

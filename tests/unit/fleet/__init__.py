@@ -1,0 +1,1 @@
+"""Unit tests: placement, breakers and blame (pure decisions)."""

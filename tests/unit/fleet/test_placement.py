@@ -1,0 +1,233 @@
+"""Placement's pure decision (SPEC §3 step 2, §5): out is hard, quarantine is soft.
+
+A fake view says which engines are out and how long each quarantine has left; counts are
+:class:`LocalInflight`. The last tests check the two real views (shared memory and local)
+answer the same four questions the same way.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from narwhal.errors import PlacementError
+from narwhal.fleet import Engine, Fleet
+from narwhal.fleet.placement import LocalInflight, Placement, Reservation
+from narwhal.settings import Settings
+from narwhal.shm.local import LocalFleetState
+from narwhal.shm.records import EngineRecord, name_hash, write_record
+from narwhal.shm.shared import SharedFleet
+from narwhal.shm.worker import WorkerFleetState
+
+MODEL = "m"
+
+
+class FakeView:
+    """``out``: names out of placement; ``left``: name -> seconds of quarantine left."""
+
+    def __init__(self) -> None:
+        self.out: set[str] = set()
+        self.left: dict[str, float] = {}
+        self.calls: Counter[str] = Counter()
+
+    def admitted(self, engine: Engine) -> bool:
+        return engine.name not in self.out and engine.name not in self.left
+
+    def placeable(self, engine: Engine) -> bool:
+        self.calls["placeable"] += 1
+        return engine.name not in self.out
+
+    def any_quarantined(self) -> bool:
+        self.calls["any_quarantined"] += 1
+        return bool(self.left)
+
+    def quarantine_left(self, engine: Engine) -> float:
+        self.calls["quarantine_left"] += 1
+        return self.left.get(engine.name, 0.0)
+
+
+def _settings(*engines: dict[str, Any]) -> Settings:
+    specs = [{"url": f"http://127.0.0.1:{9000 + i}", "models": [MODEL], **e} for i, e in enumerate(engines)]
+    return Settings(engines=specs)
+
+
+def _placement(*engines: dict[str, Any], seed: int = 0) -> tuple[Placement, FakeView, LocalInflight]:
+    settings = _settings(*engines)
+    fleet = Fleet(settings)
+    view, inflight = FakeView(), LocalInflight(len(fleet.engines))
+    return Placement(fleet, view, inflight, settings.placement, random.Random(seed)), view, inflight
+
+
+def _two_by_two(**consumer: Any) -> tuple[Placement, FakeView, LocalInflight]:
+    return _placement({"name": "p0", "role": "producer"}, {"name": "p1", "role": "producer"},
+                      {"name": "d0", "role": "consumer", **consumer}, {"name": "d1", "role": "consumer", **consumer})
+
+
+def _pair(found: Reservation | None) -> tuple[str, str] | None:
+    return None if found is None else (found.producer.name, found.consumer.name)
+
+
+def _consumers_chosen(placement: Placement, n: int = 40, avoid: frozenset[str] = frozenset()) -> Counter[str]:
+    chosen: Counter[str] = Counter()
+    for _ in range(n):
+        found = placement.try_place(MODEL, avoid)
+        assert found is not None
+        chosen[found.consumer.name] += 1
+        found.release()
+    return chosen
+
+
+def test_nothing_quarantined_asks_nothing_beyond_admitted() -> None:
+    placement, view, _ = _two_by_two()
+    assert set(_consumers_chosen(placement)) == {"d0", "d1"}  # least loaded, ties at random
+    assert view.calls == Counter()  # the hot path: no second pass, no quarantine lookups
+
+
+def test_every_consumer_quarantined_the_one_whose_quarantine_ends_first_serves() -> None:
+    placement, view, _ = _two_by_two()
+    view.left = {"d0": 5.0, "d1": 2.0}
+    assert _consumers_chosen(placement) == Counter({"d1": 40})
+    view.left = {"d0": 0.5, "d1": 2.0}  # a later failure moved d1's end past d0's
+    assert _consumers_chosen(placement) == Counter({"d0": 40})
+
+
+def test_one_consumer_not_quarantined_takes_all_the_traffic() -> None:
+    placement, view, _ = _two_by_two()
+    view.left = {"d0": 0.1}
+    assert _consumers_chosen(placement) == Counter({"d1": 40})
+
+
+def test_a_producer_not_quarantined_is_preferred_when_consumers_force_the_fallback() -> None:
+    placement, view, _ = _two_by_two()
+    view.left = {"p0": 0.1, "d0": 3.0, "d1": 4.0}
+    for _ in range(20):
+        found = placement.try_place(MODEL)
+        assert _pair(found) == ("p1", "d0")
+        assert found is not None
+        found.release()
+
+
+def test_out_is_hard_quarantine_is_not() -> None:
+    placement, view, _ = _two_by_two()
+    view.out = {"d1"}
+    view.left = {"d0": 9.0}
+    assert _consumers_chosen(placement, 5) == Counter({"d0": 5})
+    assert placement.has_pair(MODEL)  # only quarantined consumers left: still placeable, so ready
+    view.out = {"d0", "d1"}
+    assert placement.try_place(MODEL) is None
+    assert not placement.has_pair(MODEL)
+
+
+def test_a_non_quarantined_consumer_at_its_cap_lets_a_quarantined_one_serve() -> None:
+    placement, view, inflight = _two_by_two(max_inflight_decode=1)
+    view.left = {"d0": 3.0}
+    first = placement.try_place(MODEL)
+    assert first is not None and first.consumer.name == "d1"
+    second = placement.try_place(MODEL)  # d1 is full: the quarantined d0 can take it
+    assert second is not None and second.consumer.name == "d0"
+    assert placement.try_place(MODEL) is None  # both caps held: nothing, quarantine or not
+    assert inflight.totals("decode")[2:] == [1, 1]
+    second.release()
+    first.release()
+    assert inflight.totals("decode") == [0, 0, 0, 0]
+
+
+def test_the_earliest_ending_quarantined_consumer_at_its_cap_gives_way_to_the_next() -> None:
+    placement, view, _ = _two_by_two(max_inflight_decode=1)
+    view.left = {"d0": 5.0, "d1": 2.0}
+    held = placement.try_place(MODEL)
+    assert held is not None and held.consumer.name == "d1"
+    nxt = placement.try_place(MODEL)
+    assert nxt is not None and nxt.consumer.name == "d0"
+
+
+def test_kv_peers_hold_in_the_fallback() -> None:
+    placement, view, _ = _placement(
+        {"name": "p0", "role": "producer", "kv_peers": ["d0"]},
+        {"name": "p1", "role": "producer", "kv_peers": ["d1"]},
+        {"name": "d0", "role": "consumer"}, {"name": "d1", "role": "consumer"},
+    )
+    view.left = {"d1": 4.0}
+    assert _pair(placement.try_place(MODEL)) == ("p0", "d0")  # d1 quarantined: p1 cannot hand off
+    view.out, view.left = {"p1"}, {"d0": 8.0, "d1": 1.0}
+    # d1's quarantine ends first, but p0 may only hand off to d0.
+    assert _pair(placement.try_place(MODEL)) == ("p0", "d0")
+
+
+def test_a_retry_avoids_the_engine_that_failed_while_another_quarantined_one_exists() -> None:
+    placement, view, _ = _two_by_two()
+    view.left = {"d0": 5.0, "d1": 2.0}
+    assert _consumers_chosen(placement, 10, avoid=frozenset({"d1"})) == Counter({"d0": 10})
+
+
+async def test_a_retry_that_must_avoid_every_consumer_still_gets_the_earliest_ending_one() -> None:
+    placement, view, _ = _two_by_two()
+    view.left = {"d0": 5.0, "d1": 2.0}
+    found = await placement.reserve(MODEL, time.monotonic() + 5, avoid=frozenset({"d0", "d1"}))
+    assert found.consumer.name == "d1"
+
+
+async def test_reserve_refuses_at_once_only_when_every_pair_is_out() -> None:
+    placement, view, _ = _two_by_two()
+    view.out = {"p0", "p1"}
+    view.left = {"d0": 1.0}
+    with pytest.raises(PlacementError, match="every engine serving it is out"):
+        await placement.reserve(MODEL, time.monotonic() + 5)
+
+
+# -- the real views -----------------------------------------------------------------------------
+
+
+def _fleet() -> Fleet:
+    return Fleet(_settings({"name": "p0", "role": "producer"}, {"name": "d0", "role": "consumer"},
+                           {"name": "d1", "role": "consumer"}))
+
+
+def _publish(shared: SharedFleet, fleet: Fleet, name: str, state: int, until: float | None) -> None:
+    engine = fleet.by_name[name]
+    write_record(shared.region, engine.index, EngineRecord(
+        version=1, state=state, failure_streak=1, ejections=0, quarantined_until=until,
+        last_failure_reason=None, last_failure_at=None, name_hash=name_hash(name)))
+    shared.bump_generation()
+
+
+def test_the_shared_memory_view_keeps_published_and_local_quarantine_soft() -> None:
+    fleet = _fleet()
+    shared = SharedFleet.create(engines=len(fleet.engines), slots=2)
+    try:
+        view = WorkerFleetState(shared, 0, fleet)
+        p0, d0, d1 = (fleet.by_name[n] for n in ("p0", "d0", "d1"))
+        assert not view.any_quarantined() and view.quarantine_left(d0) == 0.0
+        _publish(shared, fleet, "d0", 1, time.time() + 20)  # QUARANTINED by the supervisor
+        _publish(shared, fleet, "p0", 2, None)  # EJECTED
+        assert view.any_quarantined()
+        assert (view.admitted(d0), view.placeable(d0)) == (False, True)
+        assert (view.admitted(p0), view.placeable(p0)) == (False, False)
+        assert 19 < view.quarantine_left(d0) <= 20
+        view.quarantine(d1, 3.0)  # this worker saw d1 fail
+        assert (view.admitted(d1), view.placeable(d1)) == (False, True)
+        assert 2 < view.quarantine_left(d1) <= 3
+        view.quarantine(d0, 30.0)  # the later of local and published ends it
+        assert 29 < view.quarantine_left(d0) <= 30
+    finally:
+        shared.close()
+
+
+def test_the_local_view_keeps_quarantine_soft_and_forgets_it_once_over() -> None:
+    fleet = _fleet()
+    view = LocalFleetState(fleet)
+    d0, d1 = fleet.by_name["d0"], fleet.by_name["d1"]
+    view.out.add(d1.index)
+    view.quarantine(d0, 0.05)
+    assert (view.admitted(d0), view.placeable(d0), view.any_quarantined()) == (False, True, True)
+    assert 0 < view.quarantine_left(d0) <= 0.05
+    assert not view.placeable(d1)
+    deadline = time.monotonic() + 2
+    while not view.admitted(d0):
+        assert time.monotonic() < deadline, "the quarantine never ended"
+        time.sleep(0.01)
+    assert not view.any_quarantined() and view.quarantine_left(d0) == 0.0

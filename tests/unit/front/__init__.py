@@ -1,0 +1,1 @@
+"""Unit tests: the app's routes, the accept loop, the gunicorn hooks."""

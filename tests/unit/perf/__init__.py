@@ -1,0 +1,1 @@
+"""Unit tests: the perf suite's report."""

@@ -1,0 +1,1 @@
+"""Unit tests: the shared-memory layout and records."""

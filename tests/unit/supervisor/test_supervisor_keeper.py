@@ -1,0 +1,167 @@
+"""The master's supervisor keeper (narwhal.supervisor.process.SupervisorKeeper) as a state machine:
+when it takes its supervisor for wedged, when it restarts, when it escalates, with time as a
+fake clock and real child processes standing in for the supervisor."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import pytest
+
+from narwhal.front.gunicorn_hooks import reconcile, slots_for
+from narwhal.settings import Settings
+from narwhal.supervisor import process
+from narwhal.supervisor.process import MIN_RESPAWN_S, STALE_S, STARTUP_S, TERM_GRACE_S, SupervisorKeeper
+
+
+@dataclass
+class _Beats:
+    supervisor_pid: int
+    heartbeat_age_s: float
+    starts: int = 0
+
+    def count_start(self) -> int:
+        self.starts += 1
+        return self.starts
+
+
+@dataclass
+class _Clock:
+    now: float = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class _Children:
+    """Stand-ins for forked supervisors: real processes, so pidfds and signals are real."""
+
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def fork(self, body: Any, *, death_signal: int, keep_fd: int) -> int:
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        self.procs.append(proc)
+        return proc.pid
+
+
+@pytest.fixture
+def children(monkeypatch: pytest.MonkeyPatch) -> Any:
+    kids = _Children()
+    monkeypatch.setattr(process, "fork_child", kids.fork)
+    yield kids
+    for proc in kids.procs:
+        proc.kill()
+        proc.wait()
+
+
+def _keeper(beats: _Beats, clock: _Clock) -> SupervisorKeeper:
+    shared = cast(Any, beats)
+    shared.region = type("R", (), {"fd": -1})()
+    return SupervisorKeeper(shared, clock=clock)
+
+
+def _wait_exit(keeper: SupervisorKeeper, pid: int) -> None:
+    end = time.monotonic() + 10
+    while time.monotonic() < end and keeper.pid == pid:
+        keeper.check()
+        time.sleep(0.01)
+
+
+def test_a_starting_supervisor_is_judged_by_its_own_first_beat_not_its_predecessors(children: _Children) -> None:
+    clock, beats = _Clock(), _Beats(10, 60.0)
+    keeper = _keeper(beats, clock)
+    keeper.start()
+    # The last beat is the killed predecessor's (pid 10), long stale: the new one is still
+    # importing and restoring state on a loaded host, and must be left to start.
+    clock.now += STALE_S * 3
+    assert not keeper.wedged()
+    clock.now += STARTUP_S
+    assert keeper.wedged()
+
+
+def test_a_supervisor_that_beat_and_stopped_is_killed_and_replaced(children: _Children) -> None:
+    clock, beats = _Clock(), _Beats(0, 0.0)
+    keeper = _keeper(beats, clock)
+    keeper.start()
+    first = keeper.pid
+    beats.supervisor_pid, beats.heartbeat_age_s = first, STALE_S / 2
+    keeper.check()
+    assert keeper.pid == first and children.procs[0].poll() is None
+    beats.heartbeat_age_s = STALE_S + 0.5
+    clock.now += MIN_RESPAWN_S
+    keeper.check()  # SIGKILL
+    assert children.procs[0].wait(5) == -signal.SIGKILL
+    _wait_exit(keeper, first)
+    assert keeper.pid not in (0, first) and len(children.procs) == 2 and beats.starts == 2
+
+
+def test_a_killed_supervisor_is_restarted_but_a_crash_loop_is_slowed(children: _Children) -> None:
+    clock, beats = _Clock(), _Beats(0, 0.0)
+    keeper = _keeper(beats, clock)
+    keeper.start()
+    first = keeper.pid
+    os.kill(first, signal.SIGKILL)
+    children.procs[0].wait(5)
+    keeper.check()  # gone, but started less than MIN_RESPAWN_S ago: not yet
+    assert keeper.pid == 0 and len(children.procs) == 1
+    clock.now += MIN_RESPAWN_S
+    keeper.check()
+    assert keeper.pid not in (0, first) and len(children.procs) == 2
+
+
+def test_a_reload_stops_the_supervisor_and_escalates_if_it_does_not_go(children: _Children) -> None:
+    clock, beats = _Clock(), _Beats(0, 0.0)
+    keeper = _keeper(beats, clock)
+    keeper.start()
+    first = keeper.pid
+    beats.supervisor_pid = first
+    signal_ignored = children.procs[0]
+    os.kill(first, signal.SIGSTOP)  # a stopped process does not act on SIGTERM
+    keeper.reload()
+    keeper.check()
+    assert keeper.pid == first
+    clock.now += TERM_GRACE_S + 0.1
+    keeper.check()
+    assert signal_ignored.wait(5) == -signal.SIGKILL
+    _wait_exit(keeper, first)  # restarted at once: a reload is not a crash loop
+    assert keeper.pid not in (0, first)
+
+
+def test_stop_ends_the_supervisor_and_nothing_restarts_it(children: _Children) -> None:
+    clock, beats = _Clock(), _Beats(0, 0.0)
+    keeper = _keeper(beats, clock)
+    keeper.start()
+    proc = children.procs[0]
+    keeper.stop()
+    assert proc.wait(5) == -signal.SIGTERM
+    clock.now += 60
+    keeper.check()
+    assert keeper.pid == 0 and len(children.procs) == 1
+
+
+@dataclass
+class _Cfg:
+    workers: int
+    bind: list[str]
+    graceful_timeout: int
+
+
+def test_gunicorn_options_win_and_every_process_sees_them() -> None:
+    settings = Settings.model_validate({"server": {"workers": 2, "bind": "127.0.0.1:9000", "graceful_timeout_s": 30}})
+    same, lines = reconcile(settings, _Cfg(2, ["127.0.0.1:9000"], 30))
+    assert same is settings and lines == []
+    moved, lines = reconcile(settings, _Cfg(16, ["0.0.0.0:8100"], 45))
+    assert (moved.server.workers, moved.server.bind, moved.server.graceful_timeout_s) == (16, "0.0.0.0:8100", 45.0)
+    assert lines == [
+        "narwhal: gunicorn's --workers 16 overrides server.workers = 2",
+        "narwhal: gunicorn's --bind 0.0.0.0:8100 overrides server.bind = '127.0.0.1:9000'",
+        "narwhal: gunicorn's --graceful-timeout 45 overrides server.graceful_timeout_s = 30.0",
+    ]
+    assert slots_for(moved.server.workers) == 32 and slots_for(2) == 8
