@@ -28,75 +28,24 @@ from collections.abc import Awaitable
 from typing import Any, Protocol
 
 from aiohttp import web
-from multidict import CIMultiDict
 
 from narwhal import metrics
 from narwhal.engines import sse
 from narwhal.engines.client import EngineClient
 from narwhal.engines.connector import PrefillResult
-from narwhal.engines.timers import LazyTimeout
 from narwhal.errors import EngineError, NarwhalError
 from narwhal.fleet import Fleet
 from narwhal.fleet.placement import Placement, Reservation
 from narwhal.reasons import retryable
 from narwhal.request.accesslog import AccessLog, AccessRecord
 from narwhal.request.admission import ClientRequest, admit
+from narwhal.request.client_stream import ClientStream
 from narwhal.request.outcomes import Outcomes
 from narwhal.settings import Settings
 
 log = logging.getLogger("narwhal.request.router")
 
-# Copied per stream: cheaper than building the header set from a dict each time.
-SSE_HEADERS = CIMultiDict({"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-# A write of at most this many bytes into an empty transport buffer can not pause it (the
-# high-water mark is 64 KiB, never lowered here), so aiohttp's write returns without waiting.
-_UNBLOCKED_WRITE = 16 * 1024
 _MAX_REQUEST_ID = 128
-
-
-class _SSEResponse(web.StreamResponse):
-    # Headers go out in the same write as the first token (one syscall, one client wakeup)
-    # instead of on their own: prepare() is only called once that token is in hand anyway.
-    _send_headers_immediately = False
-
-
-class _ClientSink:
-    """Writes relayed spans (``narwhal.engines.relay``) straight to the client's transport,
-    framed as aiohttp frames the rest of the response (chunked on HTTP/1.1). Used only after
-    the first token went out through aiohttp, so headers and ordering are already settled."""
-
-    __slots__ = ("_transport", "_chunked", "_high")
-
-    def __init__(self, request: web.Request) -> None:
-        self._transport = request.transport
-        self._chunked = True
-        self._high = 0
-
-    def start(self, stream: web.StreamResponse) -> None:
-        self._chunked = stream.headers.get("Transfer-Encoding", "").lower() == "chunked"
-        if self._transport is not None:
-            self._high = self._transport.get_write_buffer_limits()[1]
-
-    def __call__(self, span: bytes) -> bool:
-        transport = self._transport
-        if transport is None or transport.is_closing():
-            return False
-        try:
-            transport.write(b"%x\r\n%b\r\n" % (len(span), span) if self._chunked else span)
-        except (OSError, RuntimeError):  # raised inside the engine's data callback: never let it out
-            return False
-        return transport.get_write_buffer_size() <= self._high
-
-
-def _cannot_wait(request: web.Request, size: int) -> bool:
-    """Would writing ``size`` bytes to this client return at once? Then no write timer is armed."""
-    transport = request.transport
-    return transport is not None and size <= _UNBLOCKED_WRITE and not transport.get_write_buffer_size()
-
-
-async def _prepare_and_end(response: web.Response, request: web.Request) -> None:
-    await response.prepare(request)
-    await response.write_eof()
 
 
 def _observe_start(rec: AccessRecord, handoff_age: float) -> None:
@@ -180,50 +129,49 @@ class Router:
         arrival = asyncio.get_running_loop().time()
         started = time.perf_counter()
         rec = AccessRecord(request_id=client_request_id(request), endpoint=endpoint)
+        client = ClientStream(request, rec.request_id, self.settings.server.client_write_timeout_s)
         task = asyncio.current_task()
         self._active.add(task)
         try:
             req = await admit(request, endpoint, self.settings, self.fleet, arrival)
             rec.model, rec.stream = req.model, req.stream
-            response = await self._serve(request, req, rec, started)
+            response = await self._serve(client, req, rec, started)
             rec.status = response.status
             return response
         except NarwhalError as exc:
-            return await self._fail(request, rec, exc)
+            return await self._fail(client, rec, exc)
         except (asyncio.CancelledError, ConnectionError) as exc:
             if isinstance(exc, asyncio.CancelledError) and self._stopping and task is not None:
                 # The graceful timeout ran out: end the stream properly rather than cut it.
                 task.uncancel()
                 stop = NarwhalError("the router is shutting down", reason="shutting_down")
-                return await self._fail(request, rec, stop)
+                return await self._fail(client, rec, stop)
             # 499: nginx's "client closed request", for the access log and metrics only.
             rec.status, rec.reason = 499, "client_disconnect"
             metrics.CLIENT_DISCONNECTS.inc()
-            if rec.first_byte_s is not None:
+            if client.committed:
                 metrics.STREAM_ABORTED.labels("client_disconnect").inc()
             if isinstance(exc, asyncio.CancelledError):
                 raise
-            stream = request.get("narwhal.stream")
-            return stream if isinstance(stream, web.StreamResponse) else web.Response(status=499)
+            return client.stream if client.stream is not None else web.Response(status=499)
         finally:
+            client.close()
             self._active.discard(task)
             rec.total_s = time.perf_counter() - started
             metrics.requests_child(endpoint, rec.status).inc()
             self.access_log.write(rec)
 
-    async def _fail(self, request: web.Request, rec: AccessRecord, exc: NarwhalError) -> web.StreamResponse:
+    async def _fail(self, client: ClientStream, rec: AccessRecord, exc: NarwhalError) -> web.StreamResponse:
         rec.reason = exc.reason
-        stream = request.get("narwhal.stream")
-        if rec.first_byte_s is None or not isinstance(stream, web.StreamResponse):
+        if not client.committed or client.stream is None:
             rec.status = exc.status
             return error_response(exc, rec.request_id)
         # The 200 is already on the wire: end the stream with one terminal error event.
         rec.status = 200
         metrics.STREAM_ABORTED.labels(exc.reason).inc()
         with contextlib.suppress(ConnectionError):
-            await stream.write(exc.sse_event())
-            await stream.write_eof()
-        return stream
+            await client.fail(exc)
+        return client.stream
 
     def begin_drain(self, grace_s: float) -> None:
         """SIGTERM: in-flight requests may finish for ``grace_s``; then the rest are ended
@@ -239,7 +187,7 @@ class Router:
         self._drain_timer = asyncio.ensure_future(expire())
 
     async def _serve(
-        self, request: web.Request, req: ClientRequest, rec: AccessRecord, started: float
+        self, client: ClientStream, req: ClientRequest, rec: AccessRecord, started: float
     ) -> web.StreamResponse:
         """Attempts until one succeeds or a failure may not be retried (SPEC §5)."""
         state = self.state
@@ -250,9 +198,9 @@ class Router:
             while True:
                 rec.attempts += 1
                 try:
-                    return await self._attempt(request, req, rec, started, frozenset(avoid))
+                    return await self._attempt(client, req, rec, started, frozenset(avoid))
                 except EngineError as exc:
-                    if not self._retryable(exc, req, rec):
+                    if not self._retryable(exc, req, rec, client):
                         raise
                     if not retrying:
                         if not state.try_start_retry(self.recovery.retry_budget_ratio, self.recovery.retry_budget_min):
@@ -268,13 +216,13 @@ class Router:
                 state.retry_finished()
             state.request_finished()
 
-    def _retryable(self, exc: EngineError, req: ClientRequest, rec: AccessRecord) -> bool:
-        if rec.attempts > self.recovery.max_retries or rec.first_byte_s is not None:
+    def _retryable(self, exc: EngineError, req: ClientRequest, rec: AccessRecord, client: ClientStream) -> bool:
+        if rec.attempts > self.recovery.max_retries or client.committed:
             return False
         return retryable(exc.reason, exc.status) and asyncio.get_running_loop().time() < req.deadline
 
     async def _attempt(
-        self, request: web.Request, req: ClientRequest, rec: AccessRecord, started: float, avoid: frozenset[str]
+        self, client: ClientStream, req: ClientRequest, rec: AccessRecord, started: float, avoid: frozenset[str]
     ) -> web.StreamResponse:
         resv = await self.placement.reserve(req.model, req.deadline, avoid)
         producer, consumer = resv.producer, resv.consumer
@@ -283,13 +231,13 @@ class Router:
             result = await self._prefill(req, resv)
             resv.release_prefill()
             rec.ttft_s = time.perf_counter() - started
-            response = await self._decode(request, req, resv, result, rec, started)
+            response = await self._decode(client, req, resv, result, rec, started)
             metrics.attempts_child("success").inc()
             self.outcomes.success(producer, consumer)
             return response
         except EngineError as exc:
             metrics.attempts_child(exc.reason).inc()
-            self.outcomes.failure(producer, consumer, exc, before_first_token=rec.first_byte_s is None)
+            self.outcomes.failure(producer, consumer, exc, before_first_token=not client.committed)
             raise
         except NarwhalError as exc:
             metrics.attempts_child(exc.reason).inc()
@@ -318,67 +266,43 @@ class Router:
 
     async def _decode(
         self,
-        request: web.Request,
+        client: ClientStream,
         req: ClientRequest,
         resv: Reservation,
         result: PrefillResult,
         rec: AccessRecord,
         started: float,
     ) -> web.StreamResponse:
-        stream: web.StreamResponse | None = None
-        writes: LazyTimeout | None = None
-        sent = False  # did the consumer receive the handoff?
-        sink = _ClientSink(request) if req.stream else None
+        """Decode on the consumer and relay what it sends (SPEC §3 steps 5-7)."""
+        leg = None
         age = result.age()
         observed = False
         try:
-            chunks = self.client.decode(
-                result,
-                resv.consumer,
-                req.body,
-                stream=req.stream,
-                deadline=req.deadline,
-                max_age_s=self.settings.handoff.max_age_s,
-                headers=req.forward,
-                sink=sink,
+            leg = self.client.decode_leg(
+                result, resv.consumer, req.body, stream=req.stream, deadline=req.deadline,
+                max_age_s=self.settings.handoff.max_age_s, headers=req.forward,
+                sink=client.relay_sink() if req.stream else None,
             )
-            async with contextlib.aclosing(chunks):
-                async for data in chunks:
-                    if stream is None:
-                        sent = True
-                        rec.first_byte_s = time.perf_counter() - started
-                        if not req.stream:
-                            # Written here rather than by aiohttp after the handler returns,
-                            # so the client has it before the bookkeeping, not after.
-                            response = web.Response(
-                                body=data,
-                                content_type="application/json",
-                                headers={"x-request-id": rec.request_id},
-                            )
-                            await self._send_whole(request, response, len(data))
-                            return response
-                        stream = _SSEResponse(headers=SSE_HEADERS)
-                        stream.headers["x-request-id"] = rec.request_id
-                        request["narwhal.stream"] = stream
-                        await stream.prepare(request)
-                        assert sink is not None
-                        sink.start(stream)
-                        writes = LazyTimeout()
-                    assert writes is not None
-                    if not data:  # the relay found the client behind: let it drain
-                        await self._drain(request, writes)
-                        continue
-                    # The span with [DONE] goes out with the end of the chunked body: one
-                    # write, one client wakeup, instead of a separate 5-byte terminator.
-                    await self._write(stream, request, data, writes, eof=data.endswith(sse.DONE_EVENT))
-                    if not observed:
-                        observed = True
-                        _observe_start(rec, age)
-            if stream is None or writes is None:  # pragma: no cover - decode always yields or raises
-                raise EngineError("empty decode response", reason="engine_disconnect",
-                                  engine=resv.consumer.name, phase="decode")
-            await self._write(stream, request, b"", writes, eof=True)  # no-op after [DONE]
-            return stream
+            whole = await leg.open()
+            if whole is not None:
+                rec.first_byte_s = time.perf_counter() - started
+                return await client.send_whole(whole)
+            while (span := await leg.next_span()) is not None:
+                if not client.committed:
+                    rec.first_byte_s = time.perf_counter() - started
+                    await client.commit_stream()
+                if not span:  # the relay found the client behind: let it drain
+                    await client.drain()
+                    continue
+                # The span with [DONE] goes out with the end of the chunked body: one
+                # write, one client wakeup, instead of a separate 5-byte terminator.
+                await client.write(span, eof=span.endswith(sse.DONE_EVENT))
+                if not observed:
+                    observed = True
+                    _observe_start(rec, age)
+            assert client.stream is not None  # next_span ends only after output went out
+            await client.write(b"", eof=True)  # no-op after [DONE]
+            return client.stream
         except EngineError as exc:
             if exc.reason == "invalid_handoff":
                 metrics.HANDOFFS_ABANDONED.inc()  # sent nowhere: no consumer could use it
@@ -386,50 +310,15 @@ class Router:
                 self._release_later(result, req, resv)
             raise
         except (asyncio.CancelledError, ConnectionError):
-            if not sent and result.descriptor is not None and rec.first_byte_s is None:
+            if not client.committed and result.descriptor is not None:
                 # Gone before the consumer answered: it may never have queued the request.
                 self._release_later(result, req, resv)
             raise
         finally:
+            if leg is not None:
+                leg.close()
             if not observed:
                 _observe_start(rec, age)
-
-    async def _write(
-        self, stream: web.StreamResponse, request: web.Request, data: bytes, writes: LazyTimeout, eof: bool = False
-    ) -> None:
-        """Write to the client; one that does not read for ``client_write_timeout_s`` is dropped
-        (its buffer stops growing and the engine stream is closed, like any departed client)."""
-        if _cannot_wait(request, len(data)):
-            # The usual case, the first token's included: nothing to bound.
-            await (stream.write_eof(data) if eof else stream.write(data))
-            return
-        await self._bounded(request, writes, stream.write_eof(data) if eof else stream.write(data))
-
-    async def _send_whole(self, request: web.Request, response: web.Response, size: int) -> None:
-        # Under the same write bound as a stream: a client that does not read its answer must
-        # not keep this request (and its reservations) alive.
-        if _cannot_wait(request, size):
-            await _prepare_and_end(response, request)
-            return
-        writes = LazyTimeout()
-        try:
-            await self._bounded(request, writes, _prepare_and_end(response, request))
-        finally:
-            writes.close()
-
-    async def _drain(self, request: web.Request, writes: LazyTimeout) -> None:
-        if request.transport is None or request.transport.is_closing():
-            raise ConnectionResetError("the client went away")
-        await self._bounded(request, writes, request.writer.drain())
-
-    async def _bounded(self, request: web.Request, writes: LazyTimeout, client_io: Awaitable[None]) -> None:
-        bound = asyncio.get_running_loop().time() + self.settings.server.client_write_timeout_s
-        try:
-            await writes.wait(client_io, bound)
-        except TimeoutError:
-            if request.transport is not None:
-                request.transport.abort()
-            raise ConnectionResetError("the client stopped reading its stream") from None
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
