@@ -33,8 +33,9 @@ from narwhal.front.admin import add_admin_routes
 from narwhal.front.server import make_app_runner
 from narwhal.request.accesslog import AccessLog
 from narwhal.request.admission import CHAT, COMPLETIONS, check_api_key
+from narwhal.request.ids import client_request_id
 from narwhal.request.outcomes import Outcomes
-from narwhal.request.router import Router, client_request_id, error_response
+from narwhal.request.router import Router, error_response
 from narwhal.settings import Settings, current_or_load
 from narwhal.shm.local import LocalFleetState
 from narwhal.shm.worker import WorkerFleetState

@@ -1,0 +1,185 @@
+"""One attempt, read top to bottom: reserve → prefill → validate → decode → relay → outcome → release.
+
+An attempt is one prefill and one decode on a pair placed together (SPEC §3). It owns both
+phase reservations, the handoff and the decode connection, and gives each back exactly once
+however it ends: the reservations in ``finally`` (or, when the client left mid-prefill, in the
+background task that now owns them), the decode connection with the leg, and a handoff that
+will not be decoded by releasing it to the chosen consumer (client gone before the consumer
+answered, handoff expired, or the client left mid-prefill) — the three cases, here, side by
+side. Retrying is not its business: the router decides from what it raises.
+
+What the client sees is :class:`narwhal.request.client_stream.ClientStream`'s; what the engine
+did is the decode leg's (``narwhal.engines.decode``); the attempt connects the two and reports
+the outcome (``narwhal.request.outcomes``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+from aiohttp import web
+
+from narwhal import metrics
+from narwhal.engines import sse
+from narwhal.engines.client import EngineClient
+from narwhal.engines.connector import PrefillResult
+from narwhal.errors import EngineError, NarwhalError
+from narwhal.fleet.placement import Placement, Reservation
+from narwhal.request.accesslog import AccessRecord
+from narwhal.request.admission import ClientRequest
+from narwhal.request.client_stream import ClientStream
+from narwhal.request.ids import new_id
+from narwhal.request.outcomes import Outcomes
+from narwhal.settings import Settings
+
+
+def _observe_start(rec: AccessRecord, handoff_age: float) -> None:
+    # Observed once the first output is on its way to the client (or the attempt ended), not
+    # on the way to it: the histograms' timing does not matter, the first token's does.
+    if rec.ttft_s is not None:
+        metrics.TTFT.observe(rec.ttft_s)
+    metrics.HANDOFF_AGE.observe(handoff_age)
+    if rec.first_byte_s is not None:
+        metrics.FIRST_BYTE.observe(rec.first_byte_s)
+
+
+
+class Attempts:
+    def __init__(
+        self,
+        settings: Settings,
+        placement: Placement,
+        client: EngineClient,
+        outcomes: Outcomes,
+        spawn: Callable[[Coroutine[Any, Any, None]], None],
+    ) -> None:
+        self.settings = settings
+        self.placement = placement
+        self.client = client
+        self.outcomes = outcomes
+        self.spawn = spawn  # runs a coroutine in the background, owned by the router
+
+    async def run(
+        self, client: ClientStream, req: ClientRequest, rec: AccessRecord, started: float, avoid: frozenset[str]
+    ) -> web.StreamResponse:
+        resv = await self.placement.reserve(req.model, req.deadline, avoid)
+        producer, consumer = resv.producer, resv.consumer
+        rec.producer, rec.consumer = producer.name, consumer.name
+        try:
+            result = await self._prefill(req, resv)
+            resv.release_prefill()
+            rec.ttft_s = time.perf_counter() - started
+            response = await self._decode(client, req, resv, result, rec, started)
+            metrics.attempts_child("success").inc()
+            self.outcomes.success(producer, consumer)
+            return response
+        except EngineError as exc:
+            metrics.attempts_child(exc.reason).inc()
+            self.outcomes.failure(producer, consumer, exc, before_first_token=not client.committed)
+            raise
+        except NarwhalError as exc:
+            metrics.attempts_child(exc.reason).inc()
+            raise
+        finally:
+            if not resv.detached:
+                resv.release()
+
+    async def _prefill(self, req: ClientRequest, resv: Reservation) -> PrefillResult:
+        def abandon(rest: Awaitable[PrefillResult]) -> None:
+            # The client left mid-prefill. Let the prefill finish and release its handoff in
+            # the background, which now owns the reservation.
+            resv.detached = True
+            self.spawn(self._finish_abandoned_prefill(rest, req, resv))
+
+        return await self.client.prefill(
+            resv.producer,
+            req.endpoint,
+            req.body,
+            request_id=new_id(),
+            crossed=resv.crossed,
+            deadline=req.deadline,
+            headers=req.forward,
+            on_abandon=abandon,
+        )
+
+    async def _decode(
+        self,
+        client: ClientStream,
+        req: ClientRequest,
+        resv: Reservation,
+        result: PrefillResult,
+        rec: AccessRecord,
+        started: float,
+    ) -> web.StreamResponse:
+        """Decode on the consumer and relay what it sends (SPEC §3 steps 5-7)."""
+        leg = None
+        age = result.age()
+        observed = False
+        try:
+            leg = self.client.decode_leg(
+                result, resv.consumer, req.body, stream=req.stream, deadline=req.deadline,
+                max_age_s=self.settings.handoff.max_age_s, headers=req.forward,
+                sink=client.relay_sink() if req.stream else None,
+            )
+            whole = await leg.open()
+            if whole is not None:
+                rec.first_byte_s = time.perf_counter() - started
+                return await client.send_whole(whole)
+            while (span := await leg.next_span()) is not None:
+                if not client.committed:
+                    rec.first_byte_s = time.perf_counter() - started
+                    await client.commit_stream()
+                if not span:  # the relay found the client behind: let it drain
+                    await client.drain()
+                    continue
+                # The span with [DONE] goes out with the end of the chunked body: one
+                # write, one client wakeup, instead of a separate 5-byte terminator.
+                await client.write(span, eof=span.endswith(sse.DONE_EVENT))
+                if not observed:
+                    observed = True
+                    _observe_start(rec, age)
+            assert client.stream is not None  # next_span ends only after output went out
+            await client.write(b"", eof=True)  # no-op after [DONE]
+            return client.stream
+        except EngineError as exc:
+            if exc.reason == "invalid_handoff":
+                metrics.HANDOFFS_ABANDONED.inc()  # sent nowhere: no consumer could use it
+            elif exc.reason == "handoff_expired":
+                self._release_later(result, req, resv)
+            raise
+        except (asyncio.CancelledError, ConnectionError):
+            if not client.committed and result.descriptor is not None:
+                # Gone before the consumer answered: it may never have queued the request.
+                self._release_later(result, req, resv)
+            raise
+        finally:
+            if leg is not None:
+                leg.close()
+            if not observed:
+                _observe_start(rec, age)
+
+    def _release_later(self, result: PrefillResult, req: ClientRequest, resv: Reservation) -> None:
+        if result.descriptor is not None and result.crossed:
+            self.spawn(self._release(result, req, resv.consumer))
+
+    async def _release(self, result: PrefillResult, req: ClientRequest, consumer: Any) -> None:
+        if await self.client.release(result, consumer, req.body, headers=req.forward):
+            metrics.HANDOFFS_RELEASED.inc()
+        else:
+            metrics.HANDOFFS_ABANDONED.inc()
+
+    async def _finish_abandoned_prefill(
+        self, task: Awaitable[PrefillResult], req: ClientRequest, resv: Reservation
+    ) -> None:
+        try:
+            result = await task
+            resv.release_prefill()
+            if result.crossed:
+                await self._release(result, req, resv.consumer)
+        except Exception:
+            pass  # the prefill failed: there is no handoff to free
+        finally:
+            resv.release()
