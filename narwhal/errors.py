@@ -67,9 +67,11 @@ class DeadlineExceeded(NarwhalError):
 
 
 class EngineError(NarwhalError):
-    """A failed leg. ``counts`` says whether it may count against the engine's breaker."""
+    """A failed leg. ``counts`` says whether it may count against the engine's breaker;
+    ``pair`` is the (producer, consumer) of the attempt it ended, set by that attempt."""
 
     counts = True
+    pair: tuple[str, str] | None = None
 
     def __init__(
         self,

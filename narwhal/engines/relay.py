@@ -25,6 +25,7 @@ import asyncio
 import math
 from collections.abc import Callable
 
+from narwhal.engines.failures import leg_bound
 from narwhal.engines.http1 import Connection
 from narwhal.engines.sse import SSEFramer, may_end_stream
 
@@ -95,10 +96,7 @@ class DirectRelay:
         self._conn.wake()
 
     def _bound(self) -> float:
-        bound = self._last + self._read_timeout if self._read_timeout else math.inf
-        if self._deadline is not None and self._deadline < bound:
-            bound = self._deadline
-        return bound
+        return leg_bound(self._last, self._read_timeout, self._deadline)  # silence counts from the last byte
 
     def _arm(self) -> None:
         bound = self._bound()

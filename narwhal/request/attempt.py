@@ -36,14 +36,14 @@ from narwhal.request.outcomes import Outcomes
 from narwhal.settings import Settings
 
 
-def _observe_start(rec: AccessRecord, handoff_age: float) -> None:
+def _observe_start(ttft_s: float | None, first_byte_s: float | None, handoff_age: float) -> None:
     # Observed once the first output is on its way to the client (or the attempt ended), not
     # on the way to it: the histograms' timing does not matter, the first token's does.
-    if rec.ttft_s is not None:
-        metrics.TTFT.observe(rec.ttft_s)
+    if ttft_s is not None:
+        metrics.TTFT.observe(ttft_s)
     metrics.HANDOFF_AGE.observe(handoff_age)
-    if rec.first_byte_s is not None:
-        metrics.FIRST_BYTE.observe(rec.first_byte_s)
+    if first_byte_s is not None:
+        metrics.FIRST_BYTE.observe(first_byte_s)
 
 
 
@@ -71,12 +71,13 @@ class Attempts:
         try:
             result = await self._prefill(req, resv)
             resv.release_prefill()
-            rec.ttft_s = time.perf_counter() - started
-            response = await self._decode(client, req, resv, result, rec, started)
+            rec.ttft_s = ttft_s = time.perf_counter() - started
+            response = await self._decode(client, req, resv, result, rec, started, ttft_s)
             metrics.attempts_child("success").inc()
             self.outcomes.success(producer, consumer)
             return response
         except EngineError as exc:
+            exc.pair = (producer.name, consumer.name)  # what the retry should avoid
             metrics.attempts_child(exc.reason).inc()
             self.outcomes.failure(producer, consumer, exc, before_first_token=not client.committed)
             raise
@@ -113,11 +114,14 @@ class Attempts:
         result: PrefillResult,
         rec: AccessRecord,
         started: float,
+        ttft_s: float,
     ) -> web.StreamResponse:
-        """Decode on the consumer and relay what it sends (SPEC §3 steps 5-7)."""
+        """Decode on the consumer and relay what it sends (SPEC §3 steps 5-7). ``rec`` is only
+        written: what the client was sent is ``client.committed``."""
         leg = None
         age = result.age()
         observed = False
+        first_byte_s: float | None = None
         try:
             leg = self.client.decode_leg(
                 result, resv.consumer, req.body, stream=req.stream, deadline=req.deadline,
@@ -126,11 +130,11 @@ class Attempts:
             )
             whole = await leg.open()
             if whole is not None:
-                rec.first_byte_s = time.perf_counter() - started
+                rec.first_byte_s = first_byte_s = time.perf_counter() - started
                 return await client.send_whole(whole)
             while (span := await leg.next_span()) is not None:
                 if not client.committed:
-                    rec.first_byte_s = time.perf_counter() - started
+                    rec.first_byte_s = first_byte_s = time.perf_counter() - started
                     await client.commit_stream()
                 if not span:  # the relay found the client behind: let it drain
                     await client.drain()
@@ -140,7 +144,7 @@ class Attempts:
                 await client.write(span, eof=span.endswith(sse.DONE_EVENT))
                 if not observed:
                     observed = True
-                    _observe_start(rec, age)
+                    _observe_start(ttft_s, first_byte_s, age)
             assert client.stream is not None  # next_span ends only after output went out
             await client.write(b"", eof=True)  # no-op after [DONE]
             return client.stream
@@ -159,7 +163,7 @@ class Attempts:
             if leg is not None:
                 leg.close()
             if not observed:
-                _observe_start(rec, age)
+                _observe_start(ttft_s, first_byte_s, age)
 
     def _release_later(self, result: PrefillResult, req: ClientRequest, resv: Reservation) -> None:
         if result.descriptor is not None and result.crossed:

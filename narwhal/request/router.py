@@ -126,7 +126,7 @@ class Router:
         rec.reason = exc.reason
         if not client.committed or client.stream is None:
             rec.status = exc.status
-            return error_response(exc, rec.request_id)
+            return error_response(exc, client.request_id)
         # The 200 is already on the wire: end the stream with one terminal error event.
         rec.status = 200
         metrics.STREAM_ABORTED.labels(exc.reason).inc()
@@ -154,14 +154,16 @@ class Router:
         state = self.state
         avoid: set[str] = set()
         retrying = False
+        attempts = 0
         state.request_started()
         try:
             while True:
-                rec.attempts += 1
+                attempts += 1
+                rec.attempts = attempts
                 try:
                     return await self.attempts.run(client, req, rec, started, frozenset(avoid))
                 except EngineError as exc:
-                    if not self._retryable(exc, req, rec, client):
+                    if not self._retryable(exc, req, attempts, client):
                         raise
                     if not retrying:
                         if not state.try_start_retry(self.recovery.retry_budget_ratio, self.recovery.retry_budget_min):
@@ -170,15 +172,15 @@ class Router:
                         retrying = True
                     metrics.RETRIES.inc()
                     avoid.add(exc.engine)
-                    if exc.phase == "decode" and rec.producer != rec.consumer and rec.producer:
-                        avoid.add(rec.producer)  # a pre-token crossed fault may be the producer's
+                    if exc.phase == "decode" and exc.pair is not None and exc.pair[0] != exc.pair[1]:
+                        avoid.add(exc.pair[0])  # a pre-token crossed fault may be the producer's
         finally:
             if retrying:
                 state.retry_finished()
             state.request_finished()
 
-    def _retryable(self, exc: EngineError, req: ClientRequest, rec: AccessRecord, client: ClientStream) -> bool:
-        if rec.attempts > self.recovery.max_retries or client.committed:
+    def _retryable(self, exc: EngineError, req: ClientRequest, attempts: int, client: ClientStream) -> bool:
+        if attempts > self.recovery.max_retries or client.committed:
             return False
         return retryable(exc.reason, exc.status) and asyncio.get_running_loop().time() < req.deadline
 

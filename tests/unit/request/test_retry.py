@@ -8,7 +8,6 @@ from types import SimpleNamespace
 from typing import Any
 
 from narwhal.errors import EngineClientError, EngineError
-from narwhal.request.accesslog import AccessRecord
 from narwhal.request.router import Router
 from narwhal.settings import Settings
 
@@ -19,11 +18,9 @@ def _router(max_retries: int) -> Router:
     return router
 
 
-def _case(attempts: int, *, committed: bool = False, deadline_in_s: float = 30) -> tuple[Any, AccessRecord, Any]:
+def _case(attempts: int, *, committed: bool = False, deadline_in_s: float = 30) -> tuple[Any, int, Any]:
     req = SimpleNamespace(deadline=asyncio.get_running_loop().time() + deadline_in_s)
-    rec = AccessRecord(request_id="c", endpoint="/v1/completions")
-    rec.attempts = attempts
-    return req, rec, SimpleNamespace(committed=committed)
+    return req, attempts, SimpleNamespace(committed=committed)
 
 
 def _fault(reason: str = "engine_5xx", status: int | None = None) -> EngineError:
