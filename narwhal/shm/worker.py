@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 
+from narwhal.errors import EngineError
 from narwhal.fleet import Engine, Fleet
 from narwhal.shm import layout as L
 from narwhal.shm.local import Quarantine
@@ -170,19 +171,17 @@ class WorkerFleetState:
     # -- outcome reports ------------------------------------------------------------------------
 
     def report(
-        self,
-        producer: Engine,
-        consumer: Engine,
-        *,
-        ok: bool,
-        failed: Engine | None = None,
-        phase: str | None = None,
-        reason: str | None = None,
-        counts: bool = False,
-        before_first_token: bool = False,
+        self, producer: Engine, consumer: Engine, *, error: EngineError | None = None,
+        failed: Engine | None = None, before_first_token: bool = False,
     ) -> None:
-        flags = (FLAG_OK if ok else 0) | (FLAG_COUNTS if counts else 0)
-        flags |= (FLAG_BEFORE_TOKEN if before_first_token else 0) | (FLAG_PREFILL if phase == "prefill" else 0)
+        """One attempt into this slot's ring (``narwhal.request.outcomes.Reporter``): a success
+        without ``error``; a failure's phase, reason and weight as ring flags and codes."""
+        if error is None:
+            flags, reason = FLAG_OK, 0
+        else:
+            flags = (FLAG_COUNTS if error.counts else 0) | (FLAG_BEFORE_TOKEN if before_first_token else 0)
+            flags |= FLAG_PREFILL if error.phase == "prefill" else 0
+            reason = REASON_CODE.get(error.reason, 0)
         self.shared.append(
             self.slot,
             Report(
@@ -191,7 +190,7 @@ class WorkerFleetState:
                 producer=producer.index,
                 consumer=consumer.index,
                 failed=NONE16 if failed is None else failed.index,
-                reason=REASON_CODE.get(reason or "", 0),
+                reason=reason,
                 flags=flags,
                 kind=KIND_OUTCOME,
             ),
