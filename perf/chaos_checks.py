@@ -114,6 +114,33 @@ def _descriptor_fault(body: Any, engine: str) -> bool:
     return spec.get("only_engine") in (None, engine)
 
 
+def _decode_fates(
+    fleet: FakeFleet,
+    consumers: list[str],
+    name_of: dict[str, str],
+    unreadable_windows: dict[str, list[tuple[float, float]]],
+) -> dict[str, str]:
+    """Backend request id -> ``"read"`` (some decode read the handoff) or ``"stranded"`` (every
+    decode of it reset, failed its KV pull, or ran while its producer's KV was unreadable)."""
+    seen: dict[str, str] = {}
+    for c in consumers:
+        for rec in fleet.control_request("GET", f"/engines/{c}/requests")["requests"]:
+            rid = (rec.get("headers") or {}).get("x-request-id")
+            body = rec.get("body")
+            if rid is None or rec.get("phase") != "decode" or not isinstance(body, dict):
+                continue
+            if not isinstance(body.get("kv_transfer_params"), dict):
+                continue
+            outcome, status = rec.get("outcome"), rec.get("status")
+            producer = name_of.get(str(body["kv_transfer_params"].get("remote_engine_id")), "")
+            stranded = outcome == "reset" or (
+                outcome == "error" and status == 200 and not _has_stream_error_fault(body)  # KV pull failed
+            ) or _in(unreadable_windows.get(producer, []), rec["t"])
+            if seen.get(rid) != "read":
+                seen[rid] = "stranded" if stranded else "read"
+    return seen
+
+
 def kv_accounting(
     fleet: FakeFleet,
     producers: list[str],
@@ -136,22 +163,7 @@ def kv_accounting(
         held_blocks[p] = st["held_blocks"]
         name_of[st["engine_id"]] = p
         unread += st["held_requests"] + st["expired_requests"]
-    seen: dict[str, str] = {}  # backend request id -> "read" | "stranded"
-    for c in consumers:
-        for rec in fleet.control_request("GET", f"/engines/{c}/requests")["requests"]:
-            rid = (rec.get("headers") or {}).get("x-request-id")
-            body = rec.get("body")
-            if rid is None or rec.get("phase") != "decode" or not isinstance(body, dict):
-                continue
-            if not isinstance(body.get("kv_transfer_params"), dict):
-                continue
-            outcome, status = rec.get("outcome"), rec.get("status")
-            producer = name_of.get(str(body["kv_transfer_params"].get("remote_engine_id")), "")
-            stranded = outcome == "reset" or (
-                outcome == "error" and status == 200 and not _has_stream_error_fault(body)  # KV pull failed
-            ) or _in(unreadable_windows.get(producer, []), rec["t"])
-            if seen.get(rid) != "read":
-                seen[rid] = "stranded" if stranded else "read"
+    seen = _decode_fates(fleet, consumers, name_of, unreadable_windows)
     excused = {"consumer_reset_or_kv_unreadable": 0, "never_reached_a_consumer_in_window": 0}
     suspects: list[dict[str, Any]] = []
     for p in producers:

@@ -64,6 +64,54 @@ def _pick_engine(rng: random.Random, names: list[str]) -> str:
     return names[rng.randrange(len(names))]
 
 
+# Faults whose request and allowed outcome never vary: kind -> (leg, spec, allowed).
+_FIXED: dict[str, tuple[str, dict[str, Any], set[str]]] = {
+    "p_5xx": ("prefill", {"status": 500, "message": "chaos"}, {"http:502:engine_5xx"}),
+    "d_5xx": ("decode", {"status": 503, "message": "chaos"}, {"http:502:engine_5xx"}),
+    "p_4xx": ("prefill", {"status": 400, "message": "chaos", "flat_error": True}, {"http:400:engine_client_error"}),
+    "d_429": ("decode", {"status": 429, "message": "chaos"}, {"http:429:engine_client_error"}),
+    "p_reset": ("prefill", {"reset": True}, {"http:502:engine_unreachable"}),
+    "d_reset": ("decode", {"reset": True}, {"http:502:engine_unreachable"}),
+    "p_timeout": ("prefill", {"delay_headers_s": BEYOND_S}, {"http:504:prefill_timeout"}),
+    "d_first_token": ("decode", {"delay_first_token_s": BEYOND_S}, {"http:504:first_token_timeout"}),
+    "d_headers": ("decode", {"delay_headers_s": BEYOND_S}, {"http:504:first_token_timeout"}),
+    "done_before_token": ("decode", {"done_before_token": True}, {"http:502:done_before_token"}),
+    "close_before_token": ("decode", {"close_after": 0}, {"http:502:engine_disconnect"}),
+}
+
+_Fault = tuple[str, dict[str, Any], set[str], int | None, int | None]  # leg, spec, allowed, ok, term
+
+
+def _varying_fault(kind: str, rng: random.Random, n: int, k: int) -> _Fault:
+    """The faults that depend on the stream's length ``n``, the cut ``k`` or a seeded draw."""
+    if kind == "close_mid_stream":
+        return "decode", {"close_after": k}, {"term:502:engine_disconnect"}, None, k
+    if kind == "stream_error_before_token":
+        code = rng.choice([500, 503, 429, None, 200])
+        spec = {"stream_error": {"code": code, "message": "chaos", "after": 0, "flat": rng.random() < 0.3}}
+        return "decode", spec, {f"http:{_err(code)}:engine_stream_error"}, None, None
+    if kind == "stream_error_mid_stream":
+        code = rng.choice([500, 503, None])
+        spec = {"stream_error": {"code": code, "message": "chaos", "after": k}}
+        return "decode", spec, {f"term:{_err(code)}:engine_stream_error"}, None, k
+    if kind == "silence":
+        return "decode", {"silence_after": k, "silence_s": BEYOND_S - 0.5}, {"term:504:decode_silence"}, None, k
+    if kind == "heartbeat":
+        return "decode", {"silence_after": k, "silence_s": 1.6, "heartbeat_s": 0.25}, set(), n, None
+    if kind.startswith("descriptor_"):
+        target = kind[len("descriptor_"):]
+        if target == "localhost":  # remote_host "localhost" is a valid, non-empty host (§3 step 5)
+            return "prefill", {"descriptor": target}, set(), n, None
+        return "prefill", {"descriptor": target}, {"http:502:invalid_handoff"}, None, None
+    if kind == "empty":
+        return "decode", {"empty": True}, set(), 0, None
+    if kind == "short":
+        return "decode", {"tokens": k}, set(), k, None
+    if kind == "slow_tokens":
+        return "decode", {"token_delay_s": 0.05}, set(), n, None
+    return "decode", {}, set(), None, None
+
+
 def make_expectation(
     rng: random.Random, producers: list[str], consumers: list[str], kind: str | None = None
 ) -> Expectation:
@@ -72,59 +120,14 @@ def make_expectation(
     n = rng.randint(4, 8)
     kind = kind or rng.choice(KINDS)
     k = rng.randint(1, n - 1)
-    leg, spec, allowed, ok_tokens, term_tokens = "decode", {}, set(), None, None
-    if kind == "p_5xx":
-        leg, spec, allowed = "prefill", {"status": 500, "message": "chaos"}, {"http:502:engine_5xx"}
-    elif kind == "d_5xx":
-        spec, allowed = {"status": 503, "message": "chaos"}, {"http:502:engine_5xx"}
-    elif kind == "p_4xx":
-        leg, spec, allowed = "prefill", {"status": 400, "message": "chaos", "flat_error": True}, {
-            "http:400:engine_client_error"}
-    elif kind == "d_429":
-        spec, allowed = {"status": 429, "message": "chaos"}, {"http:429:engine_client_error"}
-    elif kind == "p_reset":
-        leg, spec, allowed = "prefill", {"reset": True}, {"http:502:engine_unreachable"}
-    elif kind == "d_reset":
-        spec, allowed = {"reset": True}, {"http:502:engine_unreachable"}
-    elif kind == "p_timeout":
-        leg, spec, allowed = "prefill", {"delay_headers_s": BEYOND_S}, {"http:504:prefill_timeout"}
-    elif kind == "d_first_token":
-        spec, allowed = {"delay_first_token_s": BEYOND_S}, {"http:504:first_token_timeout"}
-    elif kind == "d_headers":
-        spec, allowed = {"delay_headers_s": BEYOND_S}, {"http:504:first_token_timeout"}
-    elif kind == "done_before_token":
-        spec, allowed = {"done_before_token": True}, {"http:502:done_before_token"}
-    elif kind == "close_before_token":
-        spec, allowed = {"close_after": 0}, {"http:502:engine_disconnect"}
-    elif kind == "close_mid_stream":
-        spec, allowed, term_tokens = {"close_after": k}, {"term:502:engine_disconnect"}, k
-    elif kind == "stream_error_before_token":
-        code = rng.choice([500, 503, 429, None, 200])
-        spec = {"stream_error": {"code": code, "message": "chaos", "after": 0, "flat": rng.random() < 0.3}}
-        allowed = {f"http:{_err(code)}:engine_stream_error"}
-    elif kind == "stream_error_mid_stream":
-        code = rng.choice([500, 503, None])
-        spec = {"stream_error": {"code": code, "message": "chaos", "after": k}}
-        allowed, term_tokens = {f"term:{_err(code)}:engine_stream_error"}, k
-    elif kind == "silence":
-        spec, allowed, term_tokens = {"silence_after": k, "silence_s": BEYOND_S - 0.5}, {
-            "term:504:decode_silence"}, k
-    elif kind == "heartbeat":
-        spec, ok_tokens = {"silence_after": k, "silence_s": 1.6, "heartbeat_s": 0.25}, n
-    elif kind.startswith("descriptor_"):
-        leg, spec = "prefill", {"descriptor": kind[len("descriptor_"):]}
-        if spec["descriptor"] == "localhost":
-            ok_tokens = n  # remote_host "localhost" is a valid, non-empty host (§3 step 5)
-        else:
-            allowed = {"http:502:invalid_handoff"}
-    elif kind == "empty":
-        spec, ok_tokens = {"empty": True}, 0
-    elif kind == "short":
-        spec, ok_tokens = {"tokens": k}, k
-    elif kind == "slow_tokens":
-        spec, ok_tokens = {"token_delay_s": 0.05}, n
-    elif kind == "none":
+    if kind == "none":
         return Expectation("none", None, n, n)
+    if kind in _FIXED:
+        leg, fixed, allowed = _FIXED[kind]
+        spec, ok_tokens, term_tokens = dict(fixed), None, None
+        allowed = set(allowed)
+    else:
+        leg, spec, allowed, ok_tokens, term_tokens = _varying_fault(kind, rng, n, k)
     # A fault aimed at one engine only: a retry on another engine may turn it into a success.
     if kind in ONLY_ENGINE_OK and rng.random() < 0.35:
         spec["only_engine"] = _pick_engine(rng, producers if leg == "prefill" else consumers)

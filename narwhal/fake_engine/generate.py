@@ -91,6 +91,9 @@ async def handle_completion(engine: EngineState, request: web.Request, chat: boo
     if req.stream:
         engine.active_streams += 1
     try:
+        early = await _before_work(engine, request, req, spec, state)
+        if early is not None:
+            return early
         if req.stream:
             return await _stream(engine, request, req, spec, state)
         return await _plain(engine, request, req, spec, state)
@@ -195,9 +198,6 @@ async def _pull_for(engine: EngineState, req: ParsedRequest, state: _State) -> b
 async def _stream(
     engine: EngineState, request: web.Request, req: ParsedRequest, spec: FaultSpec, state: _State
 ) -> web.StreamResponse:
-    early = await _before_work(engine, request, req, spec, state)
-    if early is not None:
-        return early
     n, finish = _plan(engine, req, spec)
     rid = _response_id(request, engine, req.chat)
     frames: StreamFrames = engine.templates(req.model).frames(req.chat, rid, int(time.time()))
@@ -280,9 +280,6 @@ def _stream_end(
 async def _plain(
     engine: EngineState, request: web.Request, req: ParsedRequest, spec: FaultSpec, state: _State
 ) -> web.StreamResponse:
-    early = await _before_work(engine, request, req, spec, state)
-    if early is not None:
-        return early
     if not await _pull_for(engine, req, state):
         state.finish(engine, "error", 500)
         return error_response(500, KV_FAILED)

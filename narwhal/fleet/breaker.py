@@ -57,9 +57,8 @@ Rules decided where the SPEC is silent:
   engine that failed preflight at start).
 * Whole-wave restart: an engine that passes while every other member of its wave is out (or
   while another member already waits) waits, shown as EJECTED (see
-  :meth:`Breakers.waiting_for_wave`), is not probed again, and comes back when no member of
-  the wave is still out unproven (every one passed, or was readmitted or drained by the
-  operator) or ``wave_hold_s`` after the first pass. ``wave_hold_s = 0`` releases at once.
+  :meth:`Breakers.waiting_for_wave`); the hold and its release, and the probe schedule, are in
+  :mod:`narwhal.fleet.readmission`.
 * A probe result for an engine that is not PROBING (the operator acted meanwhile) is ignored.
 * ``last_failure_reason`` / ``last_failure_at`` move on charged failures and health failures
   only: a failed probe or a fault only remembered as ambiguous leaves them alone.
@@ -74,7 +73,6 @@ or ambiguity sets with time (only successes, probes and the operator reset them)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from narwhal.fleet.blame import (
     EngineInfo,
@@ -87,46 +85,13 @@ from narwhal.fleet.blame import (
     charges,
     counted,
 )
+from narwhal.fleet.readmission import OUT, SERVING, BreakerRecord, Wave, probe_interval, probe_plan
 from narwhal.settings import RecoverySettings
 
 __all__ = ["Breakers", "EngineInfo", "EngineStatus", "Outcome", "ProbePlan", "State"]
 
 
-_OUT = (State.EJECTED, State.PROBING)
-_SERVING = (State.ADMITTED, State.DEGRADED)
 PROBE_RESULTS = ("pass", "fail", "inconclusive")
-
-
-@dataclass
-class _Engine:
-    info: EngineInfo
-    state: State = State.ADMITTED
-    streak: dict[RoleName, int] = field(default_factory=lambda: {"producer": 0, "consumer": 0})
-    ejections: int = 0
-    quarantined_until: float | None = None
-    last_failure_reason: str | None = None
-    last_failure_at: float | None = None
-    original_producer: str | None = None  # of the last charged failure, when it was crossed
-    by_operator: bool = False
-    next_probe_at: float | None = None
-    waiting: bool = False  # passed readmission, held for its wave
-
-    def status(self) -> EngineStatus:
-        return EngineStatus(
-            name=self.info.name,
-            state=self.state,
-            failure_streak=max(self.streak.values()),
-            ejections=self.ejections,
-            quarantined_until=self.quarantined_until,
-            last_failure_reason=self.last_failure_reason,
-            last_failure_at=self.last_failure_at,
-        )
-
-
-@dataclass
-class _Wave:
-    members: list[_Engine]
-    hold_since: float | None = None  # when the first member of this episode passed
 
 
 class Breakers:
@@ -140,21 +105,21 @@ class Breakers:
             self._kind = "probe" if has_contract else "health"
         else:
             self._kind = settings.readmission
-        self._engines: dict[str, _Engine] = {}
+        self._engines: dict[str, BreakerRecord] = {}
         for info in engines:
             if info.role not in ("producer", "consumer", "both"):
                 raise ValueError(f"engine {info.name!r}: unknown role {info.role!r}")
             if info.name in self._engines:
                 raise ValueError(f"duplicate engine name {info.name!r}")
-            self._engines[info.name] = _Engine(info)
+            self._engines[info.name] = BreakerRecord(info)
         self._pending = Pending({name: rec.info for name, rec in self._engines.items()})
         self._role_size: dict[RoleName, int] = {"producer": 0, "consumer": 0}
-        self._waves: dict[str, _Wave] = {}
+        self._waves: dict[str, Wave] = {}
         for rec in self._engines.values():
             for role in rec.info.roles:
                 self._role_size[role] += 1
             if rec.info.wave is not None:
-                self._waves.setdefault(rec.info.wave, _Wave([])).members.append(rec)
+                self._waves.setdefault(rec.info.wave, Wave([])).members.append(rec)
         self._status = {name: rec.status() for name, rec in self._engines.items()}
         self._touched: set[str] = set()
         self.version = 0
@@ -198,9 +163,7 @@ class Breakers:
             if rec.state is State.EJECTED and rec.next_probe_at is not None and rec.next_probe_at <= now:
                 self._touched.add(name)
                 rec.state = State.PROBING
-                as_consumer = "consumer" in rec.info.roles
-                producer = rec.original_producer if self._kind == "probe" and as_consumer else None
-                plans.append(ProbePlan(name, self._kind, "producer" in rec.info.roles, as_consumer, producer))
+                plans.append(probe_plan(rec, self._kind))
         self._commit()
         return plans
 
@@ -217,14 +180,8 @@ class Breakers:
             rec.next_probe_at = now + self.probe_interval(rec.ejections)
         else:
             wave = self._wave_of(rec)
-            if wave is not None and (
-                any(m.waiting for m in wave.members) or all(m.state in _OUT for m in wave.members if m is not rec)
-            ):
-                rec.state = State.EJECTED
-                rec.waiting = True
-                rec.next_probe_at = None
-                if wave.hold_since is None:
-                    wave.hold_since = now
+            if wave is not None and wave.must_wait(rec):
+                wave.hold(rec, now)
             else:
                 self._readmit(rec)
             if wave is not None:
@@ -241,7 +198,7 @@ class Breakers:
         """
         rec = self._engines[engine]
         self._touched.add(engine)
-        if rec.state not in _OUT:
+        if rec.state not in OUT:
             self._eject(rec, now, by_operator=not probe)
         elif not probe:
             rec.state, rec.by_operator, rec.waiting, rec.next_probe_at = State.EJECTED, True, False, None
@@ -291,12 +248,11 @@ class Breakers:
         rec.state, rec.quarantined_until, rec.next_probe_at = status.state, status.quarantined_until, None
         rec.by_operator = rec.waiting = False
         wave = self._wave_of(rec)
-        if status.state in _OUT:
+        if status.state in OUT:
             rec.state, rec.quarantined_until = State.EJECTED, None
             rec.by_operator = by_operator
             if waiting and not by_operator and wave is not None:
-                rec.waiting = True
-                wave.hold_since = now if wave.hold_since is None else wave.hold_since
+                wave.hold(rec, now)
             elif not by_operator:
                 interval = 0.0 if status.state is State.PROBING else self.probe_interval(rec.ejections)
                 rec.next_probe_at = now + interval
@@ -319,12 +275,12 @@ class Breakers:
         rec = self._engines[engine]
         if rec.state is State.QUARANTINED:
             return rec.quarantined_until is not None and rec.quarantined_until <= now
-        return rec.state in _SERVING
+        return rec.state in SERVING
 
     def ejected_by_operator(self, engine: str) -> bool:
         """Ejected by the operator: not probed, out until :meth:`readmit`."""
         rec = self._engines[engine]
-        return rec.by_operator and rec.state in _OUT
+        return rec.by_operator and rec.state in OUT
 
     def waiting_for_wave(self, engine: str) -> bool:
         """Passed readmission but held (shown EJECTED) until its wave comes back together."""
@@ -332,21 +288,20 @@ class Breakers:
 
     def probe_interval(self, ejections: int) -> float:
         """Seconds between probes after the n-th ejection: readmit_interval_s × 2^(n−1), capped."""
-        s = self._settings
-        return min(s.readmit_interval_s * 2.0 ** min(max(ejections, 1) - 1, 64), s.readmit_interval_max_s)
+        return probe_interval(self._settings, ejections)
 
     # ------------------------------------------------------------------------------ helpers
 
     def _is_out(self, engine: str) -> bool:
         rec = self._engines.get(engine)
-        return rec is not None and rec.state in _OUT
+        return rec is not None and rec.state in OUT
 
-    def _over(self, rec: _Engine) -> bool:
+    def _over(self, rec: BreakerRecord) -> bool:
         return max(rec.streak.values()) >= self._settings.eject_after
 
     def _succeeded(self, engine: str, role: RoleName) -> None:
         rec = self._engines.get(engine)
-        if rec is None or rec.state in _OUT:
+        if rec is None or rec.state in OUT:
             return
         self._pending.clear(engine, role)
         if rec.streak[role]:
@@ -359,7 +314,7 @@ class Breakers:
         self, engine: str, roles: Sequence[RoleName], now: float, reason: str | None, original: str | None
     ) -> None:
         rec = self._engines.get(engine)
-        if rec is None or rec.state in _OUT:
+        if rec is None or rec.state in OUT:
             return
         self._touched.add(engine)
         for role in roles:
@@ -378,15 +333,15 @@ class Breakers:
         elif over:
             rec.state = State.DEGRADED
 
-    def _may_eject(self, rec: _Engine) -> bool:
+    def _may_eject(self, rec: BreakerRecord) -> bool:
         """``ejected / engines of that role ≤ max_ejected_fraction`` afterwards, for every role."""
         for role in rec.info.roles:
-            out = sum(1 for r in self._engines.values() if r.state in _OUT and role in r.info.roles)
+            out = sum(1 for r in self._engines.values() if r.state in OUT and role in r.info.roles)
             if (out + 1) / self._role_size[role] > self._settings.max_ejected_fraction:
                 return False
         return True
 
-    def _eject(self, rec: _Engine, now: float, *, by_operator: bool) -> None:
+    def _eject(self, rec: BreakerRecord, now: float, *, by_operator: bool) -> None:
         self._touched.add(rec.info.name)
         rec.state = State.EJECTED
         rec.ejections += 1
@@ -395,7 +350,7 @@ class Breakers:
         rec.waiting = False
         rec.next_probe_at = None if by_operator else now + self.probe_interval(rec.ejections)
 
-    def _readmit(self, rec: _Engine) -> None:
+    def _readmit(self, rec: BreakerRecord) -> None:
         self._touched.add(rec.info.name)
         rec.state = State.ADMITTED
         rec.streak = {"producer": 0, "consumer": 0}
@@ -403,27 +358,20 @@ class Breakers:
         rec.by_operator = rec.waiting = False
         self._pending.clear(rec.info.name)
 
-    def _wave_of(self, rec: _Engine) -> _Wave | None:
+    def _wave_of(self, rec: BreakerRecord) -> Wave | None:
         if not self._settings.whole_wave_restart or rec.info.wave is None:
             return None
         return self._waves[rec.info.wave]
 
-    def _settle_wave_of(self, rec: _Engine, now: float) -> None:
+    def _settle_wave_of(self, rec: BreakerRecord, now: float) -> None:
         wave = self._wave_of(rec)
         if wave is not None:
             self._settle(wave, now)
 
-    def _settle(self, wave: _Wave, now: float) -> None:
-        """Release the members waiting for their wave once none is out unproven, or at the hold."""
-        waiting = [m for m in wave.members if m.waiting]
-        if not waiting or wave.hold_since is None:
-            wave.hold_since = None
-            return
-        blocked = any(m.state in _OUT and not m.waiting for m in wave.members)
-        if not blocked or now >= wave.hold_since + self._settings.wave_hold_s:
-            for member in waiting:
-                self._readmit(member)
-            wave.hold_since = None
+    def _settle(self, wave: Wave, now: float) -> None:
+        """Readmit the members waiting for their wave once none is out unproven, or at the hold."""
+        for member in wave.release(now, self._settings.wave_hold_s):
+            self._readmit(member)
 
     def _commit(self) -> None:
         changed = False
@@ -438,8 +386,8 @@ class Breakers:
         if changed:
             self.version += 1
 
-    def _check(self, rec: _Engine) -> None:
+    def _check(self, rec: BreakerRecord) -> None:
         assert (rec.quarantined_until is not None) == (rec.state is State.QUARANTINED), rec
-        assert rec.state not in _SERVING or self._over(rec) == (rec.state is State.DEGRADED), rec
-        assert rec.next_probe_at is None or (rec.state in _OUT and not rec.by_operator and not rec.waiting), rec
+        assert rec.state not in SERVING or self._over(rec) == (rec.state is State.DEGRADED), rec
+        assert rec.next_probe_at is None or (rec.state in OUT and not rec.by_operator and not rec.waiting), rec
         assert not rec.waiting or (rec.state is State.EJECTED and rec.info.wave is not None), rec

@@ -24,6 +24,8 @@ class Engine:
     name: str
     url: str
     role: str
+    can_prefill: bool  # decided by EngineSpec (settings), the one place roles are read
+    can_decode: bool
     connector: str
     wave: str | None
     max_inflight_prefill: int | None
@@ -33,14 +35,6 @@ class Engine:
     models_configured: bool = False
     permitted_consumers: tuple[Engine, ...] = ()
     permitted_producers: tuple[Engine, ...] = field(default=())
-
-    @property
-    def can_prefill(self) -> bool:
-        return self.role in ("producer", "both")
-
-    @property
-    def can_decode(self) -> bool:
-        return self.role in ("consumer", "both")
 
 
 def pair_permitted(p: Engine, d: Engine) -> bool:
@@ -90,6 +84,8 @@ def _engine(index: int, spec: EngineSpec, connector: str) -> Engine:
         name=spec.name,
         url=spec.url,
         role=spec.role,
+        can_prefill=spec.can_prefill,
+        can_decode=spec.can_decode,
         connector=connector,
         wave=spec.wave,
         max_inflight_prefill=spec.max_inflight_prefill,

@@ -204,6 +204,54 @@ def worker_state(fleet: Fleet) -> WorkerFleetState | LocalFleetState:
     return LocalFleetState(fleet)
 
 
+async def _startup(app: web.Application) -> None:
+    """Build what the worker serves with: its fleet state, placement, router; discover models."""
+    settings = app[SETTINGS]
+    pin = settings.engine_contract.engine_version if settings.engine_contract else ""
+    metrics.publish_build_info(__version__, pin)
+    session = open_session(settings.engine)  # TLS and key as on every engine link
+    fleet = Fleet(settings)
+    state = worker_state(fleet)
+    placement = Placement(fleet, state, state, settings.placement)
+    outcomes = Outcomes(fleet, state, settings.recovery.failure_quarantine_s)
+    router = Router(
+        settings, fleet, placement, EngineClient.for_settings(settings.engine), outcomes, state,
+        AccessLog(settings.log.access_log),
+    )
+    app[STATE] = state
+    app[ROUTER] = router
+    app[_SESSION] = session
+    control = ControlClient(session, settings.engine, DISCOVERY_TIMEOUT_S)
+    await discover_models(fleet, control)
+    app[_TASKS].append(asyncio.ensure_future(_keep_discovering(fleet, control)))
+    # Everything built so far lives as long as the worker: keep it out of the garbage
+    # collector's scans, which otherwise walk it again on every full collection.
+    gc.collect()
+    gc.freeze()
+
+
+async def _cleanup(app: web.Application) -> None:
+    settings = app[SETTINGS]
+    for task in app[_TASKS]:
+        task.cancel()
+    router = app[ROUTER]
+    await router.drain_background(timeout=settings.engine.first_token_timeout_s)
+    await router.client.close()
+    await app[_SESSION].close()
+    router.access_log.close()
+
+
+async def _shutdown(app: web.Application) -> None:
+    settings = app[SETTINGS]
+    # Runs when this worker stops, before aiohttp waits for the handlers: whatever is
+    # still running at 85 % of the graceful timeout (counted from SIGTERM, after which
+    # the master kills the worker) is ended with the terminal event.
+    grace = settings.server.graceful_timeout_s * 0.85
+    if _stop_requested_at is not None:
+        grace -= asyncio.get_running_loop().time() - _stop_requested_at
+    app[ROUTER].begin_drain(max(grace, 0.0))
+
+
 def build_app(settings: Settings) -> web.Application:
     app = web.Application(
         middlewares=[_errors],
@@ -222,50 +270,9 @@ def build_app(settings: Settings) -> web.Application:
     if settings.server.admin_token:
         add_admin_routes(app, settings.server.admin_token, ROUTER, STATE)
 
-    async def startup(app: web.Application) -> None:
-        pin = settings.engine_contract.engine_version if settings.engine_contract else ""
-        metrics.publish_build_info(__version__, pin)
-        session = open_session(settings.engine)  # TLS and key as on every engine link
-        fleet = Fleet(settings)
-        state = worker_state(fleet)
-        placement = Placement(fleet, state, state, settings.placement)
-        outcomes = Outcomes(fleet, state, settings.recovery.failure_quarantine_s)
-        router = Router(
-            settings, fleet, placement, EngineClient.for_settings(settings.engine), outcomes, state,
-            AccessLog(settings.log.access_log),
-        )
-        app[STATE] = state
-        app[ROUTER] = router
-        app[_SESSION] = session
-        control = ControlClient(session, settings.engine, DISCOVERY_TIMEOUT_S)
-        await discover_models(fleet, control)
-        app[_TASKS].append(asyncio.ensure_future(_keep_discovering(fleet, control)))
-        # Everything built so far lives as long as the worker: keep it out of the garbage
-        # collector's scans, which otherwise walk it again on every full collection.
-        gc.collect()
-        gc.freeze()
-
-    async def cleanup(app: web.Application) -> None:
-        for task in app[_TASKS]:
-            task.cancel()
-        router = app[ROUTER]
-        await router.drain_background(timeout=settings.engine.first_token_timeout_s)
-        await router.client.close()
-        await app[_SESSION].close()
-        router.access_log.close()
-
-    async def shutdown(app: web.Application) -> None:
-        # Runs when this worker stops, before aiohttp waits for the handlers: whatever is
-        # still running at 85 % of the graceful timeout (counted from SIGTERM, after which
-        # the master kills the worker) is ended with the terminal event.
-        grace = settings.server.graceful_timeout_s * 0.85
-        if _stop_requested_at is not None:
-            grace -= asyncio.get_running_loop().time() - _stop_requested_at
-        app[ROUTER].begin_drain(max(grace, 0.0))
-
-    app.on_startup.append(startup)
-    app.on_shutdown.append(shutdown)
-    app.on_cleanup.append(cleanup)
+    app.on_startup.append(_startup)
+    app.on_shutdown.append(_shutdown)
+    app.on_cleanup.append(_cleanup)
     return app
 
 

@@ -31,7 +31,8 @@ import ipaddress
 import sys
 import time
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -49,12 +50,15 @@ from narwhal.preflight.report import (
     EngineResult,
     PairResult,
     PreflightReport,
+    Verdict,
     charge_transfers,
     unused_engines,
 )
 from narwhal.settings import Settings, load_settings_or_exit
 
 __all__ = ["PreflightReport", "main", "run_preflight"]
+
+T = TypeVar("T")
 
 ENDPOINT = "/v1/completions"
 PROMPT = "narwhal preflight"
@@ -162,16 +166,25 @@ class _Preflight:
         else:
             result.checks["handoff"] = check
 
+    async def _read(
+        self, engine: Engine, path: str, parse: Callable[[bytes], T | None], what: str, unparsed: str, verdict: Verdict
+    ) -> T | Check:
+        """``GET path``, parsed; else a ``<what> unreadable: <why>`` check with ``verdict``."""
+        try:
+            status, data = await self.control.get(engine, path)
+        except ControlError as exc:
+            return Check(verdict, f"{what} unreadable: {exc.reason}")
+        value = parse(data) if status == 200 else None
+        if value is None:
+            why = f"HTTP {status}" if status != 200 else unparsed
+            return Check(verdict, f"{what} unreadable: {why}")
+        return value
+
     async def _version(self, engine: Engine, result: EngineResult) -> Check:
         unreadable = FAIL if self.pin is not None else SKIP
-        try:
-            status, data = await self.control.get(engine, "/version")
-        except ControlError as exc:
-            return Check(unreadable, f"version unreadable: {exc.reason}")
-        version = parse_version(data) if status == 200 else None
-        if version is None:
-            why = f"HTTP {status}" if status != 200 else "no version in the answer"
-            return Check(unreadable, f"version unreadable: {why}")
+        version = await self._read(engine, "/version", parse_version, "version", "no version in the answer", unreadable)
+        if isinstance(version, Check):
+            return version
         result.version = version
         if self.pin is None:
             return Check(OK, f"{version} (not pinned)")
@@ -180,14 +193,9 @@ class _Preflight:
         return Check(OK, version)
 
     async def _models(self, engine: Engine, result: EngineResult) -> Check:
-        try:
-            status, data = await self.control.get(engine, "/v1/models")
-        except ControlError as exc:
-            return Check(FAIL, f"models unreadable: {exc.reason}")
-        served = parse_models(data) if status == 200 else None
-        if served is None:
-            why = f"HTTP {status}" if status != 200 else "not an OpenAI model list"
-            return Check(FAIL, f"models unreadable: {why}")
+        served = await self._read(engine, "/v1/models", parse_models, "models", "not an OpenAI model list", FAIL)
+        if isinstance(served, Check):
+            return served
         result.models = served
         required = [self.contract.model] if self.contract is not None and self.contract.model else []
         required += [m for m in self.specs[engine.name].models or () if m not in required]

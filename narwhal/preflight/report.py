@@ -35,13 +35,22 @@ class Check:
         return {"verdict": self.verdict, "detail": self.detail}
 
 
-@dataclass(slots=True)
-class EngineResult:
-    name: str
-    role: str
+@dataclass(slots=True, kw_only=True)
+class _Verdicted:
+    """What an engine's and a pair's result both carry: the verdict, its reason, the time taken."""
+
     verdict: Verdict = OK
     reason: str = ""
     latency_ms: float | None = None
+
+    def _verdict_dict(self) -> dict[str, Any]:
+        return {"verdict": self.verdict, "reason": self.reason, "latency_ms": self.latency_ms}
+
+
+@dataclass(slots=True)
+class EngineResult(_Verdicted):
+    name: str
+    role: str
     # Insertion order is the order the checks ran: health, version, models, handoff, transfers.
     checks: dict[str, Check] = field(default_factory=dict)
     version: str | None = None  # what /version answered, if it answered
@@ -62,9 +71,7 @@ class EngineResult:
         return {
             "name": self.name,
             "role": self.role,
-            "verdict": self.verdict,
-            "reason": self.reason,
-            "latency_ms": self.latency_ms,
+            **self._verdict_dict(),
             "checks": {name: check.to_dict() for name, check in self.checks.items()},
             "version": self.version,
             "models": self.models,
@@ -72,12 +79,9 @@ class EngineResult:
 
 
 @dataclass(slots=True)
-class PairResult:
+class PairResult(_Verdicted):
     producer: str
     consumer: str
-    verdict: Verdict = OK
-    reason: str = ""
-    latency_ms: float | None = None
     note: str = ""
     required: bool = True
 
@@ -93,9 +97,7 @@ class PairResult:
         return {
             "producer": self.producer,
             "consumer": self.consumer,
-            "verdict": self.verdict,
-            "reason": self.reason,
-            "latency_ms": self.latency_ms,
+            **self._verdict_dict(),
             "note": self.note,
             "required": self.required,
         }

@@ -16,17 +16,15 @@ from narwhal.fleet import Engine, Fleet
 
 
 class Reporter(Protocol):
+    """Where attempts are reported: the worker's ring (``shm.worker``), or nowhere (``shm.local``).
+
+    A report is the pair and, for a failure, the error itself (its phase, reason and whether it
+    counts) with the engine it names: what a report carries is decided by the error, once.
+    """
+
     def report(
-        self,
-        producer: Engine,
-        consumer: Engine,
-        *,
-        ok: bool,
-        failed: Engine | None = None,
-        phase: str | None = None,
-        reason: str | None = None,
-        counts: bool = False,
-        before_first_token: bool = False,
+        self, producer: Engine, consumer: Engine, *, error: EngineError | None = None,
+        failed: Engine | None = None, before_first_token: bool = False,
     ) -> None: ...
 
     def quarantine(self, engine: Engine, seconds: float) -> None: ...
@@ -40,22 +38,13 @@ class Outcomes:
 
     def success(self, producer: Engine, consumer: Engine) -> None:
         """An attempt decoded to completion: both the handoff and the stream are proven."""
-        self.reporter.report(producer, consumer, ok=True)
+        self.reporter.report(producer, consumer)
 
     def failure(self, producer: Engine, consumer: Engine, error: EngineError, *, before_first_token: bool) -> None:
         failed = self.fleet.by_name.get(error.engine)
         if error.counts:
             metrics.ENGINE_FAILURES.labels(error.engine, error.phase, error.reason).inc()
-        self.reporter.report(
-            producer,
-            consumer,
-            ok=False,
-            failed=failed,
-            phase=error.phase,
-            reason=error.reason,
-            counts=error.counts,
-            before_first_token=before_first_token,
-        )
+        self.reporter.report(producer, consumer, error=error, failed=failed, before_first_token=before_first_token)
         if not error.counts or failed is None or self.quarantine_s <= 0:
             return
         ambiguous = error.phase == "decode" and before_first_token and producer is not consumer

@@ -14,25 +14,46 @@ from narwhal.fleet import Engine, Fleet
 from narwhal.fleet.placement import LocalInflight
 
 
+class Quarantine(dict[int, float]):
+    """This process's quarantine at once (SPEC §5): engine index -> monotonic deadline.
+
+    Shared by :class:`LocalFleetState` and the worker's view (``shm.worker``), which both put an
+    engine here the moment a failure is charged to it, before any supervisor hears of it. A
+    dict, so the hot path's ``if table:`` stays a C-level check; entries go lazily, when
+    :meth:`holds` finds them over (until then ``any_quarantined`` may say yes once too often,
+    which costs placement a second look and nothing else).
+    """
+
+    def holds(self, index: int) -> bool:
+        until = self.get(index)
+        if until is None:
+            return False
+        if time.monotonic() < until:
+            return True
+        del self[index]
+        return False
+
+    def left(self, index: int) -> float:
+        until = self.get(index)
+        return 0.0 if until is None else max(until - time.monotonic(), 0.0)
+
+    def add(self, index: int, seconds: float) -> None:
+        self[index] = time.monotonic() + seconds
+
+
 class LocalFleetState(LocalInflight):
     def __init__(self, fleet: Fleet) -> None:
         super().__init__(len(fleet.engines))
         self.fleet = fleet
         self.out: set[int] = set()  # engines taken out by an operator action
-        self._quarantine: dict[int, float] = {}
+        self._quarantine = Quarantine()
         self._requests = 0
         self._retries = 0
 
     def admitted(self, engine: Engine) -> bool:
         if engine.index in self.out:
             return False
-        if self._quarantine:
-            until = self._quarantine.get(engine.index)
-            if until is not None:
-                if time.monotonic() < until:
-                    return False
-                del self._quarantine[engine.index]  # over: any_quarantined() stops saying so
-        return True
+        return not (self._quarantine and self._quarantine.holds(engine.index))
 
     # Quarantine is soft (narwhal.fleet.roster.FleetView): a quarantined engine stays placeable.
     def placeable(self, engine: Engine) -> bool:
@@ -42,11 +63,10 @@ class LocalFleetState(LocalInflight):
         return bool(self._quarantine)  # expired entries go lazily: one costs a second look, no more
 
     def quarantine_left(self, engine: Engine) -> float:
-        until = self._quarantine.get(engine.index)
-        return 0.0 if until is None else max(until - time.monotonic(), 0.0)
+        return self._quarantine.left(engine.index)
 
     def quarantine(self, engine: Engine, seconds: float) -> None:
-        self._quarantine[engine.index] = time.monotonic() + seconds
+        self._quarantine.add(engine.index, seconds)
 
     def request_started(self) -> None:
         self._requests += 1

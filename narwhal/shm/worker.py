@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import time
 
+from narwhal.errors import EngineError
 from narwhal.fleet import Engine, Fleet
 from narwhal.shm import layout as L
+from narwhal.shm.local import Quarantine
 from narwhal.shm.records import (
     FLAG_BEFORE_TOKEN,
     FLAG_COUNTS,
@@ -51,7 +53,7 @@ class WorkerFleetState:
         self._records: list[EngineRecord | None] = [None] * len(fleet.engines)
         self._published_quarantine = False  # some record of this generation is QUARANTINED
         self._hashes = [name_hash(e.name) for e in fleet.engines]
-        self._quarantine: dict[int, float] = {}  # engine index -> monotonic deadline (local, at once)
+        self._quarantine = Quarantine()  # local, at once
         self._requests = 0
         self._retries = 0
         # This slot's fields at fixed offsets, written several times per request: one
@@ -80,13 +82,7 @@ class WorkerFleetState:
         rec = self.records()[engine.index]
         if rec is not None and rec.state not in ADMITTED_STATES:
             return False
-        if self._quarantine:
-            until = self._quarantine.get(engine.index)
-            if until is not None:
-                if time.monotonic() < until:
-                    return False
-                del self._quarantine[engine.index]
-        return True
+        return not (self._quarantine and self._quarantine.holds(engine.index))
 
     def placeable(self, engine: Engine) -> bool:
         rec = self.records()[engine.index]
@@ -99,17 +95,14 @@ class WorkerFleetState:
         return self._published_quarantine or bool(self._quarantine)
 
     def quarantine_left(self, engine: Engine) -> float:
-        left = 0.0
-        until = self._quarantine.get(engine.index)
-        if until is not None:
-            left = until - time.monotonic()
+        left = self._quarantine.left(engine.index)
         rec = self.records()[engine.index]
         if rec is not None and rec.state == QUARANTINED and rec.quarantined_until is not None:
             left = max(left, rec.quarantined_until - time.time())  # published in Unix seconds
         return max(left, 0.0)
 
     def quarantine(self, engine: Engine, seconds: float) -> None:
-        self._quarantine[engine.index] = time.monotonic() + seconds
+        self._quarantine.add(engine.index, seconds)
 
     # -- InflightCounts -------------------------------------------------------------------------
 
@@ -178,19 +171,17 @@ class WorkerFleetState:
     # -- outcome reports ------------------------------------------------------------------------
 
     def report(
-        self,
-        producer: Engine,
-        consumer: Engine,
-        *,
-        ok: bool,
-        failed: Engine | None = None,
-        phase: str | None = None,
-        reason: str | None = None,
-        counts: bool = False,
-        before_first_token: bool = False,
+        self, producer: Engine, consumer: Engine, *, error: EngineError | None = None,
+        failed: Engine | None = None, before_first_token: bool = False,
     ) -> None:
-        flags = (FLAG_OK if ok else 0) | (FLAG_COUNTS if counts else 0)
-        flags |= (FLAG_BEFORE_TOKEN if before_first_token else 0) | (FLAG_PREFILL if phase == "prefill" else 0)
+        """One attempt into this slot's ring (``narwhal.request.outcomes.Reporter``): a success
+        without ``error``; a failure's phase, reason and weight as ring flags and codes."""
+        if error is None:
+            flags, reason = FLAG_OK, 0
+        else:
+            flags = (FLAG_COUNTS if error.counts else 0) | (FLAG_BEFORE_TOKEN if before_first_token else 0)
+            flags |= FLAG_PREFILL if error.phase == "prefill" else 0
+            reason = REASON_CODE.get(error.reason, 0)
         self.shared.append(
             self.slot,
             Report(
@@ -199,7 +190,7 @@ class WorkerFleetState:
                 producer=producer.index,
                 consumer=consumer.index,
                 failed=NONE16 if failed is None else failed.index,
-                reason=REASON_CODE.get(reason or "", 0),
+                reason=reason,
                 flags=flags,
                 kind=KIND_OUTCOME,
             ),

@@ -147,6 +147,32 @@ def _toml(value: Any) -> str:
     raise TypeError(f"cannot write {value!r} as TOML")
 
 
+def _listen(port: int) -> socket.socket:
+    """A listening 127.0.0.1 socket that gunicorn inherits (``fd://N``): no port race."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen(1024)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _config_file(root: str | None, env: dict[str, str]) -> str:
+    """The gunicorn configuration to run: this package's, or that of the tree at ``root``
+    (whose directory then goes first on ``PYTHONPATH`` in ``env``)."""
+    from narwhal.front.gunicorn_hooks import CONFIG_FILE
+
+    if root is None:
+        return CONFIG_FILE
+    # `python -m` puts the working directory first on sys.path: run from there.
+    # Where that tree keeps its gunicorn configuration: narwhal/front/ since the layers,
+    # narwhal/ in older commits (which --baseline runs too).
+    name = os.path.basename(CONFIG_FILE)
+    front = os.path.join(root, "narwhal", "front", name)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
+    return front if os.path.exists(front) else os.path.join(root, "narwhal", name)
+
+
 class RouterProcess:
     """The router under real gunicorn (master + workers) on an inherited 127.0.0.1 socket."""
 
@@ -178,11 +204,7 @@ class RouterProcess:
         ``root``: a directory holding another ``narwhal`` package (e.g. an older commit, for
         the perf suite's ``--baseline``) to run instead of this one, with this one's dependencies.
         """
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", port))
-        sock.listen(1024)
-        sock.set_inheritable(True)
+        sock = _listen(port)
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("NARWHAL_")}
         full_env.pop("PROMETHEUS_MULTIPROC_DIR", None)
@@ -194,18 +216,7 @@ class RouterProcess:
             os.close(fd)
         inherit = log_path == "-"  # the caller's terminal (the demo)
         log = open(os.devnull if inherit else log_path, "ab")
-        from narwhal.front.gunicorn_hooks import CONFIG_FILE
-
-        config_file = CONFIG_FILE
-        if root is not None:
-            # `python -m` puts the working directory first on sys.path: run from there.
-            # Where that tree keeps its gunicorn configuration: narwhal/front/ since the layers,
-            # narwhal/ in older commits (which --baseline runs too).
-            name = os.path.basename(CONFIG_FILE)
-            front = os.path.join(root, "narwhal", "front", name)
-            config_file = front if os.path.exists(front) else os.path.join(root, "narwhal", name)
-            full_env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, full_env.get("PYTHONPATH"))))
-        cmd = [sys.executable, "-m", "gunicorn", "-c", config_file, *gunicorn_args]
+        cmd = [sys.executable, "-m", "gunicorn", "-c", _config_file(root, full_env), *gunicorn_args]
         proc = subprocess.Popen(
             cmd,
             cwd=root,
@@ -220,15 +231,19 @@ class RouterProcess:
         sock.close()
         router = cls(proc, url, log_path)
         try:
-            _wait(lambda: _http_ok(url + "/health"), timeout, "router", proc)
-            seen: set[int] = set()
-            _wait(lambda: _worker_answered(url, seen) >= workers, timeout, f"router: {workers} workers", proc)
-            if wait_ready:
-                _wait(lambda: _http_ok(url + "/ready"), timeout, "router /ready", proc)
+            router._wait_serving(workers, wait_ready, timeout)
         except BaseException:
             router.stop()
             raise
         return router
+
+    def _wait_serving(self, workers: int, wait_ready: bool, timeout: float) -> None:
+        url, proc = self.url, self.proc
+        _wait(lambda: _http_ok(url + "/health"), timeout, "router", proc)
+        seen: set[int] = set()
+        _wait(lambda: _worker_answered(url, seen) >= workers, timeout, f"router: {workers} workers", proc)
+        if wait_ready:
+            _wait(lambda: _http_ok(url + "/ready"), timeout, "router /ready", proc)
 
     def log_text(self) -> str:
         with open(self.log_path, errors="replace") as f:

@@ -93,8 +93,10 @@ class Client:
 class Reports:
     seen: list[dict[str, Any]] = field(default_factory=list)
 
-    def report(self, producer: Engine, consumer: Engine, **kw: Any) -> None:
-        self.seen.append({"producer": producer.name, "consumer": consumer.name, **kw})
+    def report(self, producer: Engine, consumer: Engine, *, error: EngineError | None = None,
+               failed: Engine | None = None, before_first_token: bool = False) -> None:
+        self.seen.append({"producer": producer.name, "consumer": consumer.name, "ok": error is None,
+                          "reason": None if error is None else error.reason, "before_first_token": before_first_token})
 
     def quarantine(self, engine: Engine, seconds: float) -> None: ...
 
@@ -130,7 +132,8 @@ async def test_a_stream_goes_out_in_order_and_reports_success_with_nothing_held(
     rec = AccessRecord(request_id="c1", endpoint="/v1/completions")
     await attempts.run(client, _request(), rec, 0.0, frozenset())  # type: ignore[arg-type]
     assert client.written == [b"data: t0\n\n", b"data: t1\n\ndata: [DONE]\n\n", b""]
-    assert reports.seen == [{"producer": "p0", "consumer": "d0", "ok": True}]
+    assert reports.seen == [{"producer": "p0", "consumer": "d0", "ok": True, "reason": None,
+                             "before_first_token": False}]
     assert (rec.producer, rec.consumer) == ("p0", "d0") and rec.first_byte_s is not None
     assert _held(state) == ([0, 0], [0, 0]) and engines.leg is not None and engines.leg.closed
     assert spawned == [] and engines.releases == []

@@ -67,6 +67,16 @@ def _keeper(beats: _Beats, clock: _Clock) -> SupervisorKeeper:
     return SupervisorKeeper(shared, clock=clock)
 
 
+def _wait_stopped(pid: int) -> None:
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"{pid} never stopped")
+
+
 def _wait_exit(keeper: SupervisorKeeper, pid: int) -> None:
     end = time.monotonic() + 10
     while time.monotonic() < end and keeper.pid == pid:
@@ -123,7 +133,8 @@ def test_a_reload_stops_the_supervisor_and_escalates_if_it_does_not_go(children:
     first = keeper.pid
     beats.supervisor_pid = first
     signal_ignored = children.procs[0]
-    os.kill(first, signal.SIGSTOP)  # a stopped process does not act on SIGTERM
+    os.kill(first, signal.SIGSTOP)  # a stopped process does not act on SIGTERM …
+    _wait_stopped(first)  # … once it is stopped: a SIGTERM still pending beside SIGSTOP goes first
     keeper.reload()
     keeper.check()
     assert keeper.pid == first

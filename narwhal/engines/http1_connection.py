@@ -1,0 +1,305 @@
+"""One keep-alive upstream HTTP/1.1 connection and the response being read on it.
+
+The half of ``engines.http1`` that runs per socket read: ``httptools`` feeds the protocol
+callbacks below, and nothing else happens per chunk. Split from the pool (``http1.py``: origins,
+request heads, reuse) along that seam, so the hot path reads in one place.
+
+Invariants, and why they hold:
+
+* every body byte is delivered exactly once and in order, either to the ``sink`` (one call per
+  socket read, see ``_relay``) or to the buffer that ``read_some`` / ``take`` empty; a sink
+  withdrawn mid-read leaves its bytes in the buffer, never on the floor;
+* an exchange fails with its *first* error only (``_fail``), so a deadline that fires after a
+  lost connection does not rename the failure;
+* a connection goes back to the pool only when its response ended cleanly, was read whole and
+  the server keeps it alive (``release``); anything else closes it, so no request is ever
+  written behind the remains of another;
+* buffering is bounded: above ``HIGH_WATER`` bytes unread the socket is paused until a reader
+  takes them; headers over ``MAX_HEAD`` bytes fail the exchange.
+
+The error classes live here too (the connection raises all but ``ConnectFailed``) and are
+re-exported by ``engines.http1``; ``engines.client`` maps them to SPEC reasons.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
+
+import httptools
+
+if TYPE_CHECKING:  # the pool creates connections; a connection only reports back to it
+    from narwhal.engines.http1 import Origin, UpstreamPool
+
+HIGH_WATER = 256 * 1024
+MAX_HEAD = 64 * 1024  # status line and headers: an engine sending more is broken, not verbose
+_WRITE_JOINED_MAX = 64 * 1024  # above this, head and body go out with writev instead of a copy
+
+
+class UpstreamError(Exception):
+    """A transport failure talking to an engine."""
+
+
+class ConnectFailed(UpstreamError):
+    """No connection could be made: nothing was sent."""
+
+
+class ConnectionLost(UpstreamError):
+    """The connection ended before the whole response arrived."""
+
+    def __init__(self, message: str, *, got_headers: bool) -> None:
+        super().__init__(message)
+        self.got_headers = got_headers
+
+
+class ProtocolError(UpstreamError):
+    """The engine sent bytes that are not a valid HTTP/1.1 response."""
+
+
+class DeadlinePassed(TimeoutError):
+    """The exchange's deadline (``post(..., deadline=)``) passed: the connection was closed."""
+
+
+# A header line giving the body a length: Content-Length, or a Transfer-Encoding that
+# includes chunked. Otherwise the body ends with the connection.
+_FRAMED = re.compile(rb"\n(?:content-length[ \t]*:|transfer-encoding[ \t]*:[^\n]*chunked)", re.IGNORECASE)
+
+
+def _head_end(head: bytes) -> int:
+    """Where the header block in ``head`` ends (the rest, if any, is body)."""
+    end = head.find(b"\r\n\r\n")
+    if end == -1:
+        end = head.find(b"\n\n")  # a lenient server's bare LF
+    return len(head) if end == -1 else end
+
+
+class Connection(asyncio.Protocol):
+    """One keep-alive connection and the response currently being read on it."""
+
+    def __init__(self, pool: UpstreamPool, origin: Origin) -> None:
+        self._pool = pool
+        self.origin = origin
+        self._loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self._parser = httptools.HttpResponseParser(self)
+        self._waiter: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self.sink: Callable[[bytes], None] | None = None
+        self._relayed: list[bytes] = []  # body bytes of the current read, for the sink
+        self.idle_since = 0.0
+        self._closed = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.status = 0
+        self.headers_done = False
+        self.complete = False
+        self._framed = False  # Content-Length or chunked; otherwise the body ends at EOF
+        self._chunks: list[bytes] = []
+        self._buffered = 0
+        self._paused = False
+        self._error: UpstreamError | DeadlinePassed | None = None
+        self._head = b""  # the bytes read before the headers ended (usually one read)
+
+    # -- asyncio.Protocol ---------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+
+    def data_received(self, data: bytes) -> None:
+        if not self.headers_done:
+            self._head = self._head + data if self._head else data
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._relay()
+            self._fail(ProtocolError(f"invalid HTTP response: {exc}"))
+            self.close()
+            return
+        if self._relayed:
+            self._relay()
+        if not self.headers_done:
+            if len(self._head) > MAX_HEAD:  # the parser would buffer headers without end
+                self._fail(ProtocolError(f"response headers over {MAX_HEAD} bytes"))
+                self.close()
+
+    def eof_received(self) -> bool | None:
+        return None  # close the transport; connection_lost decides what the EOF meant
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self._pool._forget(self)
+        if not self.complete:
+            if self.headers_done and not self._framed and self._error is None:
+                self.complete = True  # a body delimited by the end of the connection
+            else:
+                self._fail(ConnectionLost("the connection closed before the response ended",
+                                          got_headers=self.headers_done))
+        self._wake()
+
+    # -- httptools callbacks --------------------------------------------------------------
+
+    # No on_header: a Python call per header line was most of the callbacks per response;
+    # the one fact the headers give here (is the body framed?) is read from the head at once.
+
+    def on_headers_complete(self) -> None:
+        self.status = self._parser.get_status_code()
+        self._framed = _FRAMED.search(self._head, 0, _head_end(self._head)) is not None
+        self._head = b""
+        self.headers_done = True
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        if self.sink is not None:
+            # A relay takes the bytes of this read, once it is parsed (see _relay).
+            self._relayed.append(body)
+            return
+        self._chunks.append(body)
+        self._buffered += len(body)
+        if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def _relay(self) -> None:
+        # One sink call per socket read, not per HTTP chunk: an engine writes every SSE event
+        # as its own chunk, and a read that holds many of them becomes one client write.
+        relayed = self._relayed
+        if not relayed:
+            return
+        data = relayed[0] if len(relayed) == 1 else b"".join(relayed)
+        relayed.clear()
+        if self.sink is not None:
+            self.sink(data)
+        else:  # never lose bytes, even to a sink withdrawn mid-read
+            self._chunks.append(data)
+            self._buffered += len(data)
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        if not self._parser.should_keep_alive():
+            self._closed = True  # not reusable; closed when released
+        self._wake()
+
+    # -- the reader's side ----------------------------------------------------------------
+
+    def _fail(self, error: UpstreamError | DeadlinePassed) -> None:
+        if self._error is None:
+            self._error = error
+
+    def arm(self, deadline: float | None) -> None:
+        """Fail this exchange with :class:`DeadlinePassed` at ``deadline`` (loop time).
+
+        One timer handle per exchange, cheaper than an ``asyncio.timeout`` block around every
+        wait (the perf suite saw those as several percent of a worker's CPU)."""
+        self.disarm()
+        if deadline is not None and deadline != math.inf:
+            self._timer = self._loop.call_at(deadline, self._expire)
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expire(self) -> None:
+        self._timer = None
+        self._fail(DeadlinePassed())
+        self._wake()
+        self.close()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        self._waiter = waiter = self._loop.create_future()
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+
+    async def response(self) -> int:
+        """Wait for the status line and headers; return the status."""
+        while not self.headers_done:
+            if self._error is not None:
+                raise self._error
+            await self._wait()
+        return self.status
+
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+    def wake(self) -> None:
+        """Wake whoever waits in :meth:`wait` (a relay that needs its reader)."""
+        self._wake()
+
+    async def wait(self) -> None:
+        """Wait for the next event: headers, the end, a failure, or a ``wake()``."""
+        await self._wait()
+
+    def take(self) -> list[bytes]:
+        """Every body chunk buffered now, as received (for a relay taking over the body)."""
+        chunks, self._chunks, self._buffered = self._chunks, [], 0
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        return chunks
+
+    async def read_some(self) -> bytes:
+        """Every body byte buffered now (waiting for some first); ``b""`` once the body ended."""
+        while not self._chunks:
+            if self._error is not None:
+                raise self._error
+            if self.complete:
+                return b""
+            await self._wait()
+        chunks = self._chunks
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        self._chunks = []
+        self._buffered = 0
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        return data
+
+    async def read_all(self) -> bytes:
+        """The rest of the body, whole."""
+        parts: list[bytes] = []
+        while True:
+            data = await self.read_some()
+            if not data:
+                return b"".join(parts) if len(parts) != 1 else parts[0]
+            parts.append(data)
+
+    def release(self) -> None:
+        """Done with this response: back to the pool if it ended cleanly, else closed."""
+        self.disarm()
+        if self.complete and self._error is None and not self._closed and not self._chunks:
+            self._reset()
+            self._pool._put(self)
+        else:
+            self.close()
+
+    def close(self) -> None:
+        self.disarm()
+        self._closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    @property
+    def reusable(self) -> bool:
+        return not self._closed and self.transport is not None and not self.transport.is_closing()
+
+    def send(self, head: bytes, body: bytes) -> None:
+        transport = self.transport
+        assert transport is not None
+        if len(body) <= _WRITE_JOINED_MAX:
+            transport.write(head + body)
+        else:
+            transport.writelines((head, body))
+

@@ -1,0 +1,101 @@
+"""The way back for an ejected engine (SPEC §6): the probe schedule and whole-wave restart.
+
+Split from :mod:`narwhal.fleet.breaker`, which owns every transition and calls these; the
+same rules as there hold here: pure, no I/O, no clock (``now`` is an argument), and nothing
+here bumps the breakers' version or skips their invariant check (the breaker marks what a call
+touched and checks it after).
+
+* **Probe schedule**: after the n-th ejection an engine is probed every
+  ``readmit_interval_s × 2^(n−1)`` seconds, capped at ``readmit_interval_max_s``
+  (:func:`probe_interval`); a consumer probed after a crossed-decode failure is probed with its
+  original producer (:func:`probe_plan`).
+* **Whole-wave restart** (:class:`Wave`): an engine that passes while every other member of
+  its wave is out, or while another member already waits, is *held*: shown EJECTED, waiting,
+  never probed again. The held members come back together once no member is still out
+  unproven (every one passed, or was readmitted or drained by the operator), or
+  ``wave_hold_s`` after the first pass of the episode. ``wave_hold_s = 0`` releases at once.
+
+Invariant kept here: a held member has no probe scheduled and its wave has a ``hold_since``
+(:meth:`Wave.hold`); a wave with nobody held has none (:meth:`Wave.release`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from narwhal.fleet.blame import EngineInfo, EngineStatus, ProbePlan, RoleName, State
+from narwhal.settings import RecoverySettings
+
+OUT = (State.EJECTED, State.PROBING)
+SERVING = (State.ADMITTED, State.DEGRADED)
+
+
+@dataclass
+class BreakerRecord:
+    """One engine's breaker state (changed by :class:`~narwhal.fleet.breaker.Breakers` only)."""
+
+    info: EngineInfo
+    state: State = State.ADMITTED
+    streak: dict[RoleName, int] = field(default_factory=lambda: {"producer": 0, "consumer": 0})
+    ejections: int = 0
+    quarantined_until: float | None = None
+    last_failure_reason: str | None = None
+    last_failure_at: float | None = None
+    original_producer: str | None = None  # of the last charged failure, when it was crossed
+    by_operator: bool = False
+    next_probe_at: float | None = None
+    waiting: bool = False  # passed readmission, held for its wave
+
+    def status(self) -> EngineStatus:
+        return EngineStatus(
+            name=self.info.name,
+            state=self.state,
+            failure_streak=max(self.streak.values()),
+            ejections=self.ejections,
+            quarantined_until=self.quarantined_until,
+            last_failure_reason=self.last_failure_reason,
+            last_failure_at=self.last_failure_at,
+        )
+
+
+def probe_interval(settings: RecoverySettings, ejections: int) -> float:
+    """Seconds between probes after the n-th ejection: readmit_interval_s × 2^(n−1), capped."""
+    s = settings
+    return min(s.readmit_interval_s * 2.0 ** min(max(ejections, 1) - 1, 64), s.readmit_interval_max_s)
+
+
+def probe_plan(rec: BreakerRecord, kind: str) -> ProbePlan:
+    """What to probe ``rec`` with: its roles, and its original producer for a crossed decode."""
+    as_consumer = "consumer" in rec.info.roles
+    producer = rec.original_producer if kind == "probe" and as_consumer else None
+    return ProbePlan(rec.info.name, kind, "producer" in rec.info.roles, as_consumer, producer)
+
+
+@dataclass
+class Wave:
+    members: list[BreakerRecord]
+    hold_since: float | None = None  # when the first member of this episode passed
+
+    def must_wait(self, rec: BreakerRecord) -> bool:
+        """Whether ``rec``, which just passed, is held: another member waits, or all others are out."""
+        return any(m.waiting for m in self.members) or all(m.state in OUT for m in self.members if m is not rec)
+
+    def hold(self, rec: BreakerRecord, now: float) -> None:
+        """Hold ``rec`` for its wave (shown EJECTED, not probed); the hold starts at the first."""
+        rec.state = State.EJECTED
+        rec.waiting = True
+        rec.next_probe_at = None
+        if self.hold_since is None:
+            self.hold_since = now
+
+    def release(self, now: float, hold_s: float) -> list[BreakerRecord]:
+        """The held members to readmit now: all of them once none is out unproven, or at the hold."""
+        waiting = [m for m in self.members if m.waiting]
+        if not waiting or self.hold_since is None:
+            self.hold_since = None
+            return []
+        blocked = any(m.state in OUT and not m.waiting for m in self.members)
+        if not blocked or now >= self.hold_since + hold_s:
+            self.hold_since = None
+            return waiting
+        return []
