@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, Unpack
 
 import orjson
 
@@ -27,9 +27,8 @@ from narwhal.engines.connector import (
     release_body,
 )
 from narwhal.engines.control import EngineRef, auth_line, ssl_context
-from narwhal.engines.decode import DecodeLeg
+from narwhal.engines.decode import DecodeLeg, DecodeOptions
 from narwhal.engines.http1 import Connection, UpstreamError, UpstreamPool, header_lines
-from narwhal.engines.relay import Sink
 from narwhal.errors import DeadlineExceeded, EngineError
 from narwhal.settings import EngineSettings
 
@@ -156,48 +155,27 @@ class EngineClient:
         return _prefill_result(result, status, data)
 
     def decode_leg(
-        self,
-        result: PrefillResult,
-        consumer: EngineRef,
-        body: dict[str, Any],
-        *,
-        stream: bool,
-        deadline: float | None = None,
-        endpoint: str | None = None,
-        max_age_s: float | None = None,
-        headers: Mapping[str, str] | None = None,
-        sink: Sink | None = None,
+        self, result: PrefillResult, consumer: EngineRef, body: dict[str, Any], **options: Unpack[DecodeOptions]
     ) -> DecodeLeg:
         """The decode as an object with named steps (``narwhal.engines.decode``): validates the
         handoff now, then ``open()``, ``next_span()`` until None, and ``close()`` always."""
-        return DecodeLeg(self, result, consumer, body, stream=stream, deadline=deadline, endpoint=endpoint,
-                         max_age_s=max_age_s, headers=headers, sink=sink)
+        return DecodeLeg(self, result, consumer, body, **options)
 
     async def decode(
-        self,
-        result: PrefillResult,
-        consumer: EngineRef,
-        body: dict[str, Any],
-        *,
-        stream: bool,
-        deadline: float | None = None,
-        endpoint: str | None = None,
-        max_age_s: float | None = None,
-        headers: Mapping[str, str] | None = None,
-        sink: Sink | None = None,
+        self, result: PrefillResult, consumer: EngineRef, body: dict[str, Any], **options: Unpack[DecodeOptions]
     ) -> AsyncGenerator[bytes, None]:
         """Validate the handoff, then decode on ``consumer`` and yield the response bytes.
 
         Use it under ``contextlib.aclosing``: closing the generator early closes the decode
-        connection, which makes the engine abort the request.
+        connection, which makes the engine abort the request. Options: ``stream`` (required),
+        ``deadline``, ``endpoint``, ``max_age_s``, ``headers``, ``sink`` (:class:`DecodeOptions`).
 
         With ``sink`` (streams only), spans after the first token that cannot end the stream
         are handed to ``sink`` from the connection's data callback instead of being yielded
         (:mod:`narwhal.engines.relay`); the generator then also yields ``b""`` when ``sink``
         reported the client behind: wait for the client to drain, then go on iterating.
         """
-        leg = self.decode_leg(result, consumer, body, stream=stream, deadline=deadline, endpoint=endpoint,
-                              max_age_s=max_age_s, headers=headers, sink=sink)
+        leg = self.decode_leg(result, consumer, body, **options)
         try:
             whole = await leg.open()
             if whole is not None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Required, TypedDict
 
 import orjson
 
@@ -45,6 +45,18 @@ _DRAIN_S = 1.0
 _RELAY_AFTER = 1
 
 
+class DecodeOptions(TypedDict, total=False):
+    """What a decode takes besides the handoff, the consumer and the body (one list, for
+    :meth:`EngineClient.decode` and :meth:`EngineClient.decode_leg` alike)."""
+
+    stream: Required[bool]
+    deadline: float | None
+    endpoint: str | None
+    max_age_s: float | None
+    headers: Mapping[str, str] | None
+    sink: Sink | None
+
+
 class DecodeLeg:
     __slots__ = (
         "_client", "_name", "_url", "_endpoint", "_request_id", "_headers", "_payload", "streaming", "_deadline",
@@ -60,11 +72,11 @@ class DecodeLeg:
         body: dict[str, Any],
         *,
         stream: bool,
-        deadline: float | None,
-        endpoint: str | None,
-        max_age_s: float | None,
-        headers: Mapping[str, str] | None,
-        sink: Sink | None,
+        deadline: float | None = None,
+        endpoint: str | None = None,
+        max_age_s: float | None = None,
+        headers: Mapping[str, str] | None = None,
+        sink: Sink | None = None,
     ) -> None:
         """Validate the handoff (raises ``invalid_handoff`` / ``handoff_expired``) and build the body."""
         self._endpoint = endpoint or result.endpoint
