@@ -1,0 +1,140 @@
+"""``python -m perf.callcount --baseline REF``: Python function calls per request, this checkout vs REF.
+
+Why: on a shared 2-core host the CPU-per-request figures of ``python -m perf`` move by ±10 %
+from run to run (other processes, frequency, cache), so a 3 % question cannot be answered
+by them; hardware instruction counters are not available in a VM. The number of Python
+function calls the router's processes make per request barely depends on the host's load
+(only on how reads coalesce), and in this code base CPU follows it closely: what the
+per-request path costs is interpreted calls. It is a proxy, reported as one, beside the timed
+suite rather than instead of it.
+
+How: each router process (workers and supervisor: every child the gunicorn master forks)
+runs under ``cProfile`` from its fork to its exit (a ``sitecustomize`` on ``PYTHONPATH``,
+written here; the router's code is untouched). Two runs per target, with a small and a large
+request count, and the difference divided by the difference of counts: start-up and shutdown
+cancel out. Targets are this checkout and REF's ``narwhal/`` (exported as ``--baseline`` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import glob
+import pstats
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from narwhal.testing.harness import FakeFleet, RouterProcess, write_config
+from perf import baseline
+
+MODEL = "callcount-model"
+_SITECUSTOMIZE = '''
+import os
+_DIR = os.environ.get("PERF_CALLCOUNT_DIR")
+if _DIR:
+    import atexit, cProfile
+
+    def _profile_this_child():
+        prof = cProfile.Profile()
+        prof.enable()
+
+        def dump():
+            prof.disable()
+            prof.dump_stats(f"{_DIR}/{os.getpid()}.prof")
+
+        atexit.register(dump)
+
+    os.register_at_fork(after_in_child=_profile_this_child)
+'''
+# (name, concurrency, token delay): the three shapes the layout issue promised to keep.
+CASES = (("stream_c1", 1, None), ("stream_c32", 32, None), ("paced_c64", 64, 0.01))
+
+
+async def _load(url: str, count: int, concurrency: int, token_delay_s: float | None) -> None:
+    body: dict[str, Any] = {"model": MODEL, "prompt": "hello " * 20, "stream": True, "max_tokens": 16}
+    if token_delay_s is not None:
+        body["narwhal_fake"] = {"decode": {"token_delay_s": token_delay_s}}
+    data = orjson.dumps(body)
+    left = [count]
+    async with aiohttp.ClientSession() as session:
+
+        async def client() -> None:
+            while left[0] > 0:
+                left[0] -= 1
+                async with session.post(url + "/v1/completions", data=data,
+                                        headers={"Content-Type": "application/json"}) as resp:
+                    if resp.status != 200:
+                        raise RuntimeError(f"router answered {resp.status}: {await resp.text()}")
+                    await resp.read()
+
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+
+
+def _calls(run: Path, fleet: FakeFleet, root: str | None, count: int, case: tuple[str, int, float | None]) -> int:
+    """Total function calls of the router's forked processes over one run of ``count`` requests."""
+    out = Path(tempfile.mkdtemp(prefix="calls-", dir=run))
+    engines = [{"name": "p0", "role": "producer", "url": fleet.engines["p0"]},
+               {"name": "d0", "role": "consumer", "url": fleet.engines["d0"]}]
+    sections = {"server": {"workers": 1}, "preflight": {"on_start": False},
+                "log": {"access_log": "", "level": "warning"}}
+    env = {"PERF_CALLCOUNT_DIR": str(out), "PYTHONPATH": str(run / "hook")}
+    router = RouterProcess.start(write_config(engines, sections), env=env, root=root, workers=1,
+                                 log_path=str(out / "router.log"))
+    try:
+        asyncio.run(_load(router.url, count, case[1], case[2]))
+    finally:
+        router.stop()
+    deadline = time.monotonic() + 10  # the profiles are written as the processes exit
+    while time.monotonic() < deadline and len(glob.glob(f"{out}/*.prof")) < 2:
+        time.sleep(0.05)
+    return sum(int(pstats.Stats(path).total_calls) for path in glob.glob(f"{out}/*.prof"))
+
+
+def per_request(run: Path, fleet: FakeFleet, root: str | None, case: tuple[str, int, float | None],
+                small: int, large: int) -> float:
+    return (_calls(run, fleet, root, large, case) - _calls(run, fleet, root, small, case)) / (large - small)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m perf.callcount", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", required=True, help="git commit to compare with (e.g. main~3)")
+    parser.add_argument("--requests", type=int, default=400, help="requests per measurement (default 400)")
+    parser.add_argument("--rounds", type=int, default=2, help="measurements per target (default 2)")
+    args = parser.parse_args(argv)
+    repo = Path(__file__).resolve().parent.parent
+    run = Path(tempfile.mkdtemp(prefix="narwhal-callcount-"))
+    (run / "hook").mkdir()
+    (run / "hook" / "sitecustomize.py").write_text(_SITECUSTOMIZE)
+    try:
+        commit = baseline.export(args.baseline, repo, run / "base")
+    except baseline.BaselineError as exc:
+        print(f"perf.callcount: {exc}", file=sys.stderr)
+        return 2
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    print(f"function calls per request: this checkout ({head.stdout.strip()}) vs {args.baseline} ({commit[:12]})")
+    print("| case | this checkout | baseline | ratio |\n|---|---:|---:|---:|")
+    fleet = FakeFleet.start(["p0", "d0"], args=["--model", MODEL])
+    try:
+        for case in CASES:
+            # Interleaved, as the timed suite does: a drift in the host hits both targets alike.
+            figures: dict[str, list[float]] = {"head": [], "base": []}
+            for _ in range(args.rounds):
+                for name, root in (("head", None), ("base", str(run / "base"))):
+                    figures[name].append(per_request(run, fleet, root, case, 50, 50 + args.requests))
+            ours, theirs = statistics.median(figures["head"]), statistics.median(figures["base"])
+            print(f"| {case[0]} | {ours:,.0f} | {theirs:,.0f} | {ours / theirs:.3f} |", flush=True)
+    finally:
+        fleet.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
