@@ -46,6 +46,7 @@ ROUTES = (
     "/rerank",
     "/v1/rerank",
 )
+PATHS = frozenset(ROUTES)  # the router's per-request test: one hash lookup
 MODE = "passthrough"  # the access log's "mode" for these routes
 
 

@@ -38,7 +38,7 @@ from narwhal.request.attempt import Attempts
 from narwhal.request.client_stream import ClientStream
 from narwhal.request.ids import client_request_id
 from narwhal.request.outcomes import Outcomes
-from narwhal.request.passthrough import ROUTES as PASSTHROUGH_ROUTES
+from narwhal.request.passthrough import PATHS as PASSTHROUGH_PATHS
 from narwhal.request.passthrough import Passthrough
 from narwhal.settings import Settings
 
@@ -98,7 +98,7 @@ class Router:
         self._active.add(task)
         try:
             response: web.StreamResponse
-            if endpoint in PASSTHROUGH_ROUTES:
+            if endpoint in PASSTHROUGH_PATHS:
                 response = await self.passthrough.serve(request, endpoint, rec, arrival, started)
             else:
                 req = await admit(request, endpoint, self.settings, self.fleet, arrival)
