@@ -29,7 +29,7 @@ from narwhal.engines.connector import (
 from narwhal.engines.control import EngineRef, auth_line, ssl_context
 from narwhal.engines.decode import DecodeLeg, DecodeOptions
 from narwhal.engines.http1 import Connection, UpstreamError, UpstreamPool, header_lines
-from narwhal.errors import DeadlineExceeded, EngineError
+from narwhal.errors import DeadlineExceeded, EngineError, Phase
 from narwhal.settings import EngineSettings
 
 
@@ -210,6 +210,54 @@ class EngineClient:
         except (TimeoutError, UpstreamError):
             return False
         return status == 200
+
+
+    async def passthrough(
+        self,
+        engine: EngineRef,
+        path: str,
+        body: dict[str, Any],
+        *,
+        request_id: str,
+        phase: Phase,
+        deadline: float | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> tuple[int, bytes, str]:
+        """POST ``body`` to ``path`` on ``engine`` (``/tokenize``, ``/v1/embeddings`` …, SPEC §2.1)
+        and return its 2xx answer: status, body and content type, to relay as they are.
+
+        One request, no descriptor, bounded by ``first_token_timeout_s`` and ``deadline`` (loop
+        time): the engine owes an answer as it owes a first token. ``phase`` is the role the
+        engine serves in (its breaker streak). A cancelled caller closes the connection, so the
+        engine drops the request. Every other outcome raises, as on the legs.
+        """
+        bound = failures.leg_bound(asyncio.get_running_loop().time(), self.settings.first_token_timeout_s, deadline)
+        payload = orjson.dumps(body)
+        try:
+            head = self.engine_headers(request_id, headers)
+            conn = await self.pool.post(engine.url, path, head, payload, deadline=bound)
+            try:
+                status = await conn.response()
+                content_type = conn.header("content-type") or "application/json"
+                data = await conn.read_all()
+            except BaseException:
+                conn.close()
+                raise
+            conn.release()
+        except TimeoutError:
+            if deadline is not None and bound == deadline:
+                raise DeadlineExceeded(f"the request deadline ran out waiting for engine {engine.name}") from None
+            raise EngineError(
+                f"engine {engine.name} sent no answer within {self.settings.first_token_timeout_s:g}s",
+                reason="first_token_timeout",
+                engine=engine.name,
+                phase=phase,
+            ) from None
+        except UpstreamError as exc:
+            raise failures.transport_error(exc, engine.name, phase) from None
+        if not 200 <= status < 300:
+            raise failures.status_error(status, data, engine.name, phase)
+        return status, data, content_type
 
 
 async def _answer(conn: Connection) -> tuple[int, bytes]:

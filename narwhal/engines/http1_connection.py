@@ -103,6 +103,7 @@ class Connection(asyncio.Protocol):
         self._paused = False
         self._error: UpstreamError | DeadlinePassed | None = None
         self._head = b""  # the bytes read before the headers ended (usually one read)
+        self._raw_head = b""  # the same, kept once the headers ended, for header() (off the hot path)
 
     # -- asyncio.Protocol ---------------------------------------------------------------
 
@@ -148,7 +149,7 @@ class Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self.status = self._parser.get_status_code()
         self._framed = _FRAMED.search(self._head, 0, _head_end(self._head)) is not None
-        self._head = b""
+        self._raw_head, self._head = self._head, b""  # a reference kept, not a copy
         self.headers_done = True
         self._wake()
 
@@ -229,6 +230,18 @@ class Connection(asyncio.Protocol):
                 raise self._error
             await self._wait()
         return self.status
+
+    def header(self, name: str) -> str | None:
+        """The value of the response header ``name`` (its first line), once the headers ended.
+
+        Parsed on demand from the head kept at ``on_headers_complete``: the legs that relay
+        bytes never ask, so no header is parsed per response on their path."""
+        head = self._raw_head
+        found = re.search(rb"\n" + re.escape(name.encode("latin-1")) + rb"[ \t]*:[ \t]*([^\r\n]*)",
+                          head, re.IGNORECASE)
+        if found is None or found.start() > _head_end(head):
+            return None
+        return found.group(1).strip().decode("latin-1")
 
     @property
     def failed(self) -> bool:

@@ -7,13 +7,16 @@ and NixlConnector faithfully (see VLLM-PROTOCOL.md section A) and lets tests inj
 engine or per request, while staying cheap enough for the perf suite.
 
 Engine routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /health``,
-``/version``, ``/v1/models``, ``/load``, ``/metrics``, ``/fake/stats``, ``POST /fake/kv/read``.
+``/version``, ``/v1/models``, ``/load``, ``/metrics``, ``/fake/stats``, ``POST /fake/kv/read``, and
+the passthrough routes ``POST /tokenize``, ``/detokenize``, ``/v1/embeddings``, ``/pooling``,
+``/score``, ``/v1/score``, ``/rerank``, ``/v1/rerank`` (``passthrough.py``).
 
 Control routes (fleet process): ``GET /engines``, ``GET /engines/{name}/stats``,
 ``GET|DELETE /engines/{name}/requests`` (``?contains=`` filters on the compact JSON of the body),
 ``GET|PUT|DELETE /engines/{name}/faults``, ``POST /engines/{name}/stop|start``, ``POST /reset``.
 
-Per-request faults: the body key ``narwhal_fake: {"prefill": FaultSpec, "decode": FaultSpec}``.
+Per-request faults: the body key ``narwhal_fake: {"prefill": FaultSpec, "decode": FaultSpec,
+"passthrough": FaultSpec}``.
 
 Invariant: the package imports nothing else from ``narwhal`` (it shares no wire code with the
 router it tests, so a router bug cannot hide in both), and its modules import only downward, so
@@ -23,8 +26,8 @@ there is no import cycle (``tests/unit/fake_engine/test_fake_engine_layout.py`` 
   their leases): leaves;
 * ``parse`` (vLLM-like validation), ``emit`` (SSE writes, error bodies, dropped connections),
   ``state`` (``EngineState``: one engine's state, and the registry of engines by id);
-* ``kv`` (descriptor and pull: the KV handoff), then ``generate`` (completions), then ``routes``
-  (the engine's routes);
+* ``kv`` (descriptor and pull: the KV handoff), then ``generate`` (completions) and
+  ``passthrough`` (tokenize, embeddings, score …), then ``routes`` (the engine's routes);
 * ``engine`` (``FakeEngine``, an ``EngineState`` that listens, and ``build_engine_app``), then
   ``control`` (control app), then ``fleet`` (process and CLI).
 """

@@ -66,6 +66,9 @@ class RequestFaults(BaseModel):
 
     prefill: FaultSpec | None = None
     decode: FaultSpec | None = None
+    # The passthrough routes (/tokenize, /v1/embeddings, ...): status, message, flat_error,
+    # reset and delay_headers_s apply there.
+    passthrough: FaultSpec | None = None
 
 
 class EngineFaults(BaseModel):
@@ -75,6 +78,7 @@ class EngineFaults(BaseModel):
 
     prefill: FaultSpec | None = None
     decode: FaultSpec | None = None
+    passthrough: FaultSpec | None = None  # as in RequestFaults
     # Status of GET /health (vLLM answers 503 with an empty body on EngineDeadError).
     health_status: int | None = Field(default=None, ge=100, le=599)
     # Reads of this engine's held KV blocks fail: consumers pulling from it fail the decode.
@@ -83,6 +87,8 @@ class EngineFaults(BaseModel):
     models: list[str] | None = None
 
     def for_phase(self, phase: str) -> FaultSpec | None:
+        if phase == "passthrough":
+            return self.passthrough
         return self.prefill if phase == "prefill" else self.decode
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import orjson
 from aiohttp import web
 
-from narwhal.fake_engine import kv
+from narwhal.fake_engine import kv, passthrough
 from narwhal.fake_engine.generate import handle_completion
 from narwhal.fake_engine.state import EngineState
 
@@ -82,6 +82,7 @@ def add_routes(app: web.Application, engine: EngineState) -> None:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/fake/stats", stats)
     app.router.add_post("/fake/kv/read", kv_read)
+    passthrough.add_routes(app, engine)  # /tokenize, /v1/embeddings, /score, /rerank ...
 
 
 def render_metrics(engine: EngineState) -> str:

@@ -35,6 +35,7 @@ from narwhal.request.accesslog import AccessLog
 from narwhal.request.admission import CHAT, COMPLETIONS, check_api_key
 from narwhal.request.ids import client_request_id
 from narwhal.request.outcomes import Outcomes
+from narwhal.request.passthrough import ROUTES as PASSTHROUGH_ROUTES
 from narwhal.request.router import Router, error_response
 from narwhal.settings import Settings, current_or_load
 from narwhal.shm.local import LocalFleetState
@@ -121,6 +122,16 @@ async def _completions(request: web.Request) -> web.StreamResponse:
 
 async def _chat(request: web.Request) -> web.StreamResponse:
     return await request.app[ROUTER].handle(request, CHAT)
+
+
+def _add_passthrough_routes(app: web.Application) -> None:
+    """SPEC §2.1: each route to one engine serving the model (``narwhal.request.passthrough``)."""
+    for path in PASSTHROUGH_ROUTES:
+
+        async def passthrough(request: web.Request, path: str = path) -> web.StreamResponse:
+            return await request.app[ROUTER].handle(request, path)
+
+        app.router.add_post(path, passthrough)
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -263,6 +274,7 @@ def build_app(settings: Settings) -> web.Application:
     app.router.add_post(COMPLETIONS, _completions)
     app.router.add_post(CHAT, _chat)
     app.router.add_get("/v1/models", _models)
+    _add_passthrough_routes(app)
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
     app.router.add_get("/version", _version)

@@ -37,6 +37,7 @@ class AccessRecord:
     total_s: float | None = None
     reason: str | None = None
     stream: bool | None = None
+    mode: str | None = None  # how it was served ("passthrough": one engine, no P/D)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -53,6 +54,7 @@ class AccessRecord:
             "first_byte_s": _round(self.first_byte_s),
             "total_s": _round(self.total_s),
             "reason": self.reason,
+            "mode": self.mode,
         }
 
 

@@ -38,6 +38,8 @@ from narwhal.request.attempt import Attempts
 from narwhal.request.client_stream import ClientStream
 from narwhal.request.ids import client_request_id
 from narwhal.request.outcomes import Outcomes
+from narwhal.request.passthrough import PATHS as PASSTHROUGH_PATHS
+from narwhal.request.passthrough import Passthrough
 from narwhal.settings import Settings
 
 log = logging.getLogger("narwhal.request.router")
@@ -80,6 +82,7 @@ class Router:
         self.access_log = access_log
         self._background: set[asyncio.Task[Any]] = set()
         self.attempts = Attempts(settings, placement, client, outcomes, self._spawn)
+        self.passthrough = Passthrough(settings, fleet, placement, client, outcomes)
         self._active: set[asyncio.Task[Any] | None] = set()  # client requests being handled
         self._stopping = False
         self._drain_timer: asyncio.Future[None] | None = None
@@ -94,9 +97,13 @@ class Router:
         task = asyncio.current_task()
         self._active.add(task)
         try:
-            req = await admit(request, endpoint, self.settings, self.fleet, arrival)
-            rec.model, rec.stream = req.model, req.stream
-            response = await self._serve(client, req, rec, started)
+            response: web.StreamResponse
+            if endpoint in PASSTHROUGH_PATHS:
+                response = await self.passthrough.serve(request, endpoint, rec, arrival, started)
+            else:
+                req = await admit(request, endpoint, self.settings, self.fleet, arrival)
+                rec.model, rec.stream = req.model, req.stream
+                response = await self._serve(client, req, rec, started)
             rec.status = response.status
             return response
         except NarwhalError as exc:

@@ -9,6 +9,7 @@ from typing import Any
 
 import orjson
 import pytest
+from aiohttp import web
 
 from narwhal.engines.client import EngineClient
 from narwhal.engines.connector import PrefillResult
@@ -171,3 +172,63 @@ async def test_a_cancelled_prefill_hands_its_rest_to_on_abandon(
     assert p.kv.held_blocks == 10
     assert await client.release(result, Ref(d), body) is True
     assert p.kv.held_blocks == 0
+
+
+async def test_passthrough_returns_status_body_and_content_type(
+    engines: tuple[FakeEngine, FakeEngine], client: EngineClient
+) -> None:
+    _, d = engines
+    status, data, content_type = await client.passthrough(
+        Ref(d), "/tokenize", {"prompt": "a b"}, request_id="rid-pt", phase="decode"
+    )
+    assert (status, content_type) == (200, "application/json")
+    assert orjson.loads(data)["count"] == 2
+    (rec,) = d.get_records()
+    assert rec["path"] == "/tokenize" and rec["headers"]["x-request-id"] == "rid-pt"
+
+
+async def test_passthrough_relays_the_engines_own_status_and_content_type(
+    aiohttp_server: Any, client: EngineClient
+) -> None:
+    async def pooling(request: web.Request) -> web.Response:
+        return web.Response(status=201, text="plain", content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_post("/pooling", pooling)
+    server = await aiohttp_server(app)
+
+    class Plain:
+        name, url = "x0", str(server.make_url("")).rstrip("/")
+
+    answer = await client.passthrough(Plain(), "/pooling", {}, request_id="r", phase="decode")
+    assert answer == (201, b"plain", "text/plain; charset=utf-8")
+
+
+async def test_passthrough_failures_take_the_leg_reasons(
+    engines: tuple[FakeEngine, FakeEngine], client: EngineClient
+) -> None:
+    p, d = engines
+
+    async def fail(fault: dict[str, Any], deadline: float | None = None) -> Exception:
+        body = {"prompt": "x", "narwhal_fake": {"passthrough": fault}}
+        with pytest.raises((EngineError, DeadlineExceeded)) as caught:
+            await client.passthrough(Ref(p), "/tokenize", body, request_id="r", phase="prefill", deadline=deadline)
+        return caught.value
+
+    error = await fail({"status": 429, "message": "slow down"})
+    assert isinstance(error, EngineClientError)
+    assert (error.status, error.message, error.counts) == (429, "slow down", False)
+    error = await fail({"status": 500})
+    assert isinstance(error, EngineError)
+    assert (error.reason, error.status, error.phase) == ("engine_5xx", 502, "prefill")
+    error = await fail({"reset": True})
+    assert isinstance(error, EngineError) and error.reason == "engine_unreachable"
+    error = await fail({"delay_headers_s": 3})  # first_token_timeout_s = 1
+    assert isinstance(error, EngineError) and (error.reason, error.status) == ("first_token_timeout", 504)
+    assert error.message == "engine p0 sent no answer within 1s"
+    error = await fail({"delay_headers_s": 3}, deadline=asyncio.get_running_loop().time() + 0.2)
+    assert isinstance(error, DeadlineExceeded)
+    await d.stop()
+    with pytest.raises(EngineError) as caught:
+        await client.passthrough(Ref(d), "/tokenize", {"prompt": "x"}, request_id="r", phase="decode")
+    assert (caught.value.reason, caught.value.message) == ("engine_unreachable", "engine d0 is unreachable (decode)")

@@ -1,0 +1,152 @@
+"""Choosing the one engine a passthrough request goes to, and holding its slot (SPEC §2.1).
+
+``/tokenize``, ``/v1/embeddings``, ``/score``, ``/rerank`` … need no prefill and no handoff: one
+engine that serves the model answers them. Which one, and why:
+
+* **consumers first.** An engine that can decode (role ``consumer`` or ``both``) is taken
+  before a producer: producers' time is the fleet's prefill capacity, which every P/D request
+  waits on. A producer gets a passthrough request only when no consumer serving the model can
+  take it now (out, quarantined, or at its cap).
+* **least loaded** within a tier, by the fleet-wide in-flight count of the phase the engine
+  serves in (decode for an engine that can decode, prefill for a producer), ties at random.
+  :func:`choose` is that rule alone, over counts it is given, so a load that adds what the
+  engines report (SPEC §3.2) slots in as another argument.
+* **a slot while it runs.** The request holds one in-flight slot of that same phase
+  (:class:`EngineSlot`), so placement of P/D pairs and the next passthrough see it, and
+  ``max_inflight_decode`` / ``max_inflight_prefill`` bound it like any leg; released once,
+  however the request ends.
+* admission as placement's (:mod:`narwhal.fleet.placement`): engines out (ejected, probing,
+  draining) never; quarantined ones only when no other can take it, the one whose quarantine
+  ends first first. Waiting for a free slot is bounded by ``placement.queue_timeout_s`` and the
+  deadline, at most ``placement.max_queue`` waiting; then 503 ``no_engine``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable, Sequence
+
+from narwhal.errors import PlacementError
+from narwhal.fleet.placement import PhaseName, Placement
+from narwhal.fleet.roster import Engine
+
+_POLL_S = 0.05  # slots freed by other workers wake no waiter here: look again this often
+
+
+def serving_phase(engine: Engine) -> PhaseName:
+    """The phase whose slot a passthrough request holds on ``engine`` (and whose streak it moves)."""
+    return "decode" if engine.can_decode else "prefill"
+
+
+def _has_room(engine: Engine, prefills: Sequence[int], decodes: Sequence[int]) -> bool:
+    if engine.can_decode:
+        cap, held = engine.max_inflight_decode, decodes[engine.index]
+    else:
+        cap, held = engine.max_inflight_prefill, prefills[engine.index]
+    return cap is None or held < cap
+
+
+def choose(
+    engines: Sequence[Engine],
+    usable: Callable[[Engine], bool],
+    prefills: Sequence[int],
+    decodes: Sequence[int],
+    rng: random.Random,
+    rank: Callable[[Engine], float] | None = None,
+) -> list[Engine]:
+    """The engines to try, best first: usable ones with room, consumers before producers, each
+    tier by ``rank`` (quarantine left, when given) then in-flight count of its phase, ties at
+    random. Pure: counts are indexed by ``Engine.index``."""
+    ordered: list[Engine] = []
+    for consumers in (True, False):
+        tier = [e for e in engines if e.can_decode is consumers and usable(e) and _has_room(e, prefills, decodes)]
+        rng.shuffle(tier)  # random tie-break under the stable sort
+
+        def load(e: Engine) -> tuple[float, int]:
+            return (rank(e) if rank is not None else 0.0, decodes[e.index] if e.can_decode else prefills[e.index])
+
+        tier.sort(key=load)
+        ordered.extend(tier)
+    return ordered
+
+
+class EngineSlot:
+    """The one in-flight slot a passthrough request holds; released exactly once."""
+
+    __slots__ = ("engine", "phase", "_placement", "_held")
+
+    def __init__(self, placement: Placement, engine: Engine, phase: PhaseName) -> None:
+        self.engine = engine
+        self.phase = phase
+        self._placement = placement
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._placement._release(self.engine, self.phase)  # wakes pair waiters too
+
+
+class SingleEngine:
+    """Reserve one engine for a passthrough request, over the placement's view and counts."""
+
+    def __init__(self, placement: Placement, rng: random.Random | None = None) -> None:
+        self.placement = placement
+        self._rng = rng or random.Random()
+        self.waiting = 0
+        self._by_model: dict[str, tuple[Engine, ...]] = {}
+        self._version = -1
+
+    def _serving(self, model: str) -> tuple[Engine, ...]:
+        fleet = self.placement.fleet
+        if self._version != fleet.version:
+            self._by_model.clear()
+            self._version = fleet.version
+        found = self._by_model.get(model)
+        if found is None:
+            found = self._by_model[model] = tuple(e for e in fleet.engines if model in e.models)
+        return found
+
+    def try_reserve(self, model: str) -> EngineSlot | None:
+        placement, view = self.placement, self.placement.view
+        engines = self._serving(model)
+        prefills, decodes = placement.inflight.both_totals()
+        order = choose(engines, view.admitted, prefills, decodes, self._rng)
+        if not order and view.any_quarantined():
+            left = {e.index: view.quarantine_left(e) for e in engines}
+            order = choose(engines, view.placeable, prefills, decodes, self._rng, lambda e: left[e.index])
+        for engine in order:
+            phase = serving_phase(engine)
+            cap = engine.max_inflight_decode if phase == "decode" else engine.max_inflight_prefill
+            if placement.inflight.try_reserve(engine, phase, cap):
+                return EngineSlot(placement, engine, phase)
+        return None
+
+    async def reserve(self, model: str, deadline: float) -> EngineSlot:
+        """A slot now, or after a bounded wait; ``no_engine`` when none frees in time."""
+        found = self.try_reserve(model)
+        if found is not None:
+            return found
+        settings = self.placement.settings
+        retry_after = settings.retry_after_s
+        if not any(self.placement.view.placeable(e) for e in self._serving(model)):
+            raise PlacementError(
+                f"no engine available for model {model!r}: every engine serving it is out", retry_after_s=retry_after
+            )
+        if self.waiting >= settings.max_queue:
+            raise PlacementError("no engine available: the wait queue is full", retry_after_s=retry_after)
+        loop = asyncio.get_running_loop()
+        give_up = min(loop.time() + settings.queue_timeout_s, deadline)
+        self.waiting += 1
+        try:
+            while (remaining := give_up - loop.time()) > 0:
+                await asyncio.sleep(min(remaining, _POLL_S))
+                found = self.try_reserve(model)
+                if found is not None:
+                    return found
+        finally:
+            self.waiting -= 1
+        raise PlacementError(
+            f"no engine available for model {model!r}: all reservations are in use", retry_after_s=retry_after
+        )

@@ -1,0 +1,119 @@
+"""The passthrough routes: one request to one engine, its answer relayed (SPEC §2, §2.1).
+
+``/tokenize``, ``/detokenize``, ``/v1/embeddings``, ``/pooling``, ``/score``, ``/v1/score``,
+``/rerank`` and ``/v1/rerank`` have no prefill/decode split: the router admits the request as it
+admits every other (client key, deadline, body read once and parsed once, 4xx in OpenAI's
+shape), picks one engine serving the model (:mod:`narwhal.fleet.passthrough`: consumers first,
+least loaded, a slot held while it runs), sends it the body re-encoded from the parsed dict with
+no ``kv_transfer_params``, and relays the engine's 2xx answer — status, bytes and content type
+— untouched. Engine errors take the §2 mapping (``narwhal.engines.failures``); failures that
+count go to the engine's breaker through :class:`narwhal.request.outcomes.Outcomes`, as a leg's
+do, charged in the role the engine served in. A success resets no streak: an answered
+``/tokenize`` proves no more about decoding than a passed health check.
+
+No retries: the SPEC sends these to *one* engine, and each is cheap for a client to repeat.
+The router (``narwhal.request.router``) owns what every request shares: the access-log line
+(``mode: "passthrough"``), ``narwhal_requests_total``, ``x-request-id``, client disconnects and
+the graceful drain.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from narwhal.engines.client import EngineClient
+from narwhal.errors import EngineError, RequestError
+from narwhal.fleet import Fleet
+from narwhal.fleet.passthrough import SingleEngine
+from narwhal.fleet.placement import Placement
+from narwhal.request.accesslog import AccessRecord
+from narwhal.request.admission import FORWARDED_HEADERS, check_api_key, read_body, request_deadline
+from narwhal.request.ids import new_id
+from narwhal.request.outcomes import Outcomes
+from narwhal.settings import Settings
+
+ROUTES = (
+    "/tokenize",
+    "/detokenize",
+    "/v1/embeddings",
+    "/pooling",
+    "/score",
+    "/v1/score",
+    "/rerank",
+    "/v1/rerank",
+)
+PATHS = frozenset(ROUTES)  # the router's per-request test: one hash lookup
+MODE = "passthrough"  # the access log's "mode" for these routes
+
+
+def parse_body(raw: bytes, fleet: Fleet) -> tuple[dict[str, Any], str]:
+    """The body as a dict (client ``kv_transfer_params`` removed) and the model it is for.
+
+    Only ``model`` is the router's business; every other field is the engine's to validate."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise RequestError(f"invalid JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    body.pop("kv_transfer_params", None)
+    model = body.get("model")
+    if model is None:
+        served = fleet.served_models
+        if len(served) != 1:
+            raise RequestError("'model' is required")
+        model = next(iter(served))
+    elif not isinstance(model, str):
+        raise RequestError("'model' must be a string")
+    if not fleet.serves(model):
+        raise RequestError(f"The model `{model}` does not exist.", reason="model_not_found")
+    return body, model
+
+
+class Passthrough:
+    def __init__(
+        self, settings: Settings, fleet: Fleet, placement: Placement, client: EngineClient, outcomes: Outcomes
+    ) -> None:
+        self.settings = settings
+        self.fleet = fleet
+        self.client = client
+        self.outcomes = outcomes
+        self.engines = SingleEngine(placement)
+
+    async def serve(
+        self, request: web.Request, endpoint: str, rec: AccessRecord, arrival: float, started: float
+    ) -> web.Response:
+        """Admit, reserve one engine, send, relay; ``arrival`` in loop time, ``started`` in
+        ``perf_counter`` time. Raises ``NarwhalError`` for the router to answer."""
+        rec.mode = MODE
+        settings = self.settings
+        check_api_key(request, settings.server.api_keys)
+        deadline = request_deadline(request, settings, arrival)
+        body, model = parse_body(await read_body(request, settings), self.fleet)
+        rec.model = model
+        slot = await self.engines.reserve(model, deadline)
+        engine = slot.engine
+        rec.attempts = 1
+        if slot.phase == "decode":
+            rec.consumer = engine.name
+        else:
+            rec.producer = engine.name
+        forward = {h: v for h in FORWARDED_HEADERS if (v := request.headers.get(h)) is not None}
+        try:
+            status, data, content_type = await self.client.passthrough(
+                engine, endpoint, body, request_id=new_id(), phase=slot.phase, deadline=deadline, headers=forward
+            )
+        except EngineError as exc:
+            # The request was sent to this engine alone: whatever failed failed there.
+            self.outcomes.failure(engine, engine, exc, before_first_token=True)
+            raise
+        finally:
+            slot.release()
+        rec.first_byte_s = time.perf_counter() - started
+        return web.Response(
+            status=status, body=data, headers={"Content-Type": content_type, "x-request-id": rec.request_id}
+        )
