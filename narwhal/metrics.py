@@ -63,6 +63,20 @@ STREAM_ABORTED = Counter(
     "narwhal_stream_aborted_total", "Client streams ended after HTTP 200 without [DONE]", ["reason"]
 )
 CLIENT_DISCONNECTS = Counter("narwhal_client_disconnects_total", "Clients that went away before the end")
+# SPEC §3.2: how pairs were chosen, and what the producers' prefix caches saved.
+LOCAL_DECODES = Counter(
+    "narwhal_local_decodes_total", "Attempts decoded on a consumer alone, without a remote prefill (short prompts)"
+)
+PREFILL_TOKENS = Counter(
+    "narwhal_prefill_tokens_total",
+    "Prompt tokens of prefills that reported cached_tokens: served from the prefix cache, or computed",
+    ["kind"],
+)
+PLACEMENTS = Counter(
+    "narwhal_placements_total",
+    "Producers chosen, by why: affinity, affinity_overflow, least_loaded, saturated",
+    ["producer_choice"],
+)
 
 # Written by the supervisor (the only process that knows breaker state).
 ENGINE_STATE = Gauge(
@@ -92,6 +106,25 @@ def requests_child(endpoint: str, code: int) -> Any:
 @functools.lru_cache(maxsize=128)
 def attempts_child(outcome: str) -> Any:
     return ATTEMPTS.labels(outcome)
+
+
+@functools.lru_cache(maxsize=16)
+def placements_child(choice: str) -> Any:
+    return PLACEMENTS.labels(choice)
+
+
+def count_prefill_tokens(prompt_tokens: int | None, cached_tokens: int | None) -> None:
+    """A prefill's tokens into ``narwhal_prefill_tokens_total``: only when the engine said how
+    many were cached (without ``--enable-prompt-tokens-details`` it says nothing, and counting
+    every token as computed would show a hit rate of zero that nobody measured)."""
+    if prompt_tokens is None or cached_tokens is None:
+        return
+    _PREFILL_CACHED.inc(cached_tokens)
+    _PREFILL_COMPUTED.inc(max(prompt_tokens - cached_tokens, 0))
+
+
+_PREFILL_CACHED = PREFILL_TOKENS.labels("cached")
+_PREFILL_COMPUTED = PREFILL_TOKENS.labels("computed")
 
 
 def publish_build_info(version: str, engine_version: str) -> None:

@@ -12,6 +12,8 @@ the package and the request path below it has no import cycle.
 
 from __future__ import annotations
 
+import asyncio
+
 import orjson
 from aiohttp import web
 
@@ -60,7 +62,7 @@ def add_routes(app: web.Application, engine: EngineState) -> None:
         return json_response({"server_load": engine.active_requests})
 
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(text=render_metrics(engine), content_type="text/plain")
+        return await metrics_answer(engine)
 
     async def stats(request: web.Request) -> web.Response:
         return json_response(engine.stats())
@@ -82,6 +84,17 @@ def add_routes(app: web.Application, engine: EngineState) -> None:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/fake/stats", stats)
     app.router.add_post("/fake/kv/read", kv_read)
+
+
+async def metrics_answer(engine: EngineState) -> web.Response:
+    """``/metrics``, or its fault: ``hang`` answers only after the reader gave up (10 s: long
+    for any load reader, short enough not to pile up handlers), ``garbage`` is not Prometheus."""
+    fault = engine.faults.metrics
+    if fault == "hang":
+        await asyncio.sleep(10)
+    if fault == "garbage":
+        return web.Response(text="<html>502</html>\nvllm:num_requests_running{", content_type="text/html")
+    return web.Response(text=render_metrics(engine), content_type="text/plain")
 
 
 def render_metrics(engine: EngineState) -> str:

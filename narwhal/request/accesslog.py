@@ -37,6 +37,9 @@ class AccessRecord:
     total_s: float | None = None
     reason: str | None = None
     stream: bool | None = None
+    mode: str | None = None  # "disaggregated", "same_worker" or "local" (SPEC §3.2); None: never placed
+    prompt_tokens: int | None = None  # of the prefill, as the producer reported them
+    cached_tokens: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -53,6 +56,9 @@ class AccessRecord:
             "first_byte_s": _round(self.first_byte_s),
             "total_s": _round(self.total_s),
             "reason": self.reason,
+            "mode": self.mode,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
         }
 
 
