@@ -134,24 +134,29 @@ def _start(name: str, spec: Setup, out_dir: Path, workers: int, peer: str | None
     return run
 
 
-# vllm-router's PD mode with several engines; cache_aware is its prefix-affinity policy.
+# vllm-router's PD mode over every engine; its prefill policies that aim at the prefix cache are
+# cache_aware (approximate radix tree of what it sent where) and consistent_hash.
 PEER_MULTI = (
     "vllm-router --vllm-pd-disaggregation {prefills} {decodes} --host 127.0.0.1 --port {port} "
-    "--prefill-policy cache_aware --decode-policy power_of_two --prometheus-port {free_port}"
+    "--prefill-policy {policy} --decode-policy power_of_two --prometheus-port {free_port}"
 )
+PEER_POLICIES = ("cache_aware", "consistent_hash")
 
 
 def _start_peer(run: _Running, name: str, template: str, out_dir: Path) -> None:
-    """``--peer vllm-router`` beside the variants, on its best P/D prefill policy; others: skipped."""
+    """``--peer vllm-router`` beside the variants, once per prefill policy (the report takes the
+    best); another peer command cannot address six engines, so it is not run here."""
     if template.strip() != "vllm-router":
         return
     prefills = " ".join(f"--prefill {u}" for u in run.producers.engines.values())
     decodes = " ".join(f"--decode {u}" for u in run.consumers.engines.values())
-    command = PEER_MULTI.replace("{prefills}", prefills).replace("{decodes}", decodes)
-    peer = Peer(command, "", "", out_dir / f"peer-{name}.log")
-    run.peers.append(peer)
-    peer.wait_serving()
-    run.targets["peer"] = Target("peer", "peer", peer.url, [peer.proc.pid], peer.alive, {"command": peer.command})
+    for policy in PEER_POLICIES:
+        command = PEER_MULTI.replace("{prefills}", prefills).replace("{decodes}", decodes)
+        peer = Peer(command.replace("{policy}", policy), "", "", out_dir / f"peer-{name}-{policy}.log")
+        run.peers.append(peer)
+        peer.wait_serving()
+        label = f"peer-{policy}"
+        run.targets[label] = Target(label, "peer", peer.url, [peer.proc.pid], peer.alive, {"command": peer.command})
 
 
 def _producer_cache(fleet: FakeFleet) -> tuple[int, int]:

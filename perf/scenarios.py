@@ -144,7 +144,8 @@ def placement_scenarios(quick: bool) -> list[Scenario]:
     return [
         Scenario(
             "prefix_mix", "shared long system prompts, multi-turn chats: affinity on/off", kind="placement",
-            concurrency=c, targets=("affinity", "no-affinity", "peer"), warmup_s=warmup,
+            concurrency=c, warmup_s=warmup,
+            targets=("affinity", "no-affinity", "peer-cache_aware", "peer-consistent_hash"),
         ),
         Scenario(
             "busy_elsewhere", "a consumer busy behind the router's back: reported load on/off", kind="placement",

@@ -60,7 +60,11 @@ def test_placement_targets_are_ratios_between_variants_of_one_run() -> None:
     rows = {t: (figure, verdict) for t, figure, _, verdict in targets(results)}
     assert rows["prefix_mix: cached share with affinity"] == ("0.900 (without: 0.300)", "PASS")
     assert rows["prefix_mix: TTFB p50, affinity ÷ none"] == ("0.333", "PASS")
-    assert rows["prefix_mix: TTFB p50, affinity ÷ peer"] == ("—", "n/a")  # no peer ran
+    assert rows["prefix_mix: TTFB p50, affinity ÷ peer (its best)"] == ("—", "n/a")  # no peer ran
+    results["prefix_mix"]["targets"]["peer-cache_aware"] = _stats(80.0, 20, 50)
+    results["prefix_mix"]["targets"]["peer-consistent_hash"] = _stats(80.0, 12.5, 50)
+    rows = {t: (figure, verdict) for t, figure, _, verdict in targets(results)}
+    assert rows["prefix_mix: TTFB p50, affinity ÷ peer-consistent_hash (its best)"] == ("0.800", "PASS")
     assert rows["busy_elsewhere: TTFB p99, load on ÷ off"] == ("0.600", "FAIL")
     assert rows["local_short: router CPU, local ÷ disaggregated"] == ("0.600", "PASS")
     assert rows["local_short: TTFB p50, local ÷ disaggregated"] == ("0.800", "PASS")
