@@ -69,7 +69,7 @@ LOCAL_DECODES = Counter(
 )
 PREFILL_TOKENS = Counter(
     "narwhal_prefill_tokens_total",
-    "Prompt tokens of prefills that reported cached_tokens: served from the prefix cache, or computed",
+    "Prompt tokens of prefills: served from the producer's prefix cache (cached) or computed",
     ["kind"],
 )
 PLACEMENTS = Counter(
@@ -114,13 +114,16 @@ def placements_child(choice: str) -> Any:
 
 
 def count_prefill_tokens(prompt_tokens: int | None, cached_tokens: int | None) -> None:
-    """A prefill's tokens into ``narwhal_prefill_tokens_total``: only when the engine said how
-    many were cached (without ``--enable-prompt-tokens-details`` it says nothing, and counting
-    every token as computed would show a hit rate of zero that nobody measured)."""
-    if prompt_tokens is None or cached_tokens is None:
+    """A prefill's tokens into ``narwhal_prefill_tokens_total``. Absent ``cached_tokens`` counts
+    as none cached: vLLM (with ``--enable-prompt-tokens-details``) leaves the details out of a
+    prefill that hit nothing, so skipping those would hide every miss. Without that flag every
+    token counts as computed: the panel's hit rate of 0 says "turn it on", not "no hits"."""
+    if prompt_tokens is None:
         return
-    _PREFILL_CACHED.inc(cached_tokens)
-    _PREFILL_COMPUTED.inc(max(prompt_tokens - cached_tokens, 0))
+    cached = cached_tokens or 0
+    if cached:
+        _PREFILL_CACHED.inc(cached)
+    _PREFILL_COMPUTED.inc(max(prompt_tokens - cached, 0))
 
 
 _PREFILL_CACHED = PREFILL_TOKENS.labels("cached")
