@@ -152,7 +152,9 @@ class Placement:
         self, candidates: list[Candidate], load: Callable[[Candidate], Any], key: int | None, loads: Loads | None
     ) -> tuple[list[Candidate], Callable[[int, Engine], str]]:
         """The producers in the order to try them, and the ``producer_choice`` of each."""
-        if least_loaded.all_saturated([c[0].index for c in candidates], loads):
+        if loads is not None and loads.any_saturated and least_loaded.all_saturated(
+            [c[0].index for c in candidates], loads
+        ):
             return least_loaded.order(candidates, load, _producer_index, None, self._rng), _saturated
         if key is None or len(candidates) < 2 or not self.settings.prefix_affinity:
             ordered = least_loaded.order(candidates, load, _producer_index, loads, self._rng)
