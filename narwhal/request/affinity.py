@@ -1,7 +1,7 @@
 """What placement learns from the prompt at admission: the affinity key and local decode (SPEC §3.2).
 
 The prompt text as the engine would see it, from the parsed body, in one place: an extractor
-per endpoint yields the text's pieces in order (completions: ``prompt`` — a string, the first
+per endpoint returns the text from its start (completions: ``prompt`` — a string, the first
 of a list of strings, or token ids as decimal text; chat: each message's role and text
 content). Other endpoints add their extractor to :data:`EXTRACTORS` beside these
 (responses: ``instructions`` + ``input``; messages: ``system`` + ``messages``; generate: the
@@ -19,14 +19,15 @@ Invariants, and why:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from narwhal.fleet.placement.affinity import key_hash
 from narwhal.request.admission import CHAT, COMPLETIONS
 from narwhal.settings import PlacementSettings
 
-Extractor = Callable[[dict[str, Any], int], Iterator[str]]
+# The prompt text from its start, at least ``limit`` characters of it when it has that many.
+Extractor = Callable[[dict[str, Any], int], str]
 
 
 def _ids_text(ids: list[Any], limit: int) -> str:
@@ -34,35 +35,40 @@ def _ids_text(ids: list[Any], limit: int) -> str:
     return " ".join(map(str, ids[:limit]))
 
 
-def _completions(body: dict[str, Any], limit: int) -> Iterator[str]:
+def _completions(body: dict[str, Any], limit: int) -> str:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        yield prompt
-    elif isinstance(prompt, list) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt:
         first = prompt[0]
         if isinstance(first, str):
-            yield first
-        elif isinstance(first, list):
-            yield _ids_text(first, limit)
-        else:
-            yield _ids_text(prompt, limit)
+            return first
+        return _ids_text(first if isinstance(first, list) else prompt, limit)
+    return ""
 
 
-def _message_text(content: Any) -> Iterator[str]:
+def _message_text(content: Any) -> str:
     if isinstance(content, str):
-        yield content
-    elif isinstance(content, list):  # content parts: only the text ones are prompt text
-        for part in content:
-            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-                yield part["text"]
+        return content
+    if isinstance(content, list):  # content parts: only the text ones are prompt text
+        return "".join(
+            part["text"] for part in content
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+        )
+    return ""
 
 
-def _chat(body: dict[str, Any], limit: int) -> Iterator[str]:
+def _chat(body: dict[str, Any], limit: int) -> str:
+    parts: list[str] = []
+    size = 0
     for message in body.get("messages") or ():
         role = message.get("role")
-        yield f"{role if isinstance(role, str) else ''}\n"
-        yield from _message_text(message.get("content"))
-        yield "\n"
+        piece = f"{role if isinstance(role, str) else ''}\n{_message_text(message.get('content'))[:limit]}\n"
+        parts.append(piece)
+        size += len(piece)
+        if size >= limit:
+            break
+    return "".join(parts)
 
 
 EXTRACTORS: dict[str, Extractor] = {COMPLETIONS: _completions, CHAT: _chat}
@@ -72,16 +78,7 @@ def prompt_head(endpoint: str, body: dict[str, Any], limit: int) -> str | None:
     """The first ``limit`` characters of the prompt text (all of it if shorter); None when the
     endpoint has no extractor."""
     extract = EXTRACTORS.get(endpoint)
-    if extract is None:
-        return None
-    parts: list[str] = []
-    size = 0
-    for piece in extract(body, limit):
-        parts.append(piece)
-        size += len(piece)
-        if size >= limit:
-            break
-    return "".join(parts)[:limit]
+    return None if extract is None else extract(body, limit)[:limit]
 
 
 def placement_hints(endpoint: str, body: dict[str, Any], settings: PlacementSettings) -> tuple[int | None, bool]:

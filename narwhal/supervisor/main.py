@@ -54,6 +54,7 @@ from narwhal.supervisor.probes import Prober
 
 log = logging.getLogger("narwhal.supervisor")
 
+_LOAD_READ_STATES = frozenset({State.ADMITTED, State.DEGRADED, State.QUARANTINED})
 LOOP_S = 0.02  # ejections reach every worker within one loop: ~20 ms, against SPEC's 100 ms
 SWEEP_S = 0.25
 EXPORT_S = 1.0
@@ -136,6 +137,10 @@ class Supervisor:
 
     def admitted(self, engine: Engine) -> bool:
         return self.breakers.admitted(engine.name, time.monotonic())
+
+    def _placeable(self, engine: Engine) -> bool:
+        """Admitted or quarantined (placement's fallback, SPEC §5): whose load placement may weigh."""
+        return self.breakers.status(engine.name).state in _LOAD_READ_STATES
 
     # -- reports ----------------------------------------------------------------------------------
 
@@ -247,7 +252,7 @@ class Supervisor:
                             self._spawn(self._health(prober, engine))
                 if load_every > 0 and now >= next_load:
                     next_load = now + load_every
-                    loads.start_round(e for e in self.fleet.engines if self.breakers.admitted(e.name, now))
+                    loads.start_round(e for e in self.fleet.engines if self._placeable(e))
                 if now >= next_sweep:
                     next_sweep = now + SWEEP_S
                     self.sweep()

@@ -58,6 +58,16 @@ def router(cache_fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> 
     proc.stop()
 
 
+@pytest.fixture(scope="module")
+def second_router(cache_fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
+    """Another replica in front of the same fleet, sharing nothing with the first."""
+    engines: list[dict[str, Any]] = [{"name": n, "role": "producer"} for n in PRODUCERS]
+    engines += [{"name": n, "role": "consumer"} for n in CONSUMERS]
+    proc = start_router(cache_fleet, engines, tmp_path_factory.mktemp("replica"), server={"workers": 1})
+    yield proc
+    proc.stop()
+
+
 def _tag() -> str:
     return uuid.uuid4().hex
 
@@ -124,6 +134,20 @@ async def test_same_prefix_requests_from_two_workers_reach_one_producer(
             before, "narwhal_placements_total", producer_choice="affinity")
 
     assert settled(affinity_delta, 12.0) == 12.0
+
+
+async def test_two_router_replicas_send_a_prefix_to_the_same_producer(
+    cache_fleet: FakeFleet, router: RouterProcess, second_router: RouterProcess
+) -> None:
+    for n in range(4):
+        tag = _tag()
+        prompt = f"{tag} " + f"system prompt {n} shared by every replica's users. " * 25 + "question"
+        chosen = []
+        for replica in (router, second_router):
+            reply = await send(replica.url, "/v1/completions", completion(prompt, stream=False))
+            assert reply.status == 200, reply.raw
+            chosen.append({p for p in PRODUCERS if _records(cache_fleet, p, tag)})
+        assert len(chosen[0]) == 1 and chosen[1] == chosen[0], chosen
 
 
 async def test_a_consumer_busy_behind_the_routers_back_is_avoided(

@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 import pytest
 
-from narwhal.engines.client import EngineClient
+from narwhal.engines.client import EngineClient, _prefill_result
 from narwhal.engines.connector import PrefillResult
 from narwhal.errors import DeadlineExceeded, EngineClientError, EngineError
 from narwhal.fake_engine import FakeEngine
@@ -171,3 +171,22 @@ async def test_a_cancelled_prefill_hands_its_rest_to_on_abandon(
     assert p.kv.held_blocks == 10
     assert await client.release(result, Ref(d), body) is True
     assert p.kv.held_blocks == 0
+
+
+@pytest.mark.parametrize(
+    ("usage", "expected"),
+    [
+        ({"prompt_tokens": 300, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 256}}, (300, 256)),
+        ({"prompt_tokens": 300, "completion_tokens": 1}, (300, None)),  # a miss: vLLM sends no details
+        ({"prompt_tokens": 300, "prompt_tokens_details": None}, (300, None)),
+        ({"prompt_tokens": "300", "prompt_tokens_details": {"cached_tokens": True}}, (None, None)),
+        (None, (None, None)),
+    ],
+)
+def test_the_prefills_prompt_and_cached_tokens_are_read(usage: Any, expected: tuple[Any, Any]) -> None:
+    for crossed in (True, False):
+        result = PrefillResult("p0", "http://p0", "/v1/completions", "r", None, crossed=crossed)
+        body = orjson.dumps({"choices": [], "usage": usage, "kv_transfer_params": {"remote_engine_id": "e"}})
+        _prefill_result(result, 200, body)
+        assert (result.prompt_tokens, result.cached_tokens) == expected
+        assert result.descriptor == ({"remote_engine_id": "e"} if crossed else None)
