@@ -156,7 +156,9 @@ class Placement:
             [c[0].index for c in candidates], loads
         ):
             return least_loaded.order(candidates, load, _producer_index, None, self._rng), _saturated
-        if key is None or len(candidates) < 2 or not self.settings.prefix_affinity:
+        if not self.settings.prefix_affinity:
+            key = None
+        if key is None or len(candidates) < 2:  # one candidate: it is the key's favourite
             ordered = least_loaded.order(candidates, load, _producer_index, loads, self._rng)
             return ordered, (_least_loaded if key is None else _affinity)
         if loads is not None and loads.any_saturated:

@@ -172,6 +172,7 @@ def test_affinity_off_ignores_the_key() -> None:
     for _ in range(60):
         found = _place(placement, KEY)
         chosen[found.producer.name] += 1
+        assert found.choice == "least_loaded"
         found.release()
     assert set(chosen) == set(PRODUCERS)
 
