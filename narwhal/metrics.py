@@ -63,6 +63,20 @@ STREAM_ABORTED = Counter(
     "narwhal_stream_aborted_total", "Client streams ended after HTTP 200 without [DONE]", ["reason"]
 )
 CLIENT_DISCONNECTS = Counter("narwhal_client_disconnects_total", "Clients that went away before the end")
+# SPEC §3.2: how pairs were chosen, and what the producers' prefix caches saved.
+LOCAL_DECODES = Counter(
+    "narwhal_local_decodes_total", "Attempts decoded on a consumer alone, without a remote prefill (short prompts)"
+)
+PREFILL_TOKENS = Counter(
+    "narwhal_prefill_tokens_total",
+    "Prompt tokens of prefills: served from the producer's prefix cache (cached) or computed",
+    ["kind"],
+)
+PLACEMENTS = Counter(
+    "narwhal_placements_total",
+    "Producers chosen, by why: affinity, affinity_overflow, least_loaded, saturated",
+    ["producer_choice"],
+)
 
 # Written by the supervisor (the only process that knows breaker state).
 ENGINE_STATE = Gauge(
@@ -92,6 +106,28 @@ def requests_child(endpoint: str, code: int) -> Any:
 @functools.lru_cache(maxsize=128)
 def attempts_child(outcome: str) -> Any:
     return ATTEMPTS.labels(outcome)
+
+
+@functools.lru_cache(maxsize=16)
+def placements_child(choice: str) -> Any:
+    return PLACEMENTS.labels(choice)
+
+
+def count_prefill_tokens(prompt_tokens: int | None, cached_tokens: int | None) -> None:
+    """A prefill's tokens into ``narwhal_prefill_tokens_total``. Absent ``cached_tokens`` counts
+    as none cached: vLLM (with ``--enable-prompt-tokens-details``) leaves the details out of a
+    prefill that hit nothing, so skipping those would hide every miss. Without that flag every
+    token counts as computed: the panel's hit rate of 0 says "turn it on", not "no hits"."""
+    if prompt_tokens is None:
+        return
+    cached = cached_tokens or 0
+    if cached:
+        _PREFILL_CACHED.inc(cached)
+    _PREFILL_COMPUTED.inc(max(prompt_tokens - cached, 0))
+
+
+_PREFILL_CACHED = PREFILL_TOKENS.labels("cached")
+_PREFILL_COMPUTED = PREFILL_TOKENS.labels("computed")
 
 
 def publish_build_info(version: str, engine_version: str) -> None:

@@ -90,6 +90,23 @@ class PlacementSettings(_Section):
     queue_timeout_s: NonNegativeFloat = 5
     max_queue: Annotated[int, Field(ge=0)] = 1024
     retry_after_s: Annotated[int, Field(ge=0)] = 1
+    # SPEC §3.2: engine-reported load, prefix affinity, local decode.
+    load_interval_s: NonNegativeFloat = 0.1  # 0: engines' /metrics are never read
+    load_stale_s: PositiveFloat = 2
+    kv_saturated: Annotated[float, Field(gt=0, le=1)] = 0.95
+    prefix_affinity: bool = True
+    affinity_chars: Annotated[int, Field(ge=1, le=1 << 20)] = 1024
+    affinity_min_chars: Annotated[int, Field(ge=0)] = 64
+    affinity_load_factor: Annotated[float, Field(ge=1)] = 1.25
+    local_prefill_chars: Annotated[int, Field(ge=0)] = 0  # 0: never skip the remote prefill
+
+    @model_validator(mode="after")
+    def _affinity_fits(self) -> PlacementSettings:
+        if self.affinity_min_chars > self.affinity_chars:
+            raise ValueError("affinity_min_chars must not exceed affinity_chars")
+        if 0 < self.load_stale_s < self.load_interval_s:
+            raise ValueError("load_stale_s must be at least load_interval_s")
+        return self
 
 
 class PreflightSettings(_Section):

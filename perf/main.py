@@ -24,7 +24,16 @@ from perf import baseline, procs, report, report_plots
 from perf.interrupts import INTERRUPTS
 from perf.memory import run_memory
 from perf.notes import notes
-from perf.scenarios import Scenario, ScenarioResult, all_scenarios, ensure_targets, run_load, select
+from perf.placement import run_placement
+from perf.scenarios import (
+    Scenario,
+    ScenarioResult,
+    all_scenarios,
+    ensure_targets,
+    placement_scenarios,
+    run_load,
+    select,
+)
 from perf.stack import Stack, expand_peer
 from perf.summary import against_baseline, compare, recommend_workers, summarize
 
@@ -145,7 +154,7 @@ class Plan:
 def run(args: argparse.Namespace) -> int:
     """The phases of a run: plan, start the fleets and comparisons, run the scenarios, stop, report."""
     cores = os.cpu_count() or 1
-    chosen: list[Scenario] = select(all_scenarios(args.quick, cores), args.scenarios)
+    chosen: list[Scenario] = select(all_scenarios(args.quick, cores), args.scenarios, placement_scenarios(args.quick))
     started = time.strftime("%Y%m%d-%H%M%S")
     plan = _plan(args, cores, started)
     plan.out_dir.mkdir(parents=True, exist_ok=True)
@@ -315,8 +324,14 @@ def _run_one(
     runner: asyncio.Runner, stack: Stack, scenario: Scenario, plan: Plan, profile_dir: Path | None = None
 ) -> dict[str, Any]:
     _say(f"{scenario.name}: {scenario.title}")
-    targets = ensure_targets(stack, scenario)
     result = ScenarioResult(scenario)
+    if scenario.kind == "placement":
+        result.stats = run_placement(
+            runner, scenario, rounds=plan.rounds, duration_s=plan.duration, quick=plan.quick,
+            out_dir=plan.out_dir, workers=stack.workers, cores=plan.cores, peer=stack.peer_template,
+        )
+        return result.as_json()
+    targets = ensure_targets(stack, scenario)
     if scenario.kind == "memory":
         delay, tokens = (0.2, 10) if plan.quick else (0.5, 16)
         try:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from perf import placement_report
+
 COLORS = {"narwhal": "C0", "peer": "C1", "direct-pd": "C2", "aiohttp-floor": "C3", "direct": "C7"}
 # One line per target and family: "<target> (<family>)|<line style>" -> (concurrency, req/s, TTFB p99).
 Series = dict[str, list[tuple[int, float, float | None]]]
@@ -41,6 +43,9 @@ def plots(doc: dict[str, Any], out_dir: Path) -> list[str]:
     sweep = results.get("workers")
     if sweep and sweep["targets"]:
         written.append(_plot_workers(plt, sweep, out_dir))
+    placement = placement_report.plot(plt, results, out_dir)
+    if placement is not None:
+        written.append(placement)
     return written
 
 

@@ -137,10 +137,35 @@ def _memory_scenario(big: int) -> Scenario:
     )
 
 
-def select(scenarios: list[Scenario], spec: str | None) -> list[Scenario]:
-    """``--scenarios a,b``: exact names or prefixes (``stream`` selects stream_c1, stream_c32 …)."""
+def placement_scenarios(quick: bool) -> list[Scenario]:
+    """SPEC §3.2's scenarios (``perf/placement.py``): run when named, each with its own fleets."""
+    c = 16 if quick else 32
+    warmup = 0.5 if quick else 1.0
+    return [
+        Scenario(
+            "prefix_mix", "shared long system prompts, multi-turn chats: affinity on/off", kind="placement",
+            concurrency=c, warmup_s=warmup,
+            targets=("affinity", "no-affinity", "peer-cache_aware", "peer-consistent_hash"),
+        ),
+        Scenario(
+            "busy_elsewhere", "a consumer busy behind the router's back: reported load on/off", kind="placement",
+            concurrency=8, targets=("load-on", "load-off"), warmup_s=warmup,
+        ),
+        Scenario(
+            "local_short", "short prompts: local decode on/off", kind="placement",
+            concurrency=c, targets=("local", "disaggregated"), warmup_s=warmup,
+        ),
+    ]
+
+
+def select(scenarios: list[Scenario], spec: str | None, named_only: list[Scenario] | None = None) -> list[Scenario]:
+    """``--scenarios a,b``: exact names or prefixes (``stream`` selects stream_c1, stream_c32 …).
+
+    ``named_only`` scenarios (the placement ones) run only when ``--scenarios`` names them.
+    """
     if not spec:
         return scenarios
+    scenarios = [*scenarios, *(named_only or [])]
     wanted = [w.strip() for w in spec.split(",") if w.strip()]
     chosen = [s for s in scenarios if any(s.name == w or s.name.startswith(w) for w in wanted)]
     unknown = [w for w in wanted if not any(s.name == w or s.name.startswith(w) for s in scenarios)]

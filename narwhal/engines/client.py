@@ -272,10 +272,24 @@ def _prefill_result(result: PrefillResult, status: int, data: bytes) -> PrefillR
     if status != 200:
         raise failures.status_error(status, data, result.producer, "prefill")
     result.finished_at = time.monotonic()
+    try:
+        answer = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        answer = None
+    if not isinstance(answer, dict):
+        return result
     if result.crossed:
-        try:
-            answer = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            answer = None
-        result.descriptor = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        result.descriptor = answer.get("kv_transfer_params")
+    result.prompt_tokens, result.cached_tokens = _prompt_usage(answer.get("usage"))
     return result
+
+
+def _prompt_usage(usage: Any) -> tuple[int | None, int | None]:
+    """``usage.prompt_tokens`` and ``usage.prompt_tokens_details.cached_tokens`` (vLLM fills the
+    details with ``--enable-prompt-tokens-details``), each None when absent or not an int."""
+    if not isinstance(usage, dict):
+        return None, None
+    prompt = usage.get("prompt_tokens")
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return (prompt if type(prompt) is int else None), (cached if type(cached) is int else None)

@@ -13,7 +13,16 @@ the passthrough routes ``POST /tokenize``, ``/detokenize``, ``/v1/embeddings``, 
 
 Control routes (fleet process): ``GET /engines``, ``GET /engines/{name}/stats``,
 ``GET|DELETE /engines/{name}/requests`` (``?contains=`` filters on the compact JSON of the body),
-``GET|PUT|DELETE /engines/{name}/faults``, ``POST /engines/{name}/stop|start``, ``POST /reset``.
+``GET|PUT|DELETE /engines/{name}/faults``, ``GET|PUT /engines/{name}/model`` (the load and cache
+models, ``state.EngineModel``; a PUT changes the keys it names), ``GET|PUT|DELETE
+/engines/{name}/background`` (``{"requests": N, "hold_s": S}``: load served for someone else),
+``POST /engines/{name}/stop|start``, ``POST /reset`` (also stops background load).
+
+Load and cache models (SPEC §9), each off by default (``--max-num-seqs``, ``--prefill-s-per-token``,
+``--prefix-cache``, ``--kv-blocks``): a batch limit with FIFO waiting and background load
+(``batch``), a prefix cache of chained 16-token blocks (``prefix``; a token is then 4 characters of
+the prompt), a prefill cost per uncached token on one prefill lane, all applied per request by
+``work`` and reported by ``/metrics`` in vLLM's names.
 
 Per-request faults: the body key ``narwhal_fake: {"prefill": FaultSpec, "decode": FaultSpec,
 "passthrough": FaultSpec}``.
@@ -23,11 +32,14 @@ router it tests, so a router bug cannot hide in both), and its modules import on
 there is no import cycle (``tests/unit/fake_engine/test_fake_engine_layout.py`` checks both). From the bottom:
 
 * ``faults`` (fault specs), ``chunks`` (vLLM's frames, pre-encoded), ``kvstore`` (held blocks and
-  their leases): leaves;
+  their leases), ``prefix`` (the prefix cache), ``batch`` (batch slots, prefill lane, background
+  load): leaves;
 * ``parse`` (vLLM-like validation), ``emit`` (SSE writes, error bodies, dropped connections),
   ``state`` (``EngineState``: one engine's state, and the registry of engines by id);
-* ``kv`` (descriptor and pull: the KV handoff), then ``generate`` (completions) and
-  ``passthrough`` (tokenize, embeddings, score …), then ``routes`` (the engine's routes);
+* ``kv`` (descriptor and pull: the KV handoff) and ``work`` (a request's slot, cache lookup and
+  prefill), then ``generate`` (completions) and ``passthrough`` (tokenize, embeddings,
+  score …), then ``routes``
+  (the engine's routes);
 * ``engine`` (``FakeEngine``, an ``EngineState`` that listens, and ``build_engine_app``), then
   ``control`` (control app), then ``fleet`` (process and CLI).
 """

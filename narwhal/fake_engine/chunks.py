@@ -90,12 +90,21 @@ def error_event(status: int | None, message: str, *, flat: bool = False) -> byte
     return b"data: " + orjson.dumps(error_object(status, message, flat=flat)) + b"\n\n"
 
 
-def usage_object(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage_object(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """vLLM's ``UsageInfo`` as a stream chunk dumps it (unset fields left out).
+
+    ``prompt_tokens_details`` appears only when some prompt tokens were cached: vLLM with
+    ``--enable-prompt-tokens-details`` sets it on ``if enable and num_cached_tokens``, so a miss
+    reports no details at all, not ``cached_tokens: 0``.
+    """
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return usage
 
 
 class ModelTemplates:
@@ -137,8 +146,8 @@ class StreamFrames:
         """An immediate end of sequence: no text, ``finish_reason: "stop"``."""
         return self._head + self._tail_stop
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
-        usage = orjson.dumps(usage_object(prompt_tokens, completion_tokens))
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> bytes:
+        usage = orjson.dumps(usage_object(prompt_tokens, completion_tokens, cached_tokens))
         return b"data: " + self._common + b',"choices":[],"usage":' + usage + b"}\n\n"
 
     def role(self) -> bytes:
@@ -198,6 +207,7 @@ def completion_body(
     finish_reason: str,
     prompt_tokens: int,
     completion_tokens: int,
+    cached_tokens: int = 0,
 ) -> dict[str, Any]:
     """A non-streaming ``text_completion`` / ``chat.completion`` object (without kv params)."""
     if chat:
@@ -217,8 +227,8 @@ def completion_body(
             "stop_reason": None,
             "prompt_logprobs": None,
         }
-    usage: dict[str, Any] = usage_object(prompt_tokens, completion_tokens)
-    usage["prompt_tokens_details"] = None
+    usage: dict[str, Any] = usage_object(prompt_tokens, completion_tokens, cached_tokens)
+    usage.setdefault("prompt_tokens_details", None)  # a full dump of UsageInfo: null when unset
     return {
         "id": rid,
         "object": "chat.completion" if chat else "text_completion",

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 
 from narwhal.fake_engine.engine import FakeEngine
 from narwhal.fake_engine.faults import EngineFaults
+from narwhal.fake_engine.state import BackgroundLoad, EngineModel
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -35,6 +36,15 @@ def _error(status: int, message: str) -> web.Response:
 
 def _faults_view(engine: FakeEngine) -> dict[str, Any]:
     return {"name": engine.name, "faults": engine.faults.model_dump(mode="json", exclude_unset=True)}
+
+
+def _model_view(engine: FakeEngine) -> dict[str, Any]:
+    return {"name": engine.name, "model": engine.load_model.model_dump()}
+
+
+def _background_view(engine: FakeEngine) -> dict[str, Any]:
+    bg = engine.background
+    return {"name": engine.name, "requests": bg.requests, "hold_s": bg.hold_s if bg.requests else None}
 
 
 def _serving_view(engine: FakeEngine) -> dict[str, Any]:
@@ -89,6 +99,39 @@ class _Control:
         engine.clear_faults()
         return _json(_faults_view(engine))
 
+    async def get_model(self, request: web.Request) -> web.Response:
+        return _json(_model_view(self.engine_of(request)))
+
+    async def put_model(self, request: web.Request) -> web.Response:
+        """Change some of the load and cache models; keys left out keep their values."""
+        engine = self.engine_of(request)
+        try:
+            changes = orjson.loads(await request.read())
+            if not isinstance(changes, dict):
+                raise ValueError("a JSON object is required")
+            model = EngineModel.model_validate({**engine.load_model.model_dump(), **changes})
+        except (orjson.JSONDecodeError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+            return _error(400, f"invalid model: {exc}")
+        engine.set_load_model(model)
+        return _json(_model_view(engine))
+
+    async def get_background(self, request: web.Request) -> web.Response:
+        return _json(_background_view(self.engine_of(request)))
+
+    async def put_background(self, request: web.Request) -> web.Response:
+        engine = self.engine_of(request)
+        try:
+            load = BackgroundLoad.model_validate_json(await request.read())
+        except ValidationError as exc:
+            return _error(400, f"invalid background load: {exc}")
+        await engine.background.set(load.requests, load.hold_s)
+        return _json(_background_view(engine))
+
+    async def clear_background(self, request: web.Request) -> web.Response:
+        engine = self.engine_of(request)
+        await engine.background.stop()
+        return _json(_background_view(engine))
+
     async def stop(self, request: web.Request) -> web.Response:
         engine = self.engine_of(request)
         await engine.stop()
@@ -107,6 +150,7 @@ class _Control:
         for engine in self.engines.values():
             engine.clear_faults()
             engine.clear_records()
+            await engine.background.stop()  # load injected behind the router's back is a fault too
         return _json({"reset": list(self.engines)})
 
 
@@ -121,6 +165,11 @@ def build_control_app(engines: Mapping[str, FakeEngine]) -> web.Application:
     app.router.add_get("/engines/{name}/faults", control.get_faults)
     app.router.add_put("/engines/{name}/faults", control.put_faults)
     app.router.add_delete("/engines/{name}/faults", control.clear_faults)
+    app.router.add_get("/engines/{name}/model", control.get_model)
+    app.router.add_put("/engines/{name}/model", control.put_model)
+    app.router.add_get("/engines/{name}/background", control.get_background)
+    app.router.add_put("/engines/{name}/background", control.put_background)
+    app.router.add_delete("/engines/{name}/background", control.clear_background)
     app.router.add_post("/engines/{name}/stop", control.stop)
     app.router.add_post("/engines/{name}/start", control.start)
     app.router.add_post("/reset", control.reset)

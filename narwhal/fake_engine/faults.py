@@ -85,6 +85,9 @@ class EngineFaults(BaseModel):
     kv_read_fails: bool = False
     version: str | None = None
     models: list[str] | None = None
+    # GET /metrics hangs (no answer until the client gives up) or answers 200 with text that
+    # is not Prometheus exposition: what a router's load reader must survive.
+    metrics: Literal["hang", "garbage"] | None = None
 
     def for_phase(self, phase: str) -> FaultSpec | None:
         if phase == "passthrough":

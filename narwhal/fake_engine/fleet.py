@@ -26,9 +26,11 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from pydantic import ValidationError
 
 from narwhal.fake_engine.control import build_control_app
 from narwhal.fake_engine.engine import FakeEngine
+from narwhal.fake_engine.state import EngineModel
 
 CLOSE_TIMEOUT_S = 10.0
 
@@ -157,10 +159,52 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--token-delay-s", type=float, default=0.0)
     p.add_argument("--coalesce", action="store_true", help="write a zero-delay stream in one write")
     p.add_argument("--flat-block-ids", action="store_true", help="flat remote_block_ids (older vLLM)")
+    _add_model_options(p)
     p.add_argument("--ready-file", default=None, help="also write the ready JSON here (atomically)")
     p.add_argument("--tls-cert", default=None, metavar="PEM", help="serve https with this certificate chain")
     p.add_argument("--tls-key", default=None, metavar="PEM", help="the certificate's private key")
     return p
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    """The load and cache models (SPEC §9) for every engine of the fleet; all off by default."""
+    p.add_argument("--max-num-seqs", type=int, default=0, help="batch limit; beyond it FIFO waiting (0: none)")
+    p.add_argument(
+        "--prefill-s-per-token", type=float, default=0.0, help="prefill compute per uncached prompt token (seconds)"
+    )
+    p.add_argument(
+        "--prefix-cache", action="store_true", help="LRU prefix cache of 16-token blocks (a token = 4 characters)"
+    )
+    p.add_argument("--kv-blocks", type=int, default=10000, help="KV capacity in blocks (cache bound, usage base)")
+
+
+def _tls(args: argparse.Namespace) -> ssl.SSLContext | None | str:
+    """The server's TLS context from the options (None: plain http), or why it cannot be had."""
+    if not (args.tls_cert or args.tls_key):
+        return None
+    if not (args.tls_cert and args.tls_key):
+        return "--tls-cert and --tls-key go together"
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        tls.load_cert_chain(args.tls_cert, args.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        return f"cannot load the TLS certificate: {exc}"
+    return tls
+
+
+def _load_model(args: argparse.Namespace) -> EngineModel | str:
+    """The models from the options, or the one-line reason they are refused."""
+    try:
+        return EngineModel(
+            max_num_seqs=args.max_num_seqs,
+            prefill_s_per_token=args.prefill_s_per_token,
+            prefix_cache=args.prefix_cache,
+            kv_blocks=args.kv_blocks,
+        )
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        option = "--" + str(err["loc"][0]).replace("_", "-") if err["loc"] else "model"
+        return f"{option}: {err['msg']}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,17 +217,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"narwhal fake-engine: engine names must be unique and non-empty: {names}", file=sys.stderr)
         return 2
 
-    tls: ssl.SSLContext | None = None
-    if args.tls_cert or args.tls_key:
-        if not (args.tls_cert and args.tls_key):
-            print("narwhal fake-engine: --tls-cert and --tls-key go together", file=sys.stderr)
+    tls = _tls(args)
+    load_model = _load_model(args)
+    for refused in (tls, load_model):
+        if isinstance(refused, str):
+            print(f"narwhal fake-engine: {refused}", file=sys.stderr)
             return 2
-        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        try:
-            tls.load_cert_chain(args.tls_cert, args.tls_key)
-        except (OSError, ssl.SSLError) as exc:
-            print(f"narwhal fake-engine: cannot load the TLS certificate: {exc}", file=sys.stderr)
-            return 2
+    assert not isinstance(tls, str) and not isinstance(load_model, str)
 
     def announce(document: dict[str, Any]) -> None:
         sys.stdout.write(orjson.dumps(document).decode() + "\n")
@@ -205,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         coalesce=args.coalesce,
         flat_block_ids=args.flat_block_ids,
         ssl_context=tls,
+        load_model=load_model,
     )
     try:
         import uvloop

@@ -38,6 +38,7 @@ from narwhal.fake_engine.emit import Emitter, drop_connection, error_response
 from narwhal.fake_engine.faults import FaultSpec, effective_spec
 from narwhal.fake_engine.parse import ParsedRequest, RequestError, detect_phase, parse_request
 from narwhal.fake_engine.state import EngineState
+from narwhal.fake_engine.work import Work
 
 NO_SPEC = FaultSpec()
 KV_FAILED = "KV transfer failed"
@@ -86,7 +87,7 @@ async def handle_completion(engine: EngineState, request: web.Request, chat: boo
     spec = effective_spec(engine.faults.for_phase(req.phase), request_spec, engine.name) or NO_SPEC
 
     engine.active_requests += 1
-    state = _State(rec)
+    state = _State(rec, Work.prepare(engine, req, body))
     state.streaming = req.stream
     if req.stream:
         engine.active_streams += 1
@@ -105,6 +106,7 @@ async def handle_completion(engine: EngineState, request: web.Request, chat: boo
         state.aborted(engine, req)
         return state.resp if state.resp is not None else web.Response()
     finally:
+        state.work.end(engine)
         engine.active_requests -= 1
         if state.streaming:
             engine.active_streams -= 1
@@ -119,10 +121,11 @@ def _fail(rec: dict[str, Any], resp: web.Response) -> web.Response:
 class _State:
     """Per-request bookkeeping so that abort accounting knows what already happened."""
 
-    __slots__ = ("rec", "pulled", "streaming", "done", "resp")
+    __slots__ = ("rec", "pulled", "streaming", "done", "resp", "work")
 
-    def __init__(self, rec: dict[str, Any]) -> None:
+    def __init__(self, rec: dict[str, Any], work: Work) -> None:
         self.rec = rec
+        self.work = work
         self.resp: web.StreamResponse | None = None
         self.pulled = False
         self.streaming = False
@@ -208,6 +211,7 @@ async def _stream(
         await out.emit(error_event(500, KV_FAILED) + DONE)
         return _stream_end(engine, state, await out.finish(), "error")
 
+    cached = await state.work.run(engine, req)
     prompt = req.prompt_tokens
     if req.chat:
         await out.emit(frames.role())
@@ -217,7 +221,7 @@ async def _stream(
     if spec.empty or n == 0:
         await out.emit(frames.empty_stop())
         if req.include_usage:
-            await out.emit(frames.usage(prompt, 0))
+            await out.emit(frames.usage(prompt, 0, cached))
         await out.emit(DONE)
         return _stream_end(engine, state, await out.finish(), "completed", hold=req)
     if spec.delay_first_token_s:
@@ -234,7 +238,7 @@ async def _stream(
         drop_connection(request, rst=False)
         return resp
     if req.include_usage:
-        await out.emit(frames.usage(prompt, n))
+        await out.emit(frames.usage(prompt, n, cached))
     await out.emit(DONE)
     return _stream_end(engine, state, await out.finish(), "completed", hold=req)
 
@@ -283,6 +287,7 @@ async def _plain(
     if not await _pull_for(engine, req, state):
         state.finish(engine, "error", 500)
         return error_response(500, KV_FAILED)
+    cached = await state.work.run(engine, req)
     n, finish = _plan(engine, req, spec)
     token_delay = spec.token_delay_s if spec.token_delay_s is not None else engine.token_delay_s
     produced = n
@@ -309,7 +314,9 @@ async def _plain(
     else:
         text = "".join([token_text(i) for i in range(n)])
     rid = _response_id(request, engine, req.chat)
-    body = completion_body(req.chat, rid, int(time.time()), req.model, text, finish, req.prompt_tokens, n)
+    body = completion_body(
+        req.chat, rid, int(time.time()), req.model, text, finish, req.prompt_tokens, n, cached_tokens=cached
+    )
     descriptor = kv.producer_descriptor(engine, req.kv_params, rid, req.prompt_tokens, spec.descriptor)
     if descriptor is not kv.MISSING:
         body["kv_transfer_params"] = descriptor

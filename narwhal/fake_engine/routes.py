@@ -12,6 +12,8 @@ the package and the request path below it has no import cycle.
 
 from __future__ import annotations
 
+import asyncio
+
 import orjson
 from aiohttp import web
 
@@ -60,7 +62,7 @@ def add_routes(app: web.Application, engine: EngineState) -> None:
         return json_response({"server_load": engine.active_requests})
 
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(text=render_metrics(engine), content_type="text/plain")
+        return await metrics_answer(engine)
 
     async def stats(request: web.Request) -> web.Response:
         return json_response(engine.stats())
@@ -85,23 +87,54 @@ def add_routes(app: web.Application, engine: EngineState) -> None:
     passthrough.add_routes(app, engine)  # /tokenize, /v1/embeddings, /score, /rerank ...
 
 
+async def metrics_answer(engine: EngineState) -> web.Response:
+    """``/metrics``, or its fault: ``hang`` answers only after the reader gave up (10 s: long
+    for any load reader, short enough not to pile up handlers), ``garbage`` is not Prometheus."""
+    fault = engine.faults.metrics
+    if fault == "hang":
+        await asyncio.sleep(10)
+    if fault == "garbage":
+        return web.Response(text="<html>502</html>\nvllm:num_requests_running{", content_type="text/html")
+    return web.Response(text=render_metrics(engine), content_type="text/plain")
+
+
 def render_metrics(engine: EngineState) -> str:
-    """A few gauges and counters named like vLLM's, enough for a scraper or a load-aware policy."""
-    label = '{engine="0",model_name="' + engine.model.replace('"', '\\"') + '"}'
-    store = engine.kv
-    usage = min(1.0, store.held_blocks / 10000.0)
-    lines = [
-        "# HELP vllm:num_requests_running Number of requests in model execution batches.",
-        "# TYPE vllm:num_requests_running gauge",
-        f"vllm:num_requests_running{label} {float(engine.active_requests)}",
-        "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.",
-        "# TYPE vllm:num_requests_waiting gauge",
-        f"vllm:num_requests_waiting{label} 0.0",
-        "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
-        "# TYPE vllm:kv_cache_usage_perc gauge",
-        f"vllm:kv_cache_usage_perc{label} {usage}",
-        "# HELP vllm:request_success_total Count of successfully processed requests.",
-        "# TYPE vllm:request_success_total counter",
-        f"vllm:request_success_total{label} {float(engine.completed_requests)}",
-    ]
+    """vLLM's scheduler and prefix-cache series (``vllm/v1/metrics/loggers.py``), true to the models.
+
+    Same names, types and help texts as vLLM, labelled ``model_name`` and ``engine`` (the engine
+    index, "0" for a single engine), labels and counters written as ``prometheus_client`` writes
+    them (labels sorted; ``_total`` plus ``_created``). Running and waiting are the scheduler's
+    (background load included); cache usage counts blocks in use, so cached blocks nobody uses
+    are free, as in vLLM.
+    """
+    label = '{engine="0",model_name="' + engine.model.replace("\\", "\\\\").replace('"', '\\"') + '"}'
+    sched = engine.scheduler
+    series = (
+        ("num_requests_running", "gauge", "Number of requests in model execution batches.", sched.running),
+        ("num_requests_waiting", "gauge", "Number of requests waiting to be processed.", sched.waiting),
+        ("kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", engine.kv_usage()),
+        (
+            "prefix_cache_queries",
+            "counter",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            engine.prefix_queries,
+        ),
+        ("prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens.", engine.prefix_hits),
+        ("request_success", "counter", "Count of successfully processed requests.", engine.completed_requests),
+    )
+    lines: list[str] = []
+    for name, kind, help_text, value in series:
+        if kind == "counter":
+            # prometheus_client's text format: the family is ``…_total``, plus a ``…_created`` gauge.
+            lines += [
+                f"# HELP vllm:{name}_total {help_text}",
+                f"# TYPE vllm:{name}_total counter",
+                f"vllm:{name}_total{label} {float(value)}",
+                f"# HELP vllm:{name}_created {help_text}",
+                f"# TYPE vllm:{name}_created gauge",
+                f"vllm:{name}_created{label} {float(engine.created)}",
+            ]
+        else:
+            lines += [f"# HELP vllm:{name} {help_text}", f"# TYPE vllm:{name} gauge"]
+            lines.append(f"vllm:{name}{label} {float(value)}")
     return "\n".join(lines) + "\n"

@@ -26,10 +26,13 @@ from typing import Any
 
 import aiohttp
 import orjson
+from pydantic import BaseModel, ConfigDict, Field
 
+from narwhal.fake_engine.batch import Background, Scheduler
 from narwhal.fake_engine.chunks import ModelTemplates
 from narwhal.fake_engine.faults import NO_FAULTS, EngineFaults
 from narwhal.fake_engine.kvstore import KvStore
+from narwhal.fake_engine.prefix import PrefixCache
 
 # Process-local side channel: engine_id -> engine. Weak, so engines dropped by tests vanish.
 _REGISTRY: weakref.WeakValueDictionary[str, EngineState] = weakref.WeakValueDictionary()
@@ -46,6 +49,31 @@ def unregister(engine: EngineState) -> None:
 
 def lookup(engine_id: str) -> EngineState | None:
     return _REGISTRY.get(engine_id)
+
+
+class EngineModel(BaseModel):
+    """The load and cache models of one engine (SPEC §9), each off by default.
+
+    ``kv_blocks`` is the KV capacity in blocks: the prefix cache's LRU bound, and the
+    denominator of ``kv_cache_usage_perc`` (running requests' prompt blocks plus held handoff
+    blocks, as vLLM counts blocks in use: cached blocks nobody uses are free to it).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_num_seqs: int = Field(default=0, ge=0)  # 0: no batch limit
+    prefill_s_per_token: float = Field(default=0.0, ge=0.0, le=1.0)  # per uncached prompt token
+    prefix_cache: bool = False  # also: tokens are 4-character pieces of the prompt text
+    kv_blocks: int = Field(default=10000, ge=1)
+
+
+class BackgroundLoad(BaseModel):
+    """``PUT /engines/{name}/background``: requests served for someone else."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    requests: int = Field(ge=0, le=100000)
+    hold_s: float = Field(default=1.0, gt=0.0, le=3600.0)  # how long each one runs
 
 
 class EngineState:
@@ -68,6 +96,7 @@ class EngineState:
         local_kv: bool = True,
         records_max: int = 2000,
         ssl_context: ssl.SSLContext | None = None,
+        load_model: EngineModel | None = None,
     ) -> None:
         self.name = name
         self.engine_id = str(uuid.uuid4())
@@ -106,7 +135,17 @@ class EngineState:
         self.listen_host = "127.0.0.1"
         self.ssl_context = ssl_context  # serve https, as an engine behind a TLS terminator would
         self.created = int(time.time())
+        self._init_models(load_model or EngineModel())
         register(self)
+
+    def _init_models(self, load_model: EngineModel) -> None:
+        self.scheduler = Scheduler()
+        self.background = Background(self.scheduler)
+        self.cache: PrefixCache | None = None
+        self.prefix_queries = 0  # tokens looked up in the prefix cache (vLLM's counter unit)
+        self.prefix_hits = 0  # of those, tokens found cached
+        self.load_model = load_model
+        self.set_load_model(load_model)
 
     # -- configuration seen by requests -------------------------------------------------------
 
@@ -129,6 +168,24 @@ class EngineState:
 
     def clear_faults(self) -> None:
         self.faults = NO_FAULTS
+
+    def set_load_model(self, model: EngineModel) -> EngineModel:
+        """Apply new model settings at once; a kept prefix cache keeps its blocks (trimmed)."""
+        self.load_model = model
+        self.scheduler.set_limit(model.max_num_seqs)
+        if not model.prefix_cache:
+            self.cache = None
+        elif self.cache is None:
+            self.cache = PrefixCache(model.kv_blocks, self.kv.block_size)
+        else:
+            self.cache.capacity = model.kv_blocks
+            self.cache.trim()
+        return model
+
+    def kv_usage(self) -> float:
+        """``vllm:kv_cache_usage_perc``: blocks in use (running prompts, held handoffs) / capacity."""
+        used = self.kv.held_blocks + self.scheduler.running_blocks
+        return min(1.0, used / self.load_model.kv_blocks)
 
     def templates(self, model: str) -> ModelTemplates:
         tpl = self._templates.get(model)
@@ -198,6 +255,18 @@ class EngineState:
             "completed_streams": self.completed_streams,
             "completed_requests": self.completed_requests,
             "control_reads": dict(self.control_reads),
+            "model": self.load_model.model_dump(),
+            "scheduler": {
+                "running": self.scheduler.running,
+                "waiting": self.scheduler.waiting,
+                "background": self.background.requests,
+                "background_served": self.background.served,
+            },
+            "prefix_cache": {
+                "blocks": len(self.cache) if self.cache is not None else 0,
+                "queries": self.prefix_queries,
+                "hits": self.prefix_hits,
+            },
         }
 
     # -- background work and the side channel's HTTP client ----------------------------------
@@ -217,6 +286,7 @@ class EngineState:
         """Cancel spawned work, wait for it and for ``others`` (already cancelled), close the client."""
         for task in list(self._tasks):
             task.cancel()
+        await self.background.stop()
         await asyncio.gather(*others, *self._tasks, return_exceptions=True)
         if self._session is not None:
             await self._session.close()

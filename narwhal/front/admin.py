@@ -23,7 +23,7 @@ from narwhal.fleet import Engine
 from narwhal.fleet.blame import State
 from narwhal.request.router import Router
 from narwhal.shm.local import LocalFleetState
-from narwhal.shm.records import KIND_DRAIN, KIND_EJECT, KIND_READMIT
+from narwhal.shm.records import KIND_DRAIN, KIND_EJECT, KIND_READMIT, LoadRecord
 from narwhal.shm.worker import WorkerFleetState
 
 STATE_NAMES = tuple(state.name.lower() for state in State)  # index = the state's gauge value
@@ -47,8 +47,10 @@ def engine_view(router: Router, state: WorkerFleetState | LocalFleetState, engin
         "quarantined_until": None,
         "inflight": {"prefill": totals_p[engine.index], "decode": totals_d[engine.index]},
         "last_failure": None,
+        "load": None,
     }
     if isinstance(state, WorkerFleetState):
+        entry["load"] = _load_view(state.load_readings()[engine.index])
         rec = state.records()[engine.index]
         if rec is not None:
             entry.update(
@@ -62,6 +64,19 @@ def engine_view(router: Router, state: WorkerFleetState | LocalFleetState, engin
     elif engine.index in state.out:
         entry["state"] = "ejected"
     return entry
+
+
+def _load_view(reading: LoadRecord | None) -> dict[str, Any] | None:
+    """The engine's last ``/metrics`` reading (SPEC §3.2), however old: ``age_s`` says how old
+    (placement ignores it past ``placement.load_stale_s``); null when there never was one."""
+    if reading is None:
+        return None
+    return {
+        "running": reading.running,
+        "waiting": reading.waiting,
+        "kv_usage": reading.kv_usage,
+        "age_s": round(max(time.monotonic() - reading.read_at, 0.0), 3),
+    }
 
 
 def add_admin_routes(app: web.Application, token: str, router_key: Any, state_key: Any) -> None:

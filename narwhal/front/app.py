@@ -223,7 +223,8 @@ async def _startup(app: web.Application) -> None:
     session = open_session(settings.engine)  # TLS and key as on every engine link
     fleet = Fleet(settings)
     state = worker_state(fleet)
-    placement = Placement(fleet, state, state, settings.placement)
+    loads = state if isinstance(state, WorkerFleetState) else None  # engine reports come from the supervisor
+    placement = Placement(fleet, state, state, settings.placement, loads=loads)
     outcomes = Outcomes(fleet, state, settings.recovery.failure_quarantine_s)
     router = Router(
         settings, fleet, placement, EngineClient.for_settings(settings.engine), outcomes, state,

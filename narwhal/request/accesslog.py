@@ -37,7 +37,11 @@ class AccessRecord:
     total_s: float | None = None
     reason: str | None = None
     stream: bool | None = None
-    mode: str | None = None  # how it was served ("passthrough": one engine, no P/D)
+    # "disaggregated", "same_worker", "local" (SPEC §3.2), "passthrough" (one engine, no P/D);
+    # None: never placed
+    mode: str | None = None
+    prompt_tokens: int | None = None  # of the prefill, as the producer reported them
+    cached_tokens: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -55,6 +59,8 @@ class AccessRecord:
             "total_s": _round(self.total_s),
             "reason": self.reason,
             "mode": self.mode,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
         }
 
 

@@ -37,6 +37,8 @@ class ClientRequest:
     stream: bool
     deadline: float  # loop.time() units
     forward: dict[str, str]
+    affinity: int | None = None  # the prefix-affinity key's hash (narwhal.request.affinity)
+    local: bool = False  # a prompt short enough to skip the remote prefill (SPEC §3.2)
 
 
 def check_api_key(request: web.Request, keys: list[str]) -> None:

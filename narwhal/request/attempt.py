@@ -36,12 +36,13 @@ from narwhal.request.outcomes import Outcomes
 from narwhal.settings import Settings
 
 
-def _observe_start(ttft_s: float | None, first_byte_s: float | None, handoff_age: float) -> None:
+def _observe_start(ttft_s: float | None, first_byte_s: float | None, handoff_age: float | None) -> None:
     # Observed once the first output is on its way to the client (or the attempt ended), not
     # on the way to it: the histograms' timing does not matter, the first token's does.
     if ttft_s is not None:
         metrics.TTFT.observe(ttft_s)
-    metrics.HANDOFF_AGE.observe(handoff_age)
+    if handoff_age is not None:  # a local decode had no handoff
+        metrics.HANDOFF_AGE.observe(handoff_age)
     if first_byte_s is not None:
         metrics.FIRST_BYTE.observe(first_byte_s)
 
@@ -65,13 +66,24 @@ class Attempts:
     async def run(
         self, client: ClientStream, req: ClientRequest, rec: AccessRecord, started: float, avoid: frozenset[str]
     ) -> web.StreamResponse:
-        resv = await self.placement.reserve(req.model, req.deadline, avoid)
+        resv = await self.placement.reserve(req.model, req.deadline, avoid, req.affinity, req.local)
         producer, consumer = resv.producer, resv.consumer
-        rec.producer, rec.consumer = producer.name, consumer.name
+        rec.producer, rec.consumer = (None if resv.local else producer.name), consumer.name
         try:
-            result = await self._prefill(req, resv)
-            resv.release_prefill()
-            rec.ttft_s = ttft_s = time.perf_counter() - started
+            ttft_s: float | None = None
+            if resv.local:
+                # SPEC §3.2: no producer, no prefill leg; the consumer serves the client body.
+                rec.mode = "local"
+                metrics.LOCAL_DECODES.inc()
+                result = PrefillResult(consumer.name, consumer.url, req.endpoint, new_id(), None, crossed=False)
+            else:
+                rec.mode = "disaggregated" if resv.crossed else "same_worker"
+                metrics.placements_child(resv.choice).inc()
+                result = await self._prefill(req, resv)
+                resv.release_prefill()
+                rec.ttft_s = ttft_s = time.perf_counter() - started
+                rec.prompt_tokens, rec.cached_tokens = result.prompt_tokens, result.cached_tokens
+                metrics.count_prefill_tokens(result.prompt_tokens, result.cached_tokens)
             response = await self._decode(client, req, resv, result, rec, started, ttft_s)
             metrics.attempts_child("success").inc()
             self.outcomes.success(producer, consumer)
@@ -114,12 +126,12 @@ class Attempts:
         result: PrefillResult,
         rec: AccessRecord,
         started: float,
-        ttft_s: float,
+        ttft_s: float | None,
     ) -> web.StreamResponse:
         """Decode on the consumer and relay what it sends (SPEC §3 steps 5-7). ``rec`` is only
         written: what the client was sent is ``client.committed``."""
         leg = None
-        age = result.age()
+        age = None if resv.local else result.age()
         observed = False
         first_byte_s: float | None = None
         try:

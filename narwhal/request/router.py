@@ -34,6 +34,7 @@ from narwhal.fleet.placement import Placement
 from narwhal.reasons import retryable
 from narwhal.request.accesslog import AccessLog, AccessRecord
 from narwhal.request.admission import ClientRequest, admit
+from narwhal.request.affinity import placement_hints
 from narwhal.request.attempt import Attempts
 from narwhal.request.client_stream import ClientStream
 from narwhal.request.ids import client_request_id
@@ -102,6 +103,7 @@ class Router:
                 response = await self.passthrough.serve(request, endpoint, rec, arrival, started)
             else:
                 req = await admit(request, endpoint, self.settings, self.fleet, arrival)
+                req.affinity, req.local = placement_hints(endpoint, req.body, self.settings.placement)
                 rec.model, rec.stream = req.model, req.stream
                 response = await self._serve(client, req, rec, started)
             rec.status = response.status

@@ -10,6 +10,7 @@ any process: the memory goes when the last process holding it exits.
 
     header                      64 B   magic, sizes, supervisor pid + heartbeat, generation
     engine records   E ×       64 B   breaker state, written only by the supervisor
+    load records     E ×       64 B   what each engine's /metrics said, and when (supervisor)
     worker slots     W × (64 B + E·8 B + R·RING_ENTRY)
         slot header                    pid, requests and retries in flight, ring indices,
                                        client connections
@@ -43,8 +44,10 @@ GENERATION_OFFSET = 32
 HEARTBEAT_OFFSET = 24
 SUPERVISOR_PID_OFFSET = 20
 STARTS_OFFSET = 40
+LOAD_GENERATION_OFFSET = 48  # bumped by the supervisor after each round of load readings
 
 RECORD_SIZE = 64
+LOAD_RECORD_SIZE = 64
 SLOT_HEADER_SIZE = 64
 # slot header: pid u32, requests in flight u32, retries in flight u32, dropped reports u32,
 #              ring write index u64 (worker), ring read index u64 (supervisor),
@@ -79,13 +82,16 @@ class Layout:
     def record_offset(self, engine: int) -> int:
         return HEADER_SIZE + engine * RECORD_SIZE
 
+    def load_offset(self, engine: int) -> int:
+        return HEADER_SIZE + self.engines * RECORD_SIZE + engine * LOAD_RECORD_SIZE
+
     @functools.cached_property
     def slot_size(self) -> int:
         return SLOT_HEADER_SIZE + self.engines * 8 + self.ring * RING_ENTRY_SIZE
 
     @functools.cached_property
     def _slots_base(self) -> int:
-        return HEADER_SIZE + self.engines * RECORD_SIZE
+        return HEADER_SIZE + self.engines * (RECORD_SIZE + LOAD_RECORD_SIZE)
 
     def slot_offset(self, slot: int) -> int:
         return self._slots_base + slot * self.slot_size

@@ -1,4 +1,4 @@
-"""Checksummed records in the shared region: engine breaker state and outcome reports.
+"""Checksummed records in the shared region: engine breaker state, engine load, outcome reports.
 
 A writer packs payload and CRC32 in one ``pack_into``; a reader unpacks, recomputes the CRC
 and, on a mismatch, reads again (a torn or reordered write is simply not visible yet). The
@@ -88,6 +88,51 @@ def read_record(region: Region, engine: int) -> EngineRecord | None:
         return EngineRecord(
             version, state, streak, ejections, _opt(q_until), reason_name or None, _opt(failed_at), nhash, flags
         )
+    return None
+
+
+# ---------------------------------------------------------------------------------- load
+
+_LOAD = struct.Struct("<QddddI")  # version, read_at (monotonic s), running, waiting, kv_usage (NaN: none), name
+LOAD_BYTES = _LOAD.size + 4
+_VERSION = struct.Struct("<Q")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadRecord:
+    """An engine's last ``/metrics`` reading (SPEC §3.2), written only by the supervisor.
+
+    ``read_at`` is ``time.monotonic()``: one clock for every process of the host, so a worker
+    judges the reading's age without a wall clock that may step."""
+
+    read_at: float
+    running: float
+    waiting: float
+    kv_usage: float | None
+    name_hash: int
+
+
+def write_load(region: Region, engine: int, rec: LoadRecord, version: int) -> None:
+    payload = _LOAD.pack(
+        version, rec.read_at, rec.running, rec.waiting, math.nan if rec.kv_usage is None else rec.kv_usage,
+        rec.name_hash,
+    )
+    start = region.layout.load_offset(engine)
+    region.mm[start : start + LOAD_BYTES] = payload + _RECORD_CRC.pack(zlib.crc32(payload))
+
+
+def read_load(region: Region, engine: int) -> LoadRecord | None:
+    """The engine's last reading, or None if there never was one."""
+    start = region.layout.load_offset(engine)
+    for _ in range(_MAX_TRIES):
+        raw = region.mm[start : start + LOAD_BYTES]
+        if _VERSION.unpack_from(raw)[0] == 0:
+            return None  # never written (zeroed memory fails the CRC: no retries for it)
+        payload = raw[: _LOAD.size]
+        if _RECORD_CRC.unpack_from(raw, _LOAD.size)[0] != zlib.crc32(payload):
+            continue
+        version, read_at, running, waiting, kv, nhash = _LOAD.unpack(payload)
+        return None if version == 0 else LoadRecord(read_at, running, waiting, _opt(kv), nhash)
     return None
 
 

@@ -47,6 +47,13 @@ class SharedFleet:
     def bump_generation(self) -> None:
         self.region.set_u64(L.GENERATION_OFFSET, self.generation + 1)
 
+    @property
+    def load_generation(self) -> int:
+        return self.region.u64(L.LOAD_GENERATION_OFFSET)
+
+    def bump_load_generation(self) -> None:
+        self.region.set_u64(L.LOAD_GENERATION_OFFSET, self.load_generation + 1)
+
     def beat(self, pid: int) -> None:
         self.region.set_u32(L.SUPERVISOR_PID_OFFSET, pid)
         self.region.set_u64(L.HEARTBEAT_OFFSET, time.monotonic_ns())

@@ -30,8 +30,10 @@ from narwhal.shm.records import (
     NONE16,
     REASON_CODE,
     EngineRecord,
+    LoadRecord,
     Report,
     name_hash,
+    read_load,
     read_record,
 )
 from narwhal.shm.shared import SharedFleet
@@ -103,6 +105,21 @@ class WorkerFleetState:
 
     def quarantine(self, engine: Engine, seconds: float) -> None:
         self._quarantine.add(engine.index, seconds)
+
+    # -- LoadSource (narwhal.fleet.placement.load) -----------------------------------------------
+
+    def load_version(self) -> int:
+        """Bumped by the supervisor after each round of ``/metrics`` readings: one u64."""
+        version: int = L.U64.unpack_from(self._mm, L.LOAD_GENERATION_OFFSET)[0]
+        return version
+
+    def load_readings(self) -> list[LoadRecord | None]:
+        """Every engine's last reading (None: never read, or read for another engine list)."""
+        out: list[LoadRecord | None] = []
+        for engine in self.fleet.engines:
+            rec = read_load(self.shared.region, engine.index)
+            out.append(rec if rec is not None and rec.name_hash == self._hashes[engine.index] else None)
+        return out
 
     # -- InflightCounts -------------------------------------------------------------------------
 

@@ -10,9 +10,10 @@ Its loop, every few milliseconds:
    re-read the records on their next request: an ejection is visible fleet-wide within one
    loop period (~20 ms) of the report that caused it; the state gauges follow at once.
 
-Less often: health checks of admitted engines, sweeping slots of dead workers, exporting
-the in-flight gauges. A supervisor that (re)starts takes the last published records as its starting
-state, so a restart loses no ejection.
+Less often: health checks of admitted engines, reading their load (``supervisor.load``, every
+``placement.load_interval_s``), sweeping slots of dead workers, exporting the in-flight
+gauges. A supervisor that (re)starts takes the last published records as its starting state,
+so a restart loses no ejection.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import time
 from typing import Any
 
 from narwhal import metrics
-from narwhal.engines.control import open_session
+from narwhal.engines.control import ControlClient, open_session
 from narwhal.fleet import Engine, Fleet
 from narwhal.fleet.breaker import Breakers, EngineInfo, EngineStatus, Outcome, State
 from narwhal.settings import Settings
@@ -48,10 +49,12 @@ from narwhal.shm.records import (
     write_record,
 )
 from narwhal.shm.shared import SharedFleet, alive
+from narwhal.supervisor.load import LoadReader
 from narwhal.supervisor.probes import Prober
 
 log = logging.getLogger("narwhal.supervisor")
 
+_LOAD_READ_STATES = frozenset({State.ADMITTED, State.DEGRADED, State.QUARANTINED})
 LOOP_S = 0.02  # ejections reach every worker within one loop: ~20 ms, against SPEC's 100 ms
 SWEEP_S = 0.25
 EXPORT_S = 1.0
@@ -134,6 +137,10 @@ class Supervisor:
 
     def admitted(self, engine: Engine) -> bool:
         return self.breakers.admitted(engine.name, time.monotonic())
+
+    def _placeable(self, engine: Engine) -> bool:
+        """Admitted or quarantined (placement's fallback, SPEC §5): whose load placement may weigh."""
+        return self.breakers.status(engine.name).state in _LOAD_READ_STATES
 
     # -- reports ----------------------------------------------------------------------------------
 
@@ -219,6 +226,10 @@ class Supervisor:
         # and probes must reach engines as the request path does, or an https fleet is ejected.
         async with open_session(self.settings.engine) as session:
             prober = Prober(self.settings, self.fleet, session, self.admitted)
+            load_every = self.settings.placement.load_interval_s
+            # Each read bounded by the interval: a round never outlives the next one's start.
+            loads = LoadReader(self.shared, ControlClient(session, self.settings.engine, load_every or 1.0))
+            next_load = 0.0
             self.restore()
             self.publish()
             health_every = self.settings.recovery.health_interval_s
@@ -239,6 +250,9 @@ class Supervisor:
                     for engine in self.fleet.engines:
                         if self.breakers.admitted(engine.name, now):
                             self._spawn(self._health(prober, engine))
+                if load_every > 0 and now >= next_load:
+                    next_load = now + load_every
+                    loads.start_round(e for e in self.fleet.engines if self._placeable(e))
                 if now >= next_sweep:
                     next_sweep = now + SWEEP_S
                     self.sweep()

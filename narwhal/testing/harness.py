@@ -108,6 +108,15 @@ class FakeFleet:
         stats: dict[str, Any] = self.control_request("GET", f"/engines/{name}/stats")
         return stats
 
+    def set_model(self, name: str, **model: Any) -> dict[str, Any]:
+        """Change engine ``name``'s load and cache models (``max_num_seqs``, ``prefix_cache`` …)."""
+        view: dict[str, Any] = self.control_request("PUT", f"/engines/{name}/model", model)
+        return view
+
+    def set_background(self, name: str, requests: int, hold_s: float = 1.0) -> None:
+        """Make engine ``name`` serve ``requests`` requests for someone else (0: stop)."""
+        self.control_request("PUT", f"/engines/{name}/background", {"requests": requests, "hold_s": hold_s})
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

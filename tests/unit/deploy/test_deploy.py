@@ -37,7 +37,8 @@ SPEC_FAMILIES = [
     "narwhal_retry_budget_exhausted_total", "narwhal_engine_failures_total", "narwhal_engine_state",
     "narwhal_engine_inflight", "narwhal_probes_total", "narwhal_handoffs_released_total",
     "narwhal_handoffs_abandoned_total", "narwhal_stream_aborted_total", "narwhal_client_disconnects_total",
-    "narwhal_supervisor_restarts_total",
+    "narwhal_supervisor_restarts_total", "narwhal_local_decodes_total", "narwhal_prefill_tokens_total",
+    "narwhal_placements_total",
 ]
 SETTINGS_SECTIONS = {
     "server", "request", "engine", "handoff", "placement", "preflight", "log", "recovery",
@@ -114,6 +115,9 @@ def test_the_deploy_files_need_exactly_these_metrics() -> None:
         "narwhal_handoff_age_seconds_bucket",
         "narwhal_handoffs_abandoned_total",
         "narwhal_handoffs_released_total",
+        "narwhal_local_decodes_total",
+        "narwhal_placements_total",
+        "narwhal_prefill_tokens_total",
         "narwhal_probes_total",
         "narwhal_requests_total",
         "narwhal_retries_total",

@@ -11,7 +11,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from narwhal.engines.client import EngineClient
+from narwhal.engines.client import EngineClient, _prefill_result
 from narwhal.engines.connector import PrefillResult
 from narwhal.errors import DeadlineExceeded, EngineClientError, EngineError
 from narwhal.fake_engine import FakeEngine
@@ -232,3 +232,20 @@ async def test_passthrough_failures_take_the_leg_reasons(
     with pytest.raises(EngineError) as caught:
         await client.passthrough(Ref(d), "/tokenize", {"prompt": "x"}, request_id="r", phase="decode")
     assert (caught.value.reason, caught.value.message) == ("engine_unreachable", "engine d0 is unreachable (decode)")
+@pytest.mark.parametrize(
+    ("usage", "expected"),
+    [
+        ({"prompt_tokens": 300, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 256}}, (300, 256)),
+        ({"prompt_tokens": 300, "completion_tokens": 1}, (300, None)),  # a miss: vLLM sends no details
+        ({"prompt_tokens": 300, "prompt_tokens_details": None}, (300, None)),
+        ({"prompt_tokens": "300", "prompt_tokens_details": {"cached_tokens": True}}, (None, None)),
+        (None, (None, None)),
+    ],
+)
+def test_the_prefills_prompt_and_cached_tokens_are_read(usage: Any, expected: tuple[Any, Any]) -> None:
+    for crossed in (True, False):
+        result = PrefillResult("p0", "http://p0", "/v1/completions", "r", None, crossed=crossed)
+        body = orjson.dumps({"choices": [], "usage": usage, "kv_transfer_params": {"remote_engine_id": "e"}})
+        _prefill_result(result, 200, body)
+        assert (result.prompt_tokens, result.cached_tokens) == expected
+        assert result.descriptor == ({"remote_engine_id": "e"} if crossed else None)

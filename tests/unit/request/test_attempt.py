@@ -195,3 +195,68 @@ async def test_a_client_gone_before_the_first_token_has_its_handoff_released() -
     assert len(spawned) == 1
     await spawned[0]
     assert engines.releases == ["d0"] and _held(state) == ([0, 0], [0, 0])
+
+
+class CountingEngines(Engines):
+    """Engines that count prefills and keep what each decode leg was given."""
+
+    def __init__(self, leg: Leg) -> None:
+        super().__init__(leg=leg)
+        self.prefills = 0
+        self.decoded: list[PrefillResult] = []
+
+    async def prefill(self, producer: Any, endpoint: str, body: Any, **kw: Any) -> PrefillResult:
+        self.prefills += 1
+        return await super().prefill(producer, endpoint, body, **kw)
+
+    def decode_leg(self, result: PrefillResult, consumer: Any, body: Any, **kw: Any) -> Leg:
+        self.decoded.append(result)
+        return super().decode_leg(result, consumer, body, **kw)
+
+
+def _local(request: ClientRequest) -> ClientRequest:
+    request.local = True
+    return request
+
+
+async def test_a_local_decode_has_no_prefill_no_descriptor_and_reports_its_consumer() -> None:
+    engines = CountingEngines(Leg([b"data: t0\n\ndata: [DONE]\n\n"]))
+    attempts, state, reports, spawned = _setup(engines)
+    rec = AccessRecord(request_id="c", endpoint="/v1/completions")
+    await attempts.run(Client(), _local(_request()), rec, 0.0, frozenset())  # type: ignore[arg-type]
+    assert engines.prefills == 0
+    (result,) = engines.decoded
+    assert (result.descriptor, result.crossed, result.endpoint) == (None, False, "/v1/completions")
+    assert (rec.mode, rec.producer, rec.consumer, rec.ttft_s) == ("local", None, "d0", None)
+    assert reports.seen == [{"producer": "d0", "consumer": "d0", "ok": True, "reason": None,
+                             "before_first_token": False}]
+    assert _held(state) == ([0, 0], [0, 0]) and spawned == [] and engines.releases == []
+
+
+async def test_a_local_decode_failure_is_the_consumers_before_its_first_token() -> None:
+    fault = EngineError("boom", reason="engine_disconnect", engine="d0", phase="decode")
+    engines = CountingEngines(Leg([], fail_at=fault))
+    attempts, state, reports, spawned = _setup(engines)
+    with pytest.raises(EngineError) as raised:
+        await attempts.run(Client(), _local(_request()), AccessRecord(request_id="c", endpoint="e"), 0.0,  # type: ignore[arg-type]
+                           frozenset())
+    assert raised.value.pair == ("d0", "d0")  # the retry avoids that consumer, and no producer
+    (seen,) = reports.seen
+    assert (seen["producer"], seen["consumer"], seen["reason"], seen["before_first_token"]) == (
+        "d0", "d0", "engine_disconnect", True)
+    assert _held(state) == ([0, 0], [0, 0]) and spawned == [] and engines.releases == []
+
+
+async def test_a_disaggregated_attempt_records_its_mode_and_the_prefills_tokens() -> None:
+    class Cached(Engines):
+        async def prefill(self, producer: Any, endpoint: str, body: Any, **kw: Any) -> PrefillResult:
+            result = await super().prefill(producer, endpoint, body, **kw)
+            result.prompt_tokens, result.cached_tokens = 300, 256
+            return result
+
+    engines = Cached(leg=Leg([b"data: t0\n\ndata: [DONE]\n\n"]))
+    attempts, _, _, _ = _setup(engines)
+    rec = AccessRecord(request_id="c", endpoint="/v1/completions")
+    await attempts.run(Client(), _request(), rec, 0.0, frozenset())  # type: ignore[arg-type]
+    assert (rec.mode, rec.producer, rec.prompt_tokens, rec.cached_tokens) == ("disaggregated", "p0", 300, 256)
+    assert rec.ttft_s is not None

@@ -1,0 +1,99 @@
+"""What an engine says about its own load: the few series of vLLM's ``/metrics`` placement reads.
+
+SPEC §3.2. The names, as vLLM's own ``vllm/v1/metrics/loggers.py`` declares them (checked
+against the source; one gauge per engine index, labelled ``model_name`` and ``engine``):
+
+* ``vllm:num_requests_running`` — requests in the model's execution batches;
+* ``vllm:num_requests_waiting`` — requests queued for the scheduler;
+* ``vllm:kv_cache_usage_perc`` — KV-cache usage, 0 to 1 (despite the name, not a percentage);
+  older engines (before 0.10) call it ``vllm:gpu_cache_usage_perc``, which 0.9 still exports
+  beside the new name as a deprecated copy. The new name wins when both are present.
+
+Invariant: :func:`parse_load` is pure and total. Whatever the body holds (another exporter's
+text, truncated text, binary garbage, ``NaN`` or ``+Inf`` samples) it returns a reading or
+None, never raises: a reading is published for placement, None leaves the last one to go
+stale. Running and waiting are summed over label sets (a data-parallel engine exports one set
+per engine index, and every one of them takes requests); a series that is absent counts 0.
+KV usage is the **mean** over label sets: the ranks of a data-parallel engine share its
+requests through vLLM's own balancer, so the engine is as full as its ranks are on average
+(the max would call a whole engine saturated while most of its cache is free); with one set,
+as almost always, it is that set's value. A body holding none of the three series is not a
+vLLM reading: None.
+
+Why ``str.find`` and a regular expression, not a Prometheus parser: a real engine's exposition
+is tens of kilobytes of histograms, read every ``placement.load_interval_s`` per engine by the
+supervisor. Finding each wanted name at a line start is a C scan; only the few lines found are
+matched, and the rest of the body is never split or looked at in Python.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"
+
+_NAMES = (RUNNING, WAITING, KV_USAGE, KV_USAGE_OLD)
+# A sample line from its start: name, optional {labels} (quoted values may hold braces and
+# escapes), value; a timestamp may follow.
+_SAMPLE = re.compile(
+    r"(vllm:(?:num_requests_running|num_requests_waiting|kv_cache_usage_perc|gpu_cache_usage_perc))"
+    r'(?:\{(?:[^"}\n]|"(?:[^"\\\n]|\\.)*")*\})?[ \t]+(\S+)'
+)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """One reading: requests running and waiting, KV usage (0-1, None when not reported)."""
+
+    running: float
+    waiting: float
+    kv_usage: float | None
+
+
+def parse_load(text: str | bytes) -> EngineLoad | None:
+    """The reading in a Prometheus exposition body, or None when it holds none (see above)."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    sums = {RUNNING: 0.0, WAITING: 0.0}
+    kv: dict[str, list[float]] = {KV_USAGE: [], KV_USAGE_OLD: []}
+    seen = False
+    for match in _samples(text):
+        try:
+            value = float(match.group(2))
+        except ValueError:
+            continue
+        if not math.isfinite(value) or value < 0:
+            continue  # NaN (a gauge never set), Inf, or nonsense: not a figure to place by
+        name = match.group(1)
+        seen = True
+        if name in sums:
+            sums[name] += value
+        else:
+            kv[name].append(value)
+    if not seen:
+        return None
+    usage = kv[KV_USAGE] or kv[KV_USAGE_OLD]
+    return EngineLoad(
+        running=sums[RUNNING],
+        waiting=sums[WAITING],
+        kv_usage=min(sum(usage) / len(usage), 1.0) if usage else None,
+    )
+
+
+def _samples(text: str) -> list[re.Match[str]]:
+    """The sample lines of the wanted series, wherever they are in the body."""
+    found: list[re.Match[str]] = []
+    for name in _NAMES:
+        needle = "\n" + name
+        pos = 0 if text.startswith(name) else text.find(needle)
+        while pos >= 0:
+            match = _SAMPLE.match(text, pos + (text[pos] == "\n"))
+            if match is not None and match.group(1) == name:
+                found.append(match)
+            pos = text.find(needle, pos + 1)
+    return found

@@ -1,0 +1,81 @@
+"""One request's share of the engine's models: its batch slot, its prefix-cache lookup, its prefill.
+
+Why a module of its own: every route that generates (completions, chat, and whatever routes come
+next) goes through the same three steps, and keeping them here keeps the completion path in
+``generate`` a matter of ordering events. With every model off (the default) ``Work`` costs an
+uncontended slot and nothing else: no prompt text is built, nothing is hashed.
+
+The steps, in vLLM's order:
+
+1. ``Work.prepare`` (after validation): with the prefix cache on, the prompt text as the engine
+   sees it is cut into 4-character tokens, which become the request's ``prompt_tokens``, and its
+   chained block hashes are computed once;
+2. ``run`` (when generation starts: after the headers of a stream, after the consumer's KV pull):
+   wait for a batch slot in FIFO order, then, unless the KV came from a producer (a decode with
+   ``do_remote_prefill``), look the blocks up, spend the prefill cost of the uncached tokens on the
+   engine's prefill lane and cache the blocks; returns the cached tokens for ``usage``;
+3. ``end`` (always, in the handler's ``finally``): give the slot back.
+
+Invariant: a ``Work`` holds at most one slot and ``end`` releases exactly what ``run`` took, on
+every path (abort mid-wait, mid-prefill or mid-stream included), so ``vllm:num_requests_running``
+and ``kv_cache_usage_perc`` return to their idle values. It sits above ``state`` and ``parse`` and
+below ``generate``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from narwhal.fake_engine.parse import ParsedRequest
+from narwhal.fake_engine.prefix import prompt_text, text_tokens
+from narwhal.fake_engine.state import EngineState
+
+
+class Work:
+    """The slot, blocks and cache hashes of one request."""
+
+    __slots__ = ("hashes", "computes", "slot", "blocks")
+
+    def __init__(self, hashes: list[int] | None, computes: bool) -> None:
+        self.hashes = hashes
+        self.computes = computes  # False: the KV was computed elsewhere (a remote prefill)
+        self.slot = False
+        self.blocks = 0
+
+    @classmethod
+    def prepare(cls, engine: EngineState, req: ParsedRequest, body: dict[str, Any]) -> Work:
+        computes = not (req.kv_params is not None and req.kv_params.get("do_remote_prefill") is True)
+        cache = engine.cache
+        if cache is None:
+            return cls(None, computes)
+        text = prompt_text(body, req.chat)
+        req.prompt_tokens = text_tokens(text)
+        return cls(cache.block_hashes(text) if computes else None, computes)
+
+    async def run(self, engine: EngineState, req: ParsedRequest) -> int:
+        """Wait for a slot, then prefill what the cache lacks; the cached prompt tokens."""
+        sched = engine.scheduler
+        await sched.acquire()
+        self.slot = True
+        self.blocks = req.prompt_tokens // engine.kv.block_size
+        sched.running_blocks += self.blocks
+        if not self.computes:
+            return 0
+        cached = 0
+        cache = engine.cache
+        if cache is not None and self.hashes is not None:
+            cached = cache.lookup(self.hashes, req.prompt_tokens)
+            engine.prefix_queries += req.prompt_tokens
+            engine.prefix_hits += cached
+        cost = engine.load_model.prefill_s_per_token * (req.prompt_tokens - cached)
+        if cost > 0:
+            await sched.prefill(cost)
+        if cache is not None and self.hashes:
+            cache.insert(self.hashes)
+        return cached
+
+    def end(self, engine: EngineState) -> None:
+        if self.slot:
+            self.slot = False
+            engine.scheduler.running_blocks -= self.blocks
+            engine.scheduler.release()

@@ -1,0 +1,28 @@
+"""Placement (SPEC §3 step 2, §3.2): which producer and consumer take a request, and their slots.
+
+A policy per module, the choice pure (no I/O; counts, engine reports, clock and randomness
+come in through arguments and protocols):
+
+* :mod:`.pair` — :class:`Placement`: candidates, the two passes (quarantine is soft), caps,
+  waiting for a free pair, local decode;
+* :mod:`.least_loaded` — fewest requests first, saturated engines last, ties at random;
+* :mod:`.affinity` — bounded-load rendezvous hashing of the affinity key for producers;
+* :mod:`.load` — engine-reported load as placement weighs it (fresh readings only);
+* :mod:`.reservation` — in-flight counts and the slots an attempt holds.
+"""
+
+from narwhal.fleet.placement.load import LoadReading, Loads, LoadSource
+from narwhal.fleet.placement.pair import Candidate, Placement
+from narwhal.fleet.placement.reservation import InflightCounts, LocalInflight, PhaseName, Reservation
+
+__all__ = [
+    "Candidate",
+    "InflightCounts",
+    "LoadReading",
+    "LoadSource",
+    "Loads",
+    "LocalInflight",
+    "PhaseName",
+    "Placement",
+    "Reservation",
+]

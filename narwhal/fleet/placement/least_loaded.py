@@ -1,0 +1,56 @@
+"""The least-loaded policy: the engine with the fewest requests, saturated ones last, ties at random.
+
+SPEC §3.2. An engine's load for a phase is this host's fleet-wide in-flight legs of that
+phase on it plus, where fresh, what it reports running and waiting (``load.Loads.extra``).
+An engine whose fresh KV usage is at or above ``placement.kv_saturated`` is chosen only when
+every candidate is saturated: more requests there would preempt running ones.
+
+Ties are broken at random: a shuffle under a stable sort (or a ``min``), so equal engines
+share the traffic rather than the first in the configuration taking it all. With no
+saturated engine (the common case) the key is the bare count: nothing per candidate beyond
+what placement paid before engines reported load.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from narwhal.fleet.placement.load import Loads
+
+T = TypeVar("T")
+
+
+def order(
+    items: list[T], load: Callable[[T], float], index: Callable[[T], int], loads: Loads | None, rng: random.Random
+) -> list[T]:
+    """``items`` least loaded first (in place), saturated ones after all others."""
+    if len(items) > 1:
+        rng.shuffle(items)  # random tie-break under the stable sort below
+        if loads is not None and loads.any_saturated:
+            saturated = loads.saturated
+            items.sort(key=lambda item: (saturated[index(item)], load(item)))
+        else:
+            items.sort(key=load)
+    return items
+
+
+def pick(items: list[T], load: Callable[[T], float], index: Callable[[T], int], loads: Loads | None,
+         rng: random.Random) -> T:
+    """The least loaded of ``items`` (not empty), unsaturated first, ties at random."""
+    if len(items) == 1:
+        return items[0]
+    rng.shuffle(items)
+    if loads is not None and loads.any_saturated:
+        saturated = loads.saturated
+        return min(items, key=lambda item: (saturated[index(item)], load(item)))
+    return min(items, key=load)
+
+
+def all_saturated(indexes: Sequence[int], loads: Loads | None) -> bool:
+    """Is every candidate saturated (so the choice is ``saturated``)?"""
+    if loads is None or not loads.any_saturated or not indexes:
+        return False
+    saturated = loads.saturated
+    return all(saturated[i] for i in indexes)

@@ -1,0 +1,89 @@
+"""Engine-reported load as placement weighs it: fresh readings only (SPEC §3.2).
+
+The supervisor publishes each engine's last ``/metrics`` reading with the time it was read;
+this module turns those readings into what the choice needs, per engine index: the extra load
+(reported running + waiting, which counts other replicas' and other clients' requests) and
+whether the engine is saturated (fresh KV usage at or above ``placement.kv_saturated``). A
+reading older than ``placement.load_stale_s`` counts as no reading at all: an engine whose
+``/metrics`` hangs or lies is placed by this host's in-flight counts alone, as before.
+
+Pure: the clock is an argument. :class:`LoadCache` keeps the last result until the
+supervisor publishes a new round (a version number) or a reading in it goes stale, so a
+placement costs one shared-memory word and a clock read, not one record per candidate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class LoadReading(Protocol):
+    """What the supervisor published for one engine (``narwhal.shm.records.LoadRecord``)."""
+
+    @property
+    def read_at(self) -> float: ...
+    @property
+    def running(self) -> float: ...
+    @property
+    def waiting(self) -> float: ...
+    @property
+    def kv_usage(self) -> float | None: ...
+
+
+class LoadSource(Protocol):
+    """Where readings come from: shared memory in a worker."""
+
+    def load_version(self) -> int: ...
+    def load_readings(self) -> Sequence[LoadReading | None]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Loads:
+    """Per engine index: fresh reported requests (0 without a fresh reading), saturation."""
+
+    extra: list[float]
+    saturated: list[bool]
+    any_saturated: bool
+
+
+def fresh_loads(
+    readings: Sequence[LoadReading | None], now: float, stale_s: float, kv_saturated: float
+) -> tuple[Loads, float]:
+    """The loads to place by at ``now``, and until when they stay exactly these."""
+    extra = [0.0] * len(readings)
+    saturated = [False] * len(readings)
+    valid_until = math.inf
+    for i, reading in enumerate(readings):
+        if reading is None or now - reading.read_at > stale_s:
+            continue
+        extra[i] = reading.running + reading.waiting
+        usage = reading.kv_usage
+        saturated[i] = usage is not None and usage >= kv_saturated
+        valid_until = min(valid_until, reading.read_at + stale_s)
+    return Loads(extra, saturated, any(saturated)), valid_until
+
+
+class LoadCache:
+    """The current :class:`Loads` of a source, recomputed only when they can have changed."""
+
+    __slots__ = ("_source", "_clock", "_stale_s", "_kv_saturated", "_version", "_until", "_loads")
+
+    def __init__(self, source: LoadSource, clock: Callable[[], float], stale_s: float, kv_saturated: float) -> None:
+        self._source = source
+        self._clock = clock
+        self._stale_s = stale_s
+        self._kv_saturated = kv_saturated
+        self._version = -1
+        self._until = -math.inf
+        self._loads: Loads | None = None
+
+    def current(self) -> Loads:
+        now = self._clock()
+        version = self._source.load_version()
+        if self._loads is None or version != self._version or now > self._until:
+            self._loads, self._until = fresh_loads(self._source.load_readings(), now, self._stale_s, self._kv_saturated)
+            self._version = version
+        return self._loads

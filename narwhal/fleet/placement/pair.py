@@ -1,0 +1,324 @@
+"""Choosing a producer and a consumer together, and holding both phase slots (SPEC §3 step 2, §3.2, §5).
+
+Invariants, and why:
+
+* P and D are chosen *before* the prefill and both slots are reserved at once, so no handoff
+  is ever produced that no consumer can take (:mod:`.reservation`).
+* An engine that is *out* (ejected, probing, draining) is never chosen. A *quarantined* one
+  (the supervisor's QUARANTINED state, or this worker's own quarantine after a failure it saw)
+  is chosen only when no pair of engines that are not quarantined can take the request; then
+  quarantine is ignored, the engine whose quarantine ends first first (SPEC §5). Quarantine
+  steers traffic away; it must never empty a role, because a fault that follows requests (a
+  prompt every engine fails on) quarantines every engine in turn, and treating quarantine as
+  ejection would then answer clean requests 503 ``no_engine`` on a healthy fleet (issue 16).
+* The normal path — nothing quarantined — is one pass over the candidates asking
+  :meth:`FleetView.admitted`, no lock, no IPC. The second pass runs only when the first found
+  nothing and the view says some engine may be quarantined.
+* The choice itself is pure (no I/O): counts come through :class:`InflightCounts`, engine
+  reports through a :class:`LoadSource`, the clock and the randomness are injected.
+
+Which pair (SPEC §3.2): producers by prefix affinity when the request has a key
+(:mod:`.affinity`), else least loaded (:mod:`.least_loaded`); the consumer least loaded among
+the producer's permitted consumers; saturated engines last; ties at random. A local decode
+(:meth:`Placement.reserve` with ``local``) reserves a consumer only. With
+``load_interval_s = 0`` and no key, this is exactly the least-in-flight choice of before.
+
+A request waits for a pair up to ``placement.queue_timeout_s`` (and never past its deadline),
+with at most ``placement.max_queue`` requests waiting on this worker; then 503 ``no_engine``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+from narwhal.errors import PlacementError
+from narwhal.fleet import Engine, Fleet, FleetView
+from narwhal.fleet.placement import affinity, least_loaded
+from narwhal.fleet.placement.load import LoadCache, Loads, LoadSource
+from narwhal.fleet.placement.reservation import InflightCounts, PhaseName, Reservation
+from narwhal.settings import PlacementSettings
+
+Candidate = tuple[Engine, tuple[Engine, ...]]  # a producer and its permitted consumers
+
+# While waiting for a pair, re-check at least this often: slots freed by other processes
+# (and models discovered late) do not wake this worker's waiters.
+_POLL_S = 0.05
+
+
+def _producer_index(candidate: Candidate) -> int:
+    return candidate[0].index
+
+
+def _engine_index(engine: Engine) -> int:
+    return engine.index
+
+
+class Placement:
+    def __init__(
+        self,
+        fleet: Fleet,
+        view: FleetView,
+        inflight: InflightCounts,
+        settings: PlacementSettings,
+        rng: random.Random | None = None,
+        loads: LoadSource | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.fleet = fleet
+        self.view = view
+        self.inflight = inflight
+        self.settings = settings
+        self._rng = rng or random.Random()
+        self._freed = asyncio.Event()
+        self.waiting = 0
+        self._by_model: dict[str, tuple[Candidate, ...]] = {}
+        self._consumers_by_model: dict[str, tuple[Engine, ...]] = {}
+        self._version = -1
+        # Engine-reported load only when the supervisor reads it: off, no per-request cost.
+        self._loads = (
+            LoadCache(loads, clock, settings.load_stale_s, settings.kv_saturated)
+            if loads is not None and settings.load_interval_s > 0 else None
+        )
+        self._hashes = [affinity.key_hash(e.name) for e in fleet.engines]
+
+    def current_loads(self) -> Loads | None:
+        return None if self._loads is None else self._loads.current()
+
+    def try_place(
+        self, model: str, avoid: frozenset[str] = frozenset(), key: int | None = None, local: bool = False
+    ) -> Reservation | None:
+        """Reserve a permitted pair (or, ``local``, a consumer) serving ``model`` now, or None.
+
+        Engines not quarantined first; quarantined ones only when those cannot take it."""
+        loads = self.current_loads()
+        pick = self._pick_local if local else self._pick
+        found = pick(model, avoid, None, key, loads)
+        if found is None and self.view.any_quarantined():
+            found = pick(model, avoid, self._quarantine_rank(), None, loads)
+        return found
+
+    def _pick(
+        self, model: str, avoid: frozenset[str], rank: Callable[[Engine], float] | None, key: int | None,
+        loads: Loads | None,
+    ) -> Reservation | None:
+        """One pass. The first (``rank`` None): engines admitted, by affinity or load. The
+        second: engines placeable, by quarantine left (``rank``), then load."""
+        inflight = self.inflight
+        # One read of the (fleet-wide) counts per placement, not one per comparison.
+        prefills, decodes = inflight.both_totals()
+        if loads is not None:
+            extra = loads.extra
+            prefill_load: Callable[[Candidate], Any] = lambda c: prefills[c[0].index] + extra[c[0].index]  # noqa: E731
+            decode_load: Callable[[Engine], Any] = lambda e: decodes[e.index] + extra[e.index]  # noqa: E731
+        else:
+            prefill_load = lambda c: prefills[c[0].index]  # noqa: E731
+            decode_load = lambda e: decodes[e.index]  # noqa: E731
+        usable = self.view.admitted if rank is None else self.view.placeable
+        if rank is not None:
+            by_rank_p, by_rank_d = prefill_load, decode_load
+            prefill_load = lambda c: (rank(c[0]), by_rank_p(c))  # noqa: E731
+            decode_load = lambda e: (rank(e), by_rank_d(e))  # noqa: E731
+        candidates = [
+            (p, consumers)
+            for p, consumers in self._candidates(model)
+            if (not avoid or p.name not in avoid) and usable(p)
+        ]
+        ordered, choice_of = self._order(candidates, prefill_load, key, loads)
+        for position, (p, serving) in enumerate(ordered):
+            if p.max_inflight_prefill is not None and prefills[p.index] >= p.max_inflight_prefill:
+                continue
+            consumers = [
+                d
+                for d in serving
+                if (not avoid or d.name not in avoid) and usable(d)
+                and (d.max_inflight_decode is None or decodes[d.index] < d.max_inflight_decode)
+            ]
+            if not consumers:
+                continue
+            d = least_loaded.pick(consumers, decode_load, _engine_index, loads, self._rng)
+            if not inflight.try_reserve(p, "prefill", p.max_inflight_prefill):
+                continue
+            if not inflight.try_reserve(d, "decode", d.max_inflight_decode):
+                inflight.release(p, "prefill")
+                continue
+            return Reservation(self, p, d, choice_of(position, p))
+        return None
+
+    def _order(
+        self, candidates: list[Candidate], load: Callable[[Candidate], Any], key: int | None, loads: Loads | None
+    ) -> tuple[list[Candidate], Callable[[int, Engine], str]]:
+        """The producers in the order to try them, and the ``producer_choice`` of each."""
+        if loads is not None and loads.any_saturated and least_loaded.all_saturated(
+            [c[0].index for c in candidates], loads
+        ):
+            return least_loaded.order(candidates, load, _producer_index, None, self._rng), _saturated
+        if not self.settings.prefix_affinity:
+            key = None
+        if key is None or len(candidates) < 2:  # one candidate: it is the key's favourite
+            ordered = least_loaded.order(candidates, load, _producer_index, loads, self._rng)
+            return ordered, (_least_loaded if key is None else _affinity)
+        if loads is not None and loads.any_saturated:
+            # Saturated producers take no prefix of their own while others have room.
+            saturated = loads.saturated
+            rest = [c for c in candidates if saturated[c[0].index]]
+            candidates = [c for c in candidates if not saturated[c[0].index]]
+        else:
+            rest = []
+        hashes = self._hashes
+        ordered, within, favourite = affinity.bounded_order(
+            candidates, key, lambda c: hashes[c[0].index], load, self.settings.affinity_load_factor
+        )
+
+        def choice(position: int, producer: Engine) -> str:
+            if position >= within:
+                return "least_loaded"
+            return "affinity" if producer is favourite[0] else "affinity_overflow"
+
+        return ordered + least_loaded.order(rest, load, _producer_index, None, self._rng), choice
+
+    def _pick_local(
+        self, model: str, avoid: frozenset[str], rank: Callable[[Engine], float] | None, key: int | None,
+        loads: Loads | None,
+    ) -> Reservation | None:
+        """A consumer alone, for a local decode (SPEC §3.2): least loaded, saturated last."""
+        decodes = self.inflight.totals("decode")
+        usable = self.view.admitted if rank is None else self.view.placeable
+        extra = loads.extra if loads is not None else None
+        consumers = [
+            d for d in self._consumers(model)
+            if (not avoid or d.name not in avoid) and usable(d)
+            and (d.max_inflight_decode is None or decodes[d.index] < d.max_inflight_decode)
+        ]
+
+        def load(e: Engine) -> Any:
+            value = decodes[e.index] + (extra[e.index] if extra is not None else 0)
+            return value if rank is None else (rank(e), value)
+
+        for d in least_loaded.order(consumers, load, _engine_index, loads, self._rng):
+            if self.inflight.try_reserve(d, "decode", d.max_inflight_decode):
+                return Reservation(self, d, d, "local", local=True)
+        return None
+
+    def _quarantine_rank(self) -> Callable[[Engine], float]:
+        """Seconds of quarantine left per engine, read once per pass. Not quarantined is 0.0,
+        so such an engine sorts before every quarantined one (and ties one whose quarantine
+        is just ending, which then is as good as over)."""
+        left = [self.view.quarantine_left(e) for e in self.fleet.engines]
+        return lambda e: left[e.index]
+
+    def _refresh(self) -> None:
+        if self._version != self.fleet.version:
+            self._by_model.clear()
+            self._consumers_by_model.clear()
+            self._version = self.fleet.version
+
+    def _candidates(self, model: str) -> tuple[Candidate, ...]:
+        """Every producer serving ``model`` with its permitted consumers serving it: fixed
+        until an engine's models change, so built once per model rather than per request."""
+        self._refresh()
+        found = self._by_model.get(model)
+        if found is None:
+            found = tuple(
+                (p, tuple(d for d in p.permitted_consumers if model in d.models))
+                for p in self.fleet.engines
+                if p.can_prefill and model in p.models
+            )
+            self._by_model[model] = found
+        return found
+
+    def _consumers(self, model: str) -> tuple[Engine, ...]:
+        """Every engine that can decode ``model`` (a local decode needs no producer)."""
+        self._refresh()
+        found = self._consumers_by_model.get(model)
+        if found is None:
+            found = self._consumers_by_model[model] = tuple(
+                d for d in self.fleet.engines if d.can_decode and model in d.models
+            )
+        return found
+
+    def has_pair(self, model: str) -> bool:
+        """Is there a placeable, role-permitted pair for ``model`` (ignoring load)?
+
+        Quarantined engines count: placement uses them when nothing else can take a request,
+        so a fleet whose every engine is quarantined still serves, and ``/ready`` (which asks
+        this) stays true, and a request waits for a reservation rather than being refused at
+        once. Only engines that are out (ejected, probing, draining) make a model unservable."""
+        placeable = self.view.placeable
+        for p in self.fleet.engines:
+            if p.can_prefill and model in p.models and placeable(p):
+                if any(model in d.models and placeable(d) for d in p.permitted_consumers):
+                    return True
+        return False
+
+    def _servable(self, model: str, local: bool) -> bool:
+        if local:
+            return any(self.view.placeable(d) for d in self._consumers(model))
+        return self.has_pair(model)
+
+    def _place(self, model: str, avoid: frozenset[str], key: int | None, local: bool) -> Reservation | None:
+        # Avoid the engines that just failed, where others exist.
+        found = self.try_place(model, avoid, key, local)
+        if found is None and avoid:
+            found = self.try_place(model, frozenset(), key, local)
+        return found
+
+    async def reserve(
+        self, model: str, deadline: float, avoid: frozenset[str] = frozenset(), key: int | None = None,
+        local: bool = False,
+    ) -> Reservation:
+        """Wait (bounded) for a pair; raise ``no_engine`` when none frees in time."""
+        found = self._place(model, avoid, key, local)
+        if found is not None:
+            return found
+        loop = asyncio.get_running_loop()
+        retry_after = self.settings.retry_after_s
+        if self.waiting >= self.settings.max_queue:
+            raise PlacementError("no engine available: the wait queue is full", retry_after_s=retry_after)
+        if not self._servable(model, local):
+            raise PlacementError(
+                f"no engine available for model {model!r}: every engine serving it is out",
+                retry_after_s=retry_after,
+            )
+        give_up = min(loop.time() + self.settings.queue_timeout_s, deadline)
+        self.waiting += 1
+        try:
+            while True:
+                remaining = give_up - loop.time()
+                if remaining <= 0:
+                    raise PlacementError(
+                        f"no engine available for model {model!r}: all reservations are in use",
+                        retry_after_s=retry_after,
+                    )
+                freed = self._freed
+                try:
+                    async with asyncio.timeout(min(remaining, _POLL_S)):
+                        await freed.wait()
+                except TimeoutError:
+                    pass
+                found = self._place(model, avoid, key, local)
+                if found is not None:
+                    return found
+        finally:
+            self.waiting -= 1
+
+    def _release(self, engine: Engine, phase: PhaseName) -> None:
+        self.inflight.release(engine, phase)
+        if self.waiting:  # a fresh Event per release costs, and only waiters need one
+            freed, self._freed = self._freed, asyncio.Event()
+            freed.set()
+
+
+def _saturated(position: int, producer: Engine) -> str:
+    return "saturated"
+
+
+def _least_loaded(position: int, producer: Engine) -> str:
+    return "least_loaded"
+
+
+def _affinity(position: int, producer: Engine) -> str:
+    return "affinity"

@@ -1,0 +1,101 @@
+"""Phase slots: the in-flight counts placement reads and the reservation an attempt holds.
+
+Invariant: every slot reserved is released exactly once, however the attempt ends:
+:class:`Reservation` makes releasing idempotent, so cleanup code can simply release
+everything in ``finally``. A local decode (SPEC §3.2) holds a decode slot only: its
+``producer`` is its consumer, for naming and reports, and no prefill slot was ever taken.
+
+Counts live behind :class:`InflightCounts`: in a gunicorn worker the fleet-wide shared-memory
+counts of :class:`narwhal.shm.worker.WorkerFleetState`, elsewhere this process's own
+(:class:`LocalInflight`); the policy is the same.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol
+
+from narwhal.fleet import Engine
+
+PhaseName = Literal["prefill", "decode"]
+
+
+class InflightCounts(Protocol):
+    def totals(self, phase: PhaseName) -> list[int]: ...
+    def both_totals(self) -> tuple[list[int], list[int]]: ...  # (prefill, decode), one read
+    def count(self, engine: Engine, phase: PhaseName) -> int: ...
+    def try_reserve(self, engine: Engine, phase: PhaseName, cap: int | None) -> bool: ...
+    def release(self, engine: Engine, phase: PhaseName) -> None: ...
+
+
+class LocalInflight:
+    """This worker's in-flight legs per engine and phase."""
+
+    def __init__(self, size: int) -> None:
+        self._counts: dict[str, list[int]] = {"prefill": [0] * size, "decode": [0] * size}
+
+    def totals(self, phase: PhaseName) -> list[int]:
+        return self._counts[phase]
+
+    def both_totals(self) -> tuple[list[int], list[int]]:
+        return self._counts["prefill"], self._counts["decode"]
+
+    def count(self, engine: Engine, phase: PhaseName) -> int:
+        return self._counts[phase][engine.index]
+
+    def try_reserve(self, engine: Engine, phase: PhaseName, cap: int | None) -> bool:
+        counts = self._counts[phase]
+        if cap is not None and counts[engine.index] >= cap:
+            return False
+        counts[engine.index] += 1
+        return True
+
+    def release(self, engine: Engine, phase: PhaseName) -> None:
+        self._counts[phase][engine.index] -= 1
+
+
+class _Releaser(Protocol):
+    def _release(self, engine: Engine, phase: PhaseName) -> None: ...
+
+
+class Reservation:
+    """The slots of one attempt; each released exactly once.
+
+    ``choice`` says why this producer (``narwhal_placements_total{producer_choice}``):
+    ``affinity``, ``affinity_overflow``, ``least_loaded``, ``saturated``, or ``local`` for a
+    local decode, which chose no producer at all."""
+
+    __slots__ = ("producer", "consumer", "detached", "choice", "_placement", "_prefill_held", "_decode_held")
+
+    def __init__(
+        self, placement: _Releaser, producer: Engine, consumer: Engine, choice: str = "least_loaded",
+        *, local: bool = False,
+    ) -> None:
+        self.producer = producer
+        self.consumer = consumer
+        self.detached = False  # True once a background task owns the release
+        self.choice = choice
+        self._placement = placement
+        self._prefill_held = not local
+        self._decode_held = True
+
+    @property
+    def crossed(self) -> bool:
+        return self.producer is not self.consumer
+
+    @property
+    def local(self) -> bool:
+        return self.choice == "local"
+
+    def release_prefill(self) -> None:
+        if self._prefill_held:
+            self._prefill_held = False
+            self._placement._release(self.producer, "prefill")
+
+    def release_decode(self) -> None:
+        if self._decode_held:
+            self._decode_held = False
+            self._placement._release(self.consumer, "decode")
+
+    def release(self) -> None:
+        self.release_prefill()
+        self.release_decode()

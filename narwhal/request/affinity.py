@@ -1,0 +1,95 @@
+"""What placement learns from the prompt at admission: the affinity key and local decode (SPEC §3.2).
+
+The prompt text as the engine would see it, from the parsed body, in one place: an extractor
+per endpoint returns the text from its start (completions: ``prompt`` — a string, the first
+of a list of strings, or token ids as decimal text; chat: each message's role and text
+content). Other endpoints add their extractor to :data:`EXTRACTORS` beside these
+(responses: ``instructions`` + ``input``; messages: ``system`` + ``messages``; generate: the
+token ids' text); an endpoint without one has no key and never decodes locally.
+
+Invariants, and why:
+
+* Computed once per request, reading at most ``max(affinity_chars, local_prefill_chars)``
+  characters: a 100 KiB prompt costs what a 1 KiB one does.
+* Short prompts cost nothing: under ``affinity_min_chars`` there is no key and nothing is
+  hashed; with affinity off and ``local_prefill_chars = 0`` nothing is read at all.
+* The key is the 64-bit BLAKE2b of the first ``affinity_chars`` characters
+  (``narwhal.fleet.placement.affinity.key_hash``): the same in every worker and replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from narwhal.fleet.placement.affinity import key_hash
+from narwhal.request.admission import CHAT, COMPLETIONS
+from narwhal.settings import PlacementSettings
+
+# The prompt text from its start, at least ``limit`` characters of it when it has that many.
+Extractor = Callable[[dict[str, Any], int], str]
+
+
+def _ids_text(ids: list[Any], limit: int) -> str:
+    # Each id takes at least two characters with its separator: limit ids are always enough.
+    return " ".join(map(str, ids[:limit]))
+
+
+def _completions(body: dict[str, Any], limit: int) -> str:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if isinstance(first, str):
+            return first
+        return _ids_text(first if isinstance(first, list) else prompt, limit)
+    return ""
+
+
+def _message_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: only the text ones are prompt text
+        return "".join(
+            part["text"] for part in content
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+        )
+    return ""
+
+
+def _chat(body: dict[str, Any], limit: int) -> str:
+    parts: list[str] = []
+    size = 0
+    for message in body.get("messages") or ():
+        role = message.get("role")
+        piece = f"{role if isinstance(role, str) else ''}\n{_message_text(message.get('content'))[:limit]}\n"
+        parts.append(piece)
+        size += len(piece)
+        if size >= limit:
+            break
+    return "".join(parts)
+
+
+EXTRACTORS: dict[str, Extractor] = {COMPLETIONS: _completions, CHAT: _chat}
+
+
+def prompt_head(endpoint: str, body: dict[str, Any], limit: int) -> str | None:
+    """The first ``limit`` characters of the prompt text (all of it if shorter); None when the
+    endpoint has no extractor."""
+    extract = EXTRACTORS.get(endpoint)
+    return None if extract is None else extract(body, limit)[:limit]
+
+
+def placement_hints(endpoint: str, body: dict[str, Any], settings: PlacementSettings) -> tuple[int | None, bool]:
+    """(the affinity key's hash or None, whether to decode locally) for one request."""
+    local_chars = settings.local_prefill_chars
+    if not settings.prefix_affinity and local_chars == 0:
+        return None, False
+    head = prompt_head(endpoint, body, max(settings.affinity_chars, local_chars))
+    if head is None:
+        return None, False
+    local = len(head) < local_chars
+    if local or not settings.prefix_affinity or len(head) < settings.affinity_min_chars:
+        return None, local
+    return key_hash(head[: settings.affinity_chars]), False

@@ -1,0 +1,82 @@
+"""Reading the engines' own load (SPEC §3.2): every admitted engine's ``/metrics``, published.
+
+Every ``placement.load_interval_s`` the supervisor starts one read per admitted engine, all
+in parallel, each bounded by the interval, through the same :class:`ControlClient` (TLS
+context, engine key) as every other control read. A reading is parsed
+(``narwhal.engines.load_metrics``) and written to the engine's load record in shared memory
+with the time it was read; then the load generation is bumped, so workers pick it up on
+their next placement, lock-free.
+
+Invariants, and why:
+
+* The loop never waits for a read: rounds are tasks, and an engine whose last read is still
+  running is skipped, so a hung ``/metrics`` costs one pending task, never a late heartbeat.
+* A failed, slow or unparsable read is no breaker failure (health checks and requests judge
+  engines): it publishes nothing, and the last reading goes stale in the workers' eyes
+  (``placement.load_stale_s``). One log line per engine when its reads start failing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from narwhal.engines.control import ControlClient, ControlError
+from narwhal.engines.load_metrics import parse_load
+from narwhal.fleet import Engine
+from narwhal.shm.records import LoadRecord, name_hash, write_load
+from narwhal.shm.shared import SharedFleet
+
+log = logging.getLogger("narwhal.supervisor.load")
+
+
+class LoadReader:
+    def __init__(self, shared: SharedFleet, control: ControlClient) -> None:
+        self.shared = shared
+        self.control = control
+        self._reading: set[str] = set()
+        self._failing: set[str] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def start_round(self, engines: Iterable[Engine]) -> None:
+        """One read per engine not still being read; returns at once."""
+        for engine in engines:
+            if engine.name in self._reading:
+                continue
+            self._reading.add(engine.name)
+            task = asyncio.ensure_future(self._read(engine))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _read(self, engine: Engine) -> None:
+        try:
+            status, body = await self.control.get(engine, "/metrics")
+            reading = parse_load(body) if status == 200 else None
+            why = f"HTTP {status}" if status != 200 else "no vLLM load series in the answer"
+        except ControlError as exc:
+            reading, why = None, exc.reason
+        except Exception:  # a read must never take the supervisor down
+            log.exception("load read of %s crashed", engine.name)
+            reading, why = None, "crashed"
+        finally:
+            self._reading.discard(engine.name)
+        if reading is None:
+            if engine.name not in self._failing:
+                self._failing.add(engine.name)
+                log.warning("load of %s not read (%s): placement uses its in-flight counts only", engine.name, why)
+            return
+        self._failing.discard(engine.name)
+        write_load(
+            self.shared.region,
+            engine.index,
+            LoadRecord(time.monotonic(), reading.running, reading.waiting, reading.kv_usage, name_hash(engine.name)),
+            version=time.monotonic_ns(),
+        )
+        self.shared.bump_load_generation()
+
+    def cancel(self) -> None:
+        for task in self._tasks:
+            task.cancel()

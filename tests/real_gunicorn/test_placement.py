@@ -1,0 +1,254 @@
+"""SPEC §3.2 through real gunicorn: engine-reported load, prefix affinity, local decode, cached tokens.
+
+Its own fleet (the fake's prefix cache on, which the session fleet must not have) and one
+router with 2 workers reading the engines' ``/metrics`` every 100 ms. Prompts of 40 to 63
+characters are placed by load alone (no affinity key, not local); shorter ones are decoded
+locally; longer ones have a key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+import pytest
+
+from narwhal.testing.harness import FakeFleet, RouterProcess
+from tests.real_gunicorn.support import (
+    MODEL,
+    TOKEN,
+    admin,
+    completion,
+    engine_entry,
+    expected_text,
+    post,
+    send,
+    sessions_per_worker,
+    settled,
+    start_router,
+    wait_until,
+)
+from tests.real_gunicorn.test_metrics import scrape, value
+
+PRODUCERS = ["ap0", "ap1"]
+CONSUMERS = ["ad0", "ad1"]
+LOCAL_CHARS = 40
+
+
+@pytest.fixture(scope="module")
+def cache_fleet() -> Iterator[FakeFleet]:
+    fleet = FakeFleet.start(PRODUCERS + CONSUMERS, args=["--model", MODEL, "--lease-s", "120", "--prefix-cache"])
+    yield fleet
+    fleet.stop()
+
+
+@pytest.fixture(scope="module")
+def router(cache_fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
+    engines: list[dict[str, Any]] = [{"name": n, "role": "producer"} for n in PRODUCERS]
+    engines += [{"name": n, "role": "consumer"} for n in CONSUMERS]
+    proc = start_router(
+        cache_fleet, engines, tmp_path_factory.mktemp("placement"),
+        server={"workers": 2, "admin_token": TOKEN},
+        placement={"load_interval_s": 0.1, "load_stale_s": 2, "local_prefill_chars": LOCAL_CHARS},
+    )
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def second_router(cache_fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
+    """Another replica in front of the same fleet, sharing nothing with the first."""
+    engines: list[dict[str, Any]] = [{"name": n, "role": "producer"} for n in PRODUCERS]
+    engines += [{"name": n, "role": "consumer"} for n in CONSUMERS]
+    proc = start_router(cache_fleet, engines, tmp_path_factory.mktemp("replica"), server={"workers": 1})
+    yield proc
+    proc.stop()
+
+
+def _tag() -> str:
+    return uuid.uuid4().hex
+
+
+def _plain_prompt(tag: str) -> str:
+    """Between local_prefill_chars and affinity_min_chars: placed by load, no key."""
+    prompt = f"{tag} plain question w1 w2"
+    assert LOCAL_CHARS <= len(prompt) < 64
+    return prompt
+
+
+def _records(fleet: FakeFleet, engine: str, tag: str) -> list[dict[str, Any]]:
+    return list(fleet.control_request("GET", f"/engines/{engine}/requests?contains={tag}")["requests"])
+
+
+def _access_line(router: RouterProcess, request_id: str) -> dict[str, Any] | None:
+    with open(router.log_path.replace("router.log", "access.log"), "rb") as f:
+        for raw in f:
+            entry = orjson.loads(raw)
+            if entry["request_id"] == request_id:
+                return dict(entry)
+    return None
+
+
+def _wait_access_line(router: RouterProcess, request_id: str) -> dict[str, Any]:
+    wait_until(lambda: _access_line(router, request_id) is not None, 5, f"the access line of {request_id}")
+    line = _access_line(router, request_id)
+    assert line is not None
+    return line
+
+
+async def _wait_load(router: RouterProcess, name: str, check: Any, what: str, timeout: float = 15) -> dict:
+    end = asyncio.get_running_loop().time() + timeout
+    while True:
+        load = (await engine_entry(router, name))["load"]
+        if check(load):
+            return dict(load) if load is not None else {}
+        if asyncio.get_running_loop().time() > end:
+            raise AssertionError(f"{name}: {what}; last load {load}")
+        await asyncio.sleep(0.05)
+
+
+def _fresh(load: dict | None) -> bool:
+    return load is not None and load["age_s"] < 2
+
+
+async def test_same_prefix_requests_from_two_workers_reach_one_producer(
+    cache_fleet: FakeFleet, router: RouterProcess
+) -> None:
+    tag = _tag()
+    # A system prompt longer than affinity_chars (1024): the key is the same whatever follows.
+    prefix = f"{tag} " + "You are the assistant of the affinity test; answer briefly. " * 20
+    before = scrape(router)
+    async with sessions_per_worker(router, 2) as sessions:
+        for i in range(6):
+            for session in sessions.values():
+                status, body = await post(session, router, completion(prefix + f"question {i}", stream=False))
+                assert status == 200, body
+    served = {p: len(_records(cache_fleet, p, tag)) for p in PRODUCERS}
+    assert sorted(served.values()) == [0, 12], served  # every prefill on one producer, from both workers
+
+    def affinity_delta() -> float:
+        return value(scrape(router), "narwhal_placements_total", producer_choice="affinity") - value(
+            before, "narwhal_placements_total", producer_choice="affinity")
+
+    assert settled(affinity_delta, 12.0) == 12.0
+
+
+async def test_two_router_replicas_send_a_prefix_to_the_same_producer(
+    cache_fleet: FakeFleet, router: RouterProcess, second_router: RouterProcess
+) -> None:
+    for n in range(4):
+        tag = _tag()
+        prompt = f"{tag} " + f"system prompt {n} shared by every replica's users. " * 25 + "question"
+        chosen = []
+        for replica in (router, second_router):
+            reply = await send(replica.url, "/v1/completions", completion(prompt, stream=False))
+            assert reply.status == 200, reply.raw
+            chosen.append({p for p in PRODUCERS if _records(cache_fleet, p, tag)})
+        assert len(chosen[0]) == 1 and chosen[1] == chosen[0], chosen
+
+
+async def test_a_consumer_busy_behind_the_routers_back_is_avoided(
+    cache_fleet: FakeFleet, router: RouterProcess
+) -> None:
+    cache_fleet.set_background("ad0", 6, hold_s=60)
+    try:
+        # Requests another replica sends, which this router never saw: only ad0's /metrics shows them.
+        await _wait_load(router, "ad0", lambda ld: _fresh(ld) and ld["running"] + ld["waiting"] == 6,
+                         "the background load never showed")
+        tag = _tag()
+        for _ in range(8):
+            reply = await send(router.url, "/v1/completions", completion(_plain_prompt(tag)))
+            assert reply.status == 200, reply.raw
+        assert (len(_records(cache_fleet, "ad0", tag)), len(_records(cache_fleet, "ad1", tag))) == (0, 8)
+    finally:
+        cache_fleet.set_background("ad0", 0)
+    await _wait_load(router, "ad0", lambda ld: _fresh(ld) and ld["running"] + ld["waiting"] == 0,
+                     "the background load never went")
+
+
+def _breaker_view(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in e.items() if k not in ("load", "inflight")} for e in entries]
+
+
+async def test_metrics_that_hang_or_lie_change_nothing_but_load(
+    cache_fleet: FakeFleet, router: RouterProcess
+) -> None:
+    before = _breaker_view((await admin(router))["engines"])
+    cache_fleet.control_request("PUT", "/engines/ad1/faults", {"metrics": "hang"})
+    cache_fleet.control_request("PUT", "/engines/ap1/faults", {"metrics": "garbage"})
+    try:
+        for name in ("ad1", "ap1"):  # the last good reading goes stale; nothing else happens
+            await _wait_load(router, name, lambda ld: ld is None or ld["age_s"] > 2, "its reading never went stale")
+        tag = _tag()
+        for _ in range(16):
+            reply = await send(router.url, "/v1/completions", completion(_plain_prompt(tag)))
+            assert reply.status == 200, reply.raw
+            assert reply.text == expected_text(4)
+        used = {e for e in PRODUCERS + CONSUMERS if _records(cache_fleet, e, tag)}
+        assert used == set(PRODUCERS + CONSUMERS)  # both still placed, by in-flight counts and ties
+        assert _breaker_view((await admin(router))["engines"]) == before
+    finally:
+        for name in ("ad1", "ap1"):
+            cache_fleet.control_request("DELETE", f"/engines/{name}/faults")
+    for name in ("ad1", "ap1"):
+        await _wait_load(router, name, _fresh, "reading never came back")
+
+
+async def test_a_local_decode_sends_nothing_to_any_producer(cache_fleet: FakeFleet, router: RouterProcess) -> None:
+    tag = _tag()[:16]
+    prompt = f"{tag} hi"
+    assert len(prompt) < LOCAL_CHARS
+    before = scrape(router)
+    rid = "local-" + tag
+    reply = await send(router.url, "/v1/completions", completion(prompt), headers={"x-request-id": rid})
+    assert reply.status == 200, reply.raw
+    assert reply.text == expected_text(4)
+    assert all(_records(cache_fleet, p, tag) == [] for p in PRODUCERS)
+    decoded = [r for c in CONSUMERS for r in _records(cache_fleet, c, tag)]
+    assert len(decoded) == 1
+    assert "kv_transfer_params" not in decoded[0]["body"]
+    assert decoded[0]["body"]["stream"] is True and decoded[0]["body"]["max_tokens"] == 4
+    line = _wait_access_line(router, rid)
+    assert (line["mode"], line["producer"], line["ttft_s"]) == ("local", None, None)
+    assert line["consumer"] in CONSUMERS and line["prompt_tokens"] is None and line["cached_tokens"] is None
+
+    def local_delta() -> float:
+        return value(scrape(router), "narwhal_local_decodes_total") - value(before, "narwhal_local_decodes_total")
+
+    assert settled(local_delta, 1.0) == 1.0
+
+
+async def test_cached_tokens_reach_the_access_log_and_the_counter(
+    cache_fleet: FakeFleet, router: RouterProcess
+) -> None:
+    tag = _tag()
+    # Longer than affinity_chars (1024): both prompts have the same key, so the same producer.
+    shared = (tag + " ") + "".join(f"block {i:02d} ".ljust(64, "x") for i in range(17))
+    before = scrape(router)
+    lines = []
+    for i, tail in enumerate(("first question", "other question")):
+        rid = f"cached-{i}-{tag}"
+        reply = await send(router.url, "/v1/completions", completion(shared + tail, stream=False),
+                           headers={"x-request-id": rid})
+        assert reply.status == 200, reply.raw
+        lines.append(_wait_access_line(router, rid))
+    first, second = lines
+    assert first["mode"] == second["mode"] == "disaggregated"
+    assert first["producer"] == second["producer"]
+    assert first["cached_tokens"] is None  # a miss: vLLM reports no prompt_tokens_details
+    assert isinstance(second["cached_tokens"], int) and second["cached_tokens"] >= 17 * 16
+    assert first["prompt_tokens"] == second["prompt_tokens"] > second["cached_tokens"]
+    expected = {
+        "cached": float(second["cached_tokens"]),
+        "computed": float(first["prompt_tokens"] + second["prompt_tokens"] - second["cached_tokens"]),
+    }
+
+    def deltas() -> dict[str, float]:
+        now = scrape(router)
+        return {kind: value(now, "narwhal_prefill_tokens_total", kind=kind)
+                - value(before, "narwhal_prefill_tokens_total", kind=kind) for kind in expected}
+
+    assert settled(deltas, expected) == expected

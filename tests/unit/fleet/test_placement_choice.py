@@ -1,0 +1,310 @@
+"""The choice of SPEC §3.2, pure: engine-reported load, saturation, prefix affinity, local decode.
+
+Counts are :class:`LocalInflight`, engine reports a :class:`Readings` source, the clock and the
+randomness are injected: every test decides exactly what placement sees.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from narwhal.fleet import Fleet
+from narwhal.fleet.placement import LocalInflight, Placement, Reservation
+from narwhal.fleet.placement.affinity import key_hash, rank
+from narwhal.fleet.placement.load import fresh_loads
+from narwhal.settings import Settings
+from tests.unit.fleet.test_placement import MODEL, FakeView
+
+PRODUCERS = [f"p{i}" for i in range(4)]
+KEY = key_hash("You are a helpful assistant. " * 8)
+
+
+@dataclass
+class Reading:
+    read_at: float
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float | None = None
+
+
+class Readings:
+    """A LoadSource: ``by_name`` readings; ``version`` bumped by the test when they change."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.by_name: dict[str, Reading] = {}
+        self.version = 0
+        self.reads = 0
+
+    def set(self, **readings: Reading) -> None:
+        self.by_name.update(readings)
+        self.version += 1
+
+    def load_version(self) -> int:
+        return self.version
+
+    def load_readings(self) -> list[Reading | None]:
+        self.reads += 1
+        return [self.by_name.get(e.name) for e in self.fleet.engines]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _build(
+    engines: list[dict[str, Any]], seed: int = 0, **placement: Any
+) -> tuple[Placement, Readings, Clock, LocalInflight, FakeView]:
+    specs = [{"url": f"http://127.0.0.1:{9000 + i}", "models": [MODEL], **e} for i, e in enumerate(engines)]
+    settings = Settings(engines=specs, placement=placement)
+    fleet = Fleet(settings)
+    view, inflight, readings, clock = FakeView(), LocalInflight(len(fleet.engines)), Readings(fleet), Clock()
+    built = Placement(fleet, view, inflight, settings.placement, random.Random(seed), loads=readings, clock=clock)
+    return built, readings, clock, inflight, view
+
+
+def _fleet(producers: int = 4, consumers: int = 2, **placement: Any) -> tuple[Placement, Readings, Clock,
+                                                                             LocalInflight, FakeView]:
+    engines = [{"name": f"p{i}", "role": "producer"} for i in range(producers)]
+    engines += [{"name": f"d{i}", "role": "consumer"} for i in range(consumers)]
+    return _build(engines, **placement)
+
+
+def _place(placement: Placement, key: int | None = None, avoid: frozenset[str] = frozenset()) -> Reservation:
+    found = placement.try_place(MODEL, avoid, key)
+    assert found is not None
+    return found
+
+
+def _consumers(placement: Placement, n: int) -> Counter[str]:
+    chosen: Counter[str] = Counter()
+    for _ in range(n):
+        found = _place(placement)
+        chosen[found.consumer.name] += 1
+        found.release()
+    return chosen
+
+
+def _favourite(key: int, names: list[str]) -> list[str]:
+    return rank(names, key, key_hash)
+
+
+# ------------------------------------------------------------------------------ affinity
+
+
+def test_the_same_key_goes_to_its_favourite_producer_every_time() -> None:
+    placement, *_ = _fleet()
+    favourite = _favourite(KEY, PRODUCERS)[0]
+    choices = set()
+    for _ in range(20):
+        found = _place(placement, KEY)
+        choices.add((found.producer.name, found.choice))
+        found.release()
+    assert choices == {(favourite, "affinity")}
+
+
+def test_the_ranking_is_the_same_in_another_process_with_another_hash_seed() -> None:
+    here = _favourite(KEY, PRODUCERS)
+    code = (
+        "from narwhal.fleet.placement.affinity import key_hash, rank;"
+        f"print(','.join(rank({PRODUCERS!r}, key_hash('You are a helpful assistant. ' * 8), key_hash)))"
+    )
+    for seed in ("1", "4242"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip().split(",") == here
+
+
+def test_different_keys_spread_over_the_producers() -> None:
+    favourites = Counter(_favourite(key_hash(f"system prompt number {i} " * 4), PRODUCERS)[0] for i in range(200))
+    assert set(favourites) == set(PRODUCERS)
+    assert min(favourites.values()) >= 20  # ~50 each: no producer is left without prefixes
+
+
+def test_a_favourite_over_its_bound_overflows_to_the_next_in_rank() -> None:
+    placement, _, _, inflight, _ = _fleet()
+    first, second = _favourite(KEY, PRODUCERS)[:2]
+    engine = placement.fleet.by_name[first]
+    for _ in range(6):  # mean (6/4 = 1.5) × 1.25 + 1 = 2.875 < 6
+        assert inflight.try_reserve(engine, "prefill", None)
+    found = _place(placement, KEY)
+    assert (found.producer.name, found.choice) == (second, "affinity_overflow")
+
+
+def test_a_favourite_within_its_bound_keeps_the_prefix_though_others_are_idler() -> None:
+    placement, _, _, inflight, _ = _fleet()
+    favourite = _favourite(KEY, PRODUCERS)[0]
+    engine = placement.fleet.by_name[favourite]
+    assert inflight.try_reserve(engine, "prefill", None)  # 1 <= 0.25 × 1.25 + 1
+    found = _place(placement, KEY)
+    assert (found.producer.name, found.choice) == (favourite, "affinity")
+
+
+def test_reported_load_counts_toward_the_bound() -> None:
+    placement, readings, clock, _, _ = _fleet(load_interval_s=0.1)
+    first, second = _favourite(KEY, PRODUCERS)[:2]
+    readings.set(**{first: Reading(clock.now, running=8, waiting=4)})  # 12 > 3 × 1.25 + 1
+    found = _place(placement, KEY)
+    assert (found.producer.name, found.choice) == (second, "affinity_overflow")
+
+
+def test_without_a_key_producers_are_least_loaded() -> None:
+    placement, readings, clock, _, _ = _fleet(load_interval_s=0.1)
+    readings.set(p0=Reading(clock.now, running=3), p1=Reading(clock.now, running=1),
+                 p2=Reading(clock.now, waiting=2), p3=Reading(clock.now, running=0, waiting=0))
+    found = _place(placement)
+    assert (found.producer.name, found.choice) == ("p3", "least_loaded")
+
+
+def test_affinity_off_ignores_the_key() -> None:
+    placement, *_ = _fleet(prefix_affinity=False)
+    chosen: Counter[str] = Counter()
+    for _ in range(60):
+        found = _place(placement, KEY)
+        chosen[found.producer.name] += 1
+        assert found.choice == "least_loaded"
+        found.release()
+    assert set(chosen) == set(PRODUCERS)
+
+
+def test_the_retry_avoids_the_favourite_that_just_failed() -> None:
+    placement, *_ = _fleet()
+    first, second = _favourite(KEY, PRODUCERS)[:2]
+    found = _place(placement, KEY, avoid=frozenset({first}))
+    assert found.producer.name == second  # the next in rank: the prefix's second home
+
+
+def test_a_capped_favourite_gives_way_and_kv_peers_hold() -> None:
+    names = ["p0", "p1"]
+    favourite, other = _favourite(KEY, names)
+    engines = [
+        {"name": favourite, "role": "producer", "max_inflight_prefill": 1, "kv_peers": ["d0"]},
+        {"name": other, "role": "producer", "kv_peers": ["d1"]},
+        {"name": "d0", "role": "consumer"},
+        {"name": "d1", "role": "consumer"},
+    ]
+    placement, *_ = _build(engines)
+    held = _place(placement, KEY)
+    assert (held.producer.name, held.consumer.name) == (favourite, "d0")  # its only peer
+    nxt = _place(placement, KEY)
+    assert (nxt.producer.name, nxt.consumer.name) == (other, "d1")  # favourite at its cap
+
+
+# ------------------------------------------------------------------------------ consumers, load
+
+
+def test_consumers_by_in_flight_plus_reported_load() -> None:
+    placement, readings, clock, inflight, _ = _fleet(load_interval_s=0.1)
+    d0 = placement.fleet.by_name["d0"]
+    assert inflight.try_reserve(d0, "decode", None)  # d0: 1 here + 0 reported
+    readings.set(d1=Reading(clock.now, running=2, waiting=1))  # d1: 0 here + 3 reported
+    for _ in range(10):
+        found = _place(placement)
+        assert found.consumer.name == "d0"
+        found.release()
+
+
+def test_stale_readings_are_not_used() -> None:
+    placement, readings, clock, _, _ = _fleet(load_interval_s=0.1, load_stale_s=2)
+    readings.set(d0=Reading(clock.now, running=50))
+    assert _consumers(placement, 5) == Counter({"d1": 5})
+    clock.now += 2.5  # the reading is now older than load_stale_s, and nothing newer came
+    assert set(_consumers(placement, 40)) == {"d0", "d1"}
+
+
+def test_fresh_loads_by_age() -> None:
+    loads, until = fresh_loads([Reading(10.0, 1, 2, 0.99), None, Reading(7.0, 5, 5, 0.1)], 11.0, 2.0, 0.95)
+    assert loads.extra == [3.0, 0.0, 0.0] and loads.saturated == [True, False, False]
+    assert until == 12.0
+
+
+def test_ties_are_broken_at_random() -> None:
+    placement, readings, clock, _, _ = _fleet(load_interval_s=0.1, seed=7)
+    readings.set(d0=Reading(clock.now, running=1), d1=Reading(clock.now, running=1))
+    assert set(_consumers(placement, 40)) == {"d0", "d1"}
+
+
+def test_a_saturated_consumer_is_chosen_only_when_every_one_is() -> None:
+    placement, readings, clock, inflight, _ = _fleet(load_interval_s=0.1)
+    readings.set(d0=Reading(clock.now, kv_usage=0.96), d1=Reading(clock.now, running=20, kv_usage=0.5))
+    assert _consumers(placement, 5) == Counter({"d1": 5})  # busier, but has KV room
+    readings.set(d1=Reading(clock.now, running=20, kv_usage=0.99))
+    found = _place(placement)
+    assert found.consumer.name == "d0"  # both saturated: the least loaded of them
+
+
+def test_every_producer_saturated_is_the_saturated_choice() -> None:
+    placement, readings, clock, _, _ = _fleet(load_interval_s=0.1)
+    readings.set(**{p: Reading(clock.now, running=i, kv_usage=0.97) for i, p in enumerate(PRODUCERS)})
+    found = _place(placement, KEY)
+    assert (found.producer.name, found.choice) == ("p0", "saturated")
+
+
+def test_a_saturated_favourite_loses_the_prefix_while_others_have_room() -> None:
+    placement, readings, clock, _, _ = _fleet(load_interval_s=0.1)
+    first, second = _favourite(KEY, PRODUCERS)[:2]
+    readings.set(**{first: Reading(clock.now, kv_usage=0.99)})
+    found = _place(placement, KEY)
+    assert found.producer.name == second
+
+
+def test_load_interval_zero_never_reads_reports_and_places_as_before() -> None:
+    off, readings, clock, _, _ = _fleet(load_interval_s=0, prefix_affinity=False, seed=3)
+    readings.set(d0=Reading(clock.now, running=99, kv_usage=1.0))
+    settings = Settings(engines=[{"name": n, "role": "producer" if n[0] == "p" else "consumer",
+                                  "url": f"http://127.0.0.1:{9000 + i}", "models": [MODEL]}
+                                 for i, n in enumerate(PRODUCERS + ["d0", "d1"])])
+    fleet = Fleet(settings)
+    before = Placement(fleet, FakeView(), LocalInflight(len(fleet.engines)), settings.placement, random.Random(3))
+    got, expected = [], []
+    for _ in range(30):
+        a, b = _place(off, KEY), _place(before)
+        got.append((a.producer.name, a.consumer.name))
+        expected.append((b.producer.name, b.consumer.name))
+    assert got == expected
+    assert readings.reads == 0
+
+
+def test_readings_are_read_once_per_published_round() -> None:
+    placement, readings, clock, _, _ = _fleet(load_interval_s=0.1)
+    readings.set(d0=Reading(clock.now))
+    for _ in range(10):
+        _place(placement).release()
+    assert readings.reads == 1
+    readings.set(d1=Reading(clock.now))
+    _place(placement).release()
+    assert readings.reads == 2
+
+
+# ------------------------------------------------------------------------------ local decode
+
+
+def test_a_local_decode_reserves_a_consumer_only() -> None:
+    placement, readings, clock, inflight, _ = _fleet(load_interval_s=0.1)
+    readings.set(d0=Reading(clock.now, running=4))
+    found = placement.try_place(MODEL, local=True)
+    assert found is not None
+    assert (found.producer.name, found.consumer.name, found.choice, found.local) == ("d1", "d1", "local", True)
+    assert inflight.totals("prefill") == [0] * 6
+    assert inflight.totals("decode")[4:] == [0, 1]
+    found.release()
+    assert inflight.totals("decode") == [0] * 6
+
+
+def test_a_local_decode_respects_caps_and_avoid() -> None:
+    engines = [{"name": "p0", "role": "producer"}, {"name": "d0", "role": "consumer", "max_inflight_decode": 1},
+               {"name": "d1", "role": "consumer"}]
+    placement, *_ = _build(engines)
+    first = placement.try_place(MODEL, frozenset({"d1"}), local=True)
+    assert first is not None and first.consumer.name == "d0"
+    assert placement.try_place(MODEL, frozenset({"d1"}), local=True) is None  # d0 full, d1 avoided

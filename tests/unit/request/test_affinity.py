@@ -1,0 +1,68 @@
+"""The affinity key and local decode, decided once at admission from the parsed body (SPEC §3.2)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from narwhal.fleet.placement.affinity import key_hash
+from narwhal.request import affinity
+from narwhal.request.admission import CHAT, COMPLETIONS
+from narwhal.request.affinity import placement_hints, prompt_head
+from narwhal.settings import PlacementSettings
+
+LONG = "You are a careful assistant who answers in French. " * 40  # ~2 KiB
+
+
+def _settings(**values: Any) -> PlacementSettings:
+    return PlacementSettings(**values)
+
+
+def test_completions_prompt_forms_the_key_cut_to_affinity_chars() -> None:
+    key, local = placement_hints(COMPLETIONS, {"prompt": LONG + "question one"}, _settings())
+    assert (key, local) == (key_hash(LONG[:1024]), False)
+    # Prompts that share their first affinity_chars characters share the key.
+    assert placement_hints(COMPLETIONS, {"prompt": LONG + "question two"}, _settings())[0] == key
+
+
+def test_the_forms_of_a_completions_prompt() -> None:
+    assert prompt_head(COMPLETIONS, {"prompt": ["first", "second"]}, 100) == "first"
+    assert prompt_head(COMPLETIONS, {"prompt": [1, 22, 333]}, 100) == "1 22 333"
+    assert prompt_head(COMPLETIONS, {"prompt": [[7, 8], [9]]}, 100) == "7 8"
+    assert prompt_head(COMPLETIONS, {"prompt": list(range(10_000))}, 10) == "0 1 2 3 4 "
+
+
+def test_chat_key_is_roles_and_text_content_in_order() -> None:
+    body = {"messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "image_url", "image_url": {}},
+                                     {"type": "text", "text": " there"}]},
+    ]}
+    assert prompt_head(CHAT, body, 1000) == "system\nbe brief\nuser\nhello there\n"
+    assert prompt_head(CHAT, body, 10) == "system\nbe "
+
+
+def test_short_prompts_have_no_key() -> None:
+    assert placement_hints(COMPLETIONS, {"prompt": "x" * 63}, _settings()) == (None, False)
+    assert placement_hints(COMPLETIONS, {"prompt": "x" * 64}, _settings())[0] == key_hash("x" * 64)
+
+
+def test_affinity_off_no_key_and_nothing_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(*_: Any) -> None:
+        raise AssertionError("the prompt was read")
+
+    monkeypatch.setattr(affinity, "prompt_head", boom)
+    assert placement_hints(COMPLETIONS, {"prompt": LONG}, _settings(prefix_affinity=False)) == (None, False)
+
+
+def test_local_decode_below_local_prefill_chars() -> None:
+    settings = _settings(local_prefill_chars=2000)
+    assert placement_hints(COMPLETIONS, {"prompt": "short question"}, settings) == (None, True)
+    assert placement_hints(COMPLETIONS, {"prompt": "x" * 1999}, settings) == (None, True)
+    key, local = placement_hints(COMPLETIONS, {"prompt": "x" * 2000}, settings)
+    assert (key, local) == (key_hash("x" * 1024), False)
+
+
+def test_an_endpoint_without_an_extractor_has_no_key_and_no_local_decode() -> None:
+    assert placement_hints("/v1/other", {"prompt": LONG}, _settings(local_prefill_chars=10)) == (None, False)

@@ -1,0 +1,55 @@
+"""Engine load in shared memory (SPEC §3.2): the supervisor's records, the workers' lock-free view."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from narwhal.fleet import Fleet
+from narwhal.settings import Settings
+from narwhal.shm.records import EngineRecord, LoadRecord, name_hash, read_load, read_record, write_load, write_record
+from narwhal.shm.shared import SharedFleet
+from narwhal.shm.worker import WorkerFleetState
+
+
+@pytest.fixture
+def shared() -> Iterator[SharedFleet]:
+    fleet = SharedFleet.create(engines=4, slots=2, ring=8)
+    yield fleet
+    fleet.close()
+
+
+def test_load_round_trip_absence_and_no_kv(shared: SharedFleet) -> None:
+    assert read_load(shared.region, 0) is None
+    write_load(shared.region, 1, LoadRecord(12.5, 3.0, 2.0, 0.5, name_hash("d0")), version=1)
+    write_load(shared.region, 2, LoadRecord(13.0, 1.0, 0.0, None, name_hash("d1")), version=2)
+    assert read_load(shared.region, 1) == LoadRecord(12.5, 3.0, 2.0, 0.5, name_hash("d0"))
+    assert read_load(shared.region, 2) == LoadRecord(13.0, 1.0, 0.0, None, name_hash("d1"))
+    assert read_load(shared.region, 3) is None
+
+
+def test_load_records_do_not_overlap_breaker_records_or_slots(shared: SharedFleet) -> None:
+    rec = EngineRecord(version=5, state=2, failure_streak=1, ejections=1, quarantined_until=None,
+                       last_failure_reason=None, last_failure_at=None, name_hash=9)
+    for i in range(4):
+        write_record(shared.region, i, rec)
+        write_load(shared.region, i, LoadRecord(1.0, 1.0, 1.0, 1.0, 9), version=1)
+    slot = shared.claim_slot(12345)
+    assert slot is not None and shared.slot_counts(slot) == (0,) * 8
+    assert all(read_record(shared.region, i) == rec for i in range(4))
+
+
+def test_the_worker_sees_readings_of_its_own_engines_only(shared: SharedFleet) -> None:
+    settings = Settings(engines=[{"name": "p0", "role": "producer", "url": "http://127.0.0.1:1"},
+                                 {"name": "d0", "role": "consumer", "url": "http://127.0.0.1:2"}])
+    slot = shared.claim_slot(1)
+    assert slot is not None
+    state = WorkerFleetState(shared, slot, Fleet(settings))
+    assert state.load_readings() == [None, None]
+    before = state.load_version()
+    write_load(shared.region, 0, LoadRecord(1.0, 2.0, 3.0, 0.25, name_hash("p0")), version=1)
+    write_load(shared.region, 1, LoadRecord(1.0, 2.0, 3.0, 0.25, name_hash("an engine before a reload")), version=1)
+    shared.bump_load_generation()
+    assert state.load_version() == before + 1
+    assert state.load_readings() == [LoadRecord(1.0, 2.0, 3.0, 0.25, name_hash("p0")), None]

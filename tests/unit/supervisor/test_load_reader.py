@@ -1,0 +1,73 @@
+"""The supervisor's load reads (SPEC §3.2): in parallel, never waited for, failures publish nothing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from narwhal.engines.control import ControlError
+from narwhal.fleet import Fleet
+from narwhal.settings import Settings
+from narwhal.shm.records import name_hash, read_load
+from narwhal.shm.shared import SharedFleet
+from narwhal.supervisor.load import LoadReader
+
+GOOD = 'vllm:num_requests_running{engine="0"} 3\nvllm:num_requests_waiting{engine="0"} 1\n' \
+       'vllm:kv_cache_usage_perc{engine="0"} 0.5\n'
+
+
+class Control:
+    """Answers per engine name: a body, an error, or a hang until released."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+        self.release = asyncio.Event()
+
+    async def get(self, engine: Any, path: str) -> tuple[int, bytes]:
+        assert path == "/metrics"
+        self.calls[engine.name] += 1
+        if engine.name == "ok":
+            return 200, GOOD.encode()
+        if engine.name == "down":
+            raise ControlError("unreachable")
+        if engine.name == "html":
+            return 200, b"<html>bad gateway</html>"
+        if engine.name == "five":
+            return 503, b""
+        await self.release.wait()  # "hung"
+        return 200, GOOD.encode()
+
+
+@pytest.fixture
+def shared() -> Iterator[SharedFleet]:
+    fleet = SharedFleet.create(engines=8, slots=2, ring=8)
+    yield fleet
+    fleet.close()
+
+
+async def test_a_round_returns_at_once_and_publishes_only_good_readings(shared: SharedFleet) -> None:
+    names = ["ok", "down", "html", "five", "hung"]
+    fleet = Fleet(Settings(engines=[{"name": n, "role": "consumer", "url": f"http://127.0.0.1:{i + 1}"}
+                                    for i, n in enumerate(names)]))
+    control = Control()
+    reader = LoadReader(shared, control)  # type: ignore[arg-type]
+    reader.start_round(fleet.engines)  # returns without awaiting any read
+    for _ in range(50):
+        await asyncio.sleep(0)
+    ok = read_load(shared.region, 0)
+    assert ok is not None and (ok.running, ok.waiting, ok.kv_usage, ok.name_hash) == (3.0, 1.0, 0.5, name_hash("ok"))
+    assert [read_load(shared.region, i) for i in range(1, 5)] == [None] * 4
+    assert shared.load_generation == 1
+    reader.start_round(fleet.engines)  # the hung read is still running: not started twice
+    for _ in range(50):
+        await asyncio.sleep(0)
+    assert control.calls == Counter({"ok": 2, "down": 2, "html": 2, "five": 2, "hung": 1})
+    control.release.set()
+    for _ in range(50):
+        await asyncio.sleep(0)
+    assert read_load(shared.region, 4) is not None and shared.load_generation == 3
+    reader.cancel()
