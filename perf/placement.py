@@ -50,8 +50,9 @@ def setup(name: str, quick: bool) -> Setup:
     """The fleets and variants of each placement scenario (sizes in the README's performance section)."""
     if name == "prefix_mix":
         # 16 system prompts of 4 KiB (64 blocks each, 1,024 in all) against 400 blocks per producer:
-        # one producer holds about 6 of them, four producers with affinity hold them all.
-        model = ("--prefix-cache", "--kv-blocks", "400", "--prefill-s-per-token", "0.00005")
+        # one producer holds about 6 of them, four producers with affinity hold them all. 100 µs a
+        # prompt token (10k tokens/s per producer) makes the fleet prefill-bound, as affinity assumes.
+        model = ("--prefix-cache", "--kv-blocks", "400", "--prefill-s-per-token", "0.0001")
         return Setup(
             4, 2, model, (), {"affinity": {"prefix_affinity": True}, "no-affinity": {"prefix_affinity": False}},
             chat=True,

@@ -93,7 +93,7 @@ def read_record(region: Region, engine: int) -> EngineRecord | None:
 
 # ---------------------------------------------------------------------------------- load
 
-_LOAD = struct.Struct("<QddddI")  # version, read_at (monotonic s), running, waiting, kv_usage (NaN: none), name
+_LOAD = struct.Struct("<QdddddI")  # version, read_at (monotonic s), running, waiting, kv_usage (NaN: none), ours, name
 LOAD_BYTES = _LOAD.size + 4
 _VERSION = struct.Struct("<Q")
 
@@ -110,12 +110,13 @@ class LoadRecord:
     waiting: float
     kv_usage: float | None
     name_hash: int
+    ours: float = 0.0  # this host's in-flight legs on the engine (both phases) when the answer came
 
 
 def write_load(region: Region, engine: int, rec: LoadRecord, version: int) -> None:
     payload = _LOAD.pack(
         version, rec.read_at, rec.running, rec.waiting, math.nan if rec.kv_usage is None else rec.kv_usage,
-        rec.name_hash,
+        rec.ours, rec.name_hash,
     )
     start = region.layout.load_offset(engine)
     region.mm[start : start + LOAD_BYTES] = payload + _RECORD_CRC.pack(zlib.crc32(payload))
@@ -131,8 +132,8 @@ def read_load(region: Region, engine: int) -> LoadRecord | None:
         payload = raw[: _LOAD.size]
         if _RECORD_CRC.unpack_from(raw, _LOAD.size)[0] != zlib.crc32(payload):
             continue
-        version, read_at, running, waiting, kv, nhash = _LOAD.unpack(payload)
-        return None if version == 0 else LoadRecord(read_at, running, waiting, _opt(kv), nhash)
+        version, read_at, running, waiting, kv, ours, nhash = _LOAD.unpack(payload)
+        return None if version == 0 else LoadRecord(read_at, running, waiting, _opt(kv), nhash, ours)
     return None
 
 

@@ -4,8 +4,9 @@ Every ``placement.load_interval_s`` the supervisor starts one read per admitted 
 in parallel, each bounded by the interval, through the same :class:`ControlClient` (TLS
 context, engine key) as every other control read. A reading is parsed
 (``narwhal.engines.load_metrics``) and written to the engine's load record in shared memory
-with the time it was read; then the load generation is bumped, so workers pick it up on
-their next placement, lock-free.
+with the time it was read and this host's in-flight legs on the engine at that moment (which
+the engine counted among its own); then the load generation is bumped, so workers pick it up
+on their next placement, lock-free.
 
 Invariants, and why:
 
@@ -69,12 +70,13 @@ class LoadReader:
                 log.warning("load of %s not read (%s): placement uses its in-flight counts only", engine.name, why)
             return
         self._failing.discard(engine.name)
-        write_load(
-            self.shared.region,
-            engine.index,
-            LoadRecord(time.monotonic(), reading.running, reading.waiting, reading.kv_usage, name_hash(engine.name)),
-            version=time.monotonic_ns(),
+        # This host's legs on the engine now: the engine counted them too, and placement adds
+        # them exactly from shared memory, so they are taken out of the reading there.
+        ours = self.shared.engine_total(engine.index, 0) + self.shared.engine_total(engine.index, 1)
+        record = LoadRecord(
+            time.monotonic(), reading.running, reading.waiting, reading.kv_usage, name_hash(engine.name), ours
         )
+        write_load(self.shared.region, engine.index, record, version=time.monotonic_ns())
         self.shared.bump_load_generation()
 
     def cancel(self) -> None:

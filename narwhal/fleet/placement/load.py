@@ -2,8 +2,15 @@
 
 The supervisor publishes each engine's last ``/metrics`` reading with the time it was read;
 this module turns those readings into what the choice needs, per engine index: the extra load
-(reported running + waiting, which counts other replicas' and other clients' requests) and
-whether the engine is saturated (fresh KV usage at or above ``placement.kv_saturated``). A
+and whether the engine is saturated (fresh KV usage at or above ``placement.kv_saturated``).
+
+The extra load is the reported running + waiting *less this host's own legs* counted in them
+(``ours``, this host's in-flight legs on the engine when the reading arrived): placement adds
+this host's legs exactly, from shared memory, so adding the engine's count of them again would
+weigh this router's requests twice and another replica's once. With two consumers, one busy
+with 16 requests from elsewhere and 8 of ours on the other, the double count calls them equal
+and sends the next request into the busy one's queue; what is left — other replicas' and other
+clients' requests — is what the engine's own figure adds to what this host knows. A
 reading older than ``placement.load_stale_s`` counts as no reading at all: an engine whose
 ``/metrics`` hangs or lies is placed by this host's in-flight counts alone, as before.
 
@@ -31,6 +38,8 @@ class LoadReading(Protocol):
     def waiting(self) -> float: ...
     @property
     def kv_usage(self) -> float | None: ...
+    @property
+    def ours(self) -> float: ...
 
 
 class LoadSource(Protocol):
@@ -59,7 +68,7 @@ def fresh_loads(
     for i, reading in enumerate(readings):
         if reading is None or now - reading.read_at > stale_s:
             continue
-        extra[i] = reading.running + reading.waiting
+        extra[i] = max(reading.running + reading.waiting - reading.ours, 0.0)
         usage = reading.kv_usage
         saturated[i] = usage is not None and usage >= kv_saturated
         valid_until = min(valid_until, reading.read_at + stale_s)

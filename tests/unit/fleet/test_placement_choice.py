@@ -31,6 +31,7 @@ class Reading:
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float | None = None
+    ours: float = 0.0
 
 
 class Readings:
@@ -220,6 +221,18 @@ def test_stale_readings_are_not_used() -> None:
     assert _consumers(placement, 5) == Counter({"d1": 5})
     clock.now += 2.5  # the reading is now older than load_stale_s, and nothing newer came
     assert set(_consumers(placement, 40)) == {"d0", "d1"}
+
+
+def test_this_hosts_own_legs_are_not_counted_twice() -> None:
+    placement, readings, clock, inflight, _ = _fleet(load_interval_s=0.1)
+    d0 = placement.fleet.by_name["d0"]
+    for _ in range(8):  # 8 of ours on d0, which d0 reports among its running requests
+        assert inflight.try_reserve(d0, "decode", None)
+    readings.set(d0=Reading(clock.now, running=8, ours=8), d1=Reading(clock.now, running=8, waiting=8))
+    # d0: 8 here + (8 - 8) reported from elsewhere; d1: 0 here + 16 from elsewhere.
+    assert _consumers(placement, 10) == Counter({"d0": 10})
+    loads, _ = fresh_loads([Reading(0.0, running=2, ours=5)], 0.0, 2.0, 0.95)
+    assert loads.extra == [0.0]  # legs that ended since the reading: never a negative load
 
 
 def test_fresh_loads_by_age() -> None:

@@ -22,9 +22,9 @@ def shared() -> Iterator[SharedFleet]:
 
 def test_load_round_trip_absence_and_no_kv(shared: SharedFleet) -> None:
     assert read_load(shared.region, 0) is None
-    write_load(shared.region, 1, LoadRecord(12.5, 3.0, 2.0, 0.5, name_hash("d0")), version=1)
+    write_load(shared.region, 1, LoadRecord(12.5, 3.0, 2.0, 0.5, name_hash("d0"), ours=2.0), version=1)
     write_load(shared.region, 2, LoadRecord(13.0, 1.0, 0.0, None, name_hash("d1")), version=2)
-    assert read_load(shared.region, 1) == LoadRecord(12.5, 3.0, 2.0, 0.5, name_hash("d0"))
+    assert read_load(shared.region, 1) == LoadRecord(12.5, 3.0, 2.0, 0.5, name_hash("d0"), ours=2.0)
     assert read_load(shared.region, 2) == LoadRecord(13.0, 1.0, 0.0, None, name_hash("d1"))
     assert read_load(shared.region, 3) is None
 
