@@ -44,7 +44,7 @@ from narwhal.fake_engine.state import EngineState
 
 NO_SPEC = FaultSpec()
 KV_FAILED = "KV transfer failed"
-RECORD_HEADERS = ("x-request-id", "authorization", "traceparent", "tracestate", "content-type")
+RECORD_HEADERS = ("x-request-id", "authorization", "x-api-key", "traceparent", "tracestate", "content-type")
 
 
 def _wants_pull(req: ParsedRequest) -> bool:
