@@ -29,6 +29,7 @@ import orjson
 from narwhal.engines import dialects, failures, sse
 from narwhal.engines.connector import PrefillResult, validate_descriptor
 from narwhal.engines.control import EngineRef
+from narwhal.engines.dialects.base import event_name
 from narwhal.engines.http1 import Connection, UpstreamError
 from narwhal.engines.relay import DirectRelay, Sink
 from narwhal.engines.timers import LazyTimeout
@@ -222,7 +223,8 @@ class DecodeLeg:
                 self._seen_token = True
             elif kind is sse.Kind.DONE:
                 if not self._seen_token:
-                    raise failures.done_before_token(self._name, dialect.terminal)
+                    name = event_name(event)  # the bare name of the terminal event received
+                    raise failures.done_before_token(self._name, name.decode() if name else dialect.terminal)
                 # What follows the terminal event (vLLM's [DONE] after message_stop) is dropped.
                 out.append(dialect.terminal_bytes or event + b"\n\n")
                 self._done = True
