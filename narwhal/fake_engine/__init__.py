@@ -6,7 +6,8 @@ are rare on real GPUs and impossible to trigger on demand. The fake imitates vLL
 and NixlConnector faithfully (see VLLM-PROTOCOL.md section A) and lets tests inject each fault per
 engine or per request, while staying cheap enough for the perf suite.
 
-Engine routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /health``,
+Engine routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/messages``,
+``POST /v1/responses``, ``POST /inference/v1/generate`` (VLLM-PROTOCOL.md B), ``GET /health``,
 ``/version``, ``/v1/models``, ``/load``, ``/metrics``, ``/fake/stats``, ``POST /fake/kv/read``.
 
 Control routes (fleet process): ``GET /engines``, ``GET /engines/{name}/stats``,
@@ -21,9 +22,13 @@ there is no import cycle (``tests/unit/fake_engine/test_fake_engine_layout.py`` 
 
 * ``faults`` (fault specs), ``chunks`` (vLLM's frames, pre-encoded), ``kvstore`` (held blocks and
   their leases): leaves;
-* ``parse`` (vLLM-like validation), ``emit`` (SSE writes, error bodies, dropped connections),
+* ``frames_messages``, ``frames_responses``, ``frames_generate`` (each endpoint's frames, on
+  ``chunks``), then ``frames`` (which frames a request is written with);
+* ``parse`` (vLLM-like validation), then ``parse_endpoints`` (the other endpoints' fields),
+  ``emit`` (SSE writes, error bodies, dropped connections),
   ``state`` (``EngineState``: one engine's state, and the registry of engines by id);
-* ``kv`` (descriptor and pull: the KV handoff), then ``generate`` (completions), then ``routes``
+* ``kv`` (descriptor and pull: the KV handoff), then ``generate`` (every generating route: the
+  order of events and the faults), then ``routes``
   (the engine's routes);
 * ``engine`` (``FakeEngine``, an ``EngineState`` that listens, and ``build_engine_app``), then
   ``control`` (control app), then ``fleet`` (process and CLI).

@@ -272,3 +272,18 @@ async def test_messages_prefill_drops_stop_sequences(router: RouterProcess, flee
     assert "stop_sequences" not in prefill["body"] and prefill["body"]["max_tokens"] == 1
     assert decode["body"]["stop_sequences"] == ["\n\nHuman:"]
     assert decode["body"]["max_tokens"] == 4
+
+
+@pytest.mark.parametrize("ep", ALL, ids=IDS)
+async def test_a_same_worker_decode_sends_no_transfer_parameters(
+    same_router: RouterProcess, fleet: FakeFleet, ep: Endpoint
+) -> None:
+    tag = uuid.uuid4().hex
+    reply = await send(same_router.url, ep.path, ep.body(tag, max_tokens=3))
+    assert reply.status == 200, reply.raw
+    assert ep.text(reply.raw) == expected_text(3)
+    legs = records_anywhere(fleet, tag, ENGINES)
+    assert set(legs) == {"b0"} and len(legs["b0"]) == 2
+    warm, decode = legs["b0"]
+    assert all("kv_transfer_params" not in r["body"] for r in (warm, decode))
+    assert warm["body"]["stream"] is False and decode["body"]["stream"] is True
