@@ -48,7 +48,9 @@ if _DIR:
 
         def dump():
             prof.disable()
-            prof.dump_stats(f"{_DIR}/{os.getpid()}.prof")
+            with open("/proc/self/cmdline", "rb") as f:  # the process title, set after the fork
+                role = "supervisor" if b"supervisor" in f.read() else "worker"
+            prof.dump_stats(f"{_DIR}/{role}-{os.getpid()}.prof")
 
         atexit.register(dump)
 
@@ -78,8 +80,11 @@ async def _load(url: str, count: int, concurrency: int, token_delay_s: float | N
         await asyncio.gather(*(client() for _ in range(concurrency)))
 
 
-def _calls(run: Path, fleet: FakeFleet, root: str | None, count: int, case: tuple[str, int, float | None]) -> int:
-    """Total function calls of the router's forked processes over one run of ``count`` requests."""
+def _calls(
+    run: Path, fleet: FakeFleet, root: str | None, count: int, case: tuple[str, int, float | None]
+) -> tuple[int, int]:
+    """Function calls of the router's worker, and of all its forked processes, over one run of
+    ``count`` requests."""
     out = Path(tempfile.mkdtemp(prefix="calls-", dir=run))
     engines = [{"name": "p0", "role": "producer", "url": fleet.engines["p0"]},
                {"name": "d0", "role": "consumer", "url": fleet.engines["d0"]}]
@@ -95,12 +100,15 @@ def _calls(run: Path, fleet: FakeFleet, root: str | None, count: int, case: tupl
     deadline = time.monotonic() + 10  # the profiles are written as the processes exit
     while time.monotonic() < deadline and len(glob.glob(f"{out}/*.prof")) < 2:
         time.sleep(0.05)
-    return sum(int(pstats.Stats(path).total_calls) for path in glob.glob(f"{out}/*.prof"))
+    calls = {path: int(pstats.Stats(path).total_calls) for path in glob.glob(f"{out}/*.prof")}
+    return sum(n for path, n in calls.items() if "/worker-" in path), sum(calls.values())
 
 
 def per_request(run: Path, fleet: FakeFleet, root: str | None, case: tuple[str, int, float | None],
-                small: int, large: int) -> float:
-    return (_calls(run, fleet, root, large, case) - _calls(run, fleet, root, small, case)) / (large - small)
+                small: int, large: int) -> tuple[float, float]:
+    """(worker, all processes) calls per request."""
+    few, many = _calls(run, fleet, root, small, case), _calls(run, fleet, root, large, case)
+    return (many[0] - few[0]) / (large - small), (many[1] - few[1]) / (large - small)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,17 +128,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     print(f"function calls per request: this checkout ({head.stdout.strip()}) vs {args.baseline} ({commit[:12]})")
-    print("| case | this checkout | baseline | ratio |\n|---|---:|---:|---:|")
+    print("| case | worker: this checkout | baseline | ratio | all processes: this checkout | baseline | ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     fleet = FakeFleet.start(["p0", "d0"], args=["--model", MODEL])
     try:
         for case in CASES:
             # Interleaved, as the timed suite does: a drift in the host hits both targets alike.
-            figures: dict[str, list[float]] = {"head": [], "base": []}
+            figures: dict[str, list[tuple[float, float]]] = {"head": [], "base": []}
             for _ in range(args.rounds):
                 for name, root in (("head", None), ("base", str(run / "base"))):
                     figures[name].append(per_request(run, fleet, root, case, 50, 50 + args.requests))
-            ours, theirs = statistics.median(figures["head"]), statistics.median(figures["base"])
-            print(f"| {case[0]} | {ours:,.0f} | {theirs:,.0f} | {ours / theirs:.3f} |", flush=True)
+            cells = []
+            for i in (0, 1):
+                ours = statistics.median(f[i] for f in figures["head"])
+                theirs = statistics.median(f[i] for f in figures["base"])
+                cells.append(f"{ours:,.0f} | {theirs:,.0f} | {ours / theirs:.3f}")
+            print(f"| {case[0]} | {' | '.join(cells)} |", flush=True)
     finally:
         fleet.stop()
     return 0

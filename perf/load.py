@@ -27,7 +27,7 @@ import aiohttp
 import orjson
 
 from narwhal.engines.connector import PREFILL_KV_PARAMS
-from perf import procs
+from perf import pd_endpoints, procs
 
 MODEL = "fake-model"
 COMPLETIONS = "/v1/completions"
@@ -48,6 +48,8 @@ class Workload:
     fault: Mapping[str, Any] | None = None  # the fake engine's per-request ``narwhal_fake``
 
     def data(self) -> dict[str, Any]:
+        if self.endpoint in pd_endpoints.ENDPOINTS:
+            return pd_endpoints.data(self.endpoint, MODEL, PROMPT, self.tokens, self.stream, self.fault)
         data: dict[str, Any] = {"model": MODEL, "max_tokens": self.tokens, "stream": self.stream}
         if self.endpoint == CHAT:
             data["messages"] = [{"role": "user", "content": PROMPT}]
@@ -147,13 +149,13 @@ async def _read_stream(resp: aiohttp.ClientResponse, start: float) -> Outcome:
         for event in events:
             if not event:
                 continue
-            if event.startswith(DONE):
+            if event.startswith((DONE, *pd_endpoints.TERMINALS)):
                 done = True
             elif b'"error"' in event:
                 return Outcome(False, error="stream_error")
             elif tokens:
                 tokens += 1  # after the first token every event is counted, not parsed
-            elif _is_token(event):
+            elif _is_token(event) or pd_endpoints.is_output(event):
                 ttfb = time.perf_counter() - start
                 tokens = 1
     if not done:

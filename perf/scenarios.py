@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from perf.load import CHAT, COMPLETIONS, RoundResult, Workload, new_session, run_round
+from perf.pd_endpoints import MESSAGES, RESPONSES
 from perf.profile import Profiler
 from perf.profile import summarize as summarize_profile
 from perf.stack import Stack, Target
@@ -99,6 +100,21 @@ def _load_scenarios(quick: bool, big: int) -> list[Scenario]:
             "streaming chat completions, 16 tokens, c=32",
             workload=Workload(CHAT, stream=True, tokens=16),
             concurrency=32,
+        ),
+        # The other P/D endpoints against the same fleet; the direct-pd floor speaks completions only.
+        Scenario(
+            "responses_c32",
+            "streaming Responses API, 16 tokens, c=32",
+            workload=Workload(RESPONSES, stream=True, tokens=16),
+            concurrency=32,
+            targets=("narwhal", "direct"),
+        ),
+        Scenario(
+            "messages_c32",
+            "streaming Anthropic Messages, 16 tokens, c=32",
+            workload=Workload(MESSAGES, stream=True, tokens=16),
+            concurrency=32,
+            targets=("narwhal", "direct"),
         ),
         Scenario(
             "accesslog_c32",

@@ -20,12 +20,8 @@ from typing import Any, Unpack
 
 import orjson
 
-from narwhal.engines import failures
-from narwhal.engines.connector import (
-    PrefillResult,
-    prefill_body,
-    release_body,
-)
+from narwhal.engines import dialects, failures
+from narwhal.engines.connector import PrefillResult
 from narwhal.engines.control import EngineRef, auth_line, ssl_context
 from narwhal.engines.decode import DecodeLeg, DecodeOptions
 from narwhal.engines.http1 import Connection, UpstreamError, UpstreamPool, header_lines
@@ -124,7 +120,7 @@ class EngineClient:
             crossed=crossed,
         )
         bound = failures.leg_bound(loop.time(), self.settings.prefill_timeout_s, deadline)
-        payload = orjson.dumps(prefill_body(body, crossed=crossed))
+        payload = orjson.dumps(dialects.for_endpoint(endpoint).prefill_body(body, request_id, crossed))
         on_rest = None
         if on_abandon is not None:
             abandon = on_abandon
@@ -201,7 +197,8 @@ class EngineClient:
         """
         if result.descriptor is None:
             return False
-        payload = orjson.dumps(release_body(body, result.descriptor))
+        dialect = dialects.for_endpoint(result.endpoint)
+        payload = orjson.dumps(dialect.release_body(body, result.request_id, result.descriptor))
         bound = failures.leg_bound(asyncio.get_running_loop().time(), self.settings.first_token_timeout_s, None)
         try:
             status, _ = await self._exchange(

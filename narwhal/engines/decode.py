@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING, Any, Required, TypedDict
 
 import orjson
 
-from narwhal.engines import failures, sse
-from narwhal.engines.connector import PrefillResult, decode_body, validate_descriptor
+from narwhal.engines import dialects, failures, sse
+from narwhal.engines.connector import PrefillResult, validate_descriptor
 from narwhal.engines.control import EngineRef
+from narwhal.engines.dialects.base import event_name
 from narwhal.engines.http1 import Connection, UpstreamError
 from narwhal.engines.relay import DirectRelay, Sink
 from narwhal.engines.timers import LazyTimeout
@@ -61,7 +62,7 @@ class DecodeLeg:
     __slots__ = (
         "_client", "_name", "_url", "_endpoint", "_request_id", "_headers", "_payload", "streaming", "_deadline",
         "_sink", "_loop", "_first_bound", "_conn", "_finished", "_framer", "_held", "_seen_token", "_done",
-        "_timer", "_relay", "_passed", "_error",
+        "_timer", "_relay", "_passed", "_error", "_dialect",
     )
 
     def __init__(
@@ -91,7 +92,8 @@ class DecodeLeg:
         self._client = client
         self._name, self._url = consumer.name, consumer.url
         self._request_id, self._headers = result.request_id, headers
-        self._payload = orjson.dumps(decode_body(body, descriptor))
+        self._dialect = dialect = dialects.for_endpoint(self._endpoint)
+        self._payload = orjson.dumps(dialect.decode_body(body, result.request_id, descriptor))
         self.streaming, self._deadline, self._sink = stream, deadline, sink
         self._loop = asyncio.get_running_loop()
         # Streams: connecting and the response head spend the first token's budget (SPEC §4);
@@ -121,6 +123,8 @@ class DecodeLeg:
             if status != 200:
                 raise failures.status_error(status, await conn.read_all(), self._name, "decode")
             data = None if self.streaming else await conn.read_all()
+            if data is not None and (err := self._dialect.whole_error(data)) is not None:
+                raise failures.stream_error(err, self._name)
             conn.disarm()  # from here each read has its own bound
         except TimeoutError:
             raise self._timed_out(self._first_bound, before_token=True) from None
@@ -147,13 +151,18 @@ class DecodeLeg:
                 span = await self._read_span()
                 if not span:
                     continue
-            if self._seen_token and not sse.may_end_stream(span):
+            if self._seen_token and not self._dialect.may_end(span):
                 self._passed += 1
                 return span
             out = await self._classify(span)
             if out is not None:
                 return out
         return None
+
+    @property
+    def ended(self) -> bool:
+        """The stream reached its terminal event cleanly: the last span may end the client's body."""
+        return self._done and self._error is None
 
     def close(self) -> None:
         if self._timer is not None:
@@ -173,7 +182,7 @@ class DecodeLeg:
         if self._relay is None:
             settings = self._client.settings
             self._relay = DirectRelay(self._conn, self._framer, self._sink, settings.decode_read_timeout_s,
-                                      self._deadline)
+                                      self._deadline, self._dialect.may_end)
         try:
             return await self._relay.run()
         except TimeoutError:
@@ -193,28 +202,31 @@ class DecodeLeg:
         except UpstreamError:
             chunk = b""
         if not chunk:
-            raise failures.disconnected(self._name)
+            raise failures.disconnected(self._name, self._dialect.terminal)
         return self._framer.feed(chunk)
 
     async def _classify(self, span: bytes) -> bytes | None:
         """Judge a span that may hold the first token or the stream's end; return what goes to
         the client (None: nothing yet, only metadata so far)."""
-        seen_before = self._seen_token
+        dialect = self._dialect
         out = self._held
-        if seen_before and sse.ends_with_done(span):
-            out.append(span)  # the usual end: tokens, [DONE] last, no error object: as received
+        if self._seen_token and (cut := dialect.clean_end(span)) >= 0:
+            # The usual end: output, the terminal event last, no error: as received.
+            out.append(span if cut == len(span) else span[:cut])
             self._done = True
         for event in () if self._done else sse.split_events(span):
-            if self._seen_token and not sse.may_end_stream(event):
+            if self._seen_token and not dialect.may_end(event):
                 out.append(event + b"\n\n")  # after the first token only the end matters
                 continue
-            kind, err = sse.classify(event)
+            kind, err = dialect.classify(event)
             if kind is sse.Kind.TOKEN:
                 self._seen_token = True
             elif kind is sse.Kind.DONE:
                 if not self._seen_token:
-                    raise failures.done_before_token(self._name)
-                out.append(sse.DONE_EVENT)
+                    name = event_name(event)  # the bare name of the terminal event received
+                    raise failures.done_before_token(self._name, name.decode() if name else dialect.terminal)
+                # What follows the terminal event (vLLM's [DONE] after message_stop) is dropped.
+                out.append(dialect.terminal_bytes or event + b"\n\n")
                 self._done = True
                 break
             elif kind is sse.Kind.ERROR:

@@ -82,15 +82,17 @@ def expired(result: PrefillResult, max_age_s: float) -> EngineError:
     return error
 
 
-def disconnected(name: str) -> EngineError:
+def disconnected(name: str, terminal: str = "[DONE]") -> EngineError:
     return EngineError(
-        f"engine {name} closed the stream before [DONE]", reason="engine_disconnect", engine=name, phase="decode"
+        f"engine {name} closed the stream before {terminal}", reason="engine_disconnect", engine=name, phase="decode"
     )
 
 
-def done_before_token(name: str) -> EngineError:
+def done_before_token(name: str, terminal: str = "[DONE]") -> EngineError:
+    """``terminal`` is the bare name of the endpoint's terminal event (SPEC §2.1)."""
     return EngineError(
-        "stream ended with [DONE] before any token arrived", reason="done_before_token", engine=name, phase="decode"
+        f"stream ended with {terminal} before any token arrived", reason="done_before_token", engine=name,
+        phase="decode",
     )
 
 

@@ -35,13 +35,15 @@ Sink = Callable[[bytes], bool]  # write a span to the client; False when the cli
 class DirectRelay:
     __slots__ = (
         "_conn", "_framer", "_sink", "_loop", "_read_timeout", "_deadline", "_last", "_timer",
-        "_stopped", "_held", "timed_out_at",
+        "_stopped", "_held", "timed_out_at", "_may_end",
     )
 
     def __init__(
-        self, conn: Connection, framer: SSEFramer, sink: Sink, read_timeout: float, deadline: float | None
+        self, conn: Connection, framer: SSEFramer, sink: Sink, read_timeout: float, deadline: float | None,
+        may_end: Callable[[bytes], bool] = may_end_stream,
     ) -> None:
         self._conn = conn
+        self._may_end = may_end  # the endpoint's byte probe for its terminal event or an error
         self._framer = framer
         self._sink = sink
         self._loop = asyncio.get_running_loop()
@@ -84,7 +86,7 @@ class DirectRelay:
         span = self._framer.feed(chunk)
         if not span:
             return
-        if may_end_stream(span):
+        if self._may_end(span):
             self._stop(span)
         elif not self._sink(span):
             self._stop(None)

@@ -6,7 +6,8 @@ are rare on real GPUs and impossible to trigger on demand. The fake imitates vLL
 and NixlConnector faithfully (see VLLM-PROTOCOL.md section A) and lets tests inject each fault per
 engine or per request, while staying cheap enough for the perf suite.
 
-Engine routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /health``,
+Engine routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/messages``,
+``POST /v1/responses``, ``POST /inference/v1/generate`` (VLLM-PROTOCOL.md B), ``GET /health``,
 ``/version``, ``/v1/models``, ``/load``, ``/metrics``, ``/fake/stats``, ``POST /fake/kv/read``, and
 the passthrough routes ``POST /tokenize``, ``/detokenize``, ``/v1/embeddings``, ``/pooling``,
 ``/score``, ``/v1/score``, ``/rerank``, ``/v1/rerank`` (``passthrough.py``).
@@ -34,11 +35,14 @@ there is no import cycle (``tests/unit/fake_engine/test_fake_engine_layout.py`` 
 * ``faults`` (fault specs), ``chunks`` (vLLM's frames, pre-encoded), ``kvstore`` (held blocks and
   their leases), ``prefix`` (the prefix cache), ``batch`` (batch slots, prefill lane, background
   load): leaves;
-* ``parse`` (vLLM-like validation), ``emit`` (SSE writes, error bodies, dropped connections),
+* ``frames_messages``, ``frames_responses``, ``frames_generate`` (each endpoint's frames, on
+  ``chunks``), then ``frames`` (which frames a request is written with);
+* ``parse`` (vLLM-like validation), then ``parse_endpoints`` (the other endpoints' fields),
+  ``emit`` (SSE writes, error bodies, dropped connections),
   ``state`` (``EngineState``: one engine's state, and the registry of engines by id);
 * ``kv`` (descriptor and pull: the KV handoff) and ``work`` (a request's slot, cache lookup and
-  prefill), then ``generate`` (completions) and ``passthrough`` (tokenize, embeddings,
-  score …), then ``routes``
+  prefill), then ``generate`` (every generating route: the order of events and the faults) and
+  ``passthrough`` (tokenize, embeddings, score …), then ``routes``
   (the engine's routes);
 * ``engine`` (``FakeEngine``, an ``EngineState`` that listens, and ``build_engine_app``), then
   ``control`` (control app), then ``fleet`` (process and CLI).

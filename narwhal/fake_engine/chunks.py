@@ -116,6 +116,10 @@ class ModelTemplates:
         self.model = model
         self._model_json = orjson.dumps(model)
 
+    @property
+    def model_json(self) -> bytes:
+        return self._model_json
+
     def frames(self, chat: bool, rid: str, created: int) -> StreamFrames:
         common = b'{"id":' + orjson.dumps(rid) + b',"object":'
         common += b'"chat.completion.chunk"' if chat else b'"text_completion"'
@@ -155,6 +159,36 @@ class StreamFrames:
 
     def heartbeat(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         raise NotImplementedError
+
+    def body(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        """The whole (non-streaming) answer, without ``kv_transfer_params`` decided yet."""
+        raise NotImplementedError
+
+    # -- a stream's fixed parts: chat and completions here; each endpoint's frames override --
+
+    def opening(self, prompt_tokens: int) -> bytes:
+        """What goes out before any token (after the KV pull)."""
+        return self.role()
+
+    def terminal_first(self) -> bytes:
+        """The terminal event with no output before it (the ``done_before_token`` fault)."""
+        return DONE
+
+    def empty_end(self, prompt_tokens: int, include_usage: bool, cached_tokens: int = 0) -> bytes:
+        """An immediate end of sequence: a valid, empty answer."""
+        usage = self.usage(prompt_tokens, 0, cached_tokens) if include_usage else b""
+        return self.empty_stop() + usage + DONE
+
+    def end(
+        self, prompt_tokens: int, completion_tokens: int, include_usage: bool, finish_reason: str,
+        cached_tokens: int = 0,
+    ) -> bytes:
+        usage = self.usage(prompt_tokens, completion_tokens, cached_tokens) if include_usage else b""
+        return usage + DONE
+
+    def error(self, code: int | None, message: str, flat: bool) -> bytes:
+        """An error inside the 200 stream, as the endpoint sends it (vLLM: then ``[DONE]``)."""
+        return error_event(code, message, flat=flat) + DONE
 
 
 class CompletionFrames(StreamFrames):

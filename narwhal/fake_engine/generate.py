@@ -1,4 +1,5 @@
-"""``/v1/completions`` and ``/v1/chat/completions``: generation, the KV handoff, and the faults.
+"""Every generating route (completions, chat, messages, responses, generate): generation, the KV
+handoff, and the faults. The endpoint decides only the bytes (``frames``), never the order below.
 
 Order of events in one request, chosen to match what a router observes from vLLM:
 
@@ -32,17 +33,19 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from narwhal.fake_engine import kv
-from narwhal.fake_engine.chunks import DONE, StreamFrames, completion_body, error_event, token_text
+from narwhal.fake_engine import frames_messages, kv
+from narwhal.fake_engine.chunks import StreamFrames, completion_body, token_text
 from narwhal.fake_engine.emit import Emitter, drop_connection, error_response
 from narwhal.fake_engine.faults import FaultSpec, effective_spec
+from narwhal.fake_engine.frames import ID_PREFIX, frames_for
 from narwhal.fake_engine.parse import ParsedRequest, RequestError, detect_phase, parse_request
+from narwhal.fake_engine.parse_endpoints import parse_endpoint_request
 from narwhal.fake_engine.state import EngineState
 from narwhal.fake_engine.work import Work
 
 NO_SPEC = FaultSpec()
 KV_FAILED = "KV transfer failed"
-RECORD_HEADERS = ("x-request-id", "authorization", "traceparent", "tracestate", "content-type")
+RECORD_HEADERS = ("x-request-id", "authorization", "x-api-key", "traceparent", "tracestate", "content-type")
 
 
 def _wants_pull(req: ParsedRequest) -> bool:
@@ -54,7 +57,21 @@ def _release_unpulled(engine: EngineState, params: Any) -> None:
         engine.spawn(kv.pull(engine, params))
 
 
-async def handle_completion(engine: EngineState, request: web.Request, chat: bool) -> web.StreamResponse:
+def _parse(body: Any, kind: str, models: list[str]) -> ParsedRequest:
+    if kind in ("chat", "completions"):
+        return parse_request(body, kind == "chat", models)
+    return parse_endpoint_request(body, kind, models)
+
+
+def _http_error(req: ParsedRequest, status: int, message: str, flat: bool) -> web.Response:
+    # vLLM's Anthropic handler answers in Anthropic's shape; ``flat`` stands for its body
+    # validation, which answers in OpenAI's.
+    if req.kind == "messages" and not flat:
+        return frames_messages.error_response(status, message)
+    return error_response(status, message, flat=flat)
+
+
+async def handle_completion(engine: EngineState, request: web.Request, kind: str) -> web.StreamResponse:
     if engine.port is None:
         # In-process test servers never tell the engine its port: learn it from the socket.
         sockname = request.transport.get_extra_info("sockname") if request.transport else None
@@ -69,7 +86,7 @@ async def handle_completion(engine: EngineState, request: web.Request, chat: boo
         rec = engine.record("decode", request.path, headers, None)
         return _fail(rec, error_response(400, f"JSON decode error: {exc}"))
     try:
-        req = parse_request(body, chat, engine.models)
+        req = _parse(body, kind, engine.models)
     except RequestError as err:
         phase = detect_phase(body) if isinstance(body, dict) else "decode"
         engine.count_request(phase)
@@ -162,7 +179,7 @@ async def _before_work(
         return web.Response()
     if spec.status is not None:
         message = spec.message or f"fake engine fault: HTTP {spec.status}"
-        resp = error_response(spec.status, message, flat=spec.flat_error)
+        resp = _http_error(req, spec.status, message, spec.flat_error)
         state.finish(engine, "error", spec.status)
         if _wants_pull(req):
             state.pulled = True
@@ -183,10 +200,17 @@ def _plan(engine: EngineState, req: ParsedRequest, spec: FaultSpec) -> tuple[int
     return n, finish
 
 
-def _response_id(request: web.Request, engine: EngineState, chat: bool) -> str:
+def _response_id(request: web.Request, engine: EngineState, req: ParsedRequest) -> str:
+    if req.kind == "responses":  # this path reads the body's request_id, not X-Request-Id
+        return req.request_id or "resp_" + engine.next_id()
     # vLLM builds its request id from X-Request-Id when the client sends one.
-    base = request.headers.get("x-request-id") or engine.next_id()
-    return ("chatcmpl-" if chat else "cmpl-") + base
+    base = request.headers.get("x-request-id") or req.request_id or engine.next_id()
+    return ID_PREFIX[req.kind] + base
+
+
+def _frames(request: web.Request, engine: EngineState, req: ParsedRequest) -> StreamFrames:
+    rid = _response_id(request, engine, req)
+    return frames_for(req.kind, engine.templates(req.model), rid, int(time.time()), req.max_tokens)
 
 
 async def _pull_for(engine: EngineState, req: ParsedRequest, state: _State) -> bool:
@@ -202,27 +226,24 @@ async def _stream(
     engine: EngineState, request: web.Request, req: ParsedRequest, spec: FaultSpec, state: _State
 ) -> web.StreamResponse:
     n, finish = _plan(engine, req, spec)
-    rid = _response_id(request, engine, req.chat)
-    frames: StreamFrames = engine.templates(req.model).frames(req.chat, rid, int(time.time()))
+    frames = _frames(request, engine, req)
 
     out = Emitter(request, state, engine.coalesce)
     await out.start()
     if not await _pull_for(engine, req, state):
-        await out.emit(error_event(500, KV_FAILED) + DONE)
+        await out.emit(frames.error(500, KV_FAILED, False))
         return _stream_end(engine, state, await out.finish(), "error")
 
     cached = await state.work.run(engine, req)
     prompt = req.prompt_tokens
-    if req.chat:
-        await out.emit(frames.role())
+    opening = frames.opening(prompt)
+    if opening:
+        await out.emit(opening)
     if spec.done_before_token:
-        await out.emit(DONE)
+        await out.emit(frames.terminal_first())
         return _stream_end(engine, state, await out.finish(), "completed")
     if spec.empty or n == 0:
-        await out.emit(frames.empty_stop())
-        if req.include_usage:
-            await out.emit(frames.usage(prompt, 0, cached))
-        await out.emit(DONE)
+        await out.emit(frames.empty_end(prompt, req.include_usage, cached))
         return _stream_end(engine, state, await out.finish(), "completed", hold=req)
     if spec.delay_first_token_s:
         await out.pause(spec.delay_first_token_s, spec.heartbeat_s, frames.heartbeat(prompt, 0))
@@ -230,16 +251,14 @@ async def _stream(
     i = await _emit_tokens(engine, out, spec, frames, prompt, n, finish)
     err = spec.stream_error
     if err is not None and i == min(err.after, n):
-        await out.emit(error_event(err.code, err.message, flat=err.flat) + DONE)
+        await out.emit(frames.error(err.code, err.message, err.flat))
         return _stream_end(engine, state, await out.finish(), "error")
     if spec.close_after is not None and i == min(spec.close_after, n):
         resp = await out.flush()
         state.finish(engine, "closed", 200)
         drop_connection(request, rst=False)
         return resp
-    if req.include_usage:
-        await out.emit(frames.usage(prompt, n, cached))
-    await out.emit(DONE)
+    await out.emit(frames.end(prompt, n, req.include_usage, finish, cached))
     return _stream_end(engine, state, await out.finish(), "completed", hold=req)
 
 
@@ -286,7 +305,7 @@ async def _plain(
 ) -> web.StreamResponse:
     if not await _pull_for(engine, req, state):
         state.finish(engine, "error", 500)
-        return error_response(500, KV_FAILED)
+        return _http_error(req, 500, KV_FAILED, False)
     cached = await state.work.run(engine, req)
     n, finish = _plan(engine, req, spec)
     token_delay = spec.token_delay_s if spec.token_delay_s is not None else engine.token_delay_s
@@ -307,18 +326,24 @@ async def _plain(
         err = spec.stream_error
         status = err.code if err.code is not None else 500
         state.finish(engine, "error", status)
-        return error_response(status, err.message, flat=err.flat)
+        return _http_error(req, status, err.message, err.flat)
 
     if spec.empty or spec.done_before_token or n == 0:
         text, finish, n = "", "stop", 0
     else:
         text = "".join([token_text(i) for i in range(n)])
-    rid = _response_id(request, engine, req.chat)
-    body = completion_body(
-        req.chat, rid, int(time.time()), req.model, text, finish, req.prompt_tokens, n, cached_tokens=cached
-    )
+    rid = _response_id(request, engine, req)
+    if req.kind in ("chat", "completions"):
+        body = completion_body(
+            req.chat, rid, int(time.time()), req.model, text, finish, req.prompt_tokens, n, cached_tokens=cached
+        )
+    else:
+        body = frames_for(req.kind, engine.templates(req.model), rid, int(time.time()), req.max_tokens).body(
+            text, finish, req.prompt_tokens, n)
     descriptor = kv.producer_descriptor(engine, req.kv_params, rid, req.prompt_tokens, spec.descriptor)
-    if descriptor is not kv.MISSING:
+    if descriptor is kv.MISSING or (descriptor is None and req.kind == "messages"):
+        body.pop("kv_transfer_params", None)  # Messages are dumped with exclude_none: absent, not null
+    else:
         body["kv_transfer_params"] = descriptor
     state.finish(engine, "completed", 200)
     return web.Response(body=orjson.dumps(body), content_type="application/json")

@@ -50,6 +50,8 @@ class ParsedRequest:
     prompt_tokens: int
     kv_params: dict[str, Any] | None
     faults: RequestFaults | None
+    kind: str = ""  # "completions", "chat", "messages", "responses" or "generate"
+    request_id: str | None = None  # the body's request_id (responses, generate)
 
 
 def detect_phase(body: dict[str, Any]) -> str:
@@ -102,7 +104,7 @@ def count_prompt_tokens(body: dict[str, Any], chat: bool) -> int:
     return max(total, 1)
 
 
-def _int_field(body: dict[str, Any], key: str) -> int | None:
+def int_field(body: dict[str, Any], key: str) -> int | None:
     value = body.get(key)
     if value is None:
         return None
@@ -111,27 +113,32 @@ def _int_field(body: dict[str, Any], key: str) -> int | None:
     return value
 
 
+def parse_faults(body: dict[str, Any]) -> RequestFaults | None:
+    raw_faults = body.get("narwhal_fake")
+    if raw_faults is None:
+        return None
+    try:
+        return RequestFaults.model_validate(raw_faults)
+    except ValidationError as exc:
+        raise RequestError(400, f"invalid narwhal_fake: {exc}") from None
+
+
+def resolve_model(body: dict[str, Any], models: list[str]) -> str:
+    model = body.get("model")
+    if model is None:
+        return models[0]
+    if model not in models:
+        raise RequestError(404, f"The model `{model}` does not exist.", err_type="NotFoundError", param="model")
+    return str(model)
+
+
 def parse_request(body: Any, chat: bool, models: list[str]) -> ParsedRequest:
     """Validate like vLLM; raise ``RequestError`` with the status vLLM would answer."""
     if not isinstance(body, dict):
         raise RequestError(400, "The request body must be a JSON object.")
     phase = detect_phase(body)
-
-    faults: RequestFaults | None = None
-    raw_faults = body.get("narwhal_fake")
-    if raw_faults is not None:
-        try:
-            faults = RequestFaults.model_validate(raw_faults)
-        except ValidationError as exc:
-            raise RequestError(400, f"invalid narwhal_fake: {exc}") from None
-
-    model = body.get("model")
-    if model is None:
-        model = models[0]
-    elif model not in models:
-        raise RequestError(
-            404, f"The model `{model}` does not exist.", err_type="NotFoundError", param="model"
-        )
+    faults = parse_faults(body)
+    model = resolve_model(body, models)
 
     if chat:
         if not isinstance(body.get("messages"), list):
@@ -144,13 +151,13 @@ def parse_request(body: Any, chat: bool, models: list[str]) -> ParsedRequest:
     if stream_options is not None and not stream:
         raise RequestError(400, "Stream options can only be defined when `stream=True`.")
 
-    max_tokens = _int_field(body, "max_tokens")
+    max_tokens = int_field(body, "max_tokens")
     if chat:
         # vLLM's chat API prefers the newer key when both are given.
-        max_completion = _int_field(body, "max_completion_tokens")
+        max_completion = int_field(body, "max_completion_tokens")
         if max_completion is not None:
             max_tokens = max_completion
-    min_tokens = _int_field(body, "min_tokens")
+    min_tokens = int_field(body, "min_tokens")
     if min_tokens is not None and max_tokens is not None and min_tokens > max_tokens:
         raise RequestError(
             400, f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}."
@@ -167,4 +174,5 @@ def parse_request(body: Any, chat: bool, models: list[str]) -> ParsedRequest:
         prompt_tokens=count_prompt_tokens(body, chat),
         kv_params=kv if isinstance(kv, dict) else None,
         faults=faults,
+        kind="chat" if chat else "completions",
     )

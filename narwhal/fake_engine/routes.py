@@ -13,6 +13,7 @@ the package and the request path below it has no import cycle.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import orjson
 from aiohttp import web
@@ -21,17 +22,23 @@ from narwhal.fake_engine import kv, passthrough
 from narwhal.fake_engine.generate import handle_completion
 from narwhal.fake_engine.state import EngineState
 
+# Every route that generates, and the endpoint kind its frames and parsing follow.
+GENERATING_ROUTES = {
+    "/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/messages": "messages",
+    "/v1/responses": "responses", "/inference/v1/generate": "generate",
+}
+
 
 def json_response(data: object, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
 
 
 def add_routes(app: web.Application, engine: EngineState) -> None:
-    async def completions(request: web.Request) -> web.StreamResponse:
-        return await handle_completion(engine, request, chat=False)
+    def generating(kind: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def route(request: web.Request) -> web.StreamResponse:
+            return await handle_completion(engine, request, kind)
 
-    async def chat_completions(request: web.Request) -> web.StreamResponse:
-        return await handle_completion(engine, request, chat=True)
+        return route
 
     async def health(request: web.Request) -> web.Response:
         engine.control_reads["health"] += 1
@@ -75,8 +82,8 @@ def add_routes(app: web.Application, engine: EngineState) -> None:
         status, data = kv.serve_read(engine, body)
         return json_response(data, status=status)
 
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
+    for path, kind in GENERATING_ROUTES.items():
+        app.router.add_post(path, generating(kind))
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)
     app.router.add_get("/v1/models", models)

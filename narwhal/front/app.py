@@ -23,6 +23,7 @@ import orjson
 from aiohttp import web
 
 from narwhal import __version__, metrics, shm
+from narwhal.engines import dialects
 from narwhal.engines.client import EngineClient
 from narwhal.engines.control import ControlClient, open_session
 from narwhal.errors import NarwhalError, RequestError
@@ -32,7 +33,7 @@ from narwhal.front.accept import BalancedSite, ConnectionShare, take_listeners
 from narwhal.front.admin import add_admin_routes
 from narwhal.front.server import make_app_runner
 from narwhal.request.accesslog import AccessLog
-from narwhal.request.admission import CHAT, COMPLETIONS, check_api_key
+from narwhal.request.admission import CHAT, COMPLETIONS, PD_ENDPOINTS, check_api_key
 from narwhal.request.ids import client_request_id
 from narwhal.request.outcomes import Outcomes
 from narwhal.request.passthrough import ROUTES as PASSTHROUGH_ROUTES
@@ -85,27 +86,33 @@ def _json(data: Any, status: int = 200, **headers: str) -> web.Response:
 
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every response in the OpenAI error shape with x-request-id; never a traceback."""
+    """Every error in the endpoint's shape (OpenAI's, Anthropic's on /v1/messages) with
+    x-request-id; never a traceback."""
     try:
         _check_header_size(request)
         response = await handler(request)
     except NarwhalError as exc:
-        return error_response(exc, client_request_id(request))
+        return error_response(exc, client_request_id(request), _shape(request))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         reason = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(exc.status, "bad_request")
         refused = RequestError(exc.reason if exc.status != 404 else "not found", reason=reason, status=exc.status)
-        return error_response(refused, client_request_id(request))
+        return error_response(refused, client_request_id(request), _shape(request))
     except (asyncio.CancelledError, ConnectionError):
         raise
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         error = NarwhalError("internal error", reason="internal_error")
-        return error_response(error, client_request_id(request))
+        return error_response(error, client_request_id(request), _shape(request))
     if "x-request-id" not in response.headers and not response.prepared:
         response.headers["x-request-id"] = client_request_id(request)
     return response
+
+
+def _shape(request: web.Request) -> dialects.Dialect | None:
+    """Messages clients get Anthropic's error shape, whatever refused them (SPEC §2.1)."""
+    return dialects.BY_ENDPOINT[dialects.MESSAGES] if request.path == dialects.MESSAGES else None
 
 
 def _check_header_size(request: web.Request) -> None:
@@ -132,6 +139,13 @@ def _add_passthrough_routes(app: web.Application) -> None:
             return await request.app[ROUTER].handle(request, path)
 
         app.router.add_post(path, passthrough)
+
+
+def _pd_route(endpoint: str) -> Handler:
+    async def route(request: web.Request) -> web.StreamResponse:
+        return await request.app[ROUTER].handle(request, endpoint)
+
+    return route
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -274,6 +288,8 @@ def build_app(settings: Settings) -> web.Application:
     app[_VERSION_BODY] = orjson.dumps(version_document(settings))
     app.router.add_post(COMPLETIONS, _completions)
     app.router.add_post(CHAT, _chat)
+    for endpoint in PD_ENDPOINTS:
+        app.router.add_post(endpoint, _pd_route(endpoint))
     app.router.add_get("/v1/models", _models)
     _add_passthrough_routes(app)
     app.router.add_get("/health", _health)

@@ -19,12 +19,15 @@ import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from narwhal.engines import dialects
 from narwhal.errors import RequestError
 from narwhal.fleet import Fleet
 from narwhal.settings import Settings
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
+# The other P/D endpoints (SPEC §2.1): their own fields are checked by their dialect.
+PD_ENDPOINTS = (dialects.RESPONSES, dialects.MESSAGES, dialects.GENERATE)
 DEADLINE_HEADER = "x-narwhal-deadline-s"
 FORWARDED_HEADERS = ("traceparent", "tracestate")
 
@@ -41,11 +44,15 @@ class ClientRequest:
     local: bool = False  # a prompt short enough to skip the remote prefill (SPEC §3.2)
 
 
-def check_api_key(request: web.Request, keys: list[str]) -> None:
+def check_api_key(request: web.Request, keys: list[str], *, x_api_key: bool = False) -> None:
+    """``x_api_key``: also accept the key in ``x-api-key`` (the Anthropic SDK's header, on
+    ``/v1/messages``). Neither header is ever forwarded to an engine."""
     if not keys:
         return
     given = request.headers.get("Authorization", "")
     token = given[7:] if given[:7].lower() == "bearer " else ""
+    if not token and x_api_key:
+        token = request.headers.get("x-api-key", "")
     # Compare against every key so the time taken does not reveal which one nearly matched.
     ok = False
     for key in keys:
@@ -113,7 +120,9 @@ def _check_fields(body: dict[str, Any], endpoint: str) -> None:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise _bad("'stream_options' must be an object")
-    if endpoint == CHAT:
+    if endpoint in PD_ENDPOINTS:
+        dialects.for_endpoint(endpoint).check(body)
+    elif endpoint == CHAT:
         messages = body.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise _bad("'messages' must be a list of objects")
@@ -168,7 +177,7 @@ def parse(raw: bytes, endpoint: str, fleet: Fleet) -> tuple[dict[str, Any], str,
 
 
 async def admit(request: web.Request, endpoint: str, settings: Settings, fleet: Fleet, arrival: float) -> ClientRequest:
-    check_api_key(request, settings.server.api_keys)
+    check_api_key(request, settings.server.api_keys, x_api_key=endpoint == dialects.MESSAGES)
     deadline = request_deadline(request, settings, arrival)
     raw = await read_body(request, settings)
     body, model, stream = parse(raw, endpoint, fleet)

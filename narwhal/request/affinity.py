@@ -3,9 +3,10 @@
 The prompt text as the engine would see it, from the parsed body, in one place: an extractor
 per endpoint returns the text from its start (completions: ``prompt`` — a string, the first
 of a list of strings, or token ids as decimal text; chat: each message's role and text
-content). Other endpoints add their extractor to :data:`EXTRACTORS` beside these
-(responses: ``instructions`` + ``input``; messages: ``system`` + ``messages``; generate: the
-token ids' text); an endpoint without one has no key and never decodes locally.
+content). The other P/D endpoints' text is their dialect's ``affinity_text``
+(``narwhal.engines.dialects``: responses ``instructions`` + ``input``; messages ``system`` +
+``messages``; generate the token ids' text), registered in :data:`EXTRACTORS` beside these; an
+endpoint without one has no key and never decodes locally.
 
 Invariants, and why:
 
@@ -22,8 +23,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from narwhal.engines import dialects
 from narwhal.fleet.placement.affinity import key_hash
-from narwhal.request.admission import CHAT, COMPLETIONS
+from narwhal.request.admission import CHAT, COMPLETIONS, PD_ENDPOINTS
 from narwhal.settings import PlacementSettings
 
 # The prompt text from its start, at least ``limit`` characters of it when it has that many.
@@ -71,7 +73,11 @@ def _chat(body: dict[str, Any], limit: int) -> str:
     return "".join(parts)
 
 
-EXTRACTORS: dict[str, Extractor] = {COMPLETIONS: _completions, CHAT: _chat}
+EXTRACTORS: dict[str, Extractor] = {
+    COMPLETIONS: _completions,
+    CHAT: _chat,
+    **{endpoint: dialects.for_endpoint(endpoint).affinity_text for endpoint in PD_ENDPOINTS},
+}
 
 
 def prompt_head(endpoint: str, body: dict[str, Any], limit: int) -> str | None:

@@ -23,7 +23,6 @@ from typing import Any
 from aiohttp import web
 
 from narwhal import metrics
-from narwhal.engines import sse
 from narwhal.engines.client import EngineClient
 from narwhal.engines.connector import PrefillResult
 from narwhal.errors import EngineError, NarwhalError
@@ -151,9 +150,9 @@ class Attempts:
                 if not span:  # the relay found the client behind: let it drain
                     await client.drain()
                     continue
-                # The span with [DONE] goes out with the end of the chunked body: one
+                # The span with the terminal event goes out with the end of the chunked body: one
                 # write, one client wakeup, instead of a separate 5-byte terminator.
-                await client.write(span, eof=span.endswith(sse.DONE_EVENT))
+                await client.write(span, eof=leg.ended)
                 if not observed:
                     observed = True
                     _observe_start(ttft_s, first_byte_s, age)

@@ -21,6 +21,7 @@ from collections.abc import Awaitable
 from aiohttp import web
 from multidict import CIMultiDict
 
+from narwhal.engines.dialects import Dialect
 from narwhal.engines.timers import LazyTimeout
 from narwhal.errors import NarwhalError
 
@@ -66,10 +67,15 @@ class ClientSink:
 
 
 class ClientStream:
-    __slots__ = ("request", "request_id", "response", "committed", "sink", "stream", "_writes", "_write_timeout_s")
+    __slots__ = (
+        "request", "request_id", "response", "committed", "sink", "stream", "_writes", "_write_timeout_s", "dialect",
+    )
 
-    def __init__(self, request: web.Request, request_id: str, write_timeout_s: float) -> None:
+    def __init__(
+        self, request: web.Request, request_id: str, write_timeout_s: float, dialect: Dialect | None = None
+    ) -> None:
         self.request = request
+        self.dialect = dialect  # shapes the router's own errors for this endpoint's clients
         self.request_id = request_id
         self.response: web.StreamResponse | None = None
         self.committed = False  # a 200 (or a whole answer) is on its way: no HTTP error any more
@@ -132,7 +138,7 @@ class ClientStream:
     async def fail(self, exc: NarwhalError) -> None:
         """After the 200: end the stream with one terminal error event (no [DONE] after it)."""
         assert self.stream is not None
-        await self.stream.write(exc.sse_event())
+        await self.stream.write(exc.sse_event() if self.dialect is None else self.dialect.error_event(exc))
         await self.stream.write_eof()
 
     def close(self) -> None:

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from narwhal import metrics
+from narwhal.engines import dialects
 from narwhal.engines.client import EngineClient
 from narwhal.errors import EngineError, NarwhalError
 from narwhal.fleet import Fleet
@@ -56,10 +57,12 @@ class WorkerState(Protocol):
     def retry_finished(self) -> None: ...
 
 
-def error_response(exc: NarwhalError, request_id: str) -> web.Response:
+def error_response(exc: NarwhalError, request_id: str, dialect: dialects.Dialect | None = None) -> web.Response:
+    """The router's own error before the 200, in the endpoint's shape (OpenAI's by default)."""
     headers = exc.headers()
     headers["x-request-id"] = request_id
-    return web.Response(status=exc.status, body=exc.body(), content_type="application/json", headers=headers)
+    body = exc.body() if dialect is None else dialect.error_body(exc)
+    return web.Response(status=exc.status, body=body, content_type="application/json", headers=headers)
 
 
 class Router:
@@ -94,7 +97,9 @@ class Router:
         arrival = asyncio.get_running_loop().time()
         started = time.perf_counter()
         rec = AccessRecord(request_id=client_request_id(request), endpoint=endpoint)
-        client = ClientStream(request, rec.request_id, self.settings.server.client_write_timeout_s)
+        client = ClientStream(
+            request, rec.request_id, self.settings.server.client_write_timeout_s, dialects.for_endpoint(endpoint)
+        )
         task = asyncio.current_task()
         self._active.add(task)
         try:
@@ -135,7 +140,7 @@ class Router:
         rec.reason = exc.reason
         if not client.committed or client.stream is None:
             rec.status = exc.status
-            return error_response(exc, client.request_id)
+            return error_response(exc, client.request_id, client.dialect)
         # The 200 is already on the wire: end the stream with one terminal error event.
         rec.status = 200
         metrics.STREAM_ABORTED.labels(exc.reason).inc()

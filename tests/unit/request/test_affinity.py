@@ -66,3 +66,18 @@ def test_local_decode_below_local_prefill_chars() -> None:
 
 def test_an_endpoint_without_an_extractor_has_no_key_and_no_local_decode() -> None:
     assert placement_hints("/v1/other", {"prompt": LONG}, _settings(local_prefill_chars=10)) == (None, False)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "text"),
+    [
+        ("/v1/responses", {"instructions": LONG, "input": "hi"}, LONG + "\nhi"),
+        ("/v1/messages", {"system": LONG, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5},
+         LONG + "\nuser: hi"),
+        ("/inference/v1/generate", {"token_ids": list(range(600))}, " ".join(map(str, range(600)))),
+    ],
+)
+def test_the_other_pd_endpoints_key_on_their_dialects_text(endpoint: str, body: dict[str, Any], text: str) -> None:
+    key, local = placement_hints(endpoint, body, _settings())
+    assert (key, local) == (key_hash(text[:1024]), False)
+    assert placement_hints(endpoint, body, _settings(local_prefill_chars=len(text) + 1)) == (None, True)

@@ -32,12 +32,19 @@ class Leg:
     async def open(self) -> bytes | None:
         return None
 
+    last: bytes = b""
+
     async def next_span(self) -> bytes | None:
         if not self.spans:
             if self.fail_at is not None:
                 raise self.fail_at
             return None
-        return self.spans.pop(0)
+        self.last = self.spans.pop(0)
+        return self.last
+
+    @property
+    def ended(self) -> bool:  # as DecodeLeg.ended: the span just returned held the terminal event
+        return self.last.endswith(b"data: [DONE]\n\n")
 
     def close(self) -> None:
         self.closed = True

@@ -1,0 +1,125 @@
+"""What every endpoint's stream description shares: the interface, OpenAI's error shapes, helpers.
+
+A :class:`Dialect` says, for one P/D endpoint, everything the request path must know that
+differs between endpoints (SPEC §2.1): the prefill, decode and release bodies, the admission
+checks and the affinity text, which events are generated output, the valid terminal event, how
+an in-stream error is recognised and its status, and how the router's own errors are shaped
+for that endpoint's clients. The request path (``narwhal.engines.decode``,
+``narwhal.request``) is one path for all endpoints and asks its dialect; no endpoint has a copy
+of it.
+
+Why byte probes: after the first token, the relay looks at a span only when ``may_end`` says
+its bytes could hold the terminal event or an error — a ``in`` test or two on bytes, no parse
+— so a long stream costs the same per chunk on every endpoint (SPEC §4, ARCHITECTURE's hot path).
+
+Invariant: every method is pure (no I/O, no clock); ``classify`` returns an error object
+normalised to ``{"code": int | None, "message": str}`` so ``failures.stream_error`` maps it
+alike for every endpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from narwhal.engines.sse import DONE_EVENT, Kind, event_data
+from narwhal.errors import NarwhalError, RequestError, error_body
+
+__all__ = ["Dialect", "Kind", "bad", "event_name", "is_int", "json_of", "status_of_code"]
+
+
+def bad(message: str) -> RequestError:
+    return RequestError(message, reason="bad_request")
+
+
+def is_int(value: Any) -> bool:
+    return type(value) is int
+
+
+def event_name(event: bytes) -> bytes | None:
+    """The ``event:`` field of one SSE event (vLLM writes it first), or None."""
+    if not event.startswith(b"event:"):
+        return None
+    line = event.split(b"\n", 1)[0][6:]
+    return line.strip()
+
+
+def json_of(event: bytes) -> Any:
+    """The event's data parsed as JSON; None for comments, ``[DONE]`` and non-JSON data."""
+    data = event_data(event)
+    if data is None:
+        return None
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+
+
+def status_of_code(code: Any) -> int | None:
+    """An error object's ``code`` as an HTTP status when it is one (4xx/5xx), else None (→ 502)."""
+    return code if is_int(code) and 400 <= code <= 599 else None
+
+
+class Dialect:
+    """The OpenAI-shaped defaults; each endpoint overrides what differs."""
+
+    __slots__ = ()
+
+    endpoint = ""
+    terminal = "[DONE]"  # the bare terminal event name, for the done_before_token detail
+    terminal_bytes: bytes | None = DONE_EVENT  # what the terminal event is relayed as; None: as received
+
+    # -- admission ----------------------------------------------------------------------------
+
+    def check(self, body: dict[str, Any]) -> None:
+        """Refuse (``RequestError``, 400) a field the router reads that has the wrong type."""
+
+    def affinity_text(self, body: dict[str, Any], limit: int) -> str:
+        """The prompt text the affinity key is cut from (at least ``limit`` characters when
+        the prompt has them); "" when the endpoint has none."""
+        return ""
+
+    # -- engine bodies --------------------------------------------------------------------------
+
+    def prefill_body(self, body: dict[str, Any], request_id: str, crossed: bool) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def decode_body(self, body: dict[str, Any], request_id: str, descriptor: dict[str, Any] | None) -> dict[str, Any]:
+        """The client's body plus the validated descriptor, unchanged (none for same-worker)."""
+        out = dict(body)
+        if descriptor is None:
+            out.pop("kv_transfer_params", None)
+        else:
+            out["kv_transfer_params"] = descriptor
+        return out
+
+    def release_body(self, body: dict[str, Any], request_id: str, descriptor: dict[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    # -- the stream -----------------------------------------------------------------------------
+
+    def may_end(self, span: bytes) -> bool:
+        """Cheap byte probe after the first token: could ``span`` hold the end or an error?"""
+        return b"[DONE]" in span or b'"error"' in span
+
+    def clean_end(self, span: bytes) -> int:
+        """When ``span`` (whole events) is the usual end of a stream — output, then the terminal
+        event, no error anywhere — the length of it to relay as is; else -1 (judge each event)."""
+        return -1
+
+    def classify(self, event: bytes) -> tuple[Kind, dict[str, Any] | None]:
+        raise NotImplementedError
+
+    def whole_error(self, data: bytes) -> dict[str, Any] | None:
+        """An error reported inside a non-streaming 200 body, normalised; None: a success."""
+        return None
+
+    # -- the router's own errors, shaped for this endpoint's clients ---------------------------
+
+    def error_body(self, exc: NarwhalError) -> bytes:
+        return error_body(exc.message, exc.reason, exc.status)
+
+    def error_event(self, exc: NarwhalError) -> bytes:
+        """The one terminal event that ends a stream whose 200 was already committed."""
+        return b"data: " + self.error_body(exc) + b"\n\n"

@@ -1,0 +1,163 @@
+"""``/v1/messages``: Anthropic's Messages API as vLLM serves it (``vllm/entrypoints/anthropic``).
+
+Frames are ``event: <type>\\ndata: <json>``; the stream ends with ``event: message_stop``, which
+vLLM follows with ``data: [DONE]`` (also after an error event). That ``[DONE]`` is not part of
+Anthropic's protocol, so nothing requires it and the router drops what follows the terminal
+event: an Anthropic client sees Anthropic's stream. Generated output (SPEC §2.1): a
+``content_block_delta`` of text, thinking or tool input, a ``tool_use`` ``content_block_start``,
+and a ``message_delta`` carrying ``stop_reason`` (an immediate end of sequence is a valid empty
+answer). An in-stream error is ``event: error`` in Anthropic's shape, or OpenAI's
+``{"error": {...}}`` (vLLM's chat layer under the converter); both are understood.
+
+The router's own errors reach Messages clients in Anthropic's shape, with the status and the
+``x-narwhal-error`` header they have everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from narwhal.engines import connector, sse
+from narwhal.engines.dialects.base import Dialect, Kind, bad, event_name, json_of, status_of_code
+from narwhal.errors import NarwhalError
+
+MESSAGES = "/v1/messages"
+
+# The Anthropic error type a client sees for each status (SPEC §2.1).
+_TYPE_OF_STATUS = {
+    400: "invalid_request_error", 408: "invalid_request_error", 415: "invalid_request_error",
+    401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+    413: "request_too_large", 431: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+}
+# An engine's Anthropic error type, as the HTTP status it propagates with (529 is Anthropic's
+# "overloaded"; HTTP clients and load balancers know it as 503).
+_STATUS_OF_TYPE = {"overloaded_error": 503, "rate_limit_error": 429, "invalid_request_error": 400}
+_OUTPUT_DELTAS = frozenset({"text_delta", "thinking_delta", "input_json_delta"})
+
+
+def anthropic_type(status: int) -> str:
+    known = _TYPE_OF_STATUS.get(status)
+    if known is not None:
+        return known
+    return "api_error" if status >= 500 else "invalid_request_error"
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(b["text"] for b in content if isinstance(b, dict) and isinstance(b.get("text"), str))
+    return ""
+
+
+class Messages(Dialect):
+    __slots__ = ()
+    endpoint = MESSAGES
+    terminal = "message_stop"
+    terminal_bytes = None
+
+    def check(self, body: dict[str, Any]) -> None:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise bad("'messages' must be a list of objects")
+        if body.get("max_tokens") is None:
+            raise bad("'max_tokens' is required")
+        system = body.get("system")
+        if system is not None and not isinstance(system, str | list):
+            raise bad("'system' must be a string or a list of content blocks")
+        stops = body.get("stop_sequences")
+        if stops is not None and not (isinstance(stops, list) and all(isinstance(s, str) for s in stops)):
+            raise bad("'stop_sequences' must be a list of strings")
+
+    def affinity_text(self, body: dict[str, Any], limit: int) -> str:
+        parts = [_text(body.get("system"))]
+        size = len(parts[0])
+        for message in body.get("messages") or ():
+            if size >= limit:
+                break
+            if isinstance(message, dict):
+                part = f"{message.get('role', '')}: {_text(message.get('content'))}"
+                parts.append(part)
+                size += len(part)
+        return "\n".join(p for p in parts if p)
+
+    def prefill_body(self, body: dict[str, Any], request_id: str, crossed: bool) -> dict[str, Any]:
+        out = dict(body)
+        out.pop("stop_sequences", None)  # the single token must not end the request early
+        out["stream"] = False
+        out["max_tokens"] = 1
+        if crossed:
+            out["kv_transfer_params"] = dict(connector.PREFILL_KV_PARAMS)
+        else:
+            out.pop("kv_transfer_params", None)
+        return out
+
+    def release_body(self, body: dict[str, Any], request_id: str, descriptor: dict[str, Any]) -> dict[str, Any]:
+        out = dict(body)
+        out["stream"] = False
+        out["max_tokens"] = 1
+        out["kv_transfer_params"] = descriptor
+        return out
+
+    def may_end(self, span: bytes) -> bool:
+        # An Anthropic error's data holds "type":"error"; OpenAI's holds the key "error".
+        return b"message_stop" in span or b'"error"' in span
+
+    def clean_end(self, span: bytes) -> int:
+        at = span.rfind(b"event: message_stop\n")
+        if at < 0 or (at and span[at - 2 : at] != b"\n\n") or b'"error"' in span:
+            return -1
+        end = span.find(b"\n\n", at) + 2
+        if span.count(b"message_stop") != 2 or (end != len(span) and span[end:] != sse.DONE_EVENT):
+            return -1  # more than the terminal event, or something after it: judge each event
+        return end
+
+    def classify(self, event: bytes) -> tuple[Kind, dict[str, Any] | None]:
+        obj = json_of(event)
+        name = event_name(event)
+        if name is None and isinstance(obj, dict):
+            kind = obj.get("type")
+            name = kind.encode() if isinstance(kind, str) else None
+        if name == b"message_stop":
+            return Kind.DONE, None
+        if not isinstance(obj, dict):
+            return Kind.METADATA, None
+        if name == b"error":
+            return Kind.ERROR, _anthropic_error(obj)
+        openai = sse.error_object(obj) if name is None else None
+        if openai is not None:
+            return Kind.ERROR, {"code": status_of_code(openai.get("code")), "message": openai.get("message")}
+        return (Kind.TOKEN if _is_output(name, obj) else Kind.METADATA), None
+
+    def error_body(self, exc: NarwhalError) -> bytes:
+        error = {"type": anthropic_type(exc.status), "message": exc.message}
+        return orjson.dumps({"type": "error", "error": error})
+
+    def error_event(self, exc: NarwhalError) -> bytes:
+        return b"event: error\ndata: " + self.error_body(exc) + b"\n\n"
+
+
+def _anthropic_error(obj: dict[str, Any]) -> dict[str, Any]:
+    err = obj.get("error")
+    if not isinstance(err, dict):
+        return {"code": None, "message": None}
+    kind = err.get("type")
+    return {"code": _STATUS_OF_TYPE.get(kind) if isinstance(kind, str) else None, "message": err.get("message")}
+
+
+def _is_output(name: bytes | None, obj: dict[str, Any]) -> bool:
+    if name == b"content_block_delta":
+        delta = obj.get("delta")
+        return isinstance(delta, dict) and delta.get("type") in _OUTPUT_DELTAS
+    if name == b"content_block_start":
+        block = obj.get("content_block")
+        return isinstance(block, dict) and block.get("type") == "tool_use"
+    if name == b"message_delta":
+        delta = obj.get("delta")
+        return isinstance(delta, dict) and delta.get("stop_reason") is not None
+    return False
+
+
+

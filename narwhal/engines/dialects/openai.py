@@ -1,0 +1,116 @@
+"""The ``data:``-framed endpoints that end with ``[DONE]``: completions, chat, and vLLM's generate.
+
+Completions and chat keep exactly the rules they had (``narwhal.engines.sse`` classifies their
+events, ``narwhal.engines.connector`` rewrites their prefill); they are descriptions here so the
+request path asks every endpoint the same questions. ``/inference/v1/generate`` is vLLM's
+tokens-in route (``vllm/entrypoints/serve/disagg``): ``token_ids`` and a ``sampling_params``
+object in, chat-style frames whose choices carry ``token_ids`` out, ``[DONE]`` at the end, errors
+as ``data: {"error": ...}`` (SPEC §2.1).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from narwhal.engines import connector, sse
+from narwhal.engines.dialects.base import Dialect, Kind, bad, is_int, json_of
+from narwhal.engines.sse import event_data
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+GENERATE = "/inference/v1/generate"
+
+
+class Completions(Dialect):
+    """Completions and chat: the rules of SPEC §3–§4 as ``engines.sse`` and ``connector`` hold them."""
+
+    __slots__ = ()
+    endpoint = COMPLETIONS
+
+    def prefill_body(self, body: dict[str, Any], request_id: str, crossed: bool) -> dict[str, Any]:
+        return connector.prefill_body(body, crossed=crossed)
+
+    def release_body(self, body: dict[str, Any], request_id: str, descriptor: dict[str, Any]) -> dict[str, Any]:
+        return connector.release_body(body, descriptor)
+
+    # The functions themselves, not methods around them: on the chat path, the probe runs for
+    # every span after the first token and must cost what it did before descriptions existed.
+    may_end = staticmethod(sse.may_end_stream)
+    classify = staticmethod(sse.classify)
+
+    def clean_end(self, span: bytes) -> int:
+        return len(span) if sse.ends_with_done(span) else -1
+
+
+class Chat(Completions):
+    __slots__ = ()
+    endpoint = CHAT
+
+
+# Removed from the prefill's sampling_params so its single token never ends the request early.
+_PREFILL_SAMPLING_DROPPED = ("min_tokens", "stop", "stop_token_ids")
+
+
+class Generate(Completions):
+    """``/inference/v1/generate``: the prefill rewrite lives inside ``sampling_params``."""
+
+    __slots__ = ()
+    endpoint = GENERATE
+
+    def check(self, body: dict[str, Any]) -> None:
+        ids = body.get("token_ids")
+        if not isinstance(ids, list) or not ids or not all(is_int(t) for t in ids):
+            raise bad("'token_ids' must be a non-empty list of token ids")
+        params = body.get("sampling_params")
+        if not isinstance(params, dict):
+            raise bad("'sampling_params' must be an object")
+        limit = params.get("max_tokens")
+        if limit is not None and (not is_int(limit) or limit < 0):
+            raise bad("'sampling_params.max_tokens' must be an integer >= 0")
+        n = params.get("n")
+        if n is not None and (not is_int(n) or n > 1):
+            raise bad("'sampling_params.n' > 1 is not supported by disaggregated serving")
+
+    def affinity_text(self, body: dict[str, Any], limit: int) -> str:
+        ids = body.get("token_ids")
+        if not isinstance(ids, list):
+            return ""
+        # Each id takes at least two characters with its separator: no more are needed.
+        return " ".join(map(str, ids[: limit // 2 + 1]))
+
+    def prefill_body(self, body: dict[str, Any], request_id: str, crossed: bool) -> dict[str, Any]:
+        out = dict(body)
+        out.pop("stream_options", None)  # refused by vLLM when stream is false
+        params = dict(out.get("sampling_params") or {})
+        for key in _PREFILL_SAMPLING_DROPPED:
+            params.pop(key, None)
+        params["max_tokens"] = 1
+        out["sampling_params"] = params
+        out["stream"] = False
+        if crossed:
+            out["kv_transfer_params"] = dict(connector.PREFILL_KV_PARAMS)
+        else:
+            out.pop("kv_transfer_params", None)
+        return out
+
+    def release_body(self, body: dict[str, Any], request_id: str, descriptor: dict[str, Any]) -> dict[str, Any]:
+        out = dict(body)
+        out.pop("stream_options", None)
+        params = dict(out.get("sampling_params") or {})
+        params.pop("min_tokens", None)
+        params["max_tokens"] = 1
+        out["sampling_params"] = params
+        out["stream"] = False
+        out["kv_transfer_params"] = descriptor
+        return out
+
+    def classify(self, event: bytes) -> tuple[Kind, dict[str, Any] | None]:
+        kind, err = sse.classify(event)
+        if kind is not Kind.METADATA or b'"token_ids"' not in (event_data(event) or b""):
+            return kind, err
+        # sse.classify knows text, deltas and finish_reason; generate's output is token ids.
+        obj = json_of(event)
+        choices = obj.get("choices") if isinstance(obj, dict) else None
+        if isinstance(choices, list) and any(isinstance(c, dict) and c.get("token_ids") for c in choices):
+            return Kind.TOKEN, None
+        return Kind.METADATA, None

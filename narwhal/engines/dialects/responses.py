@@ -1,0 +1,169 @@
+"""``/v1/responses``: OpenAI's Responses API as vLLM serves it (``vllm/entrypoints/openai/responses``).
+
+Frames are ``event: <type>\\ndata: <json>``; a valid stream ends with ``response.completed``
+(status ``completed`` or ``incomplete``) or ``response.incomplete``, never with ``[DONE]``.
+Generated output (SPEC §2.1): text, reasoning and function-call argument deltas, an
+``output_item.added`` of a function call that carries arguments, and ``output_item.done`` (the
+analogue of a ``finish_reason``). An in-stream error is ``event: error`` or ``response.failed``,
+with its ``code`` as the status when it is one, else 502.
+
+What this path cannot honour is refused at admission: a ``previous_response_id`` names a response
+stored inside one engine process (the other leg would not find it), and ``background: true``
+answers at once with a queued response (no stream to relay). The body's ``request_id`` is the
+engine's request id on this path (``X-Request-Id`` is not read), so both legs get the backend id.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from narwhal.engines import connector
+from narwhal.engines.dialects.base import Dialect, Kind, bad, event_name, is_int, json_of, status_of_code
+from narwhal.errors import NarwhalError
+
+RESPONSES = "/v1/responses"
+
+_OUTPUT_EVENTS = frozenset({
+    b"response.output_text.delta", b"response.reasoning_text.delta", b"response.function_call_arguments.delta",
+    b"response.output_item.done",
+})
+_TERMINAL_EVENTS = frozenset({b"response.completed", b"response.incomplete"})
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+class Responses(Dialect):
+    __slots__ = ()
+    endpoint = RESPONSES
+    terminal = "response.completed"
+    terminal_bytes = None
+
+    def check(self, body: dict[str, Any]) -> None:
+        if body.get("previous_response_id") is not None:
+            raise bad("'previous_response_id' is not supported by disaggregated serving: the stored "
+                      "response lives inside one engine process, which the other leg cannot read")
+        if body.get("background") is True:
+            raise bad("'background: true' is not supported by disaggregated serving: a background "
+                      "response has no stream to relay")
+        if not isinstance(body.get("input"), str | list):
+            raise bad("'input' must be a string or a list of input items")
+        instructions = body.get("instructions")
+        if instructions is not None and not isinstance(instructions, str):
+            raise bad("'instructions' must be a string")
+        limit = body.get("max_output_tokens")
+        if limit is not None and (not is_int(limit) or limit < 0):
+            raise bad("'max_output_tokens' must be an integer >= 0")
+
+    def affinity_text(self, body: dict[str, Any], limit: int) -> str:
+        instructions = body.get("instructions")
+        parts = [instructions if isinstance(instructions, str) else ""]
+        items = body.get("input")
+        if isinstance(items, str):
+            parts.append(items)
+        elif isinstance(items, list):
+            size = len(parts[0])
+            for item in items:
+                if size >= limit:
+                    break
+                if isinstance(item, dict):
+                    part = f"{item.get('role', '')}: {_text(item.get('content'))}"
+                    parts.append(part)
+                    size += len(part)
+        return "\n".join(p for p in parts if p)
+
+    def prefill_body(self, body: dict[str, Any], request_id: str, crossed: bool) -> dict[str, Any]:
+        out = dict(body)
+        out.pop("stream_options", None)
+        out["stream"] = False
+        out["max_output_tokens"] = 1
+        out["background"] = False
+        out["store"] = False
+        out["request_id"] = request_id
+        if crossed:
+            out["kv_transfer_params"] = dict(connector.PREFILL_KV_PARAMS)
+        else:
+            out.pop("kv_transfer_params", None)
+        return out
+
+    def decode_body(self, body: dict[str, Any], request_id: str, descriptor: dict[str, Any] | None) -> dict[str, Any]:
+        out = super().decode_body(body, request_id, descriptor)
+        out["request_id"] = request_id
+        return out
+
+    def release_body(self, body: dict[str, Any], request_id: str, descriptor: dict[str, Any]) -> dict[str, Any]:
+        out = dict(body)
+        out.pop("stream_options", None)
+        out["stream"] = False
+        out["max_output_tokens"] = 1
+        out["store"] = False
+        out["request_id"] = request_id
+        out["kv_transfer_params"] = descriptor
+        return out
+
+    def may_end(self, span: bytes) -> bool:
+        return b"response.completed" in span or b"response.incomplete" in span or b'"error"' in span \
+            or b"response.failed" in span
+
+    def clean_end(self, span: bytes) -> int:
+        at = span.rfind(b"event: response.completed\n")
+        if at < 0 or (at and span[at - 2 : at] != b"\n\n") or not span.endswith(b"\n\n"):
+            return -1
+        # Response objects carry "error": null; any other "error" may be one: judge each event.
+        if span.count(b'"error"') != span.count(b'"error":null') or b"response.failed" in span:
+            return -1
+        if span.count(b"response.completed") != 2 or b"response.incomplete" in span \
+                or span.find(b"\n\n", at) + 2 != len(span):
+            return -1
+        return len(span)
+
+    def classify(self, event: bytes) -> tuple[Kind, dict[str, Any] | None]:
+        obj = json_of(event)
+        name = event_name(event)
+        if name is None and isinstance(obj, dict) and isinstance(obj.get("type"), str):
+            name = obj["type"].encode()
+        if name in _TERMINAL_EVENTS:
+            return Kind.DONE, None
+        if not isinstance(obj, dict):
+            return Kind.METADATA, None
+        if name == b"error":
+            return Kind.ERROR, _normalised(obj)
+        if name == b"response.failed":
+            response = obj.get("response")
+            return Kind.ERROR, _normalised(response.get("error") if isinstance(response, dict) else None)
+        if name is None and isinstance(obj.get("error"), dict):  # OpenAI's shape, before the converter
+            return Kind.ERROR, _normalised(obj["error"])
+        if name in _OUTPUT_EVENTS:
+            return Kind.TOKEN, None
+        if name == b"response.output_item.added":
+            item = obj.get("item")
+            if isinstance(item, dict) and item.get("type") == "function_call" and item.get("arguments"):
+                return Kind.TOKEN, None
+        return Kind.METADATA, None
+
+    def whole_error(self, data: bytes) -> dict[str, Any] | None:
+        if b'"failed"' not in data:
+            return None
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(obj, dict) or obj.get("status") != "failed":
+            return None
+        return _normalised(obj.get("error"))
+
+    def error_event(self, exc: NarwhalError) -> bytes:
+        event = {"type": "error", "code": exc.status, "message": exc.message, "param": None}
+        return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"
+
+
+def _normalised(err: Any) -> dict[str, Any]:
+    err = err if isinstance(err, dict) else {}
+    return {"code": status_of_code(err.get("code")), "message": err.get("message")}

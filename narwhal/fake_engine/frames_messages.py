@@ -1,0 +1,108 @@
+"""``/v1/messages`` frames and bodies as vLLM's Anthropic server writes them.
+
+vLLM serves Messages by converting to a chat request and converting its chunks back
+(``vllm/entrypoints/anthropic``): ``message_start`` from the first chunk, ``content_block_start``
+with the first text, a ``content_block_delta`` per token, then ``content_block_stop``,
+``message_delta`` (stop reason, usage) and ``message_stop``, followed by ``data: [DONE]``. Events
+are pydantic dumps with ``exclude_unset``, so only the fields vLLM sets appear, in field order. An
+error inside the stream is ``event: error`` with ``{"type": "error", "error": {...}}``, then
+``[DONE]``. The non-streaming message is dumped with ``exclude_none``: ``kv_transfer_params`` is
+absent, not null, when there is no descriptor. vLLM sends no ``ping``: heartbeats are SSE
+comments.
+
+Invariant: byte templates per request (head + token + tail) like ``chunks``, so a token costs no
+JSON encoding; imports only ``chunks``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from narwhal.fake_engine.chunks import DONE, StreamFrames, error_event, token_bytes
+
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+_TYPE_OF_CODE = {400: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error"}
+HEARTBEAT = b": keep-alive\n\n"
+
+
+def event(name: str, data: bytes) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + data + b"\n\n"
+
+
+def anthropic_error(code: int | None, message: str) -> dict[str, Any]:
+    # vLLM's converter always says internal_error; other types let tests exercise the mapping.
+    kind = _TYPE_OF_CODE.get(code or 500, "internal_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_response(status: int, message: str) -> web.Response:
+    body = orjson.dumps(anthropic_error(status, message))
+    return web.Response(body=body, status=status, content_type="application/json")
+
+
+class MessagesFrames(StreamFrames):
+    __slots__ = ("_rid", "_model")
+
+    def __init__(self, model_json: bytes, rid: str) -> None:
+        super().__init__(b"")
+        self._rid, self._model = rid, model_json
+        self._head = (
+            b'event: content_block_delta\ndata: {"type":"content_block_delta","delta":{"type":"text_delta","text":"'
+        )
+        self._tail = b'"},"index":0}\n\n'
+
+    def token(self, i: int) -> bytes:
+        frame = self._head + token_bytes(i) + self._tail
+        if i == 0:
+            start = b'{"type":"content_block_start","content_block":{"type":"text","text":""},"index":0}'
+            return event("content_block_start", start) + frame
+        return frame
+
+    def last_token(self, i: int, finish_reason: str) -> bytes:
+        return self.token(i)
+
+    def heartbeat(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        return HEARTBEAT
+
+    def opening(self, prompt_tokens: int) -> bytes:
+        message = (
+            b'{"id":' + orjson.dumps(self._rid) + b',"content":[],"model":' + self._model
+            + b',"stop_reason":null,"stop_sequence":null,"usage":{"input_tokens":' + str(prompt_tokens).encode()
+            + b',"output_tokens":0}}'
+        )
+        return event("message_start", b'{"type":"message_start","message":' + message + b"}")
+
+    def _delta(self, stop_reason: str, prompt_tokens: int, completion_tokens: int) -> bytes:
+        data = {"type": "message_delta", "delta": {"stop_reason": stop_reason},
+                "usage": {"input_tokens": prompt_tokens, "output_tokens": completion_tokens}}
+        return event("message_delta", orjson.dumps(data))
+
+    def terminal_first(self) -> bytes:
+        return event("message_stop", b'{"type":"message_stop"}') + DONE
+
+    def empty_end(self, prompt_tokens: int, include_usage: bool, cached_tokens: int = 0) -> bytes:
+        return self._delta("end_turn", prompt_tokens, 0) + self.terminal_first()
+
+    def end(
+        self, prompt_tokens: int, completion_tokens: int, include_usage: bool, finish_reason: str,
+        cached_tokens: int = 0,
+    ) -> bytes:
+        stop = event("content_block_stop", b'{"type":"content_block_stop","index":0}')
+        delta = self._delta(STOP_REASONS.get(finish_reason, "end_turn"), prompt_tokens, completion_tokens)
+        return stop + delta + self.terminal_first()
+
+    def error(self, code: int | None, message: str, flat: bool) -> bytes:
+        if flat:  # OpenAI's shape, as vLLM's chat layer writes it: routers must read both
+            return error_event(code, message) + DONE
+        return event("error", orjson.dumps(anthropic_error(code, message))) + DONE
+
+    def body(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        return {
+            "id": self._rid, "type": "message", "role": "assistant",
+            "content": [{"type": "text", "text": text}], "model": orjson.loads(self._model),
+            "stop_reason": STOP_REASONS.get(finish_reason, "end_turn"),
+            "usage": {"input_tokens": prompt_tokens, "output_tokens": completion_tokens},
+        }

@@ -1,0 +1,193 @@
+"""Each endpoint's stream description on real vLLM event text (SPEC §2.1): classification of
+events, terminal detection, in-stream errors and their statuses, the bodies and error shapes."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from narwhal.engines import dialects
+from narwhal.engines.sse import DONE_EVENT, Kind, split_events
+from narwhal.errors import NarwhalError, RequestError
+
+MSG = dialects.for_endpoint(dialects.MESSAGES)
+RESP = dialects.for_endpoint(dialects.RESPONSES)
+GEN = dialects.for_endpoint(dialects.GENERATE)
+CHAT = dialects.for_endpoint(dialects.CHAT)
+
+# vLLM's Anthropic converter (vllm/entrypoints/anthropic/serving.py), exclude_unset dumps.
+M_START = (b'event: message_start\ndata: {"type":"message_start","message":{"id":"chatcmpl-r1","content":[],'
+           b'"model":"m","stop_reason":null,"stop_sequence":null,"usage":{"input_tokens":9,"output_tokens":0}}}')
+M_BLOCK = (b'event: content_block_start\ndata: {"type":"content_block_start","content_block":{"type":"text",'
+           b'"text":""},"index":0}')
+M_TEXT = (b'event: content_block_delta\ndata: {"type":"content_block_delta","delta":{"type":"text_delta",'
+          b'"text":"Hi"},"index":0}')
+M_THINK = (b'event: content_block_delta\ndata: {"type":"content_block_delta","delta":{"type":"thinking_delta",'
+           b'"thinking":"hm"},"index":0}')
+M_SIG = (b'event: content_block_delta\ndata: {"type":"content_block_delta","delta":{"type":"signature_delta",'
+         b'"signature":"ab"},"index":0}')
+M_TOOL = (b'event: content_block_start\ndata: {"type":"content_block_start","content_block":{"type":"tool_use",'
+          b'"id":"call_1","name":"get","input":{}},"index":1}')
+M_JSON = (b'event: content_block_delta\ndata: {"type":"content_block_delta","delta":{"type":"input_json_delta",'
+          b'"partial_json":"{\\"a\\""},"index":1}')
+M_STOP_BLOCK = b'event: content_block_stop\ndata: {"type":"content_block_stop","index":0}'
+M_DELTA = (b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"end_turn"},'
+           b'"usage":{"input_tokens":9,"output_tokens":1}}')
+M_END = b'event: message_stop\ndata: {"type":"message_stop"}'
+M_ERROR = (b'event: error\ndata: {"type":"error","error":{"type":"internal_error",'
+           b'"message":"Invalid data format received"}}')
+
+# vLLM's Responses stream (vllm/entrypoints/openai/responses).
+R_CREATED = (b'event: response.created\ndata: {"type":"response.created","sequence_number":0,"response":{"id":"r1",'
+             b'"status":"in_progress","output":[],"kv_transfer_params":null,"error":null}}')
+R_ITEM = (b'event: response.output_item.added\ndata: {"type":"response.output_item.added","sequence_number":2,'
+          b'"output_index":0,"item":{"id":"msg_1","type":"message","role":"assistant","content":[],"status":"in_progress"}}')
+R_TEXT = (b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","sequence_number":4,'
+          b'"item_id":"msg_1","output_index":0,"content_index":0,"delta":"Hi","logprobs":[]}')
+R_CALL = (b'event: response.output_item.added\ndata: {"type":"response.output_item.added","sequence_number":2,'
+          b'"output_index":0,"item":{"type":"function_call","call_id":"c1","name":"f","arguments":"{}"}}')
+R_DONE_ITEM = (b'event: response.output_item.done\ndata: {"type":"response.output_item.done","sequence_number":5,'
+               b'"output_index":0,"item":{"id":"msg_1","type":"message","content":[],"status":"completed"}}')
+R_END = (b'event: response.completed\ndata: {"type":"response.completed","sequence_number":6,"response":{"id":"r1",'
+         b'"status":"completed","error":null,"kv_transfer_params":null}}')
+R_INCOMPLETE = b'event: response.incomplete\ndata: {"type":"response.incomplete","sequence_number":6,"response":{}}'
+R_ERROR = b'event: error\ndata: {"type":"error","code":503,"message":"busy","param":null,"sequence_number":3}'
+R_FAILED = (b'event: response.failed\ndata: {"type":"response.failed","sequence_number":3,'
+            b'"response":{"status":"failed","error":{"code":"server_error","message":"boom"}}}')
+
+# vLLM's tokens-in route (vllm/entrypoints/serve/disagg/serving.py).
+G_TOKEN = (b'data: {"request_id":"generate-tokens-r1","choices":[{"index":0,"logprobs":null,'
+           b'"finish_reason":null,"token_ids":[42]}]}')
+G_EMPTY = (b'data: {"request_id":"generate-tokens-r1","choices":[{"index":0,"logprobs":null,'
+           b'"finish_reason":null,"token_ids":[]}]}')
+G_LAST = b'data: {"request_id":"g","choices":[{"index":0,"logprobs":null,"finish_reason":"length","token_ids":[7]}]}'
+
+
+def ev(*events: bytes) -> bytes:
+    return b"".join(e + b"\n\n" for e in events)
+
+
+@pytest.mark.parametrize(("event", "kind"), [
+    (M_START, Kind.METADATA), (M_BLOCK, Kind.METADATA), (M_TEXT, Kind.TOKEN), (M_THINK, Kind.TOKEN),
+    (M_SIG, Kind.METADATA), (M_TOOL, Kind.TOKEN), (M_JSON, Kind.TOKEN), (M_STOP_BLOCK, Kind.METADATA),
+    (M_DELTA, Kind.TOKEN), (M_END, Kind.DONE), (b"data: [DONE]", Kind.METADATA), (b": comment", Kind.METADATA),
+])
+def test_messages_events_are_classified(event: bytes, kind: Kind) -> None:
+    assert MSG.classify(event)[0] is kind
+
+
+def test_a_message_delta_without_stop_reason_is_metadata() -> None:
+    assert MSG.classify(b'event: message_delta\ndata: {"type":"message_delta","delta":{}}')[0] is Kind.METADATA
+
+
+@pytest.mark.parametrize(("kind", "status"), [
+    ("overloaded_error", 503), ("rate_limit_error", 429), ("invalid_request_error", 400), ("internal_error", None),
+])
+def test_messages_error_types_give_their_status(kind: str, status: int | None) -> None:
+    event = b'event: error\ndata: {"type":"error","error":{"type":"' + kind.encode() + b'","message":"m"}}'
+    assert MSG.classify(event) == (Kind.ERROR, {"code": status, "message": "m"})
+
+
+def test_messages_understand_openai_shaped_errors() -> None:
+    event = (b'data: {"error": {"message": "Internal server error", "type": "InternalServerError",'
+             b' "param": null, "code": 500}}')
+    assert MSG.classify(event) == (Kind.ERROR, {"code": 500, "message": "Internal server error"})
+    assert MSG.classify(M_ERROR) == (Kind.ERROR, {"code": None, "message": "Invalid data format received"})
+
+
+def test_messages_clean_end_cuts_the_done_vllm_sends_after_message_stop() -> None:
+    span = ev(M_TEXT, M_STOP_BLOCK, M_DELTA, M_END) + DONE_EVENT
+    assert span[: MSG.clean_end(span)] == ev(M_TEXT, M_STOP_BLOCK, M_DELTA, M_END)
+    assert MSG.clean_end(ev(M_TEXT, M_END)) == len(ev(M_TEXT, M_END))
+    assert MSG.clean_end(ev(M_TEXT, M_ERROR) + DONE_EVENT) == -1  # an error: judged event by event
+    assert MSG.clean_end(ev(M_TEXT)) == -1
+    assert MSG.may_end(ev(M_TEXT)) is False
+    assert MSG.may_end(ev(M_END)) and MSG.may_end(ev(M_ERROR))
+
+
+@pytest.mark.parametrize(("event", "kind"), [
+    (R_CREATED, Kind.METADATA), (R_ITEM, Kind.METADATA), (R_TEXT, Kind.TOKEN), (R_CALL, Kind.TOKEN),
+    (R_DONE_ITEM, Kind.TOKEN), (R_END, Kind.DONE), (R_INCOMPLETE, Kind.DONE),
+    (b'event: response.reasoning_text.delta\ndata: {"type":"response.reasoning_text.delta","delta":"x"}', Kind.TOKEN),
+    (b'event: response.function_call_arguments.delta\ndata: {"type":"response.function_call_arguments.delta"}',
+     Kind.TOKEN),
+])
+def test_responses_events_are_classified(event: bytes, kind: Kind) -> None:
+    assert RESP.classify(event)[0] is kind
+
+
+def test_responses_errors_take_their_code_or_502() -> None:
+    assert RESP.classify(R_ERROR) == (Kind.ERROR, {"code": 503, "message": "busy"})
+    assert RESP.classify(R_FAILED) == (Kind.ERROR, {"code": None, "message": "boom"})  # "server_error": 502
+
+
+def test_responses_clean_end_and_probe() -> None:
+    span = ev(R_TEXT, R_DONE_ITEM, R_END)
+    assert RESP.clean_end(span) == len(span)
+    assert RESP.clean_end(ev(R_TEXT, R_ERROR, R_END)) == -1
+    assert RESP.clean_end(ev(R_TEXT, R_INCOMPLETE)) == -1  # the rarer terminal: judged event by event
+    assert RESP.may_end(ev(R_TEXT)) is False
+    assert all(RESP.may_end(ev(e)) for e in (R_END, R_INCOMPLETE, R_ERROR, R_FAILED))
+
+
+def test_responses_whole_body_failed_is_an_error() -> None:
+    assert RESP.whole_error(b'{"status":"incomplete","incomplete_details":{"reason":"max_output_tokens"}}') is None
+    failed = b'{"status":"failed","error":{"code":500,"message":"oops"}}'
+    assert RESP.whole_error(failed) == {"code": 500, "message": "oops"}
+
+
+@pytest.mark.parametrize(("event", "kind"), [
+    (G_TOKEN, Kind.TOKEN), (G_EMPTY, Kind.METADATA), (G_LAST, Kind.TOKEN), (b"data: [DONE]", Kind.DONE),
+    (b'data: {"error": {"message": "x", "code": 500}}', Kind.ERROR),
+])
+def test_generate_events_are_classified(event: bytes, kind: Kind) -> None:
+    assert GEN.classify(event)[0] is kind
+
+
+def test_chat_is_unchanged_by_the_descriptions() -> None:
+    span = b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n' + DONE_EVENT
+    assert CHAT.clean_end(span) == len(span) and CHAT.terminal == "[DONE]"
+    assert [CHAT.classify(e)[0] for e in split_events(span)] == [Kind.TOKEN, Kind.DONE]
+
+
+def test_prefill_bodies_follow_the_table() -> None:
+    body = {"model": "m", "max_tokens": 9, "stream": True, "stop_sequences": ["x"], "messages": []}
+    out = MSG.prefill_body(body, "rid", True)
+    assert out["max_tokens"] == 1 and out["stream"] is False and "stop_sequences" not in out
+    assert out["kv_transfer_params"]["do_remote_decode"] is True
+    assert "kv_transfer_params" not in MSG.prefill_body(body, "rid", False)
+    out = RESP.prefill_body({"input": "x", "request_id": "client", "background": True}, "rid", True)
+    assert (out["max_output_tokens"], out["background"], out["store"], out["request_id"]) == (1, False, False, "rid")
+    assert RESP.decode_body({"request_id": "client"}, "rid", None)["request_id"] == "rid"
+    gen = {"token_ids": [1], "sampling_params": {"max_tokens": 5, "min_tokens": 2, "stop": ["a"], "seed": 3}}
+    out = GEN.prefill_body(gen, "rid", True)
+    assert out["sampling_params"] == {"max_tokens": 1, "seed": 3}
+    assert gen["sampling_params"]["max_tokens"] == 5  # the client's body is not touched
+
+
+def test_error_shapes_per_endpoint() -> None:
+    exc = NarwhalError("no pair", reason="no_engine")
+    assert orjson.loads(MSG.error_body(exc)) == {"type": "error", "error": {"type": "overloaded_error",
+                                                                           "message": "no pair"}}
+    assert MSG.error_event(exc).startswith(b"event: error\ndata: ")
+    assert RESP.error_event(exc) == (b'event: error\ndata: {"type":"error","code":503,"message":"no pair",'
+                                     b'"param":null}\n\n')
+    assert orjson.loads(GEN.error_body(exc))["error"]["type"] == "no_engine"
+
+
+def test_responses_refusals_say_why() -> None:
+    with pytest.raises(RequestError, match="lives inside one engine process"):
+        RESP.check({"input": "x", "previous_response_id": "resp_1"})
+    with pytest.raises(RequestError, match="no stream to relay"):
+        RESP.check({"input": "x", "background": True})
+    RESP.check({"input": "x", "previous_response_id": None, "background": False})
+
+
+def test_affinity_texts() -> None:
+    assert RESP.affinity_text({"instructions": "sys", "input": "hello"}, 1024) == "sys\nhello"
+    items = {"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]}
+    assert RESP.affinity_text(items, 1024) == "user: hi"
+    body = {"system": [{"type": "text", "text": "sys"}], "messages": [{"role": "user", "content": "hey"}]}
+    assert MSG.affinity_text(body, 1024) == "sys\nuser: hey"
+    assert GEN.affinity_text({"token_ids": [1, 22, 333]}, 1024) == "1 22 333"
+    assert len(GEN.affinity_text({"token_ids": list(range(10_000))}, 100)) >= 100
