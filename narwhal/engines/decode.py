@@ -155,6 +155,11 @@ class DecodeLeg:
                 return out
         return None
 
+    @property
+    def relayed(self) -> int:
+        """Spans the direct relay wrote to the sink (the others were returned by next_span)."""
+        return 0 if self._relay is None else self._relay.spans
+
     def close(self) -> None:
         if self._timer is not None:
             self._timer.close()

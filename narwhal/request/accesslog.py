@@ -17,7 +17,7 @@ import os
 import select
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -37,6 +37,9 @@ class AccessRecord:
     total_s: float | None = None
     reason: str | None = None
     stream: bool | None = None
+    client: str | None = None  # the peer address (X-Forwarded-For is not trusted: see README)
+    backend_ids: list[str] = field(default_factory=list)  # the X-Request-Id of each attempt, in order
+    completion_tokens: int | None = None  # the decode's, when the engine reported usage
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -53,6 +56,9 @@ class AccessRecord:
             "first_byte_s": _round(self.first_byte_s),
             "total_s": _round(self.total_s),
             "reason": self.reason,
+            "client": self.client,
+            "backend_ids": self.backend_ids,
+            "completion_tokens": self.completion_tokens,
         }
 
 

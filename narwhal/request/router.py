@@ -89,7 +89,7 @@ class Router:
         # uvloop's clock moves in whole milliseconds and ttft_s is often below one.
         arrival = asyncio.get_running_loop().time()
         started = time.perf_counter()
-        rec = AccessRecord(request_id=client_request_id(request), endpoint=endpoint)
+        rec = AccessRecord(request_id=client_request_id(request), endpoint=endpoint, client=request.remote)
         client = ClientStream(request, rec.request_id, self.settings.server.client_write_timeout_s)
         task = asyncio.current_task()
         self._active.add(task)
@@ -119,7 +119,7 @@ class Router:
             client.close()
             self._active.discard(task)
             rec.total_s = time.perf_counter() - started
-            metrics.requests_child(endpoint, rec.status).inc()
+            metrics.requests_child(endpoint, rec.status, rec.model or "").inc()
             self.access_log.write(rec)
 
     async def _fail(self, client: ClientStream, rec: AccessRecord, exc: NarwhalError) -> web.StreamResponse:
@@ -156,6 +156,7 @@ class Router:
         retrying = False
         attempts = 0
         state.request_started()
+        metrics.REQUESTS_INFLIGHT.inc()
         try:
             while True:
                 attempts += 1
@@ -178,6 +179,7 @@ class Router:
             if retrying:
                 state.retry_finished()
             state.request_finished()
+            metrics.REQUESTS_INFLIGHT.dec()
 
     def _retryable(self, exc: EngineError, req: ClientRequest, attempts: int, client: ClientStream) -> bool:
         if attempts > self.recovery.max_retries or client.committed:

@@ -28,6 +28,7 @@ class Leg:
     spans: list[bytes]
     fail_at: EngineError | None = None
     closed: bool = False
+    relayed: int = 0  # spans a direct relay would have written (none here)
 
     async def open(self) -> bytes | None:
         return None
