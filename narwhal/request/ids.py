@@ -40,6 +40,11 @@ def backend_id(client_id: str, attempt: int) -> str:
     return f"{part}-{_NONCE_PREFIX}{next(_NONCE_COUNTER) & 0xFFFFFFFF:08x}-a{attempt}"
 
 
+def attempt_of(backend: str) -> int:
+    """The attempt number a :func:`backend_id` ends with."""
+    return int(backend.rsplit("-a", 1)[1])
+
+
 _NONCE_PREFIX = os.urandom(4).hex()
 _NONCE_COUNTER = itertools.count()
 
