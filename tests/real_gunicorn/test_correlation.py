@@ -39,7 +39,8 @@ def corr(fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         {"name": "d0", "role": "consumer", "max_inflight_decode": 1},
         {"name": "d1", "role": "consumer", "max_inflight_decode": 1},
     ]
-    proc = start_router(fleet, engines, tmp_path_factory.mktemp("corr"), recovery={"max_retries": 1})
+    proc = start_router(fleet, engines, tmp_path_factory.mktemp("corr"), recovery={"max_retries": 1},
+                        log={"level": "info"})
     yield proc
     proc.stop()
 
@@ -186,3 +187,21 @@ async def test_inflight_and_queued_gauges_follow_the_requests(corr: RouterProces
     replies = await asyncio.gather(*tasks)
     assert [r.status for r in replies] == [200, 200, 200]
     assert await loop.run_in_executor(None, settled, gauges, (0.0, 0.0)) == (0.0, 0.0)
+
+
+def test_gunicorn_own_lines_are_json_through_narwhal_formatter(corr: RouterProcess) -> None:
+    """log.format = "json" (the default): gunicorn's master and worker lines are JSON objects of
+    the same shape as Narwhal's own, logger ``gunicorn.error``."""
+    lines = []
+    with open(corr.log_path, "rb") as f:
+        for raw in f:
+            if b"gunicorn" in raw.lower() or b"Booting worker" in raw:
+                lines.append(raw)
+    assert lines
+    parsed = [orjson.loads(raw) for raw in lines]  # every such line parses: none is plain text
+    gunicorn = [p for p in parsed if p["logger"] == "gunicorn.error"]
+    assert all(set(p) == {"ts", "level", "logger", "message"} for p in gunicorn)
+    messages = [p["message"] for p in gunicorn]
+    assert any(m.startswith("Starting gunicorn ") for m in messages), messages
+    assert sum(m.startswith("Booting worker with pid: ") for m in messages) >= 2, messages
+    assert {p["level"] for p in gunicorn} == {"info"}
