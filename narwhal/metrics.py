@@ -49,8 +49,9 @@ INTER_TOKEN = Histogram(
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5),
 )
 REQUESTS_INFLIGHT = Gauge(
-    "narwhal_requests_inflight", "Admitted client requests in flight in this host's workers",
-    multiprocess_mode="livesum",
+    "narwhal_requests_inflight",
+    "Admitted client requests in flight in this host's workers (exported by the supervisor from shared memory)",
+    multiprocess_mode="livemax",
 )
 REQUESTS_QUEUED = Gauge(
     "narwhal_requests_queued", "Client requests waiting for a pair (placement.max_queue bounds them)",

@@ -156,7 +156,6 @@ class Router:
         retrying = False
         attempts = 0
         state.request_started()
-        metrics.REQUESTS_INFLIGHT.inc()
         try:
             while True:
                 attempts += 1
@@ -179,7 +178,6 @@ class Router:
             if retrying:
                 state.retry_finished()
             state.request_finished()
-            metrics.REQUESTS_INFLIGHT.dec()
 
     def _retryable(self, exc: EngineError, req: ClientRequest, attempts: int, client: ClientStream) -> bool:
         if attempts > self.recovery.max_retries or client.committed:

@@ -28,6 +28,7 @@ from narwhal.engines.control import open_session
 from narwhal.fleet import Engine, Fleet
 from narwhal.fleet.breaker import Breakers, EngineInfo, EngineStatus, Outcome, State
 from narwhal.settings import Settings
+from narwhal.shm import layout as L
 from narwhal.shm.records import (
     FLAG_BEFORE_TOKEN,
     FLAG_COUNTS,
@@ -188,6 +189,9 @@ class Supervisor:
         for engine in self.fleet.engines:
             metrics.ENGINE_INFLIGHT.labels(engine.name, "prefill").set(totals[engine.index * 2])
             metrics.ENGINE_INFLIGHT.labels(engine.name, "decode").set(totals[engine.index * 2 + 1])
+        # The workers already count their requests in shared memory (the retry budget reads
+        # them): exported from here, the gauge costs the request path nothing.
+        metrics.REQUESTS_INFLIGHT.set(self.shared.slot_field_total(L.SLOT_REQUESTS))
 
     # -- checks -----------------------------------------------------------------------------------
 
