@@ -55,7 +55,7 @@ async def _stream(
 ) -> web.StreamResponse:
     """Relay an opened stream to the client until [DONE] (SPEC §3 step 7)."""
     observed = False
-    spans, last = 0, b""
+    spans = 0
     try:
         while (span := await leg.next_span()) is not None:
             if not client.committed:
@@ -68,26 +68,25 @@ async def _stream(
             # write, one client wakeup, instead of a separate 5-byte terminator.
             await client.write(span, eof=span.endswith(sse.DONE_EVENT))
             spans += 1
-            last = span
+            if tap is not None:
+                tap.see(span)
             if not observed:
                 observed = True
                 _observe_start(ttft_s, rec.first_byte_s, age)
         assert client.stream is not None  # next_span ends only after output went out
         await client.write(b"", eof=True)  # no-op after [DONE]
-        _observe_stream_end(rec, started, spans + leg.relayed, last, tap)
+        _observe_stream_end(rec, started, spans + leg.relayed, tap)
         return client.stream
     finally:
         if not observed:
             _observe_start(ttft_s, rec.first_byte_s, age)
 
 
-def _observe_stream_end(rec: AccessRecord, started: float, spans: int, last: bytes, tap: UsageTap | None) -> None:
+def _observe_stream_end(rec: AccessRecord, started: float, spans: int, tap: UsageTap | None) -> None:
     """A stream ended with [DONE]: its usage (when asked for) and its mean gap between the
     spans written to the client — one clock read per stream, none per span."""
     if tap is not None:
-        rec.completion_tokens = completion_tokens(last)
-        if rec.completion_tokens is None:
-            rec.completion_tokens = completion_tokens(tap.last)
+        rec.completion_tokens = tap.tokens
     if spans >= 2 and rec.first_byte_s is not None:
         metrics.INTER_TOKEN.observe((time.perf_counter() - started - rec.first_byte_s) / (spans - 1))
 

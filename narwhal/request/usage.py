@@ -7,8 +7,9 @@ in a non-streaming body, and in a stream (only when the client asked for
 ``continuous_usage_stats`` every event carries it and the last one is the total. Anything that
 does not look like a count gives None rather than a guess.
 
-:class:`UsageTap` keeps the last span the direct relay wrote, for streams that asked for usage
-only: one attribute store per span, nothing for the others.
+:class:`UsageTap` keeps the latest count among the spans written to the client, whichever way
+they went (the direct relay's sink or the caller's writes, both in the order received), for
+streams that asked for usage only: one byte search per span, nothing for the other streams.
 """
 
 from __future__ import annotations
@@ -40,14 +41,20 @@ def wants_usage(body: dict[str, object]) -> bool:
 
 
 class UsageTap:
-    """A sink that remembers the last span it passed on."""
+    """A sink that notes the latest ``completion_tokens`` in what it passes on (and in what the
+    caller shows it with :meth:`see`)."""
 
-    __slots__ = ("_inner", "last")
+    __slots__ = ("_inner", "tokens")
 
     def __init__(self, inner: Sink) -> None:
         self._inner = inner
-        self.last: bytes | None = None
+        self.tokens: int | None = None
+
+    def see(self, span: bytes) -> None:
+        found = completion_tokens(span)
+        if found is not None:
+            self.tokens = found
 
     def __call__(self, span: bytes) -> bool:
-        self.last = span
+        self.see(span)
         return self._inner(span)

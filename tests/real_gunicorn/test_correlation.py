@@ -84,6 +84,18 @@ async def test_backend_id_is_derived_and_logged_with_client_and_usage(corr: Rout
     assert entry["completion_tokens"] == 5
 
 
+@pytest.mark.parametrize(("tokens", "delay"), [(1, 0.02), (2, 0.02), (8, 0.02), (8, 0.0)])
+async def test_the_usage_count_is_found_wherever_its_event_arrives(corr: RouterProcess, tokens: int,
+                                                                   delay: float) -> None:
+    """Paced or not, the usage event may come in the first spans (the caller's writes), through
+    the direct relay, or with [DONE]: the count is the stream's in every case."""
+    rid = f"usage-{tokens}-" + unique_prompt().split()[0]
+    fake = {"decode": {"token_delay_s": delay}} if delay else None
+    body = completion(unique_prompt(), max_tokens=tokens, stream_options={"include_usage": True}, fake=fake)
+    assert (await send(corr.url, "/v1/completions", body, headers={"x-request-id": rid})).status == 200
+    assert access_line(corr, rid)["completion_tokens"] == tokens
+
+
 async def test_two_requests_with_one_client_id_get_distinct_backend_ids(corr: RouterProcess, fleet: FakeFleet) -> None:
     prompts = [unique_prompt(), unique_prompt()]
     for prompt in prompts:

@@ -29,11 +29,14 @@ def test_only_include_usage_true_asks_for_usage() -> None:
     assert not wants_usage({})
 
 
-def test_the_tap_passes_spans_on_and_keeps_the_last() -> None:
+def test_the_tap_passes_spans_on_and_keeps_the_latest_count_whichever_way_it_went() -> None:
     seen: list[bytes] = []
     tap = UsageTap(lambda span: seen.append(span) is None)
-    assert tap(b"a") and tap(b"b")
-    assert seen == [b"a", b"b"] and tap.last == b"b"
+    assert tap(b'data: {"usage":{"completion_tokens":1}}\n\n') and tap(b"data: {}\n\n")
+    assert seen == [b'data: {"usage":{"completion_tokens":1}}\n\n', b"data: {}\n\n"] and tap.tokens == 1
+    tap.see(b'data: {"usage":{"completion_tokens":3}}\n\n')  # a span the caller wrote itself
+    tap.see(b"data: [DONE]\n\n")
+    assert tap.tokens == 3
 
 
 def test_backend_ids_are_derived_unique_and_safe() -> None:
