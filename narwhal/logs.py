@@ -1,4 +1,10 @@
-"""The router's own log lines (not the access log): level and format from ``[log]``."""
+"""The router's own log lines (not the access log): level and format from ``[log]``.
+
+In ``json`` mode every line a Narwhal process writes for an operator is one JSON object with
+``ts``, ``level``, ``logger`` and ``message``: Narwhal's loggers, gunicorn's own error log
+(``narwhal.front.gunicorn_logging``) and the start-up preflight report (:func:`json_line`).
+The one-line settings errors stay plain: they are written before any format is known.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,12 @@ import time
 import orjson
 
 from narwhal.settings import LogSettings
+
+
+def json_line(level: str, logger: str, message: str, **extra: object) -> str:
+    """One log line in the JSON shape of :class:`JsonFormatter`, for writers outside ``logging``."""
+    return orjson.dumps({"ts": round(time.time(), 6), "level": level, "logger": logger, "message": message,
+                         **extra}).decode()
 
 
 class JsonFormatter(logging.Formatter):

@@ -27,7 +27,11 @@ from prometheus_client import (
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
 
-REQUESTS = Counter("narwhal_requests_total", "Client requests by endpoint and HTTP status", ["endpoint", "code"])
+REQUESTS = Counter(
+    "narwhal_requests_total",
+    "Client requests by endpoint, HTTP status and model (empty when no served model was named)",
+    ["endpoint", "code", "model"],
+)
 TTFT = Histogram(
     "narwhal_ttft_seconds", "Arrival to the producer's prefill completion (handoff ready)", buckets=LATENCY_BUCKETS
 )
@@ -35,6 +39,23 @@ FIRST_BYTE = Histogram(
     "narwhal_first_byte_seconds",
     "Arrival to the first generated output sent to the client (what a user feels as TTFT)",
     buckets=LATENCY_BUCKETS,
+)
+# Per stream, not per token: the mean gap between the spans written to the client (a span is
+# what one socket read brought, usually one token on a paced engine), from one clock read at
+# the first token and one at [DONE] — no clock read per token.
+INTER_TOKEN = Histogram(
+    "narwhal_inter_token_seconds",
+    "Mean gap between output spans of a completed stream, first token to [DONE] (one sample per stream)",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5),
+)
+REQUESTS_INFLIGHT = Gauge(
+    "narwhal_requests_inflight",
+    "Admitted client requests in flight in this host's workers (exported by the supervisor from shared memory)",
+    multiprocess_mode="livemax",
+)
+REQUESTS_QUEUED = Gauge(
+    "narwhal_requests_queued", "Client requests waiting for a pair (placement.max_queue bounds them)",
+    multiprocess_mode="livesum",
 )
 HANDOFF_AGE = Histogram(
     "narwhal_handoff_age_seconds", "Age of a handoff when its decode starts", buckets=LATENCY_BUCKETS
@@ -97,10 +118,11 @@ PROBES = Counter("narwhal_probes_total", "Readmission probes by engine and resul
 SUPERVISOR_RESTARTS = Counter("narwhal_supervisor_restarts_total", "Supervisor processes started after the first")
 
 
-@functools.lru_cache(maxsize=512)
-def requests_child(endpoint: str, code: int) -> Any:
-    """``REQUESTS.labels(...)`` resolved once per label pair, not on every request."""
-    return REQUESTS.labels(endpoint, str(code))
+@functools.lru_cache(maxsize=2048)
+def requests_child(endpoint: str, code: int, model: str = "") -> Any:
+    """``REQUESTS.labels(...)`` resolved once per label set, not on every request. ``model`` is
+    a model the fleet serves (admission refused any other) or ``""``: bounded by the fleet."""
+    return REQUESTS.labels(endpoint, str(code), model)
 
 
 @functools.lru_cache(maxsize=128)

@@ -119,6 +119,34 @@ class LogSettings(_Section):
     access_log: str = "-"
 
 
+class TracingSettings(_Section):
+    """OpenTelemetry spans over OTLP/HTTP (README "Tracing"); needs the ``tracing`` extra."""
+
+    enabled: bool = False
+    endpoint: Annotated[str, Field(pattern=r"^https?://[^\s/]+(/\S*)?$")] = "http://127.0.0.1:4318/v1/traces"
+    service_name: Annotated[str, Field(min_length=1)] = "narwhal"
+    sample_ratio: Annotated[float, Field(ge=0, le=1)] = 1.0
+
+    @model_validator(mode="after")
+    def _extra_installed(self) -> TracingSettings:
+        if self.enabled and not _tracing_installed():
+            raise ValueError(
+                "enabled = true needs the tracing extra: pip install 'narwhal-router[tracing]' "
+                "(opentelemetry-sdk and opentelemetry-exporter-otlp-proto-http)"
+            )
+        return self
+
+
+def _tracing_installed() -> bool:
+    import importlib.util
+
+    try:
+        return all(importlib.util.find_spec(name) is not None for name in (
+            "opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.proto.http.trace_exporter"))
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
 class RecoverySettings(_Section):
     eject_after: Annotated[int, Field(ge=1)] = 3
     failure_quarantine_s: NonNegativeFloat = 0
@@ -216,6 +244,7 @@ class Settings(BaseSettings):
     preflight: PreflightSettings = PreflightSettings()
     log: LogSettings = LogSettings()
     recovery: RecoverySettings = RecoverySettings()
+    tracing: TracingSettings = TracingSettings()
     engine_contract: EngineContract | None = None
     engines: list[EngineSpec] = []
 

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from narwhal.supervisor.process import set_parent_death_signal
 from narwhal.testing.harness import FakeFleet, RouterProcess, write_config
 from perf.load import COMPLETIONS, MODEL, Workload
 
@@ -99,6 +100,10 @@ def _completion_ok(url: str) -> tuple[bool, str]:
         return False, type(exc).__name__
 
 
+def _die_with_suite() -> None:
+    set_parent_death_signal(signal.SIGTERM)
+
+
 class Peer:
     """Another router's command line, run for comparison on the same fleet."""
 
@@ -120,7 +125,12 @@ class Peer:
         self.log_path = log_path
         argv = _resolve(shlex.split(self.command))
         with open(log_path, "ab") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+            # The peer (or the aiohttp floor) dies with the suite: a suite killed by a test's
+            # timeout used to leave its gunicorn behind, serving nobody, for hours.
+            self.proc = subprocess.Popen(
+                argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
+                preexec_fn=_die_with_suite,
+            )
 
     def alive(self) -> bool:
         return self.proc.poll() is None

@@ -164,6 +164,11 @@ class DecodeLeg:
         """The stream reached its terminal event cleanly: the last span may end the client's body."""
         return self._done and self._error is None
 
+    @property
+    def relayed(self) -> int:
+        """Spans the direct relay wrote to the sink (the others were returned by next_span)."""
+        return 0 if self._relay is None else self._relay.spans
+
     def close(self) -> None:
         if self._timer is not None:
             self._timer.close()

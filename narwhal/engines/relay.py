@@ -35,7 +35,7 @@ Sink = Callable[[bytes], bool]  # write a span to the client; False when the cli
 class DirectRelay:
     __slots__ = (
         "_conn", "_framer", "_sink", "_loop", "_read_timeout", "_deadline", "_last", "_timer",
-        "_stopped", "_held", "timed_out_at", "_may_end",
+        "_stopped", "_held", "timed_out_at", "_may_end", "spans",
     )
 
     def __init__(
@@ -54,6 +54,7 @@ class DirectRelay:
         self._stopped = False
         self._held: bytes | None = None
         self.timed_out_at: float | None = None
+        self.spans = 0  # spans handed to the sink (the inter-token figure's count)
 
     async def run(self) -> bytes | None:
         """Relay until the generator is needed. Returns a span to classify, ``b""`` when the
@@ -88,8 +89,10 @@ class DirectRelay:
             return
         if self._may_end(span):
             self._stop(span)
-        elif not self._sink(span):
-            self._stop(None)
+        else:
+            self.spans += 1
+            if not self._sink(span):
+                self._stop(None)
 
     def _stop(self, held: bytes | None) -> None:
         self._stopped = True

@@ -8,9 +8,10 @@ engine that serves the model answers them. Which one, and why:
   waits on. A producer gets a passthrough request only when no consumer serving the model can
   take it now (out, quarantined, or at its cap).
 * **least loaded** within a tier, by the fleet-wide in-flight count of the phase the engine
-  serves in (decode for an engine that can decode, prefill for a producer), ties at random.
-  :func:`choose` is that rule alone, over counts it is given, so a load that adds what the
-  engines report (SPEC §3.2) slots in as another argument.
+  serves in (decode for an engine that can decode, prefill for a producer) plus, where fresh,
+  what the engine reports running and waiting beyond this host's legs (SPEC §3.2, the same
+  figures placement weighs), ties at random. :func:`choose` is that rule alone, over the
+  counts it is given.
 * **a slot while it runs.** The request holds one in-flight slot of that same phase
   (:class:`EngineSlot`), so placement of P/D pairs and the next passthrough see it, and
   ``max_inflight_decode`` / ``max_inflight_prefill`` bound it like any leg; released once,
@@ -54,6 +55,7 @@ def choose(
     decodes: Sequence[int],
     rng: random.Random,
     rank: Callable[[Engine], float] | None = None,
+    extra: Sequence[float] | None = None,
 ) -> list[Engine]:
     """The engines to try, best first: usable ones with room, consumers before producers, each
     tier by ``rank`` (quarantine left, when given) then in-flight count of its phase, ties at
@@ -63,8 +65,9 @@ def choose(
         tier = [e for e in engines if e.can_decode is consumers and usable(e) and _has_room(e, prefills, decodes)]
         rng.shuffle(tier)  # random tie-break under the stable sort
 
-        def load(e: Engine) -> tuple[float, int]:
-            return (rank(e) if rank is not None else 0.0, decodes[e.index] if e.can_decode else prefills[e.index])
+        def load(e: Engine) -> tuple[float, float]:
+            held = decodes[e.index] if e.can_decode else prefills[e.index]
+            return (rank(e) if rank is not None else 0.0, held + (extra[e.index] if extra is not None else 0.0))
 
         tier.sort(key=load)
         ordered.extend(tier)
@@ -112,10 +115,12 @@ class SingleEngine:
         placement, view = self.placement, self.placement.view
         engines = self._serving(model)
         prefills, decodes = placement.inflight.both_totals()
-        order = choose(engines, view.admitted, prefills, decodes, self._rng)
+        loads = placement.current_loads()
+        extra = None if loads is None else loads.extra
+        order = choose(engines, view.admitted, prefills, decodes, self._rng, extra=extra)
         if not order and view.any_quarantined():
             left = {e.index: view.quarantine_left(e) for e in engines}
-            order = choose(engines, view.placeable, prefills, decodes, self._rng, lambda e: left[e.index])
+            order = choose(engines, view.placeable, prefills, decodes, self._rng, lambda e: left[e.index], extra)
         for engine in order:
             phase = serving_phase(engine)
             cap = engine.max_inflight_decode if phase == "decode" else engine.max_inflight_prefill
@@ -138,7 +143,10 @@ class SingleEngine:
             raise PlacementError("no engine available: the wait queue is full", retry_after_s=retry_after)
         loop = asyncio.get_running_loop()
         give_up = min(loop.time() + settings.queue_timeout_s, deadline)
+        from narwhal import metrics  # the slow path only, and never in the master (see pair.py)
+
         self.waiting += 1
+        metrics.REQUESTS_QUEUED.inc()
         try:
             while (remaining := give_up - loop.time()) > 0:
                 await asyncio.sleep(min(remaining, _POLL_S))
@@ -147,6 +155,7 @@ class SingleEngine:
                     return found
         finally:
             self.waiting -= 1
+            metrics.REQUESTS_QUEUED.dec()
         raise PlacementError(
             f"no engine available for model {model!r}: all reservations are in use", retry_after_s=retry_after
         )

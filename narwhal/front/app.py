@@ -240,10 +240,14 @@ async def _startup(app: web.Application) -> None:
     loads = state if isinstance(state, WorkerFleetState) else None  # engine reports come from the supervisor
     placement = Placement(fleet, state, state, settings.placement, loads=loads)
     outcomes = Outcomes(fleet, state, settings.recovery.failure_quarantine_s)
-    router = Router(
-        settings, fleet, placement, EngineClient.for_settings(settings.engine), outcomes, state,
-        AccessLog(settings.log.access_log),
-    )
+    parts = (settings, fleet, placement, EngineClient.for_settings(settings.engine), outcomes, state,
+             AccessLog(settings.log.access_log))
+    if settings.tracing.enabled:  # imported only then: with tracing off, OpenTelemetry is never loaded
+        from narwhal.request import tracing
+
+        router: Router = tracing.TracedRouter(*parts, tracer=tracing.start(settings.tracing))
+    else:
+        router = Router(*parts)
     app[STATE] = state
     app[ROUTER] = router
     app[_SESSION] = session
@@ -265,6 +269,10 @@ async def _cleanup(app: web.Application) -> None:
     await router.client.close()
     await app[_SESSION].close()
     router.access_log.close()
+    if settings.tracing.enabled:
+        from narwhal.request import tracing
+
+        tracing.stop()  # the spans still in the batch go out before the worker exits
 
 
 async def _shutdown(app: web.Application) -> None:

@@ -77,7 +77,10 @@ def gunicorn_settings() -> dict[str, Any]:
         # fight over it, and Narwhal needs none of its commands.
         "control_socket_disable": True,
         "errorlog": "-",
-        "accesslog": None,
+        "accesslog": None,  # Narwhal writes its own access log (log.access_log)
+        # gunicorn's own lines through Narwhal's JSON formatter in json mode (narwhal.front.gunicorn_logging).
+        "logger_class": "narwhal.front.gunicorn_logging.JsonLogger" if settings.log.format == "json"
+        else "gunicorn.glogging.Logger",
         "loglevel": settings.log.level,
         "limit_request_field_size": settings.server.max_header_bytes,
     }

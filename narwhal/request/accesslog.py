@@ -17,7 +17,7 @@ import os
 import select
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -42,6 +42,9 @@ class AccessRecord:
     mode: str | None = None
     prompt_tokens: int | None = None  # of the prefill, as the producer reported them
     cached_tokens: int | None = None
+    client: str | None = None  # the peer address (X-Forwarded-For is not trusted: see README)
+    backend_ids: list[str] = field(default_factory=list)  # the X-Request-Id of each attempt, in order
+    completion_tokens: int | None = None  # the decode's, when the engine reported usage
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -61,6 +64,9 @@ class AccessRecord:
             "mode": self.mode,
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
+            "client": self.client,
+            "backend_ids": self.backend_ids,
+            "completion_tokens": self.completion_tokens,
         }
 
 

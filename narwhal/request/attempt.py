@@ -25,13 +25,16 @@ from aiohttp import web
 from narwhal import metrics
 from narwhal.engines.client import EngineClient
 from narwhal.engines.connector import PrefillResult
+from narwhal.engines.decode import DecodeLeg
+from narwhal.engines.relay import Sink
 from narwhal.errors import EngineError, NarwhalError
 from narwhal.fleet.placement import Placement, Reservation
 from narwhal.request.accesslog import AccessRecord
 from narwhal.request.admission import ClientRequest
 from narwhal.request.client_stream import ClientStream
-from narwhal.request.ids import new_id
+from narwhal.request.ids import backend_id
 from narwhal.request.outcomes import Outcomes
+from narwhal.request.usage import UsageTap, completion_tokens, wants_usage
 from narwhal.settings import Settings
 
 
@@ -45,6 +48,47 @@ def _observe_start(ttft_s: float | None, first_byte_s: float | None, handoff_age
     if first_byte_s is not None:
         metrics.FIRST_BYTE.observe(first_byte_s)
 
+
+async def _stream(
+    client: ClientStream, leg: DecodeLeg, rec: AccessRecord, started: float, ttft_s: float | None,
+    age: float | None, tap: UsageTap | None,
+) -> web.StreamResponse:
+    """Relay an opened stream to the client until its terminal event (SPEC §3 step 7, §2.1)."""
+    observed = False
+    spans = 0
+    try:
+        while (span := await leg.next_span()) is not None:
+            if not client.committed:
+                rec.first_byte_s = time.perf_counter() - started
+                await client.commit_stream()
+            if not span:  # the relay found the client behind: let it drain
+                await client.drain()
+                continue
+            # The span with the terminal event goes out with the end of the chunked body: one
+            # write, one client wakeup, instead of a separate 5-byte terminator.
+            await client.write(span, eof=leg.ended)
+            spans += 1
+            if tap is not None:
+                tap.see(span)
+            if not observed:
+                observed = True
+                _observe_start(ttft_s, rec.first_byte_s, age)
+        assert client.stream is not None  # next_span ends only after output went out
+        await client.write(b"", eof=True)  # no-op after the terminal event
+        _observe_stream_end(rec, started, spans + leg.relayed, tap)
+        return client.stream
+    finally:
+        if not observed:
+            _observe_start(ttft_s, rec.first_byte_s, age)
+
+
+def _observe_stream_end(rec: AccessRecord, started: float, spans: int, tap: UsageTap | None) -> None:
+    """A stream ended cleanly: its usage (when asked for) and its mean gap between the
+    spans written to the client — one clock read per stream, none per span."""
+    if tap is not None:
+        rec.completion_tokens = tap.tokens
+    if spans >= 2 and rec.first_byte_s is not None:
+        metrics.INTER_TOKEN.observe((time.perf_counter() - started - rec.first_byte_s) / (spans - 1))
 
 
 class Attempts:
@@ -68,17 +112,19 @@ class Attempts:
         resv = await self.placement.reserve(req.model, req.deadline, avoid, req.affinity, req.local)
         producer, consumer = resv.producer, resv.consumer
         rec.producer, rec.consumer = (None if resv.local else producer.name), consumer.name
+        request_id = backend_id(rec.request_id, rec.attempts)
+        rec.backend_ids.append(request_id)
         try:
             ttft_s: float | None = None
             if resv.local:
                 # SPEC §3.2: no producer, no prefill leg; the consumer serves the client body.
                 rec.mode = "local"
                 metrics.LOCAL_DECODES.inc()
-                result = PrefillResult(consumer.name, consumer.url, req.endpoint, new_id(), None, crossed=False)
+                result = PrefillResult(consumer.name, consumer.url, req.endpoint, request_id, None, crossed=False)
             else:
                 rec.mode = "disaggregated" if resv.crossed else "same_worker"
                 metrics.placements_child(resv.choice).inc()
-                result = await self._prefill(req, resv)
+                result = await self._prefill(req, resv, request_id)
                 resv.release_prefill()
                 rec.ttft_s = ttft_s = time.perf_counter() - started
                 rec.prompt_tokens, rec.cached_tokens = result.prompt_tokens, result.cached_tokens
@@ -99,7 +145,7 @@ class Attempts:
             if not resv.detached:
                 resv.release()
 
-    async def _prefill(self, req: ClientRequest, resv: Reservation) -> PrefillResult:
+    async def _prefill(self, req: ClientRequest, resv: Reservation, request_id: str) -> PrefillResult:
         def abandon(rest: Awaitable[PrefillResult]) -> None:
             # The client left mid-prefill. Let the prefill finish and release its handoff in
             # the background, which now owns the reservation.
@@ -110,7 +156,7 @@ class Attempts:
             resv.producer,
             req.endpoint,
             req.body,
-            request_id=new_id(),
+            request_id=request_id,
             crossed=resv.crossed,
             deadline=req.deadline,
             headers=req.forward,
@@ -131,34 +177,26 @@ class Attempts:
         written: what the client was sent is ``client.committed``."""
         leg = None
         age = None if resv.local else result.age()
-        observed = False
+        streaming = False  # _stream observes the start histograms itself
+        sink: Sink | None = None
+        tap: UsageTap | None = None
+        if req.stream:
+            sink = client.relay_sink()
+            if wants_usage(req.body):
+                sink = tap = UsageTap(sink)
         first_byte_s: float | None = None
         try:
             leg = self.client.decode_leg(
                 result, resv.consumer, req.body, stream=req.stream, deadline=req.deadline,
-                max_age_s=self.settings.handoff.max_age_s, headers=req.forward,
-                sink=client.relay_sink() if req.stream else None,
+                max_age_s=self.settings.handoff.max_age_s, headers=req.forward, sink=sink,
             )
             whole = await leg.open()
             if whole is not None:
                 rec.first_byte_s = first_byte_s = time.perf_counter() - started
+                rec.completion_tokens = completion_tokens(whole)
                 return await client.send_whole(whole)
-            while (span := await leg.next_span()) is not None:
-                if not client.committed:
-                    rec.first_byte_s = first_byte_s = time.perf_counter() - started
-                    await client.commit_stream()
-                if not span:  # the relay found the client behind: let it drain
-                    await client.drain()
-                    continue
-                # The span with the terminal event goes out with the end of the chunked body: one
-                # write, one client wakeup, instead of a separate 5-byte terminator.
-                await client.write(span, eof=leg.ended)
-                if not observed:
-                    observed = True
-                    _observe_start(ttft_s, first_byte_s, age)
-            assert client.stream is not None  # next_span ends only after output went out
-            await client.write(b"", eof=True)  # no-op after [DONE]
-            return client.stream
+            streaming = True
+            return await _stream(client, leg, rec, started, ttft_s, age, tap)
         except EngineError as exc:
             if exc.reason == "invalid_handoff":
                 metrics.HANDOFFS_ABANDONED.inc()  # sent nowhere: no consumer could use it
@@ -173,7 +211,7 @@ class Attempts:
         finally:
             if leg is not None:
                 leg.close()
-            if not observed:
+            if not streaming:
                 _observe_start(ttft_s, first_byte_s, age)
 
     def _release_later(self, result: PrefillResult, req: ClientRequest, resv: Reservation) -> None:

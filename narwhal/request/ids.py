@@ -1,5 +1,12 @@
 """Request ids: the client's ``x-request-id`` when usable, else a new one; backend ids per attempt.
 
+A backend id (the ``X-Request-Id`` both legs of an attempt send) is derived from the client's
+id — ``<client id>-<nonce>-a<attempt>`` — so a grep for the client's id finds the router's
+line and the engines' (vLLM takes ``X-Request-Id`` as its request id: ``cmpl-<id>`` in its
+logs and answers). The client's part is cut to ``_MAX_CLIENT_PART`` characters of a safe
+alphabet (it travels in headers, logs and JSON bodies); the nonce keeps the id unique when two
+clients send the same id, since an engine refuses a request id that is already running.
+
 Why not ``uuid4()``: a random per-process prefix and a counter give the same 32 hex digits far
 cheaper on the per-request path; forked workers re-seed, so two workers never share a prefix.
 """
@@ -8,10 +15,13 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 
 from aiohttp import web
 
 _MAX_REQUEST_ID = 128
+_MAX_CLIENT_PART = 64
+_UNSAFE = re.compile(r"[^A-Za-z0-9._:-]")
 
 _ID_PREFIX = os.urandom(8).hex()
 _ID_COUNTER = itertools.count()
@@ -23,10 +33,28 @@ def new_id() -> str:
     return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
 
 
+def backend_id(client_id: str, attempt: int) -> str:
+    """The backend request id of ``attempt`` (1, 2, ...) of the request ``client_id``: fresh per
+    attempt, unique on the host, and greppable by the client's id."""
+    part = _UNSAFE.sub("_", client_id[:_MAX_CLIENT_PART])
+    return f"{part}-{_NONCE_PREFIX}{next(_NONCE_COUNTER) & 0xFFFFFFFF:08x}-a{attempt}"
+
+
+def attempt_of(backend: str) -> int:
+    """The attempt number a :func:`backend_id` ends with."""
+    return int(backend.rsplit("-a", 1)[1])
+
+
+_NONCE_PREFIX = os.urandom(4).hex()
+_NONCE_COUNTER = itertools.count()
+
+
 def _reseed_ids() -> None:
-    global _ID_PREFIX, _ID_COUNTER
+    global _ID_PREFIX, _ID_COUNTER, _NONCE_PREFIX, _NONCE_COUNTER
     _ID_PREFIX = os.urandom(8).hex()
     _ID_COUNTER = itertools.count()
+    _NONCE_PREFIX = os.urandom(4).hex()
+    _NONCE_COUNTER = itertools.count()
 
 
 os.register_at_fork(after_in_child=_reseed_ids)

@@ -96,7 +96,7 @@ class Router:
         # uvloop's clock moves in whole milliseconds and ttft_s is often below one.
         arrival = asyncio.get_running_loop().time()
         started = time.perf_counter()
-        rec = AccessRecord(request_id=client_request_id(request), endpoint=endpoint)
+        rec = AccessRecord(request_id=client_request_id(request), endpoint=endpoint, client=request.remote)
         client = ClientStream(
             request, rec.request_id, self.settings.server.client_write_timeout_s, dialects.for_endpoint(endpoint)
         )
@@ -133,7 +133,7 @@ class Router:
             client.close()
             self._active.discard(task)
             rec.total_s = time.perf_counter() - started
-            metrics.requests_child(endpoint, rec.status).inc()
+            metrics.requests_child(endpoint, rec.status, rec.model or "").inc()
             self.access_log.write(rec)
 
     async def _fail(self, client: ClientStream, rec: AccessRecord, exc: NarwhalError) -> web.StreamResponse:

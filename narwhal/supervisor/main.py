@@ -29,6 +29,7 @@ from narwhal.engines.control import ControlClient, open_session
 from narwhal.fleet import Engine, Fleet
 from narwhal.fleet.breaker import Breakers, EngineInfo, EngineStatus, Outcome, State
 from narwhal.settings import Settings
+from narwhal.shm import layout as L
 from narwhal.shm.records import (
     FLAG_BEFORE_TOKEN,
     FLAG_COUNTS,
@@ -195,6 +196,9 @@ class Supervisor:
         for engine in self.fleet.engines:
             metrics.ENGINE_INFLIGHT.labels(engine.name, "prefill").set(totals[engine.index * 2])
             metrics.ENGINE_INFLIGHT.labels(engine.name, "decode").set(totals[engine.index * 2 + 1])
+        # The workers already count their requests in shared memory (the retry budget reads
+        # them): exported from here, the gauge costs the request path nothing.
+        metrics.REQUESTS_INFLIGHT.set(self.shared.slot_field_total(L.SLOT_REQUESTS))
 
     # -- checks -----------------------------------------------------------------------------------
 
@@ -205,18 +209,24 @@ class Supervisor:
 
     async def _probe(self, prober: Prober, engine: Engine, plan: Any) -> None:
         try:
-            result = await prober.probe(engine, plan.kind, plan.as_producer, plan.as_consumer, plan.producer)
+            result, why = await prober.probe(engine, plan.kind, plan.as_producer, plan.as_consumer, plan.producer)
         except Exception:  # a probe must never take the supervisor down
             log.exception("probe of %s crashed", engine.name)
-            result = "inconclusive"
+            result, why = "inconclusive", "the probe crashed"
         finally:
             self._probing.discard(engine.name)
-        log.info("probe of %s (%s): %s", engine.name, plan.kind, result)
+        if why:  # every probe that did not pass says why, at warning when it failed
+            log.log(logging.WARNING if result == "fail" else logging.INFO,
+                    "probe of %s (%s): %s: %s", engine.name, plan.kind, result, why)
+        else:
+            log.info("probe of %s (%s): %s", engine.name, plan.kind, result)
         metrics.PROBES.labels(engine.name, result).inc()
         self.breakers.probe_result(engine.name, result, time.monotonic())
 
     async def _health(self, prober: Prober, engine: Engine) -> None:
-        if not await prober.health(engine):
+        failure = await prober.health_failure(engine)
+        if failure is not None:
+            log.warning("health check of %s: fail: %s", engine.name, failure)
             now = time.monotonic()
             if self.breakers.admitted(engine.name, now):
                 self.breakers.health_failed(engine.name, now, "health_check")

@@ -1,8 +1,10 @@
 """Readmission checks run by the supervisor: health checks, lifecycle validation, inference probes.
 
 A probe answers one question — may this engine serve again? — with ``pass``, ``fail`` or
-``inconclusive``. Inconclusive means the probe could not decide (the producer it needed is
-unavailable, or the producer leg failed): the engine stays out without being blamed again.
+``inconclusive``, and says why in a few words (``HTTP 503``, ``unreachable``, ``timed out
+after 2s``, ``engine_5xx: ...``) for the supervisor's log line. Inconclusive means the probe
+could not decide (the producer it needed is unavailable, or the producer leg failed): the
+engine stays out without being blamed again.
 
 * producer probe: a tiny prefill whose descriptor must validate; the handoff is then released
   to a permitted consumer so no KV blocks stay pinned;
@@ -28,13 +30,18 @@ import aiohttp
 
 from narwhal.engines.client import EngineClient
 from narwhal.engines.connector import PrefillResult
-from narwhal.engines.control import ControlClient, VersionPin
+from narwhal.engines.control import ControlClient, ControlError, VersionPin
 from narwhal.errors import EngineError, NarwhalError
 from narwhal.fleet import Engine, Fleet
 from narwhal.settings import Settings
 
 ENDPOINT = "/v1/completions"
 PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"
+Verdict = tuple[str, str]  # (pass | fail | inconclusive, why: "" for a pass)
+
+
+def _why(exc: NarwhalError) -> str:
+    return f"{exc.reason}: {exc.message}"
 
 
 class Prober:
@@ -54,36 +61,51 @@ class Prober:
         self.pin = VersionPin.of(settings.engine_contract)
 
     async def health(self, engine: Engine) -> bool:
-        return await self.control.health(engine)
+        return await self.health_failure(engine) is None
+
+    async def health_failure(self, engine: Engine) -> str | None:
+        """None when ``GET /health`` answered 200, else why not."""
+        try:
+            status, _ = await self.control.get(engine, "/health")
+        except ControlError as exc:
+            return exc.reason
+        return None if status == 200 else f"HTTP {status}"
 
     async def probe(self, engine: Engine, kind: str, as_producer: bool, as_consumer: bool,
-                    producer: str | None) -> str:
+                    producer: str | None) -> Verdict:
         if kind == "health":
-            return PASS if await self.health(engine) else FAIL
-        model = await self._lifecycle(engine)
+            failure = await self.health_failure(engine)
+            return (PASS, "") if failure is None else (FAIL, failure)
+        model, why = await self._lifecycle(engine)
         if model is None:
-            return FAIL
-        if as_producer and not await self._producer_probe(engine, model):
-            return FAIL
+            return FAIL, why
+        if as_producer:
+            why = await self._producer_probe(engine, model)
+            if why:
+                return FAIL, why
         if as_consumer:
             return await self._consumer_probe(engine, model, producer)
-        return PASS
+        return PASS, ""
 
-    async def _lifecycle(self, engine: Engine) -> str | None:
-        """With a contract: /health, /version, /v1/models. Returns the model to probe with."""
+    async def _lifecycle(self, engine: Engine) -> tuple[str | None, str]:
+        """With a contract: /health, /version, /v1/models. Returns the model to probe with, or
+        None and why not."""
         contract = self.settings.engine_contract
-        if not await self.health(engine):
-            return None
+        failure = await self.health_failure(engine)
+        if failure is not None:
+            return None, f"health: {failure}"
         models = await self.control.models(engine) or []
         if contract is None:
-            return models[0] if models else (next(iter(engine.models), None))
+            model = models[0] if models else (next(iter(engine.models), None))
+            return model, "" if model else "no model to probe with"
         if self.pin is not None:
             version = await self.control.version(engine)
             if version is None or not self.pin.matches(version):
-                return None
+                return None, f"version {version or 'unreadable'} does not meet the pin"
         if contract.model and contract.model not in models:
-            return None
-        return contract.model or (models[0] if models else None)
+            return None, f"model {contract.model} not served"
+        model = contract.model or (models[0] if models else None)
+        return model, "" if model else "no model to probe with"
 
     def _body(self, model: str) -> dict[str, Any]:
         return {"model": model, "prompt": "narwhal probe", "max_tokens": 2, "stream": True}
@@ -95,31 +117,32 @@ class Prober:
             deadline=loop.time() + self.timeout,
         )
 
-    async def _producer_probe(self, engine: Engine, model: str) -> bool:
+    async def _producer_probe(self, engine: Engine, model: str) -> str:
+        """"" when the engine's handoff validated, else why not."""
         consumers = [d for d in engine.permitted_consumers if d is not engine and self.admitted(d)]
         crossed = bool(consumers) or engine.role != "both"
         try:
             result = await self._prefill(engine, model, crossed)
-        except NarwhalError:
-            return False
+        except NarwhalError as exc:
+            return f"prefill: {_why(exc)}"
         if not crossed:
-            return True
+            return ""
         from narwhal.engines.connector import validate_descriptor
 
         try:
             validate_descriptor(result.descriptor, producer=engine.name, prefill_endpoint=ENDPOINT,
                                 decode_endpoint=ENDPOINT)
-        except EngineError:
-            return False
+        except EngineError as exc:
+            return exc.message
         if consumers:  # give the handoff back: the producer frees its blocks now
             await self.client.release(result, consumers[0], self._body(model))
-        return True
+        return ""
 
-    async def _consumer_probe(self, engine: Engine, model: str, original: str | None) -> str:
+    async def _consumer_probe(self, engine: Engine, model: str, original: str | None) -> Verdict:
         if original is not None:
             found = self.fleet.by_name.get(original)
             if found is None or not self.admitted(found):
-                return INCONCLUSIVE  # the original producer is unavailable: nothing to learn
+                return INCONCLUSIVE, f"original producer {original} unavailable"  # nothing to learn
             producer = found
         else:
             candidates = [p for p in engine.permitted_producers if p is not engine and self.admitted(p)]
@@ -127,8 +150,8 @@ class Prober:
         crossed = producer is not engine
         try:
             result = await self._prefill(producer, model, crossed)
-        except NarwhalError:
-            return INCONCLUSIVE  # the producer leg failed: nothing learned about the consumer
+        except NarwhalError as exc:  # the producer leg failed: nothing learned about the consumer
+            return INCONCLUSIVE, f"prefill on {producer.name}: {_why(exc)}"
         loop = asyncio.get_running_loop()
         stream = self.client.decode(result, engine, self._body(model), stream=True,
                                     deadline=loop.time() + self.timeout)
@@ -137,10 +160,10 @@ class Prober:
                 async for _ in stream:
                     pass
         except EngineError as exc:
-            return INCONCLUSIVE if exc.reason == "invalid_handoff" else FAIL
-        except NarwhalError:
-            return FAIL
-        return PASS
+            return (INCONCLUSIVE if exc.reason == "invalid_handoff" else FAIL), f"decode: {_why(exc)}"
+        except NarwhalError as exc:
+            return FAIL, f"decode: {_why(exc)}"
+        return PASS, ""
 
 
 def _rid() -> str:

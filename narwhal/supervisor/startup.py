@@ -16,6 +16,7 @@ import time
 
 from narwhal.fleet import Fleet
 from narwhal.fleet.breaker import State
+from narwhal.logs import json_line
 from narwhal.preflight.check import run_preflight
 from narwhal.settings import Settings
 from narwhal.shm.records import EngineRecord, name_hash, write_record
@@ -25,7 +26,12 @@ from narwhal.shm.shared import SharedFleet
 def preflight_on_start(shared: SharedFleet, settings: Settings) -> set[str]:
     report = asyncio.run(run_preflight(settings))
     failed = report.failed_engines()
-    print(report.table(), file=sys.stderr, flush=True)
+    if settings.log.format == "json":  # one JSON line, the report as data, like every other line
+        level = "info" if report.ok else "warning"
+        line = json_line(level, "narwhal.preflight", report.summary(), preflight=report.to_dict())
+        print(line, file=sys.stderr, flush=True)
+    else:
+        print(report.table(), file=sys.stderr, flush=True)
     now = time.time()
     for engine in Fleet(settings).engines:
         bad = engine.name in failed

@@ -556,7 +556,7 @@ def test_a_client_that_never_reads_its_whole_answer_is_dropped_too(hostile: Rout
     # A non-streaming answer is written under the same client_write_timeout_s (2 s here) as a
     # stream: the request ends (499, its reservations given back) instead of waiting for ever.
     host, port = _addr(hostile)
-    code_499 = re.compile(r'narwhal_requests_total\{code="499",endpoint="/v1/completions"\} ([0-9.]+)')
+    code_499 = re.compile(r'narwhal_requests_total\{code="499",endpoint="/v1/completions",model="[^"]*"\} ([0-9.]+)')
 
     def dropped_so_far() -> float:
         match = code_499.search(http_get(hostile.url + "/metrics")[1].decode())

@@ -128,8 +128,8 @@ async def test_metrics_count_every_request_across_workers(router: RouterProcess)
         assert (await send(router.url, "/v1/completions", completion(unique_prompt()))).status == 200
     assert (await send(router.url, "/v1/completions", raw=b"{")).status == 400
     expected = {
-        ("narwhal_requests_total", 'code="200",endpoint="/v1/completions"'): n,
-        ("narwhal_requests_total", 'code="400",endpoint="/v1/completions"'): 1,
+        ("narwhal_requests_total", f'code="200",endpoint="/v1/completions",model="{MODEL}"'): n,
+        ("narwhal_requests_total", 'code="400",endpoint="/v1/completions",model=""'): 1,
         ("narwhal_ttft_seconds_count", ""): n,
         ("narwhal_first_byte_seconds_count", ""): n,
         ("narwhal_handoff_age_seconds_count", ""): n,

@@ -137,7 +137,8 @@ async def test_worker_recycling_keeps_counts_and_shared_state_right(fleet: FakeF
 
         def counts() -> tuple[float, float]:
             text = http_get(router.url + "/metrics")[1].decode()
-            return (_sample(text, r'narwhal_requests_total\{code="200",endpoint="/v1/completions"\} ([0-9.]+)'),
+            served = r'narwhal_requests_total\{code="200",endpoint="/v1/completions",model="[^"]*"\} ([0-9.]+)'
+            return (_sample(text, served),
                     _sample(text, r"narwhal_first_byte_seconds_count ([0-9.]+)"))
 
         # Counted just after each response went out: a scrape may be a moment early.

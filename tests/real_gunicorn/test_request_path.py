@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import aiohttp
 import orjson
@@ -50,9 +51,10 @@ async def test_stream_completion_prefills_then_decodes_with_the_descriptor(
     pname, prefill = one(fleet, prompt, PRODUCERS)
     dname, decode = one(fleet, prompt, CONSUMERS)
     assert prefill["phase"] == "prefill" and decode["phase"] == "decode"
-    # The same fresh backend id on both legs, never the client's.
+    # The same fresh backend id on both legs, derived from the client's, never the client's itself.
     rid = prefill["headers"]["x-request-id"]
     assert rid == decode["headers"]["x-request-id"] != "client-rid-1"
+    assert re.fullmatch(r"client-rid-1-[0-9a-f]{16}-a1", rid), rid
     assert prefill["headers"]["traceparent"] == decode["headers"]["traceparent"] == "00-abc-def-01"
     # The decode carries the producer's descriptor, opaque fields and all.
     producer_stats = fleet.stats(pname)

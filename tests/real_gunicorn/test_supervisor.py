@@ -8,10 +8,12 @@ different workers" is arranged, not hoped for.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator
 
 import aiohttp
+import orjson
 import pytest
 
 from narwhal.testing.harness import FakeFleet, RouterProcess, http_get
@@ -132,6 +134,8 @@ async def test_a_dead_engine_is_ejected_and_readmitted_by_a_probe_once_it_recove
     # … it stays out while lifecycle validation fails, and comes back once it passes.
     await asyncio.sleep(1.2)
     assert (await engine_entry(sup_router, "sd0"))["state"] in ("ejected", "probing")
+    wanted = "probe of sd0 (probe): fail: health: HTTP 503"  # lifecycle validation, its first step
+    wait_until(lambda: wanted in _messages(sup_router), 10, "the failed probe's line, with its reason")
     fleet.control_request("DELETE", "/engines/sd0/faults")
     entry = await wait_state(sup_router, "sd0", "admitted", timeout=10)
     assert entry["failure_streak"] == 0
@@ -143,12 +147,27 @@ async def test_a_dead_engine_is_ejected_and_readmitted_by_a_probe_once_it_recove
     assert 'narwhal_probes_total{engine="sd0",result="fail"}' in text
 
 
+def _messages(router: RouterProcess) -> set[str]:
+    """The messages of the router's JSON log lines (gunicorn's and the supervisor's alike)."""
+    found = set()
+    with open(router.log_path, "rb") as f:
+        for raw in f:
+            with contextlib.suppress(orjson.JSONDecodeError):
+                line = orjson.loads(raw)
+                if isinstance(line, dict) and "message" in line:
+                    found.add(line["message"])
+    return found
+
+
 async def test_without_a_contract_a_passing_health_check_readmits(
     health_router: RouterProcess, fleet: FakeFleet
 ) -> None:
     fleet.control_request("PUT", "/engines/sd1/faults", {"health_status": 503})
     entry = await wait_state(health_router, "sd1", "ejected")
     assert entry["last_failure"]["reason"] == "health_check"
+    # Every failed check and probe says why, in the router's (JSON) log.
+    wanted = {"health check of sd1: fail: HTTP 503", "probe of sd1 (health): fail: HTTP 503"}
+    wait_until(lambda: wanted <= _messages(health_router), 10, "the failed check and probe lines, with reasons")
     fleet.control_request("DELETE", "/engines/sd1/faults")
     entry = await wait_state(health_router, "sd1", "admitted", timeout=10)
     assert entry["failure_streak"] == 0

@@ -18,6 +18,8 @@ import sys
 import uuid
 from pathlib import Path
 
+import orjson
+
 from narwhal.testing.harness import FakeFleet, http_get, stop_gunicorn, write_config
 from tests.real_gunicorn.support import wait_until
 
@@ -72,5 +74,9 @@ def test_ready_comes_from_the_main_pid_after_the_preflight(fleet: FakeFleet, tmp
         os.unlink(config)
     assert message == b"READY=1\nSTATUS=Gunicorn arbiter booted"
     assert sender == proc.pid
-    assert re.search(r"^preflight: ok \(2 engines, 1 pairs\)$", before_ready, re.MULTILINE), before_ready
+    # log.format = "json" (the default): the start-up preflight report is one JSON line too.
+    reports = [line for line in map(orjson.loads, re.findall(r"^\{.*\}$", before_ready, re.MULTILINE))
+               if line.get("logger") == "narwhal.preflight"]
+    assert [r["message"] for r in reports] == ["preflight: ok (2 engines, 1 pairs)"], before_ready
+    assert reports[0]["level"] == "info" and [e["name"] for e in reports[0]["preflight"]["engines"]] == ["p0", "d0"]
     assert proc.returncode == 0

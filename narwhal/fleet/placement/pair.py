@@ -284,7 +284,12 @@ class Placement:
                 retry_after_s=retry_after,
             )
         give_up = min(loop.time() + self.settings.queue_timeout_s, deadline)
+        # The gauge is touched on this slow path only (a request placed at once never waits),
+        # and imported here: this module must not pull prometheus_client into the master.
+        from narwhal import metrics
+
         self.waiting += 1
+        metrics.REQUESTS_QUEUED.inc()
         try:
             while True:
                 remaining = give_up - loop.time()
@@ -304,6 +309,7 @@ class Placement:
                     return found
         finally:
             self.waiting -= 1
+            metrics.REQUESTS_QUEUED.dec()
 
     def _release(self, engine: Engine, phase: PhaseName) -> None:
         self.inflight.release(engine, phase)

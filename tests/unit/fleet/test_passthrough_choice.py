@@ -126,3 +126,13 @@ async def test_reserve_waits_for_a_slot_then_gives_up_with_no_engine() -> None:
     with pytest.raises(PlacementError) as caught:
         await single.reserve(MODEL, loop.time() + 5)
     assert "every engine serving it is out" in caught.value.message
+
+
+def test_reported_load_counts_beside_in_flight() -> None:
+    # d0 holds fewer of this host's legs but reports more for others: b0 is the less loaded.
+    fleet = _fleet(*FOUR)
+    decodes, prefills = [0, 0, 1, 3], [0, 0, 0, 0]
+    assert _names(choose(fleet.engines, lambda e: True, prefills, decodes, random.Random(1)))[:2] == ["d0", "b0"]
+    extra = [0.0, 0.0, 5.0, 0.0]
+    order = choose(fleet.engines, lambda e: True, prefills, decodes, random.Random(1), extra=extra)
+    assert _names(order)[:2] == ["b0", "d0"]

@@ -28,6 +28,7 @@ class Leg:
     spans: list[bytes]
     fail_at: EngineError | None = None
     closed: bool = False
+    relayed: int = 0  # spans a direct relay would have written (none here)
 
     async def open(self) -> bytes | None:
         return None
@@ -144,6 +145,22 @@ async def test_a_stream_goes_out_in_order_and_reports_success_with_nothing_held(
     assert (rec.producer, rec.consumer) == ("p0", "d0") and rec.first_byte_s is not None
     assert _held(state) == ([0, 0], [0, 0]) and engines.leg is not None and engines.leg.closed
     assert spawned == [] and engines.releases == []
+
+
+@pytest.mark.parametrize("spans", [
+    # the usage event alone in a span the attempt writes itself, [DONE] after it on its own
+    [b"data: t0\n\n", b'data: {"choices":[],"usage":{"completion_tokens":2}}\n\n', b"data: [DONE]\n\n"],
+    # the usage event with [DONE]
+    [b"data: t0\n\n", b'data: {"choices":[],"usage":{"completion_tokens":2}}\n\ndata: [DONE]\n\n'],
+])
+async def test_the_usage_count_is_taken_from_whichever_span_held_it(spans: list[bytes]) -> None:
+    attempts, _, _, _ = _setup(Engines(leg=Leg(list(spans))))
+    req = _request()
+    req.body["stream_options"] = {"include_usage": True}
+    rec = AccessRecord(request_id="c1", endpoint="/v1/completions", attempts=1)
+    await attempts.run(Client(), req, rec, 0.0, frozenset())  # type: ignore[arg-type]
+    assert rec.completion_tokens == 2
+    assert rec.backend_ids and rec.backend_ids[0].startswith("c1-") and rec.backend_ids[0].endswith("-a1")
 
 
 async def test_a_failure_before_the_first_token_is_reported_as_such_and_releases_nothing_decoded() -> None:

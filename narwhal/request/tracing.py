@@ -1,0 +1,206 @@
+"""OpenTelemetry tracing of the request path, opt-in (``[tracing] enabled = true``).
+
+A request's trace: one SERVER span (``POST /v1/completions``) from admission to the last
+byte, and per attempt CLIENT child spans ``narwhal.placement``, ``narwhal.prefill`` and
+``narwhal.decode`` (engine names, attempt number, backend id, handoff age, reason on
+failure). Each engine leg is sent the W3C ``traceparent`` of *its own* span (and the client's
+``tracestate``), so a vLLM started with ``--otlp-traces-endpoint`` puts its spans under it.
+
+Why subclasses and wrappers instead of calls in the hot path: with tracing off nothing here
+is imported and the request path is exactly the untraced one — no ``if`` per span, no no-op
+tracer calls. With it on, ``narwhal.front.app`` builds a :class:`TracedRouter`, which swaps
+in :class:`TracedAttempts`, a placement whose ``reserve`` opens a span, and an access log
+that copies the finished record onto the server span (the record holds everything the span
+should say, and is written in the handler's context, where the server span is current).
+
+Export: a ``BatchSpanProcessor`` (its own thread) per worker, built in the worker after the
+fork (``start``) and flushed when the worker stops (``stop``); the master never imports this.
+The sampler is parent-based: a client's sampled flag wins, otherwise ``sample_ratio`` of new
+traces are kept. The standard ``OTEL_BSP_*`` variables tune the batch processor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from aiohttp import web
+from opentelemetry import trace
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from narwhal import __version__
+from narwhal.engines.connector import PrefillResult
+from narwhal.errors import NarwhalError
+from narwhal.fleet.placement import Reservation
+from narwhal.request.accesslog import AccessRecord
+from narwhal.request.admission import ClientRequest
+from narwhal.request.attempt import Attempts
+from narwhal.request.client_stream import ClientStream
+from narwhal.request.ids import attempt_of
+from narwhal.request.router import Router
+from narwhal.settings import Settings, TracingSettings
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+_PROVIDERS: list[TracerProvider] = []
+
+
+def start(settings: TracingSettings) -> Tracer:
+    """The worker's tracer, exporting in batches to ``settings.endpoint`` (call after fork)."""
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": settings.service_name, "service.version": __version__ or ""}),
+        sampler=ParentBased(TraceIdRatioBased(settings.sample_ratio)),
+    )
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=settings.endpoint)))
+    _PROVIDERS.append(provider)
+    return provider.get_tracer("narwhal", __version__)
+
+
+def stop() -> None:
+    """Export what is pending and stop the export thread (the worker is stopping)."""
+    while _PROVIDERS:
+        _PROVIDERS.pop().shutdown()
+
+
+def traceparent(span: Span) -> str:
+    ctx = span.get_span_context()
+    return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+
+
+def _failed(span: Span, exc: BaseException) -> None:
+    reason = exc.reason if isinstance(exc, NarwhalError) else "client_disconnect"
+    span.set_attribute("narwhal.reason", reason)
+    span.set_attribute("error.type", reason)
+    span.set_status(Status(StatusCode.ERROR, reason))
+
+
+class _TracedPlacement:
+    """The placement, with a span around each ``reserve`` (the wait for a pair included)."""
+
+    def __init__(self, inner: Any, tracer: Tracer) -> None:
+        self._inner = inner
+        self._tracer = tracer
+
+    async def reserve(
+        self, model: str, deadline: float, avoid: frozenset[str] = frozenset(), key: int | None = None,
+        local: bool = False,
+    ) -> Reservation:
+        with self._tracer.start_as_current_span(
+            "narwhal.placement", record_exception=False, set_status_on_exception=False,
+            attributes={"narwhal.model": model, "narwhal.avoid": sorted(avoid), "narwhal.local": local},
+        ) as span:
+            try:
+                resv: Reservation = await self._inner.reserve(model, deadline, avoid, key, local)
+            except BaseException as exc:
+                _failed(span, exc)
+                raise
+            if not resv.local:
+                span.set_attribute("narwhal.producer", resv.producer.name)
+                span.set_attribute("narwhal.producer_choice", resv.choice)
+            span.set_attribute("narwhal.consumer", resv.consumer.name)
+            span.set_attribute("narwhal.crossed", resv.crossed)
+            return resv
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _leg_request(req: ClientRequest, span: Span) -> ClientRequest:
+    """``req`` whose legs carry ``span``'s context (the client's ``tracestate`` kept)."""
+    return dataclasses.replace(req, forward={**req.forward, "traceparent": traceparent(span)})
+
+
+class TracedAttempts(Attempts):
+    """Attempts with a CLIENT span around each engine leg, whose context the engine is sent."""
+
+    tracer: Tracer
+
+    async def _prefill(self, req: ClientRequest, resv: Reservation, request_id: str) -> PrefillResult:
+        with self.tracer.start_as_current_span(
+            "narwhal.prefill", kind=SpanKind.CLIENT, record_exception=False, set_status_on_exception=False,
+            attributes={"narwhal.engine": resv.producer.name, "narwhal.attempt": attempt_of(request_id),
+                        "narwhal.backend_id": request_id, "narwhal.crossed": resv.crossed},
+        ) as span:
+            try:
+                return await super()._prefill(_leg_request(req, span), resv, request_id)
+            except BaseException as exc:
+                _failed(span, exc)
+                raise
+
+    async def _decode(
+        self, client: ClientStream, req: ClientRequest, resv: Reservation, result: PrefillResult,
+        rec: AccessRecord, started: float, ttft_s: float | None,
+    ) -> web.StreamResponse:
+        attributes: dict[str, Any] = {
+            "narwhal.engine": resv.consumer.name, "narwhal.attempt": rec.attempts,
+            "narwhal.backend_id": result.request_id, "narwhal.crossed": result.crossed,
+        }
+        if not resv.local:  # a local decode had no producer and no handoff
+            attributes["narwhal.handoff_age_s"] = result.age()
+            attributes["narwhal.producer"] = result.producer
+        with self.tracer.start_as_current_span(
+            "narwhal.decode", kind=SpanKind.CLIENT, record_exception=False, set_status_on_exception=False,
+            attributes=attributes,
+        ) as span:
+            try:
+                return await super()._decode(client, _leg_request(req, span), resv, result, rec, started, ttft_s)
+            except BaseException as exc:
+                _failed(span, exc)
+                raise
+
+
+class _SpanAnnotatingLog:
+    """The access log, copying each finished record onto the current (server) span first."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def write(self, rec: AccessRecord) -> None:
+        span = trace.get_current_span()
+        span.set_attribute("http.response.status_code", rec.status)
+        span.set_attribute("narwhal.request_id", rec.request_id)
+        span.set_attribute("narwhal.attempts", rec.attempts)
+        span.set_attribute("narwhal.backend_ids", rec.backend_ids)
+        if rec.model is not None:
+            span.set_attribute("narwhal.model", rec.model)
+        for key in ("producer", "consumer", "ttft_s", "first_byte_s", "completion_tokens"):
+            if (got := getattr(rec, key)) is not None:
+                span.set_attribute(f"narwhal.{key}", got)
+        if rec.reason is not None:
+            span.set_attribute("narwhal.reason", rec.reason)
+            span.set_attribute("error.type", rec.reason)
+            span.set_status(Status(StatusCode.ERROR, rec.reason))
+        self._inner.write(rec)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class TracedRouter(Router):
+    """The router with a SERVER span per request, continuing the client's trace if it sent one."""
+
+    def __init__(self, settings: Settings, *args: Any, tracer: Tracer) -> None:
+        super().__init__(settings, *args)
+        self.tracer = tracer
+        self.access_log = _SpanAnnotatingLog(self.access_log)  # type: ignore[assignment]
+        attempts = TracedAttempts(
+            settings, _TracedPlacement(self.placement, tracer), self.client, self.outcomes,  # type: ignore[arg-type]
+            self._spawn,
+        )
+        attempts.tracer = tracer
+        self.attempts = attempts
+
+    async def handle(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        parent = _PROPAGATOR.extract(request.headers)
+        with self.tracer.start_as_current_span(
+            f"{request.method} {endpoint}", context=parent, kind=SpanKind.SERVER,
+            record_exception=False, set_status_on_exception=False,
+            attributes={"http.request.method": request.method, "url.path": request.path,
+                        "http.route": endpoint, "client.address": request.remote or ""},
+        ):
+            return await super().handle(request, endpoint)

@@ -1,0 +1,188 @@
+"""Issue 15 item 4 end to end: real gunicorn with ``[tracing] enabled``, exporting over OTLP/HTTP
+to a receiver this test runs; the protobuf it gets is decoded with ``opentelemetry-proto`` and
+the span tree, names and attributes are checked, with the ``traceparent`` each engine received."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from aiohttp import web
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from narwhal.testing.harness import FakeFleet, RouterProcess
+from tests.real_gunicorn.support import completion, records, send, start_router, unique_prompt
+
+SERVER, CLIENT = 2, 3  # opentelemetry.proto.trace.v1.Span.SpanKind
+STATUS_ERROR = 2
+
+
+@dataclass
+class Received:
+    name: str
+    kind: int
+    trace_id: str
+    span_id: str
+    parent: str
+    attributes: dict[str, Any]
+    status: int
+    service: str
+
+
+def _value(any_value: Any) -> Any:
+    which = any_value.WhichOneof("value")
+    if which == "array_value":
+        return [_value(v) for v in any_value.array_value.values]
+    return getattr(any_value, which) if which else None
+
+
+class Receiver:
+    """An OTLP/HTTP trace receiver on 127.0.0.1 (its own thread and loop)."""
+
+    def __init__(self) -> None:
+        self.spans: list[Received] = []
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.url = ""
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        app.router.add_post("/v1/traces", self._traces)
+        self._runner = web.AppRunner(app)
+        self._loop.run_until_complete(self._runner.setup())
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        self._loop.run_until_complete(site.start())
+        port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{port}/v1/traces"
+        self._ready.set()
+        self._loop.run_forever()
+        self._loop.close()
+
+    async def _traces(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        if request.headers.get("Content-Encoding") == "gzip":
+            body = gzip.decompress(body)
+        export = ExportTraceServiceRequest.FromString(body)
+        got = []
+        for rs in export.resource_spans:
+            service = next((_value(a.value) for a in rs.resource.attributes if a.key == "service.name"), "")
+            for ss in rs.scope_spans:
+                for s in ss.spans:
+                    got.append(Received(
+                        s.name, s.kind, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
+                        {a.key: _value(a.value) for a in s.attributes}, s.status.code, service,
+                    ))
+        with self._lock:
+            self.spans.extend(got)
+        return web.Response(status=200, content_type="application/x-protobuf", body=b"")
+
+    def start(self) -> Receiver:
+        self._thread.start()
+        assert self._ready.wait(10)
+        return self
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def trace(self, trace_id: str, count: int, timeout: float = 20) -> list[Received]:
+        """The spans of ``trace_id`` once ``count`` of them arrived (bounded)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            with self._lock:
+                found = [s for s in self.spans if s.trace_id == trace_id]
+            if len(found) >= count:
+                return found
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {count} spans of trace {trace_id}: {found}")
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[Receiver]:
+    recv = Receiver().start()
+    yield recv
+    recv.stop()
+
+
+@pytest.fixture(scope="module")
+def traced(fleet: FakeFleet, receiver: Receiver, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
+    engines = [{"name": "p2", "role": "producer"}, {"name": "d2", "role": "consumer"}]
+    proc = start_router(
+        fleet, engines, tmp_path_factory.mktemp("traced"),
+        env={"OTEL_BSP_SCHEDULE_DELAY": "100"},  # export within 0.1 s rather than the default 5 s
+        tracing={"enabled": True, "endpoint": receiver.url, "service_name": "narwhal-test"},
+    )
+    yield proc
+    proc.stop()
+
+
+def _by_name(spans: list[Received]) -> dict[str, Received]:
+    names = [s.name for s in spans]
+    assert len(names) == len(set(names)), names
+    return {s.name: s for s in spans}
+
+
+async def test_a_request_makes_a_server_span_with_placement_prefill_and_decode_children(
+    traced: RouterProcess, receiver: Receiver, fleet: FakeFleet
+) -> None:
+    trace_id, client_span = os.urandom(16).hex(), os.urandom(8).hex()
+    prompt = unique_prompt()
+    rid = "traced-" + prompt.split()[0]
+    reply = await send(traced.url, "/v1/completions", completion(prompt, max_tokens=3),
+                       headers={"x-request-id": rid, "traceparent": f"00-{trace_id}-{client_span}-01",
+                                "tracestate": "vendor=1"})
+    assert reply.status == 200
+    spans = _by_name(receiver.trace(trace_id, 4))
+    assert set(spans) == {"POST /v1/completions", "narwhal.placement", "narwhal.prefill", "narwhal.decode"}
+    server = spans["POST /v1/completions"]
+    assert server.kind == SERVER and server.parent == client_span and server.service == "narwhal-test"
+    for name in ("narwhal.placement", "narwhal.prefill", "narwhal.decode"):
+        assert spans[name].parent == server.span_id, name
+    assert spans["narwhal.prefill"].kind == spans["narwhal.decode"].kind == CLIENT
+    (prefill_rec,) = records(fleet, "p2", prompt)
+    (decode_rec,) = records(fleet, "d2", prompt)
+    backend = prefill_rec["headers"]["x-request-id"]
+    # Each engine got its own leg's span as parent, in the client's trace, sampled; tracestate kept.
+    assert prefill_rec["headers"]["traceparent"] == f"00-{trace_id}-{spans['narwhal.prefill'].span_id}-01"
+    assert decode_rec["headers"]["traceparent"] == f"00-{trace_id}-{spans['narwhal.decode'].span_id}-01"
+    assert prefill_rec["headers"]["tracestate"] == decode_rec["headers"]["tracestate"] == "vendor=1"
+    prefill, decode, placement = spans["narwhal.prefill"].attributes, spans["narwhal.decode"].attributes, \
+        spans["narwhal.placement"].attributes
+    assert placement["narwhal.producer"] == "p2" and placement["narwhal.consumer"] == "d2"
+    assert placement["narwhal.producer_choice"] == "least_loaded" and placement["narwhal.local"] is False
+    assert prefill["narwhal.engine"] == "p2" and prefill["narwhal.attempt"] == 1
+    assert prefill["narwhal.backend_id"] == decode["narwhal.backend_id"] == backend
+    assert decode["narwhal.engine"] == "d2" and decode["narwhal.attempt"] == 1
+    assert 0 <= decode["narwhal.handoff_age_s"] < 5
+    attrs = server.attributes
+    assert attrs["http.response.status_code"] == 200 and attrs["narwhal.request_id"] == rid
+    assert attrs["narwhal.backend_ids"] == [backend] and attrs["narwhal.attempts"] == 1
+    assert "narwhal.reason" not in attrs and server.status != STATUS_ERROR
+
+
+async def test_a_failed_leg_carries_its_reason_and_a_new_trace_starts_without_a_traceparent(
+    traced: RouterProcess, receiver: Receiver, fleet: FakeFleet
+) -> None:
+    prompt = unique_prompt()
+    reply = await send(traced.url, "/v1/completions", completion(prompt, fake={"prefill": {"status": 500}}))
+    assert reply.status == 502
+    (rec,) = records(fleet, "p2", prompt)
+    trace_id = rec["headers"]["traceparent"].split("-")[1]
+    spans = _by_name(receiver.trace(trace_id, 3))
+    assert set(spans) == {"POST /v1/completions", "narwhal.placement", "narwhal.prefill"}  # no decode
+    server, prefill = spans["POST /v1/completions"], spans["narwhal.prefill"]
+    assert server.parent == ""  # a root: the client sent no traceparent
+    assert prefill.status == server.status == STATUS_ERROR
+    assert prefill.attributes["narwhal.reason"] == server.attributes["narwhal.reason"] == "engine_5xx"
+    assert server.attributes["http.response.status_code"] == 502
