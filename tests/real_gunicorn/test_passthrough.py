@@ -222,7 +222,10 @@ async def test_the_request_deadline_bounds_the_engine(router: RouterProcess) -> 
 
 def _metric(router: RouterProcess, route: str, code: int) -> float:
     text = http_get(router.url + "/metrics")[1].decode()
-    pattern = r'narwhal_requests_total\{code="' + str(code) + '",endpoint="' + re.escape(route) + r'"\} ([0-9.]+)'
+    pattern = (
+        r'narwhal_requests_total\{code="' + str(code) + '",endpoint="' + re.escape(route)
+        + '",model="' + re.escape(MODEL) + r'"\} ([0-9.]+)'
+    )
     found = re.search(pattern, text)
     return float(found.group(1)) if found else 0.0
 
