@@ -137,7 +137,7 @@ async def test_a_request_makes_a_server_span_with_placement_prefill_and_decode_c
     traced: RouterProcess, receiver: Receiver, fleet: FakeFleet
 ) -> None:
     trace_id, client_span = os.urandom(16).hex(), os.urandom(8).hex()
-    prompt = unique_prompt()
+    prompt = unique_prompt(words=30)  # over affinity_min_chars: the request has an affinity key
     rid = "traced-" + prompt.split()[0]
     reply = await send(traced.url, "/v1/completions", completion(prompt, max_tokens=3),
                        headers={"x-request-id": rid, "traceparent": f"00-{trace_id}-{client_span}-01",
@@ -160,7 +160,8 @@ async def test_a_request_makes_a_server_span_with_placement_prefill_and_decode_c
     prefill, decode, placement = spans["narwhal.prefill"].attributes, spans["narwhal.decode"].attributes, \
         spans["narwhal.placement"].attributes
     assert placement["narwhal.producer"] == "p2" and placement["narwhal.consumer"] == "d2"
-    assert placement["narwhal.producer_choice"] == "least_loaded" and placement["narwhal.local"] is False
+    # One producer: the key's favourite, and chosen as such.
+    assert placement["narwhal.producer_choice"] == "affinity" and placement["narwhal.local"] is False
     assert prefill["narwhal.engine"] == "p2" and prefill["narwhal.attempt"] == 1
     assert prefill["narwhal.backend_id"] == decode["narwhal.backend_id"] == backend
     assert decode["narwhal.engine"] == "d2" and decode["narwhal.attempt"] == 1
