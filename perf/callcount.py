@@ -8,8 +8,9 @@ function calls the router's processes make per request barely depends on the hos
 per-request path costs is interpreted calls. It is a proxy, reported as one, beside the timed
 suite rather than instead of it.
 
-How: each router process (workers and supervisor: every child the gunicorn master forks)
-runs under ``cProfile`` from its fork to its exit (a ``sitecustomize`` on ``PYTHONPATH``,
+How: the router's worker (the per-request path; the supervisor's work is per unit of time, and
+it leaves through ``os._exit``, so it is not counted) runs under ``cProfile`` from its fork to
+its exit (a ``sitecustomize`` on ``PYTHONPATH``,
 written here; the router's code is untouched). Two runs per target, with a small and a large
 request count, and the difference divided by the difference of counts: start-up and shutdown
 cancel out. Targets are this checkout and REF's ``narwhal/`` (exported as ``--baseline`` does).
@@ -48,7 +49,9 @@ if _DIR:
 
         def dump():
             prof.disable()
-            prof.dump_stats(f"{_DIR}/{os.getpid()}.prof")
+            with open("/proc/self/cmdline", "rb") as f:  # the process title, set after the fork
+                role = "supervisor" if b"supervisor" in f.read() else "worker"
+            prof.dump_stats(f"{_DIR}/{role}-{os.getpid()}.prof")
 
         atexit.register(dump)
 
@@ -78,8 +81,10 @@ async def _load(url: str, count: int, concurrency: int, token_delay_s: float | N
         await asyncio.gather(*(client() for _ in range(concurrency)))
 
 
-def _calls(run: Path, fleet: FakeFleet, root: str | None, count: int, case: tuple[str, int, float | None]) -> int:
-    """Total function calls of the router's forked processes over one run of ``count`` requests."""
+def _calls(
+    run: Path, fleet: FakeFleet, root: str | None, count: int, case: tuple[str, int, float | None]
+) -> int:
+    """Function calls of the router's worker over one run of ``count`` requests."""
     out = Path(tempfile.mkdtemp(prefix="calls-", dir=run))
     engines = [{"name": "p0", "role": "producer", "url": fleet.engines["p0"]},
                {"name": "d0", "role": "consumer", "url": fleet.engines["d0"]}]
@@ -95,7 +100,7 @@ def _calls(run: Path, fleet: FakeFleet, root: str | None, count: int, case: tupl
     deadline = time.monotonic() + 10  # the profiles are written as the processes exit
     while time.monotonic() < deadline and len(glob.glob(f"{out}/*.prof")) < 2:
         time.sleep(0.05)
-    return sum(int(pstats.Stats(path).total_calls) for path in glob.glob(f"{out}/*.prof"))
+    return sum(int(pstats.Stats(path).total_calls) for path in glob.glob(f"{out}/worker-*.prof"))
 
 
 def per_request(run: Path, fleet: FakeFleet, root: str | None, case: tuple[str, int, float | None],
