@@ -8,8 +8,9 @@ function calls the router's processes make per request barely depends on the hos
 per-request path costs is interpreted calls. It is a proxy, reported as one, beside the timed
 suite rather than instead of it.
 
-How: each router process (workers and supervisor: every child the gunicorn master forks)
-runs under ``cProfile`` from its fork to its exit (a ``sitecustomize`` on ``PYTHONPATH``,
+How: the router's worker (the per-request path; the supervisor's work is per unit of time, and
+it leaves through ``os._exit``, so it is not counted) runs under ``cProfile`` from its fork to
+its exit (a ``sitecustomize`` on ``PYTHONPATH``,
 written here; the router's code is untouched). Two runs per target, with a small and a large
 request count, and the difference divided by the difference of counts: start-up and shutdown
 cancel out. Targets are this checkout and REF's ``narwhal/`` (exported as ``--baseline`` does).
@@ -82,9 +83,8 @@ async def _load(url: str, count: int, concurrency: int, token_delay_s: float | N
 
 def _calls(
     run: Path, fleet: FakeFleet, root: str | None, count: int, case: tuple[str, int, float | None]
-) -> tuple[int, int]:
-    """Function calls of the router's worker, and of all its forked processes, over one run of
-    ``count`` requests."""
+) -> int:
+    """Function calls of the router's worker over one run of ``count`` requests."""
     out = Path(tempfile.mkdtemp(prefix="calls-", dir=run))
     engines = [{"name": "p0", "role": "producer", "url": fleet.engines["p0"]},
                {"name": "d0", "role": "consumer", "url": fleet.engines["d0"]}]
@@ -100,15 +100,12 @@ def _calls(
     deadline = time.monotonic() + 10  # the profiles are written as the processes exit
     while time.monotonic() < deadline and len(glob.glob(f"{out}/*.prof")) < 2:
         time.sleep(0.05)
-    calls = {path: int(pstats.Stats(path).total_calls) for path in glob.glob(f"{out}/*.prof")}
-    return sum(n for path, n in calls.items() if "/worker-" in path), sum(calls.values())
+    return sum(int(pstats.Stats(path).total_calls) for path in glob.glob(f"{out}/worker-*.prof"))
 
 
 def per_request(run: Path, fleet: FakeFleet, root: str | None, case: tuple[str, int, float | None],
-                small: int, large: int) -> tuple[float, float]:
-    """(worker, all processes) calls per request."""
-    few, many = _calls(run, fleet, root, small, case), _calls(run, fleet, root, large, case)
-    return (many[0] - few[0]) / (large - small), (many[1] - few[1]) / (large - small)
+                small: int, large: int) -> float:
+    return (_calls(run, fleet, root, large, case) - _calls(run, fleet, root, small, case)) / (large - small)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,22 +125,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     print(f"function calls per request: this checkout ({head.stdout.strip()}) vs {args.baseline} ({commit[:12]})")
-    print("| case | worker: this checkout | baseline | ratio | all processes: this checkout | baseline | ratio |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| case | this checkout | baseline | ratio |\n|---|---:|---:|---:|")
     fleet = FakeFleet.start(["p0", "d0"], args=["--model", MODEL])
     try:
         for case in CASES:
             # Interleaved, as the timed suite does: a drift in the host hits both targets alike.
-            figures: dict[str, list[tuple[float, float]]] = {"head": [], "base": []}
+            figures: dict[str, list[float]] = {"head": [], "base": []}
             for _ in range(args.rounds):
                 for name, root in (("head", None), ("base", str(run / "base"))):
                     figures[name].append(per_request(run, fleet, root, case, 50, 50 + args.requests))
-            cells = []
-            for i in (0, 1):
-                ours = statistics.median(f[i] for f in figures["head"])
-                theirs = statistics.median(f[i] for f in figures["base"])
-                cells.append(f"{ours:,.0f} | {theirs:,.0f} | {ours / theirs:.3f}")
-            print(f"| {case[0]} | {' | '.join(cells)} |", flush=True)
+            ours, theirs = statistics.median(figures["head"]), statistics.median(figures["base"])
+            print(f"| {case[0]} | {ours:,.0f} | {theirs:,.0f} | {ours / theirs:.3f} |", flush=True)
     finally:
         fleet.stop()
     return 0
