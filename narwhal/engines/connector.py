@@ -61,16 +61,6 @@ def prefill_body(body: dict[str, Any], *, crossed: bool) -> dict[str, Any]:
     return out
 
 
-def decode_body(body: dict[str, Any], descriptor: dict[str, Any] | None) -> dict[str, Any]:
-    """The client's body plus the validated descriptor, unchanged (none for same-worker)."""
-    out = dict(body)
-    if descriptor is None:
-        out.pop("kv_transfer_params", None)
-    else:
-        out["kv_transfer_params"] = descriptor
-    return out
-
-
 def release_body(body: dict[str, Any], descriptor: dict[str, Any]) -> dict[str, Any]:
     """A one-token, non-streaming decode whose only purpose is to free the producer's blocks."""
     out = dict(body)

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
+from narwhal.engines import dialects
 from narwhal.engines.connector import (
     InvalidHandoff,
     PrefillResult,
-    decode_body,
     prefill_body,
     release_body,
     validate_descriptor,
@@ -18,6 +18,11 @@ from narwhal.engines.connector import (
 from narwhal.errors import EngineError
 
 CHAT = "/v1/chat/completions"
+
+
+def decode_body(body: dict[str, Any], descriptor: dict[str, Any] | None) -> dict[str, Any]:
+    """The completions dialect's decode body (the one every OpenAI endpoint's decode is built by)."""
+    return dialects.for_endpoint("/v1/completions").decode_body(body, "rid", descriptor)
 FOREIGN = ["transfer_id", "remote_bootstrap_addr", "first_tok", "disagg_spec", "ret_first_tok"]
 COMPLETIONS = "/v1/completions"
 
