@@ -154,8 +154,8 @@ def request_deadline(request: web.Request, settings: Settings, arrival: float) -
     return arrival + budget
 
 
-def parse(raw: bytes, endpoint: str, fleet: Fleet) -> tuple[dict[str, Any], str, bool]:
-    """Parse and check the body; return it (client kv params removed), its model and stream."""
+def parse_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, client ``kv_transfer_params`` removed (every route's first step)."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -163,7 +163,11 @@ def parse(raw: bytes, endpoint: str, fleet: Fleet) -> tuple[dict[str, Any], str,
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
     body.pop("kv_transfer_params", None)
-    _check_fields(body, endpoint)
+    return body
+
+
+def resolve_model(body: dict[str, Any], fleet: Fleet) -> str:
+    """The model the body is for: its ``model``, or the fleet's only one when it names none."""
     model = body.get("model")
     if model is None:
         # vLLM serves its one model when none is named; do the same when the fleet has one.
@@ -171,9 +175,18 @@ def parse(raw: bytes, endpoint: str, fleet: Fleet) -> tuple[dict[str, Any], str,
         if len(served) != 1:
             raise _bad("'model' is required")
         model = next(iter(served))
+    elif not isinstance(model, str):
+        raise _bad("'model' must be a string")
     if not fleet.serves(model):
         raise RequestError(f"The model `{model}` does not exist.", reason="model_not_found")
-    return body, model, bool(body.get("stream"))
+    return model
+
+
+def parse(raw: bytes, endpoint: str, fleet: Fleet) -> tuple[dict[str, Any], str, bool]:
+    """Parse and check the body; return it (client kv params removed), its model and stream."""
+    body = parse_object(raw)
+    _check_fields(body, endpoint)
+    return body, resolve_model(body, fleet), bool(body.get("stream"))
 
 
 async def admit(request: web.Request, endpoint: str, settings: Settings, fleet: Fleet, arrival: float) -> ClientRequest:

@@ -22,16 +22,22 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import orjson
 from aiohttp import web
 
 from narwhal.engines.client import EngineClient
-from narwhal.errors import EngineError, RequestError
+from narwhal.errors import EngineError
 from narwhal.fleet import Fleet
 from narwhal.fleet.passthrough import SingleEngine
 from narwhal.fleet.placement import Placement
 from narwhal.request.accesslog import AccessRecord
-from narwhal.request.admission import FORWARDED_HEADERS, check_api_key, read_body, request_deadline
+from narwhal.request.admission import (
+    FORWARDED_HEADERS,
+    check_api_key,
+    parse_object,
+    read_body,
+    request_deadline,
+    resolve_model,
+)
 from narwhal.request.ids import new_id
 from narwhal.request.outcomes import Outcomes
 from narwhal.settings import Settings
@@ -54,24 +60,8 @@ def parse_body(raw: bytes, fleet: Fleet) -> tuple[dict[str, Any], str]:
     """The body as a dict (client ``kv_transfer_params`` removed) and the model it is for.
 
     Only ``model`` is the router's business; every other field is the engine's to validate."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise RequestError(f"invalid JSON body: {exc}") from None
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    body.pop("kv_transfer_params", None)
-    model = body.get("model")
-    if model is None:
-        served = fleet.served_models
-        if len(served) != 1:
-            raise RequestError("'model' is required")
-        model = next(iter(served))
-    elif not isinstance(model, str):
-        raise RequestError("'model' must be a string")
-    if not fleet.serves(model):
-        raise RequestError(f"The model `{model}` does not exist.", reason="model_not_found")
-    return body, model
+    body = parse_object(raw)
+    return body, resolve_model(body, fleet)
 
 
 class Passthrough:
