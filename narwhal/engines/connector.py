@@ -42,6 +42,16 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
 _PREFILL_DROPPED = ("stream_options", "min_tokens", "stop", "stop_token_ids")
 
 
+def ask_for_handoff(out: dict[str, Any], crossed: bool) -> None:
+    """Set a prefill body's ``kv_transfer_params``: the descriptor request when another engine
+    decodes; none for a same-worker decode, whose prefill only warms the prefix cache (asking
+    for a remote decode would pin KV blocks waiting for a reader that never comes)."""
+    if crossed:
+        out["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
+    else:
+        out.pop("kv_transfer_params", None)
+
+
 def prefill_body(body: dict[str, Any], *, crossed: bool) -> dict[str, Any]:
     """The body sent to the producer, built from the parsed client body (shallow copy)."""
     out = dict(body)
@@ -52,12 +62,7 @@ def prefill_body(body: dict[str, Any], *, crossed: bool) -> dict[str, Any]:
     if "max_completion_tokens" in body:
         out["max_completion_tokens"] = 1
     out["ignore_eos"] = True
-    if crossed:
-        out["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
-    else:
-        # Same-worker decode: the prefill only warms the prefix cache; asking for a remote
-        # decode would pin KV blocks waiting for a reader that never comes.
-        out.pop("kv_transfer_params", None)
+    ask_for_handoff(out, crossed)
     return out
 
 

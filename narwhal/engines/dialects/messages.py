@@ -88,10 +88,7 @@ class Messages(Dialect):
         out.pop("stop_sequences", None)  # the single token must not end the request early
         out["stream"] = False
         out["max_tokens"] = 1
-        if crossed:
-            out["kv_transfer_params"] = dict(connector.PREFILL_KV_PARAMS)
-        else:
-            out.pop("kv_transfer_params", None)
+        connector.ask_for_handoff(out, crossed)
         return out
 
     def release_body(self, body: dict[str, Any], request_id: str, descriptor: dict[str, Any]) -> dict[str, Any]:

@@ -87,10 +87,7 @@ class Generate(Completions):
         params["max_tokens"] = 1
         out["sampling_params"] = params
         out["stream"] = False
-        if crossed:
-            out["kv_transfer_params"] = dict(connector.PREFILL_KV_PARAMS)
-        else:
-            out.pop("kv_transfer_params", None)
+        connector.ask_for_handoff(out, crossed)
         return out
 
     def release_body(self, body: dict[str, Any], request_id: str, descriptor: dict[str, Any]) -> dict[str, Any]:

@@ -87,10 +87,7 @@ class Responses(Dialect):
         out["background"] = False
         out["store"] = False
         out["request_id"] = request_id
-        if crossed:
-            out["kv_transfer_params"] = dict(connector.PREFILL_KV_PARAMS)
-        else:
-            out.pop("kv_transfer_params", None)
+        connector.ask_for_handoff(out, crossed)
         return out
 
     def decode_body(self, body: dict[str, Any], request_id: str, descriptor: dict[str, Any] | None) -> dict[str, Any]:
