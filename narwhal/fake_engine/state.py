@@ -183,8 +183,9 @@ class EngineState:
         return model
 
     def kv_usage(self) -> float:
-        """``vllm:kv_cache_usage_perc``: blocks in use (running prompts, held handoffs) / capacity."""
-        used = self.kv.held_blocks + self.scheduler.running_blocks
+        """``vllm:kv_cache_usage_perc``: blocks in use (running prompts, a shared prefix block once;
+        held handoffs) / capacity."""
+        used = self.kv.held_blocks + self.scheduler.blocks_in_use
         return min(1.0, used / self.load_model.kv_blocks)
 
     def templates(self, model: str) -> ModelTemplates:

@@ -16,6 +16,10 @@ The steps, in vLLM's order:
    engine's prefill lane and cache the blocks; returns the cached tokens for ``usage``;
 3. ``end`` (always, in the handler's ``finally``): give the slot back.
 
+KV usage is vLLM's block pool: a prompt's full blocks are hashed and shared by every running
+request whose prefix has them (one block each in ``kv_cache_usage_perc``), its partial tail is its
+own.
+
 Invariant: a ``Work`` holds at most one slot and ``end`` releases exactly what ``run`` took, on
 every path (abort mid-wait, mid-prefill or mid-stream included), so ``vllm:num_requests_running``
 and ``kv_cache_usage_perc`` return to their idle values. It sits above ``state`` and ``parse`` and
@@ -40,7 +44,7 @@ class Work:
         self.hashes = hashes
         self.computes = computes  # False: the KV was computed elsewhere (a remote prefill)
         self.slot = False
-        self.blocks = 0
+        self.blocks = 0  # blocks of this request alone (its hashed blocks are shared, while it has a slot)
 
     @classmethod
     def prepare(cls, engine: EngineState, req: ParsedRequest, body: dict[str, Any]) -> Work:
@@ -57,8 +61,12 @@ class Work:
         sched = engine.scheduler
         await sched.acquire()
         self.slot = True
-        self.blocks = req.prompt_tokens // engine.kv.block_size
-        sched.running_blocks += self.blocks
+        blocks = req.prompt_tokens // engine.kv.block_size
+        if self.hashes:  # cached blocks are one block however many requests use them
+            sched.hold(self.hashes)
+            blocks = max(blocks - len(self.hashes), 0)
+        self.blocks = blocks
+        sched.running_blocks += blocks
         if not self.computes:
             return 0
         cached = 0
@@ -78,4 +86,6 @@ class Work:
         if self.slot:
             self.slot = False
             engine.scheduler.running_blocks -= self.blocks
+            if self.hashes:
+                engine.scheduler.unhold(self.hashes)
             engine.scheduler.release()

@@ -248,6 +248,31 @@ async def test_kv_cache_usage_counts_blocks_in_use(aiohttp_client: ClientFactory
     assert "# TYPE vllm:prefix_cache_queries_created gauge" in text
 
 
+async def test_running_requests_sharing_a_prefix_use_its_blocks_once(aiohttp_client: ClientFactory) -> None:
+    # vLLM's block pool: a cached block is one block of kv_cache_usage_perc however many running
+    # requests hit it; each request's partial tail is its own.
+    engine = cached_engine(kv_blocks=100)
+    client = await aiohttp_client(build_engine_app(engine))
+    slow = {"decode": {"token_delay_s": 0.05}}
+    streams = []
+    for tail in ("first question", "second question"):  # 8 shared full blocks, then a tail each
+        body = {"prompt": text_of(8) + tail, "stream": True, "max_tokens": 200, "narwhal_fake": slow}
+        resp = await client.post("/v1/completions", json=body)
+        await resp.content.readuntil(b"\n\n")  # it runs, holding its blocks
+        streams.append(resp)
+    assert engine.scheduler.blocks_in_use == 8  # the tails are under a block: 8, not 16
+    text = await (await client.get("/metrics")).text()
+    assert metric(text, "vllm:kv_cache_usage_perc") == 0.08
+    other = {"prompt": text_of(4, tag="b"), "stream": True, "max_tokens": 200, "narwhal_fake": slow}
+    streams.append(await client.post("/v1/completions", json=other))
+    await streams[-1].content.readuntil(b"\n\n")
+    assert engine.scheduler.blocks_in_use == 12  # another prefix: its own 4 blocks
+    for resp in streams:
+        resp.close()
+    await wait_for(lambda: engine.scheduler.running == 0)
+    assert engine.scheduler.blocks_in_use == 0 and engine.scheduler.shared_blocks == {}
+
+
 # -- the control server: background load and the models at runtime --------------------------------
 
 
