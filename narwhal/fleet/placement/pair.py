@@ -151,27 +151,34 @@ class Placement:
     def _order(
         self, candidates: list[Candidate], load: Callable[[Candidate], Any], key: int | None, loads: Loads | None
     ) -> tuple[list[Candidate], Callable[[int, Engine], str]]:
-        """The producers in the order to try them, and the ``producer_choice`` of each."""
-        if loads is not None and loads.any_saturated and least_loaded.all_saturated(
-            [c[0].index for c in candidates], loads
-        ):
-            return least_loaded.order(candidates, load, _producer_index, None, self._rng), _saturated
+        """The producers in the order to try them, and the ``producer_choice`` of each.
+
+        When every candidate is saturated, saturation tells them apart no more: the usual rule
+        runs among them (a prefix still goes where its blocks are cached, which needs the least
+        new KV), and the choice is ``saturated``."""
+        every_saturated = (
+            loads is not None and loads.any_saturated
+            and least_loaded.all_saturated([c[0].index for c in candidates], loads)
+        )
         if not self.settings.prefix_affinity:
             key = None
         if key is None or len(candidates) < 2:  # one candidate: it is the key's favourite
             ordered = least_loaded.order(candidates, load, _producer_index, loads, self._rng)
+            if every_saturated:
+                return ordered, _saturated
             return ordered, (_least_loaded if key is None else _affinity)
-        if loads is not None and loads.any_saturated:
+        rest: list[Candidate] = []
+        if loads is not None and loads.any_saturated and not every_saturated:
             # Saturated producers take no prefix of their own while others have room.
             saturated = loads.saturated
             rest = [c for c in candidates if saturated[c[0].index]]
             candidates = [c for c in candidates if not saturated[c[0].index]]
-        else:
-            rest = []
         hashes = self._hashes
         ordered, within, favourite = affinity.bounded_order(
             candidates, key, lambda c: hashes[c[0].index], load, self.settings.affinity_load_factor
         )
+        if every_saturated:
+            return ordered, _saturated
 
         def choice(position: int, producer: Engine) -> str:
             if position >= within:

@@ -256,11 +256,23 @@ def test_a_saturated_consumer_is_chosen_only_when_every_one_is() -> None:
     assert found.consumer.name == "d0"  # both saturated: the least loaded of them
 
 
-def test_every_producer_saturated_is_the_saturated_choice() -> None:
+def test_every_producer_saturated_is_the_saturated_choice_and_keeps_the_usual_rule() -> None:
     placement, readings, clock, _, _ = _fleet(load_interval_s=0.1)
-    readings.set(**{p: Reading(clock.now, running=i, kv_usage=0.97) for i, p in enumerate(PRODUCERS)})
+    favourite = _favourite(KEY, PRODUCERS)[0]
+    # Saturation no longer tells them apart: the prefix still goes to its favourite (its blocks
+    # are cached there: the least new KV), within the load bound.
+    readings.set(**{p: Reading(clock.now, running=1, kv_usage=0.97) for p in PRODUCERS})
     found = _place(placement, KEY)
-    assert (found.producer.name, found.choice) == ("p0", "saturated")
+    assert (found.producer.name, found.choice) == (favourite, "saturated")
+    found.release()
+    # The favourite over the bound (mean 3.25: 1.25 * 3.25 + 1 = 5.06 < 10): the least loaded.
+    readings.set(**{p: Reading(clock.now, running=10 if p == favourite else 1 + i, kv_usage=0.97)
+                    for i, p in enumerate(PRODUCERS)})
+    least = min((p for p in PRODUCERS if p != favourite), key=PRODUCERS.index)
+    found = _place(placement, KEY)
+    assert found.producer.name != favourite and found.choice == "saturated"
+    without_key = _place(placement)
+    assert (without_key.producer.name, without_key.choice) == (least, "saturated")
 
 
 def test_a_saturated_favourite_loses_the_prefix_while_others_have_room() -> None:
