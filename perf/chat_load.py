@@ -18,6 +18,7 @@ import asyncio
 import random
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,8 +103,10 @@ async def run_users(
     warmup_s: float,
     groups: Groups,
     timeout_s: float = 60.0,
+    on_edge: Callable[[], Awaitable[None]] | None = None,
 ) -> RoundResult:
-    """One closed-loop round: ``concurrency`` users, each sending its own next body when the last ends."""
+    """One closed-loop round: ``concurrency`` users, each sending its own next body when the last
+    ends; ``on_edge`` runs as the measured window opens and as it closes."""
     session = new_session()
     full_url = url + source.endpoint()
     done_at: list[tuple[float, Outcome]] = []
@@ -123,7 +126,7 @@ async def run_users(
     try:
         try:
             before, after = await _window(
-                groups, warmup_s, duration_s, lambda: len(done_at) + sum(errors.values()) >= concurrency
+                groups, warmup_s, duration_s, lambda: len(done_at) + sum(errors.values()) >= concurrency, on_edge
             )
         except BaseException:
             for task in tasks:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -297,9 +297,11 @@ async def run_round(
 
 
 async def _window(
-    groups: Groups, warmup_s: float, duration_s: float, settled: Callable[[], bool]
+    groups: Groups, warmup_s: float, duration_s: float, settled: Callable[[], bool],
+    on_edge: Callable[[], Awaitable[None]] | None = None,
 ) -> tuple[Snapshot, Snapshot]:
-    """The measured window's edges: after the warm-up and once ``settled``, then ``duration_s`` on."""
+    """The measured window's edges: after the warm-up and once ``settled``, then ``duration_s`` on;
+    ``on_edge`` runs at each (what a scenario reads beside the CPU, e.g. the engines' counters)."""
     await asyncio.sleep(warmup_s)
     # Steady state: every user has finished (or failed) a request, so the window does not
     # open on a cold start where nothing can finish yet (slow streams on a loaded host).
@@ -307,8 +309,13 @@ async def _window(
     while not settled() and time.perf_counter() < settle_until:
         await asyncio.sleep(0.05)
     before = Snapshot.take(groups)
+    if on_edge is not None:
+        await on_edge()
     await asyncio.sleep(duration_s)
-    return before, Snapshot.take(groups)
+    after = Snapshot.take(groups)
+    if on_edge is not None:
+        await on_edge()
+    return before, after
 
 
 async def _drain(tasks: list[asyncio.Task[None]], drain_s: float) -> int:

@@ -11,7 +11,9 @@ Between rounds the producers' prefix caches are emptied (the model is switched o
 through the control server), so no variant inherits another's warm cache, and every round starts
 fresh conversations. The figures per variant: the pooled ``perf/summary`` figures (client-felt
 TTFB = ``first_byte_s``, router CPU per request), the router's own ``ttft_s`` from its access log,
-and the producers' cached share of prompt tokens from their ``/metrics`` counters.
+and the producers' cached share of prompt tokens from their prefix-cache counters (vLLM's
+``prefix_cache_queries`` / ``hits``), read as the measured window opens and closes: the steady
+state after the warm-up, not the cold start every round begins with.
 """
 
 from __future__ import annotations
@@ -49,10 +51,13 @@ class Setup:
 def setup(name: str, quick: bool) -> Setup:
     """The fleets and variants of each placement scenario (sizes in the README's performance section)."""
     if name == "prefix_mix":
-        # 16 system prompts of 4 KiB (64 blocks each, 1,024 in all) against 400 blocks per producer:
-        # one producer holds about 6 of them, four producers with affinity hold them all. 100 µs a
-        # prompt token (10k tokens/s per producer) makes the fleet prefill-bound, as affinity assumes.
-        model = ("--prefix-cache", "--kv-blocks", "400", "--prefill-s-per-token", "0.0001")
+        # 16 system prompts of 4 KiB (64 blocks each, 1,024 in all) against 640 blocks per
+        # producer: one producer holds 10 of them, four producers with affinity hold them all.
+        # The KV pool is also what running requests use (as in vLLM): with 400 blocks, a producer
+        # running its six hashed prompts at once was at kv_saturated and every choice became
+        # "saturated"; a GPU's pool is many times a prompt. 100 µs a prompt token (10k tokens/s
+        # per producer) makes the fleet prefill-bound, as affinity assumes.
+        model = ("--prefix-cache", "--kv-blocks", "640", "--prefill-s-per-token", "0.0001")
         return Setup(
             4, 2, model, (), {"affinity": {"prefix_affinity": True}, "no-affinity": {"prefix_affinity": False}},
             chat=True,
@@ -197,17 +202,21 @@ async def _one_round(
 ) -> tuple[RoundResult, list[dict[str, Any]], tuple[int, int]]:
     target = run.targets[variant]
     await asyncio.to_thread(_cold_caches, run.producers)
-    before = await asyncio.to_thread(_producer_cache, run.producers)
+    edges: list[tuple[int, int]] = []  # the producers' counters as the measured window opens, closes
+
+    async def read_counters() -> None:
+        edges.append(await asyncio.to_thread(_producer_cache, run.producers))
+
     log = run.logs.get(variant)
     if log is not None:
         log.mark()
     result = await run_users(
         variant, target.url, _source(spec, r), scenario.concurrency, duration_s, scenario.warmup_s,
-        run.groups(),
+        run.groups(), on_edge=read_counters,
     )
-    after = await asyncio.to_thread(_producer_cache, run.producers)
     records = log.since_mark() if log is not None else []
-    return result, records, (after[0] - before[0], after[1] - before[1])
+    (q0, c0), (q1, c1) = edges
+    return result, records, (q1 - q0, c1 - c0)
 
 
 async def measure(
