@@ -25,6 +25,8 @@ from prometheus_client import (
     multiprocess,
 )
 
+from narwhal.metric_tally import Tally
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
 
 REQUESTS = Counter(
@@ -135,6 +137,15 @@ def placements_child(choice: str) -> Any:
     return PLACEMENTS.labels(choice)
 
 
+# The request path's updates go through the tally (narwhal.metric_tally): plain additions,
+# written to these series in bulk.
+TALLY = Tally()
+TTFT_SAMPLES = TALLY.histogram(TTFT)
+FIRST_BYTE_SAMPLES = TALLY.histogram(FIRST_BYTE)
+HANDOFF_AGE_SAMPLES = TALLY.histogram(HANDOFF_AGE)
+INTER_TOKEN_SAMPLES = TALLY.histogram(INTER_TOKEN)
+
+
 def count_prefill_tokens(prompt_tokens: int | None, cached_tokens: int | None) -> None:
     """A prefill's tokens into ``narwhal_prefill_tokens_total``. Absent ``cached_tokens`` counts
     as none cached: vLLM (with ``--enable-prompt-tokens-details``) leaves the details out of a
@@ -144,8 +155,8 @@ def count_prefill_tokens(prompt_tokens: int | None, cached_tokens: int | None) -
         return
     cached = cached_tokens or 0
     if cached:
-        _PREFILL_CACHED.inc(cached)
-    _PREFILL_COMPUTED.inc(max(prompt_tokens - cached, 0))
+        TALLY.inc(_PREFILL_CACHED, cached)
+    TALLY.inc(_PREFILL_COMPUTED, max(prompt_tokens - cached, 0))
 
 
 _PREFILL_CACHED = PREFILL_TOKENS.labels("cached")
@@ -162,7 +173,8 @@ def multiprocess_dir() -> str | None:
 
 
 def render() -> tuple[bytes, str]:
-    """The scrape body: every process's samples when in multiprocess mode."""
+    """The scrape body: every process's samples when in multiprocess mode. Call
+    ``TALLY.flush()`` first, on the event loop's thread (this may run in another)."""
     if multiprocess_dir():
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]

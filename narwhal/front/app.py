@@ -187,6 +187,7 @@ async def _ready(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
+    metrics.TALLY.flush()  # on the loop's thread: the tally is not shared with the executor
     body, content_type = await asyncio.get_running_loop().run_in_executor(None, metrics.render)
     return web.Response(body=body, headers={"Content-Type": content_type})
 
@@ -254,6 +255,7 @@ async def _startup(app: web.Application) -> None:
     control = ControlClient(session, settings.engine, DISCOVERY_TIMEOUT_S)
     await discover_models(fleet, control)
     app[_TASKS].append(asyncio.ensure_future(_keep_discovering(fleet, control)))
+    app[_TASKS].append(asyncio.ensure_future(metrics.TALLY.keep_flushing()))
     # Everything built so far lives as long as the worker: keep it out of the garbage
     # collector's scans, which otherwise walk it again on every full collection.
     gc.collect()
@@ -266,6 +268,7 @@ async def _cleanup(app: web.Application) -> None:
         task.cancel()
     router = app[ROUTER]
     await router.drain_background(timeout=settings.engine.first_token_timeout_s)
+    metrics.TALLY.flush()  # the last requests' counts, before the worker exits
     await router.client.close()
     await app[_SESSION].close()
     router.access_log.close()

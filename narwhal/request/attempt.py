@@ -42,11 +42,11 @@ def _observe_start(ttft_s: float | None, first_byte_s: float | None, handoff_age
     # Observed once the first output is on its way to the client (or the attempt ended), not
     # on the way to it: the histograms' timing does not matter, the first token's does.
     if ttft_s is not None:
-        metrics.TTFT.observe(ttft_s)
+        metrics.TALLY.observe(metrics.TTFT_SAMPLES, ttft_s)
     if handoff_age is not None:  # a local decode had no handoff
-        metrics.HANDOFF_AGE.observe(handoff_age)
+        metrics.TALLY.observe(metrics.HANDOFF_AGE_SAMPLES, handoff_age)
     if first_byte_s is not None:
-        metrics.FIRST_BYTE.observe(first_byte_s)
+        metrics.TALLY.observe(metrics.FIRST_BYTE_SAMPLES, first_byte_s)
 
 
 async def _stream(
@@ -88,7 +88,8 @@ def _observe_stream_end(rec: AccessRecord, started: float, spans: int, tap: Usag
     if tap is not None:
         rec.completion_tokens = tap.tokens
     if spans >= 2 and rec.first_byte_s is not None:
-        metrics.INTER_TOKEN.observe((time.perf_counter() - started - rec.first_byte_s) / (spans - 1))
+        gap = (time.perf_counter() - started - rec.first_byte_s) / (spans - 1)
+        metrics.TALLY.observe(metrics.INTER_TOKEN_SAMPLES, gap)
 
 
 class Attempts:
@@ -119,18 +120,18 @@ class Attempts:
             if resv.local:
                 # SPEC §3.2: no producer, no prefill leg; the consumer serves the client body.
                 rec.mode = "local"
-                metrics.LOCAL_DECODES.inc()
+                metrics.TALLY.inc(metrics.LOCAL_DECODES)
                 result = PrefillResult(consumer.name, consumer.url, req.endpoint, request_id, None, crossed=False)
             else:
                 rec.mode = "disaggregated" if resv.crossed else "same_worker"
-                metrics.placements_child(resv.choice).inc()
+                metrics.TALLY.inc(metrics.placements_child(resv.choice))
                 result = await self._prefill(req, resv, request_id)
                 resv.release_prefill()
                 rec.ttft_s = ttft_s = time.perf_counter() - started
                 rec.prompt_tokens, rec.cached_tokens = result.prompt_tokens, result.cached_tokens
                 metrics.count_prefill_tokens(result.prompt_tokens, result.cached_tokens)
             response = await self._decode(client, req, resv, result, rec, started, ttft_s)
-            metrics.attempts_child("success").inc()
+            metrics.TALLY.inc(metrics.attempts_child("success"))
             self.outcomes.success(producer, consumer)
             return response
         except EngineError as exc:

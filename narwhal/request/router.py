@@ -133,7 +133,7 @@ class Router:
             client.close()
             self._active.discard(task)
             rec.total_s = time.perf_counter() - started
-            metrics.requests_child(endpoint, rec.status, rec.model or "").inc()
+            metrics.TALLY.inc(metrics.requests_child(endpoint, rec.status, rec.model or ""))
             self.access_log.write(rec)
 
     async def _fail(self, client: ClientStream, rec: AccessRecord, exc: NarwhalError) -> web.StreamResponse:

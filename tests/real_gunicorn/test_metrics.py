@@ -7,7 +7,7 @@ import re
 import aiohttp
 
 from narwhal.testing.harness import RouterProcess, http_get
-from tests.real_gunicorn.support import MODEL, completion, send, unique_prompt, wait_until
+from tests.real_gunicorn.support import MODEL, completion, send, settled, unique_prompt, wait_until
 
 
 def scrape(router: RouterProcess) -> str:
@@ -55,9 +55,10 @@ async def test_fault_metrics_count_exactly_what_happened(solo_router: RouterProc
     assert delta("narwhal_stream_aborted_total", reason="client_disconnect") == 1
     assert delta("narwhal_attempts_total", outcome="invalid_handoff") == 2
     assert delta("narwhal_attempts_total", outcome="handoff_expired") == 1
-    assert delta("narwhal_requests_total", endpoint="/v1/completions", code="502", model=MODEL) == 2
-    assert delta("narwhal_requests_total", endpoint="/v1/completions", code="504", model=MODEL) == 1
-    assert delta("narwhal_requests_total", endpoint="/v1/completions", code="499", model=MODEL) == 1
+    # Request counts are written in bulk (narwhal.metric_tally): the other worker's may land a moment later.
+    requests = settled(lambda: tuple(delta("narwhal_requests_total", endpoint="/v1/completions", code=code,
+                                           model=MODEL) for code in ("502", "504", "499")), (2, 1, 1))
+    assert requests == (2, 1, 1)
     # handoff_expired is nobody's fault: not an engine failure
     assert delta("narwhal_engine_failures_total", engine="p2", phase="prefill", reason="handoff_expired") == 0
 

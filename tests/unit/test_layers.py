@@ -20,7 +20,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("fleet", ("narwhal.fleet",)),
     ("engines", ("narwhal.engines",)),
     ("fake engine", ("narwhal.fake_engine",)),
-    ("base", ("narwhal.settings", "narwhal.errors", "narwhal.reasons", "narwhal.metrics", "narwhal.logs", "narwhal")),
+    ("base", ("narwhal.settings", "narwhal.errors", "narwhal.reasons", "narwhal.metrics", "narwhal.metric_tally",
+              "narwhal.logs", "narwhal")),
 ]
 
 
