@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+from collections import defaultdict
 from typing import Any
 
 from prometheus_client import Histogram
@@ -53,7 +54,9 @@ class Tally:
     __slots__ = ("_counts", "_hists")
 
     def __init__(self) -> None:
-        self._counts: dict[Any, float] = {}  # a counter (or labelled child) -> amount since the flush
+        # A counter (or labelled child) -> amount since the flush; ``+=`` on a defaultdict is
+        # no function call at all.
+        self._counts: defaultdict[Any, float] = defaultdict(float)
         self._hists: dict[Histogram, _Pending] = {}
 
     def histogram(self, hist: Histogram) -> _Pending:
@@ -64,8 +67,7 @@ class Tally:
         return pending
 
     def inc(self, counter: Any, amount: float = 1.0) -> None:
-        counts = self._counts
-        counts[counter] = counts.get(counter, 0.0) + amount
+        self._counts[counter] += amount
 
     def observe(self, pending: _Pending, value: float) -> None:
         if pending.direct:
@@ -76,7 +78,7 @@ class Tally:
 
     def flush(self) -> None:
         """Write everything pending into prometheus_client's series."""
-        counts, self._counts = self._counts, {}
+        counts, self._counts = self._counts, defaultdict(float)
         for counter, amount in counts.items():
             counter.inc(amount)
         for pending in self._hists.values():

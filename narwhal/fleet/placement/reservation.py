@@ -64,7 +64,8 @@ class Reservation:
     ``affinity``, ``affinity_overflow``, ``least_loaded``, ``saturated``, or ``local`` for a
     local decode, which chose no producer at all."""
 
-    __slots__ = ("producer", "consumer", "detached", "choice", "_placement", "_prefill_held", "_decode_held")
+    __slots__ = ("producer", "consumer", "detached", "choice", "crossed", "local", "_placement", "_prefill_held",
+                 "_decode_held")
 
     def __init__(
         self, placement: _Releaser, producer: Engine, consumer: Engine, choice: str = "least_loaded",
@@ -74,17 +75,12 @@ class Reservation:
         self.consumer = consumer
         self.detached = False  # True once a background task owns the release
         self.choice = choice
+        # Plain fields, not properties: the request path reads them several times per attempt.
+        self.crossed = producer is not consumer  # the KV crosses to another engine (not same-worker)
+        self.local = local  # a local decode: no producer chosen, no prefill slot
         self._placement = placement
         self._prefill_held = not local
         self._decode_held = True
-
-    @property
-    def crossed(self) -> bool:
-        return self.producer is not self.consumer
-
-    @property
-    def local(self) -> bool:
-        return self.choice == "local"
 
     def release_prefill(self) -> None:
         if self._prefill_held:
