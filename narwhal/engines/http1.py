@@ -159,6 +159,14 @@ class UpstreamPool:
         conn.send(head, body)
         return conn
 
+    async def get(self, url: str, path: str, headers: bytes, *, deadline: float | None = None) -> Connection:
+        """Send ``GET path`` (no body); read the answer as for :meth:`post`."""
+        origin = self.origin(url)
+        conn = await self._acquire(origin, deadline)
+        conn.arm(deadline)
+        conn.send(b"".join((origin.head("GET", path), headers, b"\r\n")), b"")
+        return conn
+
     async def _acquire(self, origin: Origin, deadline: float | None) -> Connection:
         idle = self._idle.get(origin.key)
         if idle:

@@ -1,8 +1,9 @@
 """Reading the engines' own load (SPEC §3.2): every admitted engine's ``/metrics``, published.
 
 Every ``placement.load_interval_s`` the supervisor starts one read per admitted engine, all
-in parallel, each bounded by the interval, through the same :class:`ControlClient` (TLS
-context, engine key) as every other control read. A reading is parsed
+in parallel, each bounded by the interval, with the TLS context and engine key of every other
+control read (``engines.control.PooledReader``: ``ControlClient``'s answer over the pooled
+HTTP/1.1 client, half its CPU per read). A reading is parsed
 (``narwhal.engines.load_metrics``) and written to the engine's load record in shared memory
 with the time it was read and this host's in-flight legs on the engine at that moment (which
 the engine counted among its own); then the load generation is bumped, so workers pick it up
@@ -25,7 +26,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from narwhal.engines.control import ControlClient, ControlError
+from narwhal.engines.control import ControlClient, ControlError, PooledReader
 from narwhal.engines.load_metrics import parse_load
 from narwhal.fleet import Engine
 from narwhal.shm.records import LoadRecord, name_hash, write_load
@@ -35,7 +36,7 @@ log = logging.getLogger("narwhal.supervisor.load")
 
 
 class LoadReader:
-    def __init__(self, shared: SharedFleet, control: ControlClient) -> None:
+    def __init__(self, shared: SharedFleet, control: PooledReader | ControlClient) -> None:
         self.shared = shared
         self.control = control
         self._reading: set[str] = set()

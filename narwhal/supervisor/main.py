@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from narwhal import metrics
-from narwhal.engines.control import ControlClient, open_session
+from narwhal.engines.control import PooledReader, open_session
 from narwhal.fleet import Engine, Fleet
 from narwhal.fleet.breaker import Breakers, EngineInfo, EngineStatus, Outcome, State
 from narwhal.settings import Settings
@@ -238,7 +238,7 @@ class Supervisor:
             prober = Prober(self.settings, self.fleet, session, self.admitted)
             load_every = self.settings.placement.load_interval_s
             # Each read bounded by the interval: a round never outlives the next one's start.
-            loads = LoadReader(self.shared, ControlClient(session, self.settings.engine, load_every or 1.0))
+            loads = LoadReader(self.shared, PooledReader(self.settings.engine, load_every or 1.0))
             next_load = 0.0
             self.restore()
             self.publish()

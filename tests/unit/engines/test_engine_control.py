@@ -20,6 +20,7 @@ from narwhal.engines.client import EngineClient
 from narwhal.engines.control import (
     ControlClient,
     ControlError,
+    PooledReader,
     VersionPin,
     auth_headers,
     auth_line,
@@ -227,6 +228,73 @@ async def test_a_closed_port_is_unreachable() -> None:
         with pytest.raises(ControlError) as info:
             await control.get(Ref("e0", f"http://127.0.0.1:{port}"), "/health")
     assert info.value.reason == "unreachable"
+
+
+# ---------------------------------------------------------------------- the pooled reader (load reads)
+
+
+@needs_openssl
+async def test_the_pooled_reader_verifies_as_every_control_read_does(
+    pki: dict[str, Path], good: FakeEngine, rogue: FakeEngine
+) -> None:
+    reader = PooledReader(EngineSettings(ca_file=str(pki["ca_a"])), timeout_s=5)
+    try:
+        status, body = await reader.get(_ref(good), "/metrics")
+        assert status == 200 and b"vllm:num_requests_running" in body
+        with pytest.raises(ControlError) as info:
+            await reader.get(_ref(rogue), "/metrics")
+        assert info.value.reason == "unreachable"
+    finally:
+        await reader.close()
+
+
+async def test_the_pooled_reader_sends_the_key_reports_statuses_and_reuses_its_connection() -> None:
+    seen: list[tuple[str | None, object]] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        transport = request.transport
+        seen.append((request.headers.get("Authorization"), transport.get_extra_info("peername") if transport else None))
+        if request.path == "/down":
+            return web.Response(status=503)
+        return web.Response(body=b"vllm:num_requests_running 3\n")
+
+    server = await _serve(handler)
+    reader = PooledReader(EngineSettings(api_key="k1"), timeout_s=5)
+    try:
+        ref = Ref("e0", str(server.make_url("")).rstrip("/"))
+        assert await reader.get(ref, "/metrics") == (200, b"vllm:num_requests_running 3\n")
+        assert await reader.get(ref, "/down") == (503, b"")
+        assert await reader.get(ref, "/metrics") == (200, b"vllm:num_requests_running 3\n")
+        assert [key for key, _ in seen] == ["Bearer k1"] * 3
+        assert len({peer for _, peer in seen}) == 1  # one keep-alive connection for every read
+    finally:
+        await reader.close()
+        await server.close()
+
+
+async def test_the_pooled_reader_bounds_a_hung_engine_and_names_a_closed_port() -> None:
+    async def handler(request: web.Request) -> web.Response:
+        await asyncio.sleep(30)
+        return web.Response()
+
+    server = await _serve(handler)
+    reader = PooledReader(EngineSettings(), timeout_s=0.2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again when the block ends: nothing listens
+    try:
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(ControlError) as info:
+            await reader.get(Ref("e0", str(server.make_url("")).rstrip("/")), "/metrics")
+        assert info.value.reason == "timed out after 0.2s"
+        assert asyncio.get_running_loop().time() - started < 5  # bounded, not 30 s
+        with pytest.raises(ControlError) as info:
+            await reader.get(Ref("e1", f"http://127.0.0.1:{port}"), "/metrics")
+        assert info.value.reason == "unreachable"
+        assert reader.pool.open_connections == 0  # the timed-out one was closed, not pooled
+    finally:
+        await reader.close()
+        await server.close()
 
 
 # ---------------------------------------------------------------------- reading answers
