@@ -88,8 +88,8 @@ def _calls(
     out = Path(tempfile.mkdtemp(prefix="calls-", dir=run))
     engines = [{"name": "p0", "role": "producer", "url": fleet.engines["p0"]},
                {"name": "d0", "role": "consumer", "url": fleet.engines["d0"]}]
-    sections = {"server": {"workers": 1}, "preflight": {"on_start": False},
-                "log": {"access_log": "", "level": "warning"}}
+    sections: dict[str, dict[str, Any]] = {"server": {"workers": 1}, "preflight": {"on_start": False},
+                                           "log": {"access_log": "", "level": "warning"}}
     env = {"PERF_CALLCOUNT_DIR": str(out), "PYTHONPATH": str(run / "hook")}
     router = RouterProcess.start(write_config(engines, sections), env=env, root=root, workers=1,
                                  log_path=str(out / "router.log"))
@@ -100,7 +100,10 @@ def _calls(
     deadline = time.monotonic() + 10  # the profiles are written as the processes exit
     while time.monotonic() < deadline and len(glob.glob(f"{out}/*.prof")) < 2:
         time.sleep(0.05)
-    return sum(int(pstats.Stats(path).total_calls) for path in glob.glob(f"{out}/worker-*.prof"))
+    total = 0
+    for path in glob.glob(f"{out}/worker-*.prof"):
+        total += int(pstats.Stats(path).total_calls)  # type: ignore[attr-defined]  # set at load; typeshed lacks it
+    return total
 
 
 def per_request(run: Path, fleet: FakeFleet, root: str | None, case: tuple[str, int, float | None],

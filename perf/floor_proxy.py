@@ -24,7 +24,7 @@ from narwhal.engines.client import EngineClient
 from narwhal.settings import EngineSettings
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Engine:
     name: str
     url: str
