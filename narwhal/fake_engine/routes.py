@@ -97,6 +97,7 @@ def add_routes(app: web.Application, engine: EngineState) -> None:
 async def metrics_answer(engine: EngineState) -> web.Response:
     """``/metrics``, or its fault: ``hang`` answers only after the reader gave up (10 s: long
     for any load reader, short enough not to pile up handlers), ``garbage`` is not Prometheus."""
+    engine.control_reads["metrics"] += 1
     fault = engine.faults.metrics
     if fault == "hang":
         await asyncio.sleep(10)

@@ -126,7 +126,7 @@ class EngineState:
         self.kv_pull_failures = 0
         # GETs of /health, /version and /v1/models answered: lets a test wait for N health
         # checks (or a lifecycle validation) instead of sleeping and hoping they happened.
-        self.control_reads = {"health": 0, "version": 0, "models": 0}
+        self.control_reads = {"health": 0, "version": 0, "models": 0, "metrics": 0}
         self._id_prefix = secrets.token_hex(4)
         self._seq = 0
         self._templates: dict[str, ModelTemplates] = {}

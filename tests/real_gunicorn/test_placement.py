@@ -68,6 +68,27 @@ def second_router(cache_fleet: FakeFleet, tmp_path_factory: pytest.TempPathFacto
     proc.stop()
 
 
+BLIND = ["bp0", "bp1", "bd0", "bd1"]
+
+
+@pytest.fixture(scope="module")
+def blind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FakeFleet, RouterProcess]]:
+    """Placement as before engines reported load (no reads, no affinity), on a fleet of its own:
+    no other router reads these engines' /metrics, so every read they count would be this one's."""
+    fleet = FakeFleet.start(BLIND, args=["--model", MODEL, "--prefix-cache"])
+    engines: list[dict[str, Any]] = [{"name": n, "role": "producer" if n[1] == "p" else "consumer"} for n in BLIND]
+    try:
+        proc = start_router(
+            fleet, engines, tmp_path_factory.mktemp("blind"),
+            server={"workers": 2, "admin_token": TOKEN}, recovery={"health_interval_s": 0.2},
+            placement={"load_interval_s": 0, "prefix_affinity": False},
+        )
+        yield fleet, proc
+        proc.stop()
+    finally:
+        fleet.stop()
+
+
 def _tag() -> str:
     return uuid.uuid4().hex
 
@@ -252,3 +273,33 @@ async def test_cached_tokens_reach_the_access_log_and_the_counter(
                 - value(before, "narwhal_prefill_tokens_total", kind=kind) for kind in expected}
 
     assert settled(deltas, expected) == expected
+
+
+async def test_without_load_reads_or_affinity_placement_is_in_flight_and_ties(
+    blind: tuple[FakeFleet, RouterProcess]
+) -> None:
+    fleet, router = blind
+    before = scrape(router)
+    tag = _tag()
+    prompt = f"{tag} " + "a long shared system prompt that affinity would pin to one producer. " * 20
+    for i in range(16):
+        reply = await send(router.url, "/v1/completions", completion(prompt + f"question {i}", stream=False))
+        assert reply.status == 200, reply.raw
+    served = {p: len(_records(fleet, p, tag)) for p in ("bp0", "bp1")}
+    assert sum(served.values()) == 16 and min(served.values()) > 0, served  # ties at random, not one producer
+
+    def choices() -> tuple[float, float]:
+        text = scrape(router)
+        return tuple(  # type: ignore[return-value]
+            value(text, "narwhal_placements_total", producer_choice=c)
+            - value(before, "narwhal_placements_total", producer_choice=c)
+            for c in ("least_loaded", "affinity")
+        )
+
+    assert settled(choices, (16.0, 0.0)) == (16.0, 0.0)
+    assert [e["load"] for e in (await admin(router))["engines"]] == [None] * 4
+    # The supervisor is running (health checks every 0.2 s reach every engine) and reads no /metrics.
+    checks = {n: fleet.stats(n)["control_reads"]["health"] for n in BLIND}
+    wait_until(lambda: all(fleet.stats(n)["control_reads"]["health"] >= checks[n] + 2 for n in BLIND), 10,
+               "two more health checks of every engine")
+    assert {n: fleet.stats(n)["control_reads"]["metrics"] for n in BLIND} == dict.fromkeys(BLIND, 0)

@@ -188,7 +188,7 @@ async def test_an_engine_whose_certificate_the_ca_did_not_sign_is_ejected_by_hea
     entry = await wait_state(rogue_router, ROGUE, "ejected", timeout=10)
     assert entry["last_failure"]["reason"] == "health_check" and entry["ejections"] == 1
     # Refused at the handshake: not one HTTP request reached it, probes included.
-    assert rogue.stats(ROGUE)["control_reads"] == {"health": 0, "version": 0, "models": 0}
+    assert rogue.stats(ROGUE)["control_reads"] == {"health": 0, "version": 0, "models": 0, "metrics": 0}
     assert rogue.stats(ROGUE)["requests"]["total"] == 0
     body = await admin(rogue_router)
     assert {e["name"]: e["state"] for e in body["engines"]} == {"hp0": "admitted", "hd0": "admitted", ROGUE: "ejected"}

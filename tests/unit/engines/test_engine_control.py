@@ -110,7 +110,7 @@ async def test_control_reads_reach_an_engine_the_configured_ca_signed(
     assert await trusting_a.health(ref) is True
     assert await trusting_a.version(ref) == "0.11.0"
     assert await trusting_a.models(ref) == ["fake-model"]
-    assert good.control_reads == {"health": 1, "version": 1, "models": 1}
+    assert good.control_reads == {"health": 1, "version": 1, "models": 1, "metrics": 0}
 
 
 @needs_openssl
@@ -121,7 +121,7 @@ async def test_a_certificate_another_ca_signed_is_refused(rogue: FakeEngine, tru
     assert info.value.reason == "unreachable"
     assert await trusting_a.health(ref) is False
     assert await trusting_a.models(ref) is None
-    assert rogue.control_reads == {"health": 0, "version": 0, "models": 0}  # no request got through
+    assert rogue.control_reads == {"health": 0, "version": 0, "models": 0, "metrics": 0}  # none got through
 
 
 @needs_openssl
