@@ -15,7 +15,10 @@ Invariants, and why:
   running is skipped, so a hung ``/metrics`` costs one pending task, never a late heartbeat.
 * A failed, slow or unparsable read is no breaker failure (health checks and requests judge
   engines): it publishes nothing, and the last reading goes stale in the workers' eyes
-  (``placement.load_stale_s``). One log line per engine when its reads start failing.
+  (``placement.load_stale_s``). One log line per engine when its reads start failing, and no
+  more than one a minute per engine: under load a busy engine's ``/metrics`` answers around the
+  interval's bound, its reads flap between late and in time, and a line per flap (89 in one
+  perf run) would bury the lines that matter.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from narwhal.shm.shared import SharedFleet
 
 log = logging.getLogger("narwhal.supervisor.load")
 
+WARN_EVERY_S = 60.0  # at most one "not read" line per engine this often
+
 
 class LoadReader:
     def __init__(self, shared: SharedFleet, control: PooledReader | ControlClient) -> None:
@@ -41,6 +46,7 @@ class LoadReader:
         self.control = control
         self._reading: set[str] = set()
         self._failing: set[str] = set()
+        self._warned_at: dict[str, float] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def start_round(self, engines: Iterable[Engine]) -> None:
@@ -68,7 +74,11 @@ class LoadReader:
         if reading is None:
             if engine.name not in self._failing:
                 self._failing.add(engine.name)
-                log.warning("load of %s not read (%s): placement uses its in-flight counts only", engine.name, why)
+                now = time.monotonic()
+                if now - self._warned_at.get(engine.name, -WARN_EVERY_S) >= WARN_EVERY_S:
+                    self._warned_at[engine.name] = now
+                    log.warning("load of %s not read (%s): placement uses its in-flight counts only",
+                                engine.name, why)
             return
         self._failing.discard(engine.name)
         # This host's legs on the engine now: the engine counted them too, and placement adds

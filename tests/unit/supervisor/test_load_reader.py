@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -75,4 +76,31 @@ async def test_a_round_returns_at_once_and_publishes_only_good_readings(shared: 
     for _ in range(50):
         await asyncio.sleep(0)
     assert read_load(shared.region, 4) is not None and shared.load_generation == 3
+    reader.cancel()
+
+
+async def test_a_flapping_engine_logs_once_a_minute(shared: SharedFleet, caplog: pytest.LogCaptureFixture) -> None:
+    fleet = Fleet(Settings(engines=[{"name": "flap", "role": "consumer", "url": "http://127.0.0.1:1"}]))
+
+    class Flapping:
+        def __init__(self) -> None:
+            self.fail = True
+
+        async def get(self, engine: Any, path: str) -> tuple[int, bytes]:
+            if self.fail:
+                raise ControlError("timed out after 0.1s")
+            return 200, GOOD.encode()
+
+    control = Flapping()
+    reader = LoadReader(shared, control)  # type: ignore[arg-type]
+    caplog.set_level(logging.WARNING, logger="narwhal.supervisor.load")
+    for _ in range(4):  # fail, recover, fail, recover ... within a minute
+        for fail in (True, False):
+            control.fail = fail
+            reader.start_round(fleet.engines)
+            for _ in range(20):
+                await asyncio.sleep(0)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["load of flap not read (timed out after 0.1s): placement uses its in-flight counts only"]
+    assert read_load(shared.region, 0) is not None  # the good reads were published all along
     reader.cancel()
