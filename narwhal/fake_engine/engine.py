@@ -29,6 +29,8 @@ from narwhal.fake_engine.state import EngineState
 
 SWEEP_INTERVAL_S = 0.25
 
+UVICORN_BACKLOG = 2048  # uvicorn.Config(backlog=2048): what a vLLM engine listens with
+
 
 class FakeEngine(EngineState):
     """A fake engine that serves HTTP: ``EngineState``'s constructor, plus its own listener."""
@@ -68,8 +70,12 @@ class FakeEngine(EngineState):
             await self._runner.setup()
         if self._site is None:
             self.listen_host = host
+            # vLLM serves through uvicorn, whose listen backlog is 2048; aiohttp's default of 128
+            # overflowed when a thousand streams connected at once (perf paced_c1000: resets
+            # that a real engine would not have sent, seen by the router and the PD floor alike).
             site = web.TCPSite(
-                self._runner, host, self.port if self.port and not port else port, ssl_context=self.ssl_context
+                self._runner, host, self.port if self.port and not port else port, ssl_context=self.ssl_context,
+                backlog=UVICORN_BACKLOG,
             )
             await site.start()
             self._site = site

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -717,3 +718,19 @@ def test_fleet_process_cli(tmp_path: Path) -> None:
         for stream in (proc.stdout, proc.stderr):
             if stream is not None:
                 stream.close()
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2) to read a listening socket's backlog")
+async def test_the_engine_listens_with_uvicorns_backlog() -> None:
+    # vLLM listens through uvicorn (backlog 2048); with aiohttp's 128 a thousand streams
+    # connecting at once were reset by the fake, as no real engine would reset them.
+    engine = FakeEngine("e0")
+    await engine.start()
+    try:
+        out = subprocess.run(["ss", "-ltnH", f"sport = :{engine.port}"], capture_output=True, text=True, check=True)
+        send_q = [int(line.split()[2]) for line in out.stdout.splitlines() if line.strip()]
+        with open("/proc/sys/net/core/somaxconn") as f:  # the kernel caps any backlog at this
+            cap = int(f.read())
+        assert send_q == [min(2048, cap)]
+    finally:
+        await engine.close()
