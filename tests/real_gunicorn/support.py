@@ -57,6 +57,25 @@ def start_router(
     )
 
 
+def access_line(router: RouterProcess, request_id: str, timeout: float = 5.0) -> dict[str, Any]:
+    """The router's access-log line for ``request_id``, once written (bounded wait). The log is
+    ``access.log`` beside ``router.log``, as :func:`start_router` places it."""
+    path = router.log_path.replace("router.log", "access.log")
+
+    def find() -> dict[str, Any] | None:
+        with open(path, "rb") as f:
+            for raw in f:
+                entry = orjson.loads(raw)
+                if entry["request_id"] == request_id:
+                    return dict(entry)
+        return None
+
+    wait_until(lambda: find() is not None, timeout, f"the access log line of {request_id}")
+    found = find()
+    assert found is not None
+    return found
+
+
 def wait_until(predicate: Any, timeout: float, what: str) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:

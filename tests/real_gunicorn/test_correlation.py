@@ -16,13 +16,13 @@ import pytest
 from narwhal.testing.harness import FakeFleet, RouterProcess, http_get
 from tests.real_gunicorn.support import (
     MODEL,
+    access_line,
     completion,
     records_anywhere,
     send,
     settled,
     start_router,
     unique_prompt,
-    wait_until,
 )
 from tests.real_gunicorn.test_metrics import value
 
@@ -43,23 +43,6 @@ def corr(fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator
                         log={"level": "info"})
     yield proc
     proc.stop()
-
-
-def access_line(router: RouterProcess, rid: str) -> dict[str, Any]:
-    path = router.log_path.replace("router.log", "access.log")
-
-    def find() -> dict[str, Any] | None:
-        with open(path, "rb") as f:
-            for raw in f:
-                entry = orjson.loads(raw)
-                if entry["request_id"] == rid:
-                    return entry  # type: ignore[no-any-return]
-        return None
-
-    wait_until(lambda: find() is not None, 5, f"the access log line of {rid}")
-    found = find()
-    assert found is not None
-    return found
 
 
 def legs(fleet: FakeFleet, prompt: str) -> list[dict[str, Any]]:

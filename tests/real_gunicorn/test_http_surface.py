@@ -5,11 +5,19 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 
-import orjson
 import pytest
 
 from narwhal.testing.harness import RouterProcess, http_get, write_config
-from tests.real_gunicorn.support import MODEL, chat, completion, error_of, send, settled, unique_prompt, wait_until
+from tests.real_gunicorn.support import (
+    MODEL,
+    access_line,
+    chat,
+    completion,
+    error_of,
+    send,
+    settled,
+    unique_prompt,
+)
 
 
 @pytest.mark.parametrize(
@@ -171,19 +179,7 @@ async def test_access_log_has_one_json_line_per_request(router: RouterProcess) -
     rid = "access-" + unique_prompt().split()[0]
     reply = await send(router.url, "/v1/chat/completions", chat(unique_prompt()), headers={"x-request-id": rid})
     assert reply.status == 200
-    log_path = router.log_path.replace("router.log", "access.log")
-
-    def line() -> dict | None:
-        with open(log_path, "rb") as f:
-            for raw in f:
-                entry = orjson.loads(raw)
-                if entry["request_id"] == rid:
-                    return entry
-        return None
-
-    wait_until(lambda: line() is not None, 5, "the access log line")
-    entry = line()
-    assert entry is not None
+    entry = access_line(router, rid)
     assert entry["model"] == MODEL and entry["endpoint"] == "/v1/chat/completions"
     assert entry["status"] == 200 and entry["attempts"] == 1 and entry["reason"] is None
     assert entry["producer"] in ("p0", "p1") and entry["consumer"] in ("d0", "d1")

@@ -22,6 +22,7 @@ from narwhal.testing.harness import FakeFleet, RouterProcess, http_get
 from tests.real_gunicorn.support import (
     MODEL,
     TOKEN,
+    access_line,
     admin,
     engine_entry,
     error_of,
@@ -235,19 +236,7 @@ async def test_access_log_line_and_request_counter(router: RouterProcess) -> Non
     rid = "pt-log-" + unique_prompt().split()[0]
     reply = await send(router.url, "/v1/rerank", body_for("/v1/rerank", rid), headers={**KEY, "x-request-id": rid})
     assert reply.status == 200
-    log_path = router.log_path.replace("router.log", "access.log")
-
-    def line() -> dict[str, Any] | None:
-        with open(log_path, "rb") as f:
-            for raw in f:
-                entry = orjson.loads(raw)
-                if entry["request_id"] == rid:
-                    return entry
-        return None
-
-    wait_until(lambda: line() is not None, 5, "the access log line")
-    entry = line()
-    assert entry is not None
+    entry = access_line(router, rid)
     assert entry["endpoint"] == "/v1/rerank" and entry["mode"] == "passthrough" and entry["model"] == MODEL
     assert entry["status"] == 200 and entry["attempts"] == 1 and entry["reason"] is None
     assert entry["consumer"] in ("d0", "d1") and entry["producer"] is None and entry["ttft_s"] is None

@@ -13,13 +13,13 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-import orjson
 import pytest
 
 from narwhal.testing.harness import FakeFleet, RouterProcess
 from tests.real_gunicorn.support import (
     MODEL,
     TOKEN,
+    access_line,
     admin,
     completion,
     engine_entry,
@@ -38,6 +38,10 @@ CONSUMERS = ["ad0", "ad1"]
 LOCAL_CHARS = 40
 
 
+def _engines(producers: list[str], consumers: list[str]) -> list[dict[str, Any]]:
+    return [{"name": n, "role": "producer"} for n in producers] + [{"name": n, "role": "consumer"} for n in consumers]
+
+
 @pytest.fixture(scope="module")
 def cache_fleet() -> Iterator[FakeFleet]:
     fleet = FakeFleet.start(PRODUCERS + CONSUMERS, args=["--model", MODEL, "--lease-s", "120", "--prefix-cache"])
@@ -47,10 +51,8 @@ def cache_fleet() -> Iterator[FakeFleet]:
 
 @pytest.fixture(scope="module")
 def router(cache_fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
-    engines: list[dict[str, Any]] = [{"name": n, "role": "producer"} for n in PRODUCERS]
-    engines += [{"name": n, "role": "consumer"} for n in CONSUMERS]
     proc = start_router(
-        cache_fleet, engines, tmp_path_factory.mktemp("placement"),
+        cache_fleet, _engines(PRODUCERS, CONSUMERS), tmp_path_factory.mktemp("placement"),
         server={"workers": 2, "admin_token": TOKEN},
         placement={"load_interval_s": 0.1, "load_stale_s": 2, "local_prefill_chars": LOCAL_CHARS},
     )
@@ -61,9 +63,8 @@ def router(cache_fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> 
 @pytest.fixture(scope="module")
 def second_router(cache_fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
     """Another replica in front of the same fleet, sharing nothing with the first."""
-    engines: list[dict[str, Any]] = [{"name": n, "role": "producer"} for n in PRODUCERS]
-    engines += [{"name": n, "role": "consumer"} for n in CONSUMERS]
-    proc = start_router(cache_fleet, engines, tmp_path_factory.mktemp("replica"), server={"workers": 1})
+    proc = start_router(cache_fleet, _engines(PRODUCERS, CONSUMERS), tmp_path_factory.mktemp("replica"),
+                        server={"workers": 1})
     yield proc
     proc.stop()
 
@@ -76,10 +77,9 @@ def blind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FakeFleet,
     """Placement as before engines reported load (no reads, no affinity), on a fleet of its own:
     no other router reads these engines' /metrics, so every read they count would be this one's."""
     fleet = FakeFleet.start(BLIND, args=["--model", MODEL, "--prefix-cache"])
-    engines: list[dict[str, Any]] = [{"name": n, "role": "producer" if n[1] == "p" else "consumer"} for n in BLIND]
     try:
         proc = start_router(
-            fleet, engines, tmp_path_factory.mktemp("blind"),
+            fleet, _engines(BLIND[:2], BLIND[2:]), tmp_path_factory.mktemp("blind"),
             server={"workers": 2, "admin_token": TOKEN}, recovery={"health_interval_s": 0.2},
             placement={"load_interval_s": 0, "prefix_affinity": False},
         )
@@ -102,22 +102,6 @@ def _plain_prompt(tag: str) -> str:
 
 def _records(fleet: FakeFleet, engine: str, tag: str) -> list[dict[str, Any]]:
     return list(fleet.control_request("GET", f"/engines/{engine}/requests?contains={tag}")["requests"])
-
-
-def _access_line(router: RouterProcess, request_id: str) -> dict[str, Any] | None:
-    with open(router.log_path.replace("router.log", "access.log"), "rb") as f:
-        for raw in f:
-            entry = orjson.loads(raw)
-            if entry["request_id"] == request_id:
-                return dict(entry)
-    return None
-
-
-def _wait_access_line(router: RouterProcess, request_id: str) -> dict[str, Any]:
-    wait_until(lambda: _access_line(router, request_id) is not None, 5, f"the access line of {request_id}")
-    line = _access_line(router, request_id)
-    assert line is not None
-    return line
 
 
 async def _wait_load(router: RouterProcess, name: str, check: Any, what: str, timeout: float = 15) -> dict:
@@ -232,7 +216,7 @@ async def test_a_local_decode_sends_nothing_to_any_producer(cache_fleet: FakeFle
     assert len(decoded) == 1
     assert "kv_transfer_params" not in decoded[0]["body"]
     assert decoded[0]["body"]["stream"] is True and decoded[0]["body"]["max_tokens"] == 4
-    line = _wait_access_line(router, rid)
+    line = access_line(router, rid)
     assert (line["mode"], line["producer"], line["ttft_s"]) == ("local", None, None)
     assert line["consumer"] in CONSUMERS and line["prompt_tokens"] is None and line["cached_tokens"] is None
 
@@ -255,7 +239,7 @@ async def test_cached_tokens_reach_the_access_log_and_the_counter(
         reply = await send(router.url, "/v1/completions", completion(shared + tail, stream=False),
                            headers={"x-request-id": rid})
         assert reply.status == 200, reply.raw
-        lines.append(_wait_access_line(router, rid))
+        lines.append(access_line(router, rid))
     first, second = lines
     assert first["mode"] == second["mode"] == "disaggregated"
     assert first["producer"] == second["producer"]
