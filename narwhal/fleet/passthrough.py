@@ -30,9 +30,8 @@ from collections.abc import Callable, Sequence
 
 from narwhal.errors import PlacementError
 from narwhal.fleet.placement import PhaseName, Placement
+from narwhal.fleet.placement.wait import Queue
 from narwhal.fleet.roster import Engine
-
-_POLL_S = 0.05  # slots freed by other workers wake no waiter here: look again this often
 
 
 def serving_phase(engine: Engine) -> PhaseName:
@@ -97,7 +96,7 @@ class SingleEngine:
     def __init__(self, placement: Placement, rng: random.Random | None = None) -> None:
         self.placement = placement
         self._rng = rng or random.Random()
-        self.waiting = 0
+        self.queue = Queue()  # passthrough requests waiting for an engine on this worker
         self._by_model: dict[str, tuple[Engine, ...]] = {}
         self._version = -1
 
@@ -139,23 +138,7 @@ class SingleEngine:
             raise PlacementError(
                 f"no engine available for model {model!r}: every engine serving it is out", retry_after_s=retry_after
             )
-        if self.waiting >= settings.max_queue:
-            raise PlacementError("no engine available: the wait queue is full", retry_after_s=retry_after)
-        loop = asyncio.get_running_loop()
-        give_up = min(loop.time() + settings.queue_timeout_s, deadline)
-        from narwhal import metrics  # the slow path only, and never in the master (see pair.py)
-
-        self.waiting += 1
-        metrics.REQUESTS_QUEUED.inc()
-        try:
-            while (remaining := give_up - loop.time()) > 0:
-                await asyncio.sleep(min(remaining, _POLL_S))
-                found = self.try_reserve(model)
-                if found is not None:
-                    return found
-        finally:
-            self.waiting -= 1
-            metrics.REQUESTS_QUEUED.dec()
-        raise PlacementError(
-            f"no engine available for model {model!r}: all reservations are in use", retry_after_s=retry_after
-        )
+        self.queue.refuse_if_full(settings.max_queue, retry_after)
+        give_up = min(asyncio.get_running_loop().time() + settings.queue_timeout_s, deadline)
+        # Polled: a passthrough waiter is not among the pair waiters a release wakes.
+        return await self.queue.wait_for(lambda: self.try_reserve(model), asyncio.sleep, give_up, model, retry_after)

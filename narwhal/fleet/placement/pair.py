@@ -40,13 +40,10 @@ from narwhal.fleet import Engine, Fleet, FleetView
 from narwhal.fleet.placement import affinity, least_loaded
 from narwhal.fleet.placement.load import LoadCache, Loads, LoadSource
 from narwhal.fleet.placement.reservation import InflightCounts, PhaseName, Reservation
+from narwhal.fleet.placement.wait import Queue
 from narwhal.settings import PlacementSettings
 
 Candidate = tuple[Engine, tuple[Engine, ...]]  # a producer and its permitted consumers
-
-# While waiting for a pair, re-check at least this often: slots freed by other processes
-# (and models discovered late) do not wake this worker's waiters.
-_POLL_S = 0.05
 
 
 def _producer_index(candidate: Candidate) -> int:
@@ -74,7 +71,7 @@ class Placement:
         self.settings = settings
         self._rng = rng or random.Random()
         self._freed = asyncio.Event()
-        self.waiting = 0
+        self.queue = Queue()  # requests waiting for a pair on this worker
         self._by_model: dict[str, tuple[Candidate, ...]] = {}
         self._consumers_by_model: dict[str, tuple[Engine, ...]] = {}
         self._version = -1
@@ -283,44 +280,28 @@ class Placement:
             return found
         loop = asyncio.get_running_loop()
         retry_after = self.settings.retry_after_s
-        if self.waiting >= self.settings.max_queue:
-            raise PlacementError("no engine available: the wait queue is full", retry_after_s=retry_after)
+        self.queue.refuse_if_full(self.settings.max_queue, retry_after)
         if not self._servable(model, local):
             raise PlacementError(
                 f"no engine available for model {model!r}: every engine serving it is out",
                 retry_after_s=retry_after,
             )
         give_up = min(loop.time() + self.settings.queue_timeout_s, deadline)
-        # The gauge is touched on this slow path only (a request placed at once never waits),
-        # and imported here: this module must not pull prometheus_client into the master.
-        from narwhal import metrics
+        return await self.queue.wait_for(
+            lambda: self._place(model, avoid, key, local), self._until_freed, give_up, model, retry_after
+        )
 
-        self.waiting += 1
-        metrics.REQUESTS_QUEUED.inc()
+    async def _until_freed(self, at_most_s: float) -> None:
+        """Until a slot of this worker is released, or ``at_most_s``."""
         try:
-            while True:
-                remaining = give_up - loop.time()
-                if remaining <= 0:
-                    raise PlacementError(
-                        f"no engine available for model {model!r}: all reservations are in use",
-                        retry_after_s=retry_after,
-                    )
-                freed = self._freed
-                try:
-                    async with asyncio.timeout(min(remaining, _POLL_S)):
-                        await freed.wait()
-                except TimeoutError:
-                    pass
-                found = self._place(model, avoid, key, local)
-                if found is not None:
-                    return found
-        finally:
-            self.waiting -= 1
-            metrics.REQUESTS_QUEUED.dec()
+            async with asyncio.timeout(at_most_s):
+                await self._freed.wait()
+        except TimeoutError:
+            pass
 
     def _release(self, engine: Engine, phase: PhaseName) -> None:
         self.inflight.release(engine, phase)
-        if self.waiting:  # a fresh Event per release costs, and only waiters need one
+        if self.queue.waiting:  # a fresh Event per release costs, and only waiters need one
             freed, self._freed = self._freed, asyncio.Event()
             freed.set()
 
