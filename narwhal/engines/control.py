@@ -31,7 +31,7 @@ import orjson
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from narwhal.engines.http1 import UpstreamError, UpstreamPool
+from narwhal.engines.http1 import Connection, UpstreamError, UpstreamPool
 from narwhal.settings import EngineContract, EngineSettings, parse_version_pin
 
 __all__ = [
@@ -238,23 +238,18 @@ class PooledReader:
 
     async def get(self, engine: EngineRef, path: str) -> tuple[int, bytes]:
         deadline = asyncio.get_running_loop().time() + self.timeout_s
+        conn: Connection | None = None
         try:
             conn = await self.pool.get(engine.url, path, self._auth, deadline=deadline)
-        except TimeoutError:
-            raise ControlError(f"timed out after {self.timeout_s:g}s") from None
-        except (UpstreamError, OSError):
-            raise ControlError("unreachable") from None
-        try:
             status = await conn.response()
             body = await conn.read_all()
-        except TimeoutError:
-            conn.close()
-            raise ControlError(f"timed out after {self.timeout_s:g}s") from None
-        except (UpstreamError, OSError):
-            conn.close()
-            raise ControlError("unreachable") from None
-        except BaseException:  # cancelled mid-read: nothing may be read behind this answer
-            conn.close()
+        except BaseException as exc:  # cancelled too: nothing may be read behind this answer
+            if conn is not None:
+                conn.close()
+            if isinstance(exc, TimeoutError):
+                raise ControlError(f"timed out after {self.timeout_s:g}s") from None
+            if isinstance(exc, UpstreamError | OSError):
+                raise ControlError("unreachable") from None
             raise
         conn.release()
         return status, body
