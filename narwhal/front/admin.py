@@ -21,6 +21,7 @@ from aiohttp import web
 from narwhal.errors import RequestError
 from narwhal.fleet import Engine
 from narwhal.fleet.blame import State
+from narwhal.request.admission import presented_token
 from narwhal.request.router import Router
 from narwhal.shm.local import LocalFleetState
 from narwhal.shm.records import KIND_DRAIN, KIND_EJECT, KIND_READMIT, LoadRecord
@@ -83,9 +84,7 @@ def add_admin_routes(app: web.Application, token: str, router_key: Any, state_ke
     expected = token.encode()
 
     def authorize(request: web.Request) -> None:
-        given = request.headers.get("Authorization", "")
-        presented = given[7:].encode() if given[:7].lower() == "bearer " else b""
-        if not hmac.compare_digest(presented, expected):
+        if not hmac.compare_digest(presented_token(request), expected):
             raise RequestError("invalid or missing admin token", reason="unauthorized")
 
     def json(data: Any, status: int = 200) -> web.Response:

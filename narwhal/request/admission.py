@@ -5,6 +5,10 @@ dict (never spliced from the client's bytes), so a duplicate key cannot smuggle 
 value through. Client ``kv_transfer_params`` are dropped here, always. Fields the router
 does not read are passed to the engines untouched: vLLM, not the router, owns sampling
 validation.
+
+Headers are admitted here too, and nothing a client puts in one can fail the request: a
+credential is compared as the bytes the client sent (a 401 at worst), and the only headers
+passed on to engines, W3C trace context, are passed only when valid (``trace_context``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from narwhal.engines import dialects
 from narwhal.errors import RequestError
 from narwhal.fleet import Fleet
+from narwhal.request.ids import printable_ascii
 from narwhal.settings import Settings
 
 COMPLETIONS = "/v1/completions"
@@ -29,7 +34,11 @@ CHAT = "/v1/chat/completions"
 # The other P/D endpoints (SPEC §2.1): their own fields are checked by their dialect.
 PD_ENDPOINTS = (dialects.RESPONSES, dialects.MESSAGES, dialects.GENERATE)
 DEADLINE_HEADER = "x-narwhal-deadline-s"
-FORWARDED_HEADERS = ("traceparent", "tracestate")
+# W3C Trace Context's lengths: a version-00 traceparent is 55 characters; a tracestate has at
+# most 32 list members, each a key and a value of at most 256 characters.
+_TRACEPARENT_MAX = 55
+_TRACESTATE_MEMBERS = 32
+_TRACESTATE_MEMBER_MAX = 256 + 1 + 256
 
 
 @dataclass(slots=True)
@@ -44,21 +53,49 @@ class ClientRequest:
     local: bool = False  # a prompt short enough to skip the remote prefill (SPEC §3.2)
 
 
+def presented_token(request: web.Request, *, x_api_key: bool = False) -> bytes:
+    """The ``Authorization: Bearer`` token (or, with ``x_api_key``, ``x-api-key``'s value) as the
+    bytes the client sent. aiohttp decoded them as UTF-8 with surrogate escapes, so encoding
+    back the same way cannot fail, whatever the bytes: a token that is not UTF-8 is a wrong one."""
+    given = request.headers.get("Authorization", "")
+    token = given[7:] if given[:7].lower() == "bearer " else ""
+    if not token and x_api_key:
+        token = request.headers.get("x-api-key", "")
+    return token.encode("utf-8", "surrogateescape")
+
+
 def check_api_key(request: web.Request, keys: list[str], *, x_api_key: bool = False) -> None:
     """``x_api_key``: also accept the key in ``x-api-key`` (the Anthropic SDK's header, on
     ``/v1/messages``). Neither header is ever forwarded to an engine."""
     if not keys:
         return
-    given = request.headers.get("Authorization", "")
-    token = given[7:] if given[:7].lower() == "bearer " else ""
-    if not token and x_api_key:
-        token = request.headers.get("x-api-key", "")
+    token = presented_token(request, x_api_key=x_api_key)
     # Compare against every key so the time taken does not reveal which one nearly matched.
     ok = False
     for key in keys:
-        ok |= hmac.compare_digest(token.encode(), key.encode())
+        ok |= hmac.compare_digest(token, key.encode())
     if not ok:
         raise RequestError("invalid or missing API key", reason="unauthorized")
+
+
+def _valid_tracestate(value: str) -> bool:
+    members = [m for m in value.split(",") if m.strip(" ")]  # empty list members are allowed
+    return len(members) <= _TRACESTATE_MEMBERS and all(len(m.strip(" ")) <= _TRACESTATE_MEMBER_MAX for m in members)
+
+
+def trace_context(request: web.Request) -> dict[str, str]:
+    """The client's ``traceparent`` / ``tracestate`` to send on both legs, each only when it is
+    valid W3C trace context: printable ASCII within W3C's lengths (SPEC §2). An invalid one is
+    dropped, not refused: tracing is the client's convenience, never a reason to fail its
+    request, and an engine must never see bytes the router cannot vouch for."""
+    forward = {}
+    parent = request.headers.get("traceparent")
+    if parent and len(parent) <= _TRACEPARENT_MAX and printable_ascii(parent):
+        forward["traceparent"] = parent
+    state = request.headers.get("tracestate")
+    if state and printable_ascii(state) and _valid_tracestate(state):
+        forward["tracestate"] = state
+    return forward
 
 
 async def read_body(request: web.Request, settings: Settings) -> bytes:
@@ -194,5 +231,6 @@ async def admit(request: web.Request, endpoint: str, settings: Settings, fleet: 
     deadline = request_deadline(request, settings, arrival)
     raw = await read_body(request, settings)
     body, model, stream = parse(raw, endpoint, fleet)
-    forward = {h: v for h in FORWARDED_HEADERS if (v := request.headers.get(h)) is not None}
-    return ClientRequest(endpoint=endpoint, body=body, model=model, stream=stream, deadline=deadline, forward=forward)
+    return ClientRequest(
+        endpoint=endpoint, body=body, model=model, stream=stream, deadline=deadline, forward=trace_context(request)
+    )

@@ -1,5 +1,10 @@
 """Request ids: the client's ``x-request-id`` when usable, else a new one; backend ids per attempt.
 
+A client's id is used only when it is printable ASCII of at most ``_MAX_REQUEST_ID`` characters
+(SPEC §2); anything else is replaced by a new id, never refused: the id is echoed in a response
+header and logged, and only ASCII survives every hop unchanged (aiohttp decodes header bytes as
+UTF-8, with undecodable bytes as surrogates that no encoder accepts).
+
 A backend id (the ``X-Request-Id`` both legs of an attempt send) is derived from the client's
 id — ``<client id>-<nonce>-a<attempt>`` — so a grep for the client's id finds the router's
 line and the engines' (vLLM takes ``X-Request-Id`` as its request id: ``cmpl-<id>`` in its
@@ -60,8 +65,14 @@ def _reseed_ids() -> None:
 os.register_at_fork(after_in_child=_reseed_ids)
 
 
+def printable_ascii(value: str) -> bool:
+    """``value`` is printable ASCII (space to ``~``): what a header may carry to an engine, a
+    client and a log unchanged."""
+    return value.isascii() and value.isprintable()
+
+
 def client_request_id(request: web.Request) -> str:
     given = request.headers.get("x-request-id")
-    if given and len(given) <= _MAX_REQUEST_ID and given.isprintable():
+    if given and len(given) <= _MAX_REQUEST_ID and printable_ascii(given):
         return given
     return new_id()

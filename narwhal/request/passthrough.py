@@ -31,12 +31,12 @@ from narwhal.fleet.passthrough import SingleEngine
 from narwhal.fleet.placement import Placement
 from narwhal.request.accesslog import AccessRecord
 from narwhal.request.admission import (
-    FORWARDED_HEADERS,
     check_api_key,
     parse_object,
     read_body,
     request_deadline,
     resolve_model,
+    trace_context,
 )
 from narwhal.request.ids import new_id
 from narwhal.request.outcomes import Outcomes
@@ -92,7 +92,7 @@ class Passthrough:
             rec.consumer = engine.name
         else:
             rec.producer = engine.name
-        forward = {h: v for h in FORWARDED_HEADERS if (v := request.headers.get(h)) is not None}
+        forward = trace_context(request)
         try:
             status, data, content_type = await self.client.passthrough(
                 engine, endpoint, body, request_id=new_id(), phase=slot.phase, deadline=deadline, headers=forward

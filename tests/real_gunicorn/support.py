@@ -1,16 +1,19 @@
 """What the real-gunicorn tests share: the fake fleet's names and timeouts, starting a router,
-bounded waits, unique prompts, sending requests and reading replies, and the admin API."""
+bounded waits, unique prompts, sending requests (aiohttp, or raw ``http.client`` for header
+bytes aiohttp's client would not send) and reading replies, and the admin API."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import io
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
@@ -180,6 +183,58 @@ async def send(
     async with aiohttp.ClientSession() as session:
         async with session.request(method, base + path, data=data, headers=hdrs) as resp:
             return Reply(resp.status, resp.headers, await resp.read())
+
+
+def router_addr(router: RouterProcess) -> tuple[str, int]:
+    parts = urlsplit(router.url)
+    assert parts.hostname == "127.0.0.1" and parts.port
+    return parts.hostname, parts.port
+
+
+@dataclass
+class Answer:
+    status: int
+    headers: dict[str, str]  # names lower-cased
+    body: bytes
+
+
+def http_request(
+    router: RouterProcess,
+    method: str,
+    path: str,
+    body: bytes | None = None,
+    headers: list[tuple[str, str | bytes]] | None = None,
+    timeout: float = 30.0,
+) -> Answer:
+    """One request over ``http.client``: header values go out as given (bytes unchanged, str
+    as latin-1), which aiohttp's client would refuse or re-encode."""
+    host, port = router_addr(router)
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.putrequest(method, path, skip_accept_encoding=True)
+        sent = {k.lower() for k, _ in headers or ()}
+        if "content-type" not in sent and body is not None:
+            conn.putheader("Content-Type", "application/json")
+        for name, value in headers or ():
+            conn.putheader(name, value)
+        if body is not None:
+            conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders(body)
+        resp = conn.getresponse()
+        data = resp.read()
+        return Answer(resp.status, {k.lower(): v for k, v in resp.getheaders()}, data)
+    finally:
+        conn.close()
+
+
+def assert_openai_error(status: int, headers: dict[str, str], body: bytes) -> dict[str, Any]:
+    obj = orjson.loads(body)
+    assert set(obj) == {"error"}, body[:500]
+    err = obj["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert err["code"] == status, err
+    assert isinstance(err["message"], str) and isinstance(err["type"], str), err
+    return err
 
 
 def expected_text(n: int) -> str:

@@ -1,5 +1,6 @@
-"""Hostile clients against the real router (gunicorn, 2 workers): garbage bodies, odd headers,
-clients that never read, slowloris bodies, and thousands of idle keep-alive connections.
+"""Hostile clients against the real router (gunicorn, 2 workers): garbage bodies, a body in no
+encoding, clients that never read, slowloris bodies, and thousands of idle keep-alive connections
+(random headers on every route: ``test_client_headers.py``).
 
 The property for every request: a 4xx in OpenAI's error shape (with ``x-narwhal-error``) or a
 correct 200 — never a 5xx made by the router, never a traceback, and the workers stay alive.
@@ -8,7 +9,6 @@ Everything talks to 127.0.0.1; every wait is bounded.
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import re
@@ -18,7 +18,6 @@ import string
 import time
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import urlsplit
 
 import orjson
 import pytest
@@ -26,7 +25,16 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from narwhal.testing.harness import FakeFleet, RouterProcess, children_of, http_get
-from tests.real_gunicorn.support import MODEL, start_router, unique_prompt, wait_until
+from tests.real_gunicorn.support import (
+    MODEL,
+    Answer,
+    assert_openai_error,
+    http_request,
+    router_addr,
+    start_router,
+    unique_prompt,
+    wait_until,
+)
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -52,46 +60,6 @@ def hostile(fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Itera
 # -- small raw-HTTP helpers ------------------------------------------------------------------
 
 
-def _addr(router: RouterProcess) -> tuple[str, int]:
-    parts = urlsplit(router.url)
-    assert parts.hostname == "127.0.0.1" and parts.port
-    return parts.hostname, parts.port
-
-
-class Answer:
-    def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
-        self.status = status
-        self.headers = headers
-        self.body = body
-
-
-def http_request(
-    router: RouterProcess,
-    method: str,
-    path: str,
-    body: bytes | None = None,
-    headers: list[tuple[str, str]] | None = None,
-    timeout: float = 30.0,
-) -> Answer:
-    host, port = _addr(router)
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    try:
-        conn.putrequest(method, path, skip_accept_encoding=True)
-        sent = {k.lower() for k, _ in headers or ()}
-        if "content-type" not in sent and body is not None:
-            conn.putheader("Content-Type", "application/json")
-        for name, value in headers or ():
-            conn.putheader(name, value)
-        if body is not None:
-            conn.putheader("Content-Length", str(len(body)))
-        conn.endheaders(body)
-        resp = conn.getresponse()
-        data = resp.read()
-        return Answer(resp.status, {k.lower(): v for k, v in resp.getheaders()}, data)
-    finally:
-        conn.close()
-
-
 def read_raw_response(sock: socket.socket, timeout: float) -> tuple[int, dict[str, str], bytes]:
     """Read one HTTP/1.1 response with a Content-Length body off a raw socket."""
     sock.settimeout(timeout)
@@ -113,16 +81,6 @@ def read_raw_response(sock: socket.socket, timeout: float) -> tuple[int, dict[st
         assert chunk, "connection closed mid-body"
         rest += chunk
     return status, headers, rest[:length]
-
-
-def assert_openai_error(status: int, headers: dict[str, str], body: bytes) -> dict[str, Any]:
-    obj = orjson.loads(body)
-    assert set(obj) == {"error"}, body[:500]
-    err = obj["error"]
-    assert set(err) == {"message", "type", "param", "code"}, err
-    assert err["code"] == status, err
-    assert isinstance(err["message"], str) and isinstance(err["type"], str), err
-    return err
 
 
 def assert_sane(answer: Answer, stream_hint: bool | None = None) -> None:
@@ -279,106 +237,7 @@ def test_workers_survive_the_random_bodies(hostile: RouterProcess) -> None:
     assert_alive(hostile, pids)
 
 
-# -- headers ---------------------------------------------------------------------------------
-
-TOKEN_CHARS = string.ascii_letters + string.digits + "!#$%&'*+-.^_`|~"
-HEADER_NAME = st.text(alphabet=TOKEN_CHARS, min_size=1, max_size=40).filter(
-    # content-encoding has its own test (test_undecodable_content_encoding_is_a_400).
-    lambda n: (
-        n.lower()
-        not in {"content-length", "transfer-encoding", "host", "connection", "expect", "upgrade", "content-encoding"}
-    )
-)
-HEADER_VALUE = st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), max_size=80)
-SPECIAL_HEADERS = st.tuples(
-    st.sampled_from(
-        [
-            "Content-Type",
-            "Authorization",
-            "x-request-id",
-            "x-narwhal-deadline-s",
-            "traceparent",
-            "tracestate",
-            "Accept",
-            "Accept-Encoding",
-            "Cookie",
-        ]
-    ),
-    HEADER_VALUE
-    | st.sampled_from(
-        [
-            "-1",
-            "0",
-            "nan",
-            "inf",
-            "1e309",
-            "0.001",
-            "text/plain",
-            "application/json; x=y",
-            "gzip",
-            "Bearer",
-            "Basic Zm9vOmJhcg==",
-        ]
-    ),
-)
-
-
-def _short_deadline(headers: list[tuple[str, str]]) -> bool:
-    for name, value in headers:
-        if name.lower() == "x-narwhal-deadline-s":
-            try:
-                seconds = float(value)
-            except ValueError:
-                return False
-            return 0 < seconds < 30
-    return False
-
-
-@settings(
-    max_examples=40,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
-@given(
-    # One header of each name: repeated singleton headers have their own test in test_security.py.
-    headers=st.lists(
-        st.tuples(HEADER_NAME, HEADER_VALUE) | SPECIAL_HEADERS, max_size=8, unique_by=lambda h: h[0].lower()
-    ),
-    oversize=st.sampled_from([0, 0, 0, 1, 4]),
-    endpoint=st.sampled_from([COMPLETIONS, CHAT, "/health", "/v1/models"]),
-)
-def test_random_headers_get_a_4xx_or_a_200(
-    hostile: RouterProcess, headers: list[tuple[str, str]], oversize: int, endpoint: str
-) -> None:
-    headers = list(headers)
-    if oversize:
-        # Over server.max_header_bytes (16 KiB) all together, each field well under it. (One field
-        # over the limit on its own: test_security.py.)
-        headers.extend((f"x-oversize-{i}", "v" * 6000) for i in range(oversize * 3))
-    if endpoint == COMPLETIONS:
-        method, body = "POST", orjson.dumps({"model": MODEL, "prompt": "headers", "max_tokens": 2})
-    elif endpoint == CHAT:
-        body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "h"}], "max_tokens": 2})
-        method = "POST"
-    else:
-        method, body = "GET", None
-    answer = http_request(hostile, method, endpoint, body, headers=headers)
-    assert b"Traceback" not in answer.body
-    if _short_deadline(headers) and answer.status in (503, 504):
-        # The client asked for a deadline shorter than the work: 504 deadline_exceeded (or 503
-        # no_engine while still waiting for a pair) is the promised answer, not a router fault.
-        assert answer.headers.get("x-narwhal-error") in ("deadline_exceeded", "no_engine"), answer.body
-    else:
-        assert answer.status < 500, (answer.status, answer.body[:1000])
-    if oversize:
-        assert answer.status == 431, answer.status
-        assert answer.headers.get("x-narwhal-error") == "header_too_large"
-    if answer.status >= 400 and answer.body:
-        assert_openai_error(answer.status, answer.headers, answer.body)
-    elif method == "POST":
-        assert_sane(answer)
-    assert worker_pids(hostile) == hostile.initial_children  # type: ignore[attr-defined]
+# -- headers: random headers on every route are tests/real_gunicorn/test_client_headers.py -----
 
 
 def test_undecodable_content_encoding_is_a_400(hostile: RouterProcess) -> None:
@@ -436,7 +295,7 @@ def _log_since(router: RouterProcess, offset: int) -> str:
 def test_a_client_that_never_reads_is_dropped_and_harms_no_one(hostile: RouterProcess, fleet: FakeFleet) -> None:
     # server.client_write_timeout_s = 2: every write to the client is bounded, so a client that
     # never reads is dropped and its engine stream closed like any departed client's.
-    host, port = _addr(hostile)
+    host, port = router_addr(hostile)
     before = fleet.stats("d2")
     rss_before = _workers_rss_kb(hostile)
     log_offset = _log_size(hostile)
@@ -489,7 +348,7 @@ def test_a_client_that_never_reads_is_dropped_and_harms_no_one(hostile: RouterPr
 
 
 def test_slowloris_body_gets_408_and_harms_no_one(hostile: RouterProcess) -> None:
-    host, port = _addr(hostile)
+    host, port = router_addr(hostile)
     with socket.create_connection((host, port), timeout=10) as slow:
         t0 = time.monotonic()
         slow.sendall(
@@ -519,7 +378,7 @@ def test_many_idle_keepalive_connections_do_not_block_new_clients(hostile: Route
     need = IDLE_CONNECTIONS + 256
     if soft < need:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(need, soft)), hard))
-    host, port = _addr(hostile)
+    host, port = router_addr(hostile)
     request = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
     conns: list[socket.socket] = []
     try:
@@ -555,7 +414,7 @@ def test_many_idle_keepalive_connections_do_not_block_new_clients(hostile: Route
 def test_a_client_that_never_reads_its_whole_answer_is_dropped_too(hostile: RouterProcess) -> None:
     # A non-streaming answer is written under the same client_write_timeout_s (2 s here) as a
     # stream: the request ends (499, its reservations given back) instead of waiting for ever.
-    host, port = _addr(hostile)
+    host, port = router_addr(hostile)
     code_499 = re.compile(r'narwhal_requests_total\{code="499",endpoint="/v1/completions",model="[^"]*"\} ([0-9.]+)')
 
     def dropped_so_far() -> float:

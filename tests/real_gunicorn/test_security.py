@@ -25,6 +25,7 @@ from tests.real_gunicorn.support import (
     completion,
     error_of,
     records,
+    router_addr,
     send,
     start_router,
     unique_prompt,
@@ -440,17 +441,11 @@ async def test_router_refusals_never_leak(
 # -- limits ---------------------------------------------------------------------------------
 
 
-def _addr(router: RouterProcess) -> tuple[str, int]:
-    parts = urlsplit(router.url)
-    assert parts.hostname and parts.port
-    return parts.hostname, parts.port
-
-
 def _raw_exchange(
     router: RouterProcess, head: bytes, chunks: list[bytes], timeout: float = 10
 ) -> tuple[int, dict, bytes]:
     """Send a request (head, then body pieces, tolerating an early close) and read the response."""
-    host, port = _addr(router)
+    host, port = router_addr(router)
     with socket.create_connection((host, port), timeout=timeout) as sock:
         try:
             sock.sendall(head)

@@ -13,12 +13,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import pytest
 from aiohttp import web
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from narwhal.testing.harness import FakeFleet, RouterProcess
-from tests.real_gunicorn.support import completion, records, send, start_router, unique_prompt
+from tests.real_gunicorn.support import completion, http_request, records, send, start_router, unique_prompt
 
 SERVER, CLIENT = 2, 3  # opentelemetry.proto.trace.v1.Span.SpanKind
 STATUS_ERROR = 2
@@ -187,3 +188,19 @@ async def test_a_failed_leg_carries_its_reason_and_a_new_trace_starts_without_a_
     assert prefill.status == server.status == STATUS_ERROR
     assert prefill.attributes["narwhal.reason"] == server.attributes["narwhal.reason"] == "engine_5xx"
     assert server.attributes["http.response.status_code"] == 502
+
+
+def test_an_invalid_tracestate_is_dropped_and_the_client_trace_continued(
+    traced: RouterProcess, receiver: Receiver, fleet: FakeFleet
+) -> None:
+    # SPEC §2: invalid trace context is dropped, never a 5xx; the valid traceparent still counts.
+    trace_id, client_span = os.urandom(16).hex(), os.urandom(8).hex()
+    prompt = unique_prompt()
+    answer = http_request(traced, "POST", "/v1/completions", orjson.dumps(completion(prompt, max_tokens=2)),
+                          headers=[("traceparent", f"00-{trace_id}-{client_span}-01"), ("tracestate", "v=€".encode())])
+    assert answer.status == 200, answer.body
+    spans = _by_name(receiver.trace(trace_id, 4))
+    assert spans["POST /v1/completions"].parent == client_span
+    for rec in records(fleet, "p2", prompt) + records(fleet, "d2", prompt):
+        assert "tracestate" not in rec["headers"], rec["headers"]
+        assert rec["headers"]["traceparent"].split("-")[1] == trace_id
