@@ -177,11 +177,15 @@ class EngineContract(_Section):
         return value
 
 
-def parse_version_pin(text: str) -> Version | SpecifierSet:
-    """``engine_contract.engine_version`` parsed (SPEC §6); ValueError names what is wrong.
+def parse_version_pin(text: str) -> SpecifierSet:
+    """``engine_contract.engine_version`` parsed (SPEC §6) as a PEP 440 specifier set; ValueError
+    names what is wrong.
 
     A pin that starts with an operator or holds a comma is a specifier set, anything else a
-    single version: so ``>=zero`` is reported as a bad specifier, not as a bad version.
+    single version: so ``>=zero`` is reported as a bad specifier, not as a bad version. A
+    version ``V`` means ``==V``, PEP 440's own equality, in which a pin without a local label
+    ignores the engine's (``0.11.0`` is met by the CUDA build ``0.11.0+cu126``) and a pin with
+    one (``0.11.0+cu126``) is met by that build alone. ``packaging`` decides, not rules of ours.
     """
     text = text.strip()
     if text[:1] in ("<", ">", "=", "!", "~") or "," in text:
@@ -190,7 +194,7 @@ def parse_version_pin(text: str) -> Version | SpecifierSet:
         except InvalidSpecifier:
             raise ValueError(f"invalid PEP 440 specifier {text!r}") from None
     try:
-        return Version(text)
+        return SpecifierSet(f"=={Version(text)}")
     except InvalidVersion:
         raise ValueError(
             f"invalid PEP 440 version {text!r} (expected a version such as 0.11.0 "

@@ -134,9 +134,10 @@ def parse_version(body: bytes) -> str | None:
 class VersionPin:
     """``engine_contract.engine_version`` (SPEC §6): a PEP 440 version or specifier set.
 
-    Settings already refused anything else, so building one never fails. A version pin is
-    met by an equal PEP 440 version (``0.11`` equals ``0.11.0``; a local label such as
-    ``+cu121`` makes a different build). A specifier set admits pre-release and dev builds
+    Settings already refused anything else, so building one never fails. A version pin ``V``
+    is the specifier ``==V`` (:func:`narwhal.settings.parse_version_pin`): ``0.11`` equals
+    ``0.11.0``, and the engine's local label (``+cu126``, as CUDA builds of vLLM carry) counts
+    only when the pin names one. Pre-release and dev builds are admitted
     (``0.11.1.dev3+gabc``): operators run those on purpose.
     """
 
@@ -144,7 +145,7 @@ class VersionPin:
 
     def __init__(self, text: str) -> None:
         self.text = text.strip()
-        self._pin: Version | SpecifierSet = parse_version_pin(self.text)
+        self._pin: SpecifierSet = parse_version_pin(self.text)
 
     @classmethod
     def of(cls, contract: EngineContract | None) -> VersionPin | None:
@@ -158,8 +159,6 @@ class VersionPin:
             found = Version(version)
         except InvalidVersion:
             return False  # an engine that cannot name its version meets no pin
-        if isinstance(self._pin, Version):
-            return found == self._pin
         return self._pin.contains(found, prereleases=True)
 
 

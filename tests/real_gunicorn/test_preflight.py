@@ -241,6 +241,25 @@ def test_a_pep440_specifier_pin(pf_fleet: FakeFleet, tmp_path: Path) -> None:
     assert _rows(proc.stdout) == expected
 
 
+def test_a_bare_pin_is_met_by_local_builds_of_that_version(pf_fleet: FakeFleet, tmp_path: Path) -> None:
+    # Issue 25 item 10: CUDA builds of vLLM report 0.11.0+cu126; a pin of 0.11.0 means ==0.11.0,
+    # which PEP 440 says they meet. A pin naming a local label is met by that build alone.
+    for name in ("pf-p0", "pf-d0"):
+        _fault(pf_fleet, name, {"version": "0.11.0+cu126"})
+    _fault(pf_fleet, "pf-d1", {"version": "0.11.0+cu121"})
+    proc = _cli(_config(pf_fleet, tmp_path, engines=[FOUR[0], FOUR[2], FOUR[3]]))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _rows(proc.stdout) == _all_ok(["pf-p0", "pf-d0", "pf-d1"], ["pf-p0 -> pf-d0", "pf-p0 -> pf-d1"])
+    config = _config(pf_fleet, tmp_path, engines=[FOUR[0], FOUR[2], FOUR[3]],
+                     engine_contract={"engine_version": "0.11.0+cu126"})
+    proc = _cli(config)
+    assert proc.returncode == 1
+    expected = _all_ok(["pf-p0", "pf-d0"], ["pf-p0 -> pf-d0"])
+    expected["engine pf-d1"] = ("fail", "version 0.11.0+cu121 does not match 0.11.0+cu126", "-")
+    expected["pair pf-p0 -> pf-d1"] = ("skip", "consumer pf-d1 failed", "-")
+    assert _rows(proc.stdout) == expected
+
+
 def test_an_invalid_specifier_is_an_invalid_setting(pf_fleet: FakeFleet, tmp_path: Path) -> None:
     proc = _cli(_config(pf_fleet, tmp_path, engine_contract={"engine_version": ">=zero"}))
     assert proc.returncode == 2

@@ -340,9 +340,26 @@ def test_parse_version(body: bytes, expected: str | None) -> None:
 
 def test_a_version_pin_matches_equal_pep440_versions() -> None:
     pin = VersionPin("0.11.0")
-    assert [pin.matches(v) for v in ("0.11.0", "0.11", "v0.11.0", "0.11.1", "0.11.0+cu121", "weird")] == [
+    assert [pin.matches(v) for v in ("0.11.0", "0.11", "v0.11.0", "0.11.1", "0.11.0rc1", "weird")] == [
         True, True, True, False, False, False,
     ]
+
+
+ENGINE_VERSIONS = ("0.11.0", "0.11.0+cu126", "0.11.0+cu121.abc", "0.11", "0.11.1", "0.11.0rc1", "0.11.0.post1",
+                   "0.11.0.dev3+g0123abc", "1!0.11.0", "not-a-version")
+
+
+def test_a_bare_pin_means_pep440_equality_local_labels_included() -> None:
+    # Issue 25 item 10: a pin of 0.11.0 refused the CUDA build 0.11.0+cu126 that ==0.11.0 met.
+    # PEP 440: a version without a local label matches any local label of that version.
+    for bare, spec in (("0.11.0", "==0.11.0"), ("0.11", "==0.11"), ("0.11.0+cu126", "==0.11.0+cu126")):
+        assert [VersionPin(bare).matches(v) for v in ENGINE_VERSIONS] == [
+            VersionPin(spec).matches(v) for v in ENGINE_VERSIONS
+        ], bare
+    assert VersionPin("0.11.0").matches("0.11.0+cu126") and VersionPin("0.11.0").matches("0.11.0+cu121.abc")
+    # A pin naming a local label is met by that build alone.
+    local = VersionPin("0.11.0+cu126")
+    assert [local.matches(v) for v in ("0.11.0+cu126", "0.11.0", "0.11.0+cu121")] == [True, False, False]
 
 
 def test_a_specifier_pin_admits_dev_builds_in_range() -> None:
