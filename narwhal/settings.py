@@ -6,7 +6,8 @@ Why this module is stricter than pydantic-settings out of the box:
   for ``first_token_timeout_s``) would otherwise be dropped silently and the router would run
   on a default nobody chose;
 * pydantic-settings silently ignores environment variables it does not know and a TOML file
-  that does not exist, so both are checked here by hand;
+  that does not exist, so both are checked by hand (the variables, names and the form of list
+  and object values, in :mod:`narwhal.settings_env`);
 * an invalid value must stop the start with *one line naming the key*, never a traceback:
   :func:`load_settings` raises :class:`SettingsError` whose message is that line, and
   :func:`load_settings_or_exit` prints it and exits with status 2.
@@ -24,8 +25,7 @@ from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-ENV_PREFIX = "NARWHAL_"
-CONFIG_ENV = "NARWHAL_CONFIG"
+from narwhal.settings_env import CONFIG_ENV, ENV_PREFIX, check_environment, source_of
 
 PositiveFloat = Annotated[float, Field(gt=0)]
 NonNegativeFloat = Annotated[float, Field(ge=0)]
@@ -288,26 +288,6 @@ class Settings(BaseSettings):
         return (env_settings, init_settings)
 
 
-_SECTIONS = frozenset(Settings.model_fields)
-
-
-def _check_env_names(environ: dict[str, str]) -> None:
-    """pydantic-settings drops unknown NARWHAL_ variables silently: refuse them instead."""
-    for name in environ:
-        # pydantic-settings matches names case-insensitively: check them the same way.
-        if not name.upper().startswith(ENV_PREFIX) or name.upper() == CONFIG_ENV:
-            continue
-        parts = name[len(ENV_PREFIX):].lower().split("__")
-        section = parts[0]
-        if section not in _SECTIONS:
-            raise SettingsError(f"{name}: unknown setting")
-        field = Settings.model_fields[section]
-        model = field.annotation
-        if len(parts) > 1 and isinstance(model, type) and issubclass(model, BaseModel):
-            if parts[1] not in model.model_fields:
-                raise SettingsError(f"{name}: unknown setting {section}.{parts[1]}")
-
-
 def _read_toml(path: str) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
@@ -326,8 +306,8 @@ def _first_error_line(exc: ValidationError, environ: dict[str, str]) -> str:
     msg = err["msg"]
     if err["type"] == "extra_forbidden":
         msg = "unknown setting"
-    env_name = ENV_PREFIX + "__".join(str(p) for p in err["loc"]).upper()
-    where = f" (from {env_name})" if env_name in environ else ""
+    source = source_of(err["loc"], environ)
+    where = f" (from {source})" if source is not None else ""
     if not loc:
         return msg.removeprefix("Value error, ")
     return f"{loc}: {msg.removeprefix('Value error, ')}{where}"
@@ -341,7 +321,10 @@ def load_settings(path: str | None = None, environ: dict[str, str] | None = None
     env = dict(os.environ if environ is None else environ)
     path = path or env.get(CONFIG_ENV) or None
     document = _read_toml(path) if path else {}
-    _check_env_names(env)
+    try:
+        check_environment(env, Settings)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
     saved = os.environ.copy() if environ is not None else None
     try:
         if saved is not None:
