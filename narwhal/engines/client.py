@@ -268,6 +268,10 @@ async def _answer(conn: Connection) -> tuple[int, bytes]:
 def _prefill_result(result: PrefillResult, status: int, data: bytes) -> PrefillResult:
     if status != 200:
         raise failures.status_error(status, data, result.producer, "prefill")
+    # A 200 may still report the engine's own failure (a Response with "status": "failed"): that
+    # is the engine's error, mapped as an in-stream one, not a descriptor the producer got wrong.
+    if (err := dialects.for_endpoint(result.endpoint).whole_error(data)) is not None:
+        raise failures.stream_error(err, result.producer, "prefill")
     result.finished_at = time.monotonic()
     try:
         answer = orjson.loads(data)

@@ -59,13 +59,16 @@ def status_error(status: int, data: bytes, name: str, phase: Phase) -> EngineErr
     )
 
 
-def stream_error(err: dict[str, Any], name: str) -> EngineError:
+def stream_error(err: dict[str, Any], name: str, phase: Phase = "decode") -> EngineError:
+    """An error the engine reported inside a 200 (a stream's error event, or a whole answer's
+    own failure, ``Dialect.whole_error``): its ``code`` when that is a status, else 502; counted
+    against the engine on ``phase`` only when 5xx (SPEC §2.1, §4, §6)."""
     code = err.get("code")
     status = code if type(code) is int and 400 <= code <= 599 else 502
     message = err.get("message")
     if not isinstance(message, str) or not message:
         message = f"engine {name} reported an error inside the stream"
-    error = EngineError(message, reason="engine_stream_error", engine=name, phase="decode", status=status)
+    error = EngineError(message, reason="engine_stream_error", engine=name, phase=phase, status=status)
     error.counts = status >= 500
     return error
 

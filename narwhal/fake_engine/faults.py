@@ -54,6 +54,9 @@ class FaultSpec(BaseModel):
     close_after: int | None = Field(default=None, ge=0)
     done_before_token: bool = False
     stream_error: StreamError | None = None
+    # /v1/responses without streaming: a 200 whose Response has "status": "failed" and this
+    # error (its code and message; ``after`` and ``flat`` do not apply), no descriptor.
+    failed: StreamError | None = None
     descriptor: DescriptorFault | None = None
     empty: bool = False
     only_engine: str | None = None

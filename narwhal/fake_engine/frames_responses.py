@@ -120,11 +120,15 @@ class ResponsesFrames(StreamFrames):
         text = "".join([token_text(i) for i in range(completion_tokens)])
         return self._close_item(text) + self._completed(text, prompt_tokens, completion_tokens)
 
+    def failed(self, code: int | None, message: str) -> dict[str, Any]:
+        """A Response that failed: what ``response.failed`` carries, or a whole answer is."""
+        failed = self.response("failed", [], None)
+        failed["error"] = {"code": code, "message": message}
+        return failed
+
     def error(self, code: int | None, message: str, flat: bool) -> bytes:
         if flat:  # the newer response.failed form
-            failed = self.response("failed", [], None)
-            failed["error"] = {"code": code, "message": message}
-            return self._event({"type": "response.failed", "response": failed})
+            return self._event({"type": "response.failed", "response": self.failed(code, message)})
         return self._event({"type": "error", "code": code, "message": message, "param": None})
 
     def body(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:

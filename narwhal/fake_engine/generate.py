@@ -12,7 +12,8 @@ Order of events in one request, chosen to match what a router observes from vLLM
    (with ``token_delay_s``, ``silence_after``/``silence_s``, ``close_after``, ``stream_error``),
    the usage chunk and ``[DONE]``;
 4. non-streaming: the same, except that every delay is spent before the one JSON answer, and a
-   producer prefill holds its blocks and returns the descriptor in ``kv_transfer_params``.
+   producer prefill holds its blocks and returns the descriptor in ``kv_transfer_params`` (a
+   Responses ``failed`` fault: a 200 Response with ``"status": "failed"``, holding nothing).
 
 A decode whose descriptor was never pulled (aborted while queued, rejected by a ``status`` fault or
 by validation) tells the producer to free the blocks, as vLLM does for aborts before scheduling and
@@ -38,6 +39,7 @@ from narwhal.fake_engine.chunks import StreamFrames, completion_body, token_text
 from narwhal.fake_engine.emit import Emitter, drop_connection, error_response
 from narwhal.fake_engine.faults import FaultSpec, effective_spec
 from narwhal.fake_engine.frames import ID_PREFIX, frames_for
+from narwhal.fake_engine.frames_responses import ResponsesFrames
 from narwhal.fake_engine.parse import ParsedRequest, RequestError, detect_phase, parse_request
 from narwhal.fake_engine.parse_endpoints import parse_endpoint_request
 from narwhal.fake_engine.state import EngineState
@@ -328,6 +330,11 @@ async def _plain(
         state.finish(engine, "error", status)
         return _http_error(req, status, err.message, err.flat)
 
+    if spec.failed is not None and isinstance(frames := _frames(request, engine, req), ResponsesFrames):
+        # A Responses server reports a failed generation in a 200 (no descriptor, no blocks held).
+        state.finish(engine, "error", 200)
+        body = frames.failed(spec.failed.code, spec.failed.message)
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
     if spec.empty or spec.done_before_token or n == 0:
         text, finish, n = "", "stop", 0
     else:

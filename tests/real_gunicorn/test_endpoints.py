@@ -11,11 +11,21 @@ import re
 import uuid
 from typing import Any
 
+import aiohttp
 import pytest
 
 from narwhal.testing.harness import FakeFleet, RouterProcess
 from tests.real_gunicorn.endpoints_support import ALL, GENERATE, MESSAGES, RESPONSES, Endpoint, last_event, sse_events
-from tests.real_gunicorn.support import ENGINES, expected_text, records_anywhere, send, wait_until
+from tests.real_gunicorn.support import (
+    ENGINES,
+    access_line,
+    expected_text,
+    records_anywhere,
+    send,
+    settled,
+    wait_until,
+)
+from tests.real_gunicorn.test_metrics import scrape, value
 
 IDS = [e.path for e in ALL]
 
@@ -287,3 +297,40 @@ async def test_a_same_worker_decode_sends_no_transfer_parameters(
     warm, decode = legs["b0"]
     assert all("kv_transfer_params" not in r["body"] for r in (warm, decode))
     assert warm["body"]["stream"] is False and decode["body"]["stream"] is True
+
+
+
+@pytest.mark.parametrize(("code", "status", "counted"), [(503, 503, 1.0), (None, 502, 1.0), (400, 400, 0.0)])
+async def test_a_responses_prefill_that_failed_is_the_engines_error_not_a_bad_handoff(
+    solo_router: RouterProcess, fleet: FakeFleet, code: int | None, status: int, counted: float
+) -> None:
+    # Issue 25 item 11: a 200 Response with "status": "failed" once became invalid_handoff (no
+    # descriptor in it), charged to the producer as a bad handoff. It is the engine's own error,
+    # mapped as an in-stream one (SPEC §2.1): its code or 502; counted against p2 only when 5xx.
+    def failures() -> tuple[float, float]:
+        text = scrape(solo_router)
+        return tuple(  # type: ignore[return-value]
+            value(text, "narwhal_engine_failures_total", engine="p2", phase="prefill", reason=reason)
+            for reason in ("engine_stream_error", "invalid_handoff")
+        )
+
+    before = failures()
+    tag = uuid.uuid4().hex
+    rid = "failed-" + tag
+    fake = {"prefill": {"failed": {"code": code, "message": "generation failed"}}}
+    url = solo_router.url + RESPONSES.path
+    async with aiohttp.ClientSession() as session:  # one connection: one worker, in order
+        async with session.post(url, json=RESPONSES.body(tag, fake=fake), headers={"x-request-id": rid}) as resp:
+            assert resp.status == status, await resp.read()
+            assert resp.headers["x-narwhal-error"] == "engine_stream_error"
+            assert await resp.json() == RESPONSES.error(status, "engine_stream_error", "generation failed")
+        # A counted one after it on the same worker: once it shows, so would the first have.
+        marker = {"prefill": {"failed": {"code": 500, "message": "marker"}}}
+        async with session.post(url, json=RESPONSES.body(uuid.uuid4().hex, fake=marker)) as resp:
+            assert resp.status == 500
+    found = records_anywhere(fleet, tag, ENGINES)
+    assert [(name, r["phase"]) for name, recs in found.items() for r in recs] == [("p2", "prefill")]  # no decode
+    entry = access_line(solo_router, rid)
+    assert (entry["reason"], entry["producer"], entry["status"]) == ("engine_stream_error", "p2", status)
+    expected = (before[0] + counted + 1, before[1])
+    assert settled(failures, expected) == expected

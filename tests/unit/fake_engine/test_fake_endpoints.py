@@ -116,6 +116,19 @@ async def test_responses_stream_errors(client: TestClient[Any, Any]) -> None:
     assert got[-1][0] == "response.failed" and got[-1][1]["response"]["error"] == {"code": 500, "message": "boom"}
 
 
+async def test_a_failed_responses_answer_is_a_200_without_a_descriptor(
+    client: TestClient[Any, Any], engine: FakeEngine
+) -> None:
+    fake = {"prefill": {"failed": {"code": 503, "message": "generation failed"}}}
+    resp = await client.post("/v1/responses", json={**RESPONSE, "max_output_tokens": 1, "kv_transfer_params": KV,
+                                                    "narwhal_fake": fake})
+    assert resp.status == 200
+    body = await resp.json()
+    assert body["status"] == "failed" and body["error"] == {"code": 503, "message": "generation failed"}
+    assert body["kv_transfer_params"] is None and body["id"] == "resp_abc"
+    assert engine.kv.held_blocks == 0  # a failed prefill holds nothing
+
+
 async def test_generate_frames_and_body(client: TestClient[Any, Any]) -> None:
     got = events(await (await client.post("/inference/v1/generate", json={**GENERATE, "stream": True},
                                           headers={"X-Request-Id": "g1"})).read())
