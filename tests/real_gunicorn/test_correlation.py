@@ -13,18 +13,20 @@ from typing import Any
 import orjson
 import pytest
 
-from narwhal.testing.harness import FakeFleet, RouterProcess, http_get
+from narwhal.testing.harness import FakeFleet, RouterProcess
 from tests.real_gunicorn.support import (
     MODEL,
     access_line,
+    at_rest,
     completion,
     records_anywhere,
+    scrape,
     send,
     settled,
     start_router,
     unique_prompt,
+    value,
 )
-from tests.real_gunicorn.test_metrics import value
 
 LEGS = ["p0", "p1", "d0", "d1"]
 
@@ -128,12 +130,8 @@ async def test_a_retry_gets_the_next_attempt_id(corr: RouterProcess, fleet: Fake
     assert [ids for name, ids in by_engine.items() if name.startswith("d")] == [[second]]
 
 
-def scrape(router: RouterProcess) -> str:
-    return http_get(router.url + "/metrics")[1].decode()
-
-
 async def test_requests_total_has_a_bounded_model_label(corr: RouterProcess) -> None:
-    before = scrape(corr)
+    before = at_rest(corr, "narwhal_requests_total")  # the earlier tests' requests all counted
     assert (await send(corr.url, "/v1/completions", completion(unique_prompt()))).status == 200
     body = completion(unique_prompt())
     body["model"] = "no-such-model-" + unique_prompt().split()[0]
@@ -152,7 +150,7 @@ async def test_requests_total_has_a_bounded_model_label(corr: RouterProcess) -> 
 
 
 async def test_inter_token_histogram_takes_one_sample_per_stream(corr: RouterProcess) -> None:
-    before = scrape(corr)
+    before = at_rest(corr, "narwhal_inter_token_seconds")
     body = completion(unique_prompt(), max_tokens=6, fake={"decode": {"token_delay_s": 0.02}})
     assert (await send(corr.url, "/v1/completions", body)).status == 200
     assert (await send(corr.url, "/v1/completions", completion(unique_prompt(), stream=False))).status == 200
