@@ -1,5 +1,6 @@
 """One attempt (narwhal.request.attempt.Attempts) with fake legs: outcomes, reservations and the
-three handoff-release cases, decided by what the client was sent (``committed``), not by a log."""
+handoff-release cases, decided by what the client was sent (``committed``) and whether the
+decode went out (``sent``), not by a log; where a release goes when a consumer cannot be reached."""
 
 from __future__ import annotations
 
