@@ -68,6 +68,11 @@ FAULT_FRACTION = 0.3
 MAX_FDS_GROWTH = 20
 MAX_RSS_GROWTH_KB = 30 * 1024
 TAIL_S = 2.0  # requests keep flowing this long after the last fault window closed
+# The KV accounting reads every request record of the run (perf.chaos_checks); the fake's
+# default keeps the last 2,000 per engine, which a storm passes in seconds (a quick storm sent
+# 6,065 requests in 8 s: every engine's list was full, covering only its last 5 to 7 s). About
+# 2 kB a record: a full run's fleet stays within ~100 MB.
+RECORDS_MAX = 50_000
 ENGINE_EVENTS = ["stop_producer", "stop_consumer", "health_flap", "kv_read_fails"]
 PROCESS_EVENTS = ["kill_worker", "kill_supervisor", "sighup"]
 
@@ -93,7 +98,8 @@ class Chaos:
         out = out or self.args.out
         self.fleet = FakeFleet.start(
             PRODUCERS + CONSUMERS,
-            args=["--model", "fake-model", "--lease-s", str(LEASE_S), "--block-size", "4", "--token-delay-s", "0.01"],
+            args=["--model", "fake-model", "--lease-s", str(LEASE_S), "--block-size", "4", "--token-delay-s", "0.01",
+                  "--records-max", str(RECORDS_MAX)],
         )
         engines = [{"name": n, "role": "producer", "url": self.fleet.engines[n]} for n in PRODUCERS]
         engines += [{"name": n, "role": "consumer", "url": self.fleet.engines[n]} for n in CONSUMERS]

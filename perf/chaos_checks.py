@@ -3,12 +3,15 @@
 Why an accounting of KV handoffs rather than a bare ``held_blocks == 0``: some faults pin a
 producer's blocks *legitimately* until the fake's lease expires, whatever a router does — a
 consumer that crashes (``reset``) after taking the handoff, a KV read that fails (producer
-stopped or ``kv_read_fails``), a consumer that refuses connections so the handoff can be neither
-decoded nor released, a router worker killed between prefill and decode. The check therefore
-counts every handoff a producer never saw read (still held + expired by lease, from the fake's
-stats) and subtracts the handoffs the fake's request records show were stranded for one of those
-reasons. Anything left is a handoff the router produced and neither decoded nor released: a leak.
-The lease (60 s) is longer than any run's tail, so a leak cannot hide behind lease expiry.
+stopped or ``kv_read_fails``), a consumer stopped with decodes in flight (their connections cut
+before it pulled), a router worker killed between prefill and decode. (A handoff whose consumer
+refuses the connection is released through another consumer: SPEC §3 step 8.) The check
+therefore counts every handoff a producer never saw read (still held + expired by lease, from
+the fake's stats) and subtracts the handoffs the fake's request records show were stranded for
+one of those reasons. Anything left is a handoff the router produced and neither decoded nor
+released: a leak. The lease (60 s) is longer than any run's tail, so a leak cannot hide behind
+lease expiry. The records are a bounded list per engine (``--records-max``): with any dropped,
+the check says it cannot judge rather than blame the router for what it can no longer see.
 """
 
 from __future__ import annotations
@@ -151,7 +154,7 @@ def kv_accounting(
     """Unread handoffs (held now + expired by lease) against the ones the records excuse.
 
     ``undelivered_windows`` (wall-clock) are the times a handoff may legitimately never reach a
-    consumer: a consumer refusing connections, a router worker killed mid-request.
+    consumer: a consumer stopped mid-decode, a router worker killed mid-request.
     ``unreadable_windows`` are, per producer, the times its KV could not be read (stopped, or
     ``kv_read_fails``): a decode or a release that reached a consumer then could not free it.
     """
@@ -163,6 +166,9 @@ def kv_accounting(
         held_blocks[p] = st["held_blocks"]
         name_of[st["engine_id"]] = p
         unread += st["held_requests"] + st["expired_requests"]
+    # The records are a bounded list per engine: with some dropped, a producer's prefill whose
+    # decode record went would look never decoded, and an excuse would be lost.
+    dropped = {n: d for n in producers + consumers if (d := fleet.stats(n)["records_dropped"])}
     seen = _decode_fates(fleet, consumers, name_of, unreadable_windows)
     excused = {"consumer_reset_or_kv_unreadable": 0, "never_reached_a_consumer_in_window": 0}
     suspects: list[dict[str, Any]] = []
@@ -188,6 +194,7 @@ def kv_accounting(
                     suspects.append({"producer": p, "request_id": rid})
     total_excused = sum(excused.values())
     return {
+        "records_dropped": dropped,
         "held_blocks": held_blocks,
         "unread_handoffs": unread,
         "excused": excused,
@@ -195,6 +202,20 @@ def kv_accounting(
         "never_decoded_outside_windows": len(suspects),
         "suspects": suspects[:20],
     }
+
+
+def kv_leaks(kv: dict[str, Any]) -> list[str]:
+    """What :func:`kv_accounting` found wrong, one line each (empty: nothing stranded)."""
+    if kv["records_dropped"]:
+        return [f"the fake's request records were cut ({kv['records_dropped']} dropped, --records-max): "
+                "the KV accounting cannot judge"]
+    leaks = []
+    if kv["leaked_handoffs"]:
+        leaks.append(f"{kv['leaked_handoffs']} KV handoffs stranded by the router (held or expired by lease)")
+    if kv["never_decoded_outside_windows"]:
+        leaks.append(f"{kv['never_decoded_outside_windows']} handoffs never sent to any consumer (neither decoded "
+                     f"nor released) outside stop/kill windows: {kv['suspects'][:3]}")
+    return leaks
 
 
 def final_checks(
@@ -227,11 +248,7 @@ def final_checks(
         if kind in ("stop_producer", "kv_read_fails") and engine:
             unreadable.setdefault(engine, []).append((a - 0.5, b + 0.5))
     kv = kv_accounting(fleet, producers, consumers, undelivered, unreadable)
-    if kv["leaked_handoffs"]:
-        leaks.append(f"{kv['leaked_handoffs']} KV handoffs stranded by the router (held or expired by lease)")
-    if kv["never_decoded_outside_windows"]:
-        leaks.append(f"{kv['never_decoded_outside_windows']} handoffs never sent to any consumer (neither decoded "
-                     f"nor released) outside stop/kill windows: {kv['suspects'][:3]}")
+    leaks += kv_leaks(kv)
     problems: list[str] = []
 
     def settled() -> bool:

@@ -132,8 +132,7 @@ def after_checks(chaos: Chaos) -> tuple[list[str], dict[str, Any]]:
         leaks.append("reservations still held after the storm")
     checks.wait_for(lambda: sum(fleet.stats(p)["held_requests"] for p in PRODUCERS) == 0, 3)
     kv = checks.kv_accounting(fleet, PRODUCERS, CONSUMERS, [], {})
-    if kv["leaked_handoffs"] or kv["never_decoded_outside_windows"]:
-        leaks.append(f"KV handoffs stranded by the router during the storm: {kv}")
+    leaks += [f"storm: {line}" for line in checks.kv_leaks(kv)]
     return leaks, kv
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
-from typing import Any, Unpack
+from typing import Any, Literal, Unpack
 
 import orjson
 
@@ -27,6 +27,12 @@ from narwhal.engines.decode import DecodeLeg, DecodeOptions
 from narwhal.engines.http1 import Connection, UpstreamError, UpstreamPool, header_lines
 from narwhal.errors import DeadlineExceeded, EngineError, Phase
 from narwhal.settings import EngineSettings
+
+ReleaseOutcome = Literal["released", "failed", "unreachable"]
+"""What became of a release: ``released``, the consumer answered 200 (it pulled the blocks);
+``failed``, it was sent and the consumer failed or went silent (it had the handoff: another
+consumer must not pull it too), or there was no descriptor; ``unreachable``, nothing was sent
+(connecting failed or ran out of time), so another consumer may still take it."""
 
 
 class EngineClient:
@@ -189,24 +195,31 @@ class EngineClient:
         body: dict[str, Any],
         *,
         headers: Mapping[str, str] | None = None,
-    ) -> bool:
+    ) -> ReleaseOutcome:
         """Hand an undecoded descriptor to ``consumer`` as a one-token decode, so vLLM frees
         the producer's KV blocks now instead of at its lease or abort timeout.
 
-        Bounded by ``first_token_timeout_s``; the answer is discarded. True when it was taken.
+        Bounded by ``first_token_timeout_s``; the answer is discarded. The descriptor is sent as
+        it is: a caller on the request path validates it first. See :data:`ReleaseOutcome`.
         """
         if result.descriptor is None:
-            return False
+            return "failed"
         dialect = dialects.for_endpoint(result.endpoint)
         payload = orjson.dumps(dialect.release_body(body, result.request_id, result.descriptor))
         bound = failures.leg_bound(asyncio.get_running_loop().time(), self.settings.first_token_timeout_s, None)
+        head = self.engine_headers(result.request_id, headers)
         try:
-            status, _ = await self._exchange(
-                consumer.url, result.endpoint, self.engine_headers(result.request_id, headers), payload, bound
-            )
+            conn = await self.pool.post(consumer.url, result.endpoint, head, payload, deadline=bound)
         except (TimeoutError, UpstreamError):
-            return False
-        return status == 200
+            return "unreachable"  # nothing went out: the consumer never saw the handoff
+        try:
+            status, _ = await _answer(conn)
+        except BaseException as exc:
+            conn.close()
+            if isinstance(exc, TimeoutError | UpstreamError):
+                return "failed"
+            raise
+        return "released" if status == 200 else "failed"
 
 
     async def passthrough(

@@ -62,7 +62,7 @@ class DecodeLeg:
     __slots__ = (
         "_client", "_name", "_url", "_endpoint", "_request_id", "_headers", "_payload", "streaming", "_deadline",
         "_sink", "_loop", "_first_bound", "_conn", "_finished", "_framer", "_held", "_seen_token", "_done",
-        "_timer", "_relay", "_passed", "_error", "_dialect",
+        "_timer", "_relay", "_passed", "_error", "_dialect", "sent",
     )
 
     def __init__(
@@ -101,6 +101,9 @@ class DecodeLeg:
         first_s = client.settings.first_token_timeout_s if stream else 0.0
         self._first_bound = failures.leg_bound(self._loop.time(), first_s, deadline)
         self._conn: Connection | None = None
+        # False until the request went out: a leg that failed connecting (refused, or out of
+        # time) left the handoff with nobody, and its caller must release it elsewhere.
+        self.sent = False
         self._finished = False
         self._framer = sse.SSEFramer()
         self._held: list[bytes] = []  # metadata before the first token, sent along with it
@@ -119,6 +122,7 @@ class DecodeLeg:
                 self._url, self._endpoint, self._client.engine_headers(self._request_id, self._headers),
                 self._payload, deadline=self._first_bound,
             )
+            self.sent = True
             status = await conn.response()
             if status != 200:
                 raise failures.status_error(status, await conn.read_all(), self._name, "decode")

@@ -159,6 +159,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--token-delay-s", type=float, default=0.0)
     p.add_argument("--coalesce", action="store_true", help="write a zero-delay stream in one write")
     p.add_argument("--flat-block-ids", action="store_true", help="flat remote_block_ids (older vLLM)")
+    p.add_argument("--records-max", type=int, default=2000,
+                   help="request records kept per engine (older ones dropped, counted in stats)")
     _add_model_options(p)
     p.add_argument("--ready-file", default=None, help="also write the ready JSON here (atomically)")
     p.add_argument("--tls-cert", default=None, metavar="PEM", help="serve https with this certificate chain")
@@ -217,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"narwhal fake-engine: engine names must be unique and non-empty: {names}", file=sys.stderr)
         return 2
 
+    if args.records_max < 1:
+        print("narwhal fake-engine: --records-max must be at least 1", file=sys.stderr)
+        return 2
     tls = _tls(args)
     load_model = _load_model(args)
     for refused in (tls, load_model):
@@ -244,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         token_delay_s=args.token_delay_s,
         coalesce=args.coalesce,
         flat_block_ids=args.flat_block_ids,
+        records_max=args.records_max,
         ssl_context=tls,
         load_model=load_model,
     )

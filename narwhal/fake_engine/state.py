@@ -115,6 +115,7 @@ class EngineState:
         self.faults: EngineFaults = NO_FAULTS
         self.kv = KvStore(lease_s=lease_s, block_size=block_size)
         self.records: deque[dict[str, Any]] = deque(maxlen=records_max)
+        self.records_dropped = 0  # pushed out of the bounded list: a reader needing all must know
         self.requests_prefill = 0
         self.requests_decode = 0
         self.active_requests = 0
@@ -216,6 +217,8 @@ class EngineState:
             "outcome": "pending",
             "status": None,
         }
+        if len(self.records) == self.records.maxlen:
+            self.records_dropped += 1
         self.records.append(rec)
         return rec
 
@@ -239,6 +242,7 @@ class EngineState:
             "serving": self.serving,
             "held_blocks": store.held_blocks,
             "held_requests": len(store.held),
+            "records_dropped": self.records_dropped,
             "requests": {
                 "prefill": self.requests_prefill,
                 "decode": self.requests_decode,

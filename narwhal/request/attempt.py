@@ -4,9 +4,19 @@ An attempt is one prefill and one decode on a pair placed together (SPEC §3). I
 phase reservations, the handoff and the decode connection, and gives each back exactly once
 however it ends: the reservations in ``finally`` (or, when the client left mid-prefill, in the
 background task that now owns them), the decode connection with the leg, and a handoff that
-will not be decoded by releasing it to the chosen consumer (client gone before the consumer
-answered, handoff expired, or the client left mid-prefill) — the three cases, here, side by
-side. Retrying is not its business: the router decides from what it raises.
+will not be decoded by releasing it (SPEC §3 step 8) — the four cases, here, side by side:
+the client gone before the consumer answered, the handoff expired, the decode never sent
+(connecting to the consumer failed or ran out of time: refused, first-token timeout or the
+deadline), the client gone mid-prefill. Retrying is not its business: the router decides from
+what it raises.
+
+Where a release goes: vLLM frees a producer's blocks only when a consumer pulls them, so the
+handoff goes to the first consumer that can be reached — the chosen one, then the producer's
+other permitted consumers (``Placement.release_consumers``; the chosen one last when its own
+connect just failed). Only when none can be reached, or the descriptor does not validate (a
+malformed one could crash a consumer's EngineCore), is it counted abandoned. A release holds
+no reservation slot: it is a one-token, non-streaming decode lasting milliseconds, and waiting
+for a slot would keep the blocks pinned while making clients wait behind it.
 
 What the client sees is :class:`narwhal.request.client_stream.ClientStream`'s; what the engine
 did is the decode leg's (``narwhal.engines.decode``); the attempt connects the two and reports
@@ -24,10 +34,11 @@ from aiohttp import web
 
 from narwhal import metrics
 from narwhal.engines.client import EngineClient
-from narwhal.engines.connector import PrefillResult
+from narwhal.engines.connector import InvalidHandoff, PrefillResult, validate_descriptor
 from narwhal.engines.decode import DecodeLeg
 from narwhal.engines.relay import Sink
 from narwhal.errors import EngineError, NarwhalError
+from narwhal.fleet import Engine
 from narwhal.fleet.placement import Placement, Reservation
 from narwhal.request.accesslog import AccessRecord
 from narwhal.request.admission import ClientRequest
@@ -198,11 +209,16 @@ class Attempts:
                 return await client.send_whole(whole)
             streaming = True
             return await _stream(client, leg, rec, started, ttft_s, age, tap)
-        except EngineError as exc:
+        except NarwhalError as exc:
             if exc.reason == "invalid_handoff":
                 metrics.HANDOFFS_ABANDONED.inc()  # sent nowhere: no consumer could use it
             elif exc.reason == "handoff_expired":
                 self._release_later(result, req, resv)
+            elif leg is not None and not leg.sent:
+                # Connecting ran out of time or was refused: the consumer never saw the handoff.
+                # An engine fault (refused, first-token timeout) says it is unreachable: try it
+                # last; the request's deadline says nothing about it.
+                self._release_later(result, req, resv, chosen_first=not isinstance(exc, EngineError))
             raise
         except (asyncio.CancelledError, ConnectionError):
             if not client.committed and result.descriptor is not None:
@@ -215,25 +231,39 @@ class Attempts:
             if not streaming:
                 _observe_start(ttft_s, first_byte_s, age)
 
-    def _release_later(self, result: PrefillResult, req: ClientRequest, resv: Reservation) -> None:
+    def _release_later(
+        self, result: PrefillResult, req: ClientRequest, resv: Reservation, *, chosen_first: bool = True
+    ) -> None:
         if result.descriptor is not None and result.crossed:
-            self.spawn(self._release(result, req, resv.consumer))
+            consumers = self.placement.release_consumers(resv.producer, resv.consumer, req.model,
+                                                         chosen_first=chosen_first)
+            self.spawn(self._release(result, req, consumers))
 
-    async def _release(self, result: PrefillResult, req: ClientRequest, consumer: Any) -> None:
-        if await self.client.release(result, consumer, req.body, headers=req.forward):
-            metrics.HANDOFFS_RELEASED.inc()
-        else:
-            metrics.HANDOFFS_ABANDONED.inc()
+    async def _release(self, result: PrefillResult, req: ClientRequest, consumers: list[Engine]) -> None:
+        """Validate the handoff, then give it to the first of ``consumers`` that can be reached
+        (a consumer that was sent it and failed had its chance: it may be pulling the blocks)."""
+        try:
+            validate_descriptor(result.descriptor, producer=result.producer, prefill_endpoint=result.endpoint,
+                                decode_endpoint=result.endpoint)
+        except InvalidHandoff:
+            metrics.HANDOFFS_ABANDONED.inc()  # sent nowhere (SPEC §3 step 5)
+            return
+        outcome = "unreachable"
+        for consumer in consumers:
+            outcome = await self.client.release(result, consumer, req.body, headers=req.forward)
+            if outcome != "unreachable":
+                break
+        (metrics.HANDOFFS_RELEASED if outcome == "released" else metrics.HANDOFFS_ABANDONED).inc()
 
     async def _finish_abandoned_prefill(
         self, task: Awaitable[PrefillResult], req: ClientRequest, resv: Reservation
     ) -> None:
         try:
             result = await task
-            resv.release_prefill()
-            if result.crossed:
-                await self._release(result, req, resv.consumer)
         except Exception:
-            pass  # the prefill failed: there is no handoff to free
+            return  # the prefill failed: there is no handoff to free
         finally:
-            resv.release()
+            resv.release()  # before the handoff's release, which holds no slot
+        if result.crossed:
+            await self._release(result, req, self.placement.release_consumers(
+                resv.producer, resv.consumer, req.model, chosen_first=True))

@@ -127,6 +127,32 @@ class FakeFleet:
                 self.proc.wait()
 
 
+class DeadEngine:
+    """An engine address on 127.0.0.1 where nothing answers: a consumer that cannot be reached.
+
+    ``refusing``: a socket bound but not listening, so every connect is refused at once (a
+    stopped engine). Otherwise ``hanging``: listening with a backlog of 0, never accepting, and
+    its accept queue already full, so the kernel drops every new SYN and a connect hangs until
+    the caller's own bound (a host gone silent) — without an address off this machine.
+    """
+
+    def __init__(self, *, refusing: bool) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("127.0.0.1", 0))
+        address = self._sock.getsockname()
+        self.url = f"http://127.0.0.1:{address[1]}"
+        self._filler: socket.socket | None = None
+        if not refusing:
+            self._sock.listen(0)
+            # One connection nobody accepts fills a queue of backlog 0 (Linux: full beyond it).
+            self._filler = socket.create_connection(address, timeout=5)
+
+    def close(self) -> None:
+        for sock in (self._filler, self._sock):
+            if sock is not None:
+                sock.close()
+
+
 def write_config(engines: Sequence[Mapping[str, Any]], sections: Mapping[str, Mapping[str, Any]] | None = None) -> str:
     """Write a TOML settings file for the given engines; return its path."""
     lines: list[str] = []

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import http.client
 import io
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,7 +19,8 @@ from urllib.parse import urlsplit
 import aiohttp
 import orjson
 
-from narwhal.testing.harness import FakeFleet, RouterProcess, write_config
+from narwhal.metric_tally import FLUSH_S
+from narwhal.testing.harness import FakeFleet, RouterProcess, http_get, write_config
 
 MODEL = "fake-model"
 
@@ -97,6 +99,43 @@ def settled(read: Any, expected: Any, timeout: float = 5.0) -> Any:
         time.sleep(0.05)
         value = read()
     return value
+
+
+def scrape(router: RouterProcess) -> str:
+    return http_get(router.url + "/metrics")[1].decode()
+
+
+def value(text: str, name: str, **labels: str) -> float:
+    """The sample of ``name`` with exactly ``labels`` in a scrape (0.0 when absent)."""
+    inner = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    pattern = re.escape(name) + (r"\{" + re.escape(inner) + r"\}" if labels else "") + r" ([0-9.e+-]+)$"
+    match = re.search(pattern, text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def at_rest(router: RouterProcess, *names: str, timeout: float = 10.0) -> str:
+    """A scrape taken once every series whose name starts with one of ``names`` has held still
+    for two tally flushes (bounded wait): the baseline of a counter delta.
+
+    Why: a worker adds a request's counts up in its tally and writes them every ``FLUSH_S``
+    (``narwhal.metric_tally``), after the client already has its answer; a scrape answered by
+    the other worker may miss them. A baseline taken at once can therefore lack the previous
+    test's last requests, which then land in this test's delta. Two flushes with nothing moving
+    mean every count of a request that had ended before this call is in the scrape."""
+    def watched(text: str) -> list[str]:
+        return [line for line in text.splitlines() if line.startswith(names)]
+
+    end = time.monotonic() + timeout
+    text = scrape(router)
+    last, since = watched(text), time.monotonic()
+    while time.monotonic() - since <= 2 * FLUSH_S:
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {names} to hold still")
+        time.sleep(0.05)
+        text = scrape(router)
+        if (now := watched(text)) != last:
+            last, since = now, time.monotonic()
+    return text
 
 
 def unique_prompt(words: int = 12) -> str:

@@ -13,19 +13,21 @@ from typing import Any
 import orjson
 import pytest
 
-from narwhal.testing.harness import FakeFleet, RouterProcess, http_get
+from narwhal.testing.harness import FakeFleet, RouterProcess
 from tests.real_gunicorn.support import (
     MODEL,
     access_line,
+    at_rest,
     chat,
     completion,
     records_anywhere,
+    scrape,
     send,
     settled,
     start_router,
     unique_prompt,
+    value,
 )
-from tests.real_gunicorn.test_metrics import value
 
 CHAT = "/v1/chat/completions"
 
@@ -131,14 +133,8 @@ async def test_a_retry_gets_the_next_attempt_id(corr: RouterProcess, fleet: Fake
     assert [ids for name, ids in by_engine.items() if name.startswith("d")] == [[second]]
 
 
-def scrape(router: RouterProcess) -> str:
-    return http_get(router.url + "/metrics")[1].decode()
-
-
 async def test_requests_total_has_a_bounded_model_label(corr: RouterProcess) -> None:
-    # Chat, which no earlier test of this module sends: the completions 200 of the test before
-    # may reach /metrics after `before` is read (the tally is up to 0.25 s late).
-    before = scrape(corr)
+    before = at_rest(corr, "narwhal_requests_total")  # the earlier tests' requests all counted
     assert (await send(corr.url, CHAT, chat(unique_prompt()))).status == 200
     body = chat(unique_prompt())
     body["model"] = "no-such-model-" + unique_prompt().split()[0]
@@ -157,7 +153,7 @@ async def test_requests_total_has_a_bounded_model_label(corr: RouterProcess) -> 
 
 
 async def test_inter_token_histogram_takes_one_sample_per_stream(corr: RouterProcess) -> None:
-    before = scrape(corr)
+    before = at_rest(corr, "narwhal_inter_token_seconds")
     body = completion(unique_prompt(), max_tokens=6, fake={"decode": {"token_delay_s": 0.02}})
     assert (await send(corr.url, "/v1/completions", body)).status == 200
     assert (await send(corr.url, "/v1/completions", completion(unique_prompt(), stream=False))).status == 200

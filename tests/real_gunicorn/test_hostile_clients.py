@@ -24,13 +24,15 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from narwhal.testing.harness import FakeFleet, RouterProcess, children_of, http_get
+from narwhal.testing.harness import FakeFleet, RouterProcess, children_of
 from tests.real_gunicorn.support import (
     MODEL,
     Answer,
     assert_openai_error,
+    at_rest,
     http_request,
     router_addr,
+    scrape,
     start_router,
     unique_prompt,
     wait_until,
@@ -417,11 +419,11 @@ def test_a_client_that_never_reads_its_whole_answer_is_dropped_too(hostile: Rout
     host, port = router_addr(hostile)
     code_499 = re.compile(r'narwhal_requests_total\{code="499",endpoint="/v1/completions",model="[^"]*"\} ([0-9.]+)')
 
-    def dropped_so_far() -> float:
-        match = code_499.search(http_get(hostile.url + "/metrics")[1].decode())
+    def dropped_so_far(text: str | None = None) -> float:
+        match = code_499.search(scrape(hostile) if text is None else text)
         return float(match.group(1)) if match else 0.0
 
-    before = dropped_so_far()
+    before = dropped_so_far(at_rest(hostile, "narwhal_requests_total"))
     # ~8 MB of JSON: more than the loopback socket buffers (4 MiB at most) and a 4 KiB receiver hold.
     body = orjson.dumps({"model": MODEL, "prompt": unique_prompt(), "stream": False, "max_tokens": 1_000_000})
     stuck = _never_reading_client(host, port, body)

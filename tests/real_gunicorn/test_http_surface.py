@@ -11,6 +11,7 @@ from narwhal.testing.harness import RouterProcess, http_get, write_config
 from tests.real_gunicorn.support import (
     MODEL,
     access_line,
+    at_rest,
     chat,
     completion,
     error_of,
@@ -130,7 +131,8 @@ def _sample(text: str, name: str, labels: str = "") -> float:
 
 
 async def test_metrics_count_every_request_across_workers(router: RouterProcess) -> None:
-    before = http_get(router.url + "/metrics")[1].decode()
+    before = at_rest(router, "narwhal_requests_total", "narwhal_ttft_seconds", "narwhal_first_byte_seconds",
+                     "narwhal_handoff_age_seconds", "narwhal_attempts_total")
     n = 12
     for _ in range(n):  # one connection each: both workers take some
         assert (await send(router.url, "/v1/completions", completion(unique_prompt()))).status == 200
@@ -156,7 +158,7 @@ async def test_metrics_count_every_request_across_workers(router: RouterProcess)
 async def test_latency_histograms_count_a_prefill_whose_decode_failed(router: RouterProcess) -> None:
     # Observed after the first output left (off the first token's path), yet still once per
     # finished prefill: a decode refused before any output counts ttft and handoff_age, not first_byte.
-    before = http_get(router.url + "/metrics")[1].decode()
+    before = at_rest(router, "narwhal_ttft_seconds", "narwhal_handoff_age_seconds", "narwhal_first_byte_seconds")
     refused = await send(router.url, "/v1/completions", completion(
         unique_prompt(), stream=False, fake={"decode": {"status": 400, "message": "no such adapter"}}))
     assert refused.status == 400

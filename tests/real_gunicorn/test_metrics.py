@@ -2,27 +2,26 @@
 
 from __future__ import annotations
 
-import re
-
 import aiohttp
 
-from narwhal.testing.harness import RouterProcess, http_get
-from tests.real_gunicorn.support import MODEL, completion, send, settled, unique_prompt, wait_until
-
-
-def scrape(router: RouterProcess) -> str:
-    return http_get(router.url + "/metrics")[1].decode()
-
-
-def value(text: str, name: str, **labels: str) -> float:
-    inner = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    pattern = re.escape(name) + (r"\{" + re.escape(inner) + r"\}" if labels else "") + r" ([0-9.e+-]+)$"
-    match = re.search(pattern, text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
+from narwhal.testing.harness import RouterProcess
+from tests.real_gunicorn.support import (
+    MODEL,
+    at_rest,
+    completion,
+    scrape,
+    send,
+    settled,
+    unique_prompt,
+    value,
+    wait_until,
+)
 
 
 async def test_fault_metrics_count_exactly_what_happened(solo_router: RouterProcess) -> None:
-    before = scrape(solo_router)
+    before = at_rest(solo_router, "narwhal_client_disconnects_total", "narwhal_handoffs_",
+                     "narwhal_engine_failures_total", "narwhal_stream_aborted_total", "narwhal_attempts_total",
+                     "narwhal_requests_total")
     for fault in ("bad_blocks", "mooncake"):  # two handoffs rejected and sent nowhere
         reply = await send(solo_router.url, "/v1/completions",
                            completion(unique_prompt(), fake={"prefill": {"descriptor": fault}}))

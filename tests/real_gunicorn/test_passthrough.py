@@ -18,15 +18,17 @@ import orjson
 import pytest
 
 from narwhal.fake_engine.passthrough import token_ids
-from narwhal.testing.harness import FakeFleet, RouterProcess, http_get
+from narwhal.testing.harness import FakeFleet, RouterProcess
 from tests.real_gunicorn.support import (
     MODEL,
     TOKEN,
     access_line,
     admin,
+    at_rest,
     engine_entry,
     error_of,
     records,
+    scrape,
     send,
     start_router,
     unique_prompt,
@@ -221,8 +223,8 @@ async def test_the_request_deadline_bounds_the_engine(router: RouterProcess) -> 
     assert error_of(reply)["code"] == 504
 
 
-def _metric(router: RouterProcess, route: str, code: int) -> float:
-    text = http_get(router.url + "/metrics")[1].decode()
+def _metric(router: RouterProcess, route: str, code: int, text: str | None = None) -> float:
+    text = scrape(router) if text is None else text
     pattern = (
         r'narwhal_requests_total\{code="' + str(code) + '",endpoint="' + re.escape(route)
         + '",model="' + re.escape(MODEL) + r'"\} ([0-9.]+)'
@@ -232,7 +234,7 @@ def _metric(router: RouterProcess, route: str, code: int) -> float:
 
 
 async def test_access_log_line_and_request_counter(router: RouterProcess) -> None:
-    before = _metric(router, "/v1/rerank", 200)
+    before = _metric(router, "/v1/rerank", 200, at_rest(router, "narwhal_requests_total"))
     rid = "pt-log-" + unique_prompt().split()[0]
     reply = await send(router.url, "/v1/rerank", body_for("/v1/rerank", rid), headers={**KEY, "x-request-id": rid})
     assert reply.status == 200

@@ -21,17 +21,19 @@ from tests.real_gunicorn.support import (
     TOKEN,
     access_line,
     admin,
+    at_rest,
     completion,
     engine_entry,
     expected_text,
     post,
+    scrape,
     send,
     sessions_per_worker,
     settled,
     start_router,
+    value,
     wait_until,
 )
-from tests.real_gunicorn.test_metrics import scrape, value
 
 PRODUCERS = ["ap0", "ap1"]
 CONSUMERS = ["ad0", "ad1"]
@@ -125,7 +127,7 @@ async def test_same_prefix_requests_from_two_workers_reach_one_producer(
     tag = _tag()
     # A system prompt longer than affinity_chars (1024): the key is the same whatever follows.
     prefix = f"{tag} " + "You are the assistant of the affinity test; answer briefly. " * 20
-    before = scrape(router)
+    before = at_rest(router, "narwhal_placements_total")
     async with sessions_per_worker(router, 2) as sessions:
         for i in range(6):
             for session in sessions.values():
@@ -206,7 +208,7 @@ async def test_a_local_decode_sends_nothing_to_any_producer(cache_fleet: FakeFle
     tag = _tag()[:16]
     prompt = f"{tag} hi"
     assert len(prompt) < LOCAL_CHARS
-    before = scrape(router)
+    before = at_rest(router, "narwhal_local_decodes_total")
     rid = "local-" + tag
     reply = await send(router.url, "/v1/completions", completion(prompt), headers={"x-request-id": rid})
     assert reply.status == 200, reply.raw
@@ -232,7 +234,7 @@ async def test_cached_tokens_reach_the_access_log_and_the_counter(
     tag = _tag()
     # Longer than affinity_chars (1024): both prompts have the same key, so the same producer.
     shared = (tag + " ") + "".join(f"block {i:02d} ".ljust(64, "x") for i in range(17))
-    before = scrape(router)
+    before = at_rest(router, "narwhal_prefill_tokens_total")
     lines = []
     for i, tail in enumerate(("first question", "other question")):
         rid = f"cached-{i}-{tag}"
@@ -263,7 +265,7 @@ async def test_without_load_reads_or_affinity_placement_is_in_flight_and_ties(
     blind: tuple[FakeFleet, RouterProcess]
 ) -> None:
     fleet, router = blind
-    before = scrape(router)
+    before = at_rest(router, "narwhal_placements_total")
     tag = _tag()
     prompt = f"{tag} " + "a long shared system prompt that affinity would pin to one producer. " * 20
     for i in range(16):

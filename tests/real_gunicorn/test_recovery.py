@@ -16,17 +16,20 @@ from narwhal.testing.harness import FakeFleet, RouterProcess, http_get, router_r
 from tests.real_gunicorn.support import (
     TOKEN,
     admin,
+    at_rest,
     completion,
     engine_entry,
     post,
     readmit_all,
     records,
+    scrape,
     send,
     sessions_per_worker,
     settled,
     start_router,
     terminal_error,
     unique_prompt,
+    value,
     wait_state,
     wait_until,
 )
@@ -65,13 +68,6 @@ def quarantine_router(fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory
     )
     yield proc
     proc.stop()
-
-
-def _metric(router: RouterProcess, name: str) -> float:
-    for line in http_get(router.url + "/metrics")[1].decode().splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
 
 
 async def test_a_retry_succeeds_on_the_other_producer_with_a_new_request_id(
@@ -140,15 +136,16 @@ async def test_the_retry_budget_stops_a_retry_storm(retry_router: RouterProcess,
     await readmit_all(retry_router, PRODUCERS)
     for name in PRODUCERS:  # every prefill fails after 0.5 s: all ten fail at once
         fleet.control_request("PUT", f"/engines/{name}/faults", {"prefill": {"status": 500, "delay_headers_s": 0.5}})
-    retries = _metric(retry_router, "narwhal_retries_total")
-    exhausted = _metric(retry_router, "narwhal_retry_budget_exhausted_total")
+    before = at_rest(retry_router, "narwhal_retries_total", "narwhal_retry_budget_exhausted_total")
+    retries, exhausted = value(before, "narwhal_retries_total"), value(before, "narwhal_retry_budget_exhausted_total")
     replies = await asyncio.gather(
         *(send(retry_router.url, "/v1/completions", completion(unique_prompt())) for _ in range(10))
     )
     assert [r.status for r in replies] == [502] * 10
     # retry_budget_min = 2 and ratio 0: two retries at most, the other eight refused.
-    assert _metric(retry_router, "narwhal_retries_total") - retries == 2
-    assert _metric(retry_router, "narwhal_retry_budget_exhausted_total") - exhausted == 8
+    after = scrape(retry_router)  # both counted before the replies went out (no tally)
+    assert value(after, "narwhal_retries_total") - retries == 2
+    assert value(after, "narwhal_retry_budget_exhausted_total") - exhausted == 8
 
 
 @pytest.fixture(scope="module")

@@ -12,14 +12,17 @@ import pytest
 from narwhal.testing.harness import FakeFleet, RouterProcess
 from tests.real_gunicorn.support import (
     MODEL,
+    at_rest,
     chat,
     completion,
     error_of,
     expected_text,
     records,
     records_anywhere,
+    scrape,
     send,
     unique_prompt,
+    value,
     wait_until,
 )
 
@@ -232,6 +235,32 @@ async def test_client_gone_during_prefill_releases_the_handoff(solo_router: Rout
     assert rec["body"]["stream"] is False and rec["body"]["max_tokens"] == 1
     wait_until(lambda: fleet.stats("p2")["held_blocks"] == 0, 5, "p2 blocks freed")
     assert fleet.stats("p2")["expired_blocks"] == before
+
+
+async def test_client_gone_during_prefill_with_a_malformed_descriptor_sends_it_nowhere(
+    solo_router: RouterProcess, fleet: FakeFleet
+) -> None:
+    # Issue 25 item 7: the handoff of an abandoned prefill is validated like any other before it
+    # goes to a consumer (a malformed one could crash a vLLM EngineCore): sent nowhere, abandoned.
+    prompt = unique_prompt()
+    counters = ("narwhal_handoffs_released_total", "narwhal_handoffs_abandoned_total")
+    before = at_rest(solo_router, *counters)
+    body = completion(prompt, fake={"prefill": {"delay_headers_s": 0.4, "descriptor": "bad_blocks"}})
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(asyncio.TimeoutError):
+            async with asyncio.timeout(0.15):
+                await session.post(solo_router.url + "/v1/completions", json=body)
+
+    def deltas() -> tuple[float, ...]:
+        now = scrape(solo_router)
+        return tuple(value(now, name) - value(before, name) for name in counters)
+
+    wait_until(lambda: deltas() == (0.0, 1.0), 5, "the abandoned handoff counted")
+    assert records(fleet, "p2", prompt)[0]["outcome"] == "completed"  # the prefill did finish
+    assert records(fleet, "d2", prompt) == []
+    after = at_rest(solo_router, *counters)
+    assert tuple(value(after, name) - value(before, name) for name in counters) == (0.0, 1.0)
+    assert records(fleet, "d2", prompt) == []
 
 
 async def test_client_disconnect_mid_stream_aborts_the_engine_request(router: RouterProcess, fleet: FakeFleet) -> None:

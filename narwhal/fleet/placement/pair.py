@@ -258,6 +258,18 @@ class Placement:
                     return True
         return False
 
+    def release_consumers(self, producer: Engine, chosen: Engine, model: str, *, chosen_first: bool) -> list[Engine]:
+        """Where an undecoded handoff of ``producer`` may be released, in order (SPEC §3 step 8):
+        the chosen consumer, then the producer's other permitted consumers that serve ``model``
+        and are not out, admitted before quarantined; the chosen one last instead when it was
+        just found unreachable. A permitted consumer shares the producer's connector, so any of
+        them can pull the blocks. Nothing is reserved (``narwhal.request.attempt`` says why)."""
+        view = self.view
+        others = [d for d in producer.permitted_consumers
+                  if d is not chosen and d is not producer and model in d.models and view.placeable(d)]
+        others.sort(key=lambda d: not view.admitted(d))  # stable: configuration order within each
+        return [chosen, *others] if chosen_first else [*others, chosen]
+
     def _servable(self, model: str, local: bool) -> bool:
         if local:
             return any(self.view.placeable(d) for d in self._consumers(model))

@@ -16,6 +16,7 @@ from narwhal.engines.connector import PrefillResult
 from narwhal.errors import DeadlineExceeded, EngineClientError, EngineError
 from narwhal.fake_engine import FakeEngine
 from narwhal.settings import EngineSettings
+from narwhal.testing.harness import DeadEngine
 
 ENDPOINT = "/v1/completions"
 BODY = {"model": "fake-model", "prompt": " ".join(f"w{i}" for i in range(40)), "stream": True, "max_tokens": 3}
@@ -78,7 +79,7 @@ async def test_parameters_is_a_detached_copy(engines: tuple[FakeEngine, FakeEngi
     assert result.descriptor is not None
     assert 999 not in result.descriptor["remote_block_ids"][0]
     assert result.descriptor["remote_engine_id"] == p.engine_id
-    assert await client.release(result, Ref(d), BODY) is True
+    assert await client.release(result, Ref(d), BODY) == "released"
     assert p.kv.held_blocks == 0
 
 
@@ -170,7 +171,7 @@ async def test_a_cancelled_prefill_hands_its_rest_to_on_abandon(
     result = await handed[0]
     assert isinstance(result, PrefillResult) and result.descriptor is not None
     assert p.kv.held_blocks == 10
-    assert await client.release(result, Ref(d), body) is True
+    assert await client.release(result, Ref(d), body) == "released"
     assert p.kv.held_blocks == 0
 
 
@@ -249,3 +250,37 @@ def test_the_prefills_prompt_and_cached_tokens_are_read(usage: Any, expected: tu
         _prefill_result(result, 200, body)
         assert (result.prompt_tokens, result.cached_tokens) == expected
         assert result.descriptor == ({"remote_engine_id": "e"} if crossed else None)
+
+
+class Dead:
+    def __init__(self, engine: DeadEngine) -> None:
+        self.name, self.url = "dead", engine.url
+
+
+@pytest.mark.parametrize("refusing", [True, False])
+async def test_a_release_nobody_could_receive_is_unreachable_and_frees_nothing(
+    engines: tuple[FakeEngine, FakeEngine], client: EngineClient, refusing: bool
+) -> None:
+    """Refused, or a connect that hangs past first_token_timeout_s (1 s here): nothing was sent,
+    so the caller may still give the handoff to another consumer — which then frees it."""
+    p, d = engines
+    result = await client.prefill(Ref(p), ENDPOINT, BODY, request_id="rid-dead")
+    dead = DeadEngine(refusing=refusing)
+    try:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        assert await client.release(result, Dead(dead), BODY) == "unreachable"
+        assert loop.time() - started < (0.5 if refusing else 3.0)
+    finally:
+        dead.close()
+    assert p.kv.held_blocks == 10
+    assert await client.release(result, Ref(d), BODY) == "released"
+    assert p.kv.held_blocks == 0
+
+
+async def test_a_release_the_consumer_fails_is_failed(engines: tuple[FakeEngine, FakeEngine],
+                                                      client: EngineClient) -> None:
+    p, d = engines
+    body = faulty(decode={"status": 500})
+    result = await client.prefill(Ref(p), ENDPOINT, body, request_id="rid-500")
+    assert await client.release(result, Ref(d), body) == "failed"  # it had the handoff: not retried elsewhere

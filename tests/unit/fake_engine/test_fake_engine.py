@@ -565,6 +565,14 @@ async def test_stats_and_records(client: TestClient[Any, Any], engine: FakeEngin
     assert engine.get_records() == []
 
 
+def test_records_past_the_bound_are_dropped_and_counted() -> None:
+    engine = FakeEngine("bounded", records_max=2)
+    for i in range(3):
+        engine.record("prefill", "/v1/completions", {"x-request-id": f"r{i}"}, {})
+    assert [r["headers"]["x-request-id"] for r in engine.get_records()] == ["r1", "r2"]
+    assert engine.stats()["records_dropped"] == 1
+
+
 async def test_aborted_stream_when_client_disconnects(
     client: TestClient[Any, Any], engine: FakeEngine
 ) -> None:

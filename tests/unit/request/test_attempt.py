@@ -1,5 +1,6 @@
 """One attempt (narwhal.request.attempt.Attempts) with fake legs: outcomes, reservations and the
-three handoff-release cases, decided by what the client was sent (``committed``), not by a log."""
+handoff-release cases, decided by what the client was sent (``committed``) and whether the
+decode went out (``sent``), not by a log; where a release goes when a consumer cannot be reached."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from narwhal.engines.connector import PrefillResult
-from narwhal.errors import EngineError
+from narwhal.errors import DeadlineExceeded, EngineError, NarwhalError
 from narwhal.fleet import Engine, Fleet
 from narwhal.fleet.placement import Placement
 from narwhal.request.accesslog import AccessRecord
@@ -29,8 +31,13 @@ class Leg:
     fail_at: EngineError | None = None
     closed: bool = False
     relayed: int = 0  # spans a direct relay would have written (none here)
+    connect_fault: NarwhalError | None = None  # open() fails before anything was sent
+    sent: bool = False
 
     async def open(self) -> bytes | None:
+        if self.connect_fault is not None:
+            raise self.connect_fault
+        self.sent = True
         return None
 
     last: bytes = b""
@@ -58,10 +65,12 @@ class Engines:
     leg: Leg | None = None
     refuse: EngineError | None = None
     releases: list[str] = field(default_factory=list)
+    unreachable: set[str] = field(default_factory=set)  # consumers a release cannot connect to
+    descriptor: dict[str, Any] = field(default_factory=lambda: dict(DESCRIPTOR))
 
     async def prefill(self, producer: Any, endpoint: str, body: Any, **_: Any) -> PrefillResult:
         return PrefillResult(producer=producer.name, producer_url=producer.url, endpoint=endpoint,
-                             request_id="r1", descriptor=dict(DESCRIPTOR))
+                             request_id="r1", descriptor=self.descriptor)
 
     def decode_leg(self, result: PrefillResult, consumer: Any, body: Any, **_: Any) -> Leg:
         if self.refuse is not None:
@@ -69,9 +78,9 @@ class Engines:
         assert self.leg is not None
         return self.leg
 
-    async def release(self, result: PrefillResult, consumer: Any, body: Any, **_: Any) -> bool:
+    async def release(self, result: PrefillResult, consumer: Any, body: Any, **_: Any) -> str:
         self.releases.append(consumer.name)
-        return True
+        return "unreachable" if consumer.name in self.unreachable else "released"
 
 
 @dataclass
@@ -109,10 +118,11 @@ class Reports:
     def quarantine(self, engine: Engine, seconds: float) -> None: ...
 
 
-def _setup(engines: Engines) -> tuple[Attempts, LocalFleetState, Reports, list[Any]]:
+def _setup(engines: Engines, consumers: int = 1) -> tuple[Attempts, LocalFleetState, Reports, list[Any]]:
     settings = Settings.model_validate({"engines": [
         {"name": "p0", "url": "http://127.0.0.1:1", "role": "producer", "models": ["m"]},
-        {"name": "d0", "url": "http://127.0.0.1:2", "role": "consumer", "models": ["m"]},
+        *({"name": f"d{i}", "url": f"http://127.0.0.1:{2 + i}", "role": "consumer", "models": ["m"]}
+          for i in range(consumers)),
     ]})
     fleet = Fleet(settings)
     state = LocalFleetState(fleet)
@@ -284,3 +294,95 @@ async def test_a_disaggregated_attempt_records_its_mode_and_the_prefills_tokens(
     await attempts.run(Client(), _request(), rec, 0.0, frozenset())  # type: ignore[arg-type]
     assert (rec.mode, rec.producer, rec.prompt_tokens, rec.cached_tokens) == ("disaggregated", "p0", 300, 256)
     assert rec.ttft_s is not None
+
+
+# -- a handoff the consumer never saw (SPEC §3 step 8): released through a consumer that can pull it --
+
+
+def _handoff_counts() -> tuple[float, float]:
+    return tuple(REGISTRY.get_sample_value(f"narwhal_handoffs_{kind}_total") or 0.0  # type: ignore[return-value]
+                 for kind in ("released", "abandoned"))
+
+
+def _delta(before: tuple[float, float]) -> tuple[float, float]:
+    now = _handoff_counts()
+    return now[0] - before[0], now[1] - before[1]
+
+
+async def _run_to_failure(engines: Engines, fault: type[BaseException]) -> tuple[str, list[Any], LocalFleetState]:
+    attempts, state, _, spawned = _setup(engines, consumers=2)
+    rec = AccessRecord(request_id="c", endpoint="e")
+    with pytest.raises(fault):
+        await attempts.run(Client(), _request(), rec, 0.0, frozenset())  # type: ignore[arg-type]
+    assert rec.consumer is not None
+    return rec.consumer, spawned, state
+
+
+@pytest.mark.parametrize("reason", ["engine_unreachable", "first_token_timeout"])
+async def test_a_decode_whose_connect_failed_is_released_through_another_consumer(reason: str) -> None:
+    fault = EngineError("no connect", reason=reason, engine="d?", phase="decode")
+    engines = Engines(leg=Leg([], connect_fault=fault))
+    before = _handoff_counts()
+    chosen, spawned, state = await _run_to_failure(engines, EngineError)
+    (task,) = spawned
+    await task
+    other = "d1" if chosen == "d0" else "d0"
+    assert engines.releases == [other]  # the chosen one just failed to connect: the other first
+    assert _delta(before) == (1, 0) and _held(state) == ([0, 0, 0], [0, 0, 0])
+
+
+async def test_a_deadline_while_connecting_tries_the_chosen_consumer_first() -> None:
+    engines = Engines(leg=Leg([], connect_fault=DeadlineExceeded("the request deadline ran out while decoding")))
+    before = _handoff_counts()
+    chosen, spawned, _ = await _run_to_failure(engines, DeadlineExceeded)
+    engines.unreachable = {chosen}
+    await spawned[0]
+    other = "d1" if chosen == "d0" else "d0"
+    assert engines.releases == [chosen, other] and _delta(before) == (1, 0)
+
+
+async def test_a_handoff_no_consumer_can_reach_is_abandoned() -> None:
+    fault = EngineError("no connect", reason="engine_unreachable", engine="d?", phase="decode")
+    engines = Engines(leg=Leg([], connect_fault=fault), unreachable={"d0", "d1"})
+    before = _handoff_counts()
+    chosen, spawned, _ = await _run_to_failure(engines, EngineError)
+    await spawned[0]
+    assert engines.releases == ["d1" if chosen == "d0" else "d0", chosen] and _delta(before) == (0, 1)
+
+
+async def test_a_decode_that_was_sent_then_failed_releases_nothing() -> None:
+    # The consumer had the handoff (it may be pulling the blocks): nobody else may pull them too.
+    fault = EngineError("boom", reason="engine_5xx", engine="d?", phase="decode")
+    engines = Engines(leg=Leg([], fail_at=fault))
+    _, spawned, _ = await _run_to_failure(engines, EngineError)
+    assert spawned == [] and engines.releases == []
+
+
+async def test_a_malformed_descriptor_from_an_abandoned_prefill_goes_nowhere() -> None:
+    engines = Engines(descriptor={**DESCRIPTOR, "remote_block_ids": [True]})
+    attempts, state, _, _ = _setup(engines, consumers=2)
+    resv = attempts.placement.try_place("m")
+    assert resv is not None
+    before = _handoff_counts()
+    rest = engines.prefill(resv.producer, "/v1/completions", {})
+    await attempts._finish_abandoned_prefill(rest, _request(), resv)
+    assert engines.releases == [] and _delta(before) == (0, 1) and _held(state) == ([0, 0, 0], [0, 0, 0])
+
+
+async def test_an_abandoned_prefill_releases_its_handoff_to_the_chosen_consumer_holding_no_slot() -> None:
+    engines = Engines()
+    attempts, state, _, _ = _setup(engines, consumers=2)
+    resv = attempts.placement.try_place("m")
+    assert resv is not None
+    held_during: list[tuple[list[int], list[int]]] = []
+    release = engines.release
+
+    async def watched(*args: Any, **kw: Any) -> str:
+        prefill, decode = _held(state)
+        held_during.append((list(prefill), list(decode)))  # copies: the counts are live lists
+        return await release(*args, **kw)
+
+    engines.release = watched  # type: ignore[method-assign]
+    rest = engines.prefill(resv.producer, "/v1/completions", {})
+    await attempts._finish_abandoned_prefill(rest, _request(), resv)
+    assert engines.releases == [resv.consumer.name] and held_during == [([0, 0, 0], [0, 0, 0])]
