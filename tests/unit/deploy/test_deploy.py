@@ -227,7 +227,7 @@ def test_the_example_settings_load_and_have_every_section(tmp_path: Path) -> Non
     assert set(tomllib.loads(text)) == SETTINGS_SECTIONS
     settings = _load_toml_text(text, tmp_path)
     roles = [e.role for e in settings.engines]
-    assert roles == ["producer", "producer", "consumer", "consumer", "consumer", "consumer"]
+    assert roles == ["producer", "producer", "consumer", "consumer", "consumer"]
     assert settings.engine_contract is not None and settings.engine_contract.model
     assert settings.handoff.max_age_s > settings.engine.prefill_timeout_s
     section_lines = [line for line in text.splitlines() if line.startswith("[") and "]]" not in line]
