@@ -40,7 +40,7 @@ class _Section(BaseModel):
 
 
 class ServerSettings(_Section):
-    bind: str = "127.0.0.1:8000"
+    bind: str = "127.0.0.1:8700"  # no engine's port: vLLM (and Triton, Ray Serve) default to 8000, the demo 8080
     workers: Annotated[int, Field(ge=1, le=256)] = 2
     admin_token: str = ""
     api_keys: list[str] = []

@@ -57,7 +57,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 def test_defaults_without_file_or_env() -> None:
     s = load_settings(None, environ={})
-    assert s.server.bind == "127.0.0.1:8000"
+    assert s.server.bind == "127.0.0.1:8700"
     assert s.server.workers == 2
     assert s.server.max_engines == 64
     assert s.engine.prefill_timeout_s == 30

@@ -331,7 +331,7 @@ def test_kubernetes_manifests_fit_together(tmp_path: Path) -> None:
     assert volume["configMap"]["name"] == config["metadata"]["name"]
     assert set(config["data"]) == {"narwhal.toml"}
     settings = _load_toml_text(config["data"]["narwhal.toml"], tmp_path)
-    assert settings.server.bind == "0.0.0.0:8000"
+    assert settings.server.bind == "0.0.0.0:8700"
     assert int(settings.server.bind.rsplit(":", 1)[1]) == container["ports"][0]["containerPort"]
     assert settings.server.workers == int(container["resources"]["requests"]["cpu"])
     pre_stop = int(container["lifecycle"]["preStop"]["exec"]["command"][-1])

@@ -316,3 +316,15 @@ def test_engines_sharing_a_host_use_disjoint_http_and_side_channel_ports(recipe:
             taken[(run.host, port)] = name
     if recipe == "README bare metal":  # the router runs on the engines' host
         assert all((host, router) not in taken for host in {r.host for r in runs.values()})
+
+
+def test_the_routers_default_port_is_no_engines(tmp_path: Path) -> None:
+    # Issue 23 item 5: 127.0.0.1:8000 was vLLM's own default port on a shared host.
+    from narwhal.demo import DEFAULT_PORT
+    from narwhal.settings import ServerSettings
+
+    port = int(ServerSettings().bind.rsplit(":", 1)[1])
+    engine_ports = {run_port for recipe in RECIPES.values() for run in recipe(tmp_path)[1].values()
+                    for run_port in run.ports}
+    # vLLM's, Triton's and Ray Serve's 8000, SGLang's 30000, TGI's 3000 and 8080 (the demo's).
+    assert port not in engine_ports | {8000, 30000, 3000, 8080, DEFAULT_PORT}
