@@ -131,8 +131,8 @@ class TracingSettings(_Section):
     def _extra_installed(self) -> TracingSettings:
         if self.enabled and not _tracing_installed():
             raise ValueError(
-                "enabled = true needs the tracing extra: pip install 'narwhal-router[tracing]' "
-                "(opentelemetry-sdk and opentelemetry-exporter-otlp-proto-http)"
+                "enabled = true needs the tracing extra: install Narwhal with [tracing], e.g. pip install "
+                "'.[tracing]' in a clone (opentelemetry-sdk and opentelemetry-exporter-otlp-proto-http)"
             )
         return self
 

@@ -30,8 +30,8 @@ def test_tracing_is_off_by_default_with_the_documented_defaults() -> None:
 def test_enabled_without_the_extra_is_one_line_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(settings_module, "_tracing_installed", lambda: False)
     assert _error(tmp_path, "[tracing]\nenabled = true\n") == (
-        "tracing: enabled = true needs the tracing extra: pip install 'narwhal-router[tracing]' "
-        "(opentelemetry-sdk and opentelemetry-exporter-otlp-proto-http)"
+        "tracing: enabled = true needs the tracing extra: install Narwhal with [tracing], e.g. pip install "
+        "'.[tracing]' in a clone (opentelemetry-sdk and opentelemetry-exporter-otlp-proto-http)"
     )
 
 
