@@ -14,7 +14,8 @@ FROM python:3.11-slim-bookworm AS build
 WORKDIR /src
 COPY pyproject.toml README.md LICENSE ./
 COPY narwhal ./narwhal
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+# With the tracing extra: [tracing] enabled = true works in the image (README "Tracing").
+RUN pip wheel --no-cache-dir --wheel-dir /wheels '.[tracing]'
 
 FROM python:3.11-slim-bookworm
 LABEL org.opencontainers.image.title="narwhal-router" \
@@ -28,10 +29,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     NARWHAL_SERVER__BIND=0.0.0.0:8700
 COPY --from=build /wheels /wheels
-# DL3013 (pin versions): /wheels holds exactly the narwhal-router built above, and --no-index
-# keeps pip from looking anywhere else.
+# DL3013 (pin versions): /wheels holds exactly the narwhal-router (and its tracing extra) built
+# above, and --no-index keeps pip from looking anywhere else.
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir --no-index --find-links /wheels narwhal-router \
+RUN pip install --no-cache-dir --no-index --find-links /wheels 'narwhal-router[tracing]' \
     && rm -rf /wheels \
     && groupadd --system --gid 10001 narwhal \
     && useradd --system --uid 10001 --gid 10001 --home-dir /nonexistent --no-create-home \

@@ -120,12 +120,16 @@ class LogSettings(_Section):
 
 
 class TracingSettings(_Section):
-    """OpenTelemetry spans over OTLP/HTTP (README "Tracing"); needs the ``tracing`` extra."""
+    """OpenTelemetry spans over OTLP/HTTP (README "Tracing"); needs the ``tracing`` extra.
+
+    A value left unset (None) is the standard ``OTEL_*`` variable's, else the default
+    (``narwhal.request.tracing`` resolves them, in the worker): set here, Narwhal's value wins.
+    """
 
     enabled: bool = False
-    endpoint: Annotated[str, Field(pattern=r"^https?://[^\s/]+(/\S*)?$")] = "http://127.0.0.1:4318/v1/traces"
-    service_name: Annotated[str, Field(min_length=1)] = "narwhal"
-    sample_ratio: Annotated[float, Field(ge=0, le=1)] = 1.0
+    endpoint: Annotated[str, Field(pattern=r"^https?://[^\s/]+(/\S*)?$")] | None = None
+    service_name: Annotated[str, Field(min_length=1)] | None = None
+    sample_ratio: Annotated[float, Field(ge=0, le=1)] | None = None
 
     @model_validator(mode="after")
     def _extra_installed(self) -> TracingSettings:

@@ -81,14 +81,16 @@ def test_the_dockerfile_has_a_build_stage_and_a_slim_runtime_stage() -> None:
     # The base's Python is the oldest the package supports.
     assert PYPROJECT["requires-python"] == ">=3.11"
     assert [args for kw, args in build if kw == "COPY"] == ["pyproject.toml README.md LICENSE ./", "narwhal ./narwhal"]
-    assert _one(build, "RUN") == "pip wheel --no-cache-dir --wheel-dir /wheels ."
+    # The tracing extra too (issue 23 item 4): [tracing] enabled = true works in the image.
+    assert _one(build, "RUN") == "pip wheel --no-cache-dir --wheel-dir /wheels '.[tracing]'"
     assert all(kw != "ADD" for stage in (build, final) for kw, _ in stage)
 
 
 def test_the_runtime_stage_installs_only_the_built_wheels_and_runs_as_the_pods_user() -> None:
     _, final = stages()
     run = _one(final, "RUN")
-    assert run.startswith("pip install --no-cache-dir --no-index --find-links /wheels narwhal-router && rm -rf /wheels")
+    assert run.startswith(
+        "pip install --no-cache-dir --no-index --find-links /wheels 'narwhal-router[tracing]' && rm -rf /wheels")
     assert "useradd --system --uid 10001 --gid 10001" in run and "groupadd --system --gid 10001 narwhal" in run
     assert [args for kw, args in final if kw == "COPY"] == [
         "--from=build /wheels /wheels", "gunicorn.conf.py ./gunicorn.conf.py",
@@ -205,6 +207,11 @@ def test_the_image_builds_and_runs_as_the_deployment_would() -> None:
     try:
         run = subprocess.run([engine, "run", "--rm", tag, "--version"], capture_output=True, text=True, timeout=60)
         assert (run.returncode, run.stdout) == (0, f"narwhal-router {VERSION}\n"), run.stderr
+        # The tracing extra is in: [tracing] enabled = true starts in the image.
+        otel = subprocess.run([engine, "run", "--rm", "--entrypoint", "python", tag, "-c",
+                               "import opentelemetry.exporter.otlp.proto.http.trace_exporter"],
+                              capture_output=True, text=True, timeout=60)
+        assert otel.returncode == 0, otel.stderr
         inspect = subprocess.run([engine, "image", "inspect", tag], capture_output=True, text=True, timeout=60)
         config = json.loads(inspect.stdout)[0]["Config"]
         assert config["User"] == "10001:10001"
