@@ -24,6 +24,8 @@ from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from narwhal import settings_hints
+
 ENV_PREFIX = "NARWHAL_"
 CONFIG_ENV = "NARWHAL_CONFIG"
 
@@ -322,15 +324,17 @@ def _read_toml(path: str) -> dict[str, Any]:
 
 def _first_error_line(exc: ValidationError, environ: dict[str, str]) -> str:
     err = exc.errors()[0]
-    loc = ".".join(str(p) for p in err["loc"])
-    msg = err["msg"]
-    if err["type"] == "extra_forbidden":
+    msg, hint = err["msg"], ""
+    if (better := settings_hints.explain(exc.errors(), Settings)) is not None:
+        err, msg, hint = better  # what was meant: [[engines]], a "did you mean" (narwhal.settings_hints)
+    elif err["type"] == "extra_forbidden":
         msg = "unknown setting"
+    loc = ".".join(str(p) for p in err["loc"])
     env_name = ENV_PREFIX + "__".join(str(p) for p in err["loc"]).upper()
     where = f" (from {env_name})" if env_name in environ else ""
     if not loc:
         return msg.removeprefix("Value error, ")
-    return f"{loc}: {msg.removeprefix('Value error, ')}{where}"
+    return f"{loc}: {msg.removeprefix('Value error, ')}{where}{hint}"
 
 
 def load_settings(path: str | None = None, environ: dict[str, str] | None = None) -> Settings:
