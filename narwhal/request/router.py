@@ -96,8 +96,9 @@ class Router:
         # uvloop's clock moves in whole milliseconds and ttft_s is often below one.
         arrival = asyncio.get_running_loop().time()
         started = time.perf_counter()
+        traceparent = request.headers.get("traceparent")  # parsed only when sent: most requests send none
         rec = AccessRecord(request_id=client_request_id(request), endpoint=endpoint, client=request.remote,
-                           trace_id=trace_id_of(request.headers.get("traceparent")))
+                           trace_id=None if traceparent is None else trace_id_of(traceparent))
         client = ClientStream(
             request, rec.request_id, self.settings.server.client_write_timeout_s, dialects.for_endpoint(endpoint)
         )
