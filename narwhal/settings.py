@@ -25,6 +25,7 @@ from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from narwhal import settings_hints
 from narwhal.settings_env import CONFIG_ENV, ENV_PREFIX, check_environment, source_of
 
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -40,7 +41,7 @@ class _Section(BaseModel):
 
 
 class ServerSettings(_Section):
-    bind: str = "127.0.0.1:8000"
+    bind: str = "127.0.0.1:8700"  # no engine's port: vLLM (and Triton, Ray Serve) default to 8000, the demo 8080
     workers: Annotated[int, Field(ge=1, le=256)] = 2
     admin_token: str = ""
     api_keys: list[str] = []
@@ -120,19 +121,23 @@ class LogSettings(_Section):
 
 
 class TracingSettings(_Section):
-    """OpenTelemetry spans over OTLP/HTTP (README "Tracing"); needs the ``tracing`` extra."""
+    """OpenTelemetry spans over OTLP/HTTP (README "Tracing"); needs the ``tracing`` extra.
+
+    A value left unset (None) is the standard ``OTEL_*`` variable's, else the default
+    (``narwhal.request.tracing`` resolves them, in the worker): set here, Narwhal's value wins.
+    """
 
     enabled: bool = False
-    endpoint: Annotated[str, Field(pattern=r"^https?://[^\s/]+(/\S*)?$")] = "http://127.0.0.1:4318/v1/traces"
-    service_name: Annotated[str, Field(min_length=1)] = "narwhal"
-    sample_ratio: Annotated[float, Field(ge=0, le=1)] = 1.0
+    endpoint: Annotated[str, Field(pattern=r"^https?://[^\s/]+(/\S*)?$")] | None = None
+    service_name: Annotated[str, Field(min_length=1)] | None = None
+    sample_ratio: Annotated[float, Field(ge=0, le=1)] | None = None
 
     @model_validator(mode="after")
     def _extra_installed(self) -> TracingSettings:
         if self.enabled and not _tracing_installed():
             raise ValueError(
-                "enabled = true needs the tracing extra: pip install 'narwhal-router[tracing]' "
-                "(opentelemetry-sdk and opentelemetry-exporter-otlp-proto-http)"
+                "enabled = true needs the tracing extra: install Narwhal with [tracing], e.g. pip install "
+                "'.[tracing]' in a clone (opentelemetry-sdk and opentelemetry-exporter-otlp-proto-http)"
             )
         return self
 
@@ -302,15 +307,17 @@ def _read_toml(path: str) -> dict[str, Any]:
 
 def _first_error_line(exc: ValidationError, environ: dict[str, str]) -> str:
     err = exc.errors()[0]
-    loc = ".".join(str(p) for p in err["loc"])
-    msg = err["msg"]
-    if err["type"] == "extra_forbidden":
+    msg, hint = err["msg"], ""
+    if (better := settings_hints.explain(exc.errors(), Settings)) is not None:
+        err, msg, hint = better  # what was meant: [[engines]], a "did you mean" (narwhal.settings_hints)
+    elif err["type"] == "extra_forbidden":
         msg = "unknown setting"
+    loc = ".".join(str(p) for p in err["loc"])
     source = source_of(err["loc"], environ)
     where = f" (from {source})" if source is not None else ""
     if not loc:
         return msg.removeprefix("Value error, ")
-    return f"{loc}: {msg.removeprefix('Value error, ')}{where}"
+    return f"{loc}: {msg.removeprefix('Value error, ')}{where}{hint}"
 
 
 def load_settings(path: str | None = None, environ: dict[str, str] | None = None) -> Settings:

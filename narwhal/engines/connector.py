@@ -154,3 +154,17 @@ def validate_descriptor(
 
 def _non_empty_str(value: Any) -> bool:
     return isinstance(value, str) and value != ""
+
+
+def tp_size_of(descriptor: Any) -> int | None:
+    """The producer's tensor-parallel size as its descriptor states it (``tp_size``), if it does."""
+    tp = descriptor.get("tp_size") if isinstance(descriptor, dict) else None
+    return tp if type(tp) is int and tp >= 1 else None
+
+
+def tp_accepted(producer_tp: int, consumer_tp: int) -> bool:
+    """vLLM 0.11's NixlConnector rule: each consumer rank reads one producer rank's share of the KV
+    heads, so the consumer's TP must be a multiple of the producer's (decode TP >= prefill TP).
+    A consumer that breaks it fails the NIXL handshake at its first handoff, and says so only in
+    its own log (ai-dynamo/dynamo#2295)."""
+    return consumer_tp % producer_tp == 0

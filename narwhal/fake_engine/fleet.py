@@ -178,6 +178,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         "--prefix-cache", action="store_true", help="LRU prefix cache of 16-token blocks (a token = 4 characters)"
     )
     p.add_argument("--kv-blocks", type=int, default=10000, help="KV capacity in blocks (cache bound, usage base)")
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=1,
+        help="the descriptors' tp_size; a consumer fails pulls from a producer whose TP does not divide its own",
+    )
 
 
 def _tls(args: argparse.Namespace) -> ssl.SSLContext | None | str:
@@ -202,6 +206,7 @@ def _load_model(args: argparse.Namespace) -> EngineModel | str:
             prefill_s_per_token=args.prefill_s_per_token,
             prefix_cache=args.prefix_cache,
             kv_blocks=args.kv_blocks,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
     except ValidationError as exc:
         err = exc.errors()[0]

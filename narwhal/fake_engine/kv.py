@@ -61,7 +61,7 @@ def producer_descriptor(
         "remote_request_id": remote_request_id,
         "remote_host": engine.advertise_host,
         "remote_port": engine.port,
-        "tp_size": 1,
+        "tp_size": engine.load_model.tensor_parallel_size,
         "dcp_size": 1,
         "pp_size": 1,
         "remote_num_tokens": prompt_tokens,
@@ -116,9 +116,20 @@ async def pull(consumer: EngineState, params: dict[str, Any]) -> bool:
     return await _pull_http(consumer, engine_id, request_id, host, port, params.get("remote_block_ids"))
 
 
+def tp_refused(consumer: EngineState, params: dict[str, Any]) -> bool:
+    """vLLM 0.11's NIXL handshake: a consumer whose TP is not a multiple of the producer's
+    ``tp_size`` fails it (``Decode TP cannot be smaller than prefill TP`` in the consumer's log
+    only). The decode then fails like any failed pull: the answer says nothing about TP."""
+    producer_tp = params.get("tp_size")
+    if not isinstance(producer_tp, int) or isinstance(producer_tp, bool) or producer_tp < 1:
+        return False
+    return consumer.load_model.tensor_parallel_size % producer_tp != 0
+
+
 async def consumer_pull(consumer: EngineState, params: dict[str, Any]) -> bool:
     """``pull`` for a decode about to run, counted on the consumer (a pull or a pull failure)."""
-    ok = await pull(consumer, params)
+    ok = pull_target(params) is None or not tp_refused(consumer, params)
+    ok = ok and await pull(consumer, params)
     if ok:
         consumer.kv_pulls += 1
     else:

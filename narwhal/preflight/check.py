@@ -38,7 +38,14 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from narwhal.engines.client import EngineClient
-from narwhal.engines.connector import NIXL, InvalidHandoff, PrefillResult, validate_descriptor
+from narwhal.engines.connector import (
+    NIXL,
+    InvalidHandoff,
+    PrefillResult,
+    tp_accepted,
+    tp_size_of,
+    validate_descriptor,
+)
 from narwhal.engines.control import ControlClient, ControlError, VersionPin, open_session, parse_models, parse_version
 from narwhal.errors import DeadlineExceeded, NarwhalError
 from narwhal.fleet import Engine, Fleet
@@ -107,6 +114,7 @@ class _Preflight:
         self.gate = asyncio.Semaphore(MAX_CONCURRENCY)
         self.report = PreflightReport(timeout_s=timeout)
         self.handoffs: dict[str, tuple[PrefillResult, dict[str, Any]]] = {}  # to release
+        self.tp: dict[str, int] = {}  # each prefill-capable engine's TP, as its phase-1 descriptor says
 
     async def run(self) -> PreflightReport:
         report = self.report
@@ -225,6 +233,8 @@ class _Preflight:
         except InvalidHandoff as exc:
             return Check(FAIL, f"connector mismatch: {exc.message}")  # sent nowhere (SPEC §3 step 5)
         self.handoffs[engine.name] = (handoff, body)
+        if (tp := tp_size_of(handoff.descriptor)) is not None:
+            self.tp[engine.name] = tp
         return Check(OK, NIXL)
 
     def _models_of(self, engine: Engine, result: EngineResult) -> list[str]:
@@ -272,6 +282,8 @@ class _Preflight:
             except NarwhalError as exc:
                 result.verdict, result.reason = FAIL, f"transfer failed: {exc.message}"
             result.latency_ms = _ms_since(started)
+        if result.verdict == FAIL and p is not d:
+            result.reason += _tp_cause(p.name, self.tp.get(p.name), d.name, self.tp.get(d.name))
         return result
 
     async def _transfer(self, p: Engine, d: Engine, model: str, result: PairResult) -> None:
@@ -317,6 +329,25 @@ def _localhost_note(p: Engine, d: Engine, descriptor: Any) -> str:
         f"descriptor remote_host is {host} but {p.name} and {d.name} are on different hosts "
         f"(set VLLM_NIXL_SIDE_CHANNEL_HOST on {p.name})"
     )
+
+
+def _tp_cause(producer: str, producer_tp: int | None, consumer: str, consumer_tp: int | None) -> str:
+    """The tensor-parallel mismatch behind a failed transfer, when the TP sizes explain it.
+
+    vLLM 0.11's consumer refuses the handoff in its NIXL handshake and its answer says nothing
+    about TP (the reason is in its own log), so the cause is read from the sizes: the producer's
+    from its descriptor's ``tp_size``, the consumer's from its own descriptor when it prefills
+    too (phase 1), unknown otherwise.
+    """
+    if producer_tp is None or (consumer_tp is not None and tp_accepted(producer_tp, consumer_tp)):
+        return ""
+    if consumer_tp is not None:
+        return (f"; tensor parallel mismatch: {producer} runs TP {producer_tp}, {consumer} TP {consumer_tp}: vLLM's "
+                "NixlConnector needs the consumer's --tensor-parallel-size to be a multiple of the producer's")
+    if producer_tp == 1:
+        return ""  # every consumer TP is a multiple of 1
+    return (f"; likely cause: {producer} runs TP {producer_tp} (its tp_size) and vLLM's NixlConnector refuses a "
+            f"consumer whose --tensor-parallel-size is not a multiple of it: check {consumer}'s")
 
 
 def _probe_body(model: str) -> dict[str, Any]:

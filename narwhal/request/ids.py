@@ -76,3 +76,20 @@ def client_request_id(request: web.Request) -> str:
     if given and len(given) <= _MAX_REQUEST_ID and printable_ascii(given):
         return given
     return new_id()
+
+
+# W3C Trace Context: version, trace id, parent id, flags (a later version may append fields).
+_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}(-.*)?")
+_NO_TRACE = "0" * 32
+
+
+def trace_id_of(traceparent: str | None) -> str | None:
+    """The trace id of a valid ``traceparent`` header, else None (the access log's ``trace_id``
+    with tracing off: the trace the engines' own spans join, since the header reaches them
+    unchanged)."""
+    if traceparent is None or (m := _TRACEPARENT.fullmatch(traceparent)) is None:
+        return None
+    version, trace_id, parent, rest = m.groups()
+    if version == "ff" or (version == "00" and rest) or trace_id == _NO_TRACE or parent == "0" * 16:
+        return None
+    return trace_id

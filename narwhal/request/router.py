@@ -38,7 +38,7 @@ from narwhal.request.admission import ClientRequest, admit
 from narwhal.request.affinity import placement_hints
 from narwhal.request.attempt import Attempts
 from narwhal.request.client_stream import ClientStream
-from narwhal.request.ids import client_request_id
+from narwhal.request.ids import client_request_id, trace_id_of
 from narwhal.request.outcomes import Outcomes
 from narwhal.request.passthrough import PATHS as PASSTHROUGH_PATHS
 from narwhal.request.passthrough import Passthrough
@@ -96,7 +96,9 @@ class Router:
         # uvloop's clock moves in whole milliseconds and ttft_s is often below one.
         arrival = asyncio.get_running_loop().time()
         started = time.perf_counter()
-        rec = AccessRecord(request_id=client_request_id(request), endpoint=endpoint, client=request.remote)
+        traceparent = request.headers.get("traceparent")  # parsed only when sent: most requests send none
+        rec = AccessRecord(request_id=client_request_id(request), endpoint=endpoint, client=request.remote,
+                           trace_id=None if traceparent is None else trace_id_of(traceparent))
         client = ClientStream(
             request, rec.request_id, self.settings.server.client_write_timeout_s, dialects.for_endpoint(endpoint)
         )

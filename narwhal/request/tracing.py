@@ -16,12 +16,18 @@ should say, and is written in the handler's context, where the server span is cu
 Export: a ``BatchSpanProcessor`` (its own thread) per worker, built in the worker after the
 fork (``start``) and flushed when the worker stops (``stop``); the master never imports this.
 The sampler is parent-based: a client's sampled flag wins, otherwise ``sample_ratio`` of new
-traces are kept. The standard ``OTEL_BSP_*`` variables tune the batch processor.
+traces are kept. The standard ``OTEL_BSP_*`` variables tune the batch processor, and the standard
+``OTEL_SERVICE_NAME``, ``OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT`` and ``OTEL_TRACES_SAMPLER(_ARG)``
+fill in whatever ``[tracing]`` leaves unset (``endpoint``, ``service_name``, ``sample_ratio``):
+an operator's collector settings work as they do for every other OpenTelemetry service, and a
+value written in Narwhal's settings still wins.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 from typing import Any
 
 from aiohttp import web
@@ -30,7 +36,7 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import ParentBased, Sampler, TraceIdRatioBased
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -48,15 +54,58 @@ from narwhal.settings import Settings, TracingSettings
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _PROVIDERS: list[TracerProvider] = []
+log = logging.getLogger("narwhal.tracing")
+
+DEFAULT_ENDPOINT = "http://127.0.0.1:4318/v1/traces"
+DEFAULT_SERVICE_NAME = "narwhal"
+
+
+def endpoint(settings: TracingSettings) -> str:
+    """``tracing.endpoint``, else the OTLP/HTTP exporter's variables as the specification reads
+    them (the traces one as given, the general one + ``/v1/traces``), else the default."""
+    if settings.endpoint is not None:
+        return settings.endpoint
+    if traces := os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip():
+        return traces
+    if general := os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip():
+        return general.rstrip("/") + "/v1/traces"
+    return DEFAULT_ENDPOINT
+
+
+def resource(settings: TracingSettings) -> Resource:
+    """``service.name``: ``tracing.service_name``, else ``OTEL_SERVICE_NAME`` or a ``service.name``
+    in ``OTEL_RESOURCE_ATTRIBUTES`` (which ``Resource.create`` reads), else ``narwhal``."""
+    attributes = {"service.version": __version__ or ""}
+    from_env = os.environ.get("OTEL_SERVICE_NAME", "").strip() or "service.name=" in os.environ.get(
+        "OTEL_RESOURCE_ATTRIBUTES", "")
+    if settings.service_name is not None or not from_env:
+        attributes["service.name"] = settings.service_name or DEFAULT_SERVICE_NAME
+    return Resource.create(attributes)
+
+
+def sampler(settings: TracingSettings) -> Sampler | None:
+    """``tracing.sample_ratio`` (parent-based), else the one ``OTEL_TRACES_SAMPLER`` names (None:
+    the SDK builds it, with ``OTEL_TRACES_SAMPLER_ARG``), else parent-based at the ratio
+    ``OTEL_TRACES_SAMPLER_ARG`` gives alone, 1.0 without it."""
+    if settings.sample_ratio is not None:
+        return ParentBased(TraceIdRatioBased(settings.sample_ratio))
+    if os.environ.get("OTEL_TRACES_SAMPLER", "").strip():
+        return None
+    arg = os.environ.get("OTEL_TRACES_SAMPLER_ARG", "").strip()
+    try:
+        ratio = float(arg) if arg else 1.0
+    except ValueError:
+        ratio = -1.0
+    if not 0.0 <= ratio <= 1.0:
+        log.warning("OTEL_TRACES_SAMPLER_ARG=%s is not a ratio in [0, 1]: sampling every new trace", arg)
+        ratio = 1.0
+    return ParentBased(TraceIdRatioBased(ratio))
 
 
 def start(settings: TracingSettings) -> Tracer:
-    """The worker's tracer, exporting in batches to ``settings.endpoint`` (call after fork)."""
-    provider = TracerProvider(
-        resource=Resource.create({"service.name": settings.service_name, "service.version": __version__ or ""}),
-        sampler=ParentBased(TraceIdRatioBased(settings.sample_ratio)),
-    )
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=settings.endpoint)))
+    """The worker's tracer, exporting in batches to :func:`endpoint` (call after fork)."""
+    provider = TracerProvider(resource=resource(settings), sampler=sampler(settings))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint(settings))))
     _PROVIDERS.append(provider)
     return provider.get_tracer("narwhal", __version__)
 
@@ -162,6 +211,8 @@ class _SpanAnnotatingLog:
 
     def write(self, rec: AccessRecord) -> None:
         span = trace.get_current_span()
+        # The server span's trace: the client's when it sent a valid traceparent, else a new one.
+        rec.trace_id = f"{span.get_span_context().trace_id:032x}"
         span.set_attribute("http.response.status_code", rec.status)
         span.set_attribute("narwhal.request_id", rec.request_id)
         span.set_attribute("narwhal.attempts", rec.attempts)

@@ -72,6 +72,28 @@ async def test_backend_id_is_derived_and_logged_with_client_and_usage(corr: Rout
     assert entry["completion_tokens"] == 5
 
 
+@pytest.mark.parametrize(("traceparent", "expected"), [
+    ("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", "4bf92f3577b34da6a3ce929d0e0e4736"),
+    ("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00", "4bf92f3577b34da6a3ce929d0e0e4736"),  # unsampled
+    ("00-00000000000000000000000000000000-00f067aa0ba902b7-01", None),  # all-zero trace id: invalid
+    ("00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01", None),  # upper case: invalid
+    ("garbage", None),
+    (None, None),
+])
+async def test_with_tracing_off_the_access_log_names_the_clients_trace(
+    corr: RouterProcess, fleet: FakeFleet, traceparent: str | None, expected: str | None
+) -> None:
+    # Issue 23 item 4: the trace the engines' spans join, since the header reaches them unchanged.
+    prompt = unique_prompt()
+    rid = "trace-" + prompt.split()[0]
+    headers = {"x-request-id": rid} | ({"traceparent": traceparent} if traceparent else {})
+    reply = await send(corr.url, "/v1/completions", completion(prompt, max_tokens=2), headers=headers)
+    assert reply.status == 200
+    entry = access_line(corr, rid)
+    assert "trace_id" in entry and entry["trace_id"] == expected
+    assert {r["headers"].get("traceparent") for r in legs(fleet, prompt)} == {traceparent}
+
+
 @pytest.mark.parametrize(("tokens", "delay"), [(1, 0.02), (2, 0.02), (8, 0.02), (8, 0.0)])
 async def test_the_usage_count_is_found_wherever_its_event_arrives(corr: RouterProcess, tokens: int,
                                                                    delay: float) -> None:

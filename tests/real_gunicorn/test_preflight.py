@@ -167,6 +167,35 @@ def test_failed_transfers_fail_the_pairs_and_charge_the_producer(pf_fleet: FakeF
     assert _rows(proc.stdout) == expected
 
 
+def test_a_consumer_whose_tp_is_no_multiple_of_the_producers_is_named_as_the_cause(
+    pf_fleet: FakeFleet, tmp_path: Path
+) -> None:
+    # Issue 23 item 2: vLLM 0.11's NixlConnector refuses a consumer whose TP is not a multiple of
+    # the producer's, and its answer says nothing about TP; the fake fails those pulls the same way.
+    engines = [("pf-p0", "producer"), ("pf-d0", "consumer"), ("pf-d1", "consumer"), ("pf-b0", "both")]
+    tp = {"pf-p0": 2, "pf-d0": 2, "pf-d1": 1, "pf-b0": 1}
+    try:
+        for name, size in tp.items():
+            pf_fleet.set_model(name, tensor_parallel_size=size)
+        proc = _cli(_config(pf_fleet, tmp_path, engines))
+    finally:
+        for name in tp:
+            pf_fleet.set_model(name, tensor_parallel_size=1)
+    assert proc.returncode == 1
+    rule = "vLLM's NixlConnector needs the consumer's --tensor-parallel-size to be a multiple of the producer's"
+    expected = _all_ok(["pf-d0", "pf-d1", "pf-b0"], ["pf-p0 -> pf-d0", "pf-b0 -> pf-d0", "pf-b0 -> pf-d1",
+                                                     "pf-b0 -> pf-b0"])
+    expected["engine pf-p0"] = ("fail", "transfers to pf-b0, pf-d1 failed", "-")
+    # pf-d1 only decodes: its TP is not known to preflight, so the cause is named as likely.
+    expected["pair pf-p0 -> pf-d1"] = ("fail", (
+        "transfer failed: KV transfer failed; likely cause: pf-p0 runs TP 2 (its tp_size) and vLLM's "
+        "NixlConnector refuses a consumer whose --tensor-parallel-size is not a multiple of it: check pf-d1's"), "-")
+    # pf-b0 prefills too: its own descriptor says TP 1, so the mismatch is certain.
+    expected["pair pf-p0 -> pf-b0"] = ("fail", (
+        f"transfer failed: KV transfer failed; tensor parallel mismatch: pf-p0 runs TP 2, pf-b0 TP 1: {rule}"), "-")
+    assert _rows(proc.stdout) == expected
+
+
 def test_an_unreachable_engine(pf_fleet: FakeFleet, tmp_path: Path) -> None:
     pf_fleet.control_request("POST", "/engines/pf-d1/stop")
     proc = _cli(_config(pf_fleet, tmp_path))

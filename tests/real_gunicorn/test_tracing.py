@@ -1,6 +1,9 @@
 """Issue 15 item 4 end to end: real gunicorn with ``[tracing] enabled``, exporting over OTLP/HTTP
 to a receiver this test runs; the protobuf it gets is decoded with ``opentelemetry-proto`` and
-the span tree, names and attributes are checked, with the ``traceparent`` each engine received."""
+the span tree, names and attributes are checked, with the ``traceparent`` each engine received.
+Issue 23 item 4: a router whose ``[tracing]`` sets nothing but ``enabled`` takes the endpoint,
+the service name and the sampler from the standard ``OTEL_*`` variables, and the access log
+names each request's trace."""
 
 from __future__ import annotations
 
@@ -19,7 +22,15 @@ from aiohttp import web
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from narwhal.testing.harness import FakeFleet, RouterProcess
-from tests.real_gunicorn.support import completion, http_request, records, send, start_router, unique_prompt
+from tests.real_gunicorn.support import (
+    access_line,
+    completion,
+    http_request,
+    records,
+    send,
+    start_router,
+    unique_prompt,
+)
 
 SERVER, CLIENT = 2, 3  # opentelemetry.proto.trace.v1.Span.SpanKind
 STATUS_ERROR = 2
@@ -171,6 +182,7 @@ async def test_a_request_makes_a_server_span_with_placement_prefill_and_decode_c
     assert attrs["http.response.status_code"] == 200 and attrs["narwhal.request_id"] == rid
     assert attrs["narwhal.backend_ids"] == [backend] and attrs["narwhal.attempts"] == 1
     assert "narwhal.reason" not in attrs and server.status != STATUS_ERROR
+    assert access_line(traced, rid)["trace_id"] == trace_id
 
 
 async def test_a_failed_leg_carries_its_reason_and_a_new_trace_starts_without_a_traceparent(
@@ -185,6 +197,7 @@ async def test_a_failed_leg_carries_its_reason_and_a_new_trace_starts_without_a_
     assert set(spans) == {"POST /v1/completions", "narwhal.placement", "narwhal.prefill"}  # no decode
     server, prefill = spans["POST /v1/completions"], spans["narwhal.prefill"]
     assert server.parent == ""  # a root: the client sent no traceparent
+    assert access_line(traced, server.attributes["narwhal.request_id"])["trace_id"] == trace_id  # the new trace
     assert prefill.status == server.status == STATUS_ERROR
     assert prefill.attributes["narwhal.reason"] == server.attributes["narwhal.reason"] == "engine_5xx"
     assert server.attributes["http.response.status_code"] == 502
@@ -204,3 +217,47 @@ def test_an_invalid_tracestate_is_dropped_and_the_client_trace_continued(
     for rec in records(fleet, "p2", prompt) + records(fleet, "d2", prompt):
         assert "tracestate" not in rec["headers"], rec["headers"]
         assert rec["headers"]["traceparent"].split("-")[1] == trace_id
+
+
+@pytest.fixture(scope="module")
+def otel_traced(fleet: FakeFleet, receiver: Receiver, tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[RouterProcess]:
+    """Only ``enabled = true`` in [tracing]: the rest comes from the OTEL_* variables."""
+    engines = [{"name": "p2", "role": "producer"}, {"name": "d2", "role": "consumer"}]
+    env = {
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url.removesuffix("/v1/traces"),  # + /v1/traces, as specified
+        "OTEL_SERVICE_NAME": "narwhal-from-otel-env",
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+        "OTEL_TRACES_SAMPLER_ARG": "0",  # new traces never sampled; a client's sampled flag still wins
+    }
+    proc = start_router(fleet, engines, tmp_path_factory.mktemp("otel"), env=env, tracing={"enabled": True})
+    yield proc
+    proc.stop()
+
+
+async def test_unset_tracing_settings_are_the_standard_otel_variables(
+    otel_traced: RouterProcess, receiver: Receiver, fleet: FakeFleet
+) -> None:
+    trace_id, client_span = os.urandom(16).hex(), os.urandom(8).hex()
+    prompt = unique_prompt()
+    rid = "otel-" + prompt.split()[0]
+    reply = await send(otel_traced.url, "/v1/completions", completion(prompt, max_tokens=2),
+                       headers={"x-request-id": rid, "traceparent": f"00-{trace_id}-{client_span}-01"})
+    assert reply.status == 200
+    # Exported to OTEL_EXPORTER_OTLP_ENDPOINT + /v1/traces, as OTEL_SERVICE_NAME.
+    spans = _by_name(receiver.trace(trace_id, 4))
+    assert {s.service for s in spans.values()} == {"narwhal-from-otel-env"}
+    assert spans["POST /v1/completions"].parent == client_span
+    assert access_line(otel_traced, rid)["trace_id"] == trace_id
+
+    # OTEL_TRACES_SAMPLER_ARG=0: a new trace is not sampled, and the legs say so.
+    prompt = unique_prompt()
+    rid = "otel-" + prompt.split()[0]
+    reply = await send(otel_traced.url, "/v1/completions", completion(prompt, max_tokens=2),
+                       headers={"x-request-id": rid})
+    assert reply.status == 200
+    (rec,) = records(fleet, "p2", prompt)
+    version, new_trace, _, flags = rec["headers"]["traceparent"].split("-")
+    assert version == "00" and int(flags, 16) & 0x01 == 0  # the sampled bit is off (0x02 is "random")
+    assert access_line(otel_traced, rid)["trace_id"] == new_trace

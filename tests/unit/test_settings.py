@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,7 +58,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 def test_defaults_without_file_or_env() -> None:
     s = load_settings(None, environ={})
-    assert s.server.bind == "127.0.0.1:8000"
+    assert s.server.bind == "127.0.0.1:8700"
     assert s.server.workers == 2
     assert s.server.max_engines == 64
     assert s.engine.prefill_timeout_s == 30
@@ -155,24 +156,64 @@ def test_invalid_toml(tmp_path: Path) -> None:
     ("toml", "message"),
     [
         ("bogus = 1\n", "bogus: unknown setting"),
-        ("[bogus]\nx = 1\n", "bogus: unknown setting"),
-        ("[server]\nworker = 2\n", "server.worker: unknown setting"),
-        ("[request]\ndeadline = 2\n", "request.deadline: unknown setting"),
-        ("[engine]\nfirst_token_timeout = 5\n", "engine.first_token_timeout: unknown setting"),
-        ("[handoff]\nmax_age = 50\n", "handoff.max_age: unknown setting"),
-        ("[placement]\nqueue_timeout = 1\n", "placement.queue_timeout: unknown setting"),
-        ("[preflight]\nonstart = false\n", "preflight.onstart: unknown setting"),
-        ("[log]\nlevels = \"info\"\n", "log.levels: unknown setting"),
-        ("[recovery]\neject = 3\n", "recovery.eject: unknown setting"),
-        ("[engine_contract]\nconnector = \"NixlConnector\"\n", "engine_contract.connector: unknown setting"),
+        ("[bogus]\nx = 1\n", "bogus: unknown table"),
+        ("[server]\nworker = 2\n", "server.worker: unknown setting; did you mean server.workers?"),
+        ("[request]\ndeadline = 2\n", "request.deadline: unknown setting; did you mean request.deadline_s?"),
+        ("[engine]\nfirst_token_timeout = 5\n",
+         "engine.first_token_timeout: unknown setting; did you mean engine.first_token_timeout_s?"),
+        ("[handoff]\nmax_age = 50\n", "handoff.max_age: unknown setting; did you mean handoff.max_age_s?"),
+        ("[placement]\nqueue_timeout = 1\n",
+         "placement.queue_timeout: unknown setting; did you mean placement.queue_timeout_s?"),
+        ("[preflight]\nonstart = false\n", "preflight.onstart: unknown setting; did you mean preflight.on_start?"),
+        ("[log]\nlevels = \"info\"\n", "log.levels: unknown setting; did you mean log.level?"),
+        ("[recovery]\neject = 3\n", "recovery.eject: unknown setting; did you mean recovery.eject_after?"),
+        ("[engine_contract]\nconnector = \"NixlConnector\"\n",
+         "engine_contract.connector: unknown setting; did you mean engine_contract.kv_connector?"),
         (
             '[[engines]]\nname = "p0"\nurl = "http://h:1"\nrole = "producer"\npeers = []\n',
-            "engines.0.peers: unknown setting",
+            "engines.0.peers: unknown setting; did you mean engines.0.kv_peers?",
         ),
     ],
 )
 def test_unknown_toml_key_in_every_section(tmp_path: Path, toml: str, message: str) -> None:
     assert error_of(tmp_path, toml) == message
+
+
+ENGINE = 'name = "p0"\nurl = "http://h:1"\nrole = "producer"\n'
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        # Issue 23 item 6: pydantic said "Input should be a valid list" and "...instance of EngineSettings".
+        ("[engines]\n" + ENGINE, "engines: write [[engines]] (an array of tables, one per entry), not the single "
+                                 "table [engines]"),
+        ("[[engine]]\n" + ENGINE, "engine: [engine] is one table, not the array of tables [[engine]]; "
+                                  "did you mean [[engines]]?"),
+        ("[[server]]\nbind = \"0.0.0.0:1\"\n", "server: [server] is one table, not the array of tables [[server]]"),
+        ("[servr]\nbind = \"0.0.0.0:1\"\n", "servr: unknown table; did you mean [server]?"),
+        ("[engine_contracts]\nmodel = \"m\"\n", "engine_contracts: unknown table; did you mean [engine_contract]?"),
+        ("workers = 4\n", "workers: unknown setting; did you mean server.workers (under [server])?"),
+        # A misspelt required key is also a missing one: the typo is what to report.
+        ('[[engines]]\nname = "p0"\nurl = "http://h:1"\nrol = "producer"\n',
+         "engines.0.rol: unknown setting; did you mean engines.0.role?"),
+        ('[[engines]]\nname = "p0"\nrole = "producer"\n', "engines.0.url: Field required"),
+        ("[server]\nzzz = 1\n", "server.zzz: unknown setting"),
+    ],
+)
+def test_a_misshapen_or_misspelt_setting_says_what_was_meant(tmp_path: Path, toml: str, message: str) -> None:
+    assert error_of(tmp_path, toml) == message
+
+
+def test_the_start_refuses_a_misshapen_table_with_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "narwhal.toml"
+    path.write_text("[engines]\n" + ENGINE)
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("NARWHAL_")}
+    proc = subprocess.run([sys.executable, "-m", "narwhal", "serve", "--config", str(path)], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == ("narwhal: invalid settings: engines: write [[engines]] (an array of tables, one per "
+                           "entry), not the single table [engines]\n")
 
 
 @pytest.mark.parametrize(

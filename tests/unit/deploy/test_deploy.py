@@ -107,6 +107,7 @@ PROSE_NAMES = sorted({n for t in _deploy_texts() for n in _NAME.findall(t)} - se
 def test_the_deploy_files_need_exactly_these_metrics() -> None:
     assert QUERY_NAMES == [
         "narwhal_attempts_total",
+        "narwhal_build_info",
         "narwhal_client_disconnects_total",
         "narwhal_engine_failures_total",
         "narwhal_engine_inflight",
@@ -115,10 +116,13 @@ def test_the_deploy_files_need_exactly_these_metrics() -> None:
         "narwhal_handoff_age_seconds_bucket",
         "narwhal_handoffs_abandoned_total",
         "narwhal_handoffs_released_total",
+        "narwhal_inter_token_seconds_bucket",
         "narwhal_local_decodes_total",
         "narwhal_placements_total",
         "narwhal_prefill_tokens_total",
         "narwhal_probes_total",
+        "narwhal_requests_inflight",
+        "narwhal_requests_queued",
         "narwhal_requests_total",
         "narwhal_retries_total",
         "narwhal_retry_budget_exhausted_total",
@@ -178,6 +182,23 @@ def test_the_dashboard_covers_every_spec_metric() -> None:
     assert names == ["datasource", "job", "instance"]
 
 
+def test_the_dashboard_shows_the_series_beyond_the_spec_and_its_panels_do_not_overlap() -> None:
+    # Issue 23 item 7: these four had no panel.
+    dash = json.loads(DASHBOARD.read_text())
+    text = "\n".join(t["expr"] for p in dash["panels"] for t in p.get("targets", []))
+    for family in ("narwhal_inter_token_seconds_bucket", "narwhal_requests_inflight", "narwhal_requests_queued",
+                   "narwhal_build_info"):
+        assert re.search(rf"\b{family}\{{", text), family
+    cells: dict[tuple[int, int], int] = {}
+    for panel in dash["panels"]:
+        grid = panel["gridPos"]
+        assert grid["x"] + grid["w"] <= 24
+        for x in range(grid["x"], grid["x"] + grid["w"]):
+            for y in range(grid["y"], grid["y"] + grid["h"]):
+                assert (x, y) not in cells, f"panels {cells[(x, y)]} and {panel['id']} overlap"
+                cells[(x, y)] = panel["id"]
+
+
 # ----------------------------------------------------------------------------- Prometheus
 
 
@@ -195,9 +216,11 @@ def test_alert_rules() -> None:
     for rule in alerts.values():
         assert rule["labels"]["severity"] in ("warning", "critical")
         assert rule["annotations"]["summary"]
+    # Issue 23 item 7: per replica, so the alert says which instance is slow.
     assert alerts["NarwhalFirstByteP99High"]["expr"].startswith(
-        "histogram_quantile(0.99, sum by (le) (rate(narwhal_first_byte_seconds_bucket[5m])))"
+        "histogram_quantile(0.99, sum by (job, instance, le) (rate(narwhal_first_byte_seconds_bucket[5m])))"
     )
+    assert "{{ $labels.instance }}" in alerts["NarwhalFirstByteP99High"]["annotations"]["summary"]
     assert 'narwhal_requests_total{code=~"5.."}' in alerts["NarwhalHigh5xxRatio"]["expr"]
     assert alerts["NarwhalEngineEjected"]["expr"] == "narwhal:engine_state:max == 2"
     records = {r["record"]: r["expr"] for r in rules if "record" in r}
@@ -227,7 +250,7 @@ def test_the_example_settings_load_and_have_every_section(tmp_path: Path) -> Non
     assert set(tomllib.loads(text)) == SETTINGS_SECTIONS
     settings = _load_toml_text(text, tmp_path)
     roles = [e.role for e in settings.engines]
-    assert roles == ["producer", "producer", "consumer", "consumer", "consumer", "consumer"]
+    assert roles == ["producer", "producer", "consumer", "consumer", "consumer"]
     assert settings.engine_contract is not None and settings.engine_contract.model
     assert settings.handoff.max_age_s > settings.engine.prefill_timeout_s
     section_lines = [line for line in text.splitlines() if line.startswith("[") and "]]" not in line]
@@ -331,7 +354,7 @@ def test_kubernetes_manifests_fit_together(tmp_path: Path) -> None:
     assert volume["configMap"]["name"] == config["metadata"]["name"]
     assert set(config["data"]) == {"narwhal.toml"}
     settings = _load_toml_text(config["data"]["narwhal.toml"], tmp_path)
-    assert settings.server.bind == "0.0.0.0:8000"
+    assert settings.server.bind == "0.0.0.0:8700"
     assert int(settings.server.bind.rsplit(":", 1)[1]) == container["ports"][0]["containerPort"]
     assert settings.server.workers == int(container["resources"]["requests"]["cpu"])
     pre_stop = int(container["lifecycle"]["preStop"]["exec"]["command"][-1])

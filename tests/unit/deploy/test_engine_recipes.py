@@ -2,10 +2,11 @@
 
 Why: a ``vllm serve`` line that disagrees with ``deploy/narwhal.toml`` or the Kubernetes
 ConfigMap (another port, two engines on one side-channel port, a TP size without the GPUs for
-it, another connector) fails only on GPU hosts, at the first KV transfer. These tests check the
-README's bare-metal lines ("Real engines") and ``deploy/kubernetes/engines/`` against the
-settings, and every flag and variable against the ones read in vLLM 0.11.0's sources (the
-version the settings pin): ``vllm/engine/arg_utils.py``, ``vllm/entrypoints/openai/cli_args.py``,
+it, a consumer whose TP is no multiple of its producers', another connector) fails only on GPU
+hosts, at the first KV transfer. These tests read every recipe — each README ``sh`` block with
+``vllm serve`` lines, and ``deploy/kubernetes/engines/`` — check it against its settings, and
+check every flag and variable against the ones read in vLLM 0.11.0's sources (the version the
+settings pin): ``vllm/engine/arg_utils.py``, ``vllm/entrypoints/openai/cli_args.py``,
 ``vllm/config/kv_transfer.py``, ``vllm/envs.py`` and ``.../kv_connector/v1/nixl_connector.py``.
 """
 
@@ -24,6 +25,7 @@ import pytest
 import yaml
 from packaging.specifiers import SpecifierSet
 
+from narwhal.fleet import Fleet
 from narwhal.settings import Settings, load_settings
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -72,17 +74,31 @@ def parse_serve(argv: list[str], env: dict[str, str]) -> Command:
     return Command(env, model, flags)
 
 
-def readme_commands() -> list[Command]:
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Real engines", 1)[1].split("\n## ", 1)[0]
-    block = section.split("```sh\n", 1)[1].split("```", 1)[0]
+def _serve_lines(block: str) -> list[Command]:
     commands = []
     for line in block.replace("\\\n", " ").splitlines():
+        if "vllm serve " not in line:
+            continue
         words = shlex.split(line)
         env = dict(w.split("=", 1) for w in words if "=" in w and w.split("=", 1)[0].isupper())
         rest = words[len(env):]
         assert rest[:2] == ["vllm", "serve"], line
         commands.append(parse_serve(rest[2:], env))
+    return commands
+
+
+def readme_recipes() -> list[list[Command]]:
+    """Every ``sh`` block of the README that starts engines: its ``vllm serve`` lines."""
+    blocks = (ROOT / "README.md").read_text().split("```sh\n")[1:]
+    return [c for c in (_serve_lines(b.split("```", 1)[0]) for b in blocks) if c]
+
+
+def readme_commands() -> list[Command]:
+    """The bare-metal recipe of "Real engines": the engines of ``deploy/narwhal.toml``."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Real engines", 1)[1].split("\n## ", 1)[0]
+    commands = _serve_lines(section.split("```sh\n", 1)[1].split("```", 1)[0])
+    assert commands in readme_recipes()
     return commands
 
 
@@ -109,14 +125,14 @@ def _check_engine_flags(command: Command, settings: Settings, consumer_streams: 
 def test_the_readme_starts_exactly_the_engines_of_the_example_settings(tmp_path: Path) -> None:
     settings = _settings((ROOT / "deploy" / "narwhal.toml").read_text(), tmp_path)
     commands = readme_commands()
-    assert len(commands) == len(settings.engines) == 6
+    assert len(commands) == len(settings.engines) == 5
     for engine in settings.engines:
         url = urlsplit(engine.url)
         (command,) = [c for c in commands if int(c.flag("--port")) == url.port]
         assert set(command.env) == VERIFIED_ENV
         assert command.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == url.hostname  # never localhost across hosts
         gpus = command.env["CUDA_VISIBLE_DEVICES"].split(",")
-        assert int(command.flag("--tensor-parallel-size")) == len(gpus) == (2 if engine.role == "producer" else 1)
+        assert int(command.flag("--tensor-parallel-size")) == len(gpus)
         streams = engine.max_inflight_decode if engine.role == "consumer" else None
         _check_engine_flags(command, settings, streams)
 
@@ -223,3 +239,92 @@ def test_kustomize_builds_the_engines() -> None:
     built = sorted((d["kind"], d["metadata"]["name"], d["metadata"]["namespace"]) for d in docs)
     assert built == [("Service", "vllm-decode", "llm"), ("Service", "vllm-prefill", "llm"),
                      ("StatefulSet", "vllm-decode", "llm"), ("StatefulSet", "vllm-prefill", "llm")]
+
+
+# ----------------------------------------------------------------------------- every recipe
+
+
+@dataclass(frozen=True)
+class Run:
+    """One engine as a recipe starts it: where it listens and with what tensor parallelism."""
+
+    host: str  # the side channel's host (a pod on Kubernetes: each has its own IP)
+    http_port: int
+    side_base: int  # VLLM_NIXL_SIDE_CHANNEL_PORT
+    tp: int
+
+    @property
+    def ports(self) -> set[int]:
+        # vLLM 0.11.0: each TP rank's handshake listener binds base + rank (nixl_connector.py).
+        return {self.http_port} | {self.side_base + rank for rank in range(self.tp)}
+
+
+def _bare_metal(tmp_path: Path) -> tuple[Settings, dict[str, Run]]:
+    settings = _settings((ROOT / "deploy" / "narwhal.toml").read_text(), tmp_path)
+    by_port = {int(c.flag("--port")): c for c in readme_commands()}
+    runs = {}
+    for engine in settings.engines:
+        c = by_port[urlsplit(engine.url).port or 0]
+        runs[engine.name] = Run(c.env["VLLM_NIXL_SIDE_CHANNEL_HOST"], int(c.flag("--port")),
+                                int(c.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]), int(c.flag("--tensor-parallel-size")))
+    return settings, runs
+
+
+def _kubernetes(tmp_path: Path) -> tuple[Settings, dict[str, Run]]:
+    settings = _settings(yaml.safe_load((K8S / "configmap.yaml").read_text())["data"]["narwhal.toml"], tmp_path)
+    docs = _engine_docs()
+    runs = {}
+    for engine in settings.engines:
+        url = urlsplit(engine.url)
+        assert url.hostname is not None
+        pod, service = url.hostname.split(".")[:2]
+        container = _container(docs[("StatefulSet", service)])
+        command = parse_serve(container["args"], {})
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        runs[engine.name] = Run(pod, int(command.flag("--port")), int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"]),
+                                int(command.flag("--tensor-parallel-size")))
+    return settings, runs
+
+
+RECIPES = {"README bare metal": _bare_metal, "deploy/kubernetes/engines": _kubernetes}
+
+
+def test_every_readme_recipe_is_checked() -> None:
+    # A second recipe in the README would need its own settings here, or it goes unchecked.
+    assert readme_recipes() == [readme_commands()]
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_every_permitted_pair_has_tensor_parallel_sizes_vllm_accepts(recipe: str, tmp_path: Path) -> None:
+    # vLLM 0.11's NixlConnector (ai-dynamo/dynamo#2295): each consumer rank reads one producer
+    # rank's share of the KV heads, so the consumer's TP is a multiple of the producer's.
+    settings, runs = RECIPES[recipe](tmp_path)
+    pairs = [(p.name, d.name) for p in Fleet(settings).engines for d in p.permitted_consumers if d is not p]
+    assert pairs
+    refused = [(p, runs[p].tp, d, runs[d].tp) for p, d in pairs if runs[d].tp % runs[p].tp != 0]
+    assert refused == []
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_engines_sharing_a_host_use_disjoint_http_and_side_channel_ports(recipe: str, tmp_path: Path) -> None:
+    settings, runs = RECIPES[recipe](tmp_path)
+    router = int(settings.server.bind.rsplit(":", 1)[1])
+    taken: dict[tuple[str, int], str] = {}
+    for name, run in runs.items():
+        for port in run.ports:
+            assert (run.host, port) not in taken, f"{name} and {taken[(run.host, port)]} both use {run.host}:{port}"
+            taken[(run.host, port)] = name
+    if recipe == "README bare metal":  # the router runs on the engines' host
+        assert all((host, router) not in taken for host in {r.host for r in runs.values()})
+
+
+def test_the_routers_default_port_is_no_engines(tmp_path: Path) -> None:
+    # Issue 23 item 5: 127.0.0.1:8000 was vLLM's own default port on a shared host.
+    from narwhal.demo import DEFAULT_PORT
+    from narwhal.settings import ServerSettings
+
+    port = int(ServerSettings().bind.rsplit(":", 1)[1])
+    engine_ports = {run_port for recipe in RECIPES.values() for run in recipe(tmp_path)[1].values()
+                    for run_port in run.ports}
+    # vLLM's, Triton's and Ray Serve's 8000, SGLang's 30000, TGI's 3000 and 8080 (the demo's).
+    assert port not in engine_ports | {8000, 30000, 3000, 8080, DEFAULT_PORT}

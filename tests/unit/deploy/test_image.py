@@ -81,14 +81,16 @@ def test_the_dockerfile_has_a_build_stage_and_a_slim_runtime_stage() -> None:
     # The base's Python is the oldest the package supports.
     assert PYPROJECT["requires-python"] == ">=3.11"
     assert [args for kw, args in build if kw == "COPY"] == ["pyproject.toml README.md LICENSE ./", "narwhal ./narwhal"]
-    assert _one(build, "RUN") == "pip wheel --no-cache-dir --wheel-dir /wheels ."
+    # The tracing extra too (issue 23 item 4): [tracing] enabled = true works in the image.
+    assert _one(build, "RUN") == "pip wheel --no-cache-dir --wheel-dir /wheels '.[tracing]'"
     assert all(kw != "ADD" for stage in (build, final) for kw, _ in stage)
 
 
 def test_the_runtime_stage_installs_only_the_built_wheels_and_runs_as_the_pods_user() -> None:
     _, final = stages()
     run = _one(final, "RUN")
-    assert run.startswith("pip install --no-cache-dir --no-index --find-links /wheels narwhal-router && rm -rf /wheels")
+    assert run.startswith(
+        "pip install --no-cache-dir --no-index --find-links /wheels 'narwhal-router[tracing]' && rm -rf /wheels")
     assert "useradd --system --uid 10001 --gid 10001" in run and "groupadd --system --gid 10001 narwhal" in run
     assert [args for kw, args in final if kw == "COPY"] == [
         "--from=build /wheels /wheels", "gunicorn.conf.py ./gunicorn.conf.py",
@@ -106,15 +108,51 @@ def test_the_entry_point_and_port_are_the_deployments() -> None:
     assert json.loads(_one(final, "ENTRYPOINT")) == container["command"] == ["narwhal"]
     assert json.loads(_one(final, "CMD")) == container["args"] == ["serve", "--config", "/etc/narwhal/narwhal.toml"]
     port = container["ports"][0]["containerPort"]
-    assert _one(final, "EXPOSE") == str(port) == "8000"
+    assert _one(final, "EXPOSE") == str(port) == "8700"
+    # All interfaces (issue 23 item 5): the settings' 127.0.0.1 is unreachable from outside.
+    env = shlex.split(_one(final, "ENV"))
+    assert f"NARWHAL_SERVER__BIND=0.0.0.0:{port}" in env
     assert _one(final, "STOPSIGNAL") == "SIGTERM"
     healthcheck = _one(final, "HEALTHCHECK")
     options, _, command = healthcheck.partition(" CMD ")
     assert shlex.split(options) == ["--interval=10s", "--timeout=5s", "--start-period=120s", "--retries=3"]
     assert json.loads(command) == [
         "python", "-c",
-        f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}/health', timeout=4)",
+        "import os, urllib.request; port = os.environ['NARWHAL_SERVER__BIND'].rpartition(':')[2]; "
+        "urllib.request.urlopen(f'http://127.0.0.1:{port}/health', timeout=4)",
     ]
+
+
+def test_the_healthcheck_asks_the_port_the_image_binds(tmp_path: Path) -> None:
+    # The HEALTHCHECK's own command, run against a server on the port NARWHAL_SERVER__BIND names.
+    import functools
+    import http.server
+    import threading
+
+    _, final = stages()
+    check = json.loads(_one(final, "HEALTHCHECK").partition(" CMD ")[2])
+    (tmp_path / "health").write_text("")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        env = {"NARWHAL_SERVER__BIND": f"0.0.0.0:{server.server_address[1]}", "PATH": "/usr/bin:/bin"}
+        ok = subprocess.run([sys.executable, *check[1:]], env=env, capture_output=True, text=True, timeout=30)
+        env["NARWHAL_SERVER__BIND"] = f"0.0.0.0:{_free_port()}"
+        refused = subprocess.run([sys.executable, *check[1:]], env=env, capture_output=True, timeout=30)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert (ok.returncode, ok.stderr) == (0, "")
+    assert refused.returncode != 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def test_the_manifests_and_the_readme_name_the_image_this_version_builds() -> None:
@@ -169,10 +207,15 @@ def test_the_image_builds_and_runs_as_the_deployment_would() -> None:
     try:
         run = subprocess.run([engine, "run", "--rm", tag, "--version"], capture_output=True, text=True, timeout=60)
         assert (run.returncode, run.stdout) == (0, f"narwhal-router {VERSION}\n"), run.stderr
+        # The tracing extra is in: [tracing] enabled = true starts in the image.
+        otel = subprocess.run([engine, "run", "--rm", "--entrypoint", "python", tag, "-c",
+                               "import opentelemetry.exporter.otlp.proto.http.trace_exporter"],
+                              capture_output=True, text=True, timeout=60)
+        assert otel.returncode == 0, otel.stderr
         inspect = subprocess.run([engine, "image", "inspect", tag], capture_output=True, text=True, timeout=60)
         config = json.loads(inspect.stdout)[0]["Config"]
         assert config["User"] == "10001:10001"
         assert config["Entrypoint"] == ["narwhal"]
-        assert "http://127.0.0.1:8000/health" in " ".join(config["Healthcheck"]["Test"])
+        assert "NARWHAL_SERVER__BIND=0.0.0.0:8700" in config["Env"]
     finally:
         subprocess.run([engine, "rmi", "-f", tag], capture_output=True, timeout=60)

@@ -461,3 +461,13 @@ def test_endpoint_mismatch() -> None:
 )
 def test_rule_order(descriptor: dict[str, Any], prefill_endpoint: str, detail: str) -> None:
     assert rejection(descriptor, prefill_endpoint=prefill_endpoint, decode_endpoint=CHAT) == detail
+
+
+def test_the_tensor_parallel_rule_is_vllms_multiple_rule() -> None:
+    # vLLM 0.11's NixlConnector: each consumer rank reads one producer rank's share of the heads.
+    from narwhal.engines.connector import tp_accepted, tp_size_of
+
+    accepted = {(p, d) for p in (1, 2, 4) for d in (1, 2, 3, 4, 8) if tp_accepted(p, d)}
+    assert accepted == {(1, 1), (1, 2), (1, 3), (1, 4), (1, 8), (2, 2), (2, 4), (2, 8), (4, 4), (4, 8)}
+    assert [tp_size_of(d) for d in ({"tp_size": 2}, {"tp_size": True}, {"tp_size": 0}, {}, None)] == [
+        2, None, None, None, None]
