@@ -26,6 +26,7 @@ from narwhal.shm.records import (
     FLAG_COUNTS,
     FLAG_OK,
     FLAG_PREFILL,
+    KIND_LOCAL_OUTCOME,
     KIND_OUTCOME,
     NONE16,
     REASON_CODE,
@@ -189,10 +190,11 @@ class WorkerFleetState:
 
     def report(
         self, producer: Engine, consumer: Engine, *, error: EngineError | None = None,
-        failed: Engine | None = None, before_first_token: bool = False,
+        failed: Engine | None = None, before_first_token: bool = False, local: bool = False,
     ) -> None:
         """One attempt into this slot's ring (``narwhal.request.outcomes.Reporter``): a success
-        without ``error``; a failure's phase, reason and weight as ring flags and codes."""
+        without ``error``; a failure's phase, reason and weight as ring flags and codes; a
+        local decode's under its own kind."""
         if error is None:
             flags, reason = FLAG_OK, 0
         else:
@@ -209,7 +211,7 @@ class WorkerFleetState:
                 failed=NONE16 if failed is None else failed.index,
                 reason=reason,
                 flags=flags,
-                kind=KIND_OUTCOME,
+                kind=KIND_LOCAL_OUTCOME if local else KIND_OUTCOME,
             ),
         )
 

@@ -37,6 +37,7 @@ from narwhal.shm.records import (
     FLAG_PREFILL,
     KIND_DRAIN,
     KIND_EJECT,
+    KIND_LOCAL_OUTCOME,
     KIND_OUTCOME,
     KIND_READMIT,
     NONE16,
@@ -157,7 +158,7 @@ class Supervisor:
         for r in reports:
             if r.producer >= len(engines) or r.consumer >= len(engines):
                 continue  # from a worker configured with another engine list (a reload)
-            if r.kind == KIND_OUTCOME:
+            if r.kind in (KIND_OUTCOME, KIND_LOCAL_OUTCOME):
                 failed = None if r.failed == NONE16 or r.failed >= len(engines) else engines[r.failed].name
                 reason = REASONS[r.reason] if r.reason < len(REASONS) else ""
                 self.breakers.record(
@@ -171,6 +172,7 @@ class Supervisor:
                         counts=bool(r.flags & FLAG_COUNTS),
                         before_first_token=bool(r.flags & FLAG_BEFORE_TOKEN),
                         at=r.at,
+                        local=r.kind == KIND_LOCAL_OUTCOME,
                     )
                 )
             elif r.kind == KIND_EJECT:
