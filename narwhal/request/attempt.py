@@ -191,6 +191,7 @@ class Attempts:
                 result, resv.consumer, req.body, stream=req.stream, deadline=req.deadline,
                 max_age_s=self.settings.handoff.max_age_s, headers=req.forward, sink=sink,
             )
+            resv.decode_sent()
             whole = await leg.open()
             if whole is not None:
                 rec.first_byte_s = first_byte_s = time.perf_counter() - started

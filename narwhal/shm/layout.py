@@ -11,10 +11,12 @@ any process: the memory goes when the last process holding it exits.
     header                      64 B   magic, sizes, supervisor pid + heartbeat, generation
     engine records   E ×       64 B   breaker state, written only by the supervisor
     load records     E ×       64 B   what each engine's /metrics said, and when (supervisor)
-    worker slots     W × (64 B + E·8 B + R·RING_ENTRY)
+    worker slots     W × (64 B + E·8 B + E·4 B (to 8) + R·RING_ENTRY)
         slot header                    pid, requests and retries in flight, ring indices,
                                        client connections
         in-flight counts               u32 per engine and phase, written only by that worker
+        unsent decodes                 u32 per engine: of its decode slots, those reserved with
+                                       a pair whose decode leg is not sent yet (that worker)
         outcome ring                   R reports, written by the worker, consumed by the supervisor
 
 One writer per field, always. Multi-field records carry a CRC32 of their payload: a reader
@@ -36,7 +38,7 @@ import struct
 from dataclasses import dataclass
 
 MAGIC = 0x4E52574C  # "NRWL"
-VERSION = 1
+VERSION = 2  # 2: the unsent decodes of each slot
 
 HEADER = struct.Struct("<IIIIIIQQQ")  # magic, version, engines, slots, ring, sup_pid, heartbeat_ns, generation, starts
 HEADER_SIZE = 64
@@ -86,8 +88,12 @@ class Layout:
         return HEADER_SIZE + self.engines * RECORD_SIZE + engine * LOAD_RECORD_SIZE
 
     @functools.cached_property
+    def _unsent_size(self) -> int:
+        return (self.engines * 4 + 7) // 8 * 8  # slots stay 8-byte aligned for their u64 fields
+
+    @functools.cached_property
     def slot_size(self) -> int:
-        return SLOT_HEADER_SIZE + self.engines * 8 + self.ring * RING_ENTRY_SIZE
+        return SLOT_HEADER_SIZE + self.engines * 8 + self._unsent_size + self.ring * RING_ENTRY_SIZE
 
     @functools.cached_property
     def _slots_base(self) -> int:
@@ -102,8 +108,17 @@ class Layout:
     def count_offset(self, slot: int, engine: int, phase: int) -> int:
         return self.counts_offset(slot) + (engine * 2 + phase) * 4
 
+    def unsent_offset(self, slot: int, engine: int) -> int:
+        return self.counts_offset(slot) + self.engines * 8 + engine * 4
+
+    @property
+    def slot_counts_size(self) -> int:
+        """The in-flight counts and the unsent decodes of one slot: what a dead worker gives back."""
+        return self.engines * 8 + self._unsent_size
+
     def ring_offset(self, slot: int, index: int) -> int:
-        return self.slot_offset(slot) + SLOT_HEADER_SIZE + self.engines * 8 + (index % self.ring) * RING_ENTRY_SIZE
+        return (self.slot_offset(slot) + SLOT_HEADER_SIZE + self.slot_counts_size
+                + (index % self.ring) * RING_ENTRY_SIZE)
 
     @property
     def size(self) -> int:

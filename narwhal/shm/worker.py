@@ -63,6 +63,8 @@ class WorkerFleetState:
         # pack_into each, not a chain of offset helpers (see SharedFleet for the layout).
         self._mm = shared.mm
         self._count_at = [shared.layout.count_offset(slot, e, p) for e in range(len(fleet.engines)) for p in (0, 1)]
+        self._unsent = [0] * len(fleet.engines)
+        self._unsent_at = [shared.layout.unsent_offset(slot, e) for e in range(len(fleet.engines))]
         self._requests_at = shared.layout.slot_offset(slot) + L.SLOT_REQUESTS
         self._connections_at = shared.layout.slot_offset(slot) + L.SLOT_CONNECTIONS
 
@@ -149,6 +151,11 @@ class WorkerFleetState:
 
     def release(self, engine: Engine, phase: str) -> None:
         self._bump(engine.index, _PHASE[phase], -1)
+
+    def unsent_decode(self, engine: Engine, delta: int) -> None:
+        i = engine.index
+        self._unsent[i] += delta
+        L.U32.pack_into(self._mm, self._unsent_at[i], self._unsent[i])
 
     def _bump(self, engine: int, phase: int, delta: int) -> None:
         i = engine * 2 + phase

@@ -5,8 +5,9 @@ in parallel, each bounded by the interval, with the TLS context and engine key o
 control read (``engines.control.PooledReader``: ``ControlClient``'s answer over the pooled
 HTTP/1.1 client, half its CPU per read). A reading is parsed
 (``narwhal.engines.load_metrics``) and written to the engine's load record in shared memory
-with the time it was read and this host's in-flight legs on the engine at that moment (which
-the engine counted among its own); then the load generation is bumped, so workers pick it up
+with the time it was read and this host's in-flight legs on the engine at that moment that
+the engine counted among its own (``SharedFleet.engine_seen``: not a decode reserved for a
+prefill that still runs); then the load generation is bumped, so workers pick it up
 on their next placement, lock-free.
 
 Invariants, and why:
@@ -82,8 +83,9 @@ class LoadReader:
             return
         self._failing.discard(engine.name)
         # This host's legs on the engine now: the engine counted them too, and placement adds
-        # them exactly from shared memory, so they are taken out of the reading there.
-        ours = self.shared.engine_total(engine.index, 0) + self.shared.engine_total(engine.index, 1)
+        # them exactly from shared memory, so they are taken out of the reading there. Not the
+        # decodes reserved for prefills still running: the engine has not seen those (issue 25).
+        ours = self.shared.engine_seen(engine.index)
         record = LoadRecord(
             time.monotonic(), reading.running, reading.waiting, reading.kv_usage, name_hash(engine.name), ours
         )

@@ -168,3 +168,22 @@ def test_a_cap_of_one_is_exact_across_processes(shared: SharedFleet) -> None:
                 pass
     assert violations.region.u32(56) == 0
     violations.close()
+
+
+def test_the_unsent_decodes_sit_between_the_counts_and_the_ring_and_go_with_the_slot() -> None:
+    shared = SharedFleet.create(engines=3, slots=2, ring=4)  # an odd engine count
+    try:
+        layout = shared.layout
+        assert layout.slot_size % 8 == 0  # every slot's u64 fields stay aligned
+        counts_end = layout.counts_offset(1) + 3 * 8
+        assert layout.unsent_offset(1, 0) == counts_end and layout.unsent_offset(1, 2) + 4 <= layout.ring_offset(1, 0)
+        slot = shared.claim_slot(os.getpid())
+        assert slot is not None
+        shared.set_count(slot, 2, 1, 5)  # five decode slots on engine 2, three not sent yet
+        shared.region.set_u32(layout.unsent_offset(slot, 2), 3)
+        assert shared.engine_seen(2) == 2
+        assert shared.append(slot, _report(1.0)) and [r.at for r in shared.drain(slot)] == [1.0]
+        shared.clear_slot(slot)
+        assert shared.region.u32(layout.unsent_offset(slot, 2)) == 0 and shared.engine_seen(2) == 0
+    finally:
+        shared.close()
