@@ -55,8 +55,10 @@ class SharedFleet:
         self.region.set_u64(L.LOAD_GENERATION_OFFSET, self.load_generation + 1)
 
     def beat(self, pid: int) -> None:
-        self.region.set_u32(L.SUPERVISOR_PID_OFFSET, pid)
+        # The time first: a keeper that sees a new supervisor's pid must see that supervisor's
+        # beat, not its predecessor's stale one (or none at all), which would read as wedged.
         self.region.set_u64(L.HEARTBEAT_OFFSET, time.monotonic_ns())
+        self.region.set_u32(L.SUPERVISOR_PID_OFFSET, pid)
 
     @property
     def heartbeat_age_s(self) -> float:

@@ -19,6 +19,7 @@ so a restart loses no ejection.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -53,6 +54,7 @@ from narwhal.shm.records import (
 from narwhal.shm.shared import SharedFleet, alive
 from narwhal.supervisor.load import LoadReader
 from narwhal.supervisor.probes import Prober
+from narwhal.supervisor.rounds import spread
 
 log = logging.getLogger("narwhal.supervisor")
 
@@ -225,6 +227,9 @@ class Supervisor:
         metrics.PROBES.labels(engine.name, result).inc()
         self.breakers.probe_result(engine.name, result, time.monotonic())
 
+    def _start_health(self, prober: Prober, engine: Engine) -> None:
+        self._spawn(self._health(prober, engine))
+
     async def _health(self, prober: Prober, engine: Engine) -> None:
         failure = await prober.health_failure(engine)
         if failure is not None:
@@ -259,12 +264,13 @@ class Supervisor:
                         self._spawn(self._probe(prober, self.fleet.by_name[plan.engine], plan))
                 if now >= next_health:
                     next_health = now + health_every
-                    for engine in self.fleet.engines:
-                        if self.breakers.admitted(engine.name, now):
-                            self._spawn(self._health(prober, engine))
+                    checked = [e for e in self.fleet.engines if self.breakers.admitted(e.name, now)]
+                    # A batch per pass of the loop (supervisor.rounds), not the whole fleet at once.
+                    starts = [functools.partial(self._start_health, prober, e) for e in checked]
+                    self._spawn(spread(starts, min(health_every / 2, 1.0)))
                 if load_every > 0 and now >= next_load:
                     next_load = now + load_every
-                    loads.start_round(e for e in self.fleet.engines if self._placeable(e))
+                    loads.start_round((e for e in self.fleet.engines if self._placeable(e)), load_every / 2)
                 if now >= next_sweep:
                     next_sweep = now + SWEEP_S
                     self.sweep()
