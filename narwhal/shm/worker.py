@@ -60,7 +60,8 @@ class WorkerFleetState:
         self._requests = 0
         self._retries = 0
         # This slot's fields at fixed offsets, written several times per request: one
-        # pack_into each, not a chain of offset helpers (see SharedFleet for the layout).
+        # store_u32 each (never pack_into, which zeroes the field first: shm.layout), not a
+        # chain of offset helpers (see SharedFleet for the layout).
         self._mm = shared.mm
         self._count_at = [shared.layout.count_offset(slot, e, p) for e in range(len(fleet.engines)) for p in (0, 1)]
         self._unsent = [0] * len(fleet.engines)
@@ -155,22 +156,22 @@ class WorkerFleetState:
     def unsent_decode(self, engine: Engine, delta: int) -> None:
         i = engine.index
         self._unsent[i] += delta
-        L.U32.pack_into(self._mm, self._unsent_at[i], self._unsent[i])
+        L.store_u32(self._mm, self._unsent_at[i], self._unsent[i])
 
     def _bump(self, engine: int, phase: int, delta: int) -> None:
         i = engine * 2 + phase
         self._mine[i] += delta
-        L.U32.pack_into(self._mm, self._count_at[i], self._mine[i])
+        L.store_u32(self._mm, self._count_at[i], self._mine[i])
 
     # -- requests and retries in flight (the fleet-wide retry budget) -----------------------
 
     def request_started(self) -> None:
         self._requests += 1
-        L.U32.pack_into(self._mm, self._requests_at, self._requests)
+        L.store_u32(self._mm, self._requests_at, self._requests)
 
     def request_finished(self) -> None:
         self._requests -= 1
-        L.U32.pack_into(self._mm, self._requests_at, self._requests)
+        L.store_u32(self._mm, self._requests_at, self._requests)
 
     def try_start_retry(self, ratio: float, minimum: int) -> bool:
         inflight = self.shared.slot_field_total(L.SLOT_REQUESTS)
@@ -188,7 +189,7 @@ class WorkerFleetState:
     # -- client connections (narwhal.front.accept.ConnectionShare) ----------------------------------
 
     def publish(self, connections: int | None) -> None:
-        L.U32.pack_into(self._mm, self._connections_at, L.NOT_ACCEPTING if connections is None else connections)
+        L.store_u32(self._mm, self._connections_at, L.NOT_ACCEPTING if connections is None else connections)
 
     def least_other(self) -> int | None:
         return self.shared.least_connections(excluding=self.slot)

@@ -187,3 +187,31 @@ def test_the_unsent_decodes_sit_between_the_counts_and_the_ring_and_go_with_the_
         assert shared.region.u32(layout.unsent_offset(slot, 2)) == 0 and shared.engine_seen(2) == 0
     finally:
         shared.close()
+
+
+def test_a_reader_never_sees_a_heartbeat_or_pid_half_written(shared: SharedFleet) -> None:
+    # struct.pack_into zeroes a field before writing it: a keeper that read the heartbeat then
+    # took a healthy supervisor for one that never beat, and killed it.
+    pid = os.fork()
+    if pid == 0:
+        try:
+            end = time.monotonic() + 3
+            while time.monotonic() < end:
+                shared.beat(os.getpid())
+                time.sleep(0.0005)
+        finally:
+            os._exit(0)
+    try:
+        end = time.monotonic() + 5
+        while shared.supervisor_pid != pid and time.monotonic() < end:
+            time.sleep(0.001)
+        reads = bad = 0
+        end = time.monotonic() + 2
+        while time.monotonic() < end:
+            reads += 1
+            if shared.heartbeat_age_s > 1.0 or shared.supervisor_pid != pid:
+                bad += 1
+    finally:
+        os.waitpid(pid, 0)
+    assert reads > 100_000
+    assert bad == 0, f"{bad} of {reads} reads saw a heartbeat over a second old"
