@@ -2,7 +2,8 @@
 
 In ``json`` mode every line a Narwhal process writes for an operator is one JSON object with
 ``ts``, ``level``, ``logger`` and ``message``: Narwhal's loggers, gunicorn's own error log
-(``narwhal.front.gunicorn_logging``) and the start-up preflight report (:func:`json_line`).
+(``narwhal.front.gunicorn_logging``), the start-up preflight report (:func:`json_line`) and the
+master's own lines about its supervisor (:func:`master_line`).
 The one-line settings errors stay plain: they are written before any format is known.
 """
 
@@ -14,13 +15,22 @@ import time
 
 import orjson
 
-from narwhal.settings import LogSettings
+from narwhal.settings import LogSettings, current
 
 
 def json_line(level: str, logger: str, message: str, **extra: object) -> str:
     """One log line in the JSON shape of :class:`JsonFormatter`, for writers outside ``logging``."""
     return orjson.dumps({"ts": round(time.time(), 6), "level": level, "logger": logger, "message": message,
                          **extra}).decode()
+
+
+def master_line(level: str, logger: str, message: str) -> str:
+    """A line the gunicorn master writes outside ``logging``, in the running settings' format:
+    :func:`json_line` in ``json`` mode, else ``narwhal: <message>`` as before."""
+    settings = current()
+    if settings is not None and settings.log.format == "json":
+        return json_line(level, logger, message)
+    return f"narwhal: {message}"
 
 
 class JsonFormatter(logging.Formatter):

@@ -28,7 +28,25 @@ The types that cross :mod:`narwhal.fleet.breaker`'s boundary live here (and are 
 
 A set is D's (or P's) *current streak* of such faults: it is cleared only when that engine
 succeeds in that role (or is readmitted), not when it is charged, so a consumer that keeps
-failing with two producers keeps being charged.
+failing with two producers keeps being charged. For P, succeeding means a *crossed* handoff
+decoded to completion: its local and same-worker successes hand nothing over.
+
+What a stream decoded to ``[DONE]`` clears depends on what it proved (SPEC §6: "a prefill
+that merely answered proves nothing about the handoff"). A producer's charge for handing its
+KV over (``invalid_handoff``, or a crossed decode explained by P) is a :attr:`Charge.handoff`:
+
+==================  ===================  ==============================================
+success             consumer streak      producer streak
+==================  ===================  ==============================================
+crossed (P ≠ D)     D's                  P's, all of it (and P's pending set)
+same-worker (P = D) the engine's         its prefill charges, not its handoff charges
+local decode        the engine's         nothing: no prefill ran
+==================  ===================  ==============================================
+
+Were a same-worker or local success to clear handoff charges, an engine of role ``both`` whose
+crossed handoffs all fail would never be ejected while it serves short prompts itself, and
+the consumers it fails on would be charged in its place (issue 25). A lone ``both`` engine
+(no crossed partner) still has its prefill faults forgiven by its own successes.
 
 Permitted partners are counted without the engine itself: a same-worker pair never makes a
 crossed decode, so for an engine of role ``both`` whose peers are itself and one producer,
@@ -88,6 +106,9 @@ class Outcome:
     counts: bool  # False for 4xx/429, client disconnects, client deadlines, handoff_expired
     before_first_token: bool  # for decode faults: failed before the first generated token?
     at: float  # completion time (reports are merged in this order)
+    # A local decode (SPEC §3.2): no prefill ran, ``producer`` is the consumer. Its success
+    # proves the consumer and nothing about the engine as a producer.
+    local: bool = False
 
 
 @dataclass(frozen=True)
@@ -121,6 +142,10 @@ class Charge:
     # For a consumer charged for a crossed decode that failed before its first token: the
     # producer of that attempt, whose new handoff the consumer's probe must use.
     original_producer: str | None = None
+    # A producer's fault in handing its KV to another engine (an unusable descriptor, a crossed
+    # decode explained by the producer): only a crossed handoff decoded to completion clears
+    # it, not a same-worker success, which proves the prefill but hands nothing over.
+    handoff: bool = False
 
 
 @dataclass
@@ -152,7 +177,7 @@ class Pending:
         if d_real or (d_single and not p_real):
             out.append(Charge(consumer, "consumer", original_producer=producer))
         if p_real or (p_single and not d_real):
-            out.append(Charge(producer, "producer"))
+            out.append(Charge(producer, "producer", handoff=True))
         return out
 
 
@@ -177,7 +202,7 @@ def charges(outcome: Outcome, pending: Pending, is_out: Callable[[str], bool]) -
     known = pending.infos
     assert failed is not None
     if outcome.reason == "invalid_handoff" or outcome.phase == "prefill":
-        return [Charge(p, "producer")] if p in known else []
+        return [Charge(p, "producer", handoff=outcome.reason == "invalid_handoff")] if p in known else []
     if outcome.phase == "decode":
         if d not in known:
             return []

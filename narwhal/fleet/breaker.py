@@ -24,11 +24,9 @@ State machine (one per engine)::
     waiting --every wave member passed, or wave_hold_s since the first pass--> ADMITTED
     any --operator eject--> EJECTED (not probed);  any --drain--> DRAINING;  any --readmit--> ADMITTED
 
-Streaks are kept per role (``failure_streak`` shows the larger): a stream decoded to ``[DONE]``
-resets its consumer's consumer streak and its producer's producer streak, a passed probe both;
-either reaching ``eject_after`` ejects. With one streak, an engine of role ``both`` whose
-handoffs all fail would stay admitted because it decodes others' handoffs fine. A health
-failure counts in every role of the engine.
+Streaks are kept per role (``failure_streak`` shows the larger; either reaching ``eject_after``
+ejects); a passed probe resets both, a success what it proved (the table in :mod:`.blame`). A
+health failure counts in every role of the engine.
 
 Invariants (checked on every engine a call touched):
 
@@ -130,10 +128,13 @@ class Breakers:
         """Apply one worker report (in completion order)."""
         if outcome.ok:
             self._succeeded(outcome.consumer, "consumer")
-            self._succeeded(outcome.producer, "producer")
+            if outcome.producer != outcome.consumer:
+                self._succeeded(outcome.producer, "producer")
+            elif not outcome.local:
+                self._prefill_proven(outcome.producer)
         elif counted(outcome):
-            for charge in charges(outcome, self._pending, self._is_out):
-                self._charge(charge.engine, (charge.role,), outcome.at, outcome.reason, charge.original_producer)
+            for c in charges(outcome, self._pending, self._is_out):
+                self._charge(c.engine, (c.role,), outcome.at, outcome.reason, c.original_producer, handoff=c.handoff)
         self._commit()
 
     def health_failed(self, engine: str, now: float, reason: str) -> None:
@@ -240,13 +241,7 @@ class Breakers:
             return
         self._touched.add(status.name)
         self._pending.clear(status.name)
-        rec.streak = {"producer": 0, "consumer": 0}
-        for role in rec.info.roles:
-            rec.streak[role] = status.failure_streak
-        rec.ejections, rec.original_producer = status.ejections, None
-        rec.last_failure_reason, rec.last_failure_at = status.last_failure_reason, status.last_failure_at
-        rec.state, rec.quarantined_until, rec.next_probe_at = status.state, status.quarantined_until, None
-        rec.by_operator = rec.waiting = False
+        rec.take_over(status)
         wave = self._wave_of(rec)
         if status.state in OUT:
             rec.state, rec.quarantined_until = State.EJECTED, None
@@ -304,14 +299,23 @@ class Breakers:
         if rec is None or rec.state in OUT:
             return
         self._pending.clear(engine, role)
-        if rec.streak[role]:
-            self._touched.add(engine)
-            rec.streak[role] = 0
+        self._lower_streak(rec, role, 0)
+
+    def _prefill_proven(self, engine: str) -> None:
+        """A same-worker success: the engine's prefill works; its handoffs are still unproven."""
+        rec = self._engines.get(engine)
+        if rec is not None and rec.state not in OUT:
+            self._lower_streak(rec, "producer", rec.handoff_streak)
+
+    def _lower_streak(self, rec: BreakerRecord, role: RoleName, to: int) -> None:
+        if rec.lower_streak(role, to):
+            self._touched.add(rec.info.name)
             if rec.state is State.DEGRADED and not self._over(rec):
                 rec.state = State.ADMITTED
 
     def _charge(
-        self, engine: str, roles: Sequence[RoleName], now: float, reason: str | None, original: str | None
+        self, engine: str, roles: Sequence[RoleName], now: float, reason: str | None, original: str | None,
+        *, handoff: bool = False,
     ) -> None:
         rec = self._engines.get(engine)
         if rec is None or rec.state in OUT:
@@ -319,6 +323,8 @@ class Breakers:
         self._touched.add(engine)
         for role in roles:
             rec.streak[role] += 1
+        if handoff:
+            rec.handoff_streak += 1
         rec.last_failure_reason, rec.last_failure_at = reason, now
         rec.original_producer = original
         if rec.state is State.DRAINING:
@@ -353,7 +359,7 @@ class Breakers:
     def _readmit(self, rec: BreakerRecord) -> None:
         self._touched.add(rec.info.name)
         rec.state = State.ADMITTED
-        rec.streak = {"producer": 0, "consumer": 0}
+        rec.clear_streaks()
         rec.quarantined_until = rec.next_probe_at = rec.original_producer = None
         rec.by_operator = rec.waiting = False
         self._pending.clear(rec.info.name)
@@ -391,3 +397,4 @@ class Breakers:
         assert rec.state not in SERVING or self._over(rec) == (rec.state is State.DEGRADED), rec
         assert rec.next_probe_at is None or (rec.state in OUT and not rec.by_operator and not rec.waiting), rec
         assert not rec.waiting or (rec.state is State.EJECTED and rec.info.wave is not None), rec
+        assert 0 <= rec.handoff_streak <= rec.streak["producer"], rec

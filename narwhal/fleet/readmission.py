@@ -37,6 +37,9 @@ class BreakerRecord:
     info: EngineInfo
     state: State = State.ADMITTED
     streak: dict[RoleName, int] = field(default_factory=lambda: {"producer": 0, "consumer": 0})
+    # Of the producer streak, the handoff charges (``Charge.handoff``): what a same-worker
+    # success leaves standing; only a crossed success clears them.
+    handoff_streak: int = 0
     ejections: int = 0
     quarantined_until: float | None = None
     last_failure_reason: str | None = None
@@ -45,6 +48,30 @@ class BreakerRecord:
     by_operator: bool = False
     next_probe_at: float | None = None
     waiting: bool = False  # passed readmission, held for its wave
+
+    def clear_streaks(self) -> None:
+        self.streak = {"producer": 0, "consumer": 0}
+        self.handoff_streak = 0
+
+    def lower_streak(self, role: RoleName, to: int) -> bool:
+        """The role's streak down to ``to`` (its handoff charges with it); whether it moved."""
+        if self.streak[role] <= to:
+            return False
+        self.streak[role] = to
+        if role == "producer":
+            self.handoff_streak = min(self.handoff_streak, to)
+        return True
+
+    def take_over(self, status: EngineStatus) -> None:
+        """What a previous supervisor published, as this record's: the streak in every role,
+        none of it a handoff charge (which were is lost with the old process); no probe, no hold."""
+        self.clear_streaks()
+        for role in self.info.roles:
+            self.streak[role] = status.failure_streak
+        self.ejections, self.original_producer = status.ejections, None
+        self.last_failure_reason, self.last_failure_at = status.last_failure_reason, status.last_failure_at
+        self.state, self.quarantined_until, self.next_probe_at = status.state, status.quarantined_until, None
+        self.by_operator = self.waiting = False
 
     def status(self) -> EngineStatus:
         return EngineStatus(

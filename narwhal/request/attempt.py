@@ -143,12 +143,12 @@ class Attempts:
                 metrics.count_prefill_tokens(result.prompt_tokens, result.cached_tokens)
             response = await self._decode(client, req, resv, result, rec, started, ttft_s)
             metrics.TALLY.inc(metrics.attempts_child("success"))
-            self.outcomes.success(producer, consumer)
+            self.outcomes.success(producer, consumer, local=resv.local)
             return response
         except EngineError as exc:
             exc.pair = (producer.name, consumer.name)  # what the retry should avoid
             metrics.attempts_child(exc.reason).inc()
-            self.outcomes.failure(producer, consumer, exc, before_first_token=not client.committed)
+            self.outcomes.failure(producer, consumer, exc, before_first_token=not client.committed, local=resv.local)
             raise
         except NarwhalError as exc:
             metrics.attempts_child(exc.reason).inc()
@@ -202,6 +202,7 @@ class Attempts:
                 result, resv.consumer, req.body, stream=req.stream, deadline=req.deadline,
                 max_age_s=self.settings.handoff.max_age_s, headers=req.forward, sink=sink,
             )
+            resv.decode_sent()
             whole = await leg.open()
             if whole is not None:
                 rec.first_byte_s = first_byte_s = time.perf_counter() - started

@@ -20,11 +20,13 @@ class Reporter(Protocol):
 
     A report is the pair and, for a failure, the error itself (its phase, reason and whether it
     counts) with the engine it names: what a report carries is decided by the error, once.
+    ``local``: a local decode (the pair is the consumer twice), whose success proves nothing
+    about the engine as a producer (SPEC §6).
     """
 
     def report(
         self, producer: Engine, consumer: Engine, *, error: EngineError | None = None,
-        failed: Engine | None = None, before_first_token: bool = False,
+        failed: Engine | None = None, before_first_token: bool = False, local: bool = False,
     ) -> None: ...
 
     def quarantine(self, engine: Engine, seconds: float) -> None: ...
@@ -36,15 +38,19 @@ class Outcomes:
         self.reporter = reporter
         self.quarantine_s = quarantine_s
 
-    def success(self, producer: Engine, consumer: Engine) -> None:
-        """An attempt decoded to completion: both the handoff and the stream are proven."""
-        self.reporter.report(producer, consumer)
+    def success(self, producer: Engine, consumer: Engine, *, local: bool = False) -> None:
+        """An attempt decoded to completion: the stream is proven, and the handoff if there was
+        one (what each kind of success proves is the breaker's: ``narwhal.fleet.blame``)."""
+        self.reporter.report(producer, consumer, local=local)
 
-    def failure(self, producer: Engine, consumer: Engine, error: EngineError, *, before_first_token: bool) -> None:
+    def failure(
+        self, producer: Engine, consumer: Engine, error: EngineError, *, before_first_token: bool, local: bool = False
+    ) -> None:
         failed = self.fleet.by_name.get(error.engine)
         if error.counts:
             metrics.ENGINE_FAILURES.labels(error.engine, error.phase, error.reason).inc()
-        self.reporter.report(producer, consumer, error=error, failed=failed, before_first_token=before_first_token)
+        self.reporter.report(producer, consumer, error=error, failed=failed, before_first_token=before_first_token,
+                             local=local)
         if not error.counts or failed is None or self.quarantine_s <= 0:
             return
         ambiguous = error.phase == "decode" and before_first_token and producer is not consumer

@@ -11,16 +11,23 @@ any process: the memory goes when the last process holding it exits.
     header                      64 B   magic, sizes, supervisor pid + heartbeat, generation
     engine records   E ×       64 B   breaker state, written only by the supervisor
     load records     E ×       64 B   what each engine's /metrics said, and when (supervisor)
-    worker slots     W × (64 B + E·8 B + R·RING_ENTRY)
+    worker slots     W × (64 B + E·8 B + E·4 B (to 8) + R·RING_ENTRY)
         slot header                    pid, requests and retries in flight, ring indices,
                                        client connections
         in-flight counts               u32 per engine and phase, written only by that worker
+        unsent decodes                 u32 per engine: of its decode slots, those reserved with
+                                       a pair whose decode leg is not sent yet (that worker)
         outcome ring                   R reports, written by the worker, consumed by the supervisor
 
 One writer per field, always. Multi-field records carry a CRC32 of their payload: a reader
 that sees a torn or (on aarch64, where CPython emits no fences) reordered record finds the
-checksum wrong and reads again; no locks on the read path. Single aligned u32/u64 fields are
-written with one ``pack_into`` and need no checksum.
+checksum wrong and reads again; no locks on the read path. Single aligned u32/u64 fields
+need no checksum, but are written and read as one copy of their bytes (:func:`store_u32`,
+:meth:`Region.u64` …), never with ``struct.pack_into``: CPython's ``pack_into`` first zeroes
+the field in place, then writes it a byte at a time, so a reader in another process could see
+0 or a half-written value. The heartbeat read as 0 is "never beat": a keeper that met one
+killed a healthy supervisor (issue 25; 11,429 of 20.5 M reads against a writer beating 2,000
+times a second saw a heartbeat over a second old).
 
 The memfd also carries byte-range ``lockf`` locks (beyond its end, so they never cover data):
 the only cross-process lock is the short one taken to reserve a slot of a *capped* engine,
@@ -36,7 +43,7 @@ import struct
 from dataclasses import dataclass
 
 MAGIC = 0x4E52574C  # "NRWL"
-VERSION = 1
+VERSION = 2  # 2: the unsent decodes of each slot
 
 HEADER = struct.Struct("<IIIIIIQQQ")  # magic, version, engines, slots, ring, sup_pid, heartbeat_ns, generation, starts
 HEADER_SIZE = 64
@@ -86,8 +93,12 @@ class Layout:
         return HEADER_SIZE + self.engines * RECORD_SIZE + engine * LOAD_RECORD_SIZE
 
     @functools.cached_property
+    def _unsent_size(self) -> int:
+        return (self.engines * 4 + 7) // 8 * 8  # slots stay 8-byte aligned for their u64 fields
+
+    @functools.cached_property
     def slot_size(self) -> int:
-        return SLOT_HEADER_SIZE + self.engines * 8 + self.ring * RING_ENTRY_SIZE
+        return SLOT_HEADER_SIZE + self.engines * 8 + self._unsent_size + self.ring * RING_ENTRY_SIZE
 
     @functools.cached_property
     def _slots_base(self) -> int:
@@ -102,8 +113,17 @@ class Layout:
     def count_offset(self, slot: int, engine: int, phase: int) -> int:
         return self.counts_offset(slot) + (engine * 2 + phase) * 4
 
+    def unsent_offset(self, slot: int, engine: int) -> int:
+        return self.counts_offset(slot) + self.engines * 8 + engine * 4
+
+    @property
+    def slot_counts_size(self) -> int:
+        """The in-flight counts and the unsent decodes of one slot: what a dead worker gives back."""
+        return self.engines * 8 + self._unsent_size
+
     def ring_offset(self, slot: int, index: int) -> int:
-        return self.slot_offset(slot) + SLOT_HEADER_SIZE + self.engines * 8 + (index % self.ring) * RING_ENTRY_SIZE
+        return (self.slot_offset(slot) + SLOT_HEADER_SIZE + self.slot_counts_size
+                + (index % self.ring) * RING_ENTRY_SIZE)
 
     @property
     def size(self) -> int:
@@ -132,20 +152,23 @@ class Region:
         os.close(self.fd)
 
     def u32(self, offset: int) -> int:
-        value: int = U32.unpack_from(self.mm, offset)[0]
-        return value
+        return int.from_bytes(self.mm[offset : offset + 4], "little")
 
     def set_u32(self, offset: int, value: int) -> None:
-        U32.pack_into(self.mm, offset, value)
+        store_u32(self.mm, offset, value)
 
     def u64(self, offset: int) -> int:
-        value: int = U64.unpack_from(self.mm, offset)[0]
-        return value
+        return int.from_bytes(self.mm[offset : offset + 8], "little")
 
     def set_u64(self, offset: int, value: int) -> None:
-        U64.pack_into(self.mm, offset, value)
+        self.mm[offset : offset + 8] = value.to_bytes(8, "little")
 
 
-# Precompiled: these run several times per request.
+def store_u32(mm: mmap.mmap, offset: int, value: int) -> None:
+    """One aligned u32 written as one copy of its four bytes (see the module's docstring)."""
+    mm[offset : offset + 4] = value.to_bytes(4, "little")
+
+
+# Precompiled, for reads (a read never zeroes anything): these run several times per request.
 U32 = struct.Struct("<I")
 U64 = struct.Struct("<Q")

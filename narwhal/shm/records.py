@@ -139,10 +139,13 @@ def read_load(region: Region, engine: int) -> LoadRecord | None:
 
 # ---------------------------------------------------------------------------------- reports
 
+# Kinds, like ring codes, never move (a reload runs new workers beside an older supervisor,
+# which ignores a kind it does not know); a new one takes the next free number.
 KIND_OUTCOME = 0
 KIND_EJECT = 1
 KIND_READMIT = 2
 KIND_DRAIN = 3
+KIND_LOCAL_OUTCOME = 4  # an outcome of a local decode: proves nothing about a producer (SPEC §3.2, §6)
 
 FLAG_OK = 1
 FLAG_COUNTS = 2

@@ -55,8 +55,10 @@ class SharedFleet:
         self.region.set_u64(L.LOAD_GENERATION_OFFSET, self.load_generation + 1)
 
     def beat(self, pid: int) -> None:
-        self.region.set_u32(L.SUPERVISOR_PID_OFFSET, pid)
+        # The time first: a keeper that sees a new supervisor's pid must see that supervisor's
+        # beat, not its predecessor's stale one (or none at all), which would read as wedged.
         self.region.set_u64(L.HEARTBEAT_OFFSET, time.monotonic_ns())
+        self.region.set_u32(L.SUPERVISOR_PID_OFFSET, pid)
 
     @property
     def heartbeat_age_s(self) -> float:
@@ -109,9 +111,8 @@ class SharedFleet:
     def clear_slot(self, slot: int, *, keep_ring: bool = False) -> None:
         """Release everything a (dead) worker held: its counts, and its pid."""
         base = self.layout.slot_offset(slot)
-        self.mm[self.layout.counts_offset(slot) : self.layout.counts_offset(slot) + self.layout.engines * 8] = bytes(
-            self.layout.engines * 8
-        )
+        start, size = self.layout.counts_offset(slot), self.layout.slot_counts_size
+        self.mm[start : start + size] = bytes(size)
         for field in (L.SLOT_REQUESTS, L.SLOT_RETRIES):
             self.region.set_u32(base + field, 0)
         self.region.set_u32(base + L.SLOT_CONNECTIONS, L.NOT_ACCEPTING)
@@ -156,6 +157,17 @@ class SharedFleet:
             for slot in range(self.layout.slots)
             if self.slot_pid(slot)
         )
+
+    def engine_seen(self, engine: int) -> int:
+        """This host's legs on the engine that the engine itself can count: its prefills and its
+        decodes less those reserved with a pair whose decode leg is not sent yet (the prefill
+        still runs). What the load reader takes out of the engine's own report (SPEC §3.2)."""
+        unsent = sum(
+            self.region.u32(self.layout.unsent_offset(slot, engine))
+            for slot in range(self.layout.slots)
+            if self.slot_pid(slot)
+        )
+        return max(self.engine_total(engine, 0) + self.engine_total(engine, 1) - unsent, 0)
 
     def set_slot_field(self, slot: int, field: int, value: int) -> None:
         self.region.set_u32(self.layout.slot_offset(slot) + field, value)

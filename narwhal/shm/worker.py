@@ -26,6 +26,7 @@ from narwhal.shm.records import (
     FLAG_COUNTS,
     FLAG_OK,
     FLAG_PREFILL,
+    KIND_LOCAL_OUTCOME,
     KIND_OUTCOME,
     NONE16,
     REASON_CODE,
@@ -59,9 +60,12 @@ class WorkerFleetState:
         self._requests = 0
         self._retries = 0
         # This slot's fields at fixed offsets, written several times per request: one
-        # pack_into each, not a chain of offset helpers (see SharedFleet for the layout).
+        # store_u32 each (never pack_into, which zeroes the field first: shm.layout), not a
+        # chain of offset helpers (see SharedFleet for the layout).
         self._mm = shared.mm
         self._count_at = [shared.layout.count_offset(slot, e, p) for e in range(len(fleet.engines)) for p in (0, 1)]
+        self._unsent = [0] * len(fleet.engines)
+        self._unsent_at = [shared.layout.unsent_offset(slot, e) for e in range(len(fleet.engines))]
         self._requests_at = shared.layout.slot_offset(slot) + L.SLOT_REQUESTS
         self._connections_at = shared.layout.slot_offset(slot) + L.SLOT_CONNECTIONS
 
@@ -149,20 +153,25 @@ class WorkerFleetState:
     def release(self, engine: Engine, phase: str) -> None:
         self._bump(engine.index, _PHASE[phase], -1)
 
+    def unsent_decode(self, engine: Engine, delta: int) -> None:
+        i = engine.index
+        self._unsent[i] += delta
+        L.store_u32(self._mm, self._unsent_at[i], self._unsent[i])
+
     def _bump(self, engine: int, phase: int, delta: int) -> None:
         i = engine * 2 + phase
         self._mine[i] += delta
-        L.U32.pack_into(self._mm, self._count_at[i], self._mine[i])
+        L.store_u32(self._mm, self._count_at[i], self._mine[i])
 
     # -- requests and retries in flight (the fleet-wide retry budget) -----------------------
 
     def request_started(self) -> None:
         self._requests += 1
-        L.U32.pack_into(self._mm, self._requests_at, self._requests)
+        L.store_u32(self._mm, self._requests_at, self._requests)
 
     def request_finished(self) -> None:
         self._requests -= 1
-        L.U32.pack_into(self._mm, self._requests_at, self._requests)
+        L.store_u32(self._mm, self._requests_at, self._requests)
 
     def try_start_retry(self, ratio: float, minimum: int) -> bool:
         inflight = self.shared.slot_field_total(L.SLOT_REQUESTS)
@@ -180,7 +189,7 @@ class WorkerFleetState:
     # -- client connections (narwhal.front.accept.ConnectionShare) ----------------------------------
 
     def publish(self, connections: int | None) -> None:
-        L.U32.pack_into(self._mm, self._connections_at, L.NOT_ACCEPTING if connections is None else connections)
+        L.store_u32(self._mm, self._connections_at, L.NOT_ACCEPTING if connections is None else connections)
 
     def least_other(self) -> int | None:
         return self.shared.least_connections(excluding=self.slot)
@@ -189,10 +198,11 @@ class WorkerFleetState:
 
     def report(
         self, producer: Engine, consumer: Engine, *, error: EngineError | None = None,
-        failed: Engine | None = None, before_first_token: bool = False,
+        failed: Engine | None = None, before_first_token: bool = False, local: bool = False,
     ) -> None:
         """One attempt into this slot's ring (``narwhal.request.outcomes.Reporter``): a success
-        without ``error``; a failure's phase, reason and weight as ring flags and codes."""
+        without ``error``; a failure's phase, reason and weight as ring flags and codes; a
+        local decode's under its own kind."""
         if error is None:
             flags, reason = FLAG_OK, 0
         else:
@@ -209,7 +219,7 @@ class WorkerFleetState:
                 failed=NONE16 if failed is None else failed.index,
                 reason=reason,
                 flags=flags,
-                kind=KIND_OUTCOME,
+                kind=KIND_LOCAL_OUTCOME if local else KIND_OUTCOME,
             ),
         )
 

@@ -5,14 +5,18 @@ in parallel, each bounded by the interval, with the TLS context and engine key o
 control read (``engines.control.PooledReader``: ``ControlClient``'s answer over the pooled
 HTTP/1.1 client, half its CPU per read). A reading is parsed
 (``narwhal.engines.load_metrics``) and written to the engine's load record in shared memory
-with the time it was read and this host's in-flight legs on the engine at that moment (which
-the engine counted among its own); then the load generation is bumped, so workers pick it up
+with the time it was read and this host's in-flight legs on the engine at that moment that
+the engine counted among its own (``SharedFleet.engine_seen``: not a decode reserved for a
+prefill that still runs); then the load generation is bumped, so workers pick it up
 on their next placement, lock-free.
 
 Invariants, and why:
 
 * The loop never waits for a read: rounds are tasks, and an engine whose last read is still
   running is skipped, so a hung ``/metrics`` costs one pending task, never a late heartbeat.
+  Nor does a round take a pass of the loop to itself: its reads start a batch at a time,
+  spread over half the interval (``supervisor.rounds``), so a large fleet's round delays the
+  heartbeat by one batch at most.
 * A failed, slow or unparsable read is no breaker failure (health checks and requests judge
   engines): it publishes nothing, and the last reading goes stale in the workers' eyes
   (``placement.load_stale_s``). One log line per engine when its reads start failing, and no
@@ -24,9 +28,10 @@ Invariants, and why:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
 from typing import Any
 
 from narwhal.engines.control import ControlClient, ControlError, PooledReader
@@ -34,6 +39,7 @@ from narwhal.engines.load_metrics import parse_load
 from narwhal.fleet import Engine
 from narwhal.shm.records import LoadRecord, name_hash, write_load
 from narwhal.shm.shared import SharedFleet
+from narwhal.supervisor.rounds import spread
 
 log = logging.getLogger("narwhal.supervisor.load")
 
@@ -49,15 +55,20 @@ class LoadReader:
         self._warned_at: dict[str, float] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
 
-    def start_round(self, engines: Iterable[Engine]) -> None:
-        """One read per engine not still being read; returns at once."""
-        for engine in engines:
-            if engine.name in self._reading:
-                continue
-            self._reading.add(engine.name)
-            task = asyncio.ensure_future(self._read(engine))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+    def start_round(self, engines: Iterable[Engine], within_s: float = 0.0) -> None:
+        """One read per engine not still being read, started a batch at a time over
+        ``within_s`` seconds (``supervisor.rounds``); returns at once."""
+        due = [e for e in engines if e.name not in self._reading]
+        self._reading.update(e.name for e in due)
+        self._track(spread([functools.partial(self._start, e) for e in due], within_s))
+
+    def _start(self, engine: Engine) -> None:
+        self._track(self._read(engine))
+
+    def _track(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _read(self, engine: Engine) -> None:
         try:
@@ -82,8 +93,9 @@ class LoadReader:
             return
         self._failing.discard(engine.name)
         # This host's legs on the engine now: the engine counted them too, and placement adds
-        # them exactly from shared memory, so they are taken out of the reading there.
-        ours = self.shared.engine_total(engine.index, 0) + self.shared.engine_total(engine.index, 1)
+        # them exactly from shared memory, so they are taken out of the reading there. Not the
+        # decodes reserved for prefills still running: the engine has not seen those (issue 25).
+        ours = self.shared.engine_seen(engine.index)
         record = LoadRecord(
             time.monotonic(), reading.running, reading.waiting, reading.kv_usage, name_hash(engine.name), ours
         )

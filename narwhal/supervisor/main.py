@@ -19,6 +19,7 @@ so a restart loses no ejection.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -37,6 +38,7 @@ from narwhal.shm.records import (
     FLAG_PREFILL,
     KIND_DRAIN,
     KIND_EJECT,
+    KIND_LOCAL_OUTCOME,
     KIND_OUTCOME,
     KIND_READMIT,
     NONE16,
@@ -52,6 +54,7 @@ from narwhal.shm.records import (
 from narwhal.shm.shared import SharedFleet, alive
 from narwhal.supervisor.load import LoadReader
 from narwhal.supervisor.probes import Prober
+from narwhal.supervisor.rounds import spread
 
 log = logging.getLogger("narwhal.supervisor")
 
@@ -157,7 +160,7 @@ class Supervisor:
         for r in reports:
             if r.producer >= len(engines) or r.consumer >= len(engines):
                 continue  # from a worker configured with another engine list (a reload)
-            if r.kind == KIND_OUTCOME:
+            if r.kind in (KIND_OUTCOME, KIND_LOCAL_OUTCOME):
                 failed = None if r.failed == NONE16 or r.failed >= len(engines) else engines[r.failed].name
                 reason = REASONS[r.reason] if r.reason < len(REASONS) else ""
                 self.breakers.record(
@@ -171,6 +174,7 @@ class Supervisor:
                         counts=bool(r.flags & FLAG_COUNTS),
                         before_first_token=bool(r.flags & FLAG_BEFORE_TOKEN),
                         at=r.at,
+                        local=r.kind == KIND_LOCAL_OUTCOME,
                     )
                 )
             elif r.kind == KIND_EJECT:
@@ -223,6 +227,9 @@ class Supervisor:
         metrics.PROBES.labels(engine.name, result).inc()
         self.breakers.probe_result(engine.name, result, time.monotonic())
 
+    def _start_health(self, prober: Prober, engine: Engine) -> None:
+        self._spawn(self._health(prober, engine))
+
     async def _health(self, prober: Prober, engine: Engine) -> None:
         failure = await prober.health_failure(engine)
         if failure is not None:
@@ -257,12 +264,13 @@ class Supervisor:
                         self._spawn(self._probe(prober, self.fleet.by_name[plan.engine], plan))
                 if now >= next_health:
                     next_health = now + health_every
-                    for engine in self.fleet.engines:
-                        if self.breakers.admitted(engine.name, now):
-                            self._spawn(self._health(prober, engine))
+                    checked = [e for e in self.fleet.engines if self.breakers.admitted(e.name, now)]
+                    # A batch per pass of the loop (supervisor.rounds), not the whole fleet at once.
+                    starts = [functools.partial(self._start_health, prober, e) for e in checked]
+                    self._spawn(spread(starts, min(health_every / 2, 1.0)))
                 if load_every > 0 and now >= next_load:
                     next_load = now + load_every
-                    loads.start_round(e for e in self.fleet.engines if self._placeable(e))
+                    loads.start_round((e for e in self.fleet.engines if self._placeable(e)), load_every / 2)
                 if now >= next_sweep:
                     next_sweep = now + SWEEP_S
                     self.sweep()

@@ -33,6 +33,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from narwhal.logs import master_line
 from narwhal.shm.shared import SharedFleet
 
 PR_SET_PDEATHSIG = 1
@@ -100,7 +101,8 @@ class SupervisorKeeper:
             if now - self._term_sent_at > TERM_GRACE_S:
                 self._signal(signal.SIGKILL)
         elif self.wedged():
-            print(f"narwhal: supervisor {self.pid} stopped beating; restarting it", file=sys.stderr, flush=True)
+            line = master_line("error", "narwhal.supervisor", f"supervisor {self.pid} stopped beating; restarting it")
+            print(line, file=sys.stderr, flush=True)
             self._signal(signal.SIGKILL)
 
     def reload(self) -> None:

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -115,6 +116,23 @@ async def test_sigkill_of_every_non_worker_process_at_once_three_times(router: R
     shm_before = set(os.listdir("/dev/shm"))
     seen = await _kill_three_times(router, _non_workers)
     _stop_and_check_nothing_outlives(router, seen | set(router_roles(router.proc.pid)["worker"]), shm_before)
+
+
+async def test_a_wedged_supervisor_is_replaced_and_said_so_in_json_like_every_other_line(
+    router: RouterProcess,
+) -> None:
+    wait_until(lambda: _supervisor(router) is not None, 5, "the supervisor titled")
+    old = _supervisor(router)
+    assert old is not None
+    os.kill(old, signal.SIGSTOP)  # alive, but its loop beats no more
+    wait_until(lambda: _supervisor(router) not in (None, old), 15, "a new supervisor after the old one wedged")
+    await _the_supervisor_works(router)
+    lines = [line for line in router.log_text().splitlines() if "stopped beating" in line]
+    assert len(lines) == 1, lines
+    entry = json.loads(lines[0])  # the log format is json: this line too is one JSON object
+    assert set(entry) == {"ts", "level", "logger", "message"}
+    assert (entry["level"], entry["logger"]) == ("error", "narwhal.supervisor")
+    assert entry["message"] == f"supervisor {old} stopped beating; restarting it"
 
 
 def test_every_process_names_its_role(router: RouterProcess) -> None:

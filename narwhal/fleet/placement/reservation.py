@@ -5,6 +5,12 @@ Invariant: every slot reserved is released exactly once, however the attempt end
 everything in ``finally``. A local decode (SPEC §3.2) holds a decode slot only: its
 ``producer`` is its consumer, for naming and reports, and no prefill slot was ever taken.
 
+A pair's decode slot is taken with its prefill's, before the prefill runs, and counted as
+*unsent* until its leg goes to the consumer (:meth:`Reservation.decode_sent`) or the slot is
+released: the consumer cannot count a request it has not seen, so the load reader must not take
+it out of the consumer's own report (SPEC §3.2). Taking it out made a consumer busy elsewhere
+look idle exactly while prefills for it ran (issue 25).
+
 Counts live behind :class:`InflightCounts`: in a gunicorn worker the fleet-wide shared-memory
 counts of :class:`narwhal.shm.worker.WorkerFleetState`, elsewhere this process's own
 (:class:`LocalInflight`); the policy is the same.
@@ -25,6 +31,7 @@ class InflightCounts(Protocol):
     def count(self, engine: Engine, phase: PhaseName) -> int: ...
     def try_reserve(self, engine: Engine, phase: PhaseName, cap: int | None) -> bool: ...
     def release(self, engine: Engine, phase: PhaseName) -> None: ...
+    def unsent_decode(self, engine: Engine, delta: int) -> None: ...  # reserved decodes not sent yet
 
 
 class LocalInflight:
@@ -32,6 +39,7 @@ class LocalInflight:
 
     def __init__(self, size: int) -> None:
         self._counts: dict[str, list[int]] = {"prefill": [0] * size, "decode": [0] * size}
+        self.unsent = [0] * size  # no load reader here: kept for what a test wants to see
 
     def totals(self, phase: PhaseName) -> list[int]:
         return self._counts[phase]
@@ -52,8 +60,13 @@ class LocalInflight:
     def release(self, engine: Engine, phase: PhaseName) -> None:
         self._counts[phase][engine.index] -= 1
 
+    def unsent_decode(self, engine: Engine, delta: int) -> None:
+        self.unsent[engine.index] += delta
+
 
 class _Releaser(Protocol):
+    inflight: InflightCounts
+
     def _release(self, engine: Engine, phase: PhaseName) -> None: ...
 
 
@@ -65,7 +78,7 @@ class Reservation:
     local decode, which chose no producer at all."""
 
     __slots__ = ("producer", "consumer", "detached", "choice", "crossed", "local", "_placement", "_prefill_held",
-                 "_decode_held")
+                 "_decode_held", "_unsent")
 
     def __init__(
         self, placement: _Releaser, producer: Engine, consumer: Engine, choice: str = "least_loaded",
@@ -81,6 +94,15 @@ class Reservation:
         self._placement = placement
         self._prefill_held = not local
         self._decode_held = True
+        self._unsent = not local  # a local decode's leg goes out at once
+        if self._unsent:
+            placement.inflight.unsent_decode(consumer, 1)
+
+    def decode_sent(self) -> None:
+        """The decode leg goes to the consumer now: from here on the consumer counts it."""
+        if self._unsent:
+            self._unsent = False
+            self._placement.inflight.unsent_decode(self.consumer, -1)
 
     def release_prefill(self) -> None:
         if self._prefill_held:
@@ -90,6 +112,7 @@ class Reservation:
     def release_decode(self) -> None:
         if self._decode_held:
             self._decode_held = False
+            self.decode_sent()  # never sent, or sent: either way no longer unsent
             self._placement._release(self.consumer, "decode")
 
     def release(self) -> None:

@@ -255,6 +255,59 @@ def test_an_engine_of_role_both_keeps_a_streak_per_role() -> None:
     assert state(b, "b1") is State.EJECTED
 
 
+
+def local_ok(d: str, at: float = 0.0) -> Outcome:
+    return Outcome(d, d, True, None, None, None, True, False, at, local=True)
+
+
+def test_local_and_same_worker_successes_leave_a_producers_crossed_handoff_faults_standing() -> None:
+    # b1's crossed handoffs fail on both consumers: the fault is b1's, as a producer.
+    b = breakers(mesh([], ["d1", "d2"], ["b1"]))
+    b.record(decode_fault("b1", "d1", 1.0))
+    assert [streak(b, n) for n in ("b1", "d1")] == [0, 1]  # d1 lists one producer: charged alone
+    b.record(local_ok("b1", 2.0))  # b1 decodes a short prompt itself
+    b.record(ok("b1", "b1", 3.0))  # and a same-worker pair
+    b.record(decode_fault("b1", "d2", 4.0))
+    assert [streak(b, n) for n in ("b1", "d2")] == [1, 0]  # b1's set spans d1, d2: b1's
+    for t in (5.0, 7.0):
+        b.record(local_ok("b1", t))
+        b.record(ok("b1", "b1", t + 0.5))
+        b.record(decode_fault("b1", ("d1", "d2")[int(t) % 2], t + 1))
+    assert state(b, "b1") is State.EJECTED
+    assert [(state(b, d), streak(b, d)) for d in ("d1", "d2")] == [(State.ADMITTED, 1), (State.ADMITTED, 0)]
+
+
+def test_a_same_worker_success_forgives_prefill_faults_but_not_handoff_ones() -> None:
+    b = breakers(mesh(["p1"], ["d1"], ["b1"]))
+    b.record(prefill_fault("b1", "d1", 1.0, reason="invalid_handoff"))
+    b.record(prefill_fault("b1", "b1", 2.0))
+    assert streak(b, "b1") == 2
+    b.record(ok("b1", "b1", 3.0))  # its prefill works; its handoff is unproven
+    assert streak(b, "b1") == 1
+    b.record(local_ok("b1", 4.0))  # no prefill at all: proves nothing about the producer
+    b.record(prefill_fault("b1", "b1", 5.0))
+    assert streak(b, "b1") == 2
+    b.record(ok("b1", "d1", 6.0))  # a crossed handoff decoded to [DONE]: everything
+    assert streak(b, "b1") == 0
+
+
+def test_a_lone_both_engine_has_its_prefill_faults_forgiven_by_its_own_successes() -> None:
+    b = breakers(mesh([], [], ["b1"]))
+    for t in (1.0, 3.0, 5.0):
+        b.record(prefill_fault("b1", "b1", t))
+        b.record(ok("b1", "b1", t + 1))
+    assert (state(b, "b1"), streak(b, "b1")) == (State.ADMITTED, 0)
+
+
+def test_a_local_success_resets_the_consumer_streak() -> None:
+    b = breakers(mesh(["p1"], ["d1"]))
+    b.record(decode_fault("p1", "d1", 1.0, before=False))
+    b.record(decode_fault("d1", "d1", 2.0))  # a local decode's fault: the consumer's
+    assert streak(b, "d1") == 2
+    b.record(local_ok("d1", 3.0))
+    assert streak(b, "d1") == 0
+
+
 # ------------------------------------------------------------- quarantine and the eject cap
 
 

@@ -7,6 +7,7 @@ answer the same four questions the same way.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections import Counter
@@ -231,3 +232,33 @@ def test_the_local_view_keeps_quarantine_soft_and_forgets_it_once_over() -> None
         assert time.monotonic() < deadline, "the quarantine never ended"
         time.sleep(0.01)
     assert not view.any_quarantined() and view.quarantine_left(d0) == 0.0
+
+
+def test_a_pairs_decode_slot_is_unseen_by_its_consumer_until_the_leg_is_sent() -> None:
+    # The load reader takes out of an engine's report only the legs the engine can have counted.
+    settings = _settings({"name": "p0", "role": "producer"}, {"name": "d0", "role": "consumer"})
+    fleet = Fleet(settings)
+    shared = SharedFleet.create(engines=len(fleet.engines), slots=2)
+    try:
+        slot = shared.claim_slot(os.getpid())
+        assert slot is not None
+        view = WorkerFleetState(shared, slot, fleet)
+        placement = Placement(fleet, view, view, settings.placement, random.Random(0))
+        seen = lambda: [shared.engine_seen(e.index) for e in fleet.engines]  # noqa: E731
+        pair = placement.try_place(MODEL)
+        assert pair is not None and shared.totals(2) == [1, 0, 0, 1]  # both slots held
+        assert seen() == [1, 0]  # the prefill is under way; d0 has not seen the decode yet
+        pair.release_prefill()
+        pair.decode_sent()
+        assert seen() == [0, 1]
+        pair.release()
+        assert seen() == [0, 0] and shared.totals(2) == [0, 0, 0, 0]
+        local = placement.try_place(MODEL, local=True)  # no prefill: its leg goes out at once
+        assert local is not None and seen() == [0, 1]
+        local.release()
+        unsent = placement.try_place(MODEL)  # released before the decode was ever sent
+        assert unsent is not None
+        unsent.release()
+        assert seen() == [0, 0] and shared.totals(2) == [0, 0, 0, 0]
+    finally:
+        shared.close()

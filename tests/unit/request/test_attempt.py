@@ -111,7 +111,7 @@ class Reports:
     seen: list[dict[str, Any]] = field(default_factory=list)
 
     def report(self, producer: Engine, consumer: Engine, *, error: EngineError | None = None,
-               failed: Engine | None = None, before_first_token: bool = False) -> None:
+               failed: Engine | None = None, before_first_token: bool = False, local: bool = False) -> None:
         self.seen.append({"producer": producer.name, "consumer": consumer.name, "ok": error is None,
                           "reason": None if error is None else error.reason, "before_first_token": before_first_token})
 

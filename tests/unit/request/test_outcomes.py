@@ -20,7 +20,16 @@ from narwhal.errors import EngineClientError, EngineError
 from narwhal.fleet import Fleet
 from narwhal.request.outcomes import Outcomes
 from narwhal.settings import Settings
-from narwhal.shm.records import FLAG_BEFORE_TOKEN, FLAG_COUNTS, FLAG_OK, FLAG_PREFILL, KIND_OUTCOME, NONE16, Report
+from narwhal.shm.records import (
+    FLAG_BEFORE_TOKEN,
+    FLAG_COUNTS,
+    FLAG_OK,
+    FLAG_PREFILL,
+    KIND_LOCAL_OUTCOME,
+    KIND_OUTCOME,
+    NONE16,
+    Report,
+)
 from narwhal.shm.shared import SharedFleet
 from narwhal.shm.worker import WorkerFleetState
 
@@ -85,6 +94,19 @@ def test_a_success_reports_the_pair_and_quarantines_nothing(
     Outcomes(fleet, state, QUARANTINE_S).success(p0, d0)
     assert _drained(state) == [(0, 1, NONE16, 0, FLAG_OK, T0)]
     assert _admitted(state, fleet) == {"p0": True, "d0": True, "b0": True}
+
+
+def test_a_local_decodes_success_travels_under_its_own_kind(
+    fleet: Fleet, state: WorkerFleetState, clock: Clock
+) -> None:
+    # The supervisor must tell it from a same-worker success: it proves nothing about a producer.
+    b0 = fleet.by_name["b0"]
+    Outcomes(fleet, state, QUARANTINE_S).success(b0, b0, local=True)
+    Outcomes(fleet, state, QUARANTINE_S).success(b0, b0)
+    reports = state.shared.drain(state.slot)
+    assert [(r.producer, r.consumer, r.flags, r.kind) for r in reports] == [
+        (2, 2, FLAG_OK, KIND_LOCAL_OUTCOME), (2, 2, FLAG_OK, KIND_OUTCOME)]
+    assert KIND_LOCAL_OUTCOME == 4  # kinds never move, like ring codes
 
 
 def test_a_charged_prefill_failure_is_reported_counted_and_quarantines_the_producer_at_once(

@@ -168,3 +168,50 @@ def test_a_cap_of_one_is_exact_across_processes(shared: SharedFleet) -> None:
                 pass
     assert violations.region.u32(56) == 0
     violations.close()
+
+
+def test_the_unsent_decodes_sit_between_the_counts_and_the_ring_and_go_with_the_slot() -> None:
+    shared = SharedFleet.create(engines=3, slots=2, ring=4)  # an odd engine count
+    try:
+        layout = shared.layout
+        assert layout.slot_size % 8 == 0  # every slot's u64 fields stay aligned
+        counts_end = layout.counts_offset(1) + 3 * 8
+        assert layout.unsent_offset(1, 0) == counts_end and layout.unsent_offset(1, 2) + 4 <= layout.ring_offset(1, 0)
+        slot = shared.claim_slot(os.getpid())
+        assert slot is not None
+        shared.set_count(slot, 2, 1, 5)  # five decode slots on engine 2, three not sent yet
+        shared.region.set_u32(layout.unsent_offset(slot, 2), 3)
+        assert shared.engine_seen(2) == 2
+        assert shared.append(slot, _report(1.0)) and [r.at for r in shared.drain(slot)] == [1.0]
+        shared.clear_slot(slot)
+        assert shared.region.u32(layout.unsent_offset(slot, 2)) == 0 and shared.engine_seen(2) == 0
+    finally:
+        shared.close()
+
+
+def test_a_reader_never_sees_a_heartbeat_or_pid_half_written(shared: SharedFleet) -> None:
+    # struct.pack_into zeroes a field before writing it: a keeper that read the heartbeat then
+    # took a healthy supervisor for one that never beat, and killed it.
+    pid = os.fork()
+    if pid == 0:
+        try:
+            end = time.monotonic() + 3
+            while time.monotonic() < end:
+                shared.beat(os.getpid())
+                time.sleep(0.0005)
+        finally:
+            os._exit(0)
+    try:
+        end = time.monotonic() + 5
+        while shared.supervisor_pid != pid and time.monotonic() < end:
+            time.sleep(0.001)
+        reads = bad = 0
+        end = time.monotonic() + 2
+        while time.monotonic() < end:
+            reads += 1
+            if shared.heartbeat_age_s > 1.0 or shared.supervisor_pid != pid:
+                bad += 1
+    finally:
+        os.waitpid(pid, 0)
+    assert reads > 100_000
+    assert bad == 0, f"{bad} of {reads} reads saw a heartbeat over a second old"

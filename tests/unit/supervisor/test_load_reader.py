@@ -56,8 +56,9 @@ async def test_a_round_returns_at_once_and_publishes_only_good_readings(shared: 
                                     for i, n in enumerate(names)]))
     slot = shared.claim_slot(4321)
     assert slot is not None
-    shared.set_count(slot, 0, 0, 1)  # one prefill and two decode legs of this host on "ok"
-    shared.set_count(slot, 0, 1, 2)
+    shared.set_count(slot, 0, 0, 1)  # one prefill and three decode slots of this host on "ok",
+    shared.set_count(slot, 0, 1, 3)
+    shared.region.set_u32(shared.layout.unsent_offset(slot, 0), 1)  # one of them for a prefill still running
     control = Control()
     reader = LoadReader(shared, control)  # type: ignore[arg-type]
     reader.start_round(fleet.engines)  # returns without awaiting any read
@@ -65,7 +66,7 @@ async def test_a_round_returns_at_once_and_publishes_only_good_readings(shared: 
         await asyncio.sleep(0)
     ok = read_load(shared.region, 0)
     assert ok is not None and (ok.running, ok.waiting, ok.kv_usage, ok.name_hash) == (3.0, 1.0, 0.5, name_hash("ok"))
-    assert ok.ours == 3.0  # this host's legs on the engine when the answer came, both phases
+    assert ok.ours == 3.0  # this host's legs on the engine when the answer came, those it can have seen
     assert [read_load(shared.region, i) for i in range(1, 5)] == [None] * 4
     assert shared.load_generation == 1
     reader.start_round(fleet.engines)  # the hung read is still running: not started twice

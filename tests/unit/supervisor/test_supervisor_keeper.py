@@ -4,6 +4,7 @@ fake clock and real child processes standing in for the supervisor."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 
 from narwhal.front.gunicorn_hooks import reconcile, slots_for
 from narwhal.settings import Settings
+from narwhal.shm.shared import SharedFleet
 from narwhal.supervisor import process
 from narwhal.supervisor.process import MIN_RESPAWN_S, STALE_S, STARTUP_S, TERM_GRACE_S, SupervisorKeeper
 
@@ -110,6 +112,44 @@ def test_a_supervisor_that_beat_and_stopped_is_killed_and_replaced(children: _Ch
     assert children.procs[0].wait(5) == -signal.SIGKILL
     _wait_exit(keeper, first)
     assert keeper.pid not in (0, first) and len(children.procs) == 2 and beats.starts == 2
+
+
+@pytest.mark.parametrize("fmt", ["json", "text"])
+def test_the_stopped_beating_line_is_in_the_logs_format(
+    children: _Children, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, fmt: str
+) -> None:
+    monkeypatch.setattr("narwhal.logs.current", lambda: Settings.model_validate({"log": {"format": fmt}}))
+    clock, beats = _Clock(), _Beats(0, 0.0)
+    keeper = _keeper(beats, clock)
+    keeper.start()
+    beats.supervisor_pid, beats.heartbeat_age_s = keeper.pid, STALE_S + 0.5
+    keeper.check()
+    err = capsys.readouterr().err.strip()
+    message = f"supervisor {keeper.pid} stopped beating; restarting it"
+    if fmt == "text":
+        assert err == f"narwhal: {message}"
+    else:  # one JSON object, like every other line of a json log
+        line = json.loads(err)
+        assert set(line) == {"ts", "level", "logger", "message"}
+        assert (line["level"], line["logger"], line["message"]) == ("error", "narwhal.supervisor", message)
+
+
+def test_a_beat_writes_its_time_before_its_pid() -> None:
+    # A keeper that sees the new pid must see the new beat: the predecessor's would be stale.
+    shared = SharedFleet.create(engines=1, slots=1)
+    try:
+        seen: list[float] = []
+        real = shared.region.set_u32
+
+        def set_u32(offset: int, value: int) -> None:
+            seen.append(shared.heartbeat_age_s)
+            real(offset, value)
+
+        shared.region.set_u32 = set_u32  # type: ignore[method-assign]
+        shared.beat(4242)
+        assert shared.supervisor_pid == 4242 and len(seen) == 1 and seen[0] < 1.0
+    finally:
+        shared.close()
 
 
 def test_a_killed_supervisor_is_restarted_but_a_crash_loop_is_slowed(children: _Children) -> None:

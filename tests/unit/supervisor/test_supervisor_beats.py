@@ -1,0 +1,88 @@
+"""The supervisor's heartbeat while a round of engine reads runs (issue 25): the real loop
+(``Supervisor.run``) on a real shared region, its ``/metrics`` reads answered in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from narwhal.engines.control import PooledReader
+from narwhal.settings import Settings
+from narwhal.shm.shared import SharedFleet
+from narwhal.supervisor.main import Supervisor
+from narwhal.supervisor.rounds import BATCH, spread
+
+ENGINES = 64
+READ_CPU_S = 0.015  # each read's work once answered: a large /metrics body to parse, a busy host
+BODY = b'vllm:num_requests_running{engine="0"} 1\nvllm:num_requests_waiting{engine="0"} 0\n'
+
+
+@pytest.fixture
+def shared() -> Iterator[SharedFleet]:
+    region = SharedFleet.create(engines=ENGINES, slots=2)
+    yield region
+    region.close()
+
+
+async def test_beats_go_on_while_a_round_of_reads_of_a_large_fleet_runs(
+    shared: SharedFleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = Settings.model_validate({
+        "server": {"max_engines": ENGINES},
+        "recovery": {"health_interval_s": 3600},
+        "placement": {"load_interval_s": 1.0},
+        "engines": [{"name": f"e{i}", "url": f"http://127.0.0.1:{i + 1}", "role": "consumer"} for i in range(ENGINES)],
+    })
+    reads = 0
+
+    async def get(self: PooledReader, engine: Any, path: str) -> tuple[int, bytes]:
+        nonlocal reads
+        time.sleep(READ_CPU_S)  # the loop's thread is busy with this read: what a round costs it
+        reads += 1
+        return 200, BODY
+
+    beats: list[float] = []
+    real_beat = shared.beat
+    monkeypatch.setattr(PooledReader, "get", get)
+    monkeypatch.setattr(shared, "beat", lambda pid: (beats.append(time.monotonic()), real_beat(pid)))
+    task = asyncio.ensure_future(Supervisor(shared, settings).run())
+    try:
+        end = time.monotonic() + 20
+        while reads < ENGINES and time.monotonic() < end:
+            await asyncio.sleep(0.01)
+        assert reads == ENGINES  # the whole first round, ~1 s of the loop's time
+        after = len(beats) + 3
+        while len(beats) < after and time.monotonic() < end:  # and the beats after it
+            await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    gap = max(b - a for a, b in zip(beats, beats[1:], strict=False))
+    # All at once, the round held the loop for ENGINES × READ_CPU_S (0.96 s) between two beats;
+    # a batch at a time, for BATCH × READ_CPU_S (0.12 s) plus the loop's own period.
+    assert gap < 0.5, f"longest gap between beats {gap:.3f}s"
+
+
+async def test_a_spread_round_starts_everything_a_batch_per_pass() -> None:
+    started: list[int] = []
+    passes = 0
+
+    async def count_passes() -> None:
+        nonlocal passes
+        while True:
+            passes += 1
+            await asyncio.sleep(0)
+
+    counter = asyncio.ensure_future(count_passes())
+    seen: list[tuple[int, int]] = []
+    await spread([lambda i=i: (started.append(i), seen.append((passes, i))) for i in range(3 * BATCH + 1)], 0.0)
+    counter.cancel()
+    assert started == list(range(3 * BATCH + 1))
+    per_pass: dict[int, int] = {}
+    for at, _ in seen:
+        per_pass[at] = per_pass.get(at, 0) + 1
+    assert max(per_pass.values()) == BATCH and len(per_pass) == 4
