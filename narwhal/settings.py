@@ -100,6 +100,12 @@ class PlacementSettings(_Section):
     affinity_min_chars: Annotated[int, Field(ge=0)] = 64
     affinity_load_factor: Annotated[float, Field(ge=1)] = 1.25
     local_prefill_chars: Annotated[int, Field(ge=0)] = 0  # 0: never skip the remote prefill
+    # SPEC §3.3: placement that knows what each producer holds.
+    policy: Literal["held", "affinity", "least_loaded"] = "affinity"
+    block_chars: Annotated[int, Field(ge=16, le=1 << 16)] = 256
+    max_prefix_chars: Annotated[int, Field(ge=16, le=1 << 24)] = 65536
+    holdings_slots: Annotated[int, Field(ge=1, le=1 << 24)] = 65536
+    affinity_slack: Annotated[float, Field(ge=0, le=10)] = 0.1
 
     @model_validator(mode="after")
     def _affinity_fits(self) -> PlacementSettings:
@@ -107,7 +113,15 @@ class PlacementSettings(_Section):
             raise ValueError("affinity_min_chars must not exceed affinity_chars")
         if 0 < self.load_stale_s < self.load_interval_s:
             raise ValueError("load_stale_s must be at least load_interval_s")
+        if self.max_prefix_chars < self.block_chars:
+            raise ValueError("max_prefix_chars must be at least block_chars")
         return self
+
+    @property
+    def placement_policy(self) -> str:
+        """The producer rule in force: ``policy``, except that ``prefix_affinity = false`` means
+        ``least_loaded`` whatever ``policy`` says (SPEC §3.3)."""
+        return self.policy if self.prefix_affinity else "least_loaded"
 
 
 class PreflightSettings(_Section):

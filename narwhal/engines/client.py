@@ -294,16 +294,7 @@ def _prefill_result(result: PrefillResult, status: int, data: bytes) -> PrefillR
         return result
     if result.crossed:
         result.descriptor = answer.get("kv_transfer_params")
-    result.prompt_tokens, result.cached_tokens = _prompt_usage(answer.get("usage"))
+    # Each endpoint reports the prompt's cached part in its own usage field.
+    usage = dialects.for_endpoint(result.endpoint).prompt_usage(answer.get("usage"))
+    result.prompt_tokens, result.cached_tokens = usage
     return result
-
-
-def _prompt_usage(usage: Any) -> tuple[int | None, int | None]:
-    """``usage.prompt_tokens`` and ``usage.prompt_tokens_details.cached_tokens`` (vLLM fills the
-    details with ``--enable-prompt-tokens-details``), each None when absent or not an int."""
-    if not isinstance(usage, dict):
-        return None, None
-    prompt = usage.get("prompt_tokens")
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return (prompt if type(prompt) is int else None), (cached if type(cached) is int else None)

@@ -95,7 +95,8 @@ class PrefillResult:
     crossed: bool = True  # False: same-worker decode, no descriptor asked for
     started_at: float = field(default_factory=time.monotonic)  # handoff age starts here
     finished_at: float = 0.0
-    # The producer's usage.prompt_tokens and usage.prompt_tokens_details.cached_tokens (None: absent).
+    # The producer's prompt tokens and cached prompt tokens, from its endpoint's own usage fields
+    # (``Dialect.prompt_usage``; None: absent).
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
 

@@ -31,41 +31,20 @@ from collections import deque
 class Scheduler:
     """Batch slots in FIFO order and the engine's single prefill lane."""
 
-    __slots__ = ("max_num_seqs", "running", "running_blocks", "shared_blocks", "_queue", "free_at")
+    __slots__ = ("max_num_seqs", "running", "running_blocks", "_queue", "free_at")
 
     def __init__(self, max_num_seqs: int = 0) -> None:
         self.max_num_seqs = max_num_seqs
         self.running = 0
-        self.running_blocks = 0  # KV blocks of running requests' prompts that no other request shares
-        # Prefix-cached blocks in use, by hash, with how many running requests use each: vLLM's
-        # block pool shares a cached block among every request whose prefix hits it, so it is
-        # one block of kv_cache_usage_perc however many requests hold it.
-        self.shared_blocks: dict[int, int] = {}
+        # KV blocks of running requests' prompts that carry no hash (the prefix cache's pool
+        # counts the hashed ones, each once however many requests share it).
+        self.running_blocks = 0
         self._queue: deque[asyncio.Future[None]] = deque()
         self.free_at = 0.0
 
     @property
     def waiting(self) -> int:
         return sum(1 for f in self._queue if not f.done())
-
-    @property
-    def blocks_in_use(self) -> int:
-        return self.running_blocks + len(self.shared_blocks)
-
-    def hold(self, hashes: list[int]) -> None:
-        """A running request uses these cached (hashed) blocks."""
-        shared = self.shared_blocks
-        for h in hashes:
-            shared[h] = shared.get(h, 0) + 1
-
-    def unhold(self, hashes: list[int]) -> None:
-        shared = self.shared_blocks
-        for h in hashes:
-            left = shared[h] - 1
-            if left:
-                shared[h] = left
-            else:
-                del shared[h]
 
     def _has_room(self) -> bool:
         return not self.max_num_seqs or self.running < self.max_num_seqs

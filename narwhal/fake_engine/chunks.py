@@ -160,8 +160,11 @@ class StreamFrames:
     def heartbeat(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         raise NotImplementedError
 
-    def body(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        """The whole (non-streaming) answer, without ``kv_transfer_params`` decided yet."""
+    def body(
+        self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+    ) -> dict[str, Any]:
+        """The whole (non-streaming) answer, without ``kv_transfer_params`` decided yet; the
+        cached prompt tokens in the endpoint's own usage field."""
         raise NotImplementedError
 
     # -- a stream's fixed parts: chat and completions here; each endpoint's frames override --

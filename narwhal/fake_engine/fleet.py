@@ -21,7 +21,7 @@ import signal
 import ssl
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -45,8 +45,11 @@ class Fleet:
         host: str = "127.0.0.1",
         base_port: int = 0,
         control_port: int = 0,
+        models: Mapping[str, EngineModel] | None = None,
         **engine_kwargs: Any,
     ) -> None:
+        """``models``: an engine's own load and cache models (e.g. a slower GPU's prefill cost),
+        instead of ``engine_kwargs``' ``load_model``."""
         if len(set(names)) != len(names) or not names:
             raise ValueError(f"engine names must be unique and non-empty: {list(names)}")
         self.host = host
@@ -55,7 +58,11 @@ class Fleet:
         self.base_port = base_port
         self.control_port = control_port
         engine_kwargs.setdefault("advertise_host", self.advertise_host)
-        self.engines: dict[str, FakeEngine] = {name: FakeEngine(name, **engine_kwargs) for name in names}
+        own = models or {}
+        self.engines: dict[str, FakeEngine] = {
+            name: FakeEngine(name, **{**engine_kwargs, **({"load_model": own[name]} if name in own else {})})
+            for name in names
+        }
         self._control: web.AppRunner | None = None
         self.control_url: str | None = None
 
@@ -175,6 +182,11 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         "--prefill-s-per-token", type=float, default=0.0, help="prefill compute per uncached prompt token (seconds)"
     )
     p.add_argument(
+        "--prefill-us-per-token", action="append", default=[], metavar="[NAME=]US",
+        help="prefill compute per uncached prompt token in microseconds, for every engine or for engine NAME "
+        "(repeatable: engines may differ, as GPU kinds do)",
+    )
+    p.add_argument(
         "--prefix-cache", action="store_true", help="LRU prefix cache of 16-token blocks (a token = 4 characters)"
     )
     p.add_argument("--kv-blocks", type=int, default=10000, help="KV capacity in blocks (cache bound, usage base)")
@@ -198,12 +210,12 @@ def _tls(args: argparse.Namespace) -> ssl.SSLContext | None | str:
     return tls
 
 
-def _load_model(args: argparse.Namespace) -> EngineModel | str:
+def _load_model(args: argparse.Namespace, prefill_s_per_token: float) -> EngineModel | str:
     """The models from the options, or the one-line reason they are refused."""
     try:
         return EngineModel(
             max_num_seqs=args.max_num_seqs,
-            prefill_s_per_token=args.prefill_s_per_token,
+            prefill_s_per_token=prefill_s_per_token,
             prefix_cache=args.prefix_cache,
             kv_blocks=args.kv_blocks,
             tensor_parallel_size=args.tensor_parallel_size,
@@ -212,6 +224,38 @@ def _load_model(args: argparse.Namespace) -> EngineModel | str:
         err = exc.errors()[0]
         option = "--" + str(err["loc"][0]).replace("_", "-") if err["loc"] else "model"
         return f"{option}: {err['msg']}"
+
+
+def _prefill_costs(args: argparse.Namespace, names: Sequence[str]) -> dict[str | None, float] | str:
+    """Seconds per token by engine name (None: every engine), or why an entry is refused."""
+    costs: dict[str | None, float] = {None: args.prefill_s_per_token}
+    for entry in args.prefill_us_per_token:
+        name, _, value = entry.rpartition("=")
+        if name and name not in names:
+            return f"--prefill-us-per-token {entry}: no engine named {name!r}"
+        try:
+            costs[name or None] = float(value) / 1e6
+        except ValueError:
+            return f"--prefill-us-per-token {entry}: not a number of microseconds"
+    return costs
+
+
+def _models(args: argparse.Namespace, names: Sequence[str]) -> tuple[EngineModel, dict[str, EngineModel]] | str:
+    """The fleet's models and each engine's own, or the one-line reason they are refused."""
+    costs = _prefill_costs(args, names)
+    if isinstance(costs, str):
+        return costs
+    base = _load_model(args, costs[None])
+    if isinstance(base, str):
+        return base
+    own: dict[str, EngineModel] = {}
+    for name, cost in costs.items():
+        if name is not None:
+            model = _load_model(args, cost)
+            if isinstance(model, str):
+                return model.replace("--prefill-s-per-token", f"--prefill-us-per-token {name}")
+            own[name] = model
+    return base, own
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,12 +272,13 @@ def main(argv: list[str] | None = None) -> int:
         print("narwhal fake-engine: --records-max must be at least 1", file=sys.stderr)
         return 2
     tls = _tls(args)
-    load_model = _load_model(args)
-    for refused in (tls, load_model):
+    models = _models(args, names)
+    for refused in (tls, models):
         if isinstance(refused, str):
             print(f"narwhal fake-engine: {refused}", file=sys.stderr)
             return 2
-    assert not isinstance(tls, str) and not isinstance(load_model, str)
+    assert not isinstance(tls, str) and not isinstance(models, str)
+    load_model, own_models = models
 
     def announce(document: dict[str, Any]) -> None:
         sys.stdout.write(orjson.dumps(document).decode() + "\n")
@@ -257,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         records_max=args.records_max,
         ssl_context=tls,
         load_model=load_model,
+        models=own_models,
     )
     try:
         import uvloop

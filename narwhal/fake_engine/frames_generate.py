@@ -48,7 +48,10 @@ class GenerateFrames(StreamFrames):
     ) -> bytes:
         return DONE
 
-    def body(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def body(
+        self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+    ) -> dict[str, Any]:
+        """No usage at all: vLLM's ``GenerateResponse`` has none, so the cached part goes unreported."""
         ids = list(range(FIRST_ID, FIRST_ID + completion_tokens))
         choice = {"index": 0, "logprobs": None, "finish_reason": finish_reason, "token_ids": ids}
         return {"request_id": self._rid, "choices": [choice], "prompt_logprobs": None, "kv_transfer_params": None}

@@ -75,23 +75,24 @@ class MessagesFrames(StreamFrames):
         )
         return event("message_start", b'{"type":"message_start","message":' + message + b"}")
 
-    def _delta(self, stop_reason: str, prompt_tokens: int, completion_tokens: int) -> bytes:
+    def _delta(self, stop_reason: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> bytes:
         data = {"type": "message_delta", "delta": {"stop_reason": stop_reason},
-                "usage": {"input_tokens": prompt_tokens, "output_tokens": completion_tokens}}
+                "usage": usage_object(prompt_tokens, completion_tokens, cached_tokens)}
         return event("message_delta", orjson.dumps(data))
 
     def terminal_first(self) -> bytes:
         return event("message_stop", b'{"type":"message_stop"}') + DONE
 
     def empty_end(self, prompt_tokens: int, include_usage: bool, cached_tokens: int = 0) -> bytes:
-        return self._delta("end_turn", prompt_tokens, 0) + self.terminal_first()
+        return self._delta("end_turn", prompt_tokens, 0, cached_tokens) + self.terminal_first()
 
     def end(
         self, prompt_tokens: int, completion_tokens: int, include_usage: bool, finish_reason: str,
         cached_tokens: int = 0,
     ) -> bytes:
         stop = event("content_block_stop", b'{"type":"content_block_stop","index":0}')
-        delta = self._delta(STOP_REASONS.get(finish_reason, "end_turn"), prompt_tokens, completion_tokens)
+        stop_reason = STOP_REASONS.get(finish_reason, "end_turn")
+        delta = self._delta(stop_reason, prompt_tokens, completion_tokens, cached_tokens)
         return stop + delta + self.terminal_first()
 
     def error(self, code: int | None, message: str, flat: bool) -> bytes:
@@ -99,10 +100,21 @@ class MessagesFrames(StreamFrames):
             return error_event(code, message) + DONE
         return event("error", orjson.dumps(anthropic_error(code, message))) + DONE
 
-    def body(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def body(
+        self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+    ) -> dict[str, Any]:
         return {
             "id": self._rid, "type": "message", "role": "assistant",
             "content": [{"type": "text", "text": text}], "model": orjson.loads(self._model),
             "stop_reason": STOP_REASONS.get(finish_reason, "end_turn"),
-            "usage": {"input_tokens": prompt_tokens, "output_tokens": completion_tokens},
+            "usage": usage_object(prompt_tokens, completion_tokens, cached_tokens),
         }
+
+
+def usage_object(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """Anthropic's usage: ``input_tokens`` are the prompt tokens *not* read from the cache, and
+    ``cache_read_input_tokens`` (only when some were: vLLM dumps with ``exclude_none``) the rest."""
+    usage: dict[str, Any] = {"input_tokens": prompt_tokens - cached_tokens, "output_tokens": completion_tokens}
+    if cached_tokens:
+        usage["cache_read_input_tokens"] = cached_tokens
+    return usage

@@ -101,24 +101,24 @@ class ResponsesFrames(StreamFrames):
         return created + self._event({"type": "response.in_progress",
                                       "response": self.response("in_progress", [], None)})
 
-    def _completed(self, text: str | None, prompt_tokens: int, completion_tokens: int) -> bytes:
+    def _completed(self, text: str | None, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> bytes:
         status = "incomplete" if self._limit is not None and completion_tokens >= self._limit else "completed"
         output = [] if text is None else [self._message(text, "completed")]
-        usage = usage_object(prompt_tokens, completion_tokens)
+        usage = usage_object(prompt_tokens, completion_tokens, cached_tokens)
         return self._event({"type": "response.completed", "response": self.response(status, output, usage)})
 
     def terminal_first(self) -> bytes:
         return self._completed(None, 0, 0)
 
     def empty_end(self, prompt_tokens: int, include_usage: bool, cached_tokens: int = 0) -> bytes:
-        return self._open_item() + self._close_item("") + self._completed("", prompt_tokens, 0)
+        return self._open_item() + self._close_item("") + self._completed("", prompt_tokens, 0, cached_tokens)
 
     def end(
         self, prompt_tokens: int, completion_tokens: int, include_usage: bool, finish_reason: str,
         cached_tokens: int = 0,
     ) -> bytes:
         text = "".join([token_text(i) for i in range(completion_tokens)])
-        return self._close_item(text) + self._completed(text, prompt_tokens, completion_tokens)
+        return self._close_item(text) + self._completed(text, prompt_tokens, completion_tokens, cached_tokens)
 
     def failed(self, code: int | None, message: str) -> dict[str, Any]:
         """A Response that failed: what ``response.failed`` carries, or a whole answer is."""
@@ -131,15 +131,18 @@ class ResponsesFrames(StreamFrames):
             return self._event({"type": "response.failed", "response": self.failed(code, message)})
         return self._event({"type": "error", "code": code, "message": message, "param": None})
 
-    def body(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def body(
+        self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+    ) -> dict[str, Any]:
         status = "incomplete" if self._limit is not None and completion_tokens >= self._limit else "completed"
-        usage = usage_object(prompt_tokens, completion_tokens)
+        usage = usage_object(prompt_tokens, completion_tokens, cached_tokens)
         return self.response(status, [self._message(text, "completed")], usage)
 
 
-def usage_object(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def usage_object(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """vLLM's ``ResponseUsage``: ``input_tokens_details.cached_tokens`` is always there (0 on a miss)."""
     return {
-        "input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
         "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt_tokens + completion_tokens,
     }

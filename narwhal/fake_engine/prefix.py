@@ -1,23 +1,32 @@
-"""The fake's prefix cache: an LRU of the prompt's KV blocks, keyed by chained block hashes.
+"""The fake's prefix cache: vLLM's block pool, keyed by chained block hashes.
 
-What vLLM does (automatic prefix caching, v1 ``kv_cache_utils``): the prompt's tokens are cut into
-blocks of ``block_size`` (16) tokens; block *i*'s hash covers its own tokens *and* block *i-1*'s
-hash, so a block can only hit when every block before it hit too (the same 16 tokens after a
-different prefix are different KV). Only full blocks are cached, and at least one prompt token is
-always computed (a fully cached prompt still recomputes its last block, so ``cached_tokens`` stays
-below ``prompt_tokens``). Blocks no running request uses stay cached until evicted, least recently
-used first.
+What vLLM does (automatic prefix caching, v1 ``kv_cache_utils`` and ``block_pool``): the prompt's
+tokens are cut into blocks of ``block_size`` (16) tokens; block *i*'s hash covers its own tokens
+*and* block *i-1*'s hash, so a block can only hit when every block before it hit too (the same 16
+tokens after a different prefix are different KV). Only full blocks are cached, and at least one
+prompt token is always computed (a fully cached prompt still recomputes its last block, so
+``cached_tokens`` stays below ``prompt_tokens``). Every block has a reference count: the running
+requests that use it. A cached block is used once however many requests share it. When its
+count drops to 0 it joins the *free queue* and keeps its hash. A request's blocks are freed tail
+first, so a prompt's tail is evicted before its prefix. A new allocation takes the free queue's
+head, evicting that block's hash. So eviction is least recently *freed* first, and never touches
+a block that a running request uses. A hit on a free block takes it out of the queue.
 
 How the fake does it: a token is 4 characters of the prompt text as the engine sees it
-(``prompt_text``: completions' ``prompt``, chat messages' role and text in order), so a block is 64
-characters and the hash chain is Python's ``hash`` of (previous hash, slice): per process, which is
-all an engine needs. ``lookup`` walks the chain until the first miss and refreshes what hit;
-``insert`` records the blocks once the prefill has really computed them (a concurrent request with
-the same prefix does not hit blocks still being computed, as in vLLM).
+(``prompt_text``, per endpoint), so a block is 64 characters and the hash chain is Python's
+``hash`` of (previous hash, slice): per process, which is all an engine needs. ``acquire`` takes
+a running request's blocks (its prompt's full blocks, computed or not), ``lookup`` walks the
+chain until the first miss, ``insert`` records the blocks once the prefill has computed them (a
+concurrent request with the same prefix does not hit blocks still being computed, as in vLLM),
+and ``release`` gives them back. ``trim`` evicts the free queue's head while the pool (blocks in
+use here + ``others``, the running prompts' partial tails, which carry no hash) plus the free
+cached blocks exceeds ``capacity``. Held handoff blocks do not count: in vLLM they *are* the
+prefill's cached blocks (pinned until read), so counting them apart would count them twice; the
+fake leaves them evictable, a difference that lasts only until the consumer's read.
 
-Invariant: the cache never holds more than ``capacity`` blocks, and ``lookup`` answers in tokens,
-the unit of vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits`` counters (which the engine
-keeps, so they stay monotonic when the cache is reconfigured). A leaf: no engine, no I/O.
+Invariant: free cached blocks + blocks in use ≤ ``capacity`` after every ``trim`` (unless the blocks
+in use alone exceed it); a block in use is never evicted; ``lookup`` answers in tokens, the unit of
+vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits`` counters. A leaf: no engine, no I/O.
 """
 
 from __future__ import annotations
@@ -28,18 +37,33 @@ from typing import Any
 CHARS_PER_TOKEN = 4
 
 
-def prompt_text(body: dict[str, Any], chat: bool) -> str:
+def _content_text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else ""
+
+
+def _roles_text(head: str, items: Any) -> str:
+    parts = [f"system\n{head}\n"] if head else []
+    for item in items if isinstance(items, list) else ():
+        if isinstance(item, dict):
+            parts.append(f"{item.get('role')}\n{_content_text(item.get('content'))}\n")
+    return "".join(parts)
+
+
+def prompt_text(body: dict[str, Any], chat: bool, kind: str = "") -> str:
     """The prompt as the engine would tokenize it (a stand-in for the chat template)."""
     if chat:
-        parts: list[str] = []
-        for message in body.get("messages") or ():
-            if not isinstance(message, dict):
-                continue
-            content = message.get("content")
-            if isinstance(content, list):
-                content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))
-            parts.append(f"{message.get('role')}\n{content if isinstance(content, str) else ''}\n")
-        return "".join(parts)
+        return _roles_text("", body.get("messages"))
+    if kind == "messages":
+        return _roles_text(_content_text(body.get("system")), body.get("messages"))
+    if kind == "responses":
+        items = body.get("input")
+        instructions = _content_text(body.get("instructions"))
+        return instructions + items if isinstance(items, str) else _roles_text(instructions, items)
+    if kind == "generate":
+        ids = body.get("token_ids")
+        return " ".join(map(str, ids)) if isinstance(ids, list) else ""
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return prompt
@@ -57,17 +81,24 @@ def text_tokens(text: str) -> int:
 
 
 class PrefixCache:
-    """An LRU of block hashes within ``capacity`` blocks; counts queried and hit tokens."""
+    """vLLM's block pool within ``capacity`` blocks: cached hashes, reference counts, free queue."""
 
-    __slots__ = ("capacity", "block_size", "_blocks")
+    __slots__ = ("capacity", "block_size", "_cached", "_free", "_refs")
 
     def __init__(self, capacity: int, block_size: int = 16) -> None:
         self.capacity = capacity
         self.block_size = block_size
-        self._blocks: OrderedDict[int, None] = OrderedDict()
+        self._cached: set[int] = set()  # computed blocks, in use or free
+        self._free: OrderedDict[int, None] = OrderedDict()  # cached, unused: least recently freed first
+        self._refs: dict[int, int] = {}  # blocks running requests use, by hash: how many use each
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._cached)
+
+    @property
+    def in_use(self) -> int:
+        """Hashed blocks that running requests use: each once, however many share it."""
+        return len(self._refs)
 
     def block_hashes(self, text: str) -> list[int]:
         """The chained hashes of the full blocks of ``text``."""
@@ -79,29 +110,52 @@ class PrefixCache:
             hashes.append(parent)
         return hashes
 
+    def acquire(self, hashes: list[int]) -> None:
+        """A running request uses these blocks: none of them can be evicted until ``release``."""
+        refs, free = self._refs, self._free
+        for h in hashes:
+            refs[h] = refs.get(h, 0) + 1
+            free.pop(h, None)
+
+    def release(self, hashes: list[int]) -> None:
+        """The request ended: blocks nobody uses join the free queue, its tail first."""
+        refs, free, cached = self._refs, self._free, self._cached
+        for h in reversed(hashes):
+            left = refs[h] - 1
+            if left:
+                refs[h] = left
+                continue
+            del refs[h]
+            if h in cached:
+                free[h] = None
+
     def lookup(self, hashes: list[int], prompt_tokens: int) -> int:
         """Cached tokens of a prompt: the leading run of hits, leaving ≥ 1 token to compute."""
         usable = min(len(hashes), (prompt_tokens - 1) // self.block_size)
         hit = 0
-        blocks = self._blocks
-        while hit < usable and hashes[hit] in blocks:
-            blocks.move_to_end(hashes[hit])
+        cached = self._cached
+        while hit < usable and hashes[hit] in cached:
             hit += 1
         return hit * self.block_size
 
-    def insert(self, hashes: list[int]) -> None:
-        """The prefill computed these blocks: most recently used now; evict beyond capacity."""
-        blocks = self._blocks
+    def insert(self, hashes: list[int], others: int = 0) -> None:
+        """The prefill computed these blocks; a block no request holds is freed at once."""
+        refs, free = self._refs, self._free
         for h in hashes:
-            blocks[h] = None
-            blocks.move_to_end(h)
-        self.trim()
+            if h not in self._cached:
+                self._cached.add(h)
+                if h not in refs:
+                    free[h] = None
+        self.trim(others)
 
-    def trim(self) -> None:
-        """Evict least recently used blocks until within ``capacity`` (also after it shrank)."""
-        blocks = self._blocks
-        while len(blocks) > self.capacity:
-            blocks.popitem(last=False)
+    def trim(self, others: int = 0) -> None:
+        """Evict free blocks, least recently freed first, until the pool fits ``capacity``."""
+        free, cached = self._free, self._cached
+        room = self.capacity - others - len(self._refs)
+        while len(free) > max(room, 0):
+            cached.discard(free.popitem(last=False)[0])
 
     def clear(self) -> None:
-        self._blocks.clear()
+        """Forget every cached hash (vLLM's reset_prefix_cache); blocks in use stay in use."""
+        self._cached.clear()
+        self._free.clear()

@@ -145,4 +145,39 @@ def render_metrics(engine: EngineState) -> str:
         else:
             lines += [f"# HELP vllm:{name} {help_text}", f"# TYPE vllm:{name} gauge"]
             lines.append(f"vllm:{name}{label} {float(value)}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + cache_config_info(engine)
+
+
+def cache_config_info(engine: EngineState) -> str:
+    """vLLM's ``vllm:cache_config_info``: an info gauge (1.0) labelled with its CacheConfig fields
+    (``CacheConfig.metrics_info()``, every value as ``str()`` writes it) and the engine index.
+
+    ``num_gpu_blocks`` is the fake's ``kv_blocks``, ``block_size`` its block size, and
+    ``enable_prefix_caching`` its prefix cache; the rest are vLLM 0.11's defaults.
+    """
+    fields = {
+        "block_size": str(engine.kv.block_size),
+        "cache_dtype": "auto",
+        "calculate_kv_scales": "False",
+        "cpu_offload_gb": "0",
+        "enable_prefix_caching": str(engine.load_model.prefix_cache),
+        "engine": "0",
+        "gpu_memory_utilization": "0.9",
+        "is_attention_free": "False",
+        "kv_sharing_fast_prefill": "False",
+        "mamba_cache_dtype": "auto",
+        "mamba_ssm_cache_dtype": "auto",
+        "num_cpu_blocks": "None",
+        "num_gpu_blocks": str(engine.load_model.kv_blocks),
+        "num_gpu_blocks_override": "None",
+        "prefix_caching_hash_algo": "sha256",
+        "sliding_window": "None",
+        "swap_space": "4",
+        "swap_space_bytes": "4294967296",
+    }
+    labels = ",".join(f'{key}="{value}"' for key, value in fields.items())
+    return (
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+        "# TYPE vllm:cache_config_info gauge\n"
+        f"vllm:cache_config_info{{{labels}}} 1.0\n"
+    )

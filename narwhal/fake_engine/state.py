@@ -183,14 +183,17 @@ class EngineState:
             self.cache = PrefixCache(model.kv_blocks, self.kv.block_size)
         else:
             self.cache.capacity = model.kv_blocks
-            self.cache.trim()
+            self.cache.trim(self.scheduler.running_blocks)
         return model
 
+    def blocks_in_use(self) -> int:
+        """Blocks in use: running prompts (a shared prefix block once) and held handoffs."""
+        hashed = self.cache.in_use if self.cache is not None else 0
+        return self.kv.held_blocks + self.scheduler.running_blocks + hashed
+
     def kv_usage(self) -> float:
-        """``vllm:kv_cache_usage_perc``: blocks in use (running prompts, a shared prefix block once;
-        held handoffs) / capacity."""
-        used = self.kv.held_blocks + self.scheduler.blocks_in_use
-        return min(1.0, used / self.load_model.kv_blocks)
+        """``vllm:kv_cache_usage_perc``: blocks in use / capacity (cached blocks nobody uses are free)."""
+        return min(1.0, self.blocks_in_use() / self.load_model.kv_blocks)
 
     def templates(self, model: str) -> ModelTemplates:
         tpl = self._templates.get(model)

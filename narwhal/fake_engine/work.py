@@ -16,9 +16,9 @@ The steps, in vLLM's order:
    engine's prefill lane and cache the blocks; returns the cached tokens for ``usage``;
 3. ``end`` (always, in the handler's ``finally``): give the slot back.
 
-KV usage is vLLM's block pool: a prompt's full blocks are hashed and shared by every running
-request whose prefix has them (one block each in ``kv_cache_usage_perc``), its partial tail is its
-own.
+KV usage is vLLM's block pool (``prefix.PrefixCache``): a prompt's full blocks are hashed and
+shared by every running request whose prefix has them (one block each in
+``kv_cache_usage_perc``), its partial tail is its own; a block in use cannot be evicted.
 
 Invariant: a ``Work`` holds at most one slot and ``end`` releases exactly what ``run`` took, on
 every path (abort mid-wait, mid-prefill or mid-stream included), so ``vllm:num_requests_running``
@@ -52,7 +52,7 @@ class Work:
         cache = engine.cache
         if cache is None:
             return cls(None, computes)
-        text = prompt_text(body, req.chat)
+        text = prompt_text(body, req.chat, req.kind)
         req.prompt_tokens = text_tokens(text)
         return cls(cache.block_hashes(text) if computes else None, computes)
 
@@ -62,15 +62,17 @@ class Work:
         await sched.acquire()
         self.slot = True
         blocks = req.prompt_tokens // engine.kv.block_size
-        if self.hashes:  # cached blocks are one block however many requests use them
-            sched.hold(self.hashes)
+        cache = engine.cache
+        if cache is not None and self.hashes:  # a cached block is one block however many use it
+            cache.acquire(self.hashes)
             blocks = max(blocks - len(self.hashes), 0)
         self.blocks = blocks
         sched.running_blocks += blocks
+        if cache is not None:
+            cache.trim(sched.running_blocks)  # this request's blocks were allocated
         if not self.computes:
             return 0
         cached = 0
-        cache = engine.cache
         if cache is not None and self.hashes is not None:
             cached = cache.lookup(self.hashes, req.prompt_tokens)
             engine.prefix_queries += req.prompt_tokens
@@ -79,13 +81,14 @@ class Work:
         if cost > 0:
             await sched.prefill(cost)
         if cache is not None and self.hashes:
-            cache.insert(self.hashes)
+            cache.insert(self.hashes, sched.running_blocks)
         return cached
 
     def end(self, engine: EngineState) -> None:
         if self.slot:
             self.slot = False
             engine.scheduler.running_blocks -= self.blocks
-            if self.hashes:
-                engine.scheduler.unhold(self.hashes)
+            cache = engine.cache
+            if cache is not None and self.hashes:
+                cache.release(self.hashes)
             engine.scheduler.release()

@@ -90,12 +90,13 @@ def prompt_head(endpoint: str, body: dict[str, Any], limit: int) -> str | None:
 def placement_hints(endpoint: str, body: dict[str, Any], settings: PlacementSettings) -> tuple[int | None, bool]:
     """(the affinity key's hash or None, whether to decode locally) for one request."""
     local_chars = settings.local_prefill_chars
-    if not settings.prefix_affinity and local_chars == 0:
+    keyed = settings.placement_policy != "least_loaded"
+    if not keyed and local_chars == 0:
         return None, False
     head = prompt_head(endpoint, body, max(settings.affinity_chars, local_chars))
     if head is None:
         return None, False
     local = len(head) < local_chars
-    if local or not settings.prefix_affinity or len(head) < settings.affinity_min_chars:
+    if local or not keyed or len(head) < settings.affinity_min_chars:
         return None, local
     return key_hash(head[: settings.affinity_chars]), False

@@ -37,6 +37,11 @@ def is_int(value: Any) -> bool:
     return type(value) is int
 
 
+def int_or_none(value: Any) -> int | None:
+    """``value`` when it is an int (bools are not), else None."""
+    return value if type(value) is int else None
+
+
 def event_name(event: bytes) -> bytes | None:
     """The ``event:`` field of one SSE event (vLLM writes it first), or None."""
     if not event.startswith(b"event:"):
@@ -81,6 +86,16 @@ class Dialect:
         return ""
 
     # -- engine bodies --------------------------------------------------------------------------
+
+    def prompt_usage(self, usage: Any) -> tuple[int | None, int | None]:
+        """(prompt tokens, cached prompt tokens) of a prefill's ``usage``, each None when absent
+        or not an int: here ``prompt_tokens`` and ``prompt_tokens_details.cached_tokens`` (vLLM
+        fills the details with ``--enable-prompt-tokens-details``)."""
+        if not isinstance(usage, dict):
+            return None, None
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        return int_or_none(usage.get("prompt_tokens")), int_or_none(cached)
 
     def prefill_body(self, body: dict[str, Any], request_id: str, crossed: bool) -> dict[str, Any]:
         raise NotImplementedError

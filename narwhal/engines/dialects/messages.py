@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 from narwhal.engines import connector, sse
-from narwhal.engines.dialects.base import Dialect, Kind, bad, event_name, json_of, status_of_code
+from narwhal.engines.dialects.base import Dialect, Kind, bad, event_name, int_or_none, json_of, status_of_code
 from narwhal.errors import NarwhalError
 
 MESSAGES = "/v1/messages"
@@ -82,6 +82,20 @@ class Messages(Dialect):
                 parts.append(part)
                 size += len(part)
         return "\n".join(p for p in parts if p)
+
+    def prompt_usage(self, usage: Any) -> tuple[int | None, int | None]:
+        """Anthropic's usage: ``input_tokens`` are the tokens *not* read from or written to the
+        cache, so the prompt is their sum with ``cache_read_input_tokens`` and
+        ``cache_creation_input_tokens``; the cached part is ``cache_read_input_tokens`` (None
+        when the engine left it out)."""
+        if not isinstance(usage, dict):
+            return None, None
+        uncached = int_or_none(usage.get("input_tokens"))
+        if uncached is None:
+            return None, None
+        cached = int_or_none(usage.get("cache_read_input_tokens"))
+        written = int_or_none(usage.get("cache_creation_input_tokens")) or 0
+        return uncached + (cached or 0) + written, cached
 
     def prefill_body(self, body: dict[str, Any], request_id: str, crossed: bool) -> dict[str, Any]:
         out = dict(body)

@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 from narwhal.engines import connector
-from narwhal.engines.dialects.base import Dialect, Kind, bad, event_name, is_int, json_of, status_of_code
+from narwhal.engines.dialects.base import Dialect, Kind, bad, event_name, int_or_none, is_int, json_of, status_of_code
 from narwhal.errors import NarwhalError
 
 RESPONSES = "/v1/responses"
@@ -78,6 +78,14 @@ class Responses(Dialect):
                     parts.append(part)
                     size += len(part)
         return "\n".join(p for p in parts if p)
+
+    def prompt_usage(self, usage: Any) -> tuple[int | None, int | None]:
+        """``input_tokens`` and ``input_tokens_details.cached_tokens`` (vLLM's ResponseUsage)."""
+        if not isinstance(usage, dict):
+            return None, None
+        details = usage.get("input_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        return int_or_none(usage.get("input_tokens")), int_or_none(cached)
 
     def prefill_body(self, body: dict[str, Any], request_id: str, crossed: bool) -> dict[str, Any]:
         out = dict(body)

@@ -7,6 +7,7 @@ come in through arguments and protocols):
   waiting for a free pair, local decode;
 * :mod:`.least_loaded` — fewest requests first, saturated engines last, ties at random;
 * :mod:`.affinity` — bounded-load rendezvous hashing of the affinity key for producers;
+* :mod:`.blocks` — the prompt's chained prefix block keys (SPEC §3.3), computed lazily;
 * :mod:`.load` — engine-reported load as placement weighs it (fresh readings only);
 * :mod:`.reservation` — in-flight counts and the slots an attempt holds.
 """

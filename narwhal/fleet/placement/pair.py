@@ -81,6 +81,7 @@ class Placement:
             if loads is not None and settings.load_interval_s > 0 else None
         )
         self._hashes = [affinity.key_hash(e.name) for e in fleet.engines]
+        self._policy = settings.placement_policy
 
     def current_loads(self) -> Loads | None:
         return None if self._loads is None else self._loads.current()
@@ -157,7 +158,7 @@ class Placement:
             loads is not None and loads.any_saturated
             and least_loaded.all_saturated([c[0].index for c in candidates], loads)
         )
-        if not self.settings.prefix_affinity:
+        if self._policy == "least_loaded":
             key = None
         if key is None or len(candidates) < 2:  # one candidate: it is the key's favourite
             ordered = least_loaded.order(candidates, load, _producer_index, loads, self._rng)

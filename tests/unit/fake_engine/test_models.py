@@ -73,23 +73,6 @@ def test_a_fully_cached_prompt_still_computes_its_last_block() -> None:
     assert cache.lookup(cache.block_hashes(text), text_tokens(text)) == 32  # vLLM: num_tokens - 1 at most
 
 
-def test_lru_eviction_within_capacity() -> None:
-    cache = PrefixCache(capacity=4)
-    a, b = text_of(2, "a"), text_of(2, "b")
-    cache.insert(cache.block_hashes(a))
-    cache.insert(cache.block_hashes(b))
-    assert cache.lookup(cache.block_hashes(a), 33) == 32  # a is now the most recently used
-    c = text_of(2, "c")
-    cache.insert(cache.block_hashes(c))  # evicts b, the least recently used
-    assert len(cache) == 4
-    assert cache.lookup(cache.block_hashes(b), 33) == 0
-    assert cache.lookup(cache.block_hashes(a), 33) == 32
-    assert cache.lookup(cache.block_hashes(c), 33) == 32
-    cache.capacity = 2
-    cache.trim()
-    assert len(cache) == 2 and cache.lookup(cache.block_hashes(a), 33) == 0
-
-
 def test_prompt_text_as_the_engine_sees_it() -> None:
     chat = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"text": "hi"}]}]}
     assert prompt_text(chat, chat=True) == "system\nbe brief\nuser\nhi\n"
@@ -260,17 +243,17 @@ async def test_running_requests_sharing_a_prefix_use_its_blocks_once(aiohttp_cli
         resp = await client.post("/v1/completions", json=body)
         await resp.content.readuntil(b"\n\n")  # it runs, holding its blocks
         streams.append(resp)
-    assert engine.scheduler.blocks_in_use == 8  # the tails are under a block: 8, not 16
+    assert engine.blocks_in_use() == 8  # the tails are under a block: 8, not 16
     text = await (await client.get("/metrics")).text()
     assert metric(text, "vllm:kv_cache_usage_perc") == 0.08
     other = {"prompt": text_of(4, tag="b"), "stream": True, "max_tokens": 200, "narwhal_fake": slow}
     streams.append(await client.post("/v1/completions", json=other))
     await streams[-1].content.readuntil(b"\n\n")
-    assert engine.scheduler.blocks_in_use == 12  # another prefix: its own 4 blocks
+    assert engine.blocks_in_use() == 12  # another prefix: its own 4 blocks
     for resp in streams:
         resp.close()
     await wait_for(lambda: engine.scheduler.running == 0)
-    assert engine.scheduler.blocks_in_use == 0 and engine.scheduler.shared_blocks == {}
+    assert engine.blocks_in_use() == 0 and engine.cache is not None and engine.cache.in_use == 0
 
 
 # -- the control server: background load and the models at runtime --------------------------------

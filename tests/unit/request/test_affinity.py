@@ -54,6 +54,7 @@ def test_affinity_off_no_key_and_nothing_read(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr(affinity, "prompt_head", boom)
     assert placement_hints(COMPLETIONS, {"prompt": LONG}, _settings(prefix_affinity=False)) == (None, False)
+    assert placement_hints(COMPLETIONS, {"prompt": LONG}, _settings(policy="least_loaded")) == (None, False)
 
 
 def test_local_decode_below_local_prefill_chars() -> None:

@@ -1,0 +1,31 @@
+"""Each P/D endpoint's prefill usage, read in its own field names (SPEC §3.2, §3.3 source 2)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from narwhal.engines import dialects
+
+CASES: list[tuple[str, Any, tuple[int | None, int | None]]] = [
+    ("/v1/completions", {"prompt_tokens": 90, "prompt_tokens_details": {"cached_tokens": 64}}, (90, 64)),
+    ("/v1/chat/completions", {"prompt_tokens": 90, "prompt_tokens_details": None}, (90, None)),
+    ("/v1/completions", {"prompt_tokens": True, "prompt_tokens_details": {"cached_tokens": False}}, (None, None)),
+    ("/v1/responses", {"input_tokens": 90, "input_tokens_details": {"cached_tokens": 64}}, (90, 64)),
+    ("/v1/responses", {"input_tokens": 90, "input_tokens_details": {"cached_tokens": 0}}, (90, 0)),
+    ("/v1/responses", {"prompt_tokens": 90}, (None, None)),
+    # Anthropic's input_tokens are the uncached rest: the prompt is the sum.
+    ("/v1/messages", {"input_tokens": 26, "output_tokens": 1, "cache_read_input_tokens": 64}, (90, 64)),
+    ("/v1/messages", {"input_tokens": 90, "output_tokens": 1}, (90, None)),
+    ("/v1/messages", {"input_tokens": 10, "cache_read_input_tokens": 64, "cache_creation_input_tokens": 16}, (90, 64)),
+    ("/v1/messages", {"input_tokens": "90"}, (None, None)),
+    ("/inference/v1/generate", None, (None, None)),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "usage", "expected"), CASES)
+def test_prompt_usage_in_each_endpoints_fields(
+    endpoint: str, usage: Any, expected: tuple[int | None, int | None]
+) -> None:
+    assert dialects.for_endpoint(endpoint).prompt_usage(usage) == expected
