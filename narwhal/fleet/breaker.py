@@ -137,10 +137,10 @@ class Breakers:
                 self._charge(c.engine, (c.role,), outcome.at, outcome.reason, c.original_producer, handoff=c.handoff)
         self._commit()
 
-    def health_failed(self, engine: str, now: float, reason: str) -> None:
-        """A supervisor health check saw 503 or no answer: a failure in every role of the engine."""
+    def health_failed(self, engine: str, now: float, reason: str, *, sent_at: float | None = None) -> None:
+        """A health check saw 503 or no answer: a failure in every role (stale if sent before readmission)."""
         rec = self._engines.get(engine)
-        if rec is not None:
+        if rec is not None and (sent_at is None or sent_at >= rec.readmitted_at):
             self._charge(engine, rec.info.roles, now, reason, None)
         self._commit()
 
@@ -184,7 +184,7 @@ class Breakers:
             if wave is not None and wave.must_wait(rec):
                 wave.hold(rec, now)
             else:
-                self._readmit(rec)
+                self._readmit(rec, now)
             if wave is not None:
                 self._settle(wave, now)
         self._commit()
@@ -212,7 +212,7 @@ class Breakers:
     def readmit(self, engine: str, now: float) -> None:
         """Back in service now: streaks, quarantine, probes and wave hold cleared."""
         rec = self._engines[engine]
-        self._readmit(rec)
+        self._readmit(rec, now)
         self._settle_wave_of(rec, now)
         self._commit()
 
@@ -356,9 +356,9 @@ class Breakers:
         rec.waiting = False
         rec.next_probe_at = None if by_operator else now + self.probe_interval(rec.ejections)
 
-    def _readmit(self, rec: BreakerRecord) -> None:
+    def _readmit(self, rec: BreakerRecord, now: float) -> None:
         self._touched.add(rec.info.name)
-        rec.state = State.ADMITTED
+        rec.state, rec.readmitted_at = State.ADMITTED, now
         rec.clear_streaks()
         rec.quarantined_until = rec.next_probe_at = rec.original_producer = None
         rec.by_operator = rec.waiting = False
@@ -377,7 +377,7 @@ class Breakers:
     def _settle(self, wave: Wave, now: float) -> None:
         """Readmit the members waiting for their wave once none is out unproven, or at the hold."""
         for member in wave.release(now, self._settings.wave_hold_s):
-            self._readmit(member)
+            self._readmit(member, now)
 
     def _commit(self) -> None:
         changed = False

@@ -48,6 +48,9 @@ class BreakerRecord:
     by_operator: bool = False
     next_probe_at: float | None = None
     waiting: bool = False  # passed readmission, held for its wave
+    # When it last came back: evidence gathered before then (a health check sent while it was
+    # out and answered after) is stale and charges nothing.
+    readmitted_at: float = float("-inf")
 
     def clear_streaks(self) -> None:
         self.streak = {"producer": 0, "consumer": 0}

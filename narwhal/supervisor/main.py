@@ -231,12 +231,13 @@ class Supervisor:
         self._spawn(self._health(prober, engine))
 
     async def _health(self, prober: Prober, engine: Engine) -> None:
+        sent_at = time.monotonic()
         failure = await prober.health_failure(engine)
         if failure is not None:
             log.warning("health check of %s: fail: %s", engine.name, failure)
             now = time.monotonic()
             if self.breakers.admitted(engine.name, now):
-                self.breakers.health_failed(engine.name, now, "health_check")
+                self.breakers.health_failed(engine.name, now, "health_check", sent_at=sent_at)
 
     async def run(self) -> None:
         # engine.ca_file and the engine key come with the session (engines.control): health checks
