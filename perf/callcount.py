@@ -81,10 +81,13 @@ async def _load(url: str, count: int, concurrency: int, token_delay_s: float | N
         await asyncio.gather(*(client() for _ in range(concurrency)))
 
 
+FuncKey = tuple[str, int, str]  # (file, line, function), as pstats keys them
+
+
 def _calls(
     run: Path, fleet: FakeFleet, root: str | None, count: int, case: tuple[str, int, float | None]
-) -> int:
-    """Function calls of the router's worker over one run of ``count`` requests."""
+) -> dict[FuncKey, int]:
+    """Calls per function of the router's worker over one run of ``count`` requests."""
     out = Path(tempfile.mkdtemp(prefix="calls-", dir=run))
     engines = [{"name": "p0", "role": "producer", "url": fleet.engines["p0"]},
                {"name": "d0", "role": "consumer", "url": fleet.engines["d0"]}]
@@ -100,15 +103,32 @@ def _calls(
     deadline = time.monotonic() + 10  # the profiles are written as the processes exit
     while time.monotonic() < deadline and len(glob.glob(f"{out}/*.prof")) < 2:
         time.sleep(0.05)
-    total = 0
+    calls: dict[FuncKey, int] = {}
     for path in glob.glob(f"{out}/worker-*.prof"):
-        total += int(pstats.Stats(path).total_calls)  # type: ignore[attr-defined]  # set at load; typeshed lacks it
-    return total
+        stats = pstats.Stats(path).stats  # type: ignore[attr-defined]  # set at load; typeshed lacks it
+        for func, (_, ncalls, *_rest) in stats.items():
+            calls[func] = calls.get(func, 0) + ncalls
+    return calls
+
+
+def per_function(run: Path, fleet: FakeFleet, root: str | None, case: tuple[str, int, float | None],
+                 small: int, large: int) -> dict[FuncKey, float]:
+    """Calls per request of each function: the difference of two runs, so start-up cancels out."""
+    few, many = _calls(run, fleet, root, small, case), _calls(run, fleet, root, large, case)
+    return {f: (n - few.get(f, 0)) / (large - small) for f, n in many.items()}
 
 
 def per_request(run: Path, fleet: FakeFleet, root: str | None, case: tuple[str, int, float | None],
                 small: int, large: int) -> float:
-    return (_calls(run, fleet, root, large, case) - _calls(run, fleet, root, small, case)) / (large - small)
+    return sum(per_function(run, fleet, root, case, small, large).values())
+
+
+def print_top(calls: dict[FuncKey, float], top: int) -> None:
+    """The functions that make the most calls per request, where a cut would pay."""
+    print(f"\ntop {top} functions by calls per request (this checkout, {CASES[1][0]}):")
+    for (file, line, name), n in sorted(calls.items(), key=lambda kv: -kv[1])[:top]:
+        where = file.split("site-packages/")[-1].split("/narwhal/")[-1]
+        print(f"  {n:7.1f}  {name}  ({where}:{line})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", required=True, help="git commit to compare with (e.g. main~3)")
     parser.add_argument("--requests", type=int, default=400, help="requests per measurement (default 400)")
     parser.add_argument("--rounds", type=int, default=2, help="measurements per target (default 2)")
+    parser.add_argument("--top", type=int, default=0, metavar="N",
+                        help="also list this checkout's N functions with the most calls per request (c=32)")
     args = parser.parse_args(argv)
     repo = Path(__file__).resolve().parent.parent
     run = Path(tempfile.mkdtemp(prefix="narwhal-callcount-"))
@@ -139,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                     figures[name].append(per_request(run, fleet, root, case, 50, 50 + args.requests))
             ours, theirs = statistics.median(figures["head"]), statistics.median(figures["base"])
             print(f"| {case[0]} | {ours:,.0f} | {theirs:,.0f} | {ours / theirs:.3f} |", flush=True)
+        if args.top:
+            print_top(per_function(run, fleet, None, CASES[1], 50, 50 + args.requests), args.top)
     finally:
         fleet.stop()
     return 0
