@@ -1,0 +1,73 @@
+"""The ``[discovery]`` settings (SPEC §10): where engines that come and go are read from.
+
+Why a module of its own: the sources are a small language (a watched file, DNS names with their
+role and port) whose rules — an SRV name carries its own ports, a plain one needs ``port`` — are
+checked here, at start, in one line naming the key, so the supervisor's loop never meets a
+source it cannot read for a reason the operator could have been told at start.
+
+Chosen where SPEC §10 is silent (README "Engines that come and go"):
+
+* ``resolver`` — ``HOST:PORT`` of the DNS server to ask (empty: the host's ``/etc/resolv.conf``).
+  An operator needs it where the cluster DNS is not the host's (a router outside the cluster),
+  and the tests use it to ask a real server on 127.0.0.1 instead of patching a resolver.
+* ``max_engines`` — the engine slots of the shared-memory layout once a source is set (SPEC's
+  default 256); with no source, ``server.max_engines`` sizes them as before.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+DEFAULT_DISCOVERED_SLOTS = 256
+
+
+class DnsSource(BaseModel):
+    """One DNS name whose records are engines (a headless Service)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Annotated[str, Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9_.\-]+\.?$")]
+    port: Annotated[int, Field(ge=1, le=65535)] | None = None
+    srv: bool = False  # take host and port from SRV records (then ``port`` is not used)
+    role: Literal["producer", "consumer", "both"]
+    scheme: Literal["http", "https"] = "http"
+
+    @model_validator(mode="after")
+    def _port_or_srv(self) -> DnsSource:
+        if not self.srv and self.port is None:
+            raise ValueError("a port is needed unless srv = true (SRV records carry the port)")
+        return self
+
+
+class DiscoverySettings(BaseModel):
+    """``[discovery]``: engines beside the static ``[[engines]]``, re-read every ``interval_s``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    interval_s: Annotated[float, Field(gt=0, le=3600)] = 5
+    file: str = ""
+    dns: list[DnsSource] = []
+    resolver: str = ""
+    max_engines: Annotated[int, Field(ge=1, le=4096)] = DEFAULT_DISCOVERED_SLOTS
+
+    @field_validator("resolver")
+    @classmethod
+    def _host_port(cls, value: str) -> str:
+        if value:
+            host, sep, port = value.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+                raise ValueError("expected HOST:PORT of a DNS server (empty: the host's resolv.conf)")
+        return value
+
+    @property
+    def enabled(self) -> bool:
+        """Is any source set? Without one the fleet is exactly ``[[engines]]``."""
+        return bool(self.file or self.dns)
+
+    def resolver_address(self) -> tuple[str, int] | None:
+        if not self.resolver:
+            return None
+        host, _, port = self.resolver.rpartition(":")
+        return host.strip("[]"), int(port)
