@@ -219,7 +219,7 @@ def child_exit(server: Any, worker: Any) -> None:
         # The worker is gone: give back whatever it held (its slot has no other writer now).
         for slot in range(shm.SHARED.layout.slots):
             if shm.SHARED.slot_pid(slot) == worker.pid:
-                shm.SHARED.clear_slot(slot)
+                shm.SHARED.release(slot, worker.pid)
     if os.environ.get(_PROM_ENV):
         from prometheus_client import multiprocess
 

@@ -108,8 +108,19 @@ class SharedFleet:
                     return slot
         return None
 
+    def release(self, slot: int, pid: int) -> bool:
+        """Free ``slot`` if ``pid`` (gone) still holds it, under the claim lock: a worker claiming
+        the slot at that moment cannot be cleared by mistake, and the lock's syscalls order the
+        clearing stores before the next claim on any memory model (``shm.records``)."""
+        with self.locked(L.CLAIM_LOCK):
+            if self.slot_pid(slot) != pid:
+                return False
+            self.clear_slot(slot)
+        return True
+
     def clear_slot(self, slot: int, *, keep_ring: bool = False) -> None:
-        """Release everything a (dead) worker held: its counts, and its pid."""
+        """Release everything a (dead) worker held: its counts, and its pid (callers hold the
+        claim lock: ``claim_slot``, :meth:`release`)."""
         base = self.layout.slot_offset(slot)
         start, size = self.layout.counts_offset(slot), self.layout.slot_counts_size
         self.mm[start : start + size] = bytes(size)

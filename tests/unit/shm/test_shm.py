@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from narwhal.shm.records import KIND_OUTCOME, EngineRecord, Report, read_record, write_record
+from narwhal.shm.records import KIND_OUTCOME, EngineRecord, RecordBusy, Report, read_record, write_record
 from narwhal.shm.shared import SharedFleet
 
 
@@ -57,7 +57,10 @@ def test_no_torn_record_is_ever_read_while_a_writer_hammers_it(shared: SharedFle
     try:
         end = time.monotonic() + 20
         while time.monotonic() < end and (reads <= 10_000 or distinct <= 100):
-            rec = read_record(shared.region, 0)
+            try:
+                rec = read_record(shared.region, 0)
+            except RecordBusy:
+                continue  # mid-write every time it looked: the caller keeps what it had
             if rec is None:
                 continue
             assert _consistent(rec), rec
@@ -215,3 +218,26 @@ def test_a_reader_never_sees_a_heartbeat_or_pid_half_written(shared: SharedFleet
         os.waitpid(pid, 0)
     assert reads > 100_000
     assert bad == 0, f"{bad} of {reads} reads saw a heartbeat over a second old"
+
+
+def test_a_record_left_mid_write_is_busy_for_readers_and_whole_for_a_restarting_supervisor(
+    shared: SharedFleet,
+) -> None:
+    write_record(shared.region, 0, _record(7))
+    start = shared.layout.record_offset(0)
+    seq = shared.region.u64(start)
+    assert seq == 2  # even: written once, whole
+    shared.region.set_u64(start, seq + 1)  # a writer killed after its first store
+    with pytest.raises(RecordBusy):
+        read_record(shared.region, 0)
+    assert read_record(shared.region, 0, writer_gone=True) == _record(7)
+    write_record(shared.region, 0, _record(8))  # the next writer steps over the odd generation
+    assert shared.region.u64(start) == seq + 3 + 1 and read_record(shared.region, 0) == _record(8)
+
+
+def test_a_body_under_a_generation_it_was_not_written_for_is_not_read(shared: SharedFleet) -> None:
+    write_record(shared.region, 0, _record(7))
+    start = shared.layout.record_offset(0)
+    shared.region.set_u64(start, 4)  # the new generation seen before the new body (reordered stores)
+    with pytest.raises(RecordBusy):
+        read_record(shared.region, 0)
