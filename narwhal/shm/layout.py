@@ -8,7 +8,8 @@ any process: the memory goes when the last process holding it exits.
 
 ::
 
-    header                      64 B   magic, sizes, supervisor pid + heartbeat, generation
+    header                      64 B   magic, sizes, supervisor pid + heartbeat, generations,
+                                       slots in use
     engine records   E ×       64 B   seq, breaker state, CRC: written only by the supervisor
     load records     E ×       64 B   seq, what each engine's /metrics said and when, CRC (supervisor)
     worker slots     W × (64 B + E·8 B + E·4 B (to 8) + R·RING_ENTRY)
@@ -18,6 +19,14 @@ any process: the memory goes when the last process holding it exits.
         unsent decodes                 u32 per engine: of its decode slots, those reserved with
                                        a pair whose decode leg is not sent yet (that worker)
         outcome ring                   R reports, written by the worker, consumed by the supervisor
+
+W is :data:`WORKER_SLOTS` (512) whatever ``server.workers`` is: a reload that raises the count
+runs every new worker beside the old ones still draining, and each needs a slot (issue 25:
+8 slots for 4 → 8 workers left new workers on per-process state for good, and an admin
+``eject`` answered while some workers still used the engine). An unclaimed slot costs no
+memory (the memfd's pages are allocated when first written) and no time: scans stop at the
+header's "slots in use", one past the highest slot ever claimed (slots are claimed lowest
+first, so it stays near twice the worker count).
 
 One writer per field, always. Multi-field records sit under a seqlock whose generation
 brackets them and carry a CRC32 over that generation and their payload (``shm.records`` says
@@ -43,6 +52,8 @@ import os
 import struct
 from dataclasses import dataclass
 
+from narwhal.settings import MAX_WORKERS
+
 MAGIC = 0x4E52574C  # "NRWL"
 VERSION = 3  # 2: the unsent decodes of each slot; 3: records under a seqlock
 
@@ -53,6 +64,10 @@ HEARTBEAT_OFFSET = 24
 SUPERVISOR_PID_OFFSET = 20
 STARTS_OFFSET = 40
 LOAD_GENERATION_OFFSET = 48  # bumped by the supervisor after each round of load readings
+
+SLOTS_USED_OFFSET = 56  # u32: one past the highest slot ever claimed (claimers, under the claim lock)
+
+WORKER_SLOTS = 2 * MAX_WORKERS  # 512: every reload fits, old workers draining beside new ones
 
 RECORD_SIZE = 64
 LOAD_RECORD_SIZE = 64

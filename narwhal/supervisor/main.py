@@ -154,7 +154,7 @@ class Supervisor:
 
     def drain(self) -> None:
         reports: list[Report] = []
-        for slot in range(self.shared.layout.slots):
+        for slot in range(self.shared.in_use()):
             reports.extend(self.shared.drain(slot))
         if not reports:
             return
@@ -190,7 +190,7 @@ class Supervisor:
 
     def sweep(self) -> None:
         """Give back the counts of workers that died without a word (kill -9, OOM)."""
-        for slot in range(self.shared.layout.slots):
+        for slot in range(self.shared.in_use()):
             pid = self.shared.slot_pid(slot)
             if pid and not alive(pid):
                 self.shared.drain(slot)

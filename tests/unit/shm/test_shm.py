@@ -113,8 +113,8 @@ def test_slots_are_claimed_once_and_reclaimed_from_dead_workers(shared: SharedFl
     os.waitpid(pid, 0)  # a worker that is gone
     mine = shared.claim_slot(os.getpid())
     assert mine is not None
-    dead_slot = (mine + 1) % 4
-    shared.region.set_u32(shared.layout.slot_offset(dead_slot), pid)
+    dead_slot = shared.claim_slot(pid)  # claimed while it lived
+    assert dead_slot == mine + 1
     shared.set_count(dead_slot, 2, 1, 5)
     assert shared.totals()[2 * 2 + 1] == 5
     others = [shared.claim_slot(os.getpid() + 100000 + i) for i in range(3)]
@@ -241,3 +241,17 @@ def test_a_body_under_a_generation_it_was_not_written_for_is_not_read(shared: Sh
     shared.region.set_u64(start, 4)  # the new generation seen before the new body (reordered stores)
     with pytest.raises(RecordBusy):
         read_record(shared.region, 0)
+
+
+def test_scans_stop_at_the_highest_slot_ever_claimed() -> None:
+    fleet = SharedFleet.create(engines=2, slots=512, ring=8)
+    try:
+        assert fleet.in_use() == 0 and fleet.totals() == [0, 0, 0, 0]
+        slots = [fleet.claim_slot(1), fleet.claim_slot(os.getpid())]  # pid 1 (init) is alive
+        assert slots == [0, 1] and fleet.in_use() == 2
+        fleet.set_count(1, 1, 1, 3)
+        assert fleet.totals() == [0, 0, 0, 3] and fleet.live_workers() == 2
+        assert fleet.release(1, os.getpid()) and fleet.in_use() == 2  # a high-water mark: it never shrinks
+        assert fleet.totals() == [0, 0, 0, 0] and not fleet.release(1, os.getpid())
+    finally:
+        fleet.close()
