@@ -40,9 +40,15 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+MAX_WORKERS = 256
+"""``server.workers``' limit. The shared layout always has twice as many worker slots
+(``narwhal.shm.layout.WORKER_SLOTS``): a reload runs old and new workers side by side, and one
+that raises the count (4 → 8: 12 workers at once) must find a slot for every new one."""
+
+
 class ServerSettings(_Section):
     bind: str = "127.0.0.1:8700"  # no engine's port: vLLM (and Triton, Ray Serve) default to 8000, the demo 8080
-    workers: Annotated[int, Field(ge=1, le=256)] = 2
+    workers: Annotated[int, Field(ge=1, le=MAX_WORKERS)] = 2
     admin_token: str = ""
     api_keys: list[str] = []
     max_body_bytes: Annotated[int, Field(ge=1024)] = 8 * 1024 * 1024

@@ -5,19 +5,24 @@ Registered only when ``server.admin_token`` is set, so without one the routes an
 
 An action travels the worker's outcome ring to the supervisor (the only writer of breaker
 state); the route waits, bounded, until the published record shows it, so the answer
-already reflects the action on every worker.
+already reflects the action on every worker that has a slot in shared memory. Every answer
+says how many that is: ``"workers": {"reached": N, "running": M}``, the live workers with a
+slot (those that read what the supervisor publishes) against the master's running workers.
+A worker without a slot (``shm.local``) reaches only itself, and says so.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import os
 import time
 from typing import Any
 
 import orjson
 from aiohttp import web
 
+from narwhal import shm
 from narwhal.errors import RequestError
 from narwhal.fleet import Engine
 from narwhal.fleet.blame import State
@@ -67,6 +72,26 @@ def engine_view(router: Router, state: WorkerFleetState | LocalFleetState, engin
     return entry
 
 
+def workers_view(state: WorkerFleetState | LocalFleetState) -> dict[str, int]:
+    """How many workers an action reaches, and how many run (issue 25: an ``eject`` that answered
+    "ejected" while workers beyond the layout's slots still used the engine)."""
+    shared = shm.SHARED
+    if shared is None:
+        return {"reached": 1, "running": 1}  # no gunicorn: this process is the router
+    running = [pid for pid in children_of(os.getppid()) if pid != shared.supervisor_pid]
+    reached = shared.live_workers() if isinstance(state, WorkerFleetState) else 1
+    return {"reached": reached, "running": max(len(running), reached)}
+
+
+def children_of(pid: int) -> list[int]:
+    """The children of ``pid`` (the gunicorn master): its workers and the supervisor."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
 def _load_view(reading: LoadRecord | None) -> dict[str, Any] | None:
     """The engine's last ``/metrics`` reading (SPEC §3.2), however old: ``age_s`` says how old
     (placement ignores it past ``placement.load_stale_s``); null when there never was one."""
@@ -94,7 +119,8 @@ def add_admin_routes(app: web.Application, token: str, router_key: Any, state_ke
         authorize(request)
         router: Router = request.app[router_key]
         state = request.app[state_key]
-        return json({"engines": [engine_view(router, state, e) for e in router.fleet.engines]})
+        return json({"engines": [engine_view(router, state, e) for e in router.fleet.engines],
+                     "workers": workers_view(state)})
 
     async def act(request: web.Request) -> web.Response:
         authorize(request)
@@ -116,7 +142,7 @@ def add_admin_routes(app: web.Application, token: str, router_key: Any, state_ke
             state.out.discard(engine.index)
         else:
             state.out.add(engine.index)
-        return json(engine_view(router, state, engine))
+        return json({**engine_view(router, state, engine), "workers": workers_view(state)})
 
     app.router.add_get("/admin/engines", list_engines)
     app.router.add_post(r"/admin/engines/{name}/{action:eject|readmit|drain}", act)

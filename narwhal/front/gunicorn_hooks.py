@@ -19,7 +19,15 @@ from typing import Any
 
 # Nothing here may import prometheus_client (or narwhal.metrics, narwhal.front.app) at module level:
 # it must first be imported after PROMETHEUS_MULTIPROC_DIR is set.
-from narwhal.settings import Settings, SettingsError, current, load_settings, load_settings_or_exit, remember
+from narwhal.settings import (
+    MAX_WORKERS,
+    Settings,
+    SettingsError,
+    current,
+    load_settings,
+    load_settings_or_exit,
+    remember,
+)
 
 _PROM_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # Not NARWHAL_-prefixed: every NARWHAL_ variable must be a setting.
@@ -51,10 +59,26 @@ def _load() -> Settings:
         return load_settings_or_exit()
     # A SIGHUP reload: a broken file must not take down a running router.
     try:
-        return load_settings()
+        settings = load_settings()
+        _check_room(settings)
     except SettingsError as exc:
         print(f"narwhal: reload refused, keeping the running settings: {exc}", file=sys.stderr, flush=True)
         return running
+    return settings
+
+
+def _check_room(settings: Settings) -> None:
+    """A reload starts ``server.workers`` new workers beside the running ones, each needing a slot.
+    Within ``MAX_WORKERS`` that always fits (twice as many slots); workers added by ``TTIN``
+    may not leave room, and a worker without a slot would escape the fleet's state for good."""
+    from narwhal import shm
+
+    if shm.SHARED is None:
+        return
+    running, slots = len(shm.SHARED.claimed_slots()), shm.SHARED.layout.slots
+    if settings.server.workers + running > slots:
+        raise SettingsError(f"server.workers: {settings.server.workers} new workers beside the {running} running "
+                            f"ones exceed the shared layout's {slots} worker slots")
 
 
 def gunicorn_settings() -> dict[str, Any]:
@@ -135,12 +159,17 @@ def _adopt_gunicorn_options(server: Any) -> Settings:
 def on_starting(server: Any) -> None:
     """In the master, before the listening sockets exist: shared memory, then the supervisor."""
     from narwhal import shm
+    from narwhal.shm.layout import WORKER_SLOTS
     from narwhal.shm.shared import SharedFleet
     from narwhal.supervisor.process import SupervisorKeeper
 
     settings = _adopt_gunicorn_options(server)
-    # Room for a reload: old and new workers side by side, engines added up to max_engines.
-    shm.SHARED = SharedFleet.create(engines=settings.server.max_engines, slots=slots_for(settings.server.workers))
+    if settings.server.workers > MAX_WORKERS:  # gunicorn's --workers: settings validation never saw it
+        print(f"narwhal: invalid settings: gunicorn's --workers {settings.server.workers} exceeds the limit of "
+              f"server.workers ({MAX_WORKERS})", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    # Room for any reload: old and new workers side by side, engines added up to max_engines.
+    shm.SHARED = SharedFleet.create(engines=settings.server.max_engines, slots=WORKER_SLOTS)
     if settings.preflight.on_start and settings.engines:
         from narwhal.supervisor.startup import preflight_on_start
 
@@ -150,11 +179,6 @@ def on_starting(server: Any) -> None:
     keeper.start()
     _KEEPER[:] = [keeper]
     _watch_from_the_main_loop(server, keeper)
-
-
-def slots_for(workers: int) -> int:
-    """Worker slots in the shared layout: a reload runs old and new workers side by side."""
-    return max(2 * workers, 8)
 
 
 def _watch_from_the_main_loop(server: Any, keeper: Any) -> None:
@@ -217,9 +241,9 @@ def child_exit(server: Any, worker: Any) -> None:
 
     if shm.SHARED is not None:
         # The worker is gone: give back whatever it held (its slot has no other writer now).
-        for slot in range(shm.SHARED.layout.slots):
+        for slot in range(shm.SHARED.in_use()):
             if shm.SHARED.slot_pid(slot) == worker.pid:
-                shm.SHARED.clear_slot(slot)
+                shm.SHARED.release(slot, worker.pid)
     if os.environ.get(_PROM_ENV):
         from prometheus_client import multiprocess
 

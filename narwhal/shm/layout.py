@@ -8,9 +8,10 @@ any process: the memory goes when the last process holding it exits.
 
 ::
 
-    header                      64 B   magic, sizes, supervisor pid + heartbeat, generation
-    engine records   E ×       64 B   breaker state, written only by the supervisor
-    load records     E ×       64 B   what each engine's /metrics said, and when (supervisor)
+    header                      64 B   magic, sizes, supervisor pid + heartbeat, generations,
+                                       slots in use
+    engine records   E ×       64 B   seq, breaker state, CRC: written only by the supervisor
+    load records     E ×       64 B   seq, what each engine's /metrics said and when, CRC (supervisor)
     worker slots     W × (64 B + E·8 B + E·4 B (to 8) + R·RING_ENTRY)
         slot header                    pid, requests and retries in flight, ring indices,
                                        client connections
@@ -19,9 +20,18 @@ any process: the memory goes when the last process holding it exits.
                                        a pair whose decode leg is not sent yet (that worker)
         outcome ring                   R reports, written by the worker, consumed by the supervisor
 
-One writer per field, always. Multi-field records carry a CRC32 of their payload: a reader
-that sees a torn or (on aarch64, where CPython emits no fences) reordered record finds the
-checksum wrong and reads again; no locks on the read path. Single aligned u32/u64 fields
+W is :data:`WORKER_SLOTS` (512) whatever ``server.workers`` is: a reload that raises the count
+runs every new worker beside the old ones still draining, and each needs a slot (issue 25:
+8 slots for 4 → 8 workers left new workers on per-process state for good, and an admin
+``eject`` answered while some workers still used the engine). An unclaimed slot costs no
+memory (the memfd's pages are allocated when first written) and no time: scans stop at the
+header's "slots in use", one past the highest slot ever claimed (slots are claimed lowest
+first, so it stays near twice the worker count).
+
+One writer per field, always. Multi-field records sit under a seqlock whose generation
+brackets them and carry a CRC32 over that generation and their payload (``shm.records`` says
+why the pair is exact on aarch64, where CPython emits no fences): a reader that sees a torn,
+reordered or not yet visible record reads again; no locks on the read path. Single aligned u32/u64 fields
 need no checksum, but are written and read as one copy of their bytes (:func:`store_u32`,
 :meth:`Region.u64` …), never with ``struct.pack_into``: CPython's ``pack_into`` first zeroes
 the field in place, then writes it a byte at a time, so a reader in another process could see
@@ -42,8 +52,10 @@ import os
 import struct
 from dataclasses import dataclass
 
+from narwhal.settings import MAX_WORKERS
+
 MAGIC = 0x4E52574C  # "NRWL"
-VERSION = 2  # 2: the unsent decodes of each slot
+VERSION = 3  # 2: the unsent decodes of each slot; 3: records under a seqlock
 
 HEADER = struct.Struct("<IIIIIIQQQ")  # magic, version, engines, slots, ring, sup_pid, heartbeat_ns, generation, starts
 HEADER_SIZE = 64
@@ -52,6 +64,10 @@ HEARTBEAT_OFFSET = 24
 SUPERVISOR_PID_OFFSET = 20
 STARTS_OFFSET = 40
 LOAD_GENERATION_OFFSET = 48  # bumped by the supervisor after each round of load readings
+
+SLOTS_USED_OFFSET = 56  # u32: one past the highest slot ever claimed (claimers, under the claim lock)
+
+WORKER_SLOTS = 2 * MAX_WORKERS  # 512: every reload fits, old workers draining beside new ones
 
 RECORD_SIZE = 64
 LOAD_RECORD_SIZE = 64

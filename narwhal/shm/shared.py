@@ -29,7 +29,7 @@ class SharedFleet:
         self.mm = region.mm
         n = self.layout.engines * 2
         self._counts = struct.Struct(f"<{n}I")
-        self._all_counts: dict[int, struct.Struct] = {}  # by engine count: see totals()
+        self._all_counts: dict[tuple[int, int], struct.Struct] = {}  # by engines and slots in use: totals()
 
     @classmethod
     def create(cls, engines: int, slots: int, ring: int = L.DEFAULT_RING) -> SharedFleet:
@@ -98,18 +98,35 @@ class SharedFleet:
         return self.region.u32(self.layout.slot_offset(slot) + L.SLOT_PID)
 
     def claim_slot(self, pid: int) -> int | None:
-        """Take a free slot for ``pid`` (a slot whose process is gone counts as free)."""
+        """Take a free slot for ``pid`` (a slot whose process is gone counts as free), the lowest."""
         with self.locked(L.CLAIM_LOCK):
             for slot in range(self.layout.slots):
                 owner = self.slot_pid(slot)
                 if owner == 0 or (owner != pid and not _alive(owner)):
                     self.clear_slot(slot, keep_ring=owner == 0)
                     self.region.set_u32(self.layout.slot_offset(slot) + L.SLOT_PID, pid)
+                    if slot >= self.in_use():
+                        self.region.set_u32(L.SLOTS_USED_OFFSET, slot + 1)
                     return slot
         return None
 
+    def in_use(self) -> int:
+        """One past the highest slot ever claimed: every scan of the slots stops there."""
+        return min(self.region.u32(L.SLOTS_USED_OFFSET), self.layout.slots)
+
+    def release(self, slot: int, pid: int) -> bool:
+        """Free ``slot`` if ``pid`` (gone) still holds it, under the claim lock: a worker claiming
+        the slot at that moment cannot be cleared by mistake, and the lock's syscalls order the
+        clearing stores before the next claim on any memory model (``shm.records``)."""
+        with self.locked(L.CLAIM_LOCK):
+            if self.slot_pid(slot) != pid:
+                return False
+            self.clear_slot(slot)
+        return True
+
     def clear_slot(self, slot: int, *, keep_ring: bool = False) -> None:
-        """Release everything a (dead) worker held: its counts, and its pid."""
+        """Release everything a (dead) worker held: its counts, and its pid (callers hold the
+        claim lock: ``claim_slot``, :meth:`release`)."""
         base = self.layout.slot_offset(slot)
         start, size = self.layout.counts_offset(slot), self.layout.slot_counts_size
         self.mm[start : start + size] = bytes(size)
@@ -124,7 +141,11 @@ class SharedFleet:
         self.region.set_u32(base + L.SLOT_PID, 0)
 
     def claimed_slots(self) -> list[int]:
-        return [s for s in range(self.layout.slots) if self.slot_pid(s)]
+        return [s for s in range(self.in_use()) if self.slot_pid(s)]
+
+    def live_workers(self) -> int:
+        """Claimed slots whose worker is alive: the workers that read what the supervisor publishes."""
+        return sum(1 for s in self.claimed_slots() if _alive(self.slot_pid(s)))
 
     # -- counts ---------------------------------------------------------------------------------
 
@@ -144,17 +165,20 @@ class SharedFleet:
         dead worker's slot counts until it is cleared, as it does for ``engine_total``.
         """
         n = self.layout.engines if engines is None else engines
-        fmt = self._all_counts.get(n)
-        if fmt is None:
-            fmt = self._all_counts[n] = _all_counts_struct(self.layout, n)
-        values = fmt.unpack_from(self.mm, self.layout.counts_offset(0))
         width = n * 2
+        used = self.in_use()
+        if not used:
+            return [0] * width
+        fmt = self._all_counts.get((n, used))
+        if fmt is None:
+            fmt = self._all_counts[(n, used)] = _all_counts_struct(self.layout, n, used)
+        values = fmt.unpack_from(self.mm, self.layout.counts_offset(0))
         return [sum(values[i::width]) for i in range(width)]
 
     def engine_total(self, engine: int, phase: int) -> int:
         return sum(
             self.region.u32(self.layout.count_offset(slot, engine, phase))
-            for slot in range(self.layout.slots)
+            for slot in range(self.in_use())
             if self.slot_pid(slot)
         )
 
@@ -164,7 +188,7 @@ class SharedFleet:
         still runs). What the load reader takes out of the engine's own report (SPEC §3.2)."""
         unsent = sum(
             self.region.u32(self.layout.unsent_offset(slot, engine))
-            for slot in range(self.layout.slots)
+            for slot in range(self.in_use())
             if self.slot_pid(slot)
         )
         return max(self.engine_total(engine, 0) + self.engine_total(engine, 1) - unsent, 0)
@@ -174,7 +198,7 @@ class SharedFleet:
 
     def slot_field_total(self, field: int) -> int:
         return sum(
-            self.region.u32(self.layout.slot_offset(s) + field) for s in range(self.layout.slots) if self.slot_pid(s)
+            self.region.u32(self.layout.slot_offset(s) + field) for s in range(self.in_use()) if self.slot_pid(s)
         )
 
     def least_connections(self, excluding: int) -> int | None:
@@ -182,7 +206,7 @@ class SharedFleet:
         accepting (None when there is none): see ``narwhal.front.accept``."""
         counts = [
             held
-            for s in range(self.layout.slots)
+            for s in range(self.in_use())
             if s != excluding and self.slot_pid(s)
             and (held := self.region.u32(self.layout.slot_offset(s) + L.SLOT_CONNECTIONS)) != L.NOT_ACCEPTING
         ]
@@ -220,12 +244,12 @@ class SharedFleet:
         return out
 
 
-def _all_counts_struct(layout: L.Layout, engines: int) -> struct.Struct:
-    """The first ``engines`` engines' counts of every slot, in one struct (slot gaps skipped)."""
+def _all_counts_struct(layout: L.Layout, engines: int, slots: int) -> struct.Struct:
+    """The first ``engines`` engines' counts of the first ``slots`` slots, in one struct (gaps skipped)."""
     width = engines * 2
     row = f"{width}I"
     gap = f"{layout.slot_size - width * 4}x"
-    return struct.Struct("<" + (row + gap) * (layout.slots - 1) + row)
+    return struct.Struct("<" + (row + gap) * (slots - 1) + row)
 
 
 def _with_seq(report: Report, seq: int) -> Report:

@@ -32,6 +32,7 @@ from narwhal.shm.records import (
     REASON_CODE,
     EngineRecord,
     LoadRecord,
+    RecordBusy,
     Report,
     name_hash,
     read_load,
@@ -55,6 +56,10 @@ class WorkerFleetState:
         self._generation = -1
         self._records: list[EngineRecord | None] = [None] * len(fleet.engines)
         self._published_quarantine = False  # some record of this generation is QUARANTINED
+        self._loads: list[LoadRecord | None] = [None] * len(fleet.engines)
+        self._load_seen = 0  # the load generation load_version last saw
+        self._load_behind = False  # the readings taken for it were older (see load_version)
+        self._load_retry = -1
         self._hashes = [name_hash(e.name) for e in fleet.engines]
         self._quarantine = Quarantine()  # local, at once
         self._requests = 0
@@ -74,14 +79,23 @@ class WorkerFleetState:
     def records(self) -> list[EngineRecord | None]:
         generation: int = L.U64.unpack_from(self._mm, L.GENERATION_OFFSET)[0]
         if generation != self._generation:
-            fresh: list[EngineRecord | None] = []
+            fresh = list(self._records)
+            complete = True
             for engine in self.fleet.engines:
-                rec = read_record(self.shared.region, engine.index)
-                # A record written for another engine list (before a reload) is not ours.
-                fresh.append(rec if rec is not None and rec.name_hash == self._hashes[engine.index] else None)
+                try:
+                    rec = read_record(self.shared.region, engine.index)
+                except RecordBusy:
+                    complete = False  # mid-write: keep what we had, read again next time
+                    continue
+                if rec is None or rec.version < generation:
+                    complete = False  # the bump was seen before this record's publish (shm.records)
+                if rec is not None and rec.name_hash != self._hashes[engine.index]:
+                    rec = None  # a record written for another engine list (before a reload) is not ours
+                fresh[engine.index] = rec
             self._records = fresh
             self._published_quarantine = any(r is not None and r.state == QUARANTINED for r in fresh)
-            self._generation = generation
+            if complete:
+                self._generation = generation
         return self._records
 
     def admitted(self, engine: Engine) -> bool:
@@ -113,16 +127,32 @@ class WorkerFleetState:
     # -- LoadSource (narwhal.fleet.placement.load) -----------------------------------------------
 
     def load_version(self) -> int:
-        """Bumped by the supervisor after each round of ``/metrics`` readings: one u64."""
+        """Bumped by the supervisor after each round of ``/metrics`` readings: one u64. While the
+        readings taken for it do not show that round yet (``shm.records``: the bump can be seen
+        before the record), a new value each time, so placement reads them again."""
         version: int = L.U64.unpack_from(self._mm, L.LOAD_GENERATION_OFFSET)[0]
+        self._load_seen = version
+        if self._load_behind:
+            self._load_retry -= 1
+            return self._load_retry
         return version
 
     def load_readings(self) -> list[LoadRecord | None]:
         """Every engine's last reading (None: never read, or read for another engine list)."""
         out: list[LoadRecord | None] = []
+        newest = 0
+        behind = False
         for engine in self.fleet.engines:
-            rec = read_load(self.shared.region, engine.index)
+            try:
+                rec = read_load(self.shared.region, engine.index)
+            except RecordBusy:
+                behind = True
+                out.append(self._loads[engine.index])
+                continue
+            newest = max(newest, 0 if rec is None else rec.version)
             out.append(rec if rec is not None and rec.name_hash == self._hashes[engine.index] else None)
+        self._load_behind = behind or newest < self._load_seen
+        self._loads = out
         return out
 
     # -- InflightCounts -------------------------------------------------------------------------

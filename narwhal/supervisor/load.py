@@ -99,7 +99,7 @@ class LoadReader:
         record = LoadRecord(
             time.monotonic(), reading.running, reading.waiting, reading.kv_usage, name_hash(engine.name), ours
         )
-        write_load(self.shared.region, engine.index, record, version=time.monotonic_ns())
+        write_load(self.shared.region, engine.index, record, version=self.shared.load_generation + 1)
         self.shared.bump_load_generation()
 
     def cancel(self) -> None:

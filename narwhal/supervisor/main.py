@@ -46,6 +46,7 @@ from narwhal.shm.records import (
     RECORD_BY_OPERATOR,
     RECORD_WAITING_FOR_WAVE,
     EngineRecord,
+    RecordBusy,
     Report,
     name_hash,
     read_record,
@@ -91,7 +92,10 @@ class Supervisor:
         """Start from the records a previous supervisor published (none at first start)."""
         now = time.monotonic()
         for engine in self.fleet.engines:
-            rec = read_record(self.shared.region, engine.index)
+            try:  # no supervisor is writing now: a record its predecessor left mid-write counts if whole
+                rec = read_record(self.shared.region, engine.index, writer_gone=True)
+            except RecordBusy:
+                continue
             if rec is None or rec.name_hash != name_hash(engine.name):
                 continue
             self.breakers.restore(
@@ -110,7 +114,7 @@ class Supervisor:
             )
 
     def publish(self) -> None:
-        version = time.monotonic_ns()
+        version = self.shared.generation + 1  # each record carries it: shm.worker waits for it
         for engine in self.fleet.engines:
             st = self.breakers.status(engine.name)
             write_record(
@@ -150,7 +154,7 @@ class Supervisor:
 
     def drain(self) -> None:
         reports: list[Report] = []
-        for slot in range(self.shared.layout.slots):
+        for slot in range(self.shared.in_use()):
             reports.extend(self.shared.drain(slot))
         if not reports:
             return
@@ -186,12 +190,14 @@ class Supervisor:
 
     def sweep(self) -> None:
         """Give back the counts of workers that died without a word (kill -9, OOM)."""
-        for slot in range(self.shared.layout.slots):
+        for slot in range(self.shared.in_use()):
             pid = self.shared.slot_pid(slot)
             if pid and not alive(pid):
-                log.warning("worker %d is gone: releasing its slot", pid)
                 self.shared.drain(slot)
-                self.shared.clear_slot(slot)
+                # Under the claim lock, and only if the dead worker still holds it: a new worker
+                # may have claimed the slot since (claim_slot reclaims dead owners' slots too).
+                if self.shared.release(slot, pid):
+                    log.warning("worker %d is gone: released its slot", pid)
 
     def export(self) -> None:
         """In-flight gauges, every EXPORT_S: they change with every request, and a scrape

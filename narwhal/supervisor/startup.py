@@ -33,13 +33,14 @@ def preflight_on_start(shared: SharedFleet, settings: Settings) -> set[str]:
     else:
         print(report.table(), file=sys.stderr, flush=True)
     now = time.time()
+    version = shared.generation + 1  # the generation bumped below (shm.records)
     for engine in Fleet(settings).engines:
         bad = engine.name in failed
         write_record(
             shared.region,
             engine.index,
             EngineRecord(
-                version=1,
+                version=version,
                 state=int(State.EJECTED if bad else State.ADMITTED),
                 failure_streak=0,
                 ejections=1 if bad else 0,

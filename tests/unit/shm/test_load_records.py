@@ -53,3 +53,18 @@ def test_the_worker_sees_readings_of_its_own_engines_only(shared: SharedFleet) -
     shared.bump_load_generation()
     assert state.load_version() == before + 1
     assert state.load_readings() == [LoadRecord(1.0, 2.0, 3.0, 0.25, name_hash("p0")), None]
+
+
+def test_the_worker_keeps_reading_until_the_records_carry_the_generation_it_saw(shared: SharedFleet) -> None:
+    settings = Settings(engines=[{"name": "p0", "role": "producer", "url": "http://127.0.0.1:1"}])
+    state = WorkerFleetState(shared, 0, Fleet(settings))
+    rec = EngineRecord(version=1, state=2, failure_streak=1, ejections=1, quarantined_until=None,
+                       last_failure_reason=None, last_failure_at=None, name_hash=name_hash("p0"))
+    shared.bump_generation()  # generation 1 seen before its record (stores out of order on aarch64)
+    assert state.records() == [None]
+    write_record(shared.region, 0, rec)
+    assert state.records() == [rec]  # read again: the generation was not taken as read
+    start = shared.layout.record_offset(0)
+    shared.region.set_u64(start, shared.region.u64(start) + 1)  # generation 2: mid-write
+    shared.bump_generation()
+    assert state.records() == [rec]  # busy: what it had, not "no record" (that would admit it)

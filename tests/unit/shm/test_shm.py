@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from narwhal.shm.records import KIND_OUTCOME, EngineRecord, Report, read_record, write_record
+from narwhal.shm.records import KIND_OUTCOME, EngineRecord, RecordBusy, Report, read_record, write_record
 from narwhal.shm.shared import SharedFleet
 
 
@@ -57,7 +57,10 @@ def test_no_torn_record_is_ever_read_while_a_writer_hammers_it(shared: SharedFle
     try:
         end = time.monotonic() + 20
         while time.monotonic() < end and (reads <= 10_000 or distinct <= 100):
-            rec = read_record(shared.region, 0)
+            try:
+                rec = read_record(shared.region, 0)
+            except RecordBusy:
+                continue  # mid-write every time it looked: the caller keeps what it had
             if rec is None:
                 continue
             assert _consistent(rec), rec
@@ -110,8 +113,8 @@ def test_slots_are_claimed_once_and_reclaimed_from_dead_workers(shared: SharedFl
     os.waitpid(pid, 0)  # a worker that is gone
     mine = shared.claim_slot(os.getpid())
     assert mine is not None
-    dead_slot = (mine + 1) % 4
-    shared.region.set_u32(shared.layout.slot_offset(dead_slot), pid)
+    dead_slot = shared.claim_slot(pid)  # claimed while it lived
+    assert dead_slot == mine + 1
     shared.set_count(dead_slot, 2, 1, 5)
     assert shared.totals()[2 * 2 + 1] == 5
     others = [shared.claim_slot(os.getpid() + 100000 + i) for i in range(3)]
@@ -215,3 +218,40 @@ def test_a_reader_never_sees_a_heartbeat_or_pid_half_written(shared: SharedFleet
         os.waitpid(pid, 0)
     assert reads > 100_000
     assert bad == 0, f"{bad} of {reads} reads saw a heartbeat over a second old"
+
+
+def test_a_record_left_mid_write_is_busy_for_readers_and_whole_for_a_restarting_supervisor(
+    shared: SharedFleet,
+) -> None:
+    write_record(shared.region, 0, _record(7))
+    start = shared.layout.record_offset(0)
+    seq = shared.region.u64(start)
+    assert seq == 2  # even: written once, whole
+    shared.region.set_u64(start, seq + 1)  # a writer killed after its first store
+    with pytest.raises(RecordBusy):
+        read_record(shared.region, 0)
+    assert read_record(shared.region, 0, writer_gone=True) == _record(7)
+    write_record(shared.region, 0, _record(8))  # the next writer steps over the odd generation
+    assert shared.region.u64(start) == seq + 3 + 1 and read_record(shared.region, 0) == _record(8)
+
+
+def test_a_body_under_a_generation_it_was_not_written_for_is_not_read(shared: SharedFleet) -> None:
+    write_record(shared.region, 0, _record(7))
+    start = shared.layout.record_offset(0)
+    shared.region.set_u64(start, 4)  # the new generation seen before the new body (reordered stores)
+    with pytest.raises(RecordBusy):
+        read_record(shared.region, 0)
+
+
+def test_scans_stop_at_the_highest_slot_ever_claimed() -> None:
+    fleet = SharedFleet.create(engines=2, slots=512, ring=8)
+    try:
+        assert fleet.in_use() == 0 and fleet.totals() == [0, 0, 0, 0]
+        slots = [fleet.claim_slot(1), fleet.claim_slot(os.getpid())]  # pid 1 (init) is alive
+        assert slots == [0, 1] and fleet.in_use() == 2
+        fleet.set_count(1, 1, 1, 3)
+        assert fleet.totals() == [0, 0, 0, 3] and fleet.live_workers() == 2
+        assert fleet.release(1, os.getpid()) and fleet.in_use() == 2  # a high-water mark: it never shrinks
+        assert fleet.totals() == [0, 0, 0, 0] and not fleet.release(1, os.getpid())
+    finally:
+        fleet.close()

@@ -15,7 +15,7 @@ from typing import Any, cast
 
 import pytest
 
-from narwhal.front.gunicorn_hooks import reconcile, slots_for
+from narwhal.front.gunicorn_hooks import reconcile
 from narwhal.settings import Settings
 from narwhal.shm.shared import SharedFleet
 from narwhal.supervisor import process
@@ -215,4 +215,33 @@ def test_gunicorn_options_win_and_every_process_sees_them() -> None:
         "narwhal: gunicorn's --bind 0.0.0.0:8100 overrides server.bind = '127.0.0.1:9000'",
         "narwhal: gunicorn's --graceful-timeout 45 overrides server.graceful_timeout_s = 30.0",
     ]
-    assert slots_for(moved.server.workers) == 32 and slots_for(2) == 8
+
+
+def test_a_reload_that_leaves_a_new_worker_without_a_slot_is_refused_with_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from narwhal import shm
+    from narwhal.front import gunicorn_hooks
+    from narwhal.settings import SettingsError
+
+    shared = SharedFleet.create(engines=1, slots=6, ring=1)
+    monkeypatch.setattr(shm, "SHARED", shared)
+    try:
+        for _ in range(2):
+            shared.claim_slot(1)  # two workers running (pid 1 is alive)
+        gunicorn_hooks._check_room(Settings.model_validate({"server": {"workers": 4}}))  # 2 + 4 fit
+        with pytest.raises(SettingsError) as exc:
+            gunicorn_hooks._check_room(Settings.model_validate({"server": {"workers": 5}}))
+        assert str(exc.value) == ("server.workers: 5 new workers beside the 2 running ones exceed the shared "
+                                  "layout's 6 worker slots")
+    finally:
+        shared.close()
+
+
+def test_the_layout_has_a_slot_for_every_worker_of_any_reload_within_the_limit() -> None:
+    from narwhal.settings import MAX_WORKERS
+    from narwhal.shm.layout import WORKER_SLOTS
+
+    assert WORKER_SLOTS == 512 == 2 * MAX_WORKERS
+    with pytest.raises(ValueError, match="less than or equal to 256"):
+        Settings.model_validate({"server": {"workers": MAX_WORKERS + 1}})
