@@ -85,12 +85,15 @@ VARIANTS = {
 
 def ideal_assignment(weights: Sequence[float], rates: Sequence[float]) -> list[int]:
     """Prompt → producer: the most popular first, each to the producer whose share of the traffic
-    ÷ its rate would then be least (ties: fewer prompts, then the lower index)."""
+    ÷ its rate would then be least (ties: fewer prompts, then the lower index), at most
+    ⌈prompts ÷ producers⌉ prompts each: here 2 of the 2.5 a producer's KV holds, so none evicts its own."""
+    cap = -(-len(weights) // len(rates))
     load = [0.0] * len(rates)
     count = [0] * len(rates)
     out = [0] * len(weights)
     for p in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
-        best = min(range(len(rates)), key=lambda j: ((load[j] + weights[p]) / rates[j], count[j], j))
+        room = [j for j in range(len(rates)) if count[j] < cap]
+        best = min(room, key=lambda j: ((load[j] + weights[p]) / rates[j], count[j], j))
         load[best] += weights[p]
         count[best] += 1
         out[p] = best

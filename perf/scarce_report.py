@@ -51,9 +51,9 @@ def _missing(res: dict[str, Any], row: str) -> str:
     return str(res.get("unavailable", {}).get(row, "not run")).split(":")[0]
 
 
-def _shown(value: float | None, res: dict[str, Any], *rows: str) -> str:
+def _shown(value: float | None, res: dict[str, Any], *rows: str, digits: int = 3) -> str:
     if value is not None:
-        return fmt(value, 3)
+        return fmt(value, digits)
     absent = [r for r in rows if r not in res.get("targets", {})]
     return f"— ({absent[0]} {_missing(res, absent[0])})" if absent else "—"
 
@@ -64,7 +64,8 @@ def variant_targets(name: str, res: dict[str, Any]) -> list[Target]:
     out: list[Target] = []
 
     def add(what: str, value: float | None, threshold: str, ok: Callable[[float], bool], *needs: str) -> None:
-        out.append((f"{name}: {what}", _shown(value, res, *needs), threshold, _verdict(value, ok)))
+        digits = 1 if what.endswith("(points)") else 3
+        out.append((f"{name}: {what}", _shown(value, res, *needs, digits=digits), threshold, _verdict(value, ok)))
 
     held_share, ideal_share = _get(rows, "held", "cached_share"), _get(rows, "ideal", "cached_share")
     add("held cached share ÷ ideal's", _ratio(held_share, ideal_share), f"≥ {HELD_SHARE_OF_IDEAL:g}",
