@@ -77,7 +77,7 @@ class Variant:
 
 
 VARIANTS = {
-    "prefix_scarce": Variant(0.0, False),
+    "prefix_scarce_uniform": Variant(0.0, False),
     "prefix_scarce_zipf": Variant(ZIPF_S, False),
     "prefix_scarce_slow": Variant(0.0, True),
 }

@@ -13,7 +13,7 @@ from typing import Any
 
 from perf.report_tables import fmt
 
-NAMES = ("prefix_scarce", "prefix_scarce_zipf", "prefix_scarce_slow")
+NAMES = ("prefix_scarce_uniform", "prefix_scarce_zipf", "prefix_scarce_slow")
 # Issue 21's thresholds.
 HELD_SHARE_OF_IDEAL = 0.9
 TTFB_OF_IDEAL = 1.25

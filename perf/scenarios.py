@@ -188,7 +188,7 @@ def scarce_scenarios(quick: bool) -> list[Scenario]:
     """Issue 21's scarce-KV scenario in its three variants: run when named (``prefix_scarce`` names all)."""
     warmup = 0.5 if quick else 1.0
     titles = {
-        "prefix_scarce": "8 shared prompts on 4 producers holding 2-3 each, multi-turn chats, uniform popularity",
+        "prefix_scarce_uniform": "8 shared prompts, 4 producers holding 2-3 each, multi-turn chats, uniform popularity",
         "prefix_scarce_zipf": "the same, prompt popularity Zipf s=1.1",
         "prefix_scarce_slow": "the same, uniform, one producer at half the prefill rate",
     }

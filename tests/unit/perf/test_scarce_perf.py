@@ -81,7 +81,7 @@ def test_the_slow_variant_runs_p3_at_twice_the_cost_per_token() -> None:
     args = VARIANTS["prefix_scarce_slow"].producer_args()
     assert args[args.index("--kv-blocks") + 1] == "160" and args[args.index("--max-num-seqs") + 1] == "4"
     assert [args[i + 1] for i, a in enumerate(args) if a == "--prefill-us-per-token"] == ["20", "p3=40"]
-    assert "p3=40" not in VARIANTS["prefix_scarce"].producer_args()
+    assert "p3=40" not in VARIANTS["prefix_scarce_uniform"].producer_args()
 
 
 def test_ideal_legs_prefill_on_the_assigned_producer_and_decode_on_the_users_consumer() -> None:
@@ -143,7 +143,7 @@ def test_the_targets_judge_held_against_the_ideal_the_peer_replicas_and_affinity
     assert verdicts[v + "two replicas' cached share − one's (points)"] == "FAIL"
     assert verdicts[v + "held router CPU/req ÷ affinity's"] == "FAIL"
     res["variant"]["slow"] = None
-    assert len(variant_targets("prefix_scarce", res)) == 5  # the slow producer's two only when there is one
+    assert len(variant_targets("prefix_scarce_uniform", res)) == 5  # the slow producer's two only when there is one
 
 
 def test_held_rows_not_available_make_their_targets_na_and_show_why() -> None:
