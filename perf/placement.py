@@ -149,14 +149,16 @@ PEER_MULTI = (
 PEER_POLICIES = ("cache_aware", "consistent_hash")
 
 
-def start_peers(run: Running, name: str, template: str, out_dir: Path) -> None:
+def start_peers(
+    run: Running, name: str, template: str, out_dir: Path, policies: tuple[str, ...] = PEER_POLICIES
+) -> None:
     """``--peer vllm-router`` beside the variants, once per prefill policy (the report takes the
     best); another peer command cannot address six engines, so it is not run here."""
     if template.strip() != "vllm-router":
         return
     prefills = " ".join(f"--prefill {u}" for u in run.producers.engines.values())
     decodes = " ".join(f"--decode {u}" for u in run.consumers.engines.values())
-    for policy in PEER_POLICIES:
+    for policy in policies:
         command = PEER_MULTI.replace("{prefills}", prefills).replace("{decodes}", decodes)
         peer = Peer(command.replace("{policy}", policy), "", "", out_dir / f"peer-{name}-{policy}.log")
         run.peers.append(peer)

@@ -119,6 +119,8 @@ class IdealLegs:
 
 @dataclass(slots=True)
 class ScarceTally(Tally):
+    """``perf/placement``'s tally, plus each producer's counters over the measured windows."""
+
     producers: dict[str, list[int]] = field(default_factory=dict)  # name -> [prefills, queried, cached]
 
 
@@ -162,6 +164,8 @@ def _router(s: _Scarce, name: str, key: str, policy: str, out_dir: Path, workers
 
 
 def _start_routers(s: _Scarce, name: str, rows: Sequence[str], out_dir: Path, workers: int) -> None:
+    """The Narwhal rows: one router per policy, two for the replicas; a refused ``held`` marks
+    every held row not available (the replicas are not tried again)."""
     for row in rows:
         if row not in (*POLICIES, REPLICAS) or row in s.unavailable:
             continue
@@ -193,10 +197,9 @@ def start(name: str, rows: Sequence[str], out_dir: Path, workers: int, peer: str
     s = _Scarce(run, variant)
     try:
         _start_routers(s, name, rows, out_dir, workers)
-        if peer is not None and any(r.startswith("peer-") for r in rows):
-            start_peers(run, name, peer, out_dir)
-            for label in [t for t in run.targets if t.startswith("peer-") and t not in rows]:
-                run.targets.pop(label)
+        policies = tuple(r.removeprefix("peer-") for r in rows if r.startswith("peer-"))
+        if peer is not None and policies:
+            start_peers(run, name, peer, out_dir, policies)
         if IDEAL in rows:
             consumer = next(iter(run.consumers.engines.values()))
             alive = (lambda: run.producers.proc.poll() is None and run.consumers.proc.poll() is None)  # noqa: E731
