@@ -31,6 +31,7 @@ from narwhal.testing.harness import FakeFleet, RouterProcess, write_config
 from perf.chat_load import AccessLog, ChatUsers, run_users, system_prompts, zipf_weights
 from perf.load import CHAT, PREFILL_KV, PdLegs, RoundResult
 from perf.placement import Running, Tally, cold_caches, figures, start_peers
+from perf.scarce_report import variant_targets
 from perf.scenarios import Scenario
 from perf.stack import Target, router_sections
 
@@ -292,8 +293,8 @@ def run_scarce(
     runner: asyncio.Runner, scenario: Scenario, *, rounds: int, duration_s: float, out_dir: Path, workers: int,
     cores: int, peer: str | None, rows: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """Start the variant's processes, measure every row that runs, stop them; figures per row and
-    the rows that could not run (``unavailable``: row -> why)."""
+    """Start the variant's processes, measure every row that runs, stop them; figures per row, the
+    rows that could not run (``unavailable``: row -> why) and the targets judged (``verdicts``)."""
     wanted = [r for r in scenario.targets if rows is None or r in rows]
     s = start(scenario.name, wanted, out_dir, workers, peer)
     try:
@@ -305,4 +306,9 @@ def run_scarce(
     for name, tally in tallies.items():
         stats[name] = figures(s.run.targets[name], tally, cores)
         stats[name]["producers"] = producer_figures(tally.producers, slow)
-    return {"targets": stats, "unavailable": s.unavailable, "variant": {"zipf_s": s.variant.zipf_s, "slow": slow}}
+    variant = {"zipf_s": s.variant.zipf_s, "slow": slow}
+    out: dict[str, Any] = {"targets": stats, "unavailable": s.unavailable, "variant": variant}
+    out["verdicts"] = [
+        {"target": t, "figure": f, "threshold": th, "result": v} for t, f, th, v in variant_targets(scenario.name, out)
+    ]
+    return out

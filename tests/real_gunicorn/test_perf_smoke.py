@@ -182,3 +182,4 @@ def test_prefix_scarce_wires_up(tmp_path: Path) -> None:
     lines = [line for line in table.splitlines() if line.startswith("| prefix_scarce_slow: ")]
     verdicts = [line.rsplit("|", 2)[-2].strip() for line in lines]
     assert len(verdicts) == 7 and set(verdicts) <= {"PASS", "FAIL", "n/a"}
+    assert [v["result"] for v in res["verdicts"]] == verdicts  # the same verdicts in results.json
