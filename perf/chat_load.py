@@ -18,14 +18,26 @@ import asyncio
 import random
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from perf.load import CHAT, MODEL, Groups, Outcome, RoundResult, _drain, _tally, _window, new_session, one_request
+from perf.load import (
+    CHAT,
+    MODEL,
+    Groups,
+    Outcome,
+    PdLegs,
+    RoundResult,
+    _drain,
+    _tally,
+    _window,
+    new_session,
+    one_request,
+)
 
 ASSISTANT = "".join(f" t{i}" for i in range(8))  # what the fake answers to max_tokens 8
 
@@ -48,26 +60,57 @@ class _Chat:
     system: int
     messages: list[dict[str, str]] = field(default_factory=list)
     turns: int = 0
+    limit: int = 0  # turns before the user starts a new chat
+
+
+def zipf_weights(count: int, s: float) -> list[float]:
+    """Popularity of ``count`` prompts, the k-th (from 1) in proportion to k^-s; s = 0 is uniform."""
+    raw = [(k + 1) ** -s for k in range(count)]
+    total = sum(raw)
+    return [w / total for w in raw]
 
 
 class ChatUsers:
-    """Multi-turn chats: each user picks a system prompt, then extends its own history every turn."""
+    """Multi-turn chats: each user picks a system prompt, then extends its own history every turn.
 
-    def __init__(self, prompts: list[str], turns: int, tokens: int = 8, seed: int = 11) -> None:
+    By default every chat has ``turns`` turns and every prompt is as likely. ``weights``: how
+    often each prompt starts a chat (e.g. :func:`zipf_weights`); ``multi_turn``: the share of
+    chats that are multi-turn, of 2..``turns`` turns (uniform), the others one turn.
+    """
+
+    def __init__(
+        self, prompts: list[str], turns: int, tokens: int = 8, seed: int = 11,
+        weights: Sequence[float] | None = None, multi_turn: float | None = None,
+    ) -> None:
         self.prompts = prompts
         self.turns = turns
         self.tokens = tokens
         self.rng = random.Random(seed)
+        self.weights = list(weights) if weights is not None else None
+        self.multi_turn = multi_turn
         self.chats: dict[int, _Chat] = {}
 
     def endpoint(self) -> str:
         return CHAT
 
-    def body(self, user: int) -> bytes:
+    def _new_chat(self) -> _Chat:
+        rng = self.rng
+        if self.weights is None:
+            system = rng.randrange(len(self.prompts))
+        else:
+            system = rng.choices(range(len(self.prompts)), self.weights)[0]
+        limit = self.turns
+        if self.multi_turn is not None:
+            limit = rng.randint(2, self.turns) if rng.random() < self.multi_turn else 1
+        chat = _Chat(system, limit=limit)
+        chat.messages.append({"role": "system", "content": self.prompts[system]})
+        return chat
+
+    def data(self, user: int) -> dict[str, Any]:
+        """The user's next request: the next turn of its chat, or the first of a new one."""
         chat = self.chats.get(user)
-        if chat is None or chat.turns >= self.turns:
-            chat = self.chats[user] = _Chat(self.rng.randrange(len(self.prompts)))
-            chat.messages.append({"role": "system", "content": self.prompts[chat.system]})
+        if chat is None or chat.turns >= chat.limit:
+            chat = self.chats[user] = self._new_chat()
         elif chat.turns:
             chat.messages.append({"role": "assistant", "content": ASSISTANT})
         question = f"user {user} turn {chat.turns}: " + " ".join(
@@ -75,9 +118,14 @@ class ChatUsers:
         )
         chat.messages.append({"role": "user", "content": question})
         chat.turns += 1
-        return orjson.dumps(
-            {"model": MODEL, "messages": chat.messages, "max_tokens": self.tokens, "stream": True}
-        )
+        return {"model": MODEL, "messages": chat.messages, "max_tokens": self.tokens, "stream": True}
+
+    def body(self, user: int) -> bytes:
+        return orjson.dumps(self.data(user))
+
+    def system_of(self, user: int) -> int:
+        """The system prompt (index) of the user's current chat: what a static assignment keys on."""
+        return self.chats[user].system
 
 
 class FixedBody:
@@ -94,9 +142,13 @@ class FixedBody:
         return self._body
 
 
+# Per user: the decode's full URL and the two legs the load generator sends itself (``direct-pd``).
+Legs = Callable[[int], tuple[str, PdLegs]]
+
+
 async def run_users(
     target: str,
-    url: str,
+    url: str | Sequence[str],
     source: ChatUsers | FixedBody,
     concurrency: int,
     duration_s: float,
@@ -104,18 +156,31 @@ async def run_users(
     groups: Groups,
     timeout_s: float = 60.0,
     on_edge: Callable[[], Awaitable[None]] | None = None,
+    legs: Legs | None = None,
 ) -> RoundResult:
     """One closed-loop round: ``concurrency`` users, each sending its own next body when the last
-    ends; ``on_edge`` runs as the measured window opens and as it closes."""
+    ends; ``on_edge`` runs as the measured window opens and as it closes.
+
+    Several ``url``s (router replicas): requests alternate between them, whoever sends them, so a
+    chat's turns land on different replicas. ``legs``: no router, the load generator runs each
+    request's prefill and decode itself where ``legs`` says (``url`` is then unused).
+    """
     session = new_session()
-    full_url = url + source.endpoint()
+    full_urls = [u + source.endpoint() for u in ([url] if isinstance(url, str) else url)]
+    sent = 0
     done_at: list[tuple[float, Outcome]] = []
     errors: Counter[str] = Counter()
     stop = False
 
     async def user(i: int) -> None:
+        nonlocal sent
         while not stop:
-            out = await one_request(session, full_url, source.body(i), True, timeout_s)
+            if legs is not None:
+                decode_url, pd = legs(i)
+                out = await one_request(session, decode_url, b"", True, timeout_s, pd)
+            else:
+                sent += 1
+                out = await one_request(session, full_urls[sent % len(full_urls)], source.body(i), True, timeout_s)
             if out.ok:
                 done_at.append((time.perf_counter(), out))
             else:

@@ -25,13 +25,16 @@ from perf.interrupts import INTERRUPTS
 from perf.memory import run_memory
 from perf.notes import notes
 from perf.placement import run_placement
+from perf.scarce import run_scarce
 from perf.scenarios import (
+    SCARCE_ROWS,
     Scenario,
     ScenarioResult,
     all_scenarios,
     ensure_targets,
     placement_scenarios,
     run_load,
+    scarce_scenarios,
     select,
 )
 from perf.stack import Stack, expand_peer
@@ -64,8 +67,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--out", default=None, metavar="DIR", help="write the results here (default perf/results/<timestamp>/)"
     )
+    p.add_argument(
+        "--rows", default=None, metavar="A,B",
+        help=f"prefix_scarce: only these rows (default all: {','.join(SCARCE_ROWS)})",
+    )
     _add_comparison_options(p)
     args = p.parse_args(argv)
+    rows = [r.strip() for r in (args.rows or "").split(",") if r.strip()]
+    unknown = [r for r in rows if r not in SCARCE_ROWS]
+    if unknown:
+        p.error(f"--rows: unknown row {unknown[0]!r} (known: {', '.join(SCARCE_ROWS)})")
+    args.rows = tuple(rows) or None
     if args.duration is not None and args.duration <= 0:
         p.error("--duration must be > 0")
     if args.rounds is not None and args.rounds < 1:
@@ -149,12 +161,15 @@ class Plan:
     cores: int
     quick: bool
     profile: str | None  # --profile: the scenario that gets one extra round under py-spy
+    rows: tuple[str, ...] | None = None  # --rows: prefix_scarce's rows to run (None: all)
 
 
 def run(args: argparse.Namespace) -> int:
     """The phases of a run: plan, start the fleets and comparisons, run the scenarios, stop, report."""
     cores = os.cpu_count() or 1
-    chosen: list[Scenario] = select(all_scenarios(args.quick, cores), args.scenarios, placement_scenarios(args.quick))
+    chosen: list[Scenario] = select(all_scenarios(args.quick, cores), args.scenarios,
+        [*placement_scenarios(args.quick), *scarce_scenarios(args.quick)],
+    )
     started = time.strftime("%Y%m%d-%H%M%S")
     plan = _plan(args, cores, started)
     plan.out_dir.mkdir(parents=True, exist_ok=True)
@@ -196,6 +211,7 @@ def _plan(args: argparse.Namespace, cores: int, started: str) -> Plan:
         cores=cores,
         quick=quick,
         profile=args.profile,
+        rows=args.rows,
     )
 
 
@@ -330,6 +346,14 @@ def _run_one(
             runner, scenario, rounds=plan.rounds, duration_s=plan.duration, quick=plan.quick,
             out_dir=plan.out_dir, workers=stack.workers, cores=plan.cores, peer=stack.peer_template,
         )
+        return result.as_json()
+    if scenario.kind == "scarce":
+        scarce = run_scarce(
+            runner, scenario, rounds=plan.rounds, duration_s=plan.duration, out_dir=plan.out_dir,
+            workers=stack.workers, cores=plan.cores, peer=stack.peer_template, rows=plan.rows,
+        )
+        result.stats = scarce.pop("targets")
+        result.extra.update(scarce)
         return result.as_json()
     targets = ensure_targets(stack, scenario)
     if scenario.kind == "memory":

@@ -76,7 +76,7 @@ def setup(name: str, quick: bool) -> Setup:
 
 
 @dataclass(slots=True)
-class _Running:
+class Running:
     """The processes of one scenario: fleets, one router per variant, their access logs."""
 
     producers: FakeFleet
@@ -107,10 +107,10 @@ class _Running:
                 os.unlink(path)
 
 
-def _start(name: str, spec: Setup, out_dir: Path, workers: int, peer: str | None) -> _Running:
+def _start(name: str, spec: Setup, out_dir: Path, workers: int, peer: str | None) -> Running:
     producers = [f"p{i}" for i in range(spec.producers)]
     consumers = [f"d{i}" for i in range(spec.consumers)]
-    run = _Running(
+    run = Running(
         FakeFleet.start(producers, args=["--tokens", "16", *spec.producer_args]),
         FakeFleet.start(consumers, args=["--tokens", "16", *spec.consumer_args]),
     )
@@ -131,7 +131,7 @@ def _start(name: str, spec: Setup, out_dir: Path, workers: int, peer: str | None
             run.targets[variant] = Target(variant, "narwhal", router.url, [router.proc.pid], alive)
             run.logs[variant] = AccessLog(log)
         if peer is not None:
-            _start_peer(run, name, peer, out_dir)
+            start_peers(run, name, peer, out_dir)
         for consumer, (count, hold_s) in spec.background.items():
             run.consumers.set_background(consumer, count, hold_s)
     except BaseException:
@@ -149,14 +149,16 @@ PEER_MULTI = (
 PEER_POLICIES = ("cache_aware", "consistent_hash")
 
 
-def _start_peer(run: _Running, name: str, template: str, out_dir: Path) -> None:
+def start_peers(
+    run: Running, name: str, template: str, out_dir: Path, policies: tuple[str, ...] = PEER_POLICIES
+) -> None:
     """``--peer vllm-router`` beside the variants, once per prefill policy (the report takes the
     best); another peer command cannot address six engines, so it is not run here."""
     if template.strip() != "vllm-router":
         return
     prefills = " ".join(f"--prefill {u}" for u in run.producers.engines.values())
     decodes = " ".join(f"--decode {u}" for u in run.consumers.engines.values())
-    for policy in PEER_POLICIES:
+    for policy in policies:
         command = PEER_MULTI.replace("{prefills}", prefills).replace("{decodes}", decodes)
         peer = Peer(command.replace("{policy}", policy), "", "", out_dir / f"peer-{name}-{policy}.log")
         run.peers.append(peer)
@@ -172,7 +174,7 @@ def _producer_cache(fleet: FakeFleet) -> tuple[int, int]:
     return queries, sum(s["prefix_cache"]["hits"] for s in stats.values())
 
 
-def _cold_caches(fleet: FakeFleet) -> None:
+def cold_caches(fleet: FakeFleet) -> None:
     """Empty every producer's prefix cache (off and on again), so no variant inherits a warm one."""
     for name in fleet.engines:
         model = fleet.stats(name)["model"]
@@ -182,13 +184,26 @@ def _cold_caches(fleet: FakeFleet) -> None:
 
 
 @dataclass(slots=True)
-class _Tally:
+class Tally:
     rounds: list[RoundResult] = field(default_factory=list)
     ttft: list[float] = field(default_factory=list)
     first_byte: list[float] = field(default_factory=list)
     modes: dict[str, int] = field(default_factory=dict)
     queried: int = 0
     cached: int = 0
+
+    def add(self, result: RoundResult, records: list[dict[str, Any]], queried: int, cached: int) -> None:
+        """One round: its load figures, its access-log records, the producers' counter deltas."""
+        self.rounds.append(result)
+        self.queried += queried
+        self.cached += cached
+        for rec in records:
+            if isinstance(rec.get("ttft_s"), int | float):
+                self.ttft.append(float(rec["ttft_s"]))
+            if isinstance(rec.get("first_byte_s"), int | float):
+                self.first_byte.append(float(rec["first_byte_s"]))
+            mode = str(rec.get("mode"))
+            self.modes[mode] = self.modes.get(mode, 0) + 1
 
 
 def _source(spec: Setup, seed: int) -> ChatUsers | FixedBody:
@@ -198,10 +213,10 @@ def _source(spec: Setup, seed: int) -> ChatUsers | FixedBody:
 
 
 async def _one_round(
-    run: _Running, spec: Setup, variant: str, scenario: Scenario, duration_s: float, quick: bool, r: int
+    run: Running, spec: Setup, variant: str, scenario: Scenario, duration_s: float, quick: bool, r: int
 ) -> tuple[RoundResult, list[dict[str, Any]], tuple[int, int]]:
     target = run.targets[variant]
-    await asyncio.to_thread(_cold_caches, run.producers)
+    await asyncio.to_thread(cold_caches, run.producers)
     edges: list[tuple[int, int]] = []  # the producers' counters as the measured window opens, closes
 
     async def read_counters() -> None:
@@ -220,26 +235,16 @@ async def _one_round(
 
 
 async def measure(
-    run: _Running, spec: Setup, scenario: Scenario, rounds: int, duration_s: float, quick: bool
-) -> dict[str, _Tally]:
+    run: Running, spec: Setup, scenario: Scenario, rounds: int, duration_s: float, quick: bool
+) -> dict[str, Tally]:
     """Every variant once per round, in rotating order; what each measured, pooled."""
     names = list(run.targets)
-    tallies = {n: _Tally() for n in names}
+    tallies = {n: Tally() for n in names}
     for r in range(rounds):
         k = r % len(names)
         for variant in names[k:] + names[:k]:
             result, records, (queried, cached) = await _one_round(run, spec, variant, scenario, duration_s, quick, r)
-            tally = tallies[variant]
-            tally.rounds.append(result)
-            tally.queried += queried
-            tally.cached += cached
-            for rec in records:
-                if isinstance(rec.get("ttft_s"), int | float):
-                    tally.ttft.append(float(rec["ttft_s"]))
-                if isinstance(rec.get("first_byte_s"), int | float):
-                    tally.first_byte.append(float(rec["first_byte_s"]))
-                mode = str(rec.get("mode"))
-                tally.modes[mode] = tally.modes.get(mode, 0) + 1
+            tallies[variant].add(result, records, queried, cached)
     return tallies
 
 
@@ -248,7 +253,7 @@ def _ms(values: list[float], q: float) -> float | None:
     return None if p is None else round(p * 1000.0, 3)
 
 
-def figures(target: Target, tally: _Tally, cores: int) -> dict[str, Any]:
+def figures(target: Target, tally: Tally, cores: int) -> dict[str, Any]:
     """``perf/summary``'s figures plus the placement ones: router TTFT, cached share, modes."""
     stats = summarize(target, tally.rounds, cores)
     stats["router_ttft_ms"] = {"p50": _ms(tally.ttft, 50), "p99": _ms(tally.ttft, 99)}

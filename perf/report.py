@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from perf import placement_report
+from perf import placement_report, scarce_report
 from perf import report_tables as tables
 
 # The thresholds.
@@ -191,6 +191,7 @@ def markdown(doc: dict[str, Any]) -> str:
     lines += tables.worker_sweep(results)
     lines += tables.memory_table(results)
     lines += placement_report.table(results)
+    lines += scarce_report.table(results)
     lines += tables.closing(failed, doc.get("notes") or [])
     return "\n".join(lines) + "\n"
 

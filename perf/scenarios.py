@@ -177,6 +177,27 @@ def placement_scenarios(quick: bool) -> list[Scenario]:
     ]
 
 
+# prefix_scarce's rows (``perf/scarce.py``): Narwhal per placement.policy, two replicas with
+# requests alternating, the peer's two prefill policies, and the load generator's ideal placement.
+SCARCE_ROWS = (
+    "held", "affinity", "least_loaded", "held-2-replicas", "peer-consistent_hash", "peer-cache_aware", "ideal",
+)
+
+
+def scarce_scenarios(quick: bool) -> list[Scenario]:
+    """Issue 21's scarce-KV scenario in its three variants: run when named (``prefix_scarce`` names all)."""
+    warmup = 0.5 if quick else 1.0
+    titles = {
+        "prefix_scarce_uniform": "8 shared prompts, 4 producers holding 2-3 each, multi-turn chats, uniform popularity",
+        "prefix_scarce_zipf": "the same, prompt popularity Zipf s=1.1",
+        "prefix_scarce_slow": "the same, uniform, one producer at half the prefill rate",
+    }
+    return [
+        Scenario(name, title, kind="scarce", concurrency=32, warmup_s=warmup, targets=SCARCE_ROWS)
+        for name, title in titles.items()
+    ]
+
+
 def select(scenarios: list[Scenario], spec: str | None, named_only: list[Scenario] | None = None) -> list[Scenario]:
     """``--scenarios a,b``: exact names or prefixes (``stream`` selects stream_c1, stream_c32 …).
 

@@ -147,3 +147,39 @@ def test_a_router_started_from_another_root_runs_that_code(tmp_path: Path) -> No
             router.stop()
     finally:
         fleet.stop()
+
+
+SCARCE_ROWS = ("held", "held-2-replicas", "affinity", "ideal")
+
+
+@pytest.mark.timeout(90)
+def test_prefix_scarce_wires_up(tmp_path: Path) -> None:
+    # The slow variant (its targets are a superset), the rows that need no peer, one worker per
+    # router: ~10 s. The held rows run once the policy exists, else they say why not.
+    proc = run_perf(
+        tmp_path, "--scenarios", "prefix_scarce_slow", "--rows", ",".join(SCARCE_ROWS), "--workers", "1", timeout=80
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    res = json.loads((tmp_path / "results.json").read_text())["scenarios"]["prefix_scarce_slow"]
+    assert res["kind"] == "scarce" and "error" not in res, res.get("error")
+    assert res["variant"] == {"zipf_s": 0.0, "slow": "p3"}
+    assert {"affinity", "ideal"} <= set(res["targets"])
+    assert sorted([*res["targets"], *res["unavailable"]]) == sorted(SCARCE_ROWS)
+    for row, why in res["unavailable"].items():
+        assert row in ("held", "held-2-replicas") and why.startswith('not available: ') and '"held"' in why, why
+    for row, stats in res["targets"].items():
+        assert stats["requests"] > 0 and stats["errors"]["count"] == 0, (row, stats["errors"])
+        assert stats["ttfb_ms"]["p50"] is not None and 0.0 <= stats["cached_share"] <= 1.0, row
+        per = stats["producers"]["per_producer"]
+        assert sorted(per) == ["p0", "p1", "p2", "p3"] and sum(p["prefills"] for p in per.values()) > 0, row
+        assert isinstance(stats["producers"]["slow_share_ratio"], float), row
+        if row == "ideal":
+            assert stats["router_cpu_us_per_req"] is None and stats["router_ttft_ms"]["p50"] is None
+        else:
+            assert stats["router_cpu_us_per_req"] > 0 and stats["router_ttft_ms"]["p50"] > 0, row
+    table = (tmp_path / "results.md").read_text()
+    assert "## Scarce KV (prefix_scarce)" in table and "| prefix_scarce target | figure | threshold | result |" in table
+    lines = [line for line in table.splitlines() if line.startswith("| prefix_scarce_slow: ")]
+    verdicts = [line.rsplit("|", 2)[-2].strip() for line in lines]
+    assert len(verdicts) == 7 and set(verdicts) <= {"PASS", "FAIL", "n/a"}
+    assert [v["result"] for v in res["verdicts"]] == verdicts  # the same verdicts in results.json
