@@ -8,8 +8,10 @@
    Fewer than predicted (``over``): the blocks it lacked were evicted, and vLLM's free queue
    evicts least recently freed first, so every key older than the oldest missing one went too;
    more than predicted (``under``): another replica or client put them there. Within one block:
-   ``exact``. Each prefill with a reported ``cached_tokens`` counts once in
-   ``narwhal_holdings_predictions_total{result}``.
+   ``exact``. vLLM leaves ``prompt_tokens_details`` out of a prefill that hit nothing: once a
+   producer has reported cached tokens, its silence means none (before, an engine run without
+   ``--enable-prompt-tokens-details`` would have every prediction judged ``over``). Each prefill
+   so judged counts once in ``narwhal_holdings_predictions_total{result}``.
 3. *Capacity*: ``vllm:cache_config_info``'s ``num_gpu_blocks`` × ``block_size`` tokens, in our
    blocks at the learned characters per token (4 until learned); the least recently used keys
    beyond it are forgotten. Unknown capacity: bounded by the section's room alone.
@@ -43,6 +45,7 @@ class ProducerHoldings:
     capacity_tokens: int | None = None
     chars_per_token: float | None = None
     rate: float | None = None  # uncached characters per second of prefill
+    reports_cached: bool = False  # it said cached_tokens once: from then on, silence means 0
     dirty: bool = True
 
     def forget(self) -> None:
@@ -92,8 +95,13 @@ class HoldingsModel:
         result = None
         cpt = p.chars_per_token or DEFAULT_CHARS_PER_TOKEN
         cached_chars = predicted * self.block_chars
-        if rep.cached_tokens is not None:
-            cached_chars = int(rep.cached_tokens * cpt)
+        cached_tokens = rep.cached_tokens
+        if cached_tokens is not None:
+            p.reports_cached = True
+        elif p.reports_cached and rep.prompt_tokens is not None:
+            cached_tokens = 0  # vLLM leaves the details out of a prefill that hit nothing
+        if cached_tokens is not None:
+            cached_chars = int(cached_tokens * cpt)
             actual = min(cached_chars // self.block_chars, len(keys))
             result = "exact" if abs(actual - predicted) <= 1 else ("over" if predicted > actual else "under")
             if result == "over":

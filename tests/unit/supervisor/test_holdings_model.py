@@ -35,7 +35,6 @@ def test_what_was_sent_is_held_and_a_repeat_that_hits_is_exact() -> None:
     assert _held(m) == [1, 2, 3]
     assert m.apply(_rep([1, 2, 3, 4], cached=3 * 64)) == "exact"  # 3 blocks of 64 tokens at 4 chars
     assert _held(m) == [1, 2, 3, 4]
-    assert m.apply(_rep([1, 2], cached=None)) is None  # nothing reported: nothing judged
 
 
 def test_fewer_cached_than_predicted_is_over_and_forgets_what_lru_evicted_first() -> None:
@@ -120,3 +119,10 @@ def test_cache_config_info_gives_the_capacity_in_tokens() -> None:
     assert parse_capacity(body.encode()) == 32768
     assert parse_capacity('vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1.0\n') is None
     assert parse_capacity("vllm:num_requests_running 1\n") is None
+
+
+def test_silence_means_nothing_cached_once_the_producer_has_reported_cached_tokens() -> None:
+    m = _model()
+    assert m.apply(_rep([1, 2], cached=None)) is None  # never reported: maybe not enabled, not judged
+    assert m.apply(_rep([1, 2], cached=2 * 64)) == "exact"
+    assert m.apply(_rep([1, 2], cached=None)) == "over"  # it reports: no details is 0 cached
