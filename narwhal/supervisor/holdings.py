@@ -22,7 +22,7 @@ Also learned per producer: the prefill rate (uncached characters per second of p
 exponentially weighted mean; a producer without one is placed at the fleet's mean) and, fleet
 wide, the mean uncached characters of a prefill (what a queued request is reckoned to cost).
 
-Pure apart from ``publish`` (the shared-memory write) and the counter: time is not read here.
+Pure apart from ``publish`` (the shared-memory write): time comes in as an argument.
 """
 
 from __future__ import annotations
@@ -34,6 +34,10 @@ from dataclasses import dataclass, field
 from narwhal.shm.holdings import Holdings, PrefillReport
 
 ALPHA = 0.2  # weight of a new sample in the learned means
+# A section is published at most this often: each publish makes every worker decode it again
+# (a few hundred µs for thousands of keys), and a tenth of a second late costs a prefix nothing
+# it would not lose to the round trip of its first prefill anyway.
+PUBLISH_S = 0.1
 DEFAULT_CHARS_PER_TOKEN = 4.0  # until a producer's answers say otherwise (English text, roughly)
 
 
@@ -47,6 +51,7 @@ class ProducerHoldings:
     rate: float | None = None  # uncached characters per second of prefill
     reports_cached: bool = False  # it said cached_tokens once: from then on, silence means 0
     dirty: bool = True
+    published_at: float = float("-inf")
 
     def forget(self) -> None:
         if self.keys:
@@ -166,12 +171,14 @@ class HoldingsModel:
         rates = [p.rate for p in self.producers if p is not None and p.rate is not None]
         return sum(rates) / len(rates) if rates else None
 
-    def publish(self, holdings: Holdings) -> None:
-        """Every changed producer's section, most recent key first."""
+    def publish(self, holdings: Holdings, now: float) -> None:
+        """Every changed producer's section not published in the last ``PUBLISH_S``, most
+        recent key first."""
         for index, p in enumerate(self.producers):
-            if p is None or not p.dirty:
+            if p is None or not p.dirty or now - p.published_at < PUBLISH_S:
                 continue
             p.dirty = False
+            p.published_at = now
             keys = list(reversed(p.keys))
             holdings.publish(index, p.stamp, p.engine_id, keys, self.capacity_blocks(p), p.rate,
                              p.chars_per_token, self.mean_uncached or 0.0)

@@ -205,7 +205,7 @@ class Supervisor:
                 result = self.model.apply(rep)
                 if result is not None:
                     metrics.HOLDINGS_PREDICTIONS.labels(result).inc()
-        self.model.publish(self.holdings)
+        self.model.publish(self.holdings, time.monotonic())
 
     def sweep(self) -> None:
         """Give back the counts of workers that died without a word (kill -9, OOM)."""

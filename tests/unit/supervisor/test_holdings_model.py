@@ -103,13 +103,18 @@ def test_publish_writes_changed_sections_most_recent_first() -> None:
     m = _model()
     region = Holdings.create(HoldingsLayout(sections=3, keys=8, slots=1))
     m.apply(_rep([1, 2, 3], cached=0))
-    m.publish(region)
+    m.publish(region, 10.0)
     held = region.read(0, P0)
     assert held is not None and held.keys == frozenset({1, 2, 3}) and held.engine_id == 11
     assert region.read(1, P1) is None or region.read(1, P1).blocks == 0  # type: ignore[union-attr]
     seq = region.section_seq(0)
-    m.publish(region)  # nothing changed: nothing written
+    m.publish(region, 10.0)  # nothing changed: nothing written
     assert region.section_seq(0) == seq
+    m.apply(_rep([4], cached=0))
+    m.publish(region, 10.05)  # changed, but published less than PUBLISH_S ago: later
+    assert region.section_seq(0) == seq
+    m.publish(region, 10.2)
+    assert region.section_seq(0) != seq and region.read(0, P0).keys == frozenset({1, 2, 3, 4})  # type: ignore[union-attr]
 
 
 def test_cache_config_info_gives_the_capacity_in_tokens() -> None:
