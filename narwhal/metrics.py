@@ -97,8 +97,15 @@ PREFILL_TOKENS = Counter(
 )
 PLACEMENTS = Counter(
     "narwhal_placements_total",
-    "Producers chosen, by why: affinity, affinity_overflow, least_loaded, saturated",
+    "Producers chosen, by why: held, rendezvous, affinity, affinity_overflow, least_loaded, saturated",
     ["producer_choice"],
+)
+# Written by the supervisor, which judges each prefill's reported cached tokens (SPEC §3.3).
+HOLDINGS_PREDICTIONS = Counter(
+    "narwhal_holdings_predictions_total",
+    "Prefills whose reported cached tokens matched the holdings' prediction within one block (exact), "
+    "fell short of it (over) or exceeded it (under)",
+    ["result"],
 )
 
 # Written by the supervisor (the only process that knows breaker state).

@@ -107,7 +107,7 @@ class PlacementSettings(_Section):
     affinity_load_factor: Annotated[float, Field(ge=1)] = 1.25
     local_prefill_chars: Annotated[int, Field(ge=0)] = 0  # 0: never skip the remote prefill
     # SPEC §3.3: placement that knows what each producer holds.
-    policy: Literal["held", "affinity", "least_loaded"] = "affinity"
+    policy: Literal["held", "affinity", "least_loaded"] = "held"
     block_chars: Annotated[int, Field(ge=16, le=1 << 16)] = 256
     max_prefix_chars: Annotated[int, Field(ge=16, le=1 << 24)] = 65536
     holdings_slots: Annotated[int, Field(ge=1, le=1 << 24)] = 65536
@@ -121,10 +121,6 @@ class PlacementSettings(_Section):
             raise ValueError("load_stale_s must be at least load_interval_s")
         if self.max_prefix_chars < self.block_chars:
             raise ValueError("max_prefix_chars must be at least block_chars")
-        if self.policy == "held":
-            # Refused rather than run as another rule under its name: the holdings table and the
-            # time-to-handoff choice have not landed on this branch yet (README "Settings").
-            raise ValueError('policy "held" is not in this build yet; use "affinity" or "least_loaded"')
         return self
 
     @property

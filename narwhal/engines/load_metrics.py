@@ -97,3 +97,25 @@ def _samples(text: str) -> list[re.Match[str]]:
                 found.append(match)
             pos = text.find(needle, pos + 1)
     return found
+
+
+CACHE_CONFIG = "vllm:cache_config_info"
+_CONFIG_LABEL = re.compile(r'(num_gpu_blocks|block_size)="(\d+)"')
+
+
+def parse_capacity(text: str | bytes) -> int | None:
+    """The KV capacity in tokens, ``num_gpu_blocks`` × ``block_size`` of ``vllm:cache_config_info``
+    (SPEC §3.3; vLLM's info gauge, its CacheConfig as labels); None when absent or not numbers
+    (``num_gpu_blocks`` is ``None`` before the engine profiled its memory). Pure and total."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    pos = 0 if text.startswith(CACHE_CONFIG + "{") else text.find("\n" + CACHE_CONFIG + "{")
+    if pos < 0:
+        return None
+    end = text.find("\n", pos + 1)
+    line = text[pos : end if end >= 0 else len(text)]
+    found = dict(_CONFIG_LABEL.findall(line))
+    if "num_gpu_blocks" not in found or "block_size" not in found:
+        return None
+    tokens = int(found["num_gpu_blocks"]) * int(found["block_size"])
+    return tokens if tokens > 0 else None

@@ -173,6 +173,14 @@ class EngineState:
     def clear_faults(self) -> None:
         self.faults = NO_FAULTS
 
+    def restarted(self) -> None:
+        """As a vLLM process started again: a new engine id, an empty prefix cache."""
+        unregister(self)
+        self.engine_id = str(uuid.uuid4())
+        register(self)
+        if self.cache is not None:
+            self.cache = PrefixCache(self.load_model.kv_blocks, self.kv.block_size)
+
     def set_load_model(self, model: EngineModel) -> EngineModel:
         """Apply new model settings at once; a kept prefix cache keeps its blocks (trimmed)."""
         self.load_model = model

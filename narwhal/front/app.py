@@ -39,6 +39,7 @@ from narwhal.request.outcomes import Outcomes
 from narwhal.request.passthrough import ROUTES as PASSTHROUGH_ROUTES
 from narwhal.request.router import Router, error_response
 from narwhal.settings import Settings, current_or_load
+from narwhal.shm.holdings import WorkerHoldings, identity
 from narwhal.shm.local import LocalFleetState
 from narwhal.shm.worker import WorkerFleetState
 
@@ -230,6 +231,14 @@ def worker_state(fleet: Fleet) -> WorkerFleetState | LocalFleetState:
     return LocalFleetState(fleet)
 
 
+def worker_holdings(fleet: Fleet, state: WorkerFleetState | LocalFleetState) -> WorkerHoldings | None:
+    """This worker's view of the holdings and its ring for reporting prefills (policy ``held``
+    under gunicorn); None without the region, when ``held`` places by rendezvous rank alone."""
+    if shm.HOLDINGS is None or not isinstance(state, WorkerFleetState):
+        return None
+    return WorkerHoldings(shm.HOLDINGS, [identity(e.name, e.url) for e in fleet.engines], state.slot)
+
+
 async def _startup(app: web.Application) -> None:
     """Build what the worker serves with: its fleet state, placement, router; discover models."""
     settings = app[SETTINGS]
@@ -239,8 +248,9 @@ async def _startup(app: web.Application) -> None:
     fleet = Fleet(settings)
     state = worker_state(fleet)
     loads = state if isinstance(state, WorkerFleetState) else None  # engine reports come from the supervisor
-    placement = Placement(fleet, state, state, settings.placement, loads=loads)
-    outcomes = Outcomes(fleet, state, settings.recovery.failure_quarantine_s)
+    holdings = worker_holdings(fleet, state)
+    placement = Placement(fleet, state, state, settings.placement, loads=loads, holdings=holdings)
+    outcomes = Outcomes(fleet, state, settings.recovery.failure_quarantine_s, prefills=holdings)
     parts = (settings, fleet, placement, EngineClient.for_settings(settings.engine), outcomes, state,
              AccessLog(settings.log.access_log))
     if settings.tracing.enabled:  # imported only then: with tracing off, OpenTelemetry is never loaded

@@ -170,6 +170,7 @@ def on_starting(server: Any) -> None:
         raise SystemExit(2)
     # Room for any reload: old and new workers side by side, engines added up to max_engines.
     shm.SHARED = SharedFleet.create(engines=settings.server.max_engines, slots=WORKER_SLOTS)
+    shm.HOLDINGS = create_holdings(settings, shm.SHARED.layout.slots)
     if settings.preflight.on_start and settings.engines:
         from narwhal.supervisor.startup import preflight_on_start
 
@@ -179,6 +180,21 @@ def on_starting(server: Any) -> None:
     keeper.start()
     _KEEPER[:] = [keeper]
     _watch_from_the_main_loop(server, keeper)
+
+
+def create_holdings(settings: Settings, slots: int) -> Any:
+    """The holdings region (SPEC §3.3) beside the fleet's, for policy ``held`` only: a section
+    per configured engine, ``placement.holdings_slots`` keys shared among the producers."""
+    placement = settings.placement
+    if placement.placement_policy != "held":
+        return None
+    from narwhal.shm.holdings import Holdings, HoldingsLayout
+
+    producers = sum(1 for e in settings.engines if e.role != "consumer")
+    keys = max(placement.holdings_slots // max(producers, 1), 1)
+    entry_keys = min(placement.max_prefix_chars // placement.block_chars, 4096)
+    return Holdings.create(HoldingsLayout(sections=len(settings.engines), keys=keys, slots=slots,
+                                          entry_keys=entry_keys))
 
 
 def _watch_from_the_main_loop(server: Any, keeper: Any) -> None:

@@ -45,6 +45,7 @@ class AccessRecord:
     client: str | None = None  # the peer address (X-Forwarded-For is not trusted: see README)
     backend_ids: list[str] = field(default_factory=list)  # the X-Request-Id of each attempt, in order
     completion_tokens: int | None = None  # the decode's, when the engine reported usage
+    predicted_cached_chars: int | None = None  # policy "held": the prompt characters believed cached
     # The request's trace: its server span's with tracing on, else the client's traceparent's (the
     # trace the engines' spans join); None without tracing and without a valid traceparent.
     trace_id: str | None = None
@@ -70,6 +71,7 @@ class AccessRecord:
             "client": self.client,
             "backend_ids": self.backend_ids,
             "completion_tokens": self.completion_tokens,
+            "predicted_cached_chars": self.predicted_cached_chars,
             "trace_id": self.trace_id,
         }
 

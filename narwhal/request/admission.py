@@ -26,6 +26,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from narwhal.engines import dialects
 from narwhal.errors import RequestError
 from narwhal.fleet import Fleet
+from narwhal.fleet.placement.blocks import PrefixBlocks
 from narwhal.request.ids import printable_ascii
 from narwhal.settings import Settings
 
@@ -51,6 +52,7 @@ class ClientRequest:
     forward: dict[str, str]
     affinity: int | None = None  # the prefix-affinity key's hash (narwhal.request.affinity)
     local: bool = False  # a prompt short enough to skip the remote prefill (SPEC §3.2)
+    blocks: PrefixBlocks | None = None  # policy "held": the prompt's prefix block keys (SPEC §3.3)
 
 
 def presented_token(request: web.Request, *, x_api_key: bool = False) -> bytes:

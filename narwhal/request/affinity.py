@@ -25,6 +25,7 @@ from typing import Any
 
 from narwhal.engines import dialects
 from narwhal.fleet.placement.affinity import key_hash
+from narwhal.fleet.placement.blocks import PrefixBlocks
 from narwhal.request.admission import CHAT, COMPLETIONS, PD_ENDPOINTS
 from narwhal.settings import PlacementSettings
 
@@ -85,6 +86,17 @@ def prompt_head(endpoint: str, body: dict[str, Any], limit: int) -> str | None:
     endpoint has no extractor."""
     extract = EXTRACTORS.get(endpoint)
     return None if extract is None else extract(body, limit)[:limit]
+
+
+def prefix_blocks(endpoint: str, body: dict[str, Any], settings: PlacementSettings) -> PrefixBlocks | None:
+    """The prompt's prefix blocks for policy ``held`` (SPEC §3.3), None when it has no full block.
+
+    The text is read to one character past ``max_prefix_chars``, so a reporter can tell a whole
+    prompt (its length gives characters per token) from a cut one; keys are computed lazily."""
+    head = prompt_head(endpoint, body, settings.max_prefix_chars + 1)
+    if head is None or len(head) < settings.block_chars:
+        return None
+    return PrefixBlocks(head, settings.block_chars, settings.max_prefix_chars)
 
 
 def placement_hints(endpoint: str, body: dict[str, Any], settings: PlacementSettings) -> tuple[int | None, bool]:

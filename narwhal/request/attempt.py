@@ -121,7 +121,7 @@ class Attempts:
     async def run(
         self, client: ClientStream, req: ClientRequest, rec: AccessRecord, started: float, avoid: frozenset[str]
     ) -> web.StreamResponse:
-        resv = await self.placement.reserve(req.model, req.deadline, avoid, req.affinity, req.local)
+        resv = await self.placement.reserve(req.model, req.deadline, avoid, req.affinity, req.local, req.blocks)
         producer, consumer = resv.producer, resv.consumer
         rec.producer, rec.consumer = (None if resv.local else producer.name), consumer.name
         request_id = backend_id(rec.request_id, rec.attempts)
@@ -141,6 +141,10 @@ class Attempts:
                 rec.ttft_s = ttft_s = time.perf_counter() - started
                 rec.prompt_tokens, rec.cached_tokens = result.prompt_tokens, result.cached_tokens
                 metrics.count_prefill_tokens(result.prompt_tokens, result.cached_tokens)
+                if req.blocks is not None:
+                    rec.predicted_cached_chars = resv.predicted_chars
+                    # Runs at the decode's first wait: the keys are finished off the critical path.
+                    asyncio.get_running_loop().call_soon(self.outcomes.prefilled, producer, req.blocks, result)
             response = await self._decode(client, req, resv, result, rec, started, ttft_s)
             metrics.TALLY.inc(metrics.attempts_child("success"))
             self.outcomes.success(producer, consumer, local=resv.local)

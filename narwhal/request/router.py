@@ -35,7 +35,7 @@ from narwhal.fleet.placement import Placement
 from narwhal.reasons import retryable
 from narwhal.request.accesslog import AccessLog, AccessRecord
 from narwhal.request.admission import ClientRequest, admit
-from narwhal.request.affinity import placement_hints
+from narwhal.request.affinity import placement_hints, prefix_blocks
 from narwhal.request.attempt import Attempts
 from narwhal.request.client_stream import ClientStream
 from narwhal.request.ids import client_request_id, trace_id_of
@@ -85,6 +85,7 @@ class Router:
         self.state = state
         self.access_log = access_log
         self._background: set[asyncio.Task[Any]] = set()
+        self._held = settings.placement.placement_policy == "held"
         self.attempts = Attempts(settings, placement, client, outcomes, self._spawn)
         self.passthrough = Passthrough(settings, fleet, placement, client, outcomes)
         self._active: set[asyncio.Task[Any] | None] = set()  # client requests being handled
@@ -111,6 +112,8 @@ class Router:
             else:
                 req = await admit(request, endpoint, self.settings, self.fleet, arrival)
                 req.affinity, req.local = placement_hints(endpoint, req.body, self.settings.placement)
+                if self._held and not req.local:
+                    req.blocks = prefix_blocks(endpoint, req.body, self.settings.placement)
                 rec.model, rec.stream = req.model, req.stream
                 response = await self._serve(client, req, rec, started)
             rec.status = response.status

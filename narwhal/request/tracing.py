@@ -137,14 +137,14 @@ class _TracedPlacement:
 
     async def reserve(
         self, model: str, deadline: float, avoid: frozenset[str] = frozenset(), key: int | None = None,
-        local: bool = False,
+        local: bool = False, blocks: Any = None,
     ) -> Reservation:
         with self._tracer.start_as_current_span(
             "narwhal.placement", record_exception=False, set_status_on_exception=False,
             attributes={"narwhal.model": model, "narwhal.avoid": sorted(avoid), "narwhal.local": local},
         ) as span:
             try:
-                resv: Reservation = await self._inner.reserve(model, deadline, avoid, key, local)
+                resv: Reservation = await self._inner.reserve(model, deadline, avoid, key, local, blocks)
             except BaseException as exc:
                 _failed(span, exc)
                 raise

@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from narwhal.shm.holdings import Holdings
     from narwhal.shm.shared import SharedFleet
 
 SHARED: SharedFleet | None = None
+HOLDINGS: Holdings | None = None  # placement.policy "held" only: its own memfd (narwhal.shm.holdings)

@@ -31,11 +31,11 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from narwhal.engines.control import ControlClient, ControlError, PooledReader
-from narwhal.engines.load_metrics import parse_load
+from narwhal.engines.load_metrics import parse_capacity, parse_load
 from narwhal.fleet import Engine
 from narwhal.shm.records import LoadRecord, name_hash, write_load
 from narwhal.shm.shared import SharedFleet
@@ -47,9 +47,13 @@ WARN_EVERY_S = 60.0  # at most one "not read" line per engine this often
 
 
 class LoadReader:
-    def __init__(self, shared: SharedFleet, control: PooledReader | ControlClient) -> None:
+    def __init__(
+        self, shared: SharedFleet, control: PooledReader | ControlClient,
+        on_capacity: Callable[[int, int | None], None] | None = None,
+    ) -> None:
         self.shared = shared
         self.control = control
+        self.on_capacity = on_capacity  # the holdings' capacity bound (SPEC §3.3), from each reading
         self._reading: set[str] = set()
         self._failing: set[str] = set()
         self._warned_at: dict[str, float] = {}
@@ -74,6 +78,8 @@ class LoadReader:
         try:
             status, body = await self.control.get(engine, "/metrics")
             reading = parse_load(body) if status == 200 else None
+            if reading is not None and self.on_capacity is not None:
+                self.on_capacity(engine.index, parse_capacity(body))
             why = f"HTTP {status}" if status != 200 else "no vLLM load series in the answer"
         except ControlError as exc:
             reading, why = None, exc.reason

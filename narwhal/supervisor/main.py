@@ -31,6 +31,7 @@ from narwhal.fleet import Engine, Fleet
 from narwhal.fleet.breaker import Breakers, EngineInfo, EngineStatus, Outcome, State
 from narwhal.settings import Settings
 from narwhal.shm import layout as L
+from narwhal.shm.holdings import Holdings, identity
 from narwhal.shm.records import (
     FLAG_BEFORE_TOKEN,
     FLAG_COUNTS,
@@ -53,6 +54,7 @@ from narwhal.shm.records import (
     write_record,
 )
 from narwhal.shm.shared import SharedFleet, alive
+from narwhal.supervisor.holdings import HoldingsModel
 from narwhal.supervisor.load import LoadReader
 from narwhal.supervisor.probes import Prober
 from narwhal.supervisor.rounds import spread
@@ -66,7 +68,7 @@ EXPORT_S = 1.0
 
 
 class Supervisor:
-    def __init__(self, shared: SharedFleet, settings: Settings) -> None:
+    def __init__(self, shared: SharedFleet, settings: Settings, holdings: Holdings | None = None) -> None:
         self.shared = shared
         self.settings = settings
         self.fleet = Fleet(settings)
@@ -85,6 +87,11 @@ class Supervisor:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._probing: set[str] = set()
         self._wall = time.time() - time.monotonic()
+        self.holdings = holdings
+        self.model: HoldingsModel | None = None
+        if holdings is not None:
+            stamps = [identity(e.name, e.url) if e.can_prefill else None for e in self.fleet.engines]
+            self.model = HoldingsModel(stamps, holdings.layout.keys, settings.placement.block_chars)
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -135,6 +142,10 @@ class Supervisor:
             )
         self.shared.bump_generation()
         self._published = self.breakers.version
+        if self.model is not None:
+            for engine in self.fleet.engines:  # an ejected producer's cache is not to be counted on
+                if self.breakers.status(engine.name).state == State.EJECTED:
+                    self.model.forget(engine.index)
         self.export_states()
 
     def export_states(self) -> None:
@@ -188,6 +199,18 @@ class Supervisor:
             elif r.kind == KIND_DRAIN:
                 self.breakers.drain(engines[r.producer].name, now)
 
+    def drain_prefills(self) -> None:
+        """The workers' completed prefills into the holdings (SPEC §3.3), then what changed
+        published. Each prefill with reported cached tokens is judged once."""
+        if self.holdings is None or self.model is None:
+            return
+        for slot in range(min(self.holdings.layout.slots, self.shared.in_use())):  # slots ever claimed
+            for rep in self.holdings.drain(slot):
+                result = self.model.apply(rep)
+                if result is not None:
+                    metrics.HOLDINGS_PREDICTIONS.labels(result).inc()
+        self.model.publish(self.holdings, time.monotonic())
+
     def sweep(self) -> None:
         """Give back the counts of workers that died without a word (kill -9, OOM)."""
         for slot in range(self.shared.in_use()):
@@ -198,6 +221,8 @@ class Supervisor:
                 # may have claimed the slot since (claim_slot reclaims dead owners' slots too).
                 if self.shared.release(slot, pid):
                     log.warning("worker %d is gone: released its slot", pid)
+                    if self.holdings is not None:
+                        self.holdings.skip(slot)
 
     def export(self) -> None:
         """In-flight gauges, every EXPORT_S: they change with every request, and a scrape
@@ -252,7 +277,8 @@ class Supervisor:
             prober = Prober(self.settings, self.fleet, session, self.admitted)
             load_every = self.settings.placement.load_interval_s
             # Each read bounded by the interval: a round never outlives the next one's start.
-            loads = LoadReader(self.shared, PooledReader(self.settings.engine, load_every or 1.0))
+            loads = LoadReader(self.shared, PooledReader(self.settings.engine, load_every or 1.0),
+                               on_capacity=None if self.model is None else self.model.set_capacity)
             next_load = 0.0
             self.restore()
             self.publish()
@@ -263,6 +289,7 @@ class Supervisor:
             while True:
                 self.shared.beat(pid)
                 self.drain()
+                self.drain_prefills()
                 now = time.monotonic()
                 self.breakers.tick(now)
                 for plan in self.breakers.due_probes(now):

@@ -223,7 +223,9 @@ def run_supervisor(shared: SharedFleet, *, restarted: bool) -> None:
     configure_logging(settings.log)
     if restarted:
         metrics.SUPERVISOR_RESTARTS.inc()
-    supervisor = Supervisor(shared, settings)
+    from narwhal import shm
+
+    supervisor = Supervisor(shared, settings, holdings=shm.HOLDINGS)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

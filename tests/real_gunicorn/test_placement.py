@@ -56,7 +56,9 @@ def router(cache_fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> 
     proc = start_router(
         cache_fleet, _engines(PRODUCERS, CONSUMERS), tmp_path_factory.mktemp("placement"),
         server={"workers": 2, "admin_token": TOKEN},
-        placement={"load_interval_s": 0.1, "load_stale_s": 2, "local_prefill_chars": LOCAL_CHARS},
+        # §3.2's rules under test: the rendezvous affinity rule, not §3.3's default (test_holdings).
+        placement={"load_interval_s": 0.1, "load_stale_s": 2, "local_prefill_chars": LOCAL_CHARS,
+                   "policy": "affinity"},
     )
     yield proc
     proc.stop()
@@ -66,7 +68,7 @@ def router(cache_fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> 
 def second_router(cache_fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
     """Another replica in front of the same fleet, sharing nothing with the first."""
     proc = start_router(cache_fleet, _engines(PRODUCERS, CONSUMERS), tmp_path_factory.mktemp("replica"),
-                        server={"workers": 1})
+                        server={"workers": 1}, placement={"policy": "affinity"})
     yield proc
     proc.stop()
 

@@ -1,4 +1,4 @@
-"""Placement (SPEC §3 step 2, §3.2): which producer and consumer take a request, and their slots.
+"""Placement (SPEC §3 step 2, §3.2, §3.3): which producer and consumer take a request, and their slots.
 
 A policy per module, the choice pure (no I/O; counts, engine reports, clock and randomness
 come in through arguments and protocols):
@@ -7,6 +7,8 @@ come in through arguments and protocols):
   waiting for a free pair, local decode;
 * :mod:`.least_loaded` — fewest requests first, saturated engines last, ties at random;
 * :mod:`.affinity` — bounded-load rendezvous hashing of the affinity key for producers;
+* :mod:`.held` — policy ``held`` (the default): the producer with the least estimated time to
+  handoff, knowing what each holds (SPEC §3.3);
 * :mod:`.blocks` — the prompt's chained prefix block keys (SPEC §3.3), computed lazily;
 * :mod:`.load` — engine-reported load as placement weighs it (fresh readings only);
 * :mod:`.reservation` — in-flight counts and the slots an attempt holds.

@@ -29,12 +29,13 @@ _NO_SALT = b""
 class PrefixBlocks:
     """The block keys of one prompt, computed lazily, at most once each."""
 
-    __slots__ = ("text", "block_chars", "count", "_keys", "_salt")
+    __slots__ = ("text", "block_chars", "count", "cut", "_keys", "_salt")
 
     def __init__(self, text: str, block_chars: int, max_chars: int) -> None:
         self.text = text
         self.block_chars = block_chars
         self.count = min(len(text), max_chars) // block_chars  # full blocks that get a key
+        self.cut = len(text) > max_chars  # the text goes on past what is keyed
         self._keys: list[int] = []
         self._salt = _NO_SALT
 

@@ -37,7 +37,8 @@ from typing import Any
 
 from narwhal.errors import PlacementError
 from narwhal.fleet import Engine, Fleet, FleetView
-from narwhal.fleet.placement import affinity, least_loaded
+from narwhal.fleet.placement import affinity, held, least_loaded
+from narwhal.fleet.placement.blocks import PrefixBlocks
 from narwhal.fleet.placement.load import LoadCache, Loads, LoadSource
 from narwhal.fleet.placement.reservation import InflightCounts, PhaseName, Reservation
 from narwhal.fleet.placement.wait import Queue
@@ -64,6 +65,7 @@ class Placement:
         rng: random.Random | None = None,
         loads: LoadSource | None = None,
         clock: Callable[[], float] = time.monotonic,
+        holdings: held.HoldingsSource | None = None,
     ) -> None:
         self.fleet = fleet
         self.view = view
@@ -82,26 +84,29 @@ class Placement:
         )
         self._hashes = [affinity.key_hash(e.name) for e in fleet.engines]
         self._policy = settings.placement_policy
+        self.holdings = holdings  # policy "held": what each producer holds (SPEC §3.3)
+        self._matched: list[int] = []  # the last held ordering's matched characters, by position
 
     def current_loads(self) -> Loads | None:
         return None if self._loads is None else self._loads.current()
 
     def try_place(
-        self, model: str, avoid: frozenset[str] = frozenset(), key: int | None = None, local: bool = False
+        self, model: str, avoid: frozenset[str] = frozenset(), key: int | None = None, local: bool = False,
+        blocks: PrefixBlocks | None = None,
     ) -> Reservation | None:
         """Reserve a permitted pair (or, ``local``, a consumer) serving ``model`` now, or None.
 
         Engines not quarantined first; quarantined ones only when those cannot take it."""
         loads = self.current_loads()
         pick = self._pick_local if local else self._pick
-        found = pick(model, avoid, None, key, loads)
+        found = pick(model, avoid, None, key, loads, blocks)
         if found is None and self.view.any_quarantined():
-            found = pick(model, avoid, self._quarantine_rank(), None, loads)
+            found = pick(model, avoid, self._quarantine_rank(), None, loads, None)
         return found
 
     def _pick(
         self, model: str, avoid: frozenset[str], rank: Callable[[Engine], float] | None, key: int | None,
-        loads: Loads | None,
+        loads: Loads | None, blocks: PrefixBlocks | None = None,
     ) -> Reservation | None:
         """One pass. The first (``rank`` None): engines admitted, by affinity or load. The
         second: engines placeable, by quarantine left (``rank``), then load."""
@@ -125,7 +130,7 @@ class Placement:
             for p, consumers in self._candidates(model)
             if (not avoid or p.name not in avoid) and usable(p)
         ]
-        ordered, choice_of = self._order(candidates, prefill_load, key, loads)
+        ordered, choice_of = self._order(candidates, prefill_load, key, loads, blocks)
         for position, (p, serving) in enumerate(ordered):
             if p.max_inflight_prefill is not None and prefills[p.index] >= p.max_inflight_prefill:
                 continue
@@ -143,11 +148,15 @@ class Placement:
             if not inflight.try_reserve(d, "decode", d.max_inflight_decode):
                 inflight.release(p, "prefill")
                 continue
-            return Reservation(self, p, d, choice_of(position, p))
+            resv = Reservation(self, p, d, choice_of(position, p))
+            if self._matched:
+                resv.predicted_chars = self._matched[position]
+            return resv
         return None
 
     def _order(
-        self, candidates: list[Candidate], load: Callable[[Candidate], Any], key: int | None, loads: Loads | None
+        self, candidates: list[Candidate], load: Callable[[Candidate], Any], key: int | None, loads: Loads | None,
+        blocks: PrefixBlocks | None = None,
     ) -> tuple[list[Candidate], Callable[[int, Engine], str]]:
         """The producers in the order to try them, and the ``producer_choice`` of each.
 
@@ -158,8 +167,11 @@ class Placement:
             loads is not None and loads.any_saturated
             and least_loaded.all_saturated([c[0].index for c in candidates], loads)
         )
+        self._matched = []
         if self._policy == "least_loaded":
             key = None
+        elif self._policy == "held" and blocks is not None and blocks.count and candidates:
+            return self._order_held(candidates, load, blocks, loads, every_saturated)
         if key is None or len(candidates) < 2:  # one candidate: it is the key's favourite
             ordered = least_loaded.order(candidates, load, _producer_index, loads, self._rng)
             if every_saturated:
@@ -185,9 +197,37 @@ class Placement:
 
         return ordered + least_loaded.order(rest, load, _producer_index, None, self._rng), choice
 
+    def _order_held(
+        self, candidates: list[Candidate], load: Callable[[Candidate], Any], blocks: PrefixBlocks,
+        loads: Loads | None, every_saturated: bool,
+    ) -> tuple[list[Candidate], Callable[[int, Engine], str]]:
+        """SPEC §3.3 (:mod:`.held`): the least estimated time to handoff first, near-ties by
+        rendezvous rank; saturated producers after the others unless every one is."""
+        rest: list[Candidate] = []
+        if loads is not None and loads.any_saturated and not every_saturated:
+            saturated = loads.saturated
+            rest = [c for c in candidates if saturated[c[0].index]]
+            candidates = [c for c in candidates if not saturated[c[0].index]]
+        readings = self.holdings.current() if self.holdings is not None else ()
+        hashes = self._hashes
+        ordered, matched = held.order(candidates, blocks, readings, _producer_index,
+                                      lambda c: hashes[c[0].index], load, self.settings.affinity_slack)
+        if rest:
+            ordered += least_loaded.order(rest, load, _producer_index, None, self._rng)
+            matched += [0] * len(rest)
+        self._matched = matched
+        if every_saturated:
+            return ordered, _saturated
+        anyone = any(matched)
+
+        def choice(position: int, producer: Engine) -> str:
+            return held.choice_label(matched[position], anyone)
+
+        return ordered, choice
+
     def _pick_local(
         self, model: str, avoid: frozenset[str], rank: Callable[[Engine], float] | None, key: int | None,
-        loads: Loads | None,
+        loads: Loads | None, blocks: PrefixBlocks | None = None,
     ) -> Reservation | None:
         """A consumer alone, for a local decode (SPEC §3.2): least loaded, saturated last."""
         decodes = self.inflight.totals("decode")
@@ -276,19 +316,21 @@ class Placement:
             return any(self.view.placeable(d) for d in self._consumers(model))
         return self.has_pair(model)
 
-    def _place(self, model: str, avoid: frozenset[str], key: int | None, local: bool) -> Reservation | None:
+    def _place(
+        self, model: str, avoid: frozenset[str], key: int | None, local: bool, blocks: PrefixBlocks | None = None
+    ) -> Reservation | None:
         # Avoid the engines that just failed, where others exist.
-        found = self.try_place(model, avoid, key, local)
+        found = self.try_place(model, avoid, key, local, blocks)
         if found is None and avoid:
-            found = self.try_place(model, frozenset(), key, local)
+            found = self.try_place(model, frozenset(), key, local, blocks)
         return found
 
     async def reserve(
         self, model: str, deadline: float, avoid: frozenset[str] = frozenset(), key: int | None = None,
-        local: bool = False,
+        local: bool = False, blocks: PrefixBlocks | None = None,
     ) -> Reservation:
         """Wait (bounded) for a pair; raise ``no_engine`` when none frees in time."""
-        found = self._place(model, avoid, key, local)
+        found = self._place(model, avoid, key, local, blocks)
         if found is not None:
             return found
         loop = asyncio.get_running_loop()
@@ -301,7 +343,7 @@ class Placement:
             )
         give_up = min(loop.time() + self.settings.queue_timeout_s, deadline)
         return await self.queue.wait_for(
-            lambda: self._place(model, avoid, key, local), self._until_freed, give_up, model, retry_after
+            lambda: self._place(model, avoid, key, local, blocks), self._until_freed, give_up, model, retry_after
         )
 
     async def _until_freed(self, at_most_s: float) -> None:

@@ -74,11 +74,11 @@ class Reservation:
     """The slots of one attempt; each released exactly once.
 
     ``choice`` says why this producer (``narwhal_placements_total{producer_choice}``):
-    ``affinity``, ``affinity_overflow``, ``least_loaded``, ``saturated``, or ``local`` for a
-    local decode, which chose no producer at all."""
+    ``affinity``, ``affinity_overflow``, ``least_loaded``, ``saturated``, ``held``,
+    ``rendezvous``, or ``local`` for a local decode, which chose no producer at all."""
 
-    __slots__ = ("producer", "consumer", "detached", "choice", "crossed", "local", "_placement", "_prefill_held",
-                 "_decode_held", "_unsent")
+    __slots__ = ("producer", "consumer", "detached", "choice", "crossed", "local", "predicted_chars", "_placement",
+                 "_prefill_held", "_decode_held", "_unsent")
 
     def __init__(
         self, placement: _Releaser, producer: Engine, consumer: Engine, choice: str = "least_loaded",
@@ -91,6 +91,7 @@ class Reservation:
         # Plain fields, not properties: the request path reads them several times per attempt.
         self.crossed = producer is not consumer  # the KV crosses to another engine (not same-worker)
         self.local = local  # a local decode: no producer chosen, no prefill slot
+        self.predicted_chars: int | None = None  # policy "held": the prompt's characters believed cached
         self._placement = placement
         self._prefill_held = not local
         self._decode_held = True

@@ -85,7 +85,6 @@ def test_placement_settings_defaults() -> None:
     ({"holdings_slots": 0}, "holdings_slots"),
     ({"affinity_slack": -0.1}, "affinity_slack"),
     ({"block_chars": 512, "max_prefix_chars": 300}, "max_prefix_chars"),
-    ({"policy": "held"}, "held"),  # not run as another rule under its name until it lands
 ])
 def test_invalid_placement_settings_name_the_key(values: dict[str, Any], key: str) -> None:
     with pytest.raises(ValueError, match=key):
@@ -93,6 +92,8 @@ def test_invalid_placement_settings_name_the_key(values: dict[str, Any], key: st
 
 
 @pytest.mark.parametrize(("values", "policy"), [
+    ({}, "held"),  # the default (SPEC §7)
+    ({"prefix_affinity": False}, "least_loaded"),
     ({"policy": "affinity"}, "affinity"),
     ({"policy": "least_loaded"}, "least_loaded"),
     ({"policy": "affinity", "prefix_affinity": False}, "least_loaded"),

@@ -1,0 +1,116 @@
+"""The ``held`` policy (SPEC §3.3): the producer that will hand off soonest, knowing what each holds.
+
+For each candidate producer: *matched* = the characters of the longest leading run of this
+prompt's blocks it is believed to hold (the supervisor's holdings, read from shared memory);
+*estimated time to handoff* = (its queued prefill work + this prompt's uncached characters) ÷
+its prefill rate. Queued work is its prefill load (this host's in-flight prefill legs plus what
+it reports running and waiting that is not ours), each request reckoned at the fleet's mean
+uncached characters per prefill (this prompt's length while none is known). The rate is the
+producer's learned one, else the candidates' mean, else 1 (all equal: the estimate is then the
+work itself). The least estimate wins; candidates within ``placement.affinity_slack`` of it are
+ordered by the rendezvous rank of the prompt's first block key, so workers and replicas that know
+nothing yet (every estimate equal) still agree, and a prefix's first prefills all go where its
+later ones will look.
+
+Invariants, and why:
+
+* Pure: no I/O, no clock; holdings, loads and the rendezvous hashes come in as arguments.
+* The lookup stops at the first block no candidate holds: a prompt whose prefix nobody holds
+  costs its first block key and one set lookup per candidate; a long held prefix costs its
+  matched blocks, each key computed once (``blocks.PrefixBlocks``).
+* The choice's label (``producer_choice``): ``held`` when the producer holds ≥ 1 block of the
+  prompt, ``rendezvous`` when no candidate holds any (the rank decided), else ``least_loaded``
+  (a holder was passed over for a producer that hands off sooner without it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
+
+from narwhal.fleet.placement.affinity import score
+from narwhal.fleet.placement.blocks import PrefixBlocks
+
+T = TypeVar("T")
+
+_NOTHING: frozenset[int] = frozenset()
+
+
+class HeldReading(Protocol):
+    """One producer's published holdings (``narwhal.shm.holdings.Held``)."""
+
+    @property
+    def keys(self) -> frozenset[int]: ...
+    @property
+    def blocks(self) -> int: ...
+    @property
+    def capacity_blocks(self) -> int | None: ...
+    @property
+    def chars_per_token(self) -> float | None: ...
+    @property
+    def prefill_chars_per_s(self) -> float | None: ...
+    @property
+    def mean_uncached_chars(self) -> float: ...
+
+
+class HoldingsSource(Protocol):
+    """Per engine index, the holdings published for it (None: none)."""
+
+    def current(self) -> Sequence[HeldReading | None]: ...
+
+
+def matched_blocks(blocks: PrefixBlocks, sets: Sequence[frozenset[int]]) -> list[int]:
+    """Per candidate, how many of the prompt's leading blocks it holds; stops at the first
+    block no candidate holds."""
+    runs = [0] * len(sets)
+    active = [i for i, held in enumerate(sets) if held]
+    k = 0
+    while active and k < blocks.count:
+        key = blocks.key(k)
+        active = [i for i in active if key in sets[i]]
+        k += 1
+        for i in active:
+            runs[i] = k
+    return runs
+
+
+def order(
+    items: list[T],
+    blocks: PrefixBlocks,
+    held: Sequence[HeldReading | None],
+    index: Callable[[T], int],
+    engine_hash: Callable[[T], int],
+    load: Callable[[T], float],
+    slack: float,
+) -> tuple[list[T], list[int]]:
+    """``items`` in the order to try them, and each one's matched characters (same order)."""
+    readings = [held[index(item)] if index(item) < len(held) else None for item in items]
+    sets = [_NOTHING if r is None else r.keys for r in readings]
+    runs = matched_blocks(blocks, sets)
+    width = blocks.block_chars
+    prompt = len(blocks.text)
+    known = [r.prefill_chars_per_s for r in readings if r is not None and r.prefill_chars_per_s]
+    default_rate = sum(known) / len(known) if known else 1.0
+    means = [r.mean_uncached_chars for r in readings if r is not None and r.mean_uncached_chars > 0]
+    per_request = max(means) if means else float(prompt)
+    estimates = []
+    for item, reading, run in zip(items, readings, runs, strict=True):
+        rate = (reading.prefill_chars_per_s if reading is not None else None) or default_rate
+        work = load(item) * per_request + max(prompt - run * width, 0)
+        estimates.append(work / rate)
+    best = min(estimates)
+    bound = best * (1 + slack) + 1e-9
+    first = blocks.key(0) if blocks.count else 0
+    ranked = sorted(
+        range(len(items)),
+        key=lambda i: (estimates[i] > bound, -score(first, engine_hash(items[i])) if estimates[i] <= bound
+                       else estimates[i]),
+    )
+    return [items[i] for i in ranked], [runs[i] * width for i in ranked]
+
+
+def choice_label(matched: int, anyone_held: bool) -> str:
+    """``producer_choice`` for a producer that matched ``matched`` characters."""
+    if matched > 0:
+        return "held"
+    return "least_loaded" if anyone_held else "rendezvous"

@@ -1,0 +1,309 @@
+"""Prefix holdings in shared memory (SPEC §3.3): what each producer is believed to hold.
+
+A memfd of its own, created by the gunicorn master beside the fleet region and inherited the
+same way (no name, nothing left after ``kill -9``); kept apart from the fleet layout so the two
+change independently. ::
+
+    header                 64 B  magic, sizes, generation (bumped after each publish)
+    sections    E × (64 B + K × 8 B)   per engine index, written only by the supervisor:
+        seq u64 (odd while written), identity u32 (CRC32 of name and URL), count u32,
+        capacity_blocks u32, crc u32, engine id u64, prefill chars/s f64, chars/token f64,
+        mean uncached chars per prefill f64; then ``count`` block keys, most recent first
+    rings       W × (16 B + R × entry)  per worker slot, written only by that worker:
+        write index u64 (worker), read index u64 (supervisor); each entry one completed
+        prefill: producer, its identity and engine id, prompt chars and tokens, cached
+        tokens, duration, and the prompt's block keys (at most M)
+
+Invariants, and why:
+
+* One writer per field. A section is published under a sequence number (odd while it is
+  written, a seqlock) *and* a CRC32 of its payload: a reader that sees an odd or changed
+  sequence, or a wrong checksum, reads again and after a few tries keeps what it had. No lock
+  on either side; a worker never waits for the supervisor.
+* A reader ignores a section whose identity is not the engine it places: a section written for
+  another engine list (before a reload) says nothing about this one.
+* A ring entry carries its sequence number inside its CRC, as the outcome rings do, so a stale
+  entry of an earlier lap cannot pass for a new one. A full ring drops the report (the
+  holdings learn a little later from the next one); the worker never blocks.
+* Reading costs one u64 per placement while nothing changed; a section is decoded again only
+  when its own sequence moved, into a ``frozenset`` the choice tests membership in.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+
+from narwhal.shm.layout import U64, store_u32
+
+MAGIC = 0x4E484C44  # "NHLD"
+HEADER = struct.Struct("<IIIIIII")  # magic, version, sections, keys per section, slots, ring, keys per entry
+HEADER_SIZE = 64
+GENERATION_OFFSET = 32
+SECTION_HEAD = 64
+_SECTION = struct.Struct("<IIIIQddd")  # identity, count, capacity, crc, engine id, rate, cpt, mean (at 8)
+RING_HEAD = 16
+_ENTRY = struct.Struct("<QHHIIIIdQ")  # seq, producer, nkeys, identity, chars, tokens, cached, duration, engine id
+ENTRY_HEAD = 56  # _ENTRY (48 B) + crc u32, aligned
+NONE32 = 0xFFFFFFFF
+_TRIES = 16
+
+
+def identity(name: str, url: str) -> int:
+    """The stamp of an engine's section: its name and URL, the same in every process."""
+    return zlib.crc32(f"{name}\0{url}".encode())
+
+
+def engine_id_hash(engine_id: str | None) -> int:
+    """A 64-bit stamp of an engine id (0: none known)."""
+    if not engine_id:
+        return 0
+    return int.from_bytes(zlib.crc32(engine_id.encode()).to_bytes(4, "little") * 2, "little") | 1
+
+
+@dataclass(frozen=True)
+class HoldingsLayout:
+    sections: int  # engines (by index) with a section
+    keys: int  # block keys per section
+    slots: int  # worker slots (the fleet region's slot numbers)
+    ring: int = 256
+    entry_keys: int = 256  # block keys per report: max_prefix_chars // block_chars
+
+    @property
+    def section_size(self) -> int:
+        return SECTION_HEAD + self.keys * 8
+
+    def section_offset(self, engine: int) -> int:
+        return HEADER_SIZE + engine * self.section_size
+
+    @property
+    def entry_size(self) -> int:
+        return ENTRY_HEAD + self.entry_keys * 8
+
+    def ring_offset(self, slot: int) -> int:
+        return HEADER_SIZE + self.sections * self.section_size + slot * (RING_HEAD + self.ring * self.entry_size)
+
+    def entry_offset(self, slot: int, index: int) -> int:
+        return self.ring_offset(slot) + RING_HEAD + (index % self.ring) * self.entry_size
+
+    @property
+    def size(self) -> int:
+        raw = self.ring_offset(self.slots)
+        return (raw + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """One producer's published holdings, as a worker reads them."""
+
+    keys: frozenset[int]
+    blocks: int
+    capacity_blocks: int | None
+    chars_per_token: float | None
+    prefill_chars_per_s: float | None
+    mean_uncached_chars: float
+    engine_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillReport:
+    """A completed prefill, as a worker reports it (SPEC §3.3, source 1 and 2)."""
+
+    producer: int
+    identity: int
+    engine_id: int
+    prompt_chars: int
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    duration_s: float
+    keys: tuple[int, ...]
+
+
+class Holdings:
+    """The mapped region: the supervisor publishes and drains, workers read and report."""
+
+    def __init__(self, layout: HoldingsLayout, fd: int, mm: mmap.mmap) -> None:
+        self.layout = layout
+        self.fd = fd
+        self.mm = mm
+
+    @classmethod
+    def create(cls, layout: HoldingsLayout) -> Holdings:
+        fd = os.memfd_create("narwhal-holdings", 0)  # inherited across fork, as the fleet region
+        os.ftruncate(fd, layout.size)
+        mm = mmap.mmap(fd, layout.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        HEADER.pack_into(mm, 0, MAGIC, 1, layout.sections, layout.keys, layout.slots, layout.ring,
+                         layout.entry_keys)
+        return cls(layout, fd, mm)
+
+    def close(self) -> None:
+        self.mm.close()
+        os.close(self.fd)
+
+    def _u64(self, offset: int) -> int:
+        value: int = U64.unpack_from(self.mm, offset)[0]
+        return value
+
+    def _set_u64(self, offset: int, value: int) -> None:
+        self.mm[offset : offset + 8] = value.to_bytes(8, "little")
+
+    @property
+    def generation(self) -> int:
+        return self._u64(GENERATION_OFFSET)
+
+    # -- sections (supervisor writes, workers read) ---------------------------------------------
+
+    def publish(
+        self, engine: int, stamp: int, engine_id: int, keys: list[int], capacity_blocks: int | None,
+        prefill_chars_per_s: float | None, chars_per_token: float | None, mean_uncached_chars: float,
+    ) -> None:
+        """Supervisor side: one producer's holdings, most recent key first (cut to the room)."""
+        if engine >= self.layout.sections:
+            return
+        keys = keys[: self.layout.keys]
+        off = self.layout.section_offset(engine)
+        seq = self._u64(off)
+        self._set_u64(off, seq | 1)  # odd: being written
+        body = struct.pack(f"<{len(keys)}Q", *keys)
+        head = _SECTION.pack(stamp, len(keys), NONE32 if capacity_blocks is None else capacity_blocks, 0,
+                             engine_id, prefill_chars_per_s or 0.0, chars_per_token or 0.0, mean_uncached_chars)
+        crc = zlib.crc32(body, zlib.crc32(head))
+        self.mm[off + 8 : off + 8 + _SECTION.size] = head[:12] + crc.to_bytes(4, "little") + head[16:]
+        self.mm[off + SECTION_HEAD : off + SECTION_HEAD + len(body)] = body
+        self._set_u64(off, (seq | 1) + 1)
+        self._set_u64(GENERATION_OFFSET, self.generation + 1)
+
+    def section_seq(self, engine: int) -> int:
+        return self._u64(self.layout.section_offset(engine)) if engine < self.layout.sections else 0
+
+    def read(self, engine: int, stamp: int) -> Held | None:
+        """The producer's holdings if its section is published for ``stamp``; None otherwise
+        (never written, another engine's, or still torn after a few tries)."""
+        if engine >= self.layout.sections:
+            return None
+        off = self.layout.section_offset(engine)
+        mm = self.mm
+        for _ in range(_TRIES):
+            seq = self._u64(off)
+            if seq == 0:
+                return None
+            if seq & 1:
+                continue
+            raw = mm[off + 8 : off + 8 + _SECTION.size]
+            ident, count, capacity, crc, engine_id, rate, cpt, mean = _SECTION.unpack(raw)
+            if ident != stamp:
+                return None
+            count = min(count, self.layout.keys)
+            body = mm[off + SECTION_HEAD : off + SECTION_HEAD + count * 8]
+            head = raw[:12] + b"\0\0\0\0" + raw[16:]
+            if self._u64(off) != seq or zlib.crc32(body, zlib.crc32(head)) != crc:
+                continue
+            return Held(frozenset(struct.unpack(f"<{count}Q", body)), count,
+                        None if capacity == NONE32 else capacity, cpt or None, rate or None, mean, engine_id)
+        return None
+
+    # -- report rings (a worker writes its slot's, the supervisor drains) -------------------------
+
+    def report(self, slot: int, rep: PrefillReport) -> bool:
+        """Worker side: one completed prefill into its ring; False when the ring is full."""
+        if slot >= self.layout.slots:
+            return False
+        base = self.layout.ring_offset(slot)
+        write = self._u64(base)
+        if write - self._u64(base + 8) >= self.layout.ring:
+            return False
+        keys = rep.keys[: self.layout.entry_keys]
+        head = _ENTRY.pack(write, rep.producer, len(keys), rep.identity, rep.prompt_chars,
+                           NONE32 if rep.prompt_tokens is None else rep.prompt_tokens,
+                           NONE32 if rep.cached_tokens is None else rep.cached_tokens, rep.duration_s, rep.engine_id)
+        body = struct.pack(f"<{len(keys)}Q", *keys)
+        off = self.layout.entry_offset(slot, write)
+        self.mm[off : off + _ENTRY.size] = head
+        store_u32(self.mm, off + _ENTRY.size, zlib.crc32(body, zlib.crc32(head)))
+        self.mm[off + ENTRY_HEAD : off + ENTRY_HEAD + len(body)] = body
+        self._set_u64(base, write + 1)
+        return True
+
+    def drain(self, slot: int) -> list[PrefillReport]:
+        """Supervisor side: every complete report of the slot since the last drain."""
+        base = self.layout.ring_offset(slot)
+        read, write = self._u64(base + 8), self._u64(base)
+        out: list[PrefillReport] = []
+        while read < write:
+            rep = self._entry(slot, read)
+            if rep is None:
+                break  # not fully visible yet: next time
+            out.append(rep)
+            read += 1
+        self._set_u64(base + 8, read)
+        return out
+
+    def skip(self, slot: int) -> None:
+        """Drop a slot's unread reports (its worker is gone)."""
+        base = self.layout.ring_offset(slot)
+        self._set_u64(base + 8, self._u64(base))
+
+    def _entry(self, slot: int, index: int) -> PrefillReport | None:
+        off = self.layout.entry_offset(slot, index)
+        head = self.mm[off : off + _ENTRY.size]
+        seq, producer, nkeys, ident, chars, tokens, cached, duration, engine_id = _ENTRY.unpack(head)
+        if seq != index or nkeys > self.layout.entry_keys:
+            return None
+        body = self.mm[off + ENTRY_HEAD : off + ENTRY_HEAD + nkeys * 8]
+        crc = int.from_bytes(self.mm[off + _ENTRY.size : off + _ENTRY.size + 4], "little")
+        if zlib.crc32(body, zlib.crc32(head)) != crc:
+            return None
+        return PrefillReport(producer, ident, engine_id, chars, None if tokens == NONE32 else tokens,
+                             None if cached == NONE32 else cached, duration, struct.unpack(f"<{nkeys}Q", body))
+
+
+class HoldingsReader:
+    """A worker's view, decoded again only for sections whose sequence moved (one u64 per
+    placement while nothing did). ``stamps[i]`` is the identity of engine index ``i``."""
+
+    __slots__ = ("holdings", "stamps", "_generation", "_seqs", "_held")
+
+    def __init__(self, holdings: Holdings, stamps: list[int]) -> None:
+        self.holdings = holdings
+        self.stamps = stamps
+        self._generation = -1
+        self._seqs = [-1] * len(stamps)
+        self._held: list[Held | None] = [None] * len(stamps)
+
+    def current(self) -> list[Held | None]:
+        holdings = self.holdings
+        generation = holdings.generation
+        if generation != self._generation:
+            self._generation = generation  # read first: a publish after this bumps it again
+            for i, stamp in enumerate(self.stamps):
+                seq = holdings.section_seq(i)
+                if seq != self._seqs[i]:
+                    self._held[i] = holdings.read(i, stamp)
+                    self._seqs[i] = seq
+        return self._held
+
+
+class WorkerHoldings(HoldingsReader):
+    """A worker's side: the view placement reads, and its slot's ring it reports prefills to.
+    ``report_prefill`` writes one entry and returns; nothing waits for the supervisor."""
+
+    __slots__ = ("slot", "dropped")
+
+    def __init__(self, holdings: Holdings, stamps: list[int], slot: int) -> None:
+        super().__init__(holdings, stamps)
+        self.slot = slot
+        self.dropped = 0
+
+    def report_prefill(
+        self, producer: int, engine_id: str | None, prompt_chars: int, prompt_tokens: int | None,
+        cached_tokens: int | None, duration_s: float, keys: list[int],
+    ) -> None:
+        if producer >= len(self.stamps):
+            return
+        rep = PrefillReport(producer, self.stamps[producer], engine_id_hash(engine_id), prompt_chars, prompt_tokens,
+                            cached_tokens, duration_s, tuple(keys))
+        if not self.holdings.report(self.slot, rep):
+            self.dropped += 1

@@ -1,0 +1,184 @@
+"""The supervisor's model of what each producer holds (SPEC §3.3), from four sources.
+
+1. *What was sent*: every completed prefill, reported by its worker through the holdings ring
+   (``narwhal.shm.holdings``) with its producer and its prompt's block keys: the producer now
+   holds them, as the most recently used.
+2. *What the producer said*: the prefill's ``cached_tokens`` (with ``prompt_tokens`` and the
+   prompt's characters giving characters per token) says how many leading blocks it really held.
+   Fewer than predicted (``over``): the blocks it lacked were evicted, and vLLM's free queue
+   evicts least recently freed first, so every key older than the oldest missing one went too;
+   more than predicted (``under``): another replica or client put them there. Within one block:
+   ``exact``. vLLM leaves ``prompt_tokens_details`` out of a prefill that hit nothing: once a
+   producer has reported cached tokens, its silence means none (before, an engine run without
+   ``--enable-prompt-tokens-details`` would have every prediction judged ``over``). Each prefill
+   so judged counts once in ``narwhal_holdings_predictions_total{result}``.
+3. *Capacity*: ``vllm:cache_config_info``'s ``num_gpu_blocks`` × ``block_size`` tokens, in our
+   blocks at the learned characters per token (4 until learned); the least recently used keys
+   beyond it are forgotten. Unknown capacity: bounded by the section's room alone.
+4. *Restarts*: a report naming a new engine id (its descriptors' ``remote_engine_id``), or an
+   ejection, drops the producer's holdings.
+
+Also learned per producer: the prefill rate (uncached characters per second of prefill, an
+exponentially weighted mean; a producer without one is placed at the fleet's mean) and, fleet
+wide, the mean uncached characters of a prefill (what a queued request is reckoned to cost).
+
+Pure apart from ``publish`` (the shared-memory write): time comes in as an argument.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from narwhal.shm.holdings import Holdings, PrefillReport
+
+ALPHA = 0.2  # weight of a new sample in the learned means
+# A section is published at most this often: each publish makes every worker decode it again
+# (a few hundred µs for thousands of keys), and a tenth of a second late costs a prefix nothing
+# it would not lose to the round trip of its first prefill anyway.
+PUBLISH_S = 0.1
+DEFAULT_CHARS_PER_TOKEN = 4.0  # until a producer's answers say otherwise (English text, roughly)
+
+
+@dataclass
+class ProducerHoldings:
+    stamp: int
+    keys: OrderedDict[int, None] = field(default_factory=OrderedDict)  # least recently used first
+    engine_id: int = 0
+    capacity_tokens: int | None = None
+    chars_per_token: float | None = None
+    rate: float | None = None  # uncached characters per second of prefill
+    reports_cached: bool = False  # it said cached_tokens once: from then on, silence means 0
+    dirty: bool = True
+    published_at: float = float("-inf")
+
+    def forget(self) -> None:
+        if self.keys:
+            self.keys.clear()
+            self.dirty = True
+
+
+def _ewma(old: float | None, sample: float) -> float:
+    return sample if old is None else old + ALPHA * (sample - old)
+
+
+def _leading(keys: Sequence[int], held: OrderedDict[int, None]) -> int:
+    n = 0
+    for key in keys:
+        if key not in held:
+            break
+        n += 1
+    return n
+
+
+class HoldingsModel:
+    """Per engine index, the keys a producer is believed to hold, bounded by ``room`` keys."""
+
+    def __init__(self, stamps: Sequence[int | None], room: int, block_chars: int) -> None:
+        # None: no section (not a producer): reports for it are ignored.
+        self.producers = [None if s is None else ProducerHoldings(s) for s in stamps]
+        self.room = room
+        self.block_chars = block_chars
+        self.mean_uncached: float | None = None
+
+    def apply(self, rep: PrefillReport) -> str | None:
+        """One completed prefill into the model; the prediction's result when it can be judged."""
+        if rep.producer >= len(self.producers):
+            return None
+        p = self.producers[rep.producer]
+        if p is None or p.stamp != rep.identity:
+            return None  # another engine list's report (a reload): not this producer
+        if rep.engine_id and rep.engine_id != p.engine_id:
+            if p.engine_id:
+                p.forget()  # restarted: a new engine holds nothing of the old one's
+            p.engine_id = rep.engine_id
+        keys = rep.keys
+        predicted = _leading(keys, p.keys)
+        if rep.prompt_chars and rep.prompt_tokens:
+            p.chars_per_token = _ewma(p.chars_per_token, rep.prompt_chars / rep.prompt_tokens)
+        result = None
+        cpt = p.chars_per_token or DEFAULT_CHARS_PER_TOKEN
+        cached_chars = predicted * self.block_chars
+        cached_tokens = rep.cached_tokens
+        if cached_tokens is not None:
+            p.reports_cached = True
+        elif p.reports_cached and rep.prompt_tokens is not None:
+            cached_tokens = 0  # vLLM leaves the details out of a prefill that hit nothing
+        if cached_tokens is not None:
+            cached_chars = int(cached_tokens * cpt)
+            actual = min(cached_chars // self.block_chars, len(keys))
+            result = "exact" if abs(actual - predicted) <= 1 else ("over" if predicted > actual else "under")
+            if result == "over":
+                self._evicted(p, keys[actual])
+        self._learn_rate(p, rep, cached_chars)
+        held = p.keys
+        for key in keys:  # the producer computed or reused every block: now most recent
+            held[key] = None
+            held.move_to_end(key)
+        self._trim(p)
+        p.dirty = True
+        return result
+
+    def _evicted(self, p: ProducerHoldings, key: int) -> None:
+        """``key`` was evicted: so was every key less recently used than it (LRU)."""
+        if key not in p.keys:
+            return
+        for old in list(p.keys):
+            del p.keys[old]
+            if old == key:
+                break
+
+    def _learn_rate(self, p: ProducerHoldings, rep: PrefillReport, cached_chars: int) -> None:
+        if not rep.prompt_chars:
+            return
+        uncached = max(rep.prompt_chars - cached_chars, 0)
+        self.mean_uncached = _ewma(self.mean_uncached, float(uncached))
+        # A prefill that computed less than a block measures the round trip, not the engine.
+        if uncached >= self.block_chars and rep.duration_s > 0:
+            p.rate = _ewma(p.rate, uncached / rep.duration_s)
+
+    def capacity_blocks(self, p: ProducerHoldings) -> int | None:
+        if p.capacity_tokens is None:
+            return None
+        return int(p.capacity_tokens * (p.chars_per_token or DEFAULT_CHARS_PER_TOKEN)) // self.block_chars
+
+    def _trim(self, p: ProducerHoldings) -> None:
+        bound = self.room
+        capacity = self.capacity_blocks(p)
+        if capacity is not None:
+            bound = min(bound, capacity)
+        held = p.keys
+        while len(held) > bound:  # a full table forgets its oldest keys, as the LRU would
+            held.popitem(last=False)
+            p.dirty = True
+
+    def set_capacity(self, engine: int, tokens: int | None) -> None:
+        """``num_gpu_blocks × block_size`` as ``cache_config_info`` said (None: not said)."""
+        p = self.producers[engine] if engine < len(self.producers) else None
+        if p is not None and tokens != p.capacity_tokens:
+            p.capacity_tokens = tokens
+            p.dirty = True
+            self._trim(p)
+
+    def forget(self, engine: int) -> None:
+        """An ejected or restarted producer: it holds nothing we know of."""
+        p = self.producers[engine] if engine < len(self.producers) else None
+        if p is not None:
+            p.forget()
+
+    def fleet_rate(self) -> float | None:
+        rates = [p.rate for p in self.producers if p is not None and p.rate is not None]
+        return sum(rates) / len(rates) if rates else None
+
+    def publish(self, holdings: Holdings, now: float) -> None:
+        """Every changed producer's section not published in the last ``PUBLISH_S``, most
+        recent key first."""
+        for index, p in enumerate(self.producers):
+            if p is None or not p.dirty or now - p.published_at < PUBLISH_S:
+                continue
+            p.dirty = False
+            p.published_at = now
+            keys = list(reversed(p.keys))
+            holdings.publish(index, p.stamp, p.engine_id, keys, self.capacity_blocks(p), p.rate,
+                             p.chars_per_token, self.mean_uncached or 0.0)

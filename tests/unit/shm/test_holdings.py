@@ -1,0 +1,99 @@
+"""The holdings region (SPEC §3.3): sections one writer publishes and workers read lock-free,
+stamped with the engine's identity; the prefill rings workers report to."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+from narwhal.shm.holdings import (
+    Holdings,
+    HoldingsLayout,
+    HoldingsReader,
+    PrefillReport,
+    WorkerHoldings,
+    engine_id_hash,
+    identity,
+)
+
+P0 = identity("p0", "http://10.0.0.1:8100")
+
+
+def _region(**kw: int) -> Holdings:
+    return Holdings.create(HoldingsLayout(**{"sections": 2, "keys": 8, "slots": 2, "ring": 4, "entry_keys": 4,
+                                             **kw}))
+
+
+def test_a_published_section_reads_back_for_its_engine_only() -> None:
+    h = _region()
+    assert h.read(0, P0) is None  # never written
+    h.publish(0, P0, 77, [3, 2, 1], 1000, 250_000.0, 3.9, 1200.0)
+    held = h.read(0, P0)
+    assert held is not None
+    assert (held.keys, held.blocks, held.capacity_blocks, held.prefill_chars_per_s, held.chars_per_token,
+            held.mean_uncached_chars, held.engine_id) == (frozenset({1, 2, 3}), 3, 1000, 250_000.0, 3.9, 1200.0, 77)
+    # Another engine list's section (a reload moved p0's index): not this engine's.
+    assert h.read(0, identity("p0", "http://10.0.0.2:8100")) is None
+    h.publish(0, P0, 77, list(range(20)), None, None, None, 0.0)
+    again = h.read(0, P0)
+    assert again is not None and again.blocks == 8 and again.capacity_blocks is None  # cut to the room
+
+
+def test_a_torn_section_is_not_read_as_holdings() -> None:
+    h = _region()
+    h.publish(0, P0, 1, [5, 6], None, None, None, 0.0)
+    off = h.layout.section_offset(0)
+    h.mm[off + 64 : off + 72] = struct.pack("<Q", 99)  # a key changed under an unchanged CRC
+    assert h.read(0, P0) is None
+    h.publish(0, P0, 1, [5, 6], None, None, None, 0.0)
+    seq = int.from_bytes(h.mm[off : off + 8], "little")
+    h.mm[off : off + 8] = (seq | 1).to_bytes(8, "little")  # being written
+    assert h.read(0, P0) is None
+
+
+def test_the_reader_decodes_a_section_again_only_when_it_moved() -> None:
+    h = _region()
+    reader = HoldingsReader(h, [P0, identity("d0", "http://10.0.0.3:8200")])
+    assert reader.current() == [None, None]
+    h.publish(0, P0, 1, [5], None, None, None, 0.0)
+    first = reader.current()[0]
+    assert first is not None and first.keys == frozenset({5})
+    assert reader.current()[0] is first  # nothing published since: the same object, no decode
+    h.publish(0, P0, 1, [6, 5], None, None, None, 0.0)
+    moved = reader.current()[0]
+    assert moved is not None and moved.keys == frozenset({5, 6})
+
+
+def test_reports_travel_the_ring_in_order_and_a_full_ring_drops_without_blocking() -> None:
+    h = _region()
+    worker = WorkerHoldings(h, [P0, 0], slot=1)
+    for i in range(5):
+        worker.report_prefill(0, "engine-a", 1000 + i, 250, 64 if i else None, 0.01, [i, i + 1, i + 2, i + 3, i + 4])
+    assert worker.dropped == 1  # ring of 4
+    reports = h.drain(1)
+    assert [r.prompt_chars for r in reports] == [1000, 1001, 1002, 1003]
+    assert reports[0] == PrefillReport(0, P0, engine_id_hash("engine-a"), 1000, 250, None, 0.01, (0, 1, 2, 3))
+    assert reports[1].cached_tokens == 64  # keys cut to the entry's room (4)
+    assert h.drain(1) == [] and h.drain(0) == []
+    worker.report_prefill(0, None, 10, None, None, 0.0, [])
+    assert [r.engine_id for r in h.drain(1)] == [0]
+
+
+def test_a_stale_entry_of_an_earlier_lap_is_not_read() -> None:
+    h = _region()
+    h.report(0, PrefillReport(0, P0, 0, 1, None, None, 0.0, (1,)))
+    assert len(h.drain(0)) == 1
+    base = h.layout.ring_offset(0)
+    h.mm[base : base + 8] = (2).to_bytes(8, "little")  # a write index ahead of an entry never written
+    assert h.drain(0) == []
+
+
+def test_the_region_is_inherited_across_fork() -> None:
+    h = _region()
+    pid = os.fork()
+    if pid == 0:
+        h.publish(1, P0, 5, [42], None, None, None, 0.0)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    held = h.read(1, P0)
+    assert held is not None and held.keys == frozenset({42})

@@ -1,0 +1,133 @@
+"""The supervisor's holdings model (SPEC §3.3): what was sent, corrected by cached tokens
+(``over`` / ``under`` / ``exact``), bounded by capacity and by the room, dropped on restart;
+the learned prefill rate; and ``vllm:cache_config_info`` read as a capacity."""
+
+from __future__ import annotations
+
+from narwhal.engines.load_metrics import parse_capacity
+from narwhal.shm.holdings import Holdings, HoldingsLayout, PrefillReport, identity
+from narwhal.supervisor.holdings import HoldingsModel
+
+P0 = identity("p0", "http://p0")
+P1 = identity("p1", "http://p1")
+
+
+def _model(room: int = 64) -> HoldingsModel:
+    return HoldingsModel([P0, P1, None], room, 256)
+
+
+def _rep(keys: list[int], cached: int | None, *, producer: int = 0, stamp: int = P0, engine_id: int = 11,
+         chars: int = 0, tokens: int | None = None, duration: float = 0.01) -> PrefillReport:
+    chars = chars or len(keys) * 256 + 40
+    tokens = tokens if tokens is not None else chars // 4
+    return PrefillReport(producer, stamp, engine_id, chars, tokens, cached, duration, tuple(keys))
+
+
+def _held(model: HoldingsModel, index: int = 0) -> list[int]:
+    p = model.producers[index]
+    assert p is not None
+    return list(p.keys)
+
+
+def test_what_was_sent_is_held_and_a_repeat_that_hits_is_exact() -> None:
+    m = _model()
+    assert m.apply(_rep([1, 2, 3], cached=0)) == "exact"  # predicted 0, held 0
+    assert _held(m) == [1, 2, 3]
+    assert m.apply(_rep([1, 2, 3, 4], cached=3 * 64)) == "exact"  # 3 blocks of 64 tokens at 4 chars
+    assert _held(m) == [1, 2, 3, 4]
+
+
+def test_fewer_cached_than_predicted_is_over_and_forgets_what_lru_evicted_first() -> None:
+    m = _model()
+    m.apply(_rep([10, 11], cached=0))  # the oldest
+    m.apply(_rep([1, 2, 3, 4], cached=0))
+    assert m.apply(_rep([1, 2, 3, 4], cached=64)) == "over"  # held 1 of 4 predicted
+    # Block 2 was evicted: so was everything less recently used than it (10, 11 and 1), and the
+    # prefill put 1-4 back as the most recent.
+    assert _held(m) == [1, 2, 3, 4]
+
+
+def test_more_cached_than_predicted_is_under_and_adds_what_another_replica_put_there() -> None:
+    m = _model()
+    assert m.apply(_rep([1, 2, 3, 4], cached=4 * 64 - 16)) == "under"  # 3 blocks held unknown to us
+    assert _held(m) == [1, 2, 3, 4]
+
+
+def test_a_new_engine_id_drops_the_holdings() -> None:
+    m = _model()
+    m.apply(_rep([1, 2], cached=0, engine_id=11))
+    m.apply(_rep([5], cached=0, engine_id=22))  # restarted: a new engine
+    assert _held(m) == [5]
+    m.forget(0)  # ejected
+    assert _held(m) == []
+
+
+def test_a_full_table_forgets_the_oldest_keys_without_an_error() -> None:
+    m = _model(room=4)
+    m.apply(_rep([1, 2, 3], cached=0))
+    m.apply(_rep([7, 8, 9], cached=0))
+    assert _held(m) == [3, 7, 8, 9]
+
+
+def test_capacity_bounds_the_holdings_in_our_blocks() -> None:
+    m = _model()
+    m.apply(_rep(list(range(1, 11)), cached=0))  # 10 blocks at 4 characters a token
+    m.set_capacity(0, 16 * 24)  # 384 tokens = 1536 characters = 6 blocks of 256
+    assert _held(m) == [5, 6, 7, 8, 9, 10]
+    p = m.producers[0]
+    assert p is not None and m.capacity_blocks(p) == 6
+    m.set_capacity(0, None)  # no longer said: bounded by the room alone
+    m.apply(_rep(list(range(20, 30)), cached=0))
+    assert len(_held(m)) == 16
+
+
+def test_reports_for_another_engine_or_no_producer_are_ignored() -> None:
+    m = _model()
+    assert m.apply(_rep([1], cached=0, stamp=P1)) is None  # index 0 is p0, not p1
+    assert m.apply(_rep([1], cached=0, producer=2, stamp=0)) is None  # a consumer: no section
+    assert m.apply(_rep([1], cached=0, producer=9)) is None
+    assert _held(m) == []
+
+
+def test_the_prefill_rate_is_learned_from_uncached_characters_and_durations() -> None:
+    m = _model()
+    m.apply(_rep([1, 2, 3, 4], cached=0, chars=1024, tokens=256, duration=0.01))
+    p = m.producers[0]
+    assert p is not None and p.rate == 102_400.0 and p.chars_per_token == 4.0
+    m.apply(_rep([1, 2, 3, 4], cached=4 * 64 - 16, chars=1024, tokens=256, duration=0.001))  # 64 chars: no sample
+    assert p.rate == 102_400.0
+    assert m.fleet_rate() == 102_400.0
+
+
+def test_publish_writes_changed_sections_most_recent_first() -> None:
+    m = _model()
+    region = Holdings.create(HoldingsLayout(sections=3, keys=8, slots=1))
+    m.apply(_rep([1, 2, 3], cached=0))
+    m.publish(region, 10.0)
+    held = region.read(0, P0)
+    assert held is not None and held.keys == frozenset({1, 2, 3}) and held.engine_id == 11
+    assert region.read(1, P1) is None or region.read(1, P1).blocks == 0  # type: ignore[union-attr]
+    seq = region.section_seq(0)
+    m.publish(region, 10.0)  # nothing changed: nothing written
+    assert region.section_seq(0) == seq
+    m.apply(_rep([4], cached=0))
+    m.publish(region, 10.05)  # changed, but published less than PUBLISH_S ago: later
+    assert region.section_seq(0) == seq
+    m.publish(region, 10.2)
+    assert region.section_seq(0) != seq and region.read(0, P0).keys == frozenset({1, 2, 3, 4})  # type: ignore[union-attr]
+
+
+def test_cache_config_info_gives_the_capacity_in_tokens() -> None:
+    body = ('vllm:num_requests_running{engine="0"} 0.0\n'
+            'vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="2048"} 1.0\n')
+    assert parse_capacity(body) == 32768
+    assert parse_capacity(body.encode()) == 32768
+    assert parse_capacity('vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1.0\n') is None
+    assert parse_capacity("vllm:num_requests_running 1\n") is None
+
+
+def test_silence_means_nothing_cached_once_the_producer_has_reported_cached_tokens() -> None:
+    m = _model()
+    assert m.apply(_rep([1, 2], cached=None)) is None  # never reported: maybe not enabled, not judged
+    assert m.apply(_rep([1, 2], cached=2 * 64)) == "exact"
+    assert m.apply(_rep([1, 2], cached=None)) == "over"  # it reports: no details is 0 cached
