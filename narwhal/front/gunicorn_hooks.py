@@ -61,10 +61,26 @@ def _load() -> Settings:
     try:
         settings = load_settings()
         _check_room(settings)
+        _assign_engine_slots(settings)  # last: it writes the table, for the workers about to fork
     except SettingsError as exc:
         print(f"narwhal: reload refused, keeping the running settings: {exc}", file=sys.stderr, flush=True)
         return running
     return settings
+
+
+def _assign_engine_slots(settings: Settings) -> None:
+    """The engine table (``shm.table``): kept engines keep their slots, removed ones retire,
+    new ones take a free one; no room is a refused reload (or start), one line."""
+    from narwhal import shm
+    from narwhal.fleet import Fleet
+    from narwhal.shm.table import TableFull
+
+    if shm.SHARED is None:
+        return
+    try:
+        shm.SHARED.assign_engines([(e.name, e.url) for e in Fleet(settings).engines])
+    except TableFull as exc:
+        raise SettingsError(f"engines: {exc}") from None
 
 
 def _check_room(settings: Settings) -> None:
@@ -170,6 +186,7 @@ def on_starting(server: Any) -> None:
         raise SystemExit(2)
     # Room for any reload: old and new workers side by side, engines added up to max_engines.
     shm.SHARED = SharedFleet.create(engines=settings.server.max_engines, slots=WORKER_SLOTS)
+    _assign_engine_slots(settings)  # before anything forks: every process looks its engines up
     if settings.preflight.on_start and settings.engines:
         from narwhal.supervisor.startup import preflight_on_start
 
