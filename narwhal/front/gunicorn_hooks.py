@@ -200,15 +200,25 @@ def on_starting(server: Any) -> None:
 
 def _watch_from_the_main_loop(server: Any, keeper: Any) -> None:
     """gunicorn has no periodic master hook; its main loop calls ``manage_workers`` at least
-    once a second and after every signal (SIGCHLD included): the keeper's check rides on it
+    once a second and after every signal (SIGCHLD included), and a reload's wait for the old
+    workers calls ``reap_workers``: the keeper's check rides on both
     (see ``narwhal.supervisor.process``)."""
-    manage_workers = server.manage_workers
+    manage_workers, reap_workers = server.manage_workers, server.reap_workers
 
     def manage_workers_and_supervisor() -> None:
         manage_workers()
         keeper.check()
 
+    def reap_workers_and_supervisor() -> None:
+        # A SIGHUP reload waits in Arbiter.reload, calling only reap_workers every 0.1 s, until
+        # the old workers are gone (up to the graceful timeout, while they finish streams): the
+        # supervisor it stopped must be replaced from there too, not once the wait is over
+        # (issue 25: the old workers' reports met no supervisor, or one that dropped them).
+        reap_workers()
+        keeper.check()
+
     server.manage_workers = manage_workers_and_supervisor
+    server.reap_workers = reap_workers_and_supervisor
 
 
 def on_reload(server: Any) -> None:

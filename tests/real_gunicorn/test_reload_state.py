@@ -117,11 +117,14 @@ async def test_an_old_workers_report_after_a_reload_lands_on_the_engine_it_used(
     # with an engine at 2, the wrong one) and d1's breaker never heard of it.
     before = [{"name": n, "role": r, "url": fleet.engines[n]}
               for n, r in (("p0", "producer"), ("d0", "consumer"), ("d1", "consumer"))]
+    before[2]["max_inflight_decode"] = 1
     after = [before[0], before[2]]
     recovery = {"eject_after": 1, "readmit_interval_s": 60, "readmit_interval_max_s": 60}
-    config = write_config(before, _conf(1, recovery=recovery))
+    placement = {"queue_timeout_s": 0.5}
+    config = write_config(before, _conf(1, recovery=recovery, placement=placement))
     router = RouterProcess.start(config, log_path=str(tmp_path / "router.log"))
     try:
+        wait_until(lambda: _supervisor_of(router) is not None, 10, "the supervisor titled")
         old_supervisor = _supervisor_of(router)
         assert (await admin(router, "POST", "/admin/engines/d0/eject"))["state"] == "ejected"  # streams go to d1
         async with aiohttp.ClientSession() as session:
@@ -131,12 +134,17 @@ async def test_an_old_workers_report_after_a_reload_lands_on_the_engine_it_used(
             async with session.post(router.url + "/v1/completions", json=body) as resp:
                 assert resp.status == 200
                 await resp.content.readany()
-                _rewrite(config, after, _conf(1, recovery=recovery))
+                _rewrite(config, after, _conf(1, recovery=recovery, placement=placement))
                 os.kill(router.proc.pid, signal.SIGHUP)
                 wait_until(lambda: _supervisor_of(router) not in (None, old_supervisor), 15, "the new supervisor")
                 wait_until(lambda: "d0" not in str(_names(router)), 15, "the new list served")
                 entries = {e["name"]: e for e in (await admin(router))["engines"]}
+                assert "d0" not in entries  # a new worker answered
                 assert (entries["d1"]["state"], entries["d1"]["failure_streak"]) == ("admitted", 0)
+                # The new worker counts the old worker's stream on d1, so d1's cap of 1 holds.
+                assert entries["d1"]["inflight"] == {"prefill": 0, "decode": 1}
+                capped = await send(router.url, "/v1/completions", completion(unique_prompt()))
+                assert (capped.status, capped.headers["x-narwhal-error"]) == (503, "no_engine")
                 await resp.read()  # the old worker's stream ends: d1 closed it
         entry = await _wait_engine(router, "d1", lambda e: e["state"] == "ejected", 20)
         assert entry["ejections"] == 1 and entry["last_failure"]["reason"] == "engine_disconnect"
