@@ -72,6 +72,7 @@ class WorkerFleetState:
         self._span = max(self._slots, default=-1) + 1  # totals() reads the counts of slots below it
         self._prefill_at = [2 * s for s in self._slots]
         self._decode_at = [2 * s + 1 for s in self._slots]
+        self._in_order = self._slots == list(range(len(self._slots)))  # the usual case: slices
         self._mine = [0] * (len(fleet.engines) * 2)
         self._generation = -1
         self._records: list[EngineRecord | None] = [None] * len(fleet.engines)
@@ -112,7 +113,8 @@ class WorkerFleetState:
                 except RecordBusy:
                     complete = False  # mid-write: keep what we had, read again next time
                     continue
-                if (rec is None or rec.version < generation) and self.shared.table.entry(at).state == LIVE:
+                behind = rec is None or rec.version < generation
+                if generation and behind and self.shared.table.entry(at).state == LIVE:
                     complete = False  # the bump was seen before this record's publish (shm.records);
                     # a retired engine's record (a reload removed it) is published no more
                 if rec is not None and rec.name_hash != self._hashes[engine.index]:
@@ -185,10 +187,14 @@ class WorkerFleetState:
 
     def totals(self, phase: str) -> list[int]:
         both = self.shared.totals(self._span)
+        if self._in_order:
+            return both[_PHASE[phase]::2]
         return [both[i] for i in (self._prefill_at if phase == "prefill" else self._decode_at)]
 
     def both_totals(self) -> tuple[list[int], list[int]]:
         both = self.shared.totals(self._span)
+        if self._in_order:
+            return both[0::2], both[1::2]
         return [both[i] for i in self._prefill_at], [both[i] for i in self._decode_at]
 
     def count(self, engine: Engine, phase: str) -> int:

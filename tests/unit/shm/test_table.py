@@ -83,3 +83,18 @@ def test_a_worker_whose_engine_has_no_slot_is_told(shared: SharedFleet) -> None:
     shared.assign_engines(_engines("a"))
     with pytest.raises(UnmappedEngine, match="b"):
         WorkerFleetState(shared, 0, Fleet(_settings("a", "b")))
+
+
+def test_counts_of_an_engine_are_shared_by_old_and_new_workers_at_its_slot(shared: SharedFleet) -> None:
+    shared.assign_engines(_engines("a", "b", "c"))
+    old_fleet = Fleet(_settings("a", "b", "c"))
+    slots = [shared.claim_slot(os.getpid()), shared.claim_slot(1)]  # an old worker and a new one
+    assert slots == [0, 1]
+    old = WorkerFleetState(shared, 0, old_fleet)
+    assert old.try_reserve(old_fleet.by_name["c"], "decode", cap=1)  # an old stream holds c's one slot
+    shared.assign_engines(_engines("a", "c"))
+    new_fleet = Fleet(_settings("a", "c"))
+    new = WorkerFleetState(shared, 1, new_fleet)
+    c = new_fleet.by_name["c"]
+    assert new.both_totals() == ([0, 0], [0, 1]) and new.totals("decode") == [0, 1]
+    assert new.count(c, "decode") == 1 and not new.try_reserve(c, "decode", cap=1)
