@@ -37,7 +37,8 @@ class SharedFleet:
         self._counts = struct.Struct(f"<{n}I")
         self._all_counts: dict[tuple[int, int], struct.Struct] = {}  # by engines and slots in use: totals()
         self.table = EngineTable(region)
-        self._engine_slots: dict[int, int] = {}  # identity -> engine slot: never changes while we live
+        # identity -> engine slot, for the engines this process uses: theirs never change while it lives
+        self._engine_slots: dict[int, int] = {}
 
     @classmethod
     def create(cls, engines: int, slots: int, ring: int = L.DEFAULT_RING) -> SharedFleet:
@@ -87,19 +88,18 @@ class SharedFleet:
     def engine_slot(self, name: str, url: str) -> int | None:
         """The engine slot of the engine ``name`` at ``url``; None if the master gave it none."""
         ident = identity(name, url)
-        slot = self._engine_slots.get(ident)
-        if slot is None:
-            slot = self.table.lookup(ident)
-            if slot is not None:
-                self._engine_slots[ident] = slot
-        return slot
+        if ident not in self._engine_slots:
+            self._engine_slots.update(self.table.mapping())  # one pass for every engine of the list
+        return self._engine_slots.get(ident)
 
     def assign_engines(self, engines: list[tuple[str, str]]) -> list[int]:
         """Master only, before it forks anything that will use them: a slot per (name, url), kept
         across reloads (``shm.table``; :class:`~narwhal.shm.table.TableFull` when one has none)."""
         epochs = [self.region.u32(self.layout.slot_offset(s) + L.SLOT_TABLE_EPOCH)
                   for s in self.claimed_slots() if _alive(self.slot_pid(s))]
-        return self.table.assign([identity(n, u) for n, u in engines], min(epochs) if epochs else None)
+        slots = self.table.assign([identity(n, u) for n, u in engines], min(epochs) if epochs else None)
+        self._engine_slots.clear()  # what the master looked up before may have moved; forks inherit this
+        return slots
 
     # -- locks ----------------------------------------------------------------------------------
 

@@ -85,11 +85,16 @@ class EngineTable:
 
     def lookup(self, ident: int) -> int | None:
         """The slot of ``ident`` (live, or retired while its users live on), None if it has none."""
+        return self.mapping().get(ident)
+
+    def mapping(self) -> dict[int, int]:
+        """Every identity that has a slot (live or retired), and its slot: one pass of the table."""
+        out: dict[int, int] = {}
         for slot in range(self.size):
             entry = self.entry(slot)
-            if entry.state != FREE and entry.identity == ident:
-                return slot
-        return None
+            if entry.state != FREE:
+                out[entry.identity] = slot
+        return out
 
     def assign(self, identities: Sequence[int], oldest_worker_epoch: int | None) -> list[int]:
         """Master only: a slot for each identity, in order (:class:`TableFull` when one has none).
