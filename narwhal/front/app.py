@@ -41,7 +41,7 @@ from narwhal.request.router import Router, error_response
 from narwhal.settings import Settings, current_or_load
 from narwhal.shm.holdings import WorkerHoldings, identity
 from narwhal.shm.local import LocalFleetState
-from narwhal.shm.worker import WorkerFleetState
+from narwhal.shm.worker import UnmappedEngine, WorkerFleetState
 
 log = logging.getLogger("narwhal.front.app")
 
@@ -226,8 +226,13 @@ def worker_state(fleet: Fleet) -> WorkerFleetState | LocalFleetState:
         else:
             slot = shared.claim_slot(os.getpid())
             if slot is not None:
-                return WorkerFleetState(shared, slot, fleet)
-            log.error("no free worker slot in the shared layout: fleet state is per worker")
+                try:
+                    return WorkerFleetState(shared, slot, fleet)
+                except UnmappedEngine as exc:
+                    shared.release(slot, os.getpid())
+                    log.error("engines without a slot in the shared table (%s): fleet state is per worker", exc)
+            else:
+                log.error("no free worker slot in the shared layout: fleet state is per worker")
     return LocalFleetState(fleet)
 
 

@@ -61,10 +61,26 @@ def _load() -> Settings:
     try:
         settings = load_settings()
         _check_room(settings)
+        _assign_engine_slots(settings)  # last: it writes the table, for the workers about to fork
     except SettingsError as exc:
         print(f"narwhal: reload refused, keeping the running settings: {exc}", file=sys.stderr, flush=True)
         return running
     return settings
+
+
+def _assign_engine_slots(settings: Settings) -> None:
+    """The engine table (``shm.table``): kept engines keep their slots, removed ones retire,
+    new ones take a free one; no room is a refused reload (or start), one line."""
+    from narwhal import shm
+    from narwhal.fleet import Fleet
+    from narwhal.shm.table import TableFull
+
+    if shm.SHARED is None:
+        return
+    try:
+        shm.SHARED.assign_engines([(e.name, e.url) for e in Fleet(settings).engines])
+    except TableFull as exc:
+        raise SettingsError(f"engines: {exc}") from None
 
 
 def _check_room(settings: Settings) -> None:
@@ -170,6 +186,7 @@ def on_starting(server: Any) -> None:
         raise SystemExit(2)
     # Room for any reload: old and new workers side by side, engines added up to max_engines.
     shm.SHARED = SharedFleet.create(engines=settings.server.max_engines, slots=WORKER_SLOTS)
+    _assign_engine_slots(settings)  # before anything forks: every process looks its engines up
     shm.HOLDINGS = create_holdings(settings, shm.SHARED.layout.slots)
     if settings.preflight.on_start and settings.engines:
         from narwhal.supervisor.startup import preflight_on_start
@@ -199,15 +216,25 @@ def create_holdings(settings: Settings, slots: int) -> Any:
 
 def _watch_from_the_main_loop(server: Any, keeper: Any) -> None:
     """gunicorn has no periodic master hook; its main loop calls ``manage_workers`` at least
-    once a second and after every signal (SIGCHLD included): the keeper's check rides on it
+    once a second and after every signal (SIGCHLD included), and a reload's wait for the old
+    workers calls ``reap_workers``: the keeper's check rides on both
     (see ``narwhal.supervisor.process``)."""
-    manage_workers = server.manage_workers
+    manage_workers, reap_workers = server.manage_workers, server.reap_workers
 
     def manage_workers_and_supervisor() -> None:
         manage_workers()
         keeper.check()
 
+    def reap_workers_and_supervisor() -> None:
+        # A SIGHUP reload waits in Arbiter.reload, calling only reap_workers every 0.1 s, until
+        # the old workers are gone (up to the graceful timeout, while they finish streams): the
+        # supervisor it stopped must be replaced from there too, not once the wait is over
+        # (issue 25: the old workers' reports met no supervisor, or one that dropped them).
+        reap_workers()
+        keeper.check()
+
     server.manage_workers = manage_workers_and_supervisor
+    server.reap_workers = reap_workers_and_supervisor
 
 
 def on_reload(server: Any) -> None:

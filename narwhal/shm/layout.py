@@ -12,13 +12,18 @@ any process: the memory goes when the last process holding it exits.
                                        slots in use
     engine records   E ×       64 B   seq, breaker state, CRC: written only by the supervisor
     load records     E ×       64 B   seq, what each engine's /metrics said and when, CRC (supervisor)
+    engine table     E ×       32 B   seq, identity (name + URL), state, epoch, CRC: which engine
+                                       each engine slot is (the master; ``shm.table``)
     worker slots     W × (64 B + E·8 B + E·4 B (to 8) + R·RING_ENTRY)
         slot header                    pid, requests and retries in flight, ring indices,
-                                       client connections
-        in-flight counts               u32 per engine and phase, written only by that worker
-        unsent decodes                 u32 per engine: of its decode slots, those reserved with
+                                       client connections, the table epoch it mapped engines at
+        in-flight counts               u32 per engine slot and phase, written only by that worker
+        unsent decodes                 u32 per engine slot: of its decode slots, those reserved with
                                        a pair whose decode leg is not sent yet (that worker)
         outcome ring                   R reports, written by the worker, consumed by the supervisor
+
+Every "per engine" above is per engine *slot*, an engine's place in the engine table, which
+follows its identity across reloads (``shm.table``), never its position in a settings file.
 
 W is :data:`WORKER_SLOTS` (512) whatever ``server.workers`` is: a reload that raises the count
 runs every new worker beside the old ones still draining, and each needs a slot (issue 25:
@@ -55,7 +60,7 @@ from dataclasses import dataclass
 from narwhal.settings import MAX_WORKERS
 
 MAGIC = 0x4E52574C  # "NRWL"
-VERSION = 3  # 2: the unsent decodes of each slot; 3: records under a seqlock
+VERSION = 4  # 2: unsent decodes; 3: records under a seqlock; 4: the engine table
 
 HEADER = struct.Struct("<IIIIIIQQQ")  # magic, version, engines, slots, ring, sup_pid, heartbeat_ns, generation, starts
 HEADER_SIZE = 64
@@ -66,15 +71,18 @@ STARTS_OFFSET = 40
 LOAD_GENERATION_OFFSET = 48  # bumped by the supervisor after each round of load readings
 
 SLOTS_USED_OFFSET = 56  # u32: one past the highest slot ever claimed (claimers, under the claim lock)
+TABLE_EPOCH_OFFSET = 60  # u32: moved by each reload that retires an engine slot (master; shm.table)
 
 WORKER_SLOTS = 2 * MAX_WORKERS  # 512: every reload fits, old workers draining beside new ones
 
 RECORD_SIZE = 64
 LOAD_RECORD_SIZE = 64
+TABLE_ENTRY_SIZE = 32
 SLOT_HEADER_SIZE = 64
 # slot header: pid u32, requests in flight u32, retries in flight u32, dropped reports u32,
 #              ring write index u64 (worker), ring read index u64 (supervisor),
-#              client connections u32 (worker; NOT_ACCEPTING while it accepts none)
+#              client connections u32 (worker; NOT_ACCEPTING while it accepts none),
+#              table epoch u32 (worker: the engine table's epoch its engines were mapped at)
 SLOT_PID = 0
 SLOT_REQUESTS = 4
 SLOT_RETRIES = 8
@@ -82,6 +90,7 @@ SLOT_DROPPED = 12
 SLOT_RING_WRITE = 16
 SLOT_RING_READ = 24
 SLOT_CONNECTIONS = 32
+SLOT_TABLE_EPOCH = 36
 NOT_ACCEPTING = 0xFFFFFFFF
 
 RING_ENTRY_SIZE = 32
@@ -108,6 +117,9 @@ class Layout:
     def load_offset(self, engine: int) -> int:
         return HEADER_SIZE + self.engines * RECORD_SIZE + engine * LOAD_RECORD_SIZE
 
+    def table_offset(self, engine: int) -> int:
+        return HEADER_SIZE + self.engines * (RECORD_SIZE + LOAD_RECORD_SIZE) + engine * TABLE_ENTRY_SIZE
+
     @functools.cached_property
     def _unsent_size(self) -> int:
         return (self.engines * 4 + 7) // 8 * 8  # slots stay 8-byte aligned for their u64 fields
@@ -118,7 +130,7 @@ class Layout:
 
     @functools.cached_property
     def _slots_base(self) -> int:
-        return HEADER_SIZE + self.engines * (RECORD_SIZE + LOAD_RECORD_SIZE)
+        return HEADER_SIZE + self.engines * (RECORD_SIZE + LOAD_RECORD_SIZE + TABLE_ENTRY_SIZE)
 
     def slot_offset(self, slot: int) -> int:
         return self._slots_base + slot * self.slot_size

@@ -128,10 +128,6 @@ RECORD_BY_OPERATOR = 1
 RECORD_WAITING_FOR_WAVE = 2
 
 
-def name_hash(name: str) -> int:
-    return zlib.crc32(name.encode())
-
-
 def _opt(value: float) -> float | None:
     return None if math.isnan(value) else value
 

@@ -3,10 +3,15 @@
 Who writes what (one writer per field):
 
 * master: the header's sizes at creation, the supervisor start count (it starts every
-  supervisor); a dead worker's slot (``child_exit``), since its only writer is gone;
+  supervisor), the engine table and its epoch (at start and each reload, before forking:
+  ``shm.table``); a dead worker's slot (``child_exit``), since its only writer is gone;
 * supervisor: engine records, generation, heartbeat, its pid, ring read indices, and the
   slots of workers it finds dead;
-* a worker: its own slot (pid at claim, counts, ring entries, ring write index).
+* a worker: its own slot (pid at claim, the table epoch it mapped its engines at, counts,
+  ring entries, ring write index), and the slots-in-use mark when it claims past it.
+
+Slots are claimed and released under the claim lock only: its ``lockf`` calls are syscalls,
+which order the clearing stores of a release before the next claim on any memory model.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from collections.abc import Iterator
 
 from narwhal.shm import layout as L
 from narwhal.shm.records import ENTRY_BYTES, Report, pack_report, unpack_report
+from narwhal.shm.table import EngineTable, identity
 
 
 class SharedFleet:
@@ -30,6 +36,9 @@ class SharedFleet:
         n = self.layout.engines * 2
         self._counts = struct.Struct(f"<{n}I")
         self._all_counts: dict[tuple[int, int], struct.Struct] = {}  # by engines and slots in use: totals()
+        self.table = EngineTable(region)
+        # identity -> engine slot, for the engines this process uses: theirs never change while it lives
+        self._engine_slots: dict[int, int] = {}
 
     @classmethod
     def create(cls, engines: int, slots: int, ring: int = L.DEFAULT_RING) -> SharedFleet:
@@ -73,6 +82,24 @@ class SharedFleet:
         starts = self.region.u64(L.STARTS_OFFSET) + 1
         self.region.set_u64(L.STARTS_OFFSET, starts)
         return starts
+
+    # -- engine slots (shm.table) ----------------------------------------------------------------
+
+    def engine_slot(self, name: str, url: str) -> int | None:
+        """The engine slot of the engine ``name`` at ``url``; None if the master gave it none."""
+        ident = identity(name, url)
+        if ident not in self._engine_slots:
+            self._engine_slots.update(self.table.mapping())  # one pass for every engine of the list
+        return self._engine_slots.get(ident)
+
+    def assign_engines(self, engines: list[tuple[str, str]]) -> list[int]:
+        """Master only, before it forks anything that will use them: a slot per (name, url), kept
+        across reloads (``shm.table``; :class:`~narwhal.shm.table.TableFull` when one has none)."""
+        epochs = [self.region.u32(self.layout.slot_offset(s) + L.SLOT_TABLE_EPOCH)
+                  for s in self.claimed_slots() if _alive(self.slot_pid(s))]
+        slots = self.table.assign([identity(n, u) for n, u in engines], min(epochs) if epochs else None)
+        self._engine_slots.clear()  # what the master looked up before may have moved; forks inherit this
+        return slots
 
     # -- locks ----------------------------------------------------------------------------------
 
@@ -130,7 +157,7 @@ class SharedFleet:
         base = self.layout.slot_offset(slot)
         start, size = self.layout.counts_offset(slot), self.layout.slot_counts_size
         self.mm[start : start + size] = bytes(size)
-        for field in (L.SLOT_REQUESTS, L.SLOT_RETRIES):
+        for field in (L.SLOT_REQUESTS, L.SLOT_RETRIES, L.SLOT_TABLE_EPOCH):  # epoch 0: holds every slot
             self.region.set_u32(base + field, 0)
         self.region.set_u32(base + L.SLOT_CONNECTIONS, L.NOT_ACCEPTING)
         if not keep_ring:

@@ -2,8 +2,14 @@
 
 Per request this costs a generation check (one u64 read) and, for placement, one unpack of
 every slot's counts at once: no lock and no IPC round-trip. Engine records are decoded again
-only when the supervisor bumps the generation. A failure seen here quarantines its engine in
-this worker at once; the fleet learns of it when the supervisor publishes.
+only when the supervisor bumps the generation, and until they carry that generation (on
+aarch64 the bump can be seen first: ``shm.records``). A failure seen here quarantines its
+engine in this worker at once; the fleet learns of it when the supervisor publishes.
+
+Everything this worker reads or writes in shared memory for an engine — records, counts,
+cap locks, reports — is at the engine's *slot* in the engine table (``shm.table``), looked up
+once by name and URL: after a reload that changes the engine list, this worker (old or new)
+and the supervisor still mean the same engine by it.
 
 Out and quarantined are kept apart (see :class:`narwhal.fleet.roster.FleetView`): ejected, probing
 and draining engines are not :meth:`~WorkerFleetState.placeable`; quarantined ones (published
@@ -34,11 +40,11 @@ from narwhal.shm.records import (
     LoadRecord,
     RecordBusy,
     Report,
-    name_hash,
     read_load,
     read_record,
 )
 from narwhal.shm.shared import SharedFleet
+from narwhal.shm.table import LIVE, record_hash, worker_epoch
 
 ADMITTED_STATES = frozenset({0, 5})  # admitted, degraded
 QUARANTINED = 1
@@ -46,13 +52,28 @@ PLACEABLE_STATES = ADMITTED_STATES | {QUARANTINED}  # quarantine is soft (SPEC �
 _PHASE = {"prefill": 0, "decode": 1}
 
 
+class UnmappedEngine(Exception):
+    """An engine of this worker's list has no engine slot in the shared table (``shm.table``)."""
+
+
 class WorkerFleetState:
+    """Engines are ``fleet.engines[i]`` here and their engine slot ``_slots[i]`` in shared
+    memory (``shm.table``): every list this class returns is by fleet index."""
+
     def __init__(self, shared: SharedFleet, slot: int, fleet: Fleet) -> None:
         self.shared = shared
         self.slot = slot
         self.fleet = fleet
-        self._mine = [0] * (shared.layout.engines * 2)
-        self._n = len(fleet.engines)
+        found = [shared.engine_slot(e.name, e.url) for e in fleet.engines]
+        missing = [e.name for e, s in zip(fleet.engines, found, strict=True) if s is None]
+        if missing:
+            raise UnmappedEngine(", ".join(missing))
+        self._slots = [s for s in found if s is not None]
+        self._span = max(self._slots, default=-1) + 1  # totals() reads the counts of slots below it
+        self._prefill_at = [2 * s for s in self._slots]
+        self._decode_at = [2 * s + 1 for s in self._slots]
+        self._in_order = self._slots == list(range(len(self._slots)))  # the usual case: slices
+        self._mine = [0] * (len(fleet.engines) * 2)
         self._generation = -1
         self._records: list[EngineRecord | None] = [None] * len(fleet.engines)
         self._published_quarantine = False  # some record of this generation is QUARANTINED
@@ -60,7 +81,7 @@ class WorkerFleetState:
         self._load_seen = 0  # the load generation load_version last saw
         self._load_behind = False  # the readings taken for it were older (see load_version)
         self._load_retry = -1
-        self._hashes = [name_hash(e.name) for e in fleet.engines]
+        self._hashes = [record_hash(e.name, e.url) for e in fleet.engines]
         self._quarantine = Quarantine()  # local, at once
         self._requests = 0
         self._retries = 0
@@ -68,11 +89,15 @@ class WorkerFleetState:
         # store_u32 each (never pack_into, which zeroes the field first: shm.layout), not a
         # chain of offset helpers (see SharedFleet for the layout).
         self._mm = shared.mm
-        self._count_at = [shared.layout.count_offset(slot, e, p) for e in range(len(fleet.engines)) for p in (0, 1)]
+        self._count_at = [shared.layout.count_offset(slot, s, p) for s in self._slots for p in (0, 1)]
         self._unsent = [0] * len(fleet.engines)
-        self._unsent_at = [shared.layout.unsent_offset(slot, e) for e in range(len(fleet.engines))]
+        self._unsent_at = [shared.layout.unsent_offset(slot, s) for s in self._slots]
         self._requests_at = shared.layout.slot_offset(slot) + L.SLOT_REQUESTS
         self._connections_at = shared.layout.slot_offset(slot) + L.SLOT_CONNECTIONS
+        # Which table epoch this worker's engine slots belong to: no slot it uses is given to
+        # another engine while it lives (shm.table).
+        L.store_u32(self._mm, shared.layout.slot_offset(slot) + L.SLOT_TABLE_EPOCH,
+                    worker_epoch(shared.table, self._slots))
 
     # -- FleetView ------------------------------------------------------------------------------
 
@@ -82,13 +107,16 @@ class WorkerFleetState:
             fresh = list(self._records)
             complete = True
             for engine in self.fleet.engines:
+                at = self._slots[engine.index]
                 try:
-                    rec = read_record(self.shared.region, engine.index)
+                    rec = read_record(self.shared.region, at)
                 except RecordBusy:
                     complete = False  # mid-write: keep what we had, read again next time
                     continue
-                if rec is None or rec.version < generation:
-                    complete = False  # the bump was seen before this record's publish (shm.records)
+                behind = rec is None or rec.version < generation
+                if generation and behind and self.shared.table.entry(at).state == LIVE:
+                    complete = False  # the bump was seen before this record's publish (shm.records);
+                    # a retired engine's record (a reload removed it) is published no more
                 if rec is not None and rec.name_hash != self._hashes[engine.index]:
                     rec = None  # a record written for another engine list (before a reload) is not ours
                 fresh[engine.index] = rec
@@ -144,7 +172,7 @@ class WorkerFleetState:
         behind = False
         for engine in self.fleet.engines:
             try:
-                rec = read_load(self.shared.region, engine.index)
+                rec = read_load(self.shared.region, self._slots[engine.index])
             except RecordBusy:
                 behind = True
                 out.append(self._loads[engine.index])
@@ -158,24 +186,28 @@ class WorkerFleetState:
     # -- InflightCounts -------------------------------------------------------------------------
 
     def totals(self, phase: str) -> list[int]:
-        both = self.shared.totals(self._n)
-        p = _PHASE[phase]
-        return both[p::2]
+        both = self.shared.totals(self._span)
+        if self._in_order:
+            return both[_PHASE[phase]::2]
+        return [both[i] for i in (self._prefill_at if phase == "prefill" else self._decode_at)]
 
     def both_totals(self) -> tuple[list[int], list[int]]:
-        both = self.shared.totals(self._n)
-        return both[0::2], both[1::2]
+        both = self.shared.totals(self._span)
+        if self._in_order:
+            return both[0::2], both[1::2]
+        return [both[i] for i in self._prefill_at], [both[i] for i in self._decode_at]
 
     def count(self, engine: Engine, phase: str) -> int:
-        return self.shared.engine_total(engine.index, _PHASE[phase])
+        return self.shared.engine_total(self._slots[engine.index], _PHASE[phase])
 
     def try_reserve(self, engine: Engine, phase: str, cap: int | None) -> bool:
         p = _PHASE[phase]
         if cap is None:
             self._bump(engine.index, p, 1)
             return True
-        with self.shared.locked(SharedFleet.cap_lock(engine.index, p)):
-            if self.shared.engine_total(engine.index, p) >= cap:
+        at = self._slots[engine.index]  # the engine's slot: old and new workers of a reload share its lock
+        with self.shared.locked(SharedFleet.cap_lock(at, p)):
+            if self.shared.engine_total(at, p) >= cap:
                 return False
             self._bump(engine.index, p, 1)
         return True
@@ -244,9 +276,9 @@ class WorkerFleetState:
             Report(
                 seq=0,
                 at=time.monotonic(),
-                producer=producer.index,
-                consumer=consumer.index,
-                failed=NONE16 if failed is None else failed.index,
+                producer=self._slots[producer.index],
+                consumer=self._slots[consumer.index],
+                failed=NONE16 if failed is None else self._slots[failed.index],
                 reason=reason,
                 flags=flags,
                 kind=KIND_LOCAL_OUTCOME if local else KIND_OUTCOME,
@@ -257,6 +289,7 @@ class WorkerFleetState:
         """An operator action for the supervisor to apply (admin API)."""
         self.shared.append(
             self.slot,
-            Report(seq=0, at=time.monotonic(), producer=engine.index, consumer=engine.index, failed=NONE16,
+            Report(seq=0, at=time.monotonic(), producer=self._slots[engine.index],
+                   consumer=self._slots[engine.index], failed=NONE16,
                    reason=0, flags=0, kind=kind),
         )

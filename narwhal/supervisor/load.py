@@ -37,8 +37,9 @@ from typing import Any
 from narwhal.engines.control import ControlClient, ControlError, PooledReader
 from narwhal.engines.load_metrics import parse_capacity, parse_load
 from narwhal.fleet import Engine
-from narwhal.shm.records import LoadRecord, name_hash, write_load
+from narwhal.shm.records import LoadRecord, write_load
 from narwhal.shm.shared import SharedFleet
+from narwhal.shm.table import record_hash
 from narwhal.supervisor.rounds import spread
 
 log = logging.getLogger("narwhal.supervisor.load")
@@ -101,11 +102,15 @@ class LoadReader:
         # This host's legs on the engine now: the engine counted them too, and placement adds
         # them exactly from shared memory, so they are taken out of the reading there. Not the
         # decodes reserved for prefills still running: the engine has not seen those (issue 25).
-        ours = self.shared.engine_seen(engine.index)
+        at = self.shared.engine_slot(engine.name, engine.url)  # its engine slot (shm.table)
+        if at is None:
+            return
+        ours = self.shared.engine_seen(at)
         record = LoadRecord(
-            time.monotonic(), reading.running, reading.waiting, reading.kv_usage, name_hash(engine.name), ours
+            time.monotonic(), reading.running, reading.waiting, reading.kv_usage, record_hash(engine.name, engine.url),
+            ours,
         )
-        write_load(self.shared.region, engine.index, record, version=self.shared.load_generation + 1)
+        write_load(self.shared.region, at, record, version=self.shared.load_generation + 1)
         self.shared.bump_load_generation()
 
     def cancel(self) -> None:

@@ -49,11 +49,11 @@ from narwhal.shm.records import (
     EngineRecord,
     RecordBusy,
     Report,
-    name_hash,
     read_record,
     write_record,
 )
 from narwhal.shm.shared import SharedFleet, alive
+from narwhal.shm.table import record_hash
 from narwhal.supervisor.holdings import HoldingsModel
 from narwhal.supervisor.load import LoadReader
 from narwhal.supervisor.probes import Prober
@@ -83,6 +83,15 @@ class Supervisor:
             for e in self.fleet.engines
         ]
         self.breakers = Breakers(infos, settings.recovery, has_contract=settings.engine_contract is not None)
+        # Engine slots (shm.table): what every shared record, count and report is keyed by; the
+        # same for an engine across reloads, so old workers' reports land on the engine they used.
+        slots = {e.name: shared.engine_slot(e.name, e.url) for e in self.fleet.engines}
+        missing = [name for name, slot in slots.items() if slot is None]
+        if missing:
+            raise RuntimeError(f"engines without a slot in the shared table: {', '.join(missing)}")
+        self._slot: dict[str, int] = {name: slot for name, slot in slots.items() if slot is not None}
+        self._by_slot: dict[int, Engine] = {self._slot[e.name]: e for e in self.fleet.engines}
+        self._span = max(self._slot.values(), default=-1) + 1
         self._published = -1
         self._tasks: set[asyncio.Task[Any]] = set()
         self._probing: set[str] = set()
@@ -100,10 +109,10 @@ class Supervisor:
         now = time.monotonic()
         for engine in self.fleet.engines:
             try:  # no supervisor is writing now: a record its predecessor left mid-write counts if whole
-                rec = read_record(self.shared.region, engine.index, writer_gone=True)
+                rec = read_record(self.shared.region, self._slot[engine.name], writer_gone=True)
             except RecordBusy:
                 continue
-            if rec is None or rec.name_hash != name_hash(engine.name):
+            if rec is None or rec.name_hash != record_hash(engine.name, engine.url):
                 continue
             self.breakers.restore(
                 EngineStatus(
@@ -126,7 +135,7 @@ class Supervisor:
             st = self.breakers.status(engine.name)
             write_record(
                 self.shared.region,
-                engine.index,
+                self._slot[engine.name],
                 EngineRecord(
                     version=version,
                     state=int(st.state),
@@ -135,7 +144,7 @@ class Supervisor:
                     quarantined_until=None if st.quarantined_until is None else st.quarantined_until + self._wall,
                     last_failure_reason=st.last_failure_reason,
                     last_failure_at=None if st.last_failure_at is None else st.last_failure_at + self._wall,
-                    name_hash=name_hash(engine.name),
+                    name_hash=record_hash(engine.name, engine.url),
                     flags=(RECORD_BY_OPERATOR if self.breakers.ejected_by_operator(engine.name) else 0)
                     | (RECORD_WAITING_FOR_WAVE if self.breakers.waiting_for_wave(engine.name) else 0),
                 ),
@@ -171,17 +180,19 @@ class Supervisor:
             return
         reports.sort(key=lambda r: r.at)  # "consecutive" = in order of completion time
         now = time.monotonic()
-        engines = self.fleet.engines
+        by_slot = self._by_slot
         for r in reports:
-            if r.producer >= len(engines) or r.consumer >= len(engines):
-                continue  # from a worker configured with another engine list (a reload)
+            producer, consumer = by_slot.get(r.producer), by_slot.get(r.consumer)
+            if producer is None or consumer is None:
+                continue  # an engine a reload removed, reported by a worker still running on the old list
             if r.kind in (KIND_OUTCOME, KIND_LOCAL_OUTCOME):
-                failed = None if r.failed == NONE16 or r.failed >= len(engines) else engines[r.failed].name
+                failed_engine = None if r.failed == NONE16 else by_slot.get(r.failed)
+                failed = None if failed_engine is None else failed_engine.name
                 reason = REASONS[r.reason] if r.reason < len(REASONS) else ""
                 self.breakers.record(
                     Outcome(
-                        producer=engines[r.producer].name,
-                        consumer=engines[r.consumer].name,
+                        producer=producer.name,
+                        consumer=consumer.name,
                         ok=bool(r.flags & FLAG_OK),
                         failed_engine=failed,
                         phase=None if failed is None else ("prefill" if r.flags & FLAG_PREFILL else "decode"),
@@ -193,11 +204,11 @@ class Supervisor:
                     )
                 )
             elif r.kind == KIND_EJECT:
-                self.breakers.eject(engines[r.producer].name, now)
+                self.breakers.eject(producer.name, now)
             elif r.kind == KIND_READMIT:
-                self.breakers.readmit(engines[r.producer].name, now)
+                self.breakers.readmit(producer.name, now)
             elif r.kind == KIND_DRAIN:
-                self.breakers.drain(engines[r.producer].name, now)
+                self.breakers.drain(producer.name, now)
 
     def drain_prefills(self) -> None:
         """The workers' completed prefills into the holdings (SPEC §3.3), then what changed
@@ -227,10 +238,11 @@ class Supervisor:
     def export(self) -> None:
         """In-flight gauges, every EXPORT_S: they change with every request, and a scrape
         every few seconds needs no fresher figure."""
-        totals = self.shared.totals()
+        totals = self.shared.totals(self._span)
         for engine in self.fleet.engines:
-            metrics.ENGINE_INFLIGHT.labels(engine.name, "prefill").set(totals[engine.index * 2])
-            metrics.ENGINE_INFLIGHT.labels(engine.name, "decode").set(totals[engine.index * 2 + 1])
+            at = self._slot[engine.name]
+            metrics.ENGINE_INFLIGHT.labels(engine.name, "prefill").set(totals[at * 2])
+            metrics.ENGINE_INFLIGHT.labels(engine.name, "decode").set(totals[at * 2 + 1])
         # The workers already count their requests in shared memory (the retry budget reads
         # them): exported from here, the gauge costs the request path nothing.
         metrics.REQUESTS_INFLIGHT.set(self.shared.slot_field_total(L.SLOT_REQUESTS))

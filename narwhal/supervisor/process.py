@@ -8,8 +8,10 @@ took the supervisor with it, for good). So the master watches the supervisor its
 
 How the master watches without a periodic hook of its own: gunicorn's main loop calls
 ``Arbiter.manage_workers`` at least once a second and right after every signal (SIGCHLD
-included), so ``narwhal.front.gunicorn_hooks`` wraps that one method of the running arbiter to call
-:meth:`SupervisorKeeper.check`. gunicorn reaps every child with ``waitpid(-1)`` (an unknown
+included), so ``narwhal.front.gunicorn_hooks`` wraps that method of the running arbiter to call
+:meth:`SupervisorKeeper.check` (and ``reap_workers``, the only call in a reload's wait for the
+old workers, which lasts as long as their streams: the supervisor a reload stops is replaced
+at once, not after that wait). gunicorn reaps every child with ``waitpid(-1)`` (an unknown
 pid is reaped and forgotten), so the keeper cannot ``waitpid`` its child; it learns of the
 exit from a **pidfd** (``pidfd_open``, exact even after the reap and immune to pid reuse),
 falling back to ``kill(pid, 0)`` where pidfds are missing. A supervisor whose heartbeat in

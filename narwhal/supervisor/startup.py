@@ -19,8 +19,9 @@ from narwhal.fleet.breaker import State
 from narwhal.logs import json_line
 from narwhal.preflight.check import run_preflight
 from narwhal.settings import Settings
-from narwhal.shm.records import EngineRecord, name_hash, write_record
+from narwhal.shm.records import EngineRecord, write_record
 from narwhal.shm.shared import SharedFleet
+from narwhal.shm.table import record_hash
 
 
 def preflight_on_start(shared: SharedFleet, settings: Settings) -> set[str]:
@@ -36,9 +37,12 @@ def preflight_on_start(shared: SharedFleet, settings: Settings) -> set[str]:
     version = shared.generation + 1  # the generation bumped below (shm.records)
     for engine in Fleet(settings).engines:
         bad = engine.name in failed
+        at = shared.engine_slot(engine.name, engine.url)  # assigned by the master just before
+        if at is None:
+            continue
         write_record(
             shared.region,
-            engine.index,
+            at,
             EngineRecord(
                 version=version,
                 state=int(State.EJECTED if bad else State.ADMITTED),
@@ -47,7 +51,7 @@ def preflight_on_start(shared: SharedFleet, settings: Settings) -> set[str]:
                 quarantined_until=None,
                 last_failure_reason="preflight" if bad else None,
                 last_failure_at=now if bad else None,
-                name_hash=name_hash(engine.name),
+                name_hash=record_hash(engine.name, engine.url),
             ),
         )
     shared.bump_generation()

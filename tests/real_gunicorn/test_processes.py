@@ -160,7 +160,7 @@ async def test_the_engine_state_gauge_follows_an_ejection_within_half_a_second(r
                "narwhal_engine_state of d2 back at 0 (admitted)")
 
 
-WORKERS_ABOVE_SLOTS = 9  # server.workers = 2 gives max(2 × 2, 8) = 8 slots
+WORKERS_ABOVE_SLOTS = 9  # above the 8 slots server.workers = 2 used to give (now always 512)
 
 
 async def test_gunicorn_workers_above_the_default_slots_all_report_to_the_supervisor(

@@ -20,8 +20,9 @@ from narwhal.fleet import Engine, Fleet
 from narwhal.fleet.placement import LocalInflight, Placement, Reservation
 from narwhal.settings import Settings
 from narwhal.shm.local import LocalFleetState
-from narwhal.shm.records import EngineRecord, name_hash, write_record
+from narwhal.shm.records import EngineRecord, write_record
 from narwhal.shm.shared import SharedFleet
+from narwhal.shm.table import record_hash
 from narwhal.shm.worker import WorkerFleetState
 
 MODEL = "m"
@@ -191,8 +192,8 @@ def _fleet() -> Fleet:
 def _publish(shared: SharedFleet, fleet: Fleet, name: str, state: int, until: float | None) -> None:
     engine = fleet.by_name[name]
     write_record(shared.region, engine.index, EngineRecord(
-        version=1, state=state, failure_streak=1, ejections=0, quarantined_until=until,
-        last_failure_reason=None, last_failure_at=None, name_hash=name_hash(name)))
+        version=shared.generation + 1, state=state, failure_streak=1, ejections=0, quarantined_until=until,
+        last_failure_reason=None, last_failure_at=None, name_hash=record_hash(name, engine.url)))
     shared.bump_generation()
 
 
@@ -200,6 +201,7 @@ def test_the_shared_memory_view_keeps_published_and_local_quarantine_soft() -> N
     fleet = _fleet()
     shared = SharedFleet.create(engines=len(fleet.engines), slots=2)
     try:
+        shared.assign_engines([(e.name, e.url) for e in fleet.engines])
         view = WorkerFleetState(shared, 0, fleet)
         p0, d0, d1 = (fleet.by_name[n] for n in ("p0", "d0", "d1"))
         assert not view.any_quarantined() and view.quarantine_left(d0) == 0.0
@@ -240,6 +242,7 @@ def test_a_pairs_decode_slot_is_unseen_by_its_consumer_until_the_leg_is_sent() -
     fleet = Fleet(settings)
     shared = SharedFleet.create(engines=len(fleet.engines), slots=2)
     try:
+        shared.assign_engines([(e.name, e.url) for e in fleet.engines])
         slot = shared.claim_slot(os.getpid())
         assert slot is not None
         view = WorkerFleetState(shared, slot, fleet)

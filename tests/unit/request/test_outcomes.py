@@ -64,6 +64,7 @@ def fleet() -> Fleet:
 @pytest.fixture
 def state(fleet: Fleet) -> Iterator[WorkerFleetState]:
     shared = SharedFleet.create(engines=4, slots=2, ring=16)
+    shared.assign_engines([(e.name, e.url) for e in fleet.engines])
     slot = shared.claim_slot(os.getpid())
     assert slot is not None
     yield WorkerFleetState(shared, slot, fleet)

@@ -26,13 +26,13 @@ from narwhal.shm.records import (
     LoadRecord,
     RecordBusy,
     Report,
-    name_hash,
     read_load,
     read_record,
     write_load,
     write_record,
 )
 from narwhal.shm.shared import SharedFleet
+from narwhal.shm.table import record_hash
 from narwhal.shm.worker import WorkerFleetState
 
 ENGINES = 4
@@ -41,9 +41,12 @@ READERS = 3
 STOP_AT = 56  # a scratch u32 in the flags region's header
 
 
+def _url(engine: int) -> str:
+    return f"http://127.0.0.1:{engine + 1}"
+
+
 def _settings() -> Settings:
-    return Settings(engines=[{"name": f"e{i}", "role": "both", "url": f"http://127.0.0.1:{i + 1}"}
-                             for i in range(ENGINES)])
+    return Settings(engines=[{"name": f"e{i}", "role": "both", "url": _url(i)} for i in range(ENGINES)])
 
 
 def _record(generation: int, engine: int) -> EngineRecord:
@@ -51,13 +54,13 @@ def _record(generation: int, engine: int) -> EngineRecord:
         version=generation, state=generation % 6, failure_streak=generation + engine,
         ejections=(generation * 3 + engine) & 0xFFFFFFFF, quarantined_until=float(generation),
         last_failure_reason="engine_5xx" if generation % 2 else "decode_silence",
-        last_failure_at=generation + 0.5, name_hash=name_hash(f"e{engine}"),
+        last_failure_at=generation + 0.5, name_hash=record_hash(f"e{engine}", _url(engine)),
     )
 
 
 def _load(generation: int, engine: int) -> LoadRecord:
     return LoadRecord(float(generation), float(engine), generation * 2.0, (generation % 100) / 100,
-                      name_hash(f"e{engine}"), ours=float(generation + engine))
+                      record_hash(f"e{engine}", _url(engine)), ours=float(generation + engine))
 
 
 def _writer(shared: SharedFleet, slot: int) -> None:
@@ -158,6 +161,8 @@ def _collect(pid: int, fd: int) -> dict[str, object]:
 def test_one_writer_and_several_readers_never_disagree_on_a_record_or_a_report() -> None:
     shared = SharedFleet.create(engines=ENGINES, slots=READERS + 2, ring=8)
     flags = SharedFleet.create(engines=1, slots=1, ring=1)
+    fleet = Fleet(_settings())
+    shared.assign_engines([(e.name, e.url) for e in fleet.engines])  # what the master does at start
     ring_slot = shared.claim_slot(os.getpid())
     assert ring_slot is not None
     readers = [_fork(_reader, shared, flags, ring_slot + 1 + i) for i in range(READERS)]

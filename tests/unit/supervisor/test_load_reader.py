@@ -13,8 +13,9 @@ import pytest
 from narwhal.engines.control import ControlError
 from narwhal.fleet import Fleet
 from narwhal.settings import Settings
-from narwhal.shm.records import name_hash, read_load
+from narwhal.shm.records import read_load
 from narwhal.shm.shared import SharedFleet
+from narwhal.shm.table import record_hash
 from narwhal.supervisor.load import LoadReader
 
 GOOD = 'vllm:num_requests_running{engine="0"} 3\nvllm:num_requests_waiting{engine="0"} 1\n' \
@@ -54,6 +55,7 @@ async def test_a_round_returns_at_once_and_publishes_only_good_readings(shared: 
     names = ["ok", "down", "html", "five", "hung"]
     fleet = Fleet(Settings(engines=[{"name": n, "role": "consumer", "url": f"http://127.0.0.1:{i + 1}"}
                                     for i, n in enumerate(names)]))
+    shared.assign_engines([(e.name, e.url) for e in fleet.engines])  # what the master does at start
     slot = shared.claim_slot(4321)
     assert slot is not None
     shared.set_count(slot, 0, 0, 1)  # one prefill and three decode slots of this host on "ok",
@@ -65,7 +67,7 @@ async def test_a_round_returns_at_once_and_publishes_only_good_readings(shared: 
     for _ in range(50):
         await asyncio.sleep(0)
     ok = read_load(shared.region, 0)
-    assert ok is not None and (ok.running, ok.waiting, ok.kv_usage, ok.name_hash) == (3.0, 1.0, 0.5, name_hash("ok"))
+    assert ok is not None and (ok.running, ok.waiting, ok.kv_usage, ok.name_hash) == (3.0, 1.0, 0.5, record_hash("ok", "http://127.0.0.1:1"))
     assert ok.ours == 3.0  # this host's legs on the engine when the answer came, those it can have seen
     assert [read_load(shared.region, i) for i in range(1, 5)] == [None] * 4
     assert shared.load_generation == 1
@@ -93,6 +95,7 @@ async def test_a_flapping_engine_logs_once_a_minute(shared: SharedFleet, caplog:
             return 200, GOOD.encode()
 
     control = Flapping()
+    shared.assign_engines([(e.name, e.url) for e in fleet.engines])
     reader = LoadReader(shared, control)  # type: ignore[arg-type]
     caplog.set_level(logging.WARNING, logger="narwhal.supervisor.load")
     for _ in range(4):  # fail, recover, fail, recover ... within a minute

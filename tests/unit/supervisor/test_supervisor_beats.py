@@ -49,6 +49,7 @@ async def test_beats_go_on_while_a_round_of_reads_of_a_large_fleet_runs(
     real_beat = shared.beat
     monkeypatch.setattr(PooledReader, "get", get)
     monkeypatch.setattr(shared, "beat", lambda pid: (beats.append(time.monotonic()), real_beat(pid)))
+    shared.assign_engines([(e["name"], e["url"]) for e in settings.model_dump()["engines"]])
     task = asyncio.ensure_future(Supervisor(shared, settings).run())
     try:
         end = time.monotonic() + 20
