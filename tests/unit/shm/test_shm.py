@@ -255,3 +255,17 @@ def test_scans_stop_at_the_highest_slot_ever_claimed() -> None:
         assert fleet.totals() == [0, 0, 0, 0] and not fleet.release(1, os.getpid())
     finally:
         fleet.close()
+
+
+def test_a_sweep_never_clears_a_slot_a_new_worker_just_claimed(shared: SharedFleet) -> None:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    slot = shared.claim_slot(pid)  # a worker that died since
+    assert slot is not None
+    # The supervisor's sweep saw the dead pid; before it releases the slot, a new worker takes it.
+    assert shared.claim_slot(os.getpid()) == slot
+    shared.set_count(slot, 0, 0, 1)
+    assert not shared.release(slot, pid)  # under the claim lock, the pid is checked again
+    assert shared.slot_pid(slot) == os.getpid() and shared.totals()[0] == 1
