@@ -24,7 +24,11 @@ CLOSED_PIPE_STATUS = 141
 def _serve(args: argparse.Namespace, extra: list[str]) -> int:
     if args.config:
         os.environ[CONFIG_ENV] = os.path.abspath(args.config)
-    load_settings_or_exit()  # fail here, with one line, before gunicorn starts
+    settings = load_settings_or_exit()  # fail here, with one line, before gunicorn starts
+    refusal = settings.no_engine_line()
+    if refusal is not None:
+        print(f"narwhal: invalid settings: {refusal}", file=sys.stderr, flush=True)
+        return 2
     from narwhal.front.gunicorn_hooks import CONFIG_FILE
 
     argv = [sys.executable, "-m", "gunicorn", "-c", CONFIG_FILE, *extra]

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from narwhal import settings_hints
+from narwhal.settings_discovery import DiscoverySettings
 from narwhal.settings_env import CONFIG_ENV, ENV_PREFIX, check_environment, source_of
 
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -274,6 +275,7 @@ class Settings(BaseSettings):
     log: LogSettings = LogSettings()
     recovery: RecoverySettings = RecoverySettings()
     tracing: TracingSettings = TracingSettings()
+    discovery: DiscoverySettings = DiscoverySettings()
     engine_contract: EngineContract | None = None
     engines: list[EngineSpec] = []
 
@@ -283,8 +285,9 @@ class Settings(BaseSettings):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"engines: duplicate engine name {dupes[0]!r}")
-        if len(self.engines) > self.server.max_engines:
-            raise ValueError(f"engines: {len(self.engines)} engines exceed server.max_engines")
+        if len(self.engines) > self.engine_slots:
+            key = "discovery.max_engines" if self.discovery.enabled else "server.max_engines"
+            raise ValueError(f"engines: {len(self.engines)} engines exceed {key}")
         for i, spec in enumerate(self.engines):
             for peer in spec.kv_peers or ():
                 if peer not in names:
@@ -292,6 +295,19 @@ class Settings(BaseSettings):
             if spec.kv_peers is not None and not spec.can_prefill:
                 raise ValueError(f"engines.{i}.kv_peers: only producers hand off")
         return self
+
+    @property
+    def engine_slots(self) -> int:
+        """The shared layout's engine slots: ``discovery.max_engines`` once a discovery source is
+        set (engines come and go at run time), else ``server.max_engines`` (room for reloads)."""
+        return self.discovery.max_engines if self.discovery.enabled else self.server.max_engines
+
+    def no_engine_line(self) -> str | None:
+        """Why ``narwhal serve`` cannot start with these settings (None: it can): a router with
+        no static engine and no discovery source could never serve anything."""
+        if self.engines or self.discovery.enabled:
+            return None
+        return "engines: no engine to route to: add [[engines]] entries or a [discovery] source (file or dns)"
 
     def connector_of(self, spec: EngineSpec) -> str:
         if spec.kv_connector:

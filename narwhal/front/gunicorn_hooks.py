@@ -185,7 +185,13 @@ def on_starting(server: Any) -> None:
               f"server.workers ({MAX_WORKERS})", file=sys.stderr, flush=True)
         raise SystemExit(2)
     # Room for any reload: old and new workers side by side, engines added up to max_engines.
-    shm.SHARED = SharedFleet.create(engines=settings.server.max_engines, slots=WORKER_SLOTS)
+    refusal = settings.no_engine_line()
+    if refusal is not None:
+        print(f"narwhal: invalid settings: {refusal}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    # Room for any reload: old and new workers side by side, engines added up to max_engines
+    # (discovery.max_engines once engines come and go at run time).
+    shm.SHARED = SharedFleet.create(engines=settings.engine_slots, slots=WORKER_SLOTS)
     _assign_engine_slots(settings)  # before anything forks: every process looks its engines up
     shm.HOLDINGS = create_holdings(settings, shm.SHARED.layout.slots)
     if settings.preflight.on_start and settings.engines:
