@@ -123,6 +123,14 @@ BUILD_INFO = Gauge(
     ["version", "engine_version"],
     multiprocess_mode="livemax",
 )
+# Written by the supervisor (SPEC §10): discovered engines by source (file, dns) and state
+# (active, probing, draining, refused: narwhal.supervisor.discovery).
+DISCOVERY_ENGINES = Gauge(
+    "narwhal_discovery_engines",
+    "Engines found by a discovery source, by source (file, dns) and state (active, probing, draining, refused)",
+    ["source", "state"],
+    multiprocess_mode="livemax",
+)
 PROBES = Counter("narwhal_probes_total", "Readmission probes by engine and result", ["engine", "result"])
 SUPERVISOR_RESTARTS = Counter("narwhal_supervisor_restarts_total", "Supervisor processes started after the first")
 
@@ -179,12 +187,49 @@ def multiprocess_dir() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 
-def render() -> tuple[bytes, str]:
+# Series labelled with an engine: a forgotten engine's go with it (SPEC §10).
+_BY_ENGINE = ((ENGINE_STATE, ("role",)), (ENGINE_INFLIGHT, ("phase",)))
+
+
+def forget_engine(name: str, role: str) -> None:
+    """The supervisor's own series of an engine that discovery forgot. In multiprocess mode a
+    sample once written stays in its process's file, so the scrape also leaves out every series
+    of an engine no longer in the fleet (:func:`render`'s ``engines``), and prometheus_client
+    has no removal there."""
+    if multiprocess_dir():
+        return
+    for labels in ((name, role), (name, "prefill"), (name, "decode")):
+        for gauge, _ in _BY_ENGINE:
+            try:
+                gauge.remove(*labels)
+            except KeyError:
+                continue
+
+
+class _OnlyEngines:
+    """A collector: what ``inner`` collects, without the samples of engines not in ``engines``."""
+
+    def __init__(self, inner: Any, engines: frozenset[str]) -> None:
+        self.inner, self.engines = inner, engines
+
+    def collect(self) -> Any:
+        for family in self.inner.collect():
+            family.samples = [s for s in family.samples
+                              if "engine" not in s.labels or s.labels["engine"] in self.engines]
+            yield family
+
+
+def render(engines: frozenset[str] | None = None) -> tuple[bytes, str]:
     """The scrape body: every process's samples when in multiprocess mode. Call
-    ``TALLY.flush()`` first, on the event loop's thread (this may run in another)."""
+    ``TALLY.flush()`` first, on the event loop's thread (this may run in another). ``engines``
+    (a fleet that changes at run time): only these engines' series, forgotten ones left out."""
     if multiprocess_dir():
         registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        if engines is None:
+            multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        else:
+            inner = multiprocess.MultiProcessCollector(None)  # type: ignore[no-untyped-call]
+            registry.register(_OnlyEngines(inner, engines))
         return generate_latest(registry), CONTENT_TYPE_LATEST
     from prometheus_client import REGISTRY
 

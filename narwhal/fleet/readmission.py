@@ -48,6 +48,7 @@ class BreakerRecord:
     by_operator: bool = False
     next_probe_at: float | None = None
     waiting: bool = False  # passed readmission, held for its wave
+    joining: bool = False  # discovered at run time, not yet through its first checks (fleet.membership)
     # When it last came back: evidence gathered before then (a health check sent while it was
     # out and answered after) is stale and charges nothing.
     readmitted_at: float = float("-inf")

@@ -47,18 +47,50 @@ def pair_permitted(p: Engine, d: Engine) -> bool:
 
 
 class Fleet:
-    def __init__(self, settings: Settings) -> None:
-        self.engines: list[Engine] = [
-            _engine(i, spec, settings.connector_of(spec)) for i, spec in enumerate(settings.engines)
-        ]
-        self.by_name: dict[str, Engine] = {e.name: e for e in self.engines}
-        for p in self.engines:
-            p.permitted_consumers = tuple(d for d in self.engines if pair_permitted(p, d))
-        for d in self.engines:
-            d.permitted_producers = tuple(p for p in self.engines if d in p.permitted_consumers)
+    """The engines, each at its ``index``: its position in ``[[engines]]`` for a static fleet, its
+    engine slot for one that changes at run time (:meth:`indexed`, :meth:`replace`), so an
+    engine keeps its index for as long as a process knows it and lists by index stay right."""
+
+    def __init__(self, settings: Settings, members: list[tuple[int, EngineSpec]] | None = None) -> None:
+        self._connector_of = settings.connector_of
+        if members is None:
+            members = list(enumerate(settings.engines))
+        self.engines: list[Engine] = []
+        self.by_name: dict[str, Engine] = {}
         self._served: frozenset[str] = frozenset()
-        self.version = 0  # bumped whenever an engine's models change (placement caches by it)
+        self.version = 0  # bumped whenever an engine's models change, or the engines (placement caches by it)
+        self.replace(members)
+
+    @property
+    def span(self) -> int:
+        """One past the highest index: the length of a list by index."""
+        return max((e.index for e in self.engines), default=-1) + 1
+
+    def replace(self, members: list[tuple[int, EngineSpec]]) -> tuple[list[Engine], list[Engine]]:
+        """The engines become ``members`` (index, entry): an engine whose index, name, URL and
+        entry are unchanged is kept (the same object, its discovered models with it); the rest
+        are new. Returns (added, removed)."""
+        old = {e.index: e for e in self.engines}
+        engines: list[Engine] = []
+        added: list[Engine] = []
+        for index, spec in sorted(members, key=lambda m: m[0]):
+            fresh = _engine(index, spec, self._connector_of(spec))
+            kept = old.pop(index, None)
+            if kept is not None and _same(kept, fresh):
+                engines.append(kept)
+                continue
+            if kept is not None:
+                old[-1 - index] = kept  # replaced at its index: reported as removed
+            engines.append(fresh)
+            added.append(fresh)
+        self.engines = engines
+        self.by_name = {e.name: e for e in engines}
+        for p in engines:
+            p.permitted_consumers = tuple(d for d in engines if pair_permitted(p, d))
+        for d in engines:
+            d.permitted_producers = tuple(p for p in engines if d in p.permitted_consumers)
         self._refresh_served()
+        return added, list(old.values())
 
     def set_models(self, engine: Engine, models: frozenset[str]) -> None:
         if engine.models != models:
@@ -76,6 +108,14 @@ class Fleet:
 
     def serves(self, model: str) -> bool:
         return model in self._served
+
+
+def _same(a: Engine, b: Engine) -> bool:
+    """The same engine, described the same (models discovered at run time aside)."""
+    return (a.name, a.url, a.role, a.connector, a.wave, a.max_inflight_prefill, a.max_inflight_decode, a.peers,
+            a.models_configured, a.models if a.models_configured else None) == (
+        b.name, b.url, b.role, b.connector, b.wave, b.max_inflight_prefill, b.max_inflight_decode, b.peers,
+        b.models_configured, b.models if b.models_configured else None)
 
 
 def _engine(index: int, spec: EngineSpec, connector: str) -> Engine:

@@ -29,6 +29,7 @@ from narwhal.engines.control import ControlClient, open_session
 from narwhal.errors import NarwhalError, RequestError
 from narwhal.fleet import Fleet
 from narwhal.fleet.placement import Placement
+from narwhal.front import roster_follow
 from narwhal.front.accept import BalancedSite, ConnectionShare, take_listeners
 from narwhal.front.admin import add_admin_routes
 from narwhal.front.server import make_app_runner
@@ -189,7 +190,10 @@ async def _ready(request: web.Request) -> web.Response:
 
 async def _metrics(request: web.Request) -> web.Response:
     metrics.TALLY.flush()  # on the loop's thread: the tally is not shared with the executor
-    body, content_type = await asyncio.get_running_loop().run_in_executor(None, metrics.render)
+    engines = None
+    if request.app[SETTINGS].discovery.enabled:  # a forgotten engine's series go with it (SPEC §10)
+        engines = frozenset(e.name for e in request.app[ROUTER].fleet.engines)
+    body, content_type = await asyncio.get_running_loop().run_in_executor(None, metrics.render, engines)
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
@@ -216,8 +220,9 @@ async def _keep_discovering(fleet: Fleet, control: ControlClient) -> None:
             await discover_models(fleet, control)
 
 
-def worker_state(fleet: Fleet) -> WorkerFleetState | LocalFleetState:
-    """This worker's slot in the shared fleet state, or process-local state without one."""
+def worker_state(fleet: Fleet, by_slot: bool = False) -> WorkerFleetState | LocalFleetState:
+    """This worker's slot in the shared fleet state, or process-local state without one
+    (``by_slot``: a fleet that follows the engine table, ``front.roster_follow``)."""
     shared = shm.SHARED
     if shared is not None:
         if len(fleet.engines) > shared.layout.engines:
@@ -227,7 +232,7 @@ def worker_state(fleet: Fleet) -> WorkerFleetState | LocalFleetState:
             slot = shared.claim_slot(os.getpid())
             if slot is not None:
                 try:
-                    return WorkerFleetState(shared, slot, fleet)
+                    return WorkerFleetState(shared, slot, fleet, by_slot=by_slot)
                 except UnmappedEngine as exc:
                     shared.release(slot, os.getpid())
                     log.error("engines without a slot in the shared table (%s): fleet state is per worker", exc)
@@ -250,8 +255,14 @@ async def _startup(app: web.Application) -> None:
     pin = settings.engine_contract.engine_version if settings.engine_contract else ""
     metrics.publish_build_info(__version__, pin)
     session = open_session(settings.engine)  # TLS and key as on every engine link
-    fleet = Fleet(settings)
-    state = worker_state(fleet)
+    fleet, epoch = Fleet(settings), 0
+    follow = settings.discovery.enabled and shm.SHARED is not None
+    if follow and shm.SHARED is not None:  # engines that come and go: the table's, by engine slot
+        fleet, epoch = roster_follow.fleet_from_table(settings, shm.SHARED)
+    state = worker_state(fleet, by_slot=follow)
+    if follow and not isinstance(state, WorkerFleetState):  # no slot: the static engines, per worker
+        fleet = Fleet(settings)
+        state = LocalFleetState(fleet)
     loads = state if isinstance(state, WorkerFleetState) else None  # engine reports come from the supervisor
     holdings = worker_holdings(fleet, state)
     placement = Placement(fleet, state, state, settings.placement, loads=loads, holdings=holdings)
@@ -270,6 +281,9 @@ async def _startup(app: web.Application) -> None:
     control = ControlClient(session, settings.engine, DISCOVERY_TIMEOUT_S)
     await discover_models(fleet, control)
     app[_TASKS].append(asyncio.ensure_future(_keep_discovering(fleet, control)))
+    if follow and isinstance(state, WorkerFleetState):  # engines that come and go (SPEC §10)
+        follower = roster_follow.RosterFollower(state.shared, fleet, state, epoch)
+        app[_TASKS].append(asyncio.ensure_future(follower.keep_following()))
     app[_TASKS].append(asyncio.ensure_future(metrics.TALLY.keep_flushing()))
     # Everything built so far lives as long as the worker: keep it out of the garbage
     # collector's scans, which otherwise walk it again on every full collection.

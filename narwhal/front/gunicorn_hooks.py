@@ -70,16 +70,32 @@ def _load() -> Settings:
 
 def _assign_engine_slots(settings: Settings) -> None:
     """The engine table (``shm.table``): kept engines keep their slots, removed ones retire,
-    new ones take a free one; no room is a refused reload (or start), one line."""
+    new ones take a free one; no room is a refused reload (or start), one line. With discovery
+    on, the engines the supervisor discovered stay (unless a static entry now has their name or
+    URL: static wins), and the epoch moves once the static engines' descriptors are written, so
+    running workers take up the new list (``front.roster_follow``)."""
     from narwhal import shm
     from narwhal.fleet import Fleet
+    from narwhal.shm import descriptors
+    from narwhal.shm.layout import TABLE_EPOCH_OFFSET, TABLE_LOCK
     from narwhal.shm.table import TableFull
 
-    if shm.SHARED is None:
+    shared = shm.SHARED
+    if shared is None:
         return
+    static = [(e.name, e.url) for e in Fleet(settings).engines]
+    taken = {n for n, _ in static} | {u for _, u in static}
     try:
-        shm.SHARED.assign_engines([(e.name, e.url) for e in Fleet(settings).engines])
-    except TableFull as exc:
+        with shared.locked(TABLE_LOCK):  # one table writer at a time: the supervisor writes it too
+            kept = [] if not settings.discovery.enabled else [
+                (entry["name"], entry["url"]) for _, entry, source in shared.described()
+                if source != "static" and entry["name"] not in taken and entry["url"] not in taken]
+            slots = shared.assign_engines(static + kept)
+            for spec, slot in zip(settings.engines, slots, strict=False):
+                descriptors.write(shared.region, slot, descriptors.encode(spec.model_dump(), "static"))
+            if settings.discovery.enabled:
+                shared.region.set_u32(TABLE_EPOCH_OFFSET, shared.table.epoch + 1)
+    except (TableFull, descriptors.DescriptorTooLong) as exc:
         raise SettingsError(f"engines: {exc}") from None
 
 
@@ -209,8 +225,8 @@ def create_holdings(settings: Settings, slots: int) -> Any:
     """The holdings region (SPEC §3.3) beside the fleet's, for policy ``held`` only: a section
     per configured engine, ``placement.holdings_slots`` keys shared among the producers."""
     placement = settings.placement
-    if placement.placement_policy != "held":
-        return None
+    if placement.placement_policy != "held" or settings.discovery.enabled:
+        return None  # with discovery, held orders producers without holdings (README: sections are static)
     from narwhal.shm.holdings import Holdings, HoldingsLayout
 
     producers = sum(1 for e in settings.engines if e.role != "consumer")

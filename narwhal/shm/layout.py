@@ -13,7 +13,11 @@ any process: the memory goes when the last process holding it exits.
     engine records   E ×       64 B   seq, breaker state, CRC: written only by the supervisor
     load records     E ×       64 B   seq, what each engine's /metrics said and when, CRC (supervisor)
     engine table     E ×       32 B   seq, identity (name + URL), state, epoch, CRC: which engine
-                                       each engine slot is (the master; ``shm.table``)
+                                       each engine slot is (the master; the supervisor at run time
+                                       once discovery is on; ``shm.table``)
+    descriptors      E ×     1024 B   seq, length, the engine's description as JSON, CRC: what a
+                                       worker needs to build an engine it was never configured
+                                       with (``shm.descriptors``; written with the table entry)
     worker slots     W × (64 B + E·8 B + E·4 B (to 8) + R·RING_ENTRY)
         slot header                    pid, requests and retries in flight, ring indices,
                                        client connections, the table epoch it mapped engines at
@@ -60,7 +64,7 @@ from dataclasses import dataclass
 from narwhal.settings import MAX_WORKERS
 
 MAGIC = 0x4E52574C  # "NRWL"
-VERSION = 4  # 2: unsent decodes; 3: records under a seqlock; 4: the engine table
+VERSION = 5  # 2: unsent decodes; 3: records under a seqlock; 4: the engine table; 5: descriptors
 
 HEADER = struct.Struct("<IIIIIIQQQ")  # magic, version, engines, slots, ring, sup_pid, heartbeat_ns, generation, starts
 HEADER_SIZE = 64
@@ -78,6 +82,7 @@ WORKER_SLOTS = 2 * MAX_WORKERS  # 512: every reload fits, old workers draining b
 RECORD_SIZE = 64
 LOAD_RECORD_SIZE = 64
 TABLE_ENTRY_SIZE = 32
+DESCRIPTOR_SIZE = 1024
 SLOT_HEADER_SIZE = 64
 # slot header: pid u32, requests in flight u32, retries in flight u32, dropped reports u32,
 #              ring write index u64 (worker), ring read index u64 (supervisor),
@@ -99,6 +104,7 @@ DEFAULT_RING = 512
 # Lock byte offsets: far beyond the mapped data.
 LOCK_BASE = 1 << 40
 CLAIM_LOCK = LOCK_BASE - 1
+TABLE_LOCK = LOCK_BASE - 2  # the engine table's one writer at a time: the master's reload, the supervisor
 
 
 @dataclass(frozen=True)
@@ -120,6 +126,10 @@ class Layout:
     def table_offset(self, engine: int) -> int:
         return HEADER_SIZE + self.engines * (RECORD_SIZE + LOAD_RECORD_SIZE) + engine * TABLE_ENTRY_SIZE
 
+    def descriptor_offset(self, engine: int) -> int:
+        return (HEADER_SIZE + self.engines * (RECORD_SIZE + LOAD_RECORD_SIZE + TABLE_ENTRY_SIZE)
+                + engine * DESCRIPTOR_SIZE)
+
     @functools.cached_property
     def _unsent_size(self) -> int:
         return (self.engines * 4 + 7) // 8 * 8  # slots stay 8-byte aligned for their u64 fields
@@ -130,7 +140,7 @@ class Layout:
 
     @functools.cached_property
     def _slots_base(self) -> int:
-        return HEADER_SIZE + self.engines * (RECORD_SIZE + LOAD_RECORD_SIZE + TABLE_ENTRY_SIZE)
+        return HEADER_SIZE + self.engines * (RECORD_SIZE + LOAD_RECORD_SIZE + TABLE_ENTRY_SIZE + DESCRIPTOR_SIZE)
 
     def slot_offset(self, slot: int) -> int:
         return self._slots_base + slot * self.slot_size

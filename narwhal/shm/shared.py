@@ -22,10 +22,12 @@ import os
 import struct
 import time
 from collections.abc import Iterator
+from typing import Any
 
+from narwhal.shm import descriptors
 from narwhal.shm import layout as L
 from narwhal.shm.records import ENTRY_BYTES, Report, pack_report, unpack_report
-from narwhal.shm.table import EngineTable, identity
+from narwhal.shm.table import LIVE, EngineTable, identity
 
 
 class SharedFleet:
@@ -92,14 +94,41 @@ class SharedFleet:
             self._engine_slots.update(self.table.mapping())  # one pass for every engine of the list
         return self._engine_slots.get(ident)
 
+    def forget_slots(self) -> None:
+        """A slot was retired at run time (discovery): look every identity up afresh."""
+        self._engine_slots.clear()
+
     def assign_engines(self, engines: list[tuple[str, str]]) -> list[int]:
         """Master only, before it forks anything that will use them: a slot per (name, url), kept
-        across reloads (``shm.table``; :class:`~narwhal.shm.table.TableFull` when one has none)."""
-        epochs = [self.region.u32(self.layout.slot_offset(s) + L.SLOT_TABLE_EPOCH)
-                  for s in self.claimed_slots() if _alive(self.slot_pid(s))]
-        slots = self.table.assign([identity(n, u) for n, u in engines], min(epochs) if epochs else None)
+        across reloads (``shm.table``; :class:`~narwhal.shm.table.TableFull` when one has none).
+        The caller holds the table lock (:data:`~narwhal.shm.layout.TABLE_LOCK`)."""
+        slots = self.table.assign([identity(n, u) for n, u in engines], self.oldest_worker_epoch())
         self._engine_slots.clear()  # what the master looked up before may have moved; forks inherit this
         return slots
+
+    def oldest_worker_epoch(self) -> int | None:
+        """The lowest table epoch a live worker noted (None: no worker): what a retired slot's
+        reuse waits for (``shm.table``)."""
+        epochs = [self.region.u32(self.layout.slot_offset(s) + L.SLOT_TABLE_EPOCH)
+                  for s in self.claimed_slots() if _alive(self.slot_pid(s))]
+        return min(epochs) if epochs else None
+
+    def described(self) -> list[tuple[int, dict[str, Any], str]]:
+        """Every LIVE engine slot whose descriptor is its engine's (``shm.descriptors``): slot,
+        its ``[[engines]]`` entry, its source. A LIVE slot whose descriptor is missing or another
+        identity's (being written) is left out: the caller reads again at the next epoch."""
+        out = []
+        for slot in range(self.layout.engines):
+            entry = self.table.entry(slot)
+            if entry.state != LIVE:
+                continue
+            found = descriptors.read(self.region, slot)
+            if found is not None and identity(found[0]["name"], found[0]["url"]) == entry.identity:
+                out.append((slot, found[0], found[1]))
+        return out
+
+    def live_slots(self) -> int:
+        return sum(1 for slot in range(self.layout.engines) if self.table.entry(slot).state == LIVE)
 
     # -- locks ----------------------------------------------------------------------------------
 

@@ -13,9 +13,16 @@ ejections and caps to whichever engine was now ``i``. Keyed by slot, an old work
 lands on the engine it used, under the new supervisor too; a report on a removed engine's slot
 matches no engine of the new list and is dropped.
 
-* Written only by the gunicorn master, in :meth:`EngineTable.assign`, at start and at each
+* Written by the gunicorn master, in :meth:`EngineTable.assign`, at start and at each
   reload, before it forks the processes that will read it: kept identities keep their slots,
   new ones take a free slot, removed ones are *retired* (their slot is still theirs).
+* With discovery on (SPEC §10), also by the supervisor at run time:
+  :meth:`EngineTable.spare_slot` and :meth:`EngineTable.make_live` give a discovered engine a
+  slot, :meth:`EngineTable.retire` retires a drained one, each moving the epoch.
+  **One writer at a time**: every write of the table (and of its descriptors,
+  ``shm.descriptors``) is made under the table lock (``layout.TABLE_LOCK``, a ``lockf`` on the
+  memfd), which the master's reload takes too; a writer reads the table
+  again under the lock, so neither works on what the other has just changed.
 * A retired slot goes to another identity only once every live worker started after it was
   retired: the table's epoch moves at each reload that retires a slot, and each worker notes
   in its slot the epoch it mapped its engines at (``SLOT_TABLE_EPOCH``). By then the counts of
@@ -26,6 +33,12 @@ matches no engine of the new list and is dropped.
 * Readers (workers at start-up, the supervisor) look identities up once; an entry's mapping
   never changes while they live, so they keep it. Entries are seqlock-framed like every
   multi-field record (``shm.records``).
+* At run time (discovery), a worker follows the table (``front.roster_follow``): when the
+  epoch moved it builds its roster again from the LIVE entries and their descriptors, and
+  notes in its slot the epoch it read *only once it holds nothing on any slot retired up to
+  then* (no leg in flight there; until then it notes one less than that slot's retirement).
+  So the rule above holds at run time too: a retired slot is reused only when every live
+  worker has let go of the engine that had it.
 """
 
 from __future__ import annotations
@@ -127,6 +140,36 @@ class EngineTable:
                          _ENTRY.pack(entry.identity, entry.epoch, entry.state))
         self.region.set_u32(L.TABLE_EPOCH_OFFSET, epoch)
         return out
+
+
+    def spare_slot(self, ident: int, oldest_worker_epoch: int | None) -> int:
+        """Run-time writer, under the table lock: where one more identity goes (its own slot if
+        it has one, else a free one, else a retired one no live worker refers to); nothing is
+        written: the caller writes the descriptor and the record there, then :meth:`make_live`."""
+        entries = [self.entry(slot) for slot in range(self.size)]
+        mine = [slot for slot, e in enumerate(entries) if e.state != FREE and e.identity == ident]
+        spare = mine + [slot for slot, e in enumerate(entries) if e.state == FREE]
+        spare += [slot for slot, e in enumerate(entries) if e.state == RETIRED
+                  and (oldest_worker_epoch is None or e.epoch <= oldest_worker_epoch)]
+        if not spare:
+            raise TableFull(f"no engine slot left for a new engine ({self.size} in the shared layout, "
+                            "drained engines' slots still used by running workers)")
+        return spare[0]
+
+    def make_live(self, slot: int, ident: int) -> None:
+        """Run-time writer, under the table lock: ``slot`` is ``ident``'s from now on; the epoch moves."""
+        epoch = self.epoch + 1
+        write_framed(self.region, self.region.layout.table_offset(slot), _ENTRY.pack(ident, epoch, LIVE))
+        self.region.set_u32(L.TABLE_EPOCH_OFFSET, epoch)
+
+    def retire(self, slot: int) -> None:
+        """Run-time writer, under the table lock: the engine at ``slot`` is gone; the epoch moves."""
+        entry = self.entry(slot)
+        if entry.state != LIVE:
+            return
+        epoch = self.epoch + 1
+        write_framed(self.region, self.region.layout.table_offset(slot), _ENTRY.pack(entry.identity, epoch, RETIRED))
+        self.region.set_u32(L.TABLE_EPOCH_OFFSET, epoch)
 
 
 def worker_epoch(table: EngineTable, slots: Iterable[int]) -> int:

@@ -60,28 +60,36 @@ class WorkerFleetState:
     """Engines are ``fleet.engines[i]`` here and their engine slot ``_slots[i]`` in shared
     memory (``shm.table``): every list this class returns is by fleet index."""
 
-    def __init__(self, shared: SharedFleet, slot: int, fleet: Fleet) -> None:
+    def __init__(self, shared: SharedFleet, slot: int, fleet: Fleet, *, by_slot: bool = False) -> None:
         self.shared = shared
         self.slot = slot
         self.fleet = fleet
-        found = [shared.engine_slot(e.name, e.url) for e in fleet.engines]
-        missing = [e.name for e, s in zip(fleet.engines, found, strict=True) if s is None]
-        if missing:
-            raise UnmappedEngine(", ".join(missing))
-        self._slots = [s for s in found if s is not None]
-        self._span = max(self._slots, default=-1) + 1  # totals() reads the counts of slots below it
+        if by_slot:  # a fleet that changes at run time: each engine's index is its engine slot
+            self._slots = list(range(shared.layout.engines))
+            self._span = fleet.span
+        else:
+            found = [shared.engine_slot(e.name, e.url) for e in fleet.engines]
+            missing = [e.name for e, s in zip(fleet.engines, found, strict=True) if s is None]
+            if missing:
+                raise UnmappedEngine(", ".join(missing))
+            self._slots = [s for s in found if s is not None]
+            self._span = max(self._slots, default=-1) + 1  # totals() reads the counts of slots below it
+        size = len(self._slots)
         self._prefill_at = [2 * s for s in self._slots]
         self._decode_at = [2 * s + 1 for s in self._slots]
         self._in_order = self._slots == list(range(len(self._slots)))  # the usual case: slices
-        self._mine = [0] * (len(fleet.engines) * 2)
+        self._mine = [0] * (size * 2)
+        self._joining: set[int] = set()  # engines taken up at run time whose record is not read yet
         self._generation = -1
-        self._records: list[EngineRecord | None] = [None] * len(fleet.engines)
+        self._records: list[EngineRecord | None] = [None] * size
         self._published_quarantine = False  # some record of this generation is QUARANTINED
-        self._loads: list[LoadRecord | None] = [None] * len(fleet.engines)
+        self._loads: list[LoadRecord | None] = [None] * size
         self._load_seen = 0  # the load generation load_version last saw
         self._load_behind = False  # the readings taken for it were older (see load_version)
         self._load_retry = -1
-        self._hashes = [record_hash(e.name, e.url) for e in fleet.engines]
+        self._hashes = [0] * size
+        for e in fleet.engines:
+            self._hashes[e.index] = record_hash(e.name, e.url)
         self._quarantine = Quarantine()  # local, at once
         self._requests = 0
         self._retries = 0
@@ -90,14 +98,37 @@ class WorkerFleetState:
         # chain of offset helpers (see SharedFleet for the layout).
         self._mm = shared.mm
         self._count_at = [shared.layout.count_offset(slot, s, p) for s in self._slots for p in (0, 1)]
-        self._unsent = [0] * len(fleet.engines)
+        self._unsent = [0] * size
         self._unsent_at = [shared.layout.unsent_offset(slot, s) for s in self._slots]
         self._requests_at = shared.layout.slot_offset(slot) + L.SLOT_REQUESTS
         self._connections_at = shared.layout.slot_offset(slot) + L.SLOT_CONNECTIONS
         # Which table epoch this worker's engine slots belong to: no slot it uses is given to
         # another engine while it lives (shm.table).
         L.store_u32(self._mm, shared.layout.slot_offset(slot) + L.SLOT_TABLE_EPOCH,
-                    worker_epoch(shared.table, self._slots))
+                    worker_epoch(shared.table, [self._slots[e.index] for e in fleet.engines]))
+
+    # -- a fleet that changes at run time (front.roster_follow) -----------------------------------
+
+    def follow(self, added: list[Engine], removed: list[Engine]) -> None:
+        """The fleet (``by_slot``) was rebuilt: new engines wait for their first record (never
+        placed before the supervisor said PROBING or better), removed ones lose what this
+        worker remembered of them; the records are read again."""
+        for e in removed:
+            self._records[e.index] = self._loads[e.index] = None
+            self._quarantine.pop(e.index, None)
+        for e in added:
+            self._records[e.index] = self._loads[e.index] = None
+            self._hashes[e.index] = record_hash(e.name, e.url)
+            self._joining.add(e.index)
+        self._span = self.fleet.span
+        self._generation = -1
+
+    def holds(self, engine_slot: int) -> bool:
+        """Has this worker a leg in flight, or a decode not sent yet, on that engine slot?"""
+        return bool(self._mine[2 * engine_slot] or self._mine[2 * engine_slot + 1] or self._unsent[engine_slot])
+
+    def note_epoch(self, epoch: int) -> None:
+        L.store_u32(self._mm, self.shared.layout.slot_offset(self.slot) + L.SLOT_TABLE_EPOCH, epoch)
 
     # -- FleetView ------------------------------------------------------------------------------
 
@@ -119,6 +150,8 @@ class WorkerFleetState:
                     # a retired engine's record (a reload removed it) is published no more
                 if rec is not None and rec.name_hash != self._hashes[engine.index]:
                     rec = None  # a record written for another engine list (before a reload) is not ours
+                elif rec is not None:
+                    self._joining.discard(engine.index)
                 fresh[engine.index] = rec
             self._records = fresh
             self._published_quarantine = any(r is not None and r.state == QUARANTINED for r in fresh)
@@ -128,13 +161,18 @@ class WorkerFleetState:
 
     def admitted(self, engine: Engine) -> bool:
         rec = self.records()[engine.index]
-        if rec is not None and rec.state not in ADMITTED_STATES:
+        if rec is None:
+            if engine.index in self._joining:
+                return False
+        elif rec.state not in ADMITTED_STATES:
             return False
         return not (self._quarantine and self._quarantine.holds(engine.index))
 
     def placeable(self, engine: Engine) -> bool:
         rec = self.records()[engine.index]
-        return rec is None or rec.state in PLACEABLE_STATES
+        if rec is None:
+            return engine.index not in self._joining  # a discovered engine: not before the supervisor spoke
+        return rec.state in PLACEABLE_STATES
 
     def any_quarantined(self) -> bool:
         # Local entries are dropped lazily (admitted() deletes expired ones): a stale entry
@@ -167,18 +205,19 @@ class WorkerFleetState:
 
     def load_readings(self) -> list[LoadRecord | None]:
         """Every engine's last reading (None: never read, or read for another engine list)."""
-        out: list[LoadRecord | None] = []
+        out: list[LoadRecord | None] = [None] * len(self._slots)  # by Engine.index
         newest = 0
         behind = False
         for engine in self.fleet.engines:
+            i = engine.index
             try:
-                rec = read_load(self.shared.region, self._slots[engine.index])
+                rec = read_load(self.shared.region, self._slots[i])
             except RecordBusy:
                 behind = True
-                out.append(self._loads[engine.index])
+                out[i] = self._loads[i]
                 continue
             newest = max(newest, 0 if rec is None else rec.version)
-            out.append(rec if rec is not None and rec.name_hash == self._hashes[engine.index] else None)
+            out[i] = rec if rec is not None and rec.name_hash == self._hashes[i] else None
         self._load_behind = behind or newest < self._load_seen
         self._loads = out
         return out

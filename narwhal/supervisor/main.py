@@ -28,8 +28,9 @@ from typing import Any
 from narwhal import metrics
 from narwhal.engines.control import PooledReader, open_session
 from narwhal.fleet import Engine, Fleet
-from narwhal.fleet.breaker import Breakers, EngineInfo, EngineStatus, Outcome, State
-from narwhal.settings import Settings
+from narwhal.fleet.breaker import EngineInfo, EngineStatus, Outcome, State
+from narwhal.fleet.membership import ChangingBreakers
+from narwhal.settings import EngineSpec, Settings
 from narwhal.shm import layout as L
 from narwhal.shm.holdings import Holdings, identity
 from narwhal.shm.records import (
@@ -54,6 +55,7 @@ from narwhal.shm.records import (
 )
 from narwhal.shm.shared import SharedFleet, alive
 from narwhal.shm.table import record_hash
+from narwhal.supervisor.discovery import Discovery
 from narwhal.supervisor.holdings import HoldingsModel
 from narwhal.supervisor.load import LoadReader
 from narwhal.supervisor.probes import Prober
@@ -71,27 +73,19 @@ class Supervisor:
     def __init__(self, shared: SharedFleet, settings: Settings, holdings: Holdings | None = None) -> None:
         self.shared = shared
         self.settings = settings
-        self.fleet = Fleet(settings)
-        infos = [
-            EngineInfo(
-                name=e.name,
-                role=e.role,
-                wave=e.wave,
-                permitted_consumers=frozenset(d.name for d in e.permitted_consumers),
-                permitted_producers=frozenset(p.name for p in e.permitted_producers),
-            )
-            for e in self.fleet.engines
-        ]
-        self.breakers = Breakers(infos, settings.recovery, has_contract=settings.engine_contract is not None)
-        # Engine slots (shm.table): what every shared record, count and report is keyed by; the
-        # same for an engine across reloads, so old workers' reports land on the engine they used.
-        slots = {e.name: shared.engine_slot(e.name, e.url) for e in self.fleet.engines}
-        missing = [name for name, slot in slots.items() if slot is None]
-        if missing:
-            raise RuntimeError(f"engines without a slot in the shared table: {', '.join(missing)}")
-        self._slot: dict[str, int] = {name: slot for name, slot in slots.items() if slot is not None}
-        self._by_slot: dict[int, Engine] = {self._slot[e.name]: e for e in self.fleet.engines}
-        self._span = max(self._slot.values(), default=-1) + 1
+        self.sources: dict[str, str] = {}  # engine name -> its source (static, file, dns:NAME): discovery only
+        if settings.discovery.enabled:  # the table's engines, each at its engine slot (front.roster_follow)
+            described = shared.described()
+            self.sources = {entry["name"]: source for _, entry, source in described}
+            members = [(slot, EngineSpec(**entry)) for slot, entry, _ in described]
+            self.fleet = Fleet(settings, members)
+        else:
+            members = list(enumerate(settings.engines))
+            self.fleet = Fleet(settings)
+        self.specs = {spec.name: spec for _, spec in members}
+        self.breakers = ChangingBreakers(self._infos(), settings.recovery,
+                                         has_contract=settings.engine_contract is not None)
+        self._map_slots()
         self._published = -1
         self._tasks: set[asyncio.Task[Any]] = set()
         self._probing: set[str] = set()
@@ -101,6 +95,39 @@ class Supervisor:
         if holdings is not None:
             stamps = [identity(e.name, e.url) if e.can_prefill else None for e in self.fleet.engines]
             self.model = HoldingsModel(stamps, holdings.layout.keys, settings.placement.block_chars)
+
+    def _infos(self) -> list[EngineInfo]:
+        return [
+            EngineInfo(
+                name=e.name,
+                role=e.role,
+                wave=e.wave,
+                permitted_consumers=frozenset(d.name for d in e.permitted_consumers),
+                permitted_producers=frozenset(p.name for p in e.permitted_producers),
+            )
+            for e in self.fleet.engines
+        ]
+
+    def _map_slots(self) -> None:
+        # Engine slots (shm.table): what every shared record, count and report is keyed by; the
+        # same for an engine across reloads, so old workers' reports land on the engine they used.
+        # With discovery an engine's index is its slot (one joining is not LIVE in the table yet).
+        slots = {e.name: e.index if self.settings.discovery.enabled else self.shared.engine_slot(e.name, e.url)
+                 for e in self.fleet.engines}
+        missing = [name for name, slot in slots.items() if slot is None]
+        if missing:
+            raise RuntimeError(f"engines without a slot in the shared table: {', '.join(missing)}")
+        self._slot: dict[str, int] = {name: slot for name, slot in slots.items() if slot is not None}
+        self._by_slot: dict[int, Engine] = {self._slot[e.name]: e for e in self.fleet.engines}
+        self._span = max(self._slot.values(), default=-1) + 1
+
+    def set_engines(self, members: list[tuple[int, EngineSpec]], joining: set[str]) -> None:
+        """Discovery: the engines become ``members`` (engine slot, entry); those named in
+        ``joining`` start PROBING (``fleet.membership``)."""
+        self.fleet.replace(members)
+        self.specs = {spec.name: spec for _, spec in members}
+        self.breakers.reshape(self._infos(), joining, time.monotonic())
+        self._map_slots()
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -164,6 +191,8 @@ class Supervisor:
             metrics.ENGINE_STATE.labels(engine.name, engine.role).set(int(self.breakers.status(engine.name).state))
 
     def admitted(self, engine: Engine) -> bool:
+        if engine.name not in self.fleet.by_name:  # forgotten since (discovery)
+            return False
         return self.breakers.admitted(engine.name, time.monotonic())
 
     def _placeable(self, engine: Engine) -> bool:
@@ -276,7 +305,7 @@ class Supervisor:
     async def _health(self, prober: Prober, engine: Engine) -> None:
         sent_at = time.monotonic()
         failure = await prober.health_failure(engine)
-        if failure is not None:
+        if failure is not None and engine.name in self.fleet.by_name:  # not forgotten meanwhile (discovery)
             log.warning("health check of %s: fail: %s", engine.name, failure)
             now = time.monotonic()
             if self.breakers.admitted(engine.name, now):
@@ -294,6 +323,7 @@ class Supervisor:
             next_load = 0.0
             self.restore()
             self.publish()
+            discovery = Discovery(self, self.settings) if self.settings.discovery.enabled else None
             health_every = self.settings.recovery.health_interval_s
             next_health = time.monotonic() + health_every
             next_sweep = next_export = 0.0
@@ -317,9 +347,13 @@ class Supervisor:
                 if load_every > 0 and now >= next_load:
                     next_load = now + load_every
                     loads.start_round((e for e in self.fleet.engines if self._placeable(e)), load_every / 2)
+                if discovery is not None:
+                    discovery.tick(now)  # a read is started, never awaited here: the beat goes on
                 if now >= next_sweep:
                     next_sweep = now + SWEEP_S
                     self.sweep()
+                    if discovery is not None:
+                        discovery.sweep()
                 if self.breakers.version != self._published:
                     self.publish()
                 if now >= next_export:

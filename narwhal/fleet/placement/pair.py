@@ -55,6 +55,15 @@ def _engine_index(engine: Engine) -> int:
     return engine.index
 
 
+def _by_index(fleet: Fleet, value: Callable[[Engine], Any]) -> list[Any]:
+    """``value`` of every engine, in a list by ``Engine.index`` (indices are engine slots in a
+    fleet that changes at run time: not positions)."""
+    out: list[Any] = [0] * fleet.span
+    for e in fleet.engines:
+        out[e.index] = value(e)
+    return out
+
+
 class Placement:
     def __init__(
         self,
@@ -82,7 +91,7 @@ class Placement:
             LoadCache(loads, clock, settings.load_stale_s, settings.kv_saturated)
             if loads is not None and settings.load_interval_s > 0 else None
         )
-        self._hashes = [affinity.key_hash(e.name) for e in fleet.engines]
+        self._hashes = _by_index(fleet, lambda e: affinity.key_hash(e.name))
         self._policy = settings.placement_policy
         self.holdings = holdings  # policy "held": what each producer holds (SPEC §3.3)
         self._matched: list[int] = []  # the last held ordering's matched characters, by position
@@ -252,13 +261,14 @@ class Placement:
         """Seconds of quarantine left per engine, read once per pass. Not quarantined is 0.0,
         so such an engine sorts before every quarantined one (and ties one whose quarantine
         is just ending, which then is as good as over)."""
-        left = [self.view.quarantine_left(e) for e in self.fleet.engines]
+        left = _by_index(self.fleet, self.view.quarantine_left)
         return lambda e: left[e.index]
 
     def _refresh(self) -> None:
         if self._version != self.fleet.version:
             self._by_model.clear()
             self._consumers_by_model.clear()
+            self._hashes = _by_index(self.fleet, lambda e: affinity.key_hash(e.name))
             self._version = self.fleet.version
 
     def _candidates(self, model: str) -> tuple[Candidate, ...]:

@@ -1,0 +1,97 @@
+"""A worker following a fleet that changes at run time (discovery, SPEC §10), through shared memory.
+
+With a ``[discovery]`` source, a worker's engines are not its settings' ``[[engines]]`` but the
+LIVE entries of the engine table and their descriptors (``shm.table``, ``shm.descriptors``):
+static engines written there by the master, discovered ones by the supervisor. Each engine's
+``Engine.index`` is its engine slot, so every list by index (counts, records, loads, placement's
+hashes) stays right whatever comes and goes, and the worker's in-flight counts, written at the
+slot, need no moving.
+
+Invariants:
+
+* No IPC and nothing extra per request: :meth:`RosterFollower.check` runs every
+  :data:`FOLLOW_S` on the worker's loop and compares one u32, the table epoch, with the one it
+  last took up; only when it moved does it read the table and the descriptors again and rebuild
+  the roster (``Fleet.replace``: unchanged engines keep their ``Engine`` objects, and the
+  placement caches follow ``fleet.version``).
+* A new engine is not placed before its first record is read (``WorkerFleetState.follow``):
+  the supervisor writes it PROBING before the table entry turns LIVE, but that store may be seen
+  later on aarch64.
+* The epoch noted in the worker's slot moves only once the worker holds nothing — no leg in
+  flight, no decode unsent — on any engine slot retired up to it: until then it notes one less
+  than that slot's retirement, so the slot is not given to another engine under this worker's
+  legs (``shm.table``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from narwhal.fleet import Fleet
+from narwhal.settings import EngineSpec, Settings
+from narwhal.shm.shared import SharedFleet
+from narwhal.shm.table import RETIRED
+from narwhal.shm.worker import WorkerFleetState
+
+log = logging.getLogger("narwhal.front.roster")
+
+FOLLOW_S = 0.25  # a change is taken up within this (plus the supervisor's interval)
+
+
+def members(shared: SharedFleet) -> tuple[list[tuple[int, EngineSpec]], bool]:
+    """The engines of the table now (by engine slot), and whether every LIVE slot was readable."""
+    found = shared.described()
+    out = []
+    for slot, entry, _source in found:
+        try:
+            out.append((slot, EngineSpec(**entry)))
+        except ValueError:  # written by a writer of another version: taken up when it is rewritten
+            continue
+    return out, len(out) == shared.live_slots()
+
+
+def fleet_from_table(settings: Settings, shared: SharedFleet) -> tuple[Fleet, int]:
+    epoch = shared.table.epoch  # read first: what is noted may be older than what was read, never newer
+    found, _ = members(shared)
+    return Fleet(settings, found), epoch
+
+
+class RosterFollower:
+    def __init__(self, shared: SharedFleet, fleet: Fleet, state: WorkerFleetState, epoch: int) -> None:
+        self.shared = shared
+        self.fleet = fleet
+        self.state = state
+        self._seen = epoch
+        self._leaving: set[int] = set()  # engine slots removed from the roster with legs still on them
+        self.check()
+
+    def check(self) -> None:
+        epoch = self.shared.table.epoch
+        if epoch != self._seen:
+            found, complete = members(self.shared)
+            added, removed = self.fleet.replace(found)
+            self.state.follow(added, removed)
+            self._leaving.update(e.index for e in removed)
+            for e in added:
+                log.info("engine %s at %s joins this worker's fleet (probing until the supervisor admits it)",
+                         e.name, e.url)
+            for e in removed:
+                log.info("engine %s at %s leaves this worker's fleet", e.name, e.url)
+            if complete:
+                self._seen = epoch
+        self._leaving = {s for s in self._leaving if self.state.holds(s)}
+        note = self._seen
+        for s in self._leaving:
+            entry = self.shared.table.entry(s)
+            if entry.state == RETIRED:
+                note = min(note, entry.epoch - 1)
+        self.state.note_epoch(max(note, 0))
+
+    async def keep_following(self) -> None:
+        while True:
+            await asyncio.sleep(FOLLOW_S)
+            try:
+                self.check()
+            except Exception:  # never let the roster stop following
+                log.exception("following the engine table failed")

@@ -1,0 +1,165 @@
+"""Engines that come and go (SPEC §10) through real gunicorn: a watched file edited on disk, a
+real DNS server process on 127.0.0.1; no worker restarts, no lost request."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from narwhal.testing.harness import FakeFleet, RouterProcess
+from tests.real_gunicorn.support import (
+    TOKEN,
+    admin,
+    completion,
+    records,
+    scrape,
+    send,
+    start_router,
+    unique_prompt,
+    value,
+    wait_until,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+STATIC = [{"name": "p0", "role": "producer"}, {"name": "d0", "role": "consumer"}]
+
+
+def write_engines(path: Path, entries: list[dict[str, Any]]) -> None:
+    lines = []
+    for entry in entries:
+        lines.append("[[engines]]")
+        lines += [f'{k} = "{v}"' for k, v in entry.items()]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, path)  # atomically, as an operator's tooling (or a ConfigMap) does
+
+
+def entry(fleet: FakeFleet, name: str, role: str) -> dict[str, str]:
+    return {"name": name, "url": fleet.engines[name], "role": role}
+
+
+def discovering_router(fleet: FakeFleet, tmp: Path, engines_file: Path, **discovery: Any) -> RouterProcess:
+    return start_router(fleet, [dict(e) for e in STATIC], tmp, server={"workers": 2, "admin_token": TOKEN},
+                        discovery={"file": str(engines_file), "interval_s": 0.2, **discovery},
+                        log={"level": "info"})
+
+
+async def names(router: RouterProcess) -> dict[str, str]:
+    return {e["name"]: e["state"] for e in (await admin(router))["engines"]}
+
+
+async def wait_listed(router: RouterProcess, name: str, state: str, timeout: float = 20) -> None:
+    """Until ``name`` is in /admin/engines in ``state`` (absent at first: it is discovered)."""
+    end = asyncio.get_running_loop().time() + timeout
+    seen: dict[str, str] = {}
+    while asyncio.get_running_loop().time() < end:
+        seen = await names(router)
+        if seen.get(name) == state:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{name} never {state} in /admin/engines: {seen}")
+
+
+async def wait_gone(router: RouterProcess, name: str, timeout: float = 20) -> None:
+    end = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < end:
+        if name not in await names(router):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{name} still in /admin/engines: {await names(router)}")
+
+
+async def served_by(router: RouterProcess, fleet: FakeFleet, name: str, timeout: float = 15) -> None:
+    """Until a request lands on engine ``name`` (placement spreads requests over the least loaded)."""
+    prompt = unique_prompt()
+    end = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < end:
+        assert (await send(router.url, "/v1/completions", completion(prompt))).status == 200
+        if records(fleet, name, prompt):
+            return
+    raise AssertionError(f"no request reached {name} in {timeout:g}s")
+
+
+async def light_load(router: RouterProcess, statuses: list[int], stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        reply = await send(router.url, "/v1/completions", completion(unique_prompt(), max_tokens=8))
+        statuses.append(reply.status)
+
+
+async def test_engines_join_and_leave_on_a_file_edit_under_load_losing_no_request(
+    fleet: FakeFleet, tmp_path: Path
+) -> None:
+    engines_file = tmp_path / "engines.toml"
+    write_engines(engines_file, [entry(fleet, "p1", "producer")])
+    router = discovering_router(fleet, tmp_path, engines_file)
+    try:
+        await wait_listed(router, "p1", "admitted")
+        statuses: list[int] = []
+        stop = asyncio.Event()
+        load = [asyncio.ensure_future(light_load(router, statuses, stop)) for _ in range(2)]
+        write_engines(engines_file, [entry(fleet, "p1", "producer"), entry(fleet, "d1", "consumer")])
+        await wait_listed(router, "d1", "admitted")
+        await served_by(router, fleet, "d1")  # every worker knows d1's model within a second or so
+        write_engines(engines_file, [entry(fleet, "d1", "consumer")])  # p1 goes: drained, then forgotten
+        await wait_gone(router, "p1")
+        stop.set()
+        await asyncio.gather(*load)
+        assert statuses and set(statuses) == {200}
+        text = router.log_text()
+        assert "engine p1 at " + fleet.engines["p1"] + " drained and forgotten" in text
+        # Each worker drops it within a follow period of the supervisor forgetting it.
+        wait_until(lambda: all('engine="p1"' not in scrape(router) for _ in range(4)), 5, "p1's series gone")
+        metrics = scrape(router)
+        assert 'narwhal_engine_state{engine="d1",role="consumer"} 0.0' in metrics
+        assert value(metrics, "narwhal_discovery_engines", source="file", state="active") == 1
+        assert value(metrics, "narwhal_discovery_engines", source="file", state="draining") == 0
+    finally:
+        router.stop()
+
+
+async def test_a_file_made_invalid_or_removed_keeps_the_last_good_set(fleet: FakeFleet, tmp_path: Path) -> None:
+    engines_file = tmp_path / "engines.toml"
+    write_engines(engines_file, [entry(fleet, "p1", "producer")])
+    router = discovering_router(fleet, tmp_path, engines_file)
+    try:
+        await wait_listed(router, "p1", "admitted")
+        write_engines(engines_file, [entry(fleet, "p1", "producer"), {"url": fleet.engines["d1"], "role": "decoder"}])
+        line = (f"discovery: file refused, keeping its last good set (1 engines): {engines_file}: "
+                "engines.1.role: Input should be 'producer', 'consumer' or 'both'")
+        wait_until(lambda: line in router.log_text(), 10, "the refusal, naming entry and key")
+        engines_file.unlink()
+        wait_until(lambda: f"discovery: file unreadable, keeping its last good set (1 engines): cannot read "
+                           f"{engines_file}: No such file or directory" in router.log_text(), 10, "the warning")
+        assert router.log_text().count(line) == 1  # one warning per source per minute
+        assert (await names(router)) == {"p0": "admitted", "d0": "admitted", "p1": "admitted"}
+        await served_by(router, fleet, "p1")
+    finally:
+        router.stop()
+
+
+async def test_more_engines_than_slots_are_refused_with_one_line_and_counted(
+    fleet: FakeFleet, tmp_path: Path
+) -> None:
+    engines_file = tmp_path / "engines.toml"
+    write_engines(engines_file, [entry(fleet, "p1", "producer"), entry(fleet, "d1", "consumer")])
+    router = discovering_router(fleet, tmp_path, engines_file, max_engines=3)
+    try:
+        await wait_listed(router, "p1", "admitted")
+        line = (f"discovery: file: engine 'd1' at {fleet.engines['d1']} is refused: "
+                "all 3 engine slots are taken (discovery.max_engines)")
+        wait_until(lambda: line in router.log_text(), 10, "the refusal")
+        def counted() -> bool:
+            metrics = scrape(router)
+            return [value(metrics, "narwhal_discovery_engines", source="file", state=state)
+                    for state in ("active", "probing", "draining", "refused")] == [1, 0, 0, 1]
+
+        wait_until(counted, 5, "p1 active and d1 refused in narwhal_discovery_engines")
+        assert router.log_text().count(line) == 1  # once per change, not per read
+        assert "d1" not in await names(router)
+    finally:
+        router.stop()

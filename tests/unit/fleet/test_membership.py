@@ -1,0 +1,61 @@
+"""Engines joining and leaving the breakers and the roster at run time (SPEC §10): pure rules."""
+
+from __future__ import annotations
+
+from narwhal.fleet import Fleet
+from narwhal.fleet.blame import State
+from narwhal.fleet.membership import ChangingBreakers
+from narwhal.settings import EngineSpec, RecoverySettings, Settings
+from tests.unit.fleet.test_breaker import mesh as fleet
+
+
+def changing(infos: list, has_contract: bool = False) -> ChangingBreakers:  # type: ignore[type-arg]
+    return ChangingBreakers(infos, RecoverySettings(readmit_interval_s=5), has_contract=has_contract)
+
+
+def test_a_joining_engine_is_probing_until_its_first_checks_pass() -> None:
+    b = changing(fleet(producers=["p0"], consumers=["d0"]))
+    b.reshape(fleet(producers=["p0", "p1"], consumers=["d0"]), {"p1"}, now=10.0)
+    assert b.status("p1").state is State.PROBING and b.joining("p1")
+    assert not b.admitted("p1", 10.0)
+    plans = b.due_probes(10.0)
+    assert [(p.engine, p.kind) for p in plans] == [("p1", "lifecycle")]
+    assert b.due_probes(10.5) == []  # one probe at a time
+    b.probe_result("p1", "fail", 11.0)
+    assert b.status("p1").state is State.PROBING  # it never served: not EJECTED
+    assert b.due_probes(15.9) == [] and [p.engine for p in b.due_probes(16.0)] == ["p1"]
+    b.probe_result("p1", "pass", 16.5)
+    assert b.status("p1").state is State.ADMITTED and not b.joining("p1")
+
+
+def test_with_a_contract_a_joining_engine_gets_the_transfer_probe() -> None:
+    b = changing(fleet(producers=["p0"], consumers=["d0"]), has_contract=True)
+    b.reshape(fleet(producers=["p0"], consumers=["d0", "d1"]), {"d1"}, now=0.0)
+    assert [(p.engine, p.kind, p.as_consumer) for p in b.due_probes(0.0)] == [("d1", "probe", True)]
+
+
+def test_engines_that_stay_keep_their_state_and_removed_ones_are_gone() -> None:
+    b = changing(fleet(producers=["p0", "p1"], consumers=["d0"]))
+    b.eject("p0", 1.0)
+    version = b.version
+    b.reshape(fleet(producers=["p0"], consumers=["d0"]), set(), now=2.0)
+    assert b.version > version
+    assert b.status("p0").state is State.EJECTED and b.status("p0").ejections == 1
+    assert [s.name for s in b.statuses()] == ["p0", "d0"]
+
+
+def _spec(name: str, role: str = "both") -> EngineSpec:
+    return EngineSpec(name=name, url=f"http://{name}:8000", role=role)
+
+
+def test_a_roster_keeps_each_engine_at_its_index_and_its_object() -> None:
+    f = Fleet(Settings(), [(3, _spec("a", "producer")), (7, _spec("b", "consumer"))])
+    a, b = f.by_name["a"], f.by_name["b"]
+    assert (a.index, b.index, f.span) == (3, 7, 8)
+    assert a.permitted_consumers == (b,)
+    version = f.version
+    added, removed = f.replace([(7, _spec("b", "consumer")), (1, _spec("c", "consumer"))])
+    assert [e.name for e in added] == ["c"] and removed == [a]
+    assert f.by_name["b"] is b and f.version > version
+    assert [e.index for e in f.engines] == [1, 7]
+    assert f.by_name["c"].permitted_producers == ()
