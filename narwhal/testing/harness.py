@@ -179,6 +179,8 @@ def _toml(value: Any) -> str:
         return json.dumps(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table (``dns = [{name = ..., port = ...}]``)
+        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {value!r} as TOML")
 
 

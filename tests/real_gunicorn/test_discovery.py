@@ -4,7 +4,13 @@ real DNS server process on 127.0.0.1; no worker restarts, no lost request."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +32,7 @@ from tests.real_gunicorn.support import (
 
 pytestmark = pytest.mark.timeout(120)
 
+ROOT = Path(__file__).resolve().parents[2]
 STATIC = [{"name": "p0", "role": "producer"}, {"name": "d0", "role": "consumer"}]
 
 
@@ -163,3 +170,80 @@ async def test_more_engines_than_slots_are_refused_with_one_line_and_counted(
         assert "d1" not in await names(router)
     finally:
         router.stop()
+
+
+# ------------------------------------------------------------------------------------------ DNS
+
+
+@contextlib.contextmanager
+def dns_server(records: Path) -> Iterator[tuple[int, subprocess.Popen[str]]]:
+    """The real DNS server process of ``tests.dns_server``, serving ``records`` (re-read per query)."""
+    proc = subprocess.Popen([sys.executable, "-m", "tests.dns_server", str(records)], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    try:
+        first = proc.stdout.readline()  # once bound, or EOF if it died
+        assert first.startswith("PORT "), first
+        yield int(first.split()[1]), proc
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        proc.stdout.close()
+
+
+def one_port_on(*hosts: str) -> int:
+    """A TCP port free on every one of ``hosts`` (a headless Service's pods share one port)."""
+    while True:
+        with socket.socket() as first:
+            first.bind((hosts[0], 0))
+            port = int(first.getsockname()[1])
+            try:
+                for host in hosts[1:]:
+                    with socket.socket() as other:
+                        other.bind((host, port))
+            except OSError:
+                continue
+            return port
+
+
+def set_records(path: Path, records: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(records))
+    os.replace(tmp, path)
+
+
+async def test_dns_a_records_are_engines_and_a_dns_server_gone_keeps_the_last_good_set(
+    fleet: FakeFleet, tmp_path: Path
+) -> None:
+    hosts = ("127.0.0.2", "127.0.0.3")
+    port = one_port_on(*hosts)
+    pods = [FakeFleet.start(["pod"], args=["--host", host, "--port", str(port)]) for host in hosts]
+    records = tmp_path / "records.json"
+    set_records(records, {"vllm-decode.test.": {"A": ["127.0.0.2"]}})
+    names_of = [f"consumer-{host}-{port}" for host in hosts]
+    try:
+        with dns_server(records) as (dns_port, proc):
+            router = start_router(
+                fleet, [dict(e) for e in STATIC], tmp_path, server={"workers": 2, "admin_token": TOKEN},
+                log={"level": "info"},
+                discovery={"interval_s": 0.2, "resolver": f"127.0.0.1:{dns_port}",
+                           "dns": [{"name": "vllm-decode.test", "port": port, "role": "consumer"}]})
+            try:
+                await wait_listed(router, names_of[0], "admitted")
+                set_records(records, {"vllm-decode.test.": {"A": list(hosts)}})  # scaled up
+                await wait_listed(router, names_of[1], "admitted")
+                await served_by(router, pods[1], "pod")
+                wait_until(lambda: value(scrape(router), "narwhal_discovery_engines", source="dns",
+                                         state="active") == 2, 5, "two engines active from DNS")
+                proc.terminate()
+                proc.wait(timeout=10)
+                wait_until(lambda: "discovery: dns:vllm-decode.test unreadable, keeping its last good set "
+                                   "(2 engines): DNS A vllm-decode.test: " in router.log_text(), 15, "the warning")
+                listed = await names(router)
+                assert [listed.get(n) for n in names_of] == ["admitted", "admitted"]
+                await served_by(router, pods[0], "pod")
+            finally:
+                router.stop()
+    finally:
+        for pod in pods:
+            pod.stop()
