@@ -10,6 +10,8 @@ Chosen where SPEC §10 is silent (README "Engines that come and go"):
 * ``resolver`` — ``HOST:PORT`` of the DNS server to ask (empty: the host's ``/etc/resolv.conf``).
   An operator needs it where the cluster DNS is not the host's (a router outside the cluster),
   and the tests use it to ask a real server on 127.0.0.1 instead of patching a resolver.
+* ``max_inflight_prefill`` / ``max_inflight_decode`` on a DNS name — the caps of every engine
+  its records list (the pods of one StatefulSet are alike), as an ``[[engines]]`` entry has them.
 * ``max_engines`` — the engine slots of the shared-memory layout once a source is set (SPEC's
   default 256); with no source, ``server.max_engines`` sizes them as before.
 """
@@ -33,6 +35,9 @@ class DnsSource(BaseModel):
     srv: bool = False  # take host and port from SRV records (then ``port`` is not used)
     role: Literal["producer", "consumer", "both"]
     scheme: Literal["http", "https"] = "http"
+    # Given to every engine the name's records list (a StatefulSet's pods are alike).
+    max_inflight_prefill: Annotated[int, Field(ge=1)] | None = None
+    max_inflight_decode: Annotated[int, Field(ge=1)] | None = None
 
     @model_validator(mode="after")
     def _port_or_srv(self) -> DnsSource:

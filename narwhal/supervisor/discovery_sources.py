@@ -105,7 +105,9 @@ class DnsReader:
         for addr, port in sorted(set(targets)):
             host = f"[{addr}]" if ipaddress.ip_address(addr).version == 6 else addr
             url = f"{source.scheme}://{host}:{port}"
-            specs.append(EngineSpec(name=engine_name(source.role, url), url=url, role=source.role))
+            specs.append(EngineSpec(name=engine_name(source.role, url), url=url, role=source.role,
+                                    max_inflight_prefill=source.max_inflight_prefill,
+                                    max_inflight_decode=source.max_inflight_decode))
         return specs
 
     async def _srv(self, name: str) -> list[tuple[str, int]]:

@@ -42,7 +42,7 @@ SPEC_FAMILIES = [
 ]
 SETTINGS_SECTIONS = {
     "server", "request", "engine", "handoff", "placement", "preflight", "log", "recovery",
-    "engine_contract", "engines",
+    "discovery", "engine_contract", "engines",
 }
 
 # ----------------------------------------------------------------------------- metric names

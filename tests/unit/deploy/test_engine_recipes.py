@@ -26,7 +26,8 @@ import yaml
 from packaging.specifiers import SpecifierSet
 
 from narwhal.fleet import Fleet
-from narwhal.settings import Settings, load_settings
+from narwhal.fleet.discovery import engine_name
+from narwhal.settings import EngineSpec, Settings, load_settings
 
 ROOT = Path(__file__).resolve().parents[3]
 K8S = ROOT / "deploy" / "kubernetes"
@@ -176,34 +177,35 @@ def _container(statefulset: dict[str, Any]) -> dict[str, Any]:
     return container
 
 
-def test_the_kubernetes_engines_are_the_configmaps_engines(tmp_path: Path) -> None:
+def test_the_kubernetes_engines_are_found_through_their_headless_services(tmp_path: Path) -> None:
+    """The ConfigMap names no engine: each ``[[discovery.dns]]`` name is an engine StatefulSet's
+    headless Service, on its pods' port, with the role its pods serve (SPEC §10)."""
     settings = _settings(yaml.safe_load((K8S / "configmap.yaml").read_text())["data"]["narwhal.toml"], tmp_path)
     replicas = yaml.safe_load((K8S / "deployment.yaml").read_text())["spec"]["replicas"]
     docs = _engine_docs()
     assert sorted(docs) == [("Service", "vllm-decode"), ("Service", "vllm-prefill"),
                             ("StatefulSet", "vllm-decode"), ("StatefulSet", "vllm-prefill")]
-    pods = {f"{name}-{i}" for (kind, name), d in docs.items() if kind == "StatefulSet"
-            for i in range(d["spec"]["replicas"])}
-    named = set()
-    for engine in settings.engines:
-        url = urlsplit(engine.url)
-        assert url.hostname is not None
-        pod, service, namespace, *domain = url.hostname.split(".")
+    assert settings.engines == [] and settings.discovery.enabled and not settings.discovery.file
+    found = set()
+    for source in settings.discovery.dns:
+        service, namespace, *domain = source.name.split(".")
         assert (namespace, domain) == ("llm", ["svc", "cluster", "local"])
+        assert (docs[("Service", service)]["spec"]["clusterIP"], source.srv, source.scheme) == ("None", False, "http")
         statefulset = docs[("StatefulSet", service)]
         assert statefulset["spec"]["serviceName"] == service
         assert statefulset["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == (
-            "prefill" if engine.role == "producer" else "decode")
+            "prefill" if source.role == "producer" else "decode")
         container = _container(statefulset)
-        assert url.port == container["ports"][0]["containerPort"] == 8000
+        assert source.port == container["ports"][0]["containerPort"] == 8000
         assert container["ports"][0]["name"] == "http"
-        named.add(pod)
-        streams = engine.max_inflight_decode * replicas if engine.role == "consumer" else None
+        found.add(service)
+        streams = source.max_inflight_decode * replicas if source.role == "consumer" and source.max_inflight_decode \
+            else None
         assert container["command"] == ["vllm", "serve"]
         command = parse_serve(container["args"], {})
-        assert int(command.flag("--port")) == url.port
+        assert int(command.flag("--port")) == source.port
         _check_engine_flags(command, settings, streams)
-    assert named == pods  # every engine pod is in the ConfigMap, and no ConfigMap engine is missing
+    assert found == {name for kind, name in docs if kind == "StatefulSet"}  # every engine StatefulSet is found
 
 
 @pytest.mark.parametrize("name", ["vllm-prefill", "vllm-decode"])
@@ -271,19 +273,24 @@ def _bare_metal(tmp_path: Path) -> tuple[Settings, dict[str, Run]]:
 
 
 def _kubernetes(tmp_path: Path) -> tuple[Settings, dict[str, Run]]:
+    """The engines discovery finds: every pod of each ``[[discovery.dns]]`` name's StatefulSet."""
     settings = _settings(yaml.safe_load((K8S / "configmap.yaml").read_text())["data"]["narwhal.toml"], tmp_path)
     docs = _engine_docs()
     runs = {}
-    for engine in settings.engines:
-        url = urlsplit(engine.url)
-        assert url.hostname is not None
-        pod, service = url.hostname.split(".")[:2]
-        container = _container(docs[("StatefulSet", service)])
+    engines = []
+    for source in settings.discovery.dns:
+        service = source.name.split(".")[0]
+        statefulset = docs[("StatefulSet", service)]
+        container = _container(statefulset)
         command = parse_serve(container["args"], {})
         env = {e["name"]: e.get("value") for e in container["env"]}
-        runs[engine.name] = Run(pod, int(command.flag("--port")), int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"]),
-                                int(command.flag("--tensor-parallel-size")))
-    return settings, runs
+        for i in range(statefulset["spec"]["replicas"]):
+            pod = f"{service}-{i}"
+            url = f"http://{pod}.{source.name}:{source.port}"
+            engines.append(EngineSpec(name=engine_name(source.role, url), url=url, role=source.role))
+            runs[engines[-1].name] = Run(pod, int(command.flag("--port")), int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"]),
+                                         int(command.flag("--tensor-parallel-size")))
+    return settings.model_copy(update={"engines": engines}), runs
 
 
 RECIPES = {"README bare metal": _bare_metal, "deploy/kubernetes/engines": _kubernetes}

@@ -109,6 +109,16 @@ def test_a_records_are_engines_on_the_configured_port(dns_server: tuple[Path, in
     ]
 
 
+def test_a_dns_name_gives_its_caps_to_every_engine_it_lists(
+    dns_server: tuple[Path, int, subprocess.Popen[str]]
+) -> None:
+    records, port, _ = dns_server
+    write_atomically(records, json.dumps({"decode.test.": {"A": ["127.0.0.2", "127.0.0.3"]}}))
+    source = DnsSource(name="decode.test", port=8200, role="consumer", max_inflight_decode=85)
+    specs = asyncio.run(reader(port).read(source))
+    assert [(s.max_inflight_decode, s.max_inflight_prefill) for s in specs] == [(85, None), (85, None)]
+
+
 def test_srv_records_give_each_engine_its_port(dns_server: tuple[Path, int, subprocess.Popen[str]]) -> None:
     records, port, _ = dns_server
     write_atomically(records, json.dumps({
