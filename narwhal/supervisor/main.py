@@ -55,7 +55,6 @@ from narwhal.shm.records import (
 )
 from narwhal.shm.shared import SharedFleet, alive
 from narwhal.shm.table import record_hash
-from narwhal.supervisor.discovery import Discovery
 from narwhal.supervisor.holdings import HoldingsModel
 from narwhal.supervisor.load import LoadReader
 from narwhal.supervisor.probes import Prober
@@ -323,7 +322,11 @@ class Supervisor:
             next_load = 0.0
             self.restore()
             self.publish()
-            discovery = Discovery(self, self.settings) if self.settings.discovery.enabled else None
+            discovery = None
+            if self.settings.discovery.enabled:  # imported only then: dnspython costs a static fleet's start nothing
+                from narwhal.supervisor.discovery import Discovery
+
+                discovery = Discovery(self, self.settings)
             health_every = self.settings.recovery.health_interval_s
             next_health = time.monotonic() + health_every
             next_sweep = next_export = 0.0

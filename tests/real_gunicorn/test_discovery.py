@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from tests.real_gunicorn.support import (
     value,
     wait_until,
 )
+from tests.real_gunicorn.test_reload_state import workers_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -82,10 +84,11 @@ async def wait_gone(router: RouterProcess, name: str, timeout: float = 20) -> No
 
 
 async def served_by(router: RouterProcess, fleet: FakeFleet, name: str, timeout: float = 15) -> None:
-    """Until a request lands on engine ``name`` (placement spreads requests over the least loaded)."""
-    prompt = unique_prompt()
+    """Until a request lands on engine ``name``: a new prompt each time, since a prompt's prefix
+    keeps going to the producer placement chose for it."""
     end = asyncio.get_running_loop().time() + timeout
     while asyncio.get_running_loop().time() < end:
+        prompt = unique_prompt()
         assert (await send(router.url, "/v1/completions", completion(prompt))).status == 200
         if records(fleet, name, prompt):
             return
@@ -247,3 +250,20 @@ async def test_dns_a_records_are_engines_and_a_dns_server_gone_keeps_the_last_go
     finally:
         for pod in pods:
             pod.stop()
+
+
+async def test_a_reload_keeps_the_discovered_engines(fleet: FakeFleet, tmp_path: Path) -> None:
+    engines_file = tmp_path / "engines.toml"
+    write_engines(engines_file, [entry(fleet, "p1", "producer")])
+    router = discovering_router(fleet, tmp_path, engines_file)
+    try:
+        await wait_listed(router, "p1", "admitted")
+        old = workers_of(router)
+        os.kill(router.proc.pid, signal.SIGHUP)
+        wait_until(lambda: len(workers_of(router) - old) == 2 and not old & workers_of(router), 30,
+                   "two new workers, the old ones gone")
+        assert (await names(router)) == {"p0": "admitted", "d0": "admitted", "p1": "admitted"}
+        await served_by(router, fleet, "p1")
+        assert "drained and forgotten" not in router.log_text()
+    finally:
+        router.stop()
