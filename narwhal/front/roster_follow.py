@@ -39,21 +39,24 @@ log = logging.getLogger("narwhal.front.roster")
 FOLLOW_S = 0.25  # a change is taken up within this (plus the supervisor's interval)
 
 
-def members(shared: SharedFleet) -> tuple[list[tuple[int, EngineSpec]], bool]:
-    """The engines of the table now (by engine slot), and whether every LIVE slot was readable."""
-    found = shared.described()
+def members(shared: SharedFleet) -> tuple[list[tuple[int, EngineSpec]], bool, set[str]]:
+    """The engines of the table now (by engine slot), whether every LIVE slot was readable, and
+    the names of the discovered ones (not ``static``)."""
     out = []
-    for slot, entry, _source in found:
+    discovered = set()
+    for slot, entry, source in shared.described():
         try:
             out.append((slot, EngineSpec(**entry)))
         except ValueError:  # written by a writer of another version: taken up when it is rewritten
             continue
-    return out, len(out) == shared.live_slots()
+        if source != "static":
+            discovered.add(entry["name"])
+    return out, len(out) == shared.live_slots(), discovered
 
 
 def fleet_from_table(settings: Settings, shared: SharedFleet) -> tuple[Fleet, int]:
     epoch = shared.table.epoch  # read first: what is noted may be older than what was read, never newer
-    found, _ = members(shared)
+    found, _, _ = members(shared)
     return Fleet(settings, found), epoch
 
 
@@ -64,12 +67,15 @@ class RosterFollower:
         self.state = state
         self._seen = epoch
         self._leaving: set[int] = set()  # engine slots removed from the roster with legs still on them
+        _, _, discovered = members(shared)
+        # A discovered engine waits for its first record even at this worker's start.
+        state.follow([e for e in fleet.engines if e.name in discovered], [])
         self.check()
 
     def check(self) -> None:
         epoch = self.shared.table.epoch
         if epoch != self._seen:
-            found, complete = members(self.shared)
+            found, complete, _ = members(self.shared)
             added, removed = self.fleet.replace(found)
             self.state.follow(added, removed)
             self._leaving.update(e.index for e in removed)

@@ -15,9 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
-from narwhal.testing.harness import FakeFleet, RouterProcess
+from narwhal.testing.harness import FakeFleet, RouterProcess, http_get
 from tests.real_gunicorn.support import (
     TOKEN,
     admin,
@@ -265,5 +266,29 @@ async def test_a_reload_keeps_the_discovered_engines(fleet: FakeFleet, tmp_path:
         assert (await names(router)) == {"p0": "admitted", "d0": "admitted", "p1": "admitted"}
         await served_by(router, fleet, "p1")
         assert "drained and forgotten" not in router.log_text()
+    finally:
+        router.stop()
+
+
+async def test_a_vanished_engine_drains_its_streams_before_it_is_forgotten(fleet: FakeFleet, tmp_path: Path) -> None:
+    engines_file = tmp_path / "engines.toml"
+    write_engines(engines_file, [entry(fleet, "d1", "consumer")])
+    router = discovering_router(fleet, tmp_path, engines_file)
+    try:
+        await wait_listed(router, "d1", "admitted")
+        await admin(router, "POST", "/admin/engines/d0/eject")  # every decode goes to d1 now
+        # Each worker reads d1's models within a second of taking it up: until then, 503.
+        wait_until(lambda: all(http_get(router.url + "/ready")[0] == 200 for _ in range(6)), 10, "d1 ready")
+        async with aiohttp.ClientSession() as session:
+            body = completion(unique_prompt(), max_tokens=30, fake={"decode": {"token_delay_s": 0.1}})
+            async with session.post(router.url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                await resp.content.readany()  # the first token: the stream is on d1
+                write_engines(engines_file, [])  # d1 goes while it streams
+                await wait_listed(router, "d1", "draining")
+                rest = await resp.content.read()
+        assert rest.rstrip().endswith(b"data: [DONE]")  # its in-flight leg finished
+        await wait_gone(router, "d1")
+        assert "engine d1 at " + fleet.engines["d1"] + " drained and forgotten" in router.log_text()
     finally:
         router.stop()
