@@ -26,10 +26,11 @@ from typing import TYPE_CHECKING, Any, Required, TypedDict
 
 import orjson
 
-from narwhal.engines import dialects, failures, sse
+from narwhal.engines import failures, sse
 from narwhal.engines.connector import PrefillResult, validate_descriptor
 from narwhal.engines.control import EngineRef
 from narwhal.engines.dialects.base import event_name
+from narwhal.engines.endpoints import Endpoint
 from narwhal.engines.http1 import Connection, UpstreamError
 from narwhal.engines.relay import DirectRelay, Sink
 from narwhal.engines.timers import LazyTimeout
@@ -52,7 +53,7 @@ class DecodeOptions(TypedDict, total=False):
 
     stream: Required[bool]
     deadline: float | None
-    endpoint: str | None
+    endpoint: Endpoint | None
     max_age_s: float | None
     headers: Mapping[str, str] | None
     sink: Sink | None
@@ -74,17 +75,18 @@ class DecodeLeg:
         *,
         stream: bool,
         deadline: float | None = None,
-        endpoint: str | None = None,
+        endpoint: Endpoint | None = None,
         max_age_s: float | None = None,
         headers: Mapping[str, str] | None = None,
         sink: Sink | None = None,
     ) -> None:
         """Validate the handoff (raises ``invalid_handoff`` / ``handoff_expired``) and build the body."""
-        self._endpoint = endpoint or result.endpoint
+        decode_endpoint = endpoint or result.endpoint
+        self._endpoint = decode_endpoint.path
         descriptor = None
         if result.crossed:
             descriptor = validate_descriptor(
-                result.descriptor, producer=result.producer, prefill_endpoint=result.endpoint,
+                result.descriptor, producer=result.producer, prefill_endpoint=result.endpoint.path,
                 decode_endpoint=self._endpoint,
             )
         if max_age_s is not None and result.age() > max_age_s:
@@ -92,7 +94,7 @@ class DecodeLeg:
         self._client = client
         self._name, self._url = consumer.name, consumer.url
         self._request_id, self._headers = result.request_id, headers
-        self._dialect = dialect = dialects.for_endpoint(self._endpoint)
+        self._dialect = dialect = decode_endpoint.dialect
         self._payload = orjson.dumps(dialect.decode_body(body, result.request_id, descriptor))
         self.streaming, self._deadline, self._sink = stream, deadline, sink
         self._loop = asyncio.get_running_loop()
