@@ -225,13 +225,19 @@ class DecodeLeg:
             # The usual end: output, the terminal event last, no error: as received.
             out.append(span if cut == len(span) else span[:cut])
             self._done = True
-        for event in () if self._done else sse.split_events(span):
+        events = () if self._done else sse.split_events(span)
+        for i, event in enumerate(events):
             if self._seen_token and not dialect.may_end(event):
                 out.append(event + b"\n\n")  # after the first token only the end matters
                 continue
             kind, err = dialect.classify(event)
             if kind is sse.Kind.TOKEN:
-                self._seen_token = True
+                if not self._seen_token:
+                    self._seen_token = True
+                    out.append(event + b"\n\n")
+                    if self._take_rest(events, i + 1, out):
+                        break
+                    continue
             elif kind is sse.Kind.DONE:
                 if not self._seen_token:
                     name = event_name(event)  # the bare name of the terminal event received
@@ -259,6 +265,23 @@ class DecodeLeg:
             return None
         self._held = []
         return out[0] if len(out) == 1 else b"".join(out)
+
+    def _take_rest(self, events: list[bytes], start: int, out: list[bytes]) -> bool:
+        """The events after the first token, judged as one span as a later span would be (the
+        usual end as received, or output that cannot end the stream) instead of one by one: an
+        unpaced stream's first span often holds the whole answer. False: judge each event."""
+        if start >= len(events):
+            return True
+        rest = b"\n\n".join(events[start:]) + b"\n\n"  # the same bytes the events would add up to
+        dialect = self._dialect
+        if (cut := dialect.clean_end(rest)) >= 0:
+            out.append(rest if cut == len(rest) else rest[:cut])
+            self._done = True
+            return True
+        if not dialect.may_end(rest):
+            out.append(rest)
+            return True
+        return False
 
     def _timed_out(self, bound: float, *, before_token: bool) -> Exception:
         settings = self._client.settings
