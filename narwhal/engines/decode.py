@@ -225,7 +225,7 @@ class DecodeLeg:
             # The usual end: output, the terminal event last, no error: as received.
             out.append(span if cut == len(span) else span[:cut])
             self._done = True
-        events = () if self._done else sse.split_events(span)
+        events: list[bytes] = [] if self._done else sse.split_events(span)
         for i, event in enumerate(events):
             if self._seen_token and not dialect.may_end(event):
                 out.append(event + b"\n\n")  # after the first token only the end matters
