@@ -15,9 +15,13 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from narwhal.errors import EngineError
+from narwhal.reasons import Reason
+
+if TYPE_CHECKING:
+    from narwhal.engines.endpoints import Endpoint
 
 NIXL = "NixlConnector"
 
@@ -89,7 +93,7 @@ class PrefillResult:
 
     producer: str  # the producer engine's name
     producer_url: str
-    endpoint: str  # "/v1/completions" or "/v1/chat/completions"
+    endpoint: Endpoint  # the client's, resolved once: its path on both legs and its dialect
     request_id: str  # the backend X-Request-Id, the same on both legs of an attempt
     descriptor: dict[str, Any] | None
     crossed: bool = True  # False: same-worker decode, no descriptor asked for
@@ -112,7 +116,7 @@ class InvalidHandoff(EngineError):
     """The descriptor failed validation: a producer fault (502, retryable)."""
 
     def __init__(self, detail: str, *, engine: str) -> None:
-        super().__init__(f"invalid handoff: {detail}", reason="invalid_handoff", engine=engine, phase="prefill")
+        super().__init__(f"invalid handoff: {detail}", reason=Reason.INVALID_HANDOFF, engine=engine, phase="prefill")
 
 
 def _ids_ok(ids: list[Any]) -> bool:

@@ -26,17 +26,18 @@ from narwhal import __version__, metrics, shm
 from narwhal.engines import dialects
 from narwhal.engines.client import EngineClient
 from narwhal.engines.control import ControlClient, open_session
+from narwhal.engines.endpoints import BY_PATH, ENDPOINTS, Endpoint
 from narwhal.errors import NarwhalError, RequestError
 from narwhal.fleet import Fleet
 from narwhal.fleet.placement import Placement
 from narwhal.front.accept import BalancedSite, ConnectionShare, take_listeners
 from narwhal.front.admin import add_admin_routes
 from narwhal.front.server import make_app_runner
+from narwhal.reasons import Reason
 from narwhal.request.accesslog import AccessLog
-from narwhal.request.admission import CHAT, COMPLETIONS, PD_ENDPOINTS, check_api_key
+from narwhal.request.admission import check_api_key
 from narwhal.request.ids import client_request_id
 from narwhal.request.outcomes import Outcomes
-from narwhal.request.passthrough import ROUTES as PASSTHROUGH_ROUTES
 from narwhal.request.router import Router, error_response
 from narwhal.settings import Settings, current_or_load
 from narwhal.shm.holdings import WorkerHoldings, identity
@@ -85,6 +86,10 @@ def _json(data: Any, status: int = 200, **headers: str) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json", headers=headers)
 
 
+# aiohttp's own refusals (no route, wrong method, body too large) as the router's reasons.
+_HTTP_REASONS = {404: Reason.NOT_FOUND, 405: Reason.METHOD_NOT_ALLOWED, 413: Reason.PAYLOAD_TOO_LARGE}
+
+
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every error in the endpoint's shape (OpenAI's, Anthropic's on /v1/messages) with
@@ -97,14 +102,14 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        reason = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(exc.status, "bad_request")
+        reason = _HTTP_REASONS.get(exc.status, Reason.BAD_REQUEST)
         refused = RequestError(exc.reason if exc.status != 404 else "not found", reason=reason, status=exc.status)
         return error_response(refused, client_request_id(request), _shape(request))
     except (asyncio.CancelledError, ConnectionError):
         raise
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
-        error = NarwhalError("internal error", reason="internal_error")
+        error = NarwhalError("internal error", reason=Reason.INTERNAL_ERROR)
         return error_response(error, client_request_id(request), _shape(request))
     if "x-request-id" not in response.headers and not response.prepared:
         response.headers["x-request-id"] = client_request_id(request)
@@ -112,8 +117,10 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 
 def _shape(request: web.Request) -> dialects.Dialect | None:
-    """Messages clients get Anthropic's error shape, whatever refused them (SPEC §2.1)."""
-    return dialects.BY_ENDPOINT[dialects.MESSAGES] if request.path == dialects.MESSAGES else None
+    """The endpoint's error shape, whatever refused the request: Anthropic's on /v1/messages
+    (SPEC §2.1), OpenAI's everywhere else."""
+    endpoint = BY_PATH.get(request.path)
+    return None if endpoint is None else endpoint.dialect
 
 
 def _check_header_size(request: web.Request) -> None:
@@ -121,28 +128,13 @@ def _check_header_size(request: web.Request) -> None:
     raw = request.raw_headers  # each line is "name: value\r\n": 4 bytes beside the two
     size = len(request.raw_path) + 4 * len(raw) + sum(map(len, itertools.chain.from_iterable(raw)))
     if size > limit:
-        raise RequestError(f"request headers exceed {limit} bytes", reason="header_too_large")
+        raise RequestError(f"request headers exceed {limit} bytes", reason=Reason.HEADER_TOO_LARGE)
 
 
-async def _completions(request: web.Request) -> web.StreamResponse:
-    return await request.app[ROUTER].handle(request, COMPLETIONS)
+def _route(endpoint: Endpoint) -> Handler:
+    """The handler of one registered endpoint (``narwhal.engines.endpoints``), P/D or
+    passthrough alike: the router gets the endpoint itself, resolved here once."""
 
-
-async def _chat(request: web.Request) -> web.StreamResponse:
-    return await request.app[ROUTER].handle(request, CHAT)
-
-
-def _add_passthrough_routes(app: web.Application) -> None:
-    """SPEC §2.1: each route to one engine serving the model (``narwhal.request.passthrough``)."""
-    for path in PASSTHROUGH_ROUTES:
-
-        async def passthrough(request: web.Request, path: str = path) -> web.StreamResponse:
-            return await request.app[ROUTER].handle(request, path)
-
-        app.router.add_post(path, passthrough)
-
-
-def _pd_route(endpoint: str) -> Handler:
     async def route(request: web.Request) -> web.StreamResponse:
         return await request.app[ROUTER].handle(request, endpoint)
 
@@ -312,12 +304,9 @@ def build_app(settings: Settings) -> web.Application:
     app[SETTINGS] = settings
     app[_TASKS] = []
     app[_VERSION_BODY] = orjson.dumps(version_document(settings))
-    app.router.add_post(COMPLETIONS, _completions)
-    app.router.add_post(CHAT, _chat)
-    for endpoint in PD_ENDPOINTS:
-        app.router.add_post(endpoint, _pd_route(endpoint))
+    for endpoint in ENDPOINTS:  # every POST route, P/D and passthrough (SPEC §2.1)
+        app.router.add_post(endpoint.path, _route(endpoint))
     app.router.add_get("/v1/models", _models)
-    _add_passthrough_routes(app)
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
     app.router.add_get("/version", _version)

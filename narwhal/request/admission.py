@@ -23,17 +23,14 @@ import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from narwhal.engines import dialects
+from narwhal.engines.endpoints import Endpoint
 from narwhal.errors import RequestError
 from narwhal.fleet import Fleet
 from narwhal.fleet.placement.blocks import PrefixBlocks
+from narwhal.reasons import Reason
 from narwhal.request.ids import printable_ascii
 from narwhal.settings import Settings
 
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
-# The other P/D endpoints (SPEC §2.1): their own fields are checked by their dialect.
-PD_ENDPOINTS = (dialects.RESPONSES, dialects.MESSAGES, dialects.GENERATE)
 DEADLINE_HEADER = "x-narwhal-deadline-s"
 # W3C Trace Context's lengths: a version-00 traceparent is 55 characters; a tracestate has at
 # most 32 list members, each a key and a value of at most 256 characters.
@@ -44,7 +41,7 @@ _TRACESTATE_MEMBER_MAX = 256 + 1 + 256
 
 @dataclass(slots=True)
 class ClientRequest:
-    endpoint: str
+    endpoint: Endpoint  # resolved by the route: nothing looks it up again
     body: dict[str, Any]
     model: str
     stream: bool
@@ -77,7 +74,7 @@ def check_api_key(request: web.Request, keys: list[str], *, x_api_key: bool = Fa
     for key in keys:
         ok |= hmac.compare_digest(token, key.encode())
     if not ok:
-        raise RequestError("invalid or missing API key", reason="unauthorized")
+        raise RequestError("invalid or missing API key", reason=Reason.UNAUTHORIZED)
 
 
 def _valid_tracestate(value: str) -> bool:
@@ -106,11 +103,11 @@ async def read_body(request: web.Request, settings: Settings) -> bytes:
         mime = ctype.split(";", 1)[0].strip().lower()
         if mime != "application/json" and not mime.endswith("+json"):
             raise RequestError(
-                f"unsupported content type {mime!r}: send application/json", reason="unsupported_media_type"
+                f"unsupported content type {mime!r}: send application/json", reason=Reason.UNSUPPORTED_MEDIA_TYPE
             )
     limit = settings.server.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
-        raise RequestError(f"request body exceeds {limit} bytes", reason="payload_too_large")
+        raise RequestError(f"request body exceeds {limit} bytes", reason=Reason.PAYLOAD_TOO_LARGE)
     try:
         if request.content.is_eof():
             return await request.read()  # the whole body is here: nothing to wait for, no timer
@@ -119,35 +116,24 @@ async def read_body(request: web.Request, settings: Settings) -> bytes:
     except TimeoutError:
         raise RequestError(
             f"request body not received within {settings.server.body_read_timeout_s:g}s",
-            reason="request_timeout",
+            reason=Reason.REQUEST_TIMEOUT,
         ) from None
     except web.HTTPRequestEntityTooLarge:
-        raise RequestError(f"request body exceeds {limit} bytes", reason="payload_too_large") from None
+        raise RequestError(f"request body exceeds {limit} bytes", reason=Reason.PAYLOAD_TOO_LARGE) from None
     except (web.RequestPayloadError, HttpProcessingError):
         # A body that does not decode as its Content-Encoding says, or a broken chunked body.
         raise RequestError("the request body could not be read (bad encoding or framing)") from None
 
 
 def _bad(message: str) -> RequestError:
-    return RequestError(message, reason="bad_request")
+    return RequestError(message, reason=Reason.BAD_REQUEST)
 
 
 def _is_int(value: Any) -> bool:
     return type(value) is int
 
 
-def _check_prompt(prompt: Any) -> None:
-    if isinstance(prompt, str):
-        return
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, str) for p in prompt) or all(_is_int(p) for p in prompt):
-            return
-        if all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt):
-            return
-    raise _bad("'prompt' must be a string, a list of strings, a list of token ids or a list of lists of ids")
-
-
-def _check_fields(body: dict[str, Any], endpoint: str) -> None:
+def _check_fields(body: dict[str, Any], endpoint: Endpoint) -> None:
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise _bad("'model' must be a string")
     if "stream" in body and body["stream"] is not None and not isinstance(body["stream"], bool):
@@ -159,16 +145,7 @@ def _check_fields(body: dict[str, Any], endpoint: str) -> None:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise _bad("'stream_options' must be an object")
-    if endpoint in PD_ENDPOINTS:
-        dialects.for_endpoint(endpoint).check(body)
-    elif endpoint == CHAT:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise _bad("'messages' must be a list of objects")
-    else:
-        if "prompt" not in body:
-            raise _bad("'prompt' is required")
-        _check_prompt(body["prompt"])
+    endpoint.dialect.check(body)  # the endpoint's own fields: prompt, messages, token_ids …
     # Disaggregation runs one prefill and one decode: what needs more cannot be honoured.
     for key in ("n", "best_of"):
         value = body.get(key)
@@ -217,19 +194,21 @@ def resolve_model(body: dict[str, Any], fleet: Fleet) -> str:
     elif not isinstance(model, str):
         raise _bad("'model' must be a string")
     if not fleet.serves(model):
-        raise RequestError(f"The model `{model}` does not exist.", reason="model_not_found")
+        raise RequestError(f"The model `{model}` does not exist.", reason=Reason.MODEL_NOT_FOUND)
     return model
 
 
-def parse(raw: bytes, endpoint: str, fleet: Fleet) -> tuple[dict[str, Any], str, bool]:
+def parse(raw: bytes, endpoint: Endpoint, fleet: Fleet) -> tuple[dict[str, Any], str, bool]:
     """Parse and check the body; return it (client kv params removed), its model and stream."""
     body = parse_object(raw)
     _check_fields(body, endpoint)
     return body, resolve_model(body, fleet), bool(body.get("stream"))
 
 
-async def admit(request: web.Request, endpoint: str, settings: Settings, fleet: Fleet, arrival: float) -> ClientRequest:
-    check_api_key(request, settings.server.api_keys, x_api_key=endpoint == dialects.MESSAGES)
+async def admit(
+    request: web.Request, endpoint: Endpoint, settings: Settings, fleet: Fleet, arrival: float
+) -> ClientRequest:
+    check_api_key(request, settings.server.api_keys, x_api_key=endpoint.x_api_key)
     deadline = request_deadline(request, settings, arrival)
     raw = await read_body(request, settings)
     body, model, stream = parse(raw, endpoint, fleet)

@@ -40,6 +40,7 @@ from narwhal.engines.relay import Sink
 from narwhal.errors import EngineError, NarwhalError
 from narwhal.fleet import Engine
 from narwhal.fleet.placement import Placement, Reservation
+from narwhal.reasons import Reason
 from narwhal.request.accesslog import AccessRecord
 from narwhal.request.admission import ClientRequest
 from narwhal.request.client_stream import ClientStream
@@ -215,9 +216,9 @@ class Attempts:
             streaming = True
             return await _stream(client, leg, rec, started, ttft_s, age, tap)
         except NarwhalError as exc:
-            if exc.reason == "invalid_handoff":
+            if exc.reason == Reason.INVALID_HANDOFF:
                 metrics.HANDOFFS_ABANDONED.inc()  # sent nowhere: no consumer could use it
-            elif exc.reason == "handoff_expired":
+            elif exc.reason == Reason.HANDOFF_EXPIRED:
                 self._release_later(result, req, resv)
             elif leg is not None and not leg.sent:
                 # Connecting ran out of time or was refused: the consumer never saw the handoff.
@@ -248,8 +249,8 @@ class Attempts:
         """Validate the handoff, then give it to the first of ``consumers`` that can be reached
         (a consumer that was sent it and failed had its chance: it may be pulling the blocks)."""
         try:
-            validate_descriptor(result.descriptor, producer=result.producer, prefill_endpoint=result.endpoint,
-                                decode_endpoint=result.endpoint)
+            validate_descriptor(result.descriptor, producer=result.producer, prefill_endpoint=result.endpoint.path,
+                                decode_endpoint=result.endpoint.path)
         except InvalidHandoff:
             metrics.HANDOFFS_ABANDONED.inc()  # sent nowhere (SPEC §3 step 5)
             return

@@ -25,12 +25,13 @@ import orjson
 
 from narwhal.engines.sse import DONE_EVENT, Kind, event_data
 from narwhal.errors import NarwhalError, RequestError, error_body
+from narwhal.reasons import Reason
 
 __all__ = ["Dialect", "Kind", "bad", "event_name", "is_int", "json_of", "status_of_code"]
 
 
 def bad(message: str) -> RequestError:
-    return RequestError(message, reason="bad_request")
+    return RequestError(message, reason=Reason.BAD_REQUEST)
 
 
 def is_int(value: Any) -> bool:
@@ -80,10 +81,15 @@ class Dialect:
     def check(self, body: dict[str, Any]) -> None:
         """Refuse (``RequestError``, 400) a field the router reads that has the wrong type."""
 
-    def affinity_text(self, body: dict[str, Any], limit: int) -> str:
-        """The prompt text the affinity key is cut from (at least ``limit`` characters when
-        the prompt has them); "" when the endpoint has none."""
-        return ""
+    def affinity_text(self, body: dict[str, Any], limit: int) -> str | None:
+        """The prompt text the affinity key is cut from, from its start (at least ``limit``
+        characters when the prompt has them); None when the endpoint has no prompt text (no
+        affinity key, never a local decode)."""
+        return None
+
+    def probe_body(self, model: str, prompt: str) -> dict[str, Any]:
+        """A tiny request for ``model`` (two tokens), as the supervisor's probes and preflight send."""
+        raise NotImplementedError
 
     # -- engine bodies --------------------------------------------------------------------------
 

@@ -6,9 +6,10 @@ from typing import Any
 
 import pytest
 
+from narwhal.engines import endpoints
+from narwhal.engines.endpoints import CHAT, COMPLETIONS
 from narwhal.fleet.placement.affinity import key_hash
 from narwhal.request import affinity
-from narwhal.request.admission import CHAT, COMPLETIONS
 from narwhal.request.affinity import placement_hints, prompt_head
 from narwhal.settings import PlacementSettings
 
@@ -65,8 +66,9 @@ def test_local_decode_below_local_prefill_chars() -> None:
     assert (key, local) == (key_hash("x" * 1024), False)
 
 
-def test_an_endpoint_without_an_extractor_has_no_key_and_no_local_decode() -> None:
-    assert placement_hints("/v1/other", {"prompt": LONG}, _settings(local_prefill_chars=10)) == (None, False)
+def test_an_endpoint_without_prompt_text_has_no_key_and_no_local_decode() -> None:
+    tokenize = endpoints.BY_PATH["/tokenize"]
+    assert placement_hints(tokenize, {"prompt": LONG}, _settings(local_prefill_chars=10)) == (None, False)
 
 
 @pytest.mark.parametrize(
@@ -79,6 +81,7 @@ def test_an_endpoint_without_an_extractor_has_no_key_and_no_local_decode() -> No
     ],
 )
 def test_the_other_pd_endpoints_key_on_their_dialects_text(endpoint: str, body: dict[str, Any], text: str) -> None:
-    key, local = placement_hints(endpoint, body, _settings())
+    registered = endpoints.BY_PATH[endpoint]
+    key, local = placement_hints(registered, body, _settings())
     assert (key, local) == (key_hash(text[:1024]), False)
-    assert placement_hints(endpoint, body, _settings(local_prefill_chars=len(text) + 1)) == (None, True)
+    assert placement_hints(registered, body, _settings(local_prefill_chars=len(text) + 1)) == (None, True)
