@@ -18,8 +18,9 @@
 4. *Restarts*: a report naming a new engine id (its descriptors' ``remote_engine_id``), or an
    ejection, drops the producer's holdings.
 
-Also learned per producer: the prefill rate (uncached characters per second of prefill, an
-exponentially weighted mean; a producer without one is placed at the fleet's mean) and, fleet
+Also learned per producer: the prefill rate (uncached characters per second of prefill, from
+prefills placed with nothing queued ahead, as a ratio of exponentially weighted means; a producer
+without one is placed at the candidates' mean) and, fleet
 wide, the mean uncached characters of a prefill (what a queued request is reckoned to cost).
 
 Pure apart from ``publish`` (the shared-memory write): time comes in as an argument.
@@ -49,6 +50,8 @@ class ProducerHoldings:
     capacity_tokens: int | None = None
     chars_per_token: float | None = None
     rate: float | None = None  # uncached characters per second of prefill
+    work_mean: float = 0.0  # of the prefills placed with nothing queued ahead: uncached characters …
+    time_mean: float = 0.0  # … and seconds, both exponentially weighted (their ratio is the rate)
     reports_cached: bool = False  # it said cached_tokens once: from then on, silence means 0
     dirty: bool = True
     published_at: float = float("-inf")
@@ -113,7 +116,9 @@ class HoldingsModel:
                 self._evicted(p, keys[actual])
         self._learn_rate(p, rep, cached_chars)
         held = p.keys
-        for key in keys:  # the producer computed or reused every block: now most recent
+        # The producer computed or reused every block: now the most recent, the prompt's head the
+        # most recent of all (vLLM frees a request's blocks tail first, so its tail goes first).
+        for key in reversed(keys):
             held[key] = None
             held.move_to_end(key)
         self._trim(p)
@@ -134,9 +139,15 @@ class HoldingsModel:
             return
         uncached = max(rep.prompt_chars - cached_chars, 0)
         self.mean_uncached = _ewma(self.mean_uncached, float(uncached))
-        # A prefill that computed less than a block measures the round trip, not the engine.
-        if uncached >= self.block_chars and rep.duration_s > 0:
-            p.rate = _ewma(p.rate, uncached / rep.duration_s)
+        # Only prefills placed with nothing queued ahead measure the engine: a queue's wait would
+        # charge a busy producer twice (once for its queue, again by a rate the queue made look
+        # slow). A ratio of means, not a mean of ratios: a small prefill is mostly the round
+        # trip, and must not weigh as much as a long one. Less than a block teaches nothing.
+        if rep.queued_chars == 0 and uncached >= self.block_chars and rep.duration_s > 0:
+            first = p.rate is None
+            p.work_mean = uncached if first else p.work_mean + ALPHA * (uncached - p.work_mean)
+            p.time_mean = rep.duration_s if first else p.time_mean + ALPHA * (rep.duration_s - p.time_mean)
+            p.rate = p.work_mean / p.time_mean
 
     def capacity_blocks(self, p: ProducerHoldings) -> int | None:
         if p.capacity_tokens is None:
