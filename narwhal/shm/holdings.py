@@ -213,6 +213,15 @@ class Holdings:
                         None if capacity == NONE32 else capacity, cpt or None, rate or None, mean, engine_id)
         return None
 
+    def read_keys(self, engine: int, stamp: int) -> list[int] | None:
+        """The section's keys in their published order, most recent first (a restarted
+        supervisor's starting state); None as for :meth:`read`."""
+        if self.read(engine, stamp) is None:
+            return None
+        off = self.layout.section_offset(engine)
+        count = min(int.from_bytes(self.mm[off + 12 : off + 16], "little"), self.layout.keys)
+        return list(struct.unpack_from(f"<{count}Q", self.mm, off + SECTION_HEAD))
+
     # -- report rings (a worker writes its slot's, the supervisor drains) -------------------------
 
     def report(self, slot: int, rep: PrefillReport) -> bool:

@@ -182,6 +182,22 @@ class HoldingsModel:
         rates = [p.rate for p in self.producers if p is not None and p.rate is not None]
         return sum(rates) / len(rates) if rates else None
 
+    def restore(self, holdings: Holdings) -> None:
+        """Start from what a previous supervisor published (a restart loses no holdings; the
+        learned rate restarts from its published value)."""
+        for index, p in enumerate(self.producers):
+            held = holdings.read(index, p.stamp) if p is not None else None
+            if p is None or held is None:
+                continue
+            order = holdings.read_keys(index, p.stamp) or []
+            p.keys = OrderedDict((key, None) for key in reversed(order))
+            p.engine_id, p.rate, p.chars_per_token = held.engine_id, held.prefill_chars_per_s, held.chars_per_token
+            if p.rate is not None:
+                p.work_mean, p.time_mean = p.rate, 1.0
+            p.dirty = False
+            if held.mean_uncached_chars:
+                self.mean_uncached = held.mean_uncached_chars
+
     def publish(self, holdings: Holdings, now: float) -> None:
         """Every changed producer's section not published in the last ``PUBLISH_S``, most
         recent key first."""

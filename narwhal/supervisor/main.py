@@ -274,6 +274,8 @@ class Supervisor:
                                on_capacity=None if self.model is None else self.model.set_capacity)
             next_load = 0.0
             self.restore()
+            if self.model is not None and self.holdings is not None:
+                self.model.restore(self.holdings)
             self.publish()
             health_every = self.settings.recovery.health_interval_s
             next_health = time.monotonic() + health_every

@@ -13,6 +13,8 @@ the rank (what these tests predict) must decide between equal producers that hol
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -22,7 +24,7 @@ import pytest
 
 from narwhal.fleet.placement.affinity import key_hash, rank
 from narwhal.fleet.placement.blocks import PrefixBlocks
-from narwhal.testing.harness import FakeFleet, RouterProcess
+from narwhal.testing.harness import FakeFleet, RouterProcess, router_roles
 from tests.real_gunicorn.support import (
     MODEL,
     TOKEN,
@@ -36,6 +38,7 @@ from tests.real_gunicorn.support import (
     start_router,
     value,
     wait_state,
+    wait_until,
 )
 
 PRODUCERS = ["hp0", "hp1", "hp2", "hp3"]
@@ -211,6 +214,31 @@ async def test_a_restarted_producer_loses_its_holdings(router: RouterProcess, hf
         # The new engine id drops everything the old engine held: not an eviction to learn from.
         assert _delta(router, before, {"exact": 1, "over": 0, "under": 0}) == {"exact": 1, "over": 0, "under": 0}
         await _wait_blocks(router, holder, lambda n: n == BLOCKS, "only what the new engine computed")
+
+
+async def test_a_restarted_supervisor_keeps_the_holdings(
+    hfleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    proc = _router(hfleet, tmp_path_factory.mktemp("restart"), workers=1)
+    try:
+        async with aiohttp.ClientSession() as session:
+            prefix = _prefix(uuid.uuid4().hex)
+            holder = (await _ask(session, proc, prefix + " one"))["producer"]
+            await _wait_blocks(proc, holder, lambda n: n == BLOCKS, "published")
+            (old,) = router_roles(proc.proc.pid)["supervisor"]
+            os.kill(old, signal.SIGKILL)
+            wait_until(lambda: [p for p in router_roles(proc.proc.pid)["supervisor"] if p != old], 15,
+                       "a new supervisor")
+            other = _prefix(uuid.uuid4().hex)
+            while _favourites(other)[0] != holder:
+                other = _prefix(uuid.uuid4().hex)
+            assert (await _ask(session, proc, other + " two"))["producer"] == holder
+            # The new supervisor started from the published section: both prefixes, not only the new one.
+            await _wait_blocks(proc, holder, lambda n: n == 2 * BLOCKS, "both prefixes")
+            line = await _ask(session, proc, prefix + " three")
+            assert (line["producer"], line["predicted_cached_chars"]) == (holder, BLOCKS * 256)
+    finally:
+        proc.stop()
 
 
 async def test_capacity_is_read_from_cache_config_info(router: RouterProcess, hfleet: FakeFleet) -> None:

@@ -137,3 +137,17 @@ def test_silence_means_nothing_cached_once_the_producer_has_reported_cached_toke
     assert m.apply(_rep([1, 2], cached=None)) is None  # never reported: maybe not enabled, not judged
     assert m.apply(_rep([1, 2], cached=2 * 64)) == "exact"
     assert m.apply(_rep([1, 2], cached=None)) == "over"  # it reports: no details is 0 cached
+
+
+def test_a_restarted_supervisor_starts_from_the_published_holdings() -> None:
+    region = Holdings.create(HoldingsLayout(sections=3, keys=8, slots=1))
+    first = _model()
+    first.apply(_rep([1, 2, 3], cached=0))
+    first.publish(region, 1.0)
+    seq = region.section_seq(0)
+    second = _model()
+    second.restore(region)
+    assert _held(second) == [3, 2, 1] and second.producers[0].engine_id == 11  # type: ignore[union-attr]
+    second.publish(region, 2.0)  # nothing changed: the section is not rewritten empty
+    assert region.section_seq(0) == seq
+    assert second.apply(_rep([1, 2, 3, 4], cached=3 * 64)) == "exact"
