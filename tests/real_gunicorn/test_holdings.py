@@ -318,3 +318,45 @@ async def test_each_policy_setting_labels_its_choices(
         assert [line["predicted_cached_chars"] for line in lines] == ([0, BLOCKS * 256] if held else [None, None])
     finally:
         proc.stop()
+
+
+async def test_a_slower_producer_gets_fewer_new_prefixes_once_its_rate_is_learned(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Two producers, one prefilling 4× slower (as an older GPU): once each has prefilled with
+    nothing queued ahead, a prefix nobody holds goes to the fast one even where rank prefers the
+    slow one (4× the estimate is beyond the slack)."""
+    names = ["rslow", "rfast", "rd0"]
+    fleet = FakeFleet.start(names, args=["--model", MODEL, "--prefix-cache", "--prefill-us-per-token", "10",
+                                         "--prefill-us-per-token", "rslow=40"])
+    engines = [{"name": "rslow", "role": "producer"}, {"name": "rfast", "role": "producer"},
+               {"name": "rd0", "role": "consumer"}]
+    proc = start_router(fleet, engines, tmp_path_factory.mktemp("slow"), server={"workers": 1, "admin_token": TOKEN},
+                        placement={"load_interval_s": 0.1, "affinity_slack": 0.5})
+    try:
+        def ranked_first(name: str) -> str:
+            while True:
+                prefix = _prefix(uuid.uuid4().hex)
+                if rank(["rslow", "rfast"], PrefixBlocks(prefix, 256, 65536).key(0), key_hash)[0] == name:
+                    return prefix
+
+        async with aiohttp.ClientSession() as session:
+            for name in ("rslow", "rfast"):  # one clean prefill each: both rates learned
+                assert (await _ask(session, proc, ranked_first(name) + " q"))["producer"] == name
+            for name in ("rslow", "rfast"):
+                await _wait_rate(proc, name)
+            rates = {n: (await engine_entry(proc, n))["holdings"]["prefill_chars_per_s"] for n in ("rslow", "rfast")}
+            assert rates["rfast"] > 2 * rates["rslow"], rates
+            chosen = [(await _ask(session, proc, ranked_first("rslow") + " q"))["producer"] for _ in range(4)]
+        assert chosen == ["rfast"] * 4
+    finally:
+        proc.stop()
+        fleet.stop()
+
+
+async def _wait_rate(router: RouterProcess, name: str, timeout: float = 10) -> None:
+    end = asyncio.get_running_loop().time() + timeout
+    while not ((await engine_entry(router, name))["holdings"] or {}).get("prefill_chars_per_s"):
+        if asyncio.get_running_loop().time() > end:
+            raise AssertionError(f"{name}: no prefill rate learned")
+        await asyncio.sleep(0.05)
