@@ -360,3 +360,20 @@ async def _wait_rate(router: RouterProcess, name: str, timeout: float = 10) -> N
         if asyncio.get_running_loop().time() > end:
             raise AssertionError(f"{name}: no prefill rate learned")
         await asyncio.sleep(0.05)
+
+
+async def test_a_full_table_forgets_the_oldest_keys_without_an_error(
+    hfleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    # 40 slots for 4 producers: 10 keys each, fewer than one prefix's 15 blocks.
+    proc = _router(hfleet, tmp_path_factory.mktemp("slots"), workers=1, holdings_slots=40)
+    try:
+        async with aiohttp.ClientSession() as session:
+            prefix = _prefix(uuid.uuid4().hex)
+            holder = (await _ask(session, proc, prefix + " one"))["producer"]
+            await _wait_blocks(proc, holder, lambda n: n == 10, "cut to the room")
+            # The prompt's tail went first (as vLLM evicts it): its head is still believed held.
+            line = await _ask(session, proc, prefix + " two")
+            assert (line["producer"], line["predicted_cached_chars"]) == (holder, 10 * 256)
+    finally:
+        proc.stop()
