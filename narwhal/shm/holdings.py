@@ -28,12 +28,15 @@ Invariants, and why:
 * A ring entry carries its sequence number inside its CRC, as the outcome rings do, so a stale
   entry of an earlier lap cannot pass for a new one. A full ring drops the report (the
   holdings learn a little later from the next one); the worker never blocks.
-* Reading costs one u64 per placement while nothing changed; a section is decoded again only
-  when its own sequence moved, into a ``frozenset`` the choice tests membership in.
+* Reading costs one u64 per placement while nothing changed (and one unpack of every slot's
+  work counters); a section is decoded again only when its own sequence moved, into a
+  ``frozenset`` the choice tests membership in. The supervisor publishes a section at most every
+  0.1 s (``supervisor.holdings``), so a worker decodes at most that often per producer.
 """
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import struct
@@ -62,10 +65,11 @@ def identity(name: str, url: str) -> int:
 
 
 def engine_id_hash(engine_id: str | None) -> int:
-    """A 64-bit stamp of an engine id (0: none known)."""
+    """A 64-bit stamp of an engine id, never 0 (0: none known)."""
     if not engine_id:
         return 0
-    return int.from_bytes(zlib.crc32(engine_id.encode()).to_bytes(4, "little") * 2, "little") | 1
+    digest = hashlib.blake2b(engine_id.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") or 1
 
 
 @dataclass(frozen=True)
