@@ -39,7 +39,7 @@ class PrefillSink(Protocol):
 
     def report_prefill(
         self, producer: int, engine_id: str | None, prompt_chars: int, prompt_tokens: int | None,
-        cached_tokens: int | None, duration_s: float, keys: list[int], queued_chars: int = 0,
+        cached_tokens: int | None, duration_s: float, keys: list[int], queued_chars: int = 0, at: float = 0.0,
     ) -> None: ...
 
 
@@ -63,7 +63,7 @@ class Outcomes:
         self.prefills.report_prefill(
             producer.index, engine_id if isinstance(engine_id, str) else None, 0 if blocks.cut else len(blocks.text),
             result.prompt_tokens, result.cached_tokens, max(result.finished_at - result.started_at, 0.0),
-            blocks.keys(), queued_chars,
+            blocks.keys(), queued_chars, result.finished_at,
         )
 
     def success(self, producer: Engine, consumer: Engine, *, local: bool = False) -> None:

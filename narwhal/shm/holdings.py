@@ -52,9 +52,9 @@ GENERATION_OFFSET = 32
 SECTION_HEAD = 64
 _SECTION = struct.Struct("<IIIIQddd")  # identity, count, capacity, crc, engine id, rate, cpt, mean (at 8)
 RING_HEAD = 16
-_ENTRY = struct.Struct("<QHHIIIIdQI")  # seq, producer, nkeys, identity, chars, tokens, cached, duration,
-#                                         engine id, queued chars
-ENTRY_HEAD = 56  # _ENTRY (52 B) + crc u32
+_ENTRY = struct.Struct("<QHHIIIIdQId")  # seq, producer, nkeys, identity, chars, tokens, cached, duration,
+#                                          engine id, queued chars, finished at (monotonic)
+ENTRY_HEAD = 64  # _ENTRY (60 B) + crc u32
 NONE32 = 0xFFFFFFFF
 _TRIES = 16
 
@@ -132,6 +132,7 @@ class PrefillReport:
     duration_s: float
     keys: tuple[int, ...]
     queued_chars: int = 0  # the queued prefill work the placement reckoned ahead of it
+    at: float = 0.0  # when it finished (time.monotonic(), one clock for the host): the merge order
 
 
 class Holdings:
@@ -240,7 +241,7 @@ class Holdings:
         head = _ENTRY.pack(write, rep.producer, len(keys), rep.identity, rep.prompt_chars,
                            NONE32 if rep.prompt_tokens is None else rep.prompt_tokens,
                            NONE32 if rep.cached_tokens is None else rep.cached_tokens, rep.duration_s, rep.engine_id,
-                           min(max(rep.queued_chars, 0), NONE32 - 1))
+                           min(max(rep.queued_chars, 0), NONE32 - 1), rep.at)
         body = struct.pack(f"<{len(keys)}Q", *keys)
         off = self.layout.entry_offset(slot, write)
         self.mm[off : off + _ENTRY.size] = head
@@ -273,7 +274,7 @@ class Holdings:
     def _entry(self, slot: int, index: int) -> PrefillReport | None:
         off = self.layout.entry_offset(slot, index)
         head = self.mm[off : off + _ENTRY.size]
-        seq, producer, nkeys, ident, chars, tokens, cached, duration, engine_id, queued = _ENTRY.unpack(head)
+        seq, producer, nkeys, ident, chars, tokens, cached, duration, engine_id, queued, at = _ENTRY.unpack(head)
         if seq != index or nkeys > self.layout.entry_keys:
             return None
         body = self.mm[off + ENTRY_HEAD : off + ENTRY_HEAD + nkeys * 8]
@@ -281,7 +282,8 @@ class Holdings:
         if zlib.crc32(body, zlib.crc32(head)) != crc:
             return None
         return PrefillReport(producer, ident, engine_id, chars, None if tokens == NONE32 else tokens,
-                             None if cached == NONE32 else cached, duration, struct.unpack(f"<{nkeys}Q", body), queued)
+                             None if cached == NONE32 else cached, duration, struct.unpack(f"<{nkeys}Q", body),
+                             queued, at)
 
 
 class HoldingsReader:
@@ -346,11 +348,11 @@ class WorkerHoldings(HoldingsReader):
 
     def report_prefill(
         self, producer: int, engine_id: str | None, prompt_chars: int, prompt_tokens: int | None,
-        cached_tokens: int | None, duration_s: float, keys: list[int], queued_chars: int = 0,
+        cached_tokens: int | None, duration_s: float, keys: list[int], queued_chars: int = 0, at: float = 0.0,
     ) -> None:
         if producer >= len(self.stamps):
             return
         rep = PrefillReport(producer, self.stamps[producer], engine_id_hash(engine_id), prompt_chars, prompt_tokens,
-                            cached_tokens, duration_s, tuple(keys), int(queued_chars))
+                            cached_tokens, duration_s, tuple(keys), int(queued_chars), at)
         if not self.holdings.report(self.slot, rep):
             self.dropped += 1

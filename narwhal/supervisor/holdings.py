@@ -11,7 +11,9 @@
    ``exact``. vLLM leaves ``prompt_tokens_details`` out of a prefill that hit nothing: once a
    producer has reported cached tokens, its silence means none (before, an engine run without
    ``--enable-prompt-tokens-details`` would have every prediction judged ``over``). Each prefill
-   so judged counts once in ``narwhal_holdings_predictions_total{result}``.
+   so judged counts once in ``narwhal_holdings_predictions_total{result}``. A prediction counts
+   only blocks finished before the prefill started: two prefills of a new prefix placed together
+   both compute it (vLLM hits finished blocks only), which is no eviction.
 3. *Capacity*: ``vllm:cache_config_info``'s ``num_gpu_blocks`` × ``block_size`` tokens, in our
    blocks at the learned characters per token (4 until learned); the least recently used keys
    beyond it are forgotten. Unknown capacity: bounded by the section's room alone.
@@ -28,6 +30,7 @@ Pure apart from ``publish`` (the shared-memory write): time comes in as an argum
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -45,7 +48,8 @@ DEFAULT_CHARS_PER_TOKEN = 4.0  # until a producer's answers say otherwise (Engli
 @dataclass
 class ProducerHoldings:
     stamp: int
-    keys: OrderedDict[int, None] = field(default_factory=OrderedDict)  # least recently used first
+    # Least recently used first; each key with when it was first computed there (monotonic s).
+    keys: OrderedDict[int, float] = field(default_factory=OrderedDict)
     engine_id: int = 0
     capacity_tokens: int | None = None
     chars_per_token: float | None = None
@@ -66,10 +70,13 @@ def _ewma(old: float | None, sample: float) -> float:
     return sample if old is None else old + ALPHA * (sample - old)
 
 
-def _leading(keys: Sequence[int], held: OrderedDict[int, None]) -> int:
+def _leading(keys: Sequence[int], held: OrderedDict[int, float], started: float) -> int:
+    """The leading blocks held when a prefill started: one computed by a prefill that finished
+    later was still being computed then, and vLLM (like the fake) hits only finished blocks."""
     n = 0
     for key in keys:
-        if key not in held:
+        at = held.get(key)
+        if at is None or at > started:
             break
         n += 1
     return n
@@ -97,7 +104,8 @@ class HoldingsModel:
                 p.forget()  # restarted: a new engine holds nothing of the old one's
             p.engine_id = rep.engine_id
         keys = rep.keys
-        predicted = _leading(keys, p.keys)
+        started = rep.at - rep.duration_s if rep.at else math.inf
+        predicted = _leading(keys, p.keys, started)
         if rep.prompt_chars and rep.prompt_tokens:
             p.chars_per_token = _ewma(p.chars_per_token, rep.prompt_chars / rep.prompt_tokens)
         result = None
@@ -118,9 +126,12 @@ class HoldingsModel:
         held = p.keys
         # The producer computed or reused every block: now the most recent, the prompt's head the
         # most recent of all (vLLM frees a request's blocks tail first, so its tail goes first).
+        at = rep.at
         for key in reversed(keys):
-            held[key] = None
-            held.move_to_end(key)
+            if key in held:
+                held.move_to_end(key)  # it keeps its first time: it was there all along
+            else:
+                held[key] = at
         self._trim(p)
         p.dirty = True
         return result
@@ -190,7 +201,7 @@ class HoldingsModel:
             if p is None or held is None:
                 continue
             order = holdings.read_keys(index, p.stamp) or []
-            p.keys = OrderedDict((key, None) for key in reversed(order))
+            p.keys = OrderedDict((key, 0.0) for key in reversed(order))
             p.engine_id, p.rate, p.chars_per_token = held.engine_id, held.prefill_chars_per_s, held.chars_per_token
             if p.rate is not None:
                 p.work_mean, p.time_mean = p.rate, 1.0

@@ -197,14 +197,17 @@ class Supervisor:
 
     def drain_prefills(self) -> None:
         """The workers' completed prefills into the holdings (SPEC §3.3), then what changed
-        published. Each prefill with reported cached tokens is judged once."""
+        published. Each prefill with reported cached tokens is judged once, in order of completion
+        across workers: judged in ring order, a prefill that hit what another worker's finished a
+        moment earlier would read as ``under`` and that one's as ``over``."""
         if self.holdings is None or self.model is None:
             return
-        for slot in range(self.holdings.layout.slots):
-            for rep in self.holdings.drain(slot):
-                result = self.model.apply(rep)
-                if result is not None:
-                    metrics.HOLDINGS_PREDICTIONS.labels(result).inc()
+        reports = [rep for slot in range(self.holdings.layout.slots) for rep in self.holdings.drain(slot)]
+        reports.sort(key=lambda rep: rep.at)
+        for rep in reports:
+            result = self.model.apply(rep)
+            if result is not None:
+                metrics.HOLDINGS_PREDICTIONS.labels(result).inc()
         self.model.publish(self.holdings, time.monotonic())
 
     def sweep(self) -> None:

@@ -110,3 +110,11 @@ def test_prefill_work_in_flight_is_summed_over_workers_and_cleared_with_a_dead_s
     assert two.work() == [200, 50]
     h.skip(1)  # its worker died
     assert one.work() == [0, 0]
+
+
+def test_a_report_carries_when_it_finished_for_the_merge_across_workers() -> None:
+    h = _region()
+    WorkerHoldings(h, [P0, 0], slot=1).report_prefill(0, None, 10, None, None, 0.0, [], 0, at=12.5)
+    WorkerHoldings(h, [P0, 0], slot=0).report_prefill(0, None, 11, None, None, 0.0, [], 0, at=12.25)
+    merged = sorted(h.drain(0) + h.drain(1), key=lambda r: r.at)
+    assert [(r.prompt_chars, r.at) for r in merged] == [(11, 12.25), (10, 12.5)]

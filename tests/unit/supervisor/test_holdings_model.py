@@ -151,3 +151,13 @@ def test_a_restarted_supervisor_starts_from_the_published_holdings() -> None:
     second.publish(region, 2.0)  # nothing changed: the section is not rewritten empty
     assert region.section_seq(0) == seq
     assert second.apply(_rep([1, 2, 3, 4], cached=3 * 64)) == "exact"
+
+
+def test_a_prefill_that_started_before_the_prefix_was_computed_is_no_eviction() -> None:
+    m = _model()
+    m.apply(PrefillReport(0, P0, 11, 808, 202, 0, 0.05, (1, 2, 3), 0, at=10.0))  # computed 9.95-10.0
+    # Placed together with it (started at 9.96): it could not hit blocks still being computed.
+    assert m.apply(PrefillReport(0, P0, 11, 808, 202, 0, 0.05, (1, 2, 3), 0, at=10.01)) == "exact"
+    assert _held(m) == [3, 2, 1]
+    # Started after they were done: they should have hit; none did, so they were evicted.
+    assert m.apply(PrefillReport(0, P0, 11, 808, 202, 0, 0.05, (1, 2, 3), 0, at=10.2)) == "over"
