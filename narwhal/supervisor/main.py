@@ -87,6 +87,9 @@ class Supervisor:
         self._probing: set[str] = set()
         self._wall = time.time() - time.monotonic()
         self.holdings = holdings
+        # Policy held only: the series exist (at 0) from the start, so a rate() sees the first one.
+        self._predictions = {r: metrics.HOLDINGS_PREDICTIONS.labels(r)
+                             for r in (("exact", "over", "under") if holdings is not None else ())}
         self.model: HoldingsModel | None = None
         if holdings is not None:
             stamps = [identity(e.name, e.url) if e.can_prefill else None for e in self.fleet.engines]
@@ -207,7 +210,7 @@ class Supervisor:
         for rep in reports:
             result = self.model.apply(rep)
             if result is not None:
-                metrics.HOLDINGS_PREDICTIONS.labels(result).inc()
+                self._predictions[result].inc()
         self.model.publish(self.holdings, time.monotonic())
 
     def sweep(self) -> None:

@@ -68,14 +68,13 @@ def matched_blocks(blocks: PrefixBlocks, sets: Sequence[frozenset[int]]) -> list
     """Per candidate, how many of the prompt's leading blocks it holds; stops at the first
     block no candidate holds."""
     runs = [0] * len(sets)
-    active = [i for i, held in enumerate(sets) if held]
-    k = 0
-    while active and k < blocks.count:
-        key = blocks.key(k)
-        active = [i for i in active if key in sets[i]]
-        k += 1
-        for i in active:
-            runs[i] = k
+    count, key = blocks.count, blocks.key
+    for i, held in enumerate(sets):
+        if held:  # keys are computed as far as the longest run asks, once each (PrefixBlocks)
+            run = 0
+            while run < count and key(run) in held:
+                run += 1
+            runs[i] = run
     return runs
 
 

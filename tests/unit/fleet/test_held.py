@@ -122,9 +122,12 @@ def test_the_lookup_stops_at_the_first_block_nobody_holds() -> None:
     held = frozenset(PrefixBlocks(PREFIX, 256, 65536).keys()[:2])
     fresh = _blocks()
     assert matched_blocks(fresh, [held, frozenset()]) == [2, 0]
-    assert len(fresh.keys(0)) == 3  # blocks 0, 1 held, block 2 looked at: nothing beyond
+    assert len(fresh.keys(0)) == 4  # blocks 0, 1 held, block 2 looked at: one batch of 4, nothing beyond
     nobody = _blocks()
     assert matched_blocks(nobody, [frozenset(), frozenset()]) == [0, 0] and len(nobody.keys(0)) == 0
+    long = PrefixBlocks(PREFIX * 4, 256, 65536)  # 32 blocks, the first 8 held
+    assert matched_blocks(long, [held | frozenset(long.keys(8)), frozenset()]) == [8, 0]
+    assert len(long.keys(0)) == 16  # 4, 8, then 16 for block 8: never all 32
     assert blocks.count == 8
 
 
