@@ -17,8 +17,10 @@ Invariants, and why:
 * The choice itself is pure (no I/O): counts come through :class:`InflightCounts`, engine
   reports through a :class:`LoadSource`, the clock and the randomness are injected.
 
-Which pair (SPEC §3.2): producers by prefix affinity when the request has a key
-(:mod:`.affinity`), else least loaded (:mod:`.least_loaded`); the consumer least loaded among
+Which pair (SPEC §3.2, §3.3): with policy ``held`` (the default) and a prompt of at least one
+block, producers by estimated time to handoff knowing what each holds (:mod:`.held`); else by
+prefix affinity when the request has a key (:mod:`.affinity`), else least loaded
+(:mod:`.least_loaded`); the consumer least loaded among
 the producer's permitted consumers; saturated engines last; ties at random. A local decode
 (:meth:`Placement.reserve` with ``local``) reserves a consumer only. With
 ``load_interval_s = 0`` and no key, this is exactly the least-in-flight choice of before.
