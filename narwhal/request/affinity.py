@@ -34,6 +34,25 @@ def prompt_head(endpoint: Endpoint, body: dict[str, Any], limit: int) -> str | N
     return None if text is None else text[:limit]
 
 
+def held_hints(
+    endpoint: Endpoint, body: dict[str, Any], settings: PlacementSettings
+) -> tuple[int | None, bool, PrefixBlocks | None]:
+    """Policy ``held``: (the affinity key, local decode, the prefix blocks) from one read of the
+    prompt text. A prompt with a full block places by its blocks and needs no key; a shorter one
+    keeps the affinity key (the affinity rule places it)."""
+    local_chars = settings.local_prefill_chars
+    head = prompt_head(endpoint, body, max(settings.max_prefix_chars + 1, local_chars))
+    if head is None:
+        return None, False, None
+    if len(head) < local_chars:
+        return None, True, None
+    if len(head) >= settings.block_chars:
+        return None, False, PrefixBlocks(head, settings.block_chars, settings.max_prefix_chars)
+    if len(head) < settings.affinity_min_chars:
+        return None, False, None
+    return key_hash(head[: settings.affinity_chars]), False, None
+
+
 def prefix_blocks(endpoint: Endpoint, body: dict[str, Any], settings: PlacementSettings) -> PrefixBlocks | None:
     """The prompt's prefix blocks for policy ``held`` (SPEC §3.3), None when it has no full block.
 

@@ -145,7 +145,8 @@ class Attempts:
                 if req.blocks is not None:
                     rec.predicted_cached_chars = resv.predicted_chars
                     # Runs at the decode's first wait: the keys are finished off the critical path.
-                    asyncio.get_running_loop().call_soon(self.outcomes.prefilled, producer, req.blocks, result)
+                    asyncio.get_running_loop().call_soon(self.outcomes.prefilled, producer, req.blocks, result,
+                                                         resv.queued_chars)
             response = await self._decode(client, req, resv, result, rec, started, ttft_s)
             metrics.TALLY.inc(metrics.attempts_child("success"))
             self.outcomes.success(producer, consumer, local=resv.local)

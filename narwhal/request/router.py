@@ -36,7 +36,7 @@ from narwhal.fleet.placement import Placement
 from narwhal.reasons import Reason, retryable
 from narwhal.request.accesslog import AccessLog, AccessRecord
 from narwhal.request.admission import ClientRequest, admit
-from narwhal.request.affinity import placement_hints, prefix_blocks
+from narwhal.request.affinity import held_hints, placement_hints
 from narwhal.request.attempt import Attempts
 from narwhal.request.client_stream import ClientStream
 from narwhal.request.ids import client_request_id, trace_id_of
@@ -112,9 +112,10 @@ class Router:
                 response = await self.passthrough.serve(request, path, rec, arrival, started)
             else:
                 req = await admit(request, endpoint, self.settings, self.fleet, arrival)
-                req.affinity, req.local = placement_hints(endpoint, req.body, self.settings.placement)
-                if self._held and not req.local:
-                    req.blocks = prefix_blocks(endpoint, req.body, self.settings.placement)
+                if self._held:
+                    req.affinity, req.local, req.blocks = held_hints(endpoint, req.body, self.settings.placement)
+                else:
+                    req.affinity, req.local = placement_hints(endpoint, req.body, self.settings.placement)
                 rec.model, rec.stream = req.model, req.stream
                 response = await self._serve(client, req, rec, started)
             rec.status = response.status

@@ -17,8 +17,10 @@ Invariants, and why:
 * The choice itself is pure (no I/O): counts come through :class:`InflightCounts`, engine
   reports through a :class:`LoadSource`, the clock and the randomness are injected.
 
-Which pair (SPEC §3.2): producers by prefix affinity when the request has a key
-(:mod:`.affinity`), else least loaded (:mod:`.least_loaded`); the consumer least loaded among
+Which pair (SPEC §3.2, §3.3): with policy ``held`` (the default) and a prompt of at least one
+block, producers by estimated time to handoff knowing what each holds (:mod:`.held`); else by
+prefix affinity when the request has a key (:mod:`.affinity`), else least loaded
+(:mod:`.least_loaded`); the consumer least loaded among
 the producer's permitted consumers; saturated engines last; ties at random. A local decode
 (:meth:`Placement.reserve` with ``local``) reserves a consumer only. With
 ``load_interval_s = 0`` and no key, this is exactly the least-in-flight choice of before.
@@ -85,7 +87,8 @@ class Placement:
         self._hashes = [affinity.key_hash(e.name) for e in fleet.engines]
         self._policy = settings.placement_policy
         self.holdings = holdings  # policy "held": what each producer holds (SPEC §3.3)
-        self._matched: list[int] = []  # the last held ordering's matched characters, by position
+        # The last held ordering's (matched, uncached, queued) characters, by position.
+        self._facts: list[tuple[int, int, int]] = []
 
     def current_loads(self) -> Loads | None:
         return None if self._loads is None else self._loads.current()
@@ -149,8 +152,11 @@ class Placement:
                 inflight.release(p, "prefill")
                 continue
             resv = Reservation(self, p, d, choice_of(position, p))
-            if self._matched:
-                resv.predicted_chars = self._matched[position]
+            if self._facts:
+                resv.predicted_chars, uncached, resv.queued_chars = self._facts[position]
+                if self.holdings is not None and uncached:
+                    resv.work = uncached  # this host's queued prefill work there, until it ends
+                    self.holdings.add_work(p.index, uncached)
             return resv
         return None
 
@@ -167,7 +173,7 @@ class Placement:
             loads is not None and loads.any_saturated
             and least_loaded.all_saturated([c[0].index for c in candidates], loads)
         )
-        self._matched = []
+        self._facts = []
         if self._policy == "least_loaded":
             key = None
         elif self._policy == "held" and blocks is not None and blocks.count and candidates:
@@ -208,20 +214,28 @@ class Placement:
             saturated = loads.saturated
             rest = [c for c in candidates if saturated[c[0].index]]
             candidates = [c for c in candidates if not saturated[c[0].index]]
-        readings = self.holdings.current() if self.holdings is not None else ()
+        source = self.holdings
+        if source is not None:
+            readings, work = source.current(), source.work()
+            extra = loads.extra if loads is not None else None
+            ours: Callable[[Candidate], float] = lambda c: work[c[0].index]  # noqa: E731
+            others: Callable[[Candidate], float] = (  # noqa: E731
+                (lambda c: extra[c[0].index]) if extra is not None else (lambda c: 0.0))
+        else:  # no holdings region (outside gunicorn): every request at the mean
+            readings, ours, others = (), (lambda c: 0.0), load
         hashes = self._hashes
-        ordered, matched = held.order(candidates, blocks, readings, _producer_index,
-                                      lambda c: hashes[c[0].index], load, self.settings.affinity_slack)
+        ordered, facts = held.order(candidates, blocks, readings, _producer_index, lambda c: hashes[c[0].index],
+                                    ours, others, self.settings.affinity_slack)
         if rest:
             ordered += least_loaded.order(rest, load, _producer_index, None, self._rng)
-            matched += [0] * len(rest)
-        self._matched = matched
+            facts += [(0, len(blocks.text), 0)] * len(rest)
+        self._facts = facts
         if every_saturated:
             return ordered, _saturated
-        anyone = any(matched)
+        anyone = any(f[0] for f in facts)
 
         def choice(position: int, producer: Engine) -> str:
-            return held.choice_label(matched[position], anyone)
+            return held.choice_label(facts[position][0], anyone)
 
         return ordered, choice
 
@@ -353,6 +367,11 @@ class Placement:
                 await self._freed.wait()
         except TimeoutError:
             pass
+
+    def release_work(self, engine: Engine, chars: int) -> None:
+        """A held prefill leg ended: its uncached characters are no longer queued there."""
+        if self.holdings is not None:
+            self.holdings.add_work(engine.index, -chars)
 
     def _release(self, engine: Engine, phase: PhaseName) -> None:
         self.inflight.release(engine, phase)

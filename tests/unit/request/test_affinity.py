@@ -10,7 +10,7 @@ from narwhal.engines import endpoints
 from narwhal.engines.endpoints import CHAT, COMPLETIONS
 from narwhal.fleet.placement.affinity import key_hash
 from narwhal.request import affinity
-from narwhal.request.affinity import placement_hints, prompt_head
+from narwhal.request.affinity import held_hints, placement_hints, prompt_head
 from narwhal.settings import PlacementSettings
 
 LONG = "You are a careful assistant who answers in French. " * 40  # ~2 KiB
@@ -85,3 +85,17 @@ def test_the_other_pd_endpoints_key_on_their_dialects_text(endpoint: str, body: 
     key, local = placement_hints(registered, body, _settings())
     assert (key, local) == (key_hash(text[:1024]), False)
     assert placement_hints(registered, body, _settings(local_prefill_chars=len(text) + 1)) == (None, True)
+
+
+def test_held_hints_read_the_prompt_once_for_blocks_key_and_local() -> None:
+    completions = COMPLETIONS
+    key, local, blocks = held_hints(completions, {"prompt": LONG}, _settings())
+    assert (key, local) == (None, False) and blocks is not None  # blocks place it: no key needed
+    assert (blocks.count, blocks.cut, blocks.text) == (len(LONG) // 256, False, LONG)
+    medium = LONG[:100]  # under a block, over affinity_min_chars: the affinity rule's key
+    assert held_hints(completions, {"prompt": medium}, _settings()) == (key_hash(medium), False, None)
+    assert held_hints(completions, {"prompt": "hi"}, _settings()) == (None, False, None)
+    assert held_hints(completions, {"prompt": LONG}, _settings(local_prefill_chars=5000)) == (None, True, None)
+    cut = held_hints(completions, {"prompt": LONG}, _settings(max_prefix_chars=512))[2]
+    assert cut is not None and (cut.count, cut.cut, len(cut.text)) == (2, True, 513)
+    assert held_hints(endpoints.BY_PATH["/tokenize"], {"prompt": LONG}, _settings()) == (None, False, None)
