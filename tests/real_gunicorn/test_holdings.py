@@ -52,13 +52,30 @@ def _engines() -> list[dict[str, Any]]:
     return [{"name": n, "role": "producer"} for n in PRODUCERS] + [{"name": n, "role": "consumer"} for n in CONSUMERS]
 
 
+def _fleet() -> FakeFleet:
+    return FakeFleet.start(PRODUCERS + CONSUMERS, args=["--model", MODEL, "--lease-s", "120", "--prefix-cache",
+                                                        "--kv-blocks", str(KV_BLOCKS), "--prefill-us-per-token", "10"])
+
+
 @pytest.fixture(scope="module")
 def hfleet() -> Iterator[FakeFleet]:
-    started = FakeFleet.start(PRODUCERS + CONSUMERS, args=["--model", MODEL, "--lease-s", "120", "--prefix-cache",
-                                                           "--kv-blocks", str(KV_BLOCKS),
-                                                           "--prefill-us-per-token", "10"])
+    started = _fleet()
     yield started
     started.stop()
+
+
+@pytest.fixture
+def fresh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RouterProcess, FakeFleet]]:
+    """A fleet and router of their own, nothing held and nothing learned: for the tests whose
+    choices depend on which producers are full (``held.eviction_weight``), which the module's
+    shared fleet fills as its tests go."""
+    fleet = _fleet()
+    try:
+        proc = _router(fleet, tmp_path_factory.mktemp("fresh"))
+        yield proc, fleet
+        proc.stop()
+    finally:
+        fleet.stop()
 
 
 def _router(hfleet: FakeFleet, tmp: Any, workers: int = 2, **placement: Any) -> RouterProcess:
@@ -176,11 +193,16 @@ async def test_eight_prefixes_on_four_producers_holding_two_each_are_shown_and_r
 
 
 async def test_after_the_producer_evicts_the_next_prefill_is_over_and_lowers_its_holdings(
-    router: RouterProcess, hfleet: FakeFleet,
+    fresh: tuple[RouterProcess, FakeFleet],
 ) -> None:
+    router, hfleet = fresh
     async with aiohttp.ClientSession() as session:
         prefix = _prefix(uuid.uuid4().hex)
         holder = (await _ask(session, router, prefix + " one"))["producer"]
+        # A hit, so the holder has reported cached tokens: from then on a prefill that reports
+        # none is judged as nothing cached (before, an absent field may mean an older vLLM).
+        await _wait_blocks(router, holder, lambda n: n >= BLOCKS, "the prefix published")
+        assert (await _ask(session, router, prefix + " again"))["cached_tokens"] >= BLOCKS * 64
         other = _prefix(uuid.uuid4().hex)
         while _favourites(other)[0] != holder:
             other = _prefix(uuid.uuid4().hex)
@@ -271,8 +293,9 @@ async def test_capacity_is_read_from_cache_config_info(router: RouterProcess, hf
 
 
 async def test_a_second_replica_learns_what_the_first_placed_from_cached_tokens(
-    router: RouterProcess, hfleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory,
+    fresh: tuple[RouterProcess, FakeFleet], tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
+    router, hfleet = fresh
     replica = _router(hfleet, tmp_path_factory.mktemp("replica"), workers=1)
     try:
         prefix = _prefix(uuid.uuid4().hex)

@@ -2,8 +2,8 @@
 
 For each candidate producer: *matched* = the characters of the longest leading run of this
 prompt's blocks it is believed to hold (the supervisor's holdings, read from shared memory);
-*estimated time to handoff* = (its queued prefill work + this prompt's uncached characters) ÷
-its prefill rate. Queued work is its prefill load (this host's in-flight prefill legs plus what
+*estimated time to handoff* = (its queued prefill work + this prompt's uncached characters ×
+:func:`eviction_weight`) ÷ its prefill rate. Queued work is its prefill load (this host's in-flight prefill legs plus what
 it reports running and waiting that is not ours): this host's legs by their own uncached
 characters (summed in shared memory by every worker), the others' requests each reckoned at the
 fleet's mean uncached characters per prefill (this prompt's length while none is known). The rate is the
@@ -12,6 +12,14 @@ work itself). The least estimate wins; candidates within ``placement.affinity_sl
 ordered by the rendezvous rank of the prompt's first block key, so workers and replicas that know
 nothing yet (every estimate equal) still agree, and a prefix's first prefills all go where its
 later ones will look.
+
+Deviation from SPEC §3.3 (README "Placement"), measured on perf's ``prefix_scarce``: counted
+once, the uncached part lets a short queue beat a held prefix on every fluctuation, and each
+such miss evicts another prefix on a full producer (cached share 0.27, TTFB p50 114 ms against
+the ideal's 0.89 and 28 ms). On a full producer it counts three times — the prefill itself, the
+prefix it evicts (prefilled again later) and the queue it holds up (0.73, 44 ms). And a
+saturated producer (KV usage at ``kv_saturated``) goes last only when it holds none of the
+prompt: a scarce KV is always nearly full, and a hit shares the blocks it needs.
 
 Invariants, and why:
 
@@ -35,6 +43,7 @@ from narwhal.fleet.placement.blocks import PrefixBlocks
 T = TypeVar("T")
 
 _NOTHING: frozenset[int] = frozenset()
+FULL_WEIGHT = 3.0  # a miss on a full producer: its prefill, the prefix it evicts, the queue it holds up
 
 
 class HeldReading(Protocol):
@@ -62,6 +71,12 @@ class HoldingsSource(Protocol):
     def current(self) -> Sequence[HeldReading | None]: ...
     def work(self) -> Sequence[int]: ...
     def add_work(self, engine: int, chars: int) -> None: ...
+
+
+def keys_of(readings: Sequence[HeldReading | None], index: int) -> frozenset[int]:
+    """The block keys engine ``index`` is believed to hold (none without a reading)."""
+    reading = readings[index] if index < len(readings) else None
+    return reading.keys if reading is not None else _NOTHING
 
 
 def matched_blocks(blocks: PrefixBlocks, sets: Sequence[frozenset[int]]) -> list[int]:
@@ -106,7 +121,7 @@ def order(
         rate = (reading.prefill_chars_per_s if reading is not None else None) or default_rate
         queued = ours(item) + others(item) * per_request
         uncached = max(prompt - run * width, 0)
-        estimates.append((queued + uncached) / rate)
+        estimates.append((queued + uncached * eviction_weight(reading)) / rate)
         facts.append((run * width, uncached, int(queued)))
     best = min(estimates)
     bound = best * (1 + slack) + 1e-9
@@ -117,6 +132,15 @@ def order(
                        else estimates[i]),
     )
     return [items[i] for i in ranked], [facts[i] for i in ranked]
+
+
+def eviction_weight(reading: HeldReading | None) -> float:
+    """How many times a candidate's uncached characters count: three times on a producer whose
+    KV is full or of unknown size (the prefill, the prefix it evicts, the queue it holds up),
+    once where there is room (nothing is evicted)."""
+    if reading is None or reading.capacity_blocks is None:
+        return FULL_WEIGHT  # unknown capacity: assume full, as a busy cache is
+    return FULL_WEIGHT if reading.blocks >= reading.capacity_blocks else 1.0
 
 
 def choice_label(matched: int, anyone_held: bool) -> str:

@@ -210,11 +210,16 @@ class Placement:
         """SPEC §3.3 (:mod:`.held`): the least estimated time to handoff first, near-ties by
         rendezvous rank; saturated producers after the others unless every one is."""
         rest: list[Candidate] = []
-        if loads is not None and loads.any_saturated and not every_saturated:
-            saturated = loads.saturated
-            rest = [c for c in candidates if saturated[c[0].index]]
-            candidates = [c for c in candidates if not saturated[c[0].index]]
         source = self.holdings
+        if loads is not None and loads.any_saturated and not every_saturated:
+            # A scarce KV is always nearly full of cached prefixes: a saturated producer that
+            # holds the prompt's first block shares those blocks and stays a candidate; only
+            # one that would compute the prompt from scratch goes last.
+            saturated, first = loads.saturated, blocks.key(0)
+            readings = source.current() if source is not None else ()
+            holds = [first in held.keys_of(readings, i) for i in range(len(saturated))]
+            rest = [c for c in candidates if saturated[c[0].index] and not holds[c[0].index]]
+            candidates = [c for c in candidates if not saturated[c[0].index] or holds[c[0].index]]
         if source is not None:
             readings, work = source.current(), source.work()
             extra = loads.extra if loads is not None else None

@@ -131,14 +131,25 @@ def test_the_lookup_stops_at_the_first_block_nobody_holds() -> None:
     assert blocks.count == 8
 
 
-def test_a_saturated_holder_is_chosen_only_when_every_producer_is() -> None:
+def test_saturation_sends_last_only_the_producers_that_would_compute_the_prompt() -> None:
     placement, holdings, readings, clock, _ = _build()
     blocks = _blocks()
     holder = _ranked(blocks)[-1]
     holdings.set(PRODUCERS.index(holder), blocks.keys())
+    # A scarce KV is always nearly full: a saturated holder shares its cached blocks and stays first.
     readings.set(**{holder: Reading(read_at=clock.now, kv_usage=0.99)})
     found = _place(placement, _blocks())
-    assert found.producer.name != holder and found.choice == "rendezvous"
+    assert (found.producer.name, found.choice) == (holder, "held")
+    found.release()
+    # A saturated producer that holds nothing of the prompt goes after the unsaturated ones.
+    other = _blocks("another tenant's prompt " * 40)
+    favourite = _ranked(other)[0]
+    found = _place(placement, other)
+    assert found.producer.name == favourite  # unsaturated: its rank decides
+    found.release()
+    readings.set(**{favourite: Reading(read_at=clock.now, kv_usage=0.99)})
+    found = _place(placement, other)
+    assert found.producer.name != favourite and found.choice == "rendezvous"
     found.release()
     readings.set(**{n: Reading(read_at=clock.now, kv_usage=0.99) for n in PRODUCERS})
     found = _place(placement, _blocks())
@@ -168,7 +179,9 @@ def test_this_hosts_prefills_in_flight_count_by_their_own_uncached_characters() 
     # 3,000 characters a request would have sent it away).
     again = _place(placement, _blocks())
     assert (again.producer.name, again.queued_chars) == (holder, tail)
-    holdings.queued[PRODUCERS.index(holder)] = 5000  # a real backlog there: the idle favourite now
+    # A real backlog there, over three times the prompt (a miss elsewhere counts its uncached
+    # characters three times on a full producer, held.eviction_weight): the idle favourite now.
+    holdings.queued[PRODUCERS.index(holder)] = 3 * len(blocks.text) + 1
     assert _place(placement, _blocks()).producer.name == second
     first.release_prefill()
-    assert holdings.queued[PRODUCERS.index(holder)] == 5000 - tail and first.work == 0
+    assert holdings.queued[PRODUCERS.index(holder)] == 3 * len(blocks.text) + 1 - tail and first.work == 0
