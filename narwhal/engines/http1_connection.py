@@ -136,8 +136,15 @@ class Connection(asyncio.Protocol):
             return
         news = self._news
         if (body[-1] if body else None) is not last:  # this read brought body: one sink call, or one wakeup
-            if self.sink is not None:
-                self._relay()
+            sink = self.sink
+            if sink is not None:
+                # _relay, written out (it runs once per token of a paced stream). The list holds
+                # this read's chunks only (the relay took the rest when it started); each chunk
+                # is its own object, so one chunk is first and last at once.
+                first = body[0]
+                data = first if first is body[-1] else b"".join(body)
+                del body[:]  # clear() without a method call
+                sink(data)
             else:
                 self._buffered += len(data)
                 if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:

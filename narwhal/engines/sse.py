@@ -46,6 +46,8 @@ class SSEFramer:
             self._skip_lf = chunk.endswith(b"\r")
             chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         if not self._buf:
+            if chunk.endswith(_SEP):
+                return chunk  # the common case: whole events, no copy at all (one call)
             end = chunk.rfind(_SEP)
             if end == -1:
                 self._buf += chunk
