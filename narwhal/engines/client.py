@@ -79,7 +79,10 @@ class EngineClient:
         connection is closed, which makes the engine abort)."""
         conn = await self.pool.post(url, endpoint, headers, payload, deadline=bound)
         try:
-            return await _answer(conn)
+            status = await conn.response()  # _answer's steps, written out: one frame fewer per wakeup
+            data = await conn.read_all()
+            conn.release()
+            return status, data
         except asyncio.CancelledError:
             if on_abandon is None:
                 conn.close()

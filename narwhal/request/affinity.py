@@ -70,9 +70,11 @@ def placement_hints(endpoint: Endpoint, body: dict[str, Any], settings: Placemen
     keyed = settings.placement_policy != "least_loaded"
     if not keyed and local_chars == 0:
         return None, False
-    head = prompt_head(endpoint, body, max(settings.affinity_chars, local_chars))
-    if head is None:
+    limit = max(settings.affinity_chars, local_chars)
+    text = endpoint.dialect.affinity_text(body, limit)  # prompt_head, written out
+    if text is None:
         return None, False
+    head = text[:limit]
     local = len(head) < local_chars
     if local or not keyed or len(head) < settings.affinity_min_chars:
         return None, local

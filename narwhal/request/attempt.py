@@ -66,7 +66,7 @@ async def _stream(
     age: float | None, tap: UsageTap | None,
 ) -> web.StreamResponse:
     """Relay an opened stream to the client until its terminal event (SPEC §3 step 7, §2.1)."""
-    observed = False
+    observed = ended = False
     spans = 0
     try:
         while (span := await leg.next_span()) is not None:
@@ -78,7 +78,8 @@ async def _stream(
                 continue
             # The span with the terminal event goes out with the end of the chunked body: one
             # write, one client wakeup, instead of a separate 5-byte terminator.
-            await client.write(span, eof=leg.ended)
+            ended = leg.ended
+            await client.write(span, eof=ended)
             spans += 1
             if tap is not None:
                 tap.see(span)
@@ -86,7 +87,8 @@ async def _stream(
                 observed = True
                 _observe_start(ttft_s, rec.first_byte_s, age)
         assert client.stream is not None  # next_span ends only after output went out
-        await client.write(b"", eof=True)  # no-op after the terminal event
+        if not ended:  # the terminal event's span already ended the body
+            await client.write(b"", eof=True)
         _observe_stream_end(rec, started, spans + leg.relayed, tap)
         return client.stream
     finally:
@@ -132,11 +134,11 @@ class Attempts:
             if resv.local:
                 # SPEC §3.2: no producer, no prefill leg; the consumer serves the client body.
                 rec.mode = "local"
-                metrics.TALLY.inc(metrics.LOCAL_DECODES)
+                metrics.TALLY.counts[metrics.LOCAL_DECODES] += 1
                 result = PrefillResult(consumer.name, consumer.url, req.endpoint, request_id, None, crossed=False)
             else:
                 rec.mode = "disaggregated" if resv.crossed else "same_worker"
-                metrics.TALLY.inc(metrics.placements_child(resv.choice))
+                metrics.TALLY.counts[metrics.placements_child(resv.choice)] += 1
                 result = await self._prefill(req, resv, request_id)
                 resv.release_prefill()
                 rec.ttft_s = ttft_s = time.perf_counter() - started
@@ -148,7 +150,7 @@ class Attempts:
                     asyncio.get_running_loop().call_soon(self.outcomes.prefilled, producer, req.blocks, result,
                                                          resv.queued_chars)
             response = await self._decode(client, req, resv, result, rec, started, ttft_s)
-            metrics.TALLY.inc(metrics.attempts_child("success"))
+            metrics.TALLY.counts[metrics.attempts_child("success")] += 1
             self.outcomes.success(producer, consumer, local=resv.local)
             return response
         except EngineError as exc:
@@ -163,14 +165,16 @@ class Attempts:
             if not resv.detached:
                 resv.release()
 
-    async def _prefill(self, req: ClientRequest, resv: Reservation, request_id: str) -> PrefillResult:
+    def _prefill(self, req: ClientRequest, resv: Reservation, request_id: str) -> Awaitable[PrefillResult]:
+        # A plain function returning the leg's coroutine: no frame of its own to resume on
+        # every wakeup of the prefill.
         def abandon(rest: Awaitable[PrefillResult]) -> None:
             # The client left mid-prefill. Let the prefill finish and release its handoff in
             # the background, which now owns the reservation.
             resv.detached = True
             self.spawn(self._finish_abandoned_prefill(rest, req, resv))
 
-        return await self.client.prefill(
+        return self.client.prefill(
             resv.producer,
             req.endpoint,
             req.body,

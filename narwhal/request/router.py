@@ -35,7 +35,7 @@ from narwhal.fleet import Fleet
 from narwhal.fleet.placement import Placement
 from narwhal.reasons import Reason, retryable
 from narwhal.request.accesslog import AccessLog, AccessRecord
-from narwhal.request.admission import ClientRequest, admit
+from narwhal.request.admission import ClientRequest, admit, embed_prompt
 from narwhal.request.affinity import held_hints, placement_hints
 from narwhal.request.attempt import Attempts
 from narwhal.request.client_stream import ClientStream
@@ -95,7 +95,8 @@ class Router:
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         # Deadlines are in loop time (timers); measurements use perf_counter, because
         # uvloop's clock moves in whole milliseconds and ttft_s is often below one.
-        arrival = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        arrival = loop.time()
         started = time.perf_counter()
         traceparent = request.headers.get("traceparent")  # parsed only when sent: most requests send none
         path = endpoint.path
@@ -104,7 +105,7 @@ class Router:
         client = ClientStream(
             request, rec.request_id, self.settings.server.client_write_timeout_s, endpoint.dialect
         )
-        task = asyncio.current_task()
+        task = asyncio.current_task(loop)
         self._active.add(task)
         try:
             response: web.StreamResponse
@@ -116,6 +117,7 @@ class Router:
                     req.affinity, req.local, req.blocks = held_hints(endpoint, req.body, self.settings.placement)
                 else:
                     req.affinity, req.local = placement_hints(endpoint, req.body, self.settings.placement)
+                embed_prompt(req.body, endpoint.dialect.prompt_fields)  # nothing reads the prompt after this
                 rec.model, rec.stream = req.model, req.stream
                 response = await self._serve(client, req, rec, started)
             rec.status = response.status
@@ -140,7 +142,7 @@ class Router:
             client.close()
             self._active.discard(task)
             rec.total_s = time.perf_counter() - started
-            metrics.TALLY.inc(metrics.requests_child(path, rec.status, rec.model or ""))
+            metrics.TALLY.counts[metrics.requests_child(path, rec.status, rec.model or "")] += 1
             self.access_log.write(rec)
 
     async def _fail(self, client: ClientStream, rec: AccessRecord, exc: NarwhalError) -> web.StreamResponse:

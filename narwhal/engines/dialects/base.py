@@ -73,6 +73,9 @@ class Dialect:
     __slots__ = ()
 
     endpoint = ""
+    # The body fields that hold the prompt (the part that grows with it): encoded once and
+    # embedded in every engine body as is (``narwhal.request.admission.embed_prompt``).
+    prompt_fields: tuple[str, ...] = ()
     terminal = "[DONE]"  # the bare terminal event name, for the done_before_token detail
     terminal_bytes: bytes | None = DONE_EVENT  # what the terminal event is relayed as; None: as received
 
@@ -97,11 +100,12 @@ class Dialect:
         """(prompt tokens, cached prompt tokens) of a prefill's ``usage``, each None when absent
         or not an int: here ``prompt_tokens`` and ``prompt_tokens_details.cached_tokens`` (vLLM
         fills the details with ``--enable-prompt-tokens-details``)."""
-        if not isinstance(usage, dict):
+        if type(usage) is not dict:  # decoded JSON: exact types
             return None, None
         details = usage.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        return int_or_none(usage.get("prompt_tokens")), int_or_none(cached)
+        cached = details.get("cached_tokens") if type(details) is dict else None
+        prompt = usage.get("prompt_tokens")
+        return (prompt if type(prompt) is int else None), (cached if type(cached) is int else None)
 
     def prefill_body(self, body: dict[str, Any], request_id: str, crossed: bool) -> dict[str, Any]:
         raise NotImplementedError

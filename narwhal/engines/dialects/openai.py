@@ -22,7 +22,7 @@ GENERATE = "/inference/v1/generate"
 
 
 def _check_prompt(prompt: Any) -> None:
-    if isinstance(prompt, str):
+    if type(prompt) is str:  # exact types: orjson's values are never subclasses
         return
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt) or all(is_int(p) for p in prompt):
@@ -53,6 +53,7 @@ class Completions(Dialect):
 
     __slots__ = ()
     endpoint = COMPLETIONS
+    prompt_fields = ("prompt",)
 
     def check(self, body: dict[str, Any]) -> None:
         if "prompt" not in body:
@@ -62,7 +63,7 @@ class Completions(Dialect):
     def affinity_text(self, body: dict[str, Any], limit: int) -> str | None:
         """``prompt``: a string, the first of a list of strings, or token ids as decimal text."""
         prompt = body.get("prompt")
-        if isinstance(prompt, str):
+        if type(prompt) is str:
             return prompt
         if isinstance(prompt, list) and prompt:
             first = prompt[0]
@@ -92,10 +93,12 @@ class Completions(Dialect):
 class Chat(Completions):
     __slots__ = ()
     endpoint = CHAT
+    prompt_fields = ("messages",)
 
     def check(self, body: dict[str, Any]) -> None:
         messages = body.get("messages")
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        # Element types counted in C (exact: decoded JSON), not a Python step per message.
+        if type(messages) is not list or list(map(type, messages)).count(dict) != len(messages):
             raise bad("'messages' must be a list of objects")
 
     def affinity_text(self, body: dict[str, Any], limit: int) -> str | None:
@@ -124,6 +127,7 @@ class Generate(Completions):
 
     __slots__ = ()
     endpoint = GENERATE
+    prompt_fields = ("token_ids",)
 
     def check(self, body: dict[str, Any]) -> None:
         ids = body.get("token_ids")

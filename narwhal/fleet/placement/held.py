@@ -3,7 +3,8 @@
 For each candidate producer: *matched* = the characters of the longest leading run of this
 prompt's blocks it is believed to hold (the supervisor's holdings, read from shared memory);
 *estimated time to handoff* = (its queued prefill work + this prompt's uncached characters ×
-:func:`eviction_weight`) ÷ its prefill rate. Queued work is its prefill load (this host's in-flight prefill legs plus what
+:func:`eviction_weight`) ÷ its prefill rate.
+Queued work is its prefill load (this host's in-flight prefill legs plus what
 it reports running and waiting that is not ours): this host's legs by their own uncached
 characters (summed in shared memory by every worker), the others' requests each reckoned at the
 fleet's mean uncached characters per prefill (this prompt's length while none is known). The rate is the

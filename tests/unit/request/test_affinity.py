@@ -9,7 +9,6 @@ import pytest
 from narwhal.engines import endpoints
 from narwhal.engines.endpoints import CHAT, COMPLETIONS
 from narwhal.fleet.placement.affinity import key_hash
-from narwhal.request import affinity
 from narwhal.request.affinity import held_hints, placement_hints, prompt_head
 from narwhal.settings import PlacementSettings
 
@@ -53,7 +52,7 @@ def test_affinity_off_no_key_and_nothing_read(monkeypatch: pytest.MonkeyPatch) -
     def boom(*_: Any) -> None:
         raise AssertionError("the prompt was read")
 
-    monkeypatch.setattr(affinity, "prompt_head", boom)
+    monkeypatch.setattr(type(COMPLETIONS.dialect), "affinity_text", boom)
     assert placement_hints(COMPLETIONS, {"prompt": LONG}, _settings(prefix_affinity=False)) == (None, False)
     assert placement_hints(COMPLETIONS, {"prompt": LONG}, _settings(policy="least_loaded")) == (None, False)
 

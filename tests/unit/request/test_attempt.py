@@ -150,7 +150,8 @@ async def test_a_stream_goes_out_in_order_and_reports_success_with_nothing_held(
     client = Client()
     rec = AccessRecord(request_id="c1", endpoint="/v1/completions")
     await attempts.run(client, _request(), rec, 0.0, frozenset())  # type: ignore[arg-type]
-    assert client.written == [b"data: t0\n\n", b"data: t1\n\ndata: [DONE]\n\n", b""]
+    # The terminal span ended the body itself: no empty end-of-body write after it.
+    assert client.written == [b"data: t0\n\n", b"data: t1\n\ndata: [DONE]\n\n"]
     assert reports.seen == [{"producer": "p0", "consumer": "d0", "ok": True, "reason": None,
                              "before_first_token": False}]
     assert (rec.producer, rec.consumer) == ("p0", "d0") and rec.first_byte_s is not None
