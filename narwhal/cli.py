@@ -25,7 +25,7 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
     if args.config:
         os.environ[CONFIG_ENV] = os.path.abspath(args.config)
     settings = load_settings_or_exit()  # fail here, with one line, before gunicorn starts
-    refusal = settings.no_engine_line()
+    refusal = settings.discovery.refusal(len(settings.engines))
     if refusal is not None:
         print(f"narwhal: invalid settings: {refusal}", file=sys.stderr, flush=True)
         return 2

@@ -23,11 +23,11 @@ import orjson
 Phase = Literal["prefill", "decode"]
 
 # Statuses come from the one table of reasons (its module says why there is one).
-from narwhal.reasons import STATUS_OF  # noqa: E402
+from narwhal.reasons import STATUS_OF, Reason  # noqa: E402
 
 
 class NarwhalError(Exception):
-    reason: str = "internal_error"
+    reason: str = Reason.INTERNAL_ERROR
 
     def __init__(self, message: str, *, reason: str | None = None, status: int | None = None) -> None:
         super().__init__(message)
@@ -48,11 +48,11 @@ class NarwhalError(Exception):
 
 
 class RequestError(NarwhalError):
-    reason = "bad_request"
+    reason = Reason.BAD_REQUEST
 
 
 class PlacementError(NarwhalError):
-    reason = "no_engine"
+    reason = Reason.NO_ENGINE
 
     def __init__(self, message: str, *, retry_after_s: int) -> None:
         super().__init__(message)
@@ -63,7 +63,7 @@ class PlacementError(NarwhalError):
 
 
 class DeadlineExceeded(NarwhalError):
-    reason = "deadline_exceeded"
+    reason = Reason.DEADLINE_EXCEEDED
 
 
 class EngineError(NarwhalError):
@@ -93,7 +93,7 @@ class EngineClientError(EngineError):
     counts = False
 
     def __init__(self, message: str, *, engine: str, phase: Phase, status: int) -> None:
-        super().__init__(message, reason="engine_client_error", engine=engine, phase=phase, status=status)
+        super().__init__(message, reason=Reason.ENGINE_CLIENT_ERROR, engine=engine, phase=phase, status=status)
 
 
 def error_body(message: str, kind: str, status: int) -> bytes:

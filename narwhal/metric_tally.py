@@ -1,5 +1,8 @@
 """The request path's metric updates, added up in plain Python and written to prometheus_client in bulk.
 
+The request path adds to :attr:`Tally.counts` itself (``TALLY.counts[child] += 1``: no call at
+all, four per streamed request); :meth:`Tally.inc` is the same for everyone else.
+
 Why: in multiprocess mode (every gunicorn worker's samples scraped together) one
 ``Counter.inc`` is about eleven interpreted calls — the observability check, a lock, a pid
 check, a struct pack into the mmap file — and a ``Histogram.observe`` about eighteen. A streamed
@@ -51,12 +54,13 @@ class _Pending:
 class Tally:
     """Pending counter amounts and histogram samples of this process."""
 
-    __slots__ = ("_counts", "_hists")
+    __slots__ = ("counts", "_hists")
 
     def __init__(self) -> None:
         # A counter (or labelled child) -> amount since the flush; ``+=`` on a defaultdict is
-        # no function call at all.
-        self._counts: defaultdict[Any, float] = defaultdict(float)
+        # no function call at all, so the request path adds to it directly
+        # (``TALLY.counts[child] += 1``: read the attribute each time, ``flush`` replaces it).
+        self.counts: defaultdict[Any, float] = defaultdict(float)
         self._hists: dict[Histogram, _Pending] = {}
 
     def histogram(self, hist: Histogram) -> _Pending:
@@ -67,7 +71,7 @@ class Tally:
         return pending
 
     def inc(self, counter: Any, amount: float = 1.0) -> None:
-        self._counts[counter] += amount
+        self.counts[counter] += amount
 
     def observe(self, pending: _Pending, value: float) -> None:
         if pending.direct:
@@ -78,7 +82,7 @@ class Tally:
 
     def flush(self) -> None:
         """Write everything pending into prometheus_client's series."""
-        counts, self._counts = self._counts, defaultdict(float)
+        counts, self.counts = self.counts, defaultdict(float)
         for counter, amount in counts.items():
             counter.inc(amount)
         for pending in self._hists.values():

@@ -169,9 +169,10 @@ def count_prefill_tokens(prompt_tokens: int | None, cached_tokens: int | None) -
     if prompt_tokens is None:
         return
     cached = cached_tokens or 0
+    counts = TALLY.counts
     if cached:
-        TALLY.inc(_PREFILL_CACHED, cached)
-    TALLY.inc(_PREFILL_COMPUTED, max(prompt_tokens - cached, 0))
+        counts[_PREFILL_CACHED] += cached
+    counts[_PREFILL_COMPUTED] += prompt_tokens - cached if prompt_tokens > cached else 0
 
 
 _PREFILL_CACHED = PREFILL_TOKENS.labels("cached")

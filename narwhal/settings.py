@@ -286,8 +286,7 @@ class Settings(BaseSettings):
         if dupes:
             raise ValueError(f"engines: duplicate engine name {dupes[0]!r}")
         if len(self.engines) > self.engine_slots:
-            key = "discovery.max_engines" if self.discovery.enabled else "server.max_engines"
-            raise ValueError(f"engines: {len(self.engines)} engines exceed {key}")
+            raise ValueError(f"engines: {len(self.engines)} engines exceed {self.discovery.slots_key}")
         for i, spec in enumerate(self.engines):
             for peer in spec.kv_peers or ():
                 if peer not in names:
@@ -298,16 +297,8 @@ class Settings(BaseSettings):
 
     @property
     def engine_slots(self) -> int:
-        """The shared layout's engine slots: ``discovery.max_engines`` once a discovery source is
-        set (engines come and go at run time), else ``server.max_engines`` (room for reloads)."""
-        return self.discovery.max_engines if self.discovery.enabled else self.server.max_engines
-
-    def no_engine_line(self) -> str | None:
-        """Why ``narwhal serve`` cannot start with these settings (None: it can): a router with
-        no static engine and no discovery source could never serve anything."""
-        if self.engines or self.discovery.enabled:
-            return None
-        return "engines: no engine to route to: add [[engines]] entries or a [discovery] source (file or dns)"
+        """The shared layout's engine slots (``discovery.max_engines`` once a source is set)."""
+        return self.discovery.slots(self.server.max_engines)
 
     def connector_of(self, spec: EngineSpec) -> str:
         if spec.kv_connector:

@@ -71,6 +71,22 @@ class DiscoverySettings(BaseModel):
         """Is any source set? Without one the fleet is exactly ``[[engines]]``."""
         return bool(self.file or self.dns)
 
+    def slots(self, static_slots: int) -> int:
+        """The shared layout's engine slots: ``max_engines`` once a source is set (engines come
+        and go at run time), else ``static_slots`` (``server.max_engines``: room for reloads)."""
+        return self.max_engines if self.enabled else static_slots
+
+    @property
+    def slots_key(self) -> str:
+        return "discovery.max_engines" if self.enabled else "server.max_engines"
+
+    def refusal(self, static_engines: int) -> str | None:
+        """Why ``narwhal serve`` cannot start (None: it can): with no static engine and no source
+        a router could never serve anything."""
+        if static_engines or self.enabled:
+            return None
+        return "engines: no engine to route to: add [[engines]] entries or a [discovery] source (file or dns)"
+
     def resolver_address(self) -> tuple[str, int] | None:
         if not self.resolver:
             return None

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import orjson
 from aiohttp import web
 
+from narwhal.engines import endpoints
 from narwhal.engines.client import EngineClient
 from narwhal.settings import EngineSettings
 
@@ -39,7 +40,7 @@ _CONSUMER = web.AppKey("consumer", _Engine)
 async def _completions(request: web.Request) -> web.StreamResponse:
     client = request.app[_CLIENT]
     body = orjson.loads(await request.read())
-    endpoint = request.path
+    endpoint = endpoints.of(request.path)
     result = await client.prefill(request.app[_PRODUCER], endpoint, body, request_id=f"f{os.getpid()}-{next(_IDS)}")
     stream = bool(body.get("stream"))
     response: web.StreamResponse | None = None

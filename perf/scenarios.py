@@ -161,7 +161,7 @@ def placement_scenarios(quick: bool) -> list[Scenario]:
         Scenario(
             "prefix_mix", "shared long system prompts, multi-turn chats: affinity on/off", kind="placement",
             concurrency=c, warmup_s=warmup,
-            targets=("affinity", "no-affinity", "peer-cache_aware", "peer-consistent_hash"),
+            targets=("held", "affinity", "no-affinity", "peer-cache_aware", "peer-consistent_hash"),
         ),
         Scenario(
             "busy_elsewhere", "a consumer busy behind the router's back: reported load on/off", kind="placement",

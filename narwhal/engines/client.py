@@ -20,12 +20,14 @@ from typing import Any, Literal, Unpack
 
 import orjson
 
-from narwhal.engines import dialects, failures
+from narwhal.engines import failures
 from narwhal.engines.connector import PrefillResult
 from narwhal.engines.control import EngineRef, auth_line, ssl_context
 from narwhal.engines.decode import DecodeLeg, DecodeOptions
+from narwhal.engines.endpoints import Endpoint
 from narwhal.engines.http1 import Connection, UpstreamError, UpstreamPool, header_lines
 from narwhal.errors import DeadlineExceeded, EngineError, Phase
+from narwhal.reasons import Reason
 from narwhal.settings import EngineSettings
 
 ReleaseOutcome = Literal["released", "failed", "unreachable"]
@@ -77,7 +79,10 @@ class EngineClient:
         connection is closed, which makes the engine abort)."""
         conn = await self.pool.post(url, endpoint, headers, payload, deadline=bound)
         try:
-            return await _answer(conn)
+            status = await conn.response()  # _answer's steps, written out: one frame fewer per wakeup
+            data = await conn.read_all()
+            conn.release()
+            return status, data
         except asyncio.CancelledError:
             if on_abandon is None:
                 conn.close()
@@ -99,7 +104,7 @@ class EngineClient:
     async def prefill(
         self,
         producer: EngineRef,
-        endpoint: str,
+        endpoint: Endpoint,
         body: dict[str, Any],
         *,
         request_id: str,
@@ -126,7 +131,7 @@ class EngineClient:
             crossed=crossed,
         )
         bound = failures.leg_bound(loop.time(), self.settings.prefill_timeout_s, deadline)
-        payload = orjson.dumps(dialects.for_endpoint(endpoint).prefill_body(body, request_id, crossed))
+        payload = orjson.dumps(endpoint.dialect.prefill_body(body, request_id, crossed))
         on_rest = None
         if on_abandon is not None:
             abandon = on_abandon
@@ -136,14 +141,14 @@ class EngineClient:
 
         try:
             status, data = await self._exchange(
-                producer.url, endpoint, self.engine_headers(request_id, headers), payload, bound, on_rest
+                producer.url, endpoint.path, self.engine_headers(request_id, headers), payload, bound, on_rest
             )
         except TimeoutError:
             if deadline is not None and bound == deadline:
                 raise DeadlineExceeded("the request deadline ran out during prefill") from None
             raise EngineError(
                 f"prefill on engine {producer.name} exceeded {self.settings.prefill_timeout_s:g}s",
-                reason="prefill_timeout",
+                reason=Reason.PREFILL_TIMEOUT,
                 engine=producer.name,
                 phase="prefill",
             ) from None
@@ -204,12 +209,11 @@ class EngineClient:
         """
         if result.descriptor is None:
             return "failed"
-        dialect = dialects.for_endpoint(result.endpoint)
-        payload = orjson.dumps(dialect.release_body(body, result.request_id, result.descriptor))
+        payload = orjson.dumps(result.endpoint.dialect.release_body(body, result.request_id, result.descriptor))
         bound = failures.leg_bound(asyncio.get_running_loop().time(), self.settings.first_token_timeout_s, None)
         head = self.engine_headers(result.request_id, headers)
         try:
-            conn = await self.pool.post(consumer.url, result.endpoint, head, payload, deadline=bound)
+            conn = await self.pool.post(consumer.url, result.endpoint.path, head, payload, deadline=bound)
         except (TimeoutError, UpstreamError):
             return "unreachable"  # nothing went out: the consumer never saw the handoff
         try:
@@ -259,7 +263,7 @@ class EngineClient:
                 raise DeadlineExceeded(f"the request deadline ran out waiting for engine {engine.name}") from None
             raise EngineError(
                 f"engine {engine.name} sent no answer within {self.settings.first_token_timeout_s:g}s",
-                reason="first_token_timeout",
+                reason=Reason.FIRST_TOKEN_TIMEOUT,
                 engine=engine.name,
                 phase=phase,
             ) from None
@@ -283,7 +287,8 @@ def _prefill_result(result: PrefillResult, status: int, data: bytes) -> PrefillR
         raise failures.status_error(status, data, result.producer, "prefill")
     # A 200 may still report the engine's own failure (a Response with "status": "failed"): that
     # is the engine's error, mapped as an in-stream one, not a descriptor the producer got wrong.
-    if (err := dialects.for_endpoint(result.endpoint).whole_error(data)) is not None:
+    dialect = result.endpoint.dialect
+    if (err := dialect.whole_error(data)) is not None:
         raise failures.stream_error(err, result.producer, "prefill")
     result.finished_at = time.monotonic()
     try:
@@ -295,6 +300,6 @@ def _prefill_result(result: PrefillResult, status: int, data: bytes) -> PrefillR
     if result.crossed:
         result.descriptor = answer.get("kv_transfer_params")
     # Each endpoint reports the prompt's cached part in its own usage field.
-    usage = dialects.for_endpoint(result.endpoint).prompt_usage(answer.get("usage"))
+    usage = dialect.prompt_usage(answer.get("usage"))
     result.prompt_tokens, result.cached_tokens = usage
     return result

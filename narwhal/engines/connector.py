@@ -15,9 +15,13 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from narwhal.errors import EngineError
+from narwhal.reasons import Reason
+
+if TYPE_CHECKING:
+    from narwhal.engines.endpoints import Endpoint
 
 NIXL = "NixlConnector"
 
@@ -39,7 +43,7 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
 
 # Removed from the prefill body so the single token never ends the request early and the
 # engine always returns a descriptor; stream_options is refused by vLLM when stream=false.
-_PREFILL_DROPPED = ("stream_options", "min_tokens", "stop", "stop_token_ids")
+_PREFILL_DROPPED = frozenset(("stream_options", "min_tokens", "stop", "stop_token_ids"))
 
 
 def ask_for_handoff(out: dict[str, Any], crossed: bool) -> None:
@@ -55,8 +59,8 @@ def ask_for_handoff(out: dict[str, Any], crossed: bool) -> None:
 def prefill_body(body: dict[str, Any], *, crossed: bool) -> dict[str, Any]:
     """The body sent to the producer, built from the parsed client body (shallow copy)."""
     out = dict(body)
-    for key in _PREFILL_DROPPED:
-        out.pop(key, None)
+    for key in _PREFILL_DROPPED.intersection(body):  # only the keys present: one call, not four
+        del out[key]
     out["stream"] = False
     out["max_tokens"] = 1
     if "max_completion_tokens" in body:
@@ -89,7 +93,7 @@ class PrefillResult:
 
     producer: str  # the producer engine's name
     producer_url: str
-    endpoint: str  # "/v1/completions" or "/v1/chat/completions"
+    endpoint: Endpoint  # the client's, resolved once: its path on both legs and its dialect
     request_id: str  # the backend X-Request-Id, the same on both legs of an attempt
     descriptor: dict[str, Any] | None
     crossed: bool = True  # False: same-worker decode, no descriptor asked for
@@ -112,7 +116,7 @@ class InvalidHandoff(EngineError):
     """The descriptor failed validation: a producer fault (502, retryable)."""
 
     def __init__(self, detail: str, *, engine: str) -> None:
-        super().__init__(f"invalid handoff: {detail}", reason="invalid_handoff", engine=engine, phase="prefill")
+        super().__init__(f"invalid handoff: {detail}", reason=Reason.INVALID_HANDOFF, engine=engine, phase="prefill")
 
 
 def _ids_ok(ids: list[Any]) -> bool:
@@ -133,28 +137,28 @@ def _block_ids_ok(ids: Any) -> bool:
 def validate_descriptor(
     descriptor: Any, *, producer: str, prefill_endpoint: str, decode_endpoint: str
 ) -> dict[str, Any]:
-    """Check a NixlConnector descriptor; return it unchanged or raise :class:`InvalidHandoff`."""
+    """Check a NixlConnector descriptor; return it unchanged or raise :class:`InvalidHandoff`.
+
+    Strings are tested by exact type (``type(v) is str``), once per request on the request path:
+    a descriptor is decoded JSON, whose strings are never subclasses."""
     if isinstance(descriptor, dict) and not FOREIGN_KEYS.isdisjoint(descriptor):
         raise InvalidHandoff("connector mismatch", engine=producer)
-    if not isinstance(descriptor, dict) or not _non_empty_str(descriptor.get("remote_engine_id")):
+    if not isinstance(descriptor, dict) or type(engine_id := descriptor.get("remote_engine_id")) is not str \
+            or not engine_id:
         raise InvalidHandoff("missing engine identity", engine=producer)
     if not _block_ids_ok(descriptor.get("remote_block_ids")):
         raise InvalidHandoff("malformed block IDs", engine=producer)
-    if not _non_empty_str(descriptor.get("remote_host")):
+    if type(host := descriptor.get("remote_host")) is not str or not host:
         raise InvalidHandoff("malformed field remote_host", engine=producer)
     port = descriptor.get("remote_port")
     if type(port) is not int or not 1 <= port <= 65535:
         raise InvalidHandoff("malformed field remote_port", engine=producer)
     rid = descriptor.get("remote_request_id")
-    if rid is not None and not _non_empty_str(rid):
+    if rid is not None and (type(rid) is not str or not rid):
         raise InvalidHandoff("malformed field remote_request_id", engine=producer)
     if prefill_endpoint != decode_endpoint:
         raise InvalidHandoff("endpoint mismatch", engine=producer)
     return descriptor
-
-
-def _non_empty_str(value: Any) -> bool:
-    return isinstance(value, str) and value != ""
 
 
 def tp_size_of(descriptor: Any) -> int | None:

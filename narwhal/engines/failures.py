@@ -17,6 +17,7 @@ from narwhal.engines import sse
 from narwhal.engines.connector import PrefillResult
 from narwhal.engines.http1 import ConnectFailed, UpstreamError
 from narwhal.errors import DeadlineExceeded, EngineClientError, EngineError, Phase
+from narwhal.reasons import Reason
 
 
 def leg_bound(now: float, seconds: float, deadline: float | None) -> float:
@@ -31,7 +32,7 @@ def transport_error(exc: UpstreamError, name: str, phase: Phase) -> EngineError:
         message = f"engine {name} is unreachable ({phase})"
     else:
         message = f"engine {name} closed the connection before a response ({phase})"
-    return EngineError(message, reason="engine_unreachable", engine=name, phase=phase)
+    return EngineError(message, reason=Reason.ENGINE_UNREACHABLE, engine=name, phase=phase)
 
 
 def engine_message(data: bytes) -> str:
@@ -55,7 +56,7 @@ def status_error(status: int, data: bytes, name: str, phase: Phase) -> EngineErr
         message = engine_message(data) or f"engine {name} answered HTTP {status}"
         return EngineClientError(message, engine=name, phase=phase, status=status)
     return EngineError(
-        f"engine {name} answered HTTP {status} ({phase})", reason="engine_5xx", engine=name, phase=phase
+        f"engine {name} answered HTTP {status} ({phase})", reason=Reason.ENGINE_5XX, engine=name, phase=phase
     )
 
 
@@ -68,7 +69,7 @@ def stream_error(err: dict[str, Any], name: str, phase: Phase = "decode") -> Eng
     message = err.get("message")
     if not isinstance(message, str) or not message:
         message = f"engine {name} reported an error inside the stream"
-    error = EngineError(message, reason="engine_stream_error", engine=name, phase=phase, status=status)
+    error = EngineError(message, reason=Reason.ENGINE_STREAM_ERROR, engine=name, phase=phase, status=status)
     error.counts = status >= 500
     return error
 
@@ -77,7 +78,7 @@ def expired(result: PrefillResult, max_age_s: float) -> EngineError:
     error = EngineError(
         f"handoff from engine {result.producer} expired after {result.age():.1f}s "
         f"(handoff.max_age_s = {max_age_s:g})",
-        reason="handoff_expired",
+        reason=Reason.HANDOFF_EXPIRED,
         engine=result.producer,
         phase="prefill",
     )
@@ -87,14 +88,15 @@ def expired(result: PrefillResult, max_age_s: float) -> EngineError:
 
 def disconnected(name: str, terminal: str = "[DONE]") -> EngineError:
     return EngineError(
-        f"engine {name} closed the stream before {terminal}", reason="engine_disconnect", engine=name, phase="decode"
+        f"engine {name} closed the stream before {terminal}", reason=Reason.ENGINE_DISCONNECT, engine=name,
+        phase="decode",
     )
 
 
 def done_before_token(name: str, terminal: str = "[DONE]") -> EngineError:
     """``terminal`` is the bare name of the endpoint's terminal event (SPEC §2.1)."""
     return EngineError(
-        f"stream ended with {terminal} before any token arrived", reason="done_before_token", engine=name,
+        f"stream ended with {terminal} before any token arrived", reason=Reason.DONE_BEFORE_TOKEN, engine=name,
         phase="decode",
     )
 
@@ -108,13 +110,13 @@ def decode_timeout(
     if before_token:
         return EngineError(
             f"engine {name} sent no token within {first_token_s:g}s",
-            reason="first_token_timeout",
+            reason=Reason.FIRST_TOKEN_TIMEOUT,
             engine=name,
             phase="decode",
         )
     return EngineError(
         f"engine went silent between tokens: engine {name} sent nothing for {read_s:g}s",
-        reason="decode_silence",
+        reason=Reason.DECODE_SILENCE,
         engine=name,
         phase="decode",
     )

@@ -146,17 +146,18 @@ class UpstreamPool:
         With ``deadline`` (loop time), connecting and every wait on the answer raise
         ``TimeoutError`` once it passes (the connection is then closed); ``disarm()`` ends it.
         """
-        origin = self.origin(url)
-        conn = await self._acquire(origin, deadline)
+        origin = self._origins.get(url) or self.origin(url)
+        conn = self._idle_conn(origin) or await self._acquire(origin, deadline)
         conn.arm(deadline)
+        size = len(body)
         head = b"".join((
             origin.head("POST", path),
             headers,
             b"Content-Type: application/json\r\nContent-Length: ",
-            str(len(body)).encode(),
+            b"%d" % size,
             b"\r\n\r\n",
         ))
-        conn.send(head, body)
+        conn.send(head, body, size)
         return conn
 
     async def get(self, url: str, path: str, headers: bytes, *, deadline: float | None = None) -> Connection:
@@ -167,15 +168,25 @@ class UpstreamPool:
         conn.send(b"".join((origin.head("GET", path), headers, b"\r\n")), b"")
         return conn
 
-    async def _acquire(self, origin: Origin, deadline: float | None) -> Connection:
+    def _idle_conn(self, origin: Origin) -> Connection | None:
+        """A pooled connection to ``origin`` still fit for reuse, or None (synchronous: the
+        usual case costs no coroutine)."""
         idle = self._idle.get(origin.key)
         if idle:
             cutoff = time.monotonic() - self._idle_s
             while idle:
                 conn = idle.pop()
-                if conn.reusable and conn.idle_since > cutoff:
+                transport = conn.transport  # Connection.reusable, written out: once per leg
+                if not conn._closed and transport is not None and not transport.is_closing() \
+                        and conn.idle_since > cutoff:
                     return conn
                 conn.close()
+        return None
+
+    async def _acquire(self, origin: Origin, deadline: float | None) -> Connection:
+        conn = self._idle_conn(origin)
+        if conn is not None:
+            return conn
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout_at(None if deadline == math.inf else deadline):

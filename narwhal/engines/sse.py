@@ -46,6 +46,8 @@ class SSEFramer:
             self._skip_lf = chunk.endswith(b"\r")
             chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         if not self._buf:
+            if chunk.endswith(_SEP):
+                return chunk  # the common case: whole events, no copy at all (one call)
             end = chunk.rfind(_SEP)
             if end == -1:
                 self._buf += chunk
@@ -104,15 +106,18 @@ def classify(event: bytes) -> tuple[Kind, dict[str, Any] | None]:
         obj = orjson.loads(data)
     except orjson.JSONDecodeError:
         return Kind.METADATA, None
-    if not isinstance(obj, dict):
+    # Exact types (``type(x) is dict``): orjson's values are never subclasses, and these run
+    # on every event before the first token.
+    if type(obj) is not dict:
         return Kind.METADATA, None
-    err = error_object(obj)
-    if err is not None:
-        return Kind.ERROR, err
+    if "error" in obj or obj.get("object") == "error":  # what error_object looks at
+        err = error_object(obj)
+        if err is not None:
+            return Kind.ERROR, err
     choices = obj.get("choices")
-    if isinstance(choices, list):
+    if type(choices) is list:
         for choice in choices:
-            if isinstance(choice, dict) and _is_generated(choice):
+            if type(choice) is dict and _is_generated(choice):
                 return Kind.TOKEN, None
     return Kind.METADATA, None
 
@@ -121,7 +126,7 @@ def _is_generated(choice: dict[str, Any]) -> bool:
     if choice.get("finish_reason") is not None or choice.get("text"):
         return True
     delta = choice.get("delta")
-    if isinstance(delta, dict):
+    if type(delta) is dict:
         return bool(delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"))
     return False
 
@@ -146,10 +151,14 @@ def may_end_stream(span: bytes) -> bool:
 def ends_with_done(span: bytes) -> bool:
     """Is ``span`` (whole events) the usual end of a stream — events, then ``[DONE]`` as the
     last event and the only one, and no error object anywhere? Then it can go out untouched."""
-    n = len(DONE_EVENT)
+    n = _DONE_LEN
+    size = len(span)
     return (
         span.endswith(DONE_EVENT)
-        and (len(span) == n or span[-n - 2 : -n] == _SEP)
-        and span.find(b"[DONE]") == len(span) - 8
+        and (size == n or span[-n - 2 : -n] == _SEP)
+        and span.find(b"[DONE]") == size - 8
         and b'"error"' not in span
     )
+
+
+_DONE_LEN = len(DONE_EVENT)

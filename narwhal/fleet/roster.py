@@ -10,8 +10,9 @@ placement learns breaker state: the supervisor's shared-memory view in a gunicor
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from narwhal.settings import EngineSpec, Settings
 
@@ -65,6 +66,13 @@ class Fleet:
     def span(self) -> int:
         """One past the highest index: the length of a list by index."""
         return max((e.index for e in self.engines), default=-1) + 1
+
+    def by_index(self, value: Callable[[Engine], Any]) -> list[Any]:
+        """``value`` of every engine in a list by ``Engine.index`` (an index is not a position)."""
+        out: list[Any] = [0] * self.span
+        for e in self.engines:
+            out[e.index] = value(e)
+        return out
 
     def replace(self, members: list[tuple[int, EngineSpec]]) -> tuple[list[Engine], list[Engine]]:
         """The engines become ``members`` (index, entry): an engine whose index, name, URL and

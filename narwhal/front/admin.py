@@ -26,6 +26,7 @@ from narwhal import shm
 from narwhal.errors import RequestError
 from narwhal.fleet import Engine
 from narwhal.fleet.blame import State
+from narwhal.reasons import Reason
 from narwhal.request.admission import presented_token
 from narwhal.request.router import Router
 from narwhal.shm.local import LocalFleetState
@@ -129,7 +130,7 @@ def add_admin_routes(app: web.Application, token: str, router_key: Any, state_ke
 
     def authorize(request: web.Request) -> None:
         if not hmac.compare_digest(presented_token(request), expected):
-            raise RequestError("invalid or missing admin token", reason="unauthorized")
+            raise RequestError("invalid or missing admin token", reason=Reason.UNAUTHORIZED)
 
     def json(data: Any, status: int = 200) -> web.Response:
         return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
@@ -147,7 +148,7 @@ def add_admin_routes(app: web.Application, token: str, router_key: Any, state_ke
         state = request.app[state_key]
         engine = router.fleet.by_name.get(request.match_info["name"])
         if engine is None:
-            raise RequestError(f"no engine named {request.match_info['name']!r}", reason="not_found")
+            raise RequestError(f"no engine named {request.match_info['name']!r}", reason=Reason.NOT_FOUND)
         kind, target = ACTIONS[request.match_info["action"]]
         if isinstance(state, WorkerFleetState):
             state.command(kind, engine)

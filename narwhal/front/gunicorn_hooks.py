@@ -201,7 +201,7 @@ def on_starting(server: Any) -> None:
               f"server.workers ({MAX_WORKERS})", file=sys.stderr, flush=True)
         raise SystemExit(2)
     # Room for any reload: old and new workers side by side, engines added up to max_engines.
-    refusal = settings.no_engine_line()
+    refusal = settings.discovery.refusal(len(settings.engines))
     if refusal is not None:
         print(f"narwhal: invalid settings: {refusal}", file=sys.stderr, flush=True)
         raise SystemExit(2)

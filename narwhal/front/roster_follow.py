@@ -27,9 +27,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
+from narwhal import shm
 from narwhal.fleet import Fleet
 from narwhal.settings import EngineSpec, Settings
+from narwhal.shm.local import LocalFleetState
 from narwhal.shm.shared import SharedFleet
 from narwhal.shm.table import RETIRED
 from narwhal.shm.worker import WorkerFleetState
@@ -58,6 +61,30 @@ def fleet_from_table(settings: Settings, shared: SharedFleet) -> tuple[Fleet, in
     epoch = shared.table.epoch  # read first: what is noted may be older than what was read, never newer
     found, _, _ = members(shared)
     return Fleet(settings, found), epoch
+
+
+def fleet_and_state(
+    settings: Settings, make_state: Callable[[Fleet, bool], WorkerFleetState | LocalFleetState]
+) -> tuple[Fleet, WorkerFleetState | LocalFleetState, RosterFollower | None]:
+    """The worker's fleet and state: its settings' engines without ``[discovery]``; with it, the
+    table's by engine slot and the follower that keeps them current (without a worker slot in
+    shared memory, the static engines on per-process state: no supervisor reaches it)."""
+    shared = shm.SHARED
+    if not settings.discovery.enabled or shared is None:
+        fleet = Fleet(settings)
+        return fleet, make_state(fleet, False), None
+    fleet, epoch = fleet_from_table(settings, shared)
+    state = make_state(fleet, True)
+    if not isinstance(state, WorkerFleetState):
+        fleet = Fleet(settings)
+        return fleet, LocalFleetState(fleet), None
+    return fleet, state, RosterFollower(shared, fleet, state, epoch)
+
+
+def scraped(settings: Settings, fleet: Fleet) -> frozenset[str] | None:
+    """The engines whose series a scrape shows (None: all): with discovery, the fleet's only, so a
+    forgotten engine's series go with it (a multiprocess sample cannot be deleted: ``metrics``)."""
+    return frozenset(e.name for e in fleet.engines) if settings.discovery.enabled else None
 
 
 class RosterFollower:

@@ -22,6 +22,7 @@ from aiohttp.web_request import BaseRequest
 
 from narwhal.errors import error_body
 from narwhal.front.accept import BalancedSite, ConnectionShare
+from narwhal.reasons import Reason
 
 log = logging.getLogger("narwhal.front.server")
 
@@ -38,13 +39,13 @@ class _Handler(RequestHandler):
             raise ConnectionError("response already started: cannot send an error")
         if status >= 500:
             log.error("unhandled error in the HTTP server", exc_info=exc)
-            reason, status, text = "internal_error", 500, "internal error"
+            reason, status, text = Reason.INTERNAL_ERROR, 500, "internal error"
         elif isinstance(exc, LineTooLong) or "Too many headers" in str(exc or message or ""):
-            reason, status, text = "header_too_large", 431, "request headers too large"
+            reason, status, text = Reason.HEADER_TOO_LARGE, 431, "request headers too large"
         elif status == 413:
-            reason, text = "payload_too_large", "request body too large"
+            reason, text = Reason.PAYLOAD_TOO_LARGE, "request body too large"
         else:
-            reason, status, text = "bad_request", 400, "malformed HTTP request"
+            reason, status, text = Reason.BAD_REQUEST, 400, "malformed HTTP request"
         log.debug("refused a malformed request: %s", exc)
         resp = web.Response(
             status=status,

@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from narwhal.engines import endpoints
 from narwhal.engines.client import EngineClient
 from narwhal.engines.connector import (
     NIXL,
@@ -67,7 +68,7 @@ __all__ = ["PreflightReport", "main", "run_preflight"]
 
 T = TypeVar("T")
 
-ENDPOINT = "/v1/completions"
+ENDPOINT = endpoints.PROBE
 PROMPT = "narwhal preflight"
 MAX_CONCURRENCY = 32  # checks in flight at once: tiny requests, but a 64×64 fleet has 4096 pairs
 
@@ -228,7 +229,7 @@ class _Preflight:
             return Check(SKIP, f"{engine.connector} descriptors are not validated")
         try:
             validate_descriptor(
-                handoff.descriptor, producer=engine.name, prefill_endpoint=ENDPOINT, decode_endpoint=ENDPOINT
+                handoff.descriptor, producer=engine.name, prefill_endpoint=ENDPOINT.path, decode_endpoint=ENDPOINT.path
             )
         except InvalidHandoff as exc:
             return Check(FAIL, f"connector mismatch: {exc.message}")  # sent nowhere (SPEC §3 step 5)
@@ -351,7 +352,7 @@ def _tp_cause(producer: str, producer_tp: int | None, consumer: str, consumer_tp
 
 
 def _probe_body(model: str) -> dict[str, Any]:
-    return {"model": model, "prompt": PROMPT, "max_tokens": 2, "temperature": 0.0}
+    return {**endpoints.probe_body(model, PROMPT), "temperature": 0.0}
 
 
 def _request_id() -> str:

@@ -1,12 +1,11 @@
 """What placement learns from the prompt at admission: the affinity key and local decode (SPEC §3.2).
 
-The prompt text as the engine would see it, from the parsed body, in one place: an extractor
-per endpoint returns the text from its start (completions: ``prompt`` — a string, the first
-of a list of strings, or token ids as decimal text; chat: each message's role and text
-content). The other P/D endpoints' text is their dialect's ``affinity_text``
-(``narwhal.engines.dialects``: responses ``instructions`` + ``input``; messages ``system`` +
-``messages``; generate the token ids' text), registered in :data:`EXTRACTORS` beside these; an
-endpoint without one has no key and never decodes locally.
+The prompt text as the engine would see it, from the parsed body: each endpoint's dialect
+returns it from its start (``Dialect.affinity_text``: completions ``prompt`` — a string, the
+first of a list of strings, or token ids as decimal text; chat each message's role and text
+content; responses ``instructions`` + ``input``; messages ``system`` + ``messages``; generate
+the token ids' text); an endpoint without prompt text (None) has no key and never decodes
+locally.
 
 Invariants, and why:
 
@@ -20,75 +19,41 @@ Invariants, and why:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-from narwhal.engines import dialects
+from narwhal.engines.endpoints import Endpoint
 from narwhal.fleet.placement.affinity import key_hash
 from narwhal.fleet.placement.blocks import PrefixBlocks
-from narwhal.request.admission import CHAT, COMPLETIONS, PD_ENDPOINTS
 from narwhal.settings import PlacementSettings
 
-# The prompt text from its start, at least ``limit`` characters of it when it has that many.
-Extractor = Callable[[dict[str, Any], int], str]
 
-
-def _ids_text(ids: list[Any], limit: int) -> str:
-    # Each id takes at least two characters with its separator: limit ids are always enough.
-    return " ".join(map(str, ids[:limit]))
-
-
-def _completions(body: dict[str, Any], limit: int) -> str:
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and prompt:
-        first = prompt[0]
-        if isinstance(first, str):
-            return first
-        return _ids_text(first if isinstance(first, list) else prompt, limit)
-    return ""
-
-
-def _message_text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # content parts: only the text ones are prompt text
-        return "".join(
-            part["text"] for part in content
-            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-        )
-    return ""
-
-
-def _chat(body: dict[str, Any], limit: int) -> str:
-    parts: list[str] = []
-    size = 0
-    for message in body.get("messages") or ():
-        role = message.get("role")
-        piece = f"{role if isinstance(role, str) else ''}\n{_message_text(message.get('content'))[:limit]}\n"
-        parts.append(piece)
-        size += len(piece)
-        if size >= limit:
-            break
-    return "".join(parts)
-
-
-EXTRACTORS: dict[str, Extractor] = {
-    COMPLETIONS: _completions,
-    CHAT: _chat,
-    **{endpoint: dialects.for_endpoint(endpoint).affinity_text for endpoint in PD_ENDPOINTS},
-}
-
-
-def prompt_head(endpoint: str, body: dict[str, Any], limit: int) -> str | None:
+def prompt_head(endpoint: Endpoint, body: dict[str, Any], limit: int) -> str | None:
     """The first ``limit`` characters of the prompt text (all of it if shorter); None when the
-    endpoint has no extractor."""
-    extract = EXTRACTORS.get(endpoint)
-    return None if extract is None else extract(body, limit)[:limit]
+    endpoint has no prompt text."""
+    text = endpoint.dialect.affinity_text(body, limit)
+    return None if text is None else text[:limit]
 
 
-def prefix_blocks(endpoint: str, body: dict[str, Any], settings: PlacementSettings) -> PrefixBlocks | None:
+def held_hints(
+    endpoint: Endpoint, body: dict[str, Any], settings: PlacementSettings
+) -> tuple[int | None, bool, PrefixBlocks | None]:
+    """Policy ``held``: (the affinity key, local decode, the prefix blocks) from one read of the
+    prompt text. A prompt with a full block places by its blocks and needs no key; a shorter one
+    keeps the affinity key (the affinity rule places it)."""
+    local_chars = settings.local_prefill_chars
+    head = prompt_head(endpoint, body, max(settings.max_prefix_chars + 1, local_chars))
+    if head is None:
+        return None, False, None
+    if len(head) < local_chars:
+        return None, True, None
+    if len(head) >= settings.block_chars:
+        return None, False, PrefixBlocks(head, settings.block_chars, settings.max_prefix_chars)
+    if len(head) < settings.affinity_min_chars:
+        return None, False, None
+    return key_hash(head[: settings.affinity_chars]), False, None
+
+
+def prefix_blocks(endpoint: Endpoint, body: dict[str, Any], settings: PlacementSettings) -> PrefixBlocks | None:
     """The prompt's prefix blocks for policy ``held`` (SPEC §3.3), None when it has no full block.
 
     The text is read to one character past ``max_prefix_chars``, so a reporter can tell a whole
@@ -99,15 +64,17 @@ def prefix_blocks(endpoint: str, body: dict[str, Any], settings: PlacementSettin
     return PrefixBlocks(head, settings.block_chars, settings.max_prefix_chars)
 
 
-def placement_hints(endpoint: str, body: dict[str, Any], settings: PlacementSettings) -> tuple[int | None, bool]:
+def placement_hints(endpoint: Endpoint, body: dict[str, Any], settings: PlacementSettings) -> tuple[int | None, bool]:
     """(the affinity key's hash or None, whether to decode locally) for one request."""
     local_chars = settings.local_prefill_chars
     keyed = settings.placement_policy != "least_loaded"
     if not keyed and local_chars == 0:
         return None, False
-    head = prompt_head(endpoint, body, max(settings.affinity_chars, local_chars))
-    if head is None:
+    limit = max(settings.affinity_chars, local_chars)
+    text = endpoint.dialect.affinity_text(body, limit)  # prompt_head, written out
+    if text is None:
         return None, False
+    head = text[:limit]
     local = len(head) < local_chars
     if local or not keyed or len(head) < settings.affinity_min_chars:
         return None, local

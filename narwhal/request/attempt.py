@@ -40,6 +40,7 @@ from narwhal.engines.relay import Sink
 from narwhal.errors import EngineError, NarwhalError
 from narwhal.fleet import Engine
 from narwhal.fleet.placement import Placement, Reservation
+from narwhal.reasons import Reason
 from narwhal.request.accesslog import AccessRecord
 from narwhal.request.admission import ClientRequest
 from narwhal.request.client_stream import ClientStream
@@ -65,7 +66,7 @@ async def _stream(
     age: float | None, tap: UsageTap | None,
 ) -> web.StreamResponse:
     """Relay an opened stream to the client until its terminal event (SPEC §3 step 7, §2.1)."""
-    observed = False
+    observed = ended = False
     spans = 0
     try:
         while (span := await leg.next_span()) is not None:
@@ -77,7 +78,8 @@ async def _stream(
                 continue
             # The span with the terminal event goes out with the end of the chunked body: one
             # write, one client wakeup, instead of a separate 5-byte terminator.
-            await client.write(span, eof=leg.ended)
+            ended = leg.ended
+            await client.write(span, eof=ended)
             spans += 1
             if tap is not None:
                 tap.see(span)
@@ -85,7 +87,8 @@ async def _stream(
                 observed = True
                 _observe_start(ttft_s, rec.first_byte_s, age)
         assert client.stream is not None  # next_span ends only after output went out
-        await client.write(b"", eof=True)  # no-op after the terminal event
+        if not ended:  # the terminal event's span already ended the body
+            await client.write(b"", eof=True)
         _observe_stream_end(rec, started, spans + leg.relayed, tap)
         return client.stream
     finally:
@@ -131,11 +134,11 @@ class Attempts:
             if resv.local:
                 # SPEC §3.2: no producer, no prefill leg; the consumer serves the client body.
                 rec.mode = "local"
-                metrics.TALLY.inc(metrics.LOCAL_DECODES)
+                metrics.TALLY.counts[metrics.LOCAL_DECODES] += 1
                 result = PrefillResult(consumer.name, consumer.url, req.endpoint, request_id, None, crossed=False)
             else:
                 rec.mode = "disaggregated" if resv.crossed else "same_worker"
-                metrics.TALLY.inc(metrics.placements_child(resv.choice))
+                metrics.TALLY.counts[metrics.placements_child(resv.choice)] += 1
                 result = await self._prefill(req, resv, request_id)
                 resv.release_prefill()
                 rec.ttft_s = ttft_s = time.perf_counter() - started
@@ -144,9 +147,10 @@ class Attempts:
                 if req.blocks is not None:
                     rec.predicted_cached_chars = resv.predicted_chars
                     # Runs at the decode's first wait: the keys are finished off the critical path.
-                    asyncio.get_running_loop().call_soon(self.outcomes.prefilled, producer, req.blocks, result)
+                    asyncio.get_running_loop().call_soon(self.outcomes.prefilled, producer, req.blocks, result,
+                                                         resv.queued_chars)
             response = await self._decode(client, req, resv, result, rec, started, ttft_s)
-            metrics.TALLY.inc(metrics.attempts_child("success"))
+            metrics.TALLY.counts[metrics.attempts_child("success")] += 1
             self.outcomes.success(producer, consumer, local=resv.local)
             return response
         except EngineError as exc:
@@ -161,14 +165,16 @@ class Attempts:
             if not resv.detached:
                 resv.release()
 
-    async def _prefill(self, req: ClientRequest, resv: Reservation, request_id: str) -> PrefillResult:
+    def _prefill(self, req: ClientRequest, resv: Reservation, request_id: str) -> Awaitable[PrefillResult]:
+        # A plain function returning the leg's coroutine: no frame of its own to resume on
+        # every wakeup of the prefill.
         def abandon(rest: Awaitable[PrefillResult]) -> None:
             # The client left mid-prefill. Let the prefill finish and release its handoff in
             # the background, which now owns the reservation.
             resv.detached = True
             self.spawn(self._finish_abandoned_prefill(rest, req, resv))
 
-        return await self.client.prefill(
+        return self.client.prefill(
             resv.producer,
             req.endpoint,
             req.body,
@@ -215,9 +221,9 @@ class Attempts:
             streaming = True
             return await _stream(client, leg, rec, started, ttft_s, age, tap)
         except NarwhalError as exc:
-            if exc.reason == "invalid_handoff":
+            if exc.reason == Reason.INVALID_HANDOFF:
                 metrics.HANDOFFS_ABANDONED.inc()  # sent nowhere: no consumer could use it
-            elif exc.reason == "handoff_expired":
+            elif exc.reason == Reason.HANDOFF_EXPIRED:
                 self._release_later(result, req, resv)
             elif leg is not None and not leg.sent:
                 # Connecting ran out of time or was refused: the consumer never saw the handoff.
@@ -248,8 +254,8 @@ class Attempts:
         """Validate the handoff, then give it to the first of ``consumers`` that can be reached
         (a consumer that was sent it and failed had its chance: it may be pulling the blocks)."""
         try:
-            validate_descriptor(result.descriptor, producer=result.producer, prefill_endpoint=result.endpoint,
-                                decode_endpoint=result.endpoint)
+            validate_descriptor(result.descriptor, producer=result.producer, prefill_endpoint=result.endpoint.path,
+                                decode_endpoint=result.endpoint.path)
         except InvalidHandoff:
             metrics.HANDOFFS_ABANDONED.inc()  # sent nowhere (SPEC §3 step 5)
             return

@@ -39,7 +39,7 @@ class PrefillSink(Protocol):
 
     def report_prefill(
         self, producer: int, engine_id: str | None, prompt_chars: int, prompt_tokens: int | None,
-        cached_tokens: int | None, duration_s: float, keys: list[int],
+        cached_tokens: int | None, duration_s: float, keys: list[int], queued_chars: int = 0, at: float = 0.0,
     ) -> None: ...
 
 
@@ -52,7 +52,7 @@ class Outcomes:
         self.quarantine_s = quarantine_s
         self.prefills = prefills
 
-    def prefilled(self, producer: Engine, blocks: PrefixBlocks, result: PrefillResult) -> None:
+    def prefilled(self, producer: Engine, blocks: PrefixBlocks, result: PrefillResult, queued_chars: int) -> None:
         """A completed prefill for the holdings (SPEC §3.3): its producer, engine id, block keys
         (finished here, off the client's critical path: the attempt schedules this call for after
         the decode is on its way) and what the producer said it cached."""
@@ -63,7 +63,7 @@ class Outcomes:
         self.prefills.report_prefill(
             producer.index, engine_id if isinstance(engine_id, str) else None, 0 if blocks.cut else len(blocks.text),
             result.prompt_tokens, result.cached_tokens, max(result.finished_at - result.started_at, 0.0),
-            blocks.keys(),
+            blocks.keys(), queued_chars, result.finished_at,
         )
 
     def success(self, producer: Engine, consumer: Engine, *, local: bool = False) -> None:

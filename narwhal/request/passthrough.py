@@ -1,7 +1,8 @@
 """The passthrough routes: one request to one engine, its answer relayed (SPEC §2, §2.1).
 
 ``/tokenize``, ``/detokenize``, ``/v1/embeddings``, ``/pooling``, ``/score``, ``/v1/score``,
-``/rerank`` and ``/v1/rerank`` have no prefill/decode split: the router admits the request as it
+``/rerank`` and ``/v1/rerank`` (the registry's ``passthrough`` endpoints,
+``narwhal.engines.endpoints``) have no prefill/decode split: the router admits the request as it
 admits every other (client key, deadline, body read once and parsed once, 4xx in OpenAI's
 shape), picks one engine serving the model (:mod:`narwhal.fleet.passthrough`: consumers first,
 least loaded, a slot held while it runs), sends it the body re-encoded from the parsed dict with
@@ -42,17 +43,6 @@ from narwhal.request.ids import new_id
 from narwhal.request.outcomes import Outcomes
 from narwhal.settings import Settings
 
-ROUTES = (
-    "/tokenize",
-    "/detokenize",
-    "/v1/embeddings",
-    "/pooling",
-    "/score",
-    "/v1/score",
-    "/rerank",
-    "/v1/rerank",
-)
-PATHS = frozenset(ROUTES)  # the router's per-request test: one hash lookup
 MODE = "passthrough"  # the access log's "mode" for these routes
 
 

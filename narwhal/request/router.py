@@ -29,18 +29,18 @@ from aiohttp import web
 from narwhal import metrics
 from narwhal.engines import dialects
 from narwhal.engines.client import EngineClient
+from narwhal.engines.endpoints import Endpoint
 from narwhal.errors import EngineError, NarwhalError
 from narwhal.fleet import Fleet
 from narwhal.fleet.placement import Placement
-from narwhal.reasons import retryable
+from narwhal.reasons import Reason, retryable
 from narwhal.request.accesslog import AccessLog, AccessRecord
-from narwhal.request.admission import ClientRequest, admit
-from narwhal.request.affinity import placement_hints, prefix_blocks
+from narwhal.request.admission import ClientRequest, admit, embed_prompt
+from narwhal.request.affinity import held_hints, placement_hints
 from narwhal.request.attempt import Attempts
 from narwhal.request.client_stream import ClientStream
 from narwhal.request.ids import client_request_id, trace_id_of
 from narwhal.request.outcomes import Outcomes
-from narwhal.request.passthrough import PATHS as PASSTHROUGH_PATHS
 from narwhal.request.passthrough import Passthrough
 from narwhal.settings import Settings
 
@@ -92,28 +92,32 @@ class Router:
         self._stopping = False
         self._drain_timer: asyncio.Future[None] | None = None
 
-    async def handle(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+    async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         # Deadlines are in loop time (timers); measurements use perf_counter, because
         # uvloop's clock moves in whole milliseconds and ttft_s is often below one.
-        arrival = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        arrival = loop.time()
         started = time.perf_counter()
         traceparent = request.headers.get("traceparent")  # parsed only when sent: most requests send none
-        rec = AccessRecord(request_id=client_request_id(request), endpoint=endpoint, client=request.remote,
+        path = endpoint.path
+        rec = AccessRecord(request_id=client_request_id(request), endpoint=path, client=request.remote,
                            trace_id=None if traceparent is None else trace_id_of(traceparent))
         client = ClientStream(
-            request, rec.request_id, self.settings.server.client_write_timeout_s, dialects.for_endpoint(endpoint)
+            request, rec.request_id, self.settings.server.client_write_timeout_s, endpoint.dialect
         )
-        task = asyncio.current_task()
+        task = asyncio.current_task(loop)
         self._active.add(task)
         try:
             response: web.StreamResponse
-            if endpoint in PASSTHROUGH_PATHS:
-                response = await self.passthrough.serve(request, endpoint, rec, arrival, started)
+            if endpoint.passthrough:
+                response = await self.passthrough.serve(request, path, rec, arrival, started)
             else:
                 req = await admit(request, endpoint, self.settings, self.fleet, arrival)
-                req.affinity, req.local = placement_hints(endpoint, req.body, self.settings.placement)
-                if self._held and not req.local:
-                    req.blocks = prefix_blocks(endpoint, req.body, self.settings.placement)
+                if self._held:
+                    req.affinity, req.local, req.blocks = held_hints(endpoint, req.body, self.settings.placement)
+                else:
+                    req.affinity, req.local = placement_hints(endpoint, req.body, self.settings.placement)
+                embed_prompt(req.body, endpoint.dialect.prompt_fields)  # nothing reads the prompt after this
                 rec.model, rec.stream = req.model, req.stream
                 response = await self._serve(client, req, rec, started)
             rec.status = response.status
@@ -124,13 +128,13 @@ class Router:
             if isinstance(exc, asyncio.CancelledError) and self._stopping and task is not None:
                 # The graceful timeout ran out: end the stream properly rather than cut it.
                 task.uncancel()
-                stop = NarwhalError("the router is shutting down", reason="shutting_down")
+                stop = NarwhalError("the router is shutting down", reason=Reason.SHUTTING_DOWN)
                 return await self._fail(client, rec, stop)
             # 499: nginx's "client closed request", for the access log and metrics only.
-            rec.status, rec.reason = 499, "client_disconnect"
+            rec.status, rec.reason = 499, Reason.CLIENT_DISCONNECT
             metrics.CLIENT_DISCONNECTS.inc()
             if client.committed:
-                metrics.STREAM_ABORTED.labels("client_disconnect").inc()
+                metrics.STREAM_ABORTED.labels(Reason.CLIENT_DISCONNECT).inc()
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return client.stream if client.stream is not None else web.Response(status=499)
@@ -138,7 +142,7 @@ class Router:
             client.close()
             self._active.discard(task)
             rec.total_s = time.perf_counter() - started
-            metrics.TALLY.inc(metrics.requests_child(endpoint, rec.status, rec.model or ""))
+            metrics.TALLY.counts[metrics.requests_child(path, rec.status, rec.model or "")] += 1
             self.access_log.write(rec)
 
     async def _fail(self, client: ClientStream, rec: AccessRecord, exc: NarwhalError) -> web.StreamResponse:

@@ -42,8 +42,10 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from narwhal import __version__
 from narwhal.engines.connector import PrefillResult
+from narwhal.engines.endpoints import Endpoint
 from narwhal.errors import NarwhalError
 from narwhal.fleet.placement import Reservation
+from narwhal.reasons import Reason
 from narwhal.request.accesslog import AccessRecord
 from narwhal.request.admission import ClientRequest
 from narwhal.request.attempt import Attempts
@@ -122,7 +124,7 @@ def traceparent(span: Span) -> str:
 
 
 def _failed(span: Span, exc: BaseException) -> None:
-    reason = exc.reason if isinstance(exc, NarwhalError) else "client_disconnect"
+    reason = exc.reason if isinstance(exc, NarwhalError) else Reason.CLIENT_DISCONNECT
     span.set_attribute("narwhal.reason", reason)
     span.set_attribute("error.type", reason)
     span.set_status(Status(StatusCode.ERROR, reason))
@@ -246,12 +248,12 @@ class TracedRouter(Router):
         attempts.tracer = tracer
         self.attempts = attempts
 
-    async def handle(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+    async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         parent = _PROPAGATOR.extract(request.headers)
         with self.tracer.start_as_current_span(
-            f"{request.method} {endpoint}", context=parent, kind=SpanKind.SERVER,
+            f"{request.method} {endpoint.path}", context=parent, kind=SpanKind.SERVER,
             record_exception=False, set_status_on_exception=False,
             attributes={"http.request.method": request.method, "url.path": request.path,
-                        "http.route": endpoint, "client.address": request.remote or ""},
+                        "http.route": endpoint.path, "client.address": request.remote or ""},
         ):
             return await super().handle(request, endpoint)

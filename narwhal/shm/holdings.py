@@ -12,7 +12,10 @@ change independently. ::
     rings       W × (16 B + R × entry)  per worker slot, written only by that worker:
         write index u64 (worker), read index u64 (supervisor); each entry one completed
         prefill: producer, its identity and engine id, prompt chars and tokens, cached
-        tokens, duration, and the prompt's block keys (at most M)
+        tokens, duration, the queued work it was placed behind, and the prompt's block keys
+        (at most M)
+    work        W × E × u32   per worker slot and engine, written only by that worker: the
+        uncached characters of its prefill legs in flight there (SPEC §3.3's queued work)
 
 Invariants, and why:
 
@@ -25,12 +28,15 @@ Invariants, and why:
 * A ring entry carries its sequence number inside its CRC, as the outcome rings do, so a stale
   entry of an earlier lap cannot pass for a new one. A full ring drops the report (the
   holdings learn a little later from the next one); the worker never blocks.
-* Reading costs one u64 per placement while nothing changed; a section is decoded again only
-  when its own sequence moved, into a ``frozenset`` the choice tests membership in.
+* Reading costs one u64 per placement while nothing changed (and one unpack of every slot's
+  work counters); a section is decoded again only when its own sequence moved, into a
+  ``frozenset`` the choice tests membership in. The supervisor publishes a section at most every
+  0.1 s (``supervisor.holdings``), so a worker decodes at most that often per producer.
 """
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import struct
@@ -46,8 +52,9 @@ GENERATION_OFFSET = 32
 SECTION_HEAD = 64
 _SECTION = struct.Struct("<IIIIQddd")  # identity, count, capacity, crc, engine id, rate, cpt, mean (at 8)
 RING_HEAD = 16
-_ENTRY = struct.Struct("<QHHIIIIdQ")  # seq, producer, nkeys, identity, chars, tokens, cached, duration, engine id
-ENTRY_HEAD = 56  # _ENTRY (48 B) + crc u32, aligned
+_ENTRY = struct.Struct("<QHHIIIIdQId")  # seq, producer, nkeys, identity, chars, tokens, cached, duration,
+#                                          engine id, queued chars, finished at (monotonic)
+ENTRY_HEAD = 64  # _ENTRY (60 B) + crc u32
 NONE32 = 0xFFFFFFFF
 _TRIES = 16
 
@@ -58,10 +65,11 @@ def identity(name: str, url: str) -> int:
 
 
 def engine_id_hash(engine_id: str | None) -> int:
-    """A 64-bit stamp of an engine id (0: none known)."""
+    """A 64-bit stamp of an engine id, never 0 (0: none known)."""
     if not engine_id:
         return 0
-    return int.from_bytes(zlib.crc32(engine_id.encode()).to_bytes(4, "little") * 2, "little") | 1
+    digest = hashlib.blake2b(engine_id.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") or 1
 
 
 @dataclass(frozen=True)
@@ -89,9 +97,12 @@ class HoldingsLayout:
     def entry_offset(self, slot: int, index: int) -> int:
         return self.ring_offset(slot) + RING_HEAD + (index % self.ring) * self.entry_size
 
+    def work_offset(self, slot: int, engine: int) -> int:
+        return self.ring_offset(self.slots) + (slot * self.sections + engine) * 4
+
     @property
     def size(self) -> int:
-        raw = self.ring_offset(self.slots)
+        raw = self.work_offset(self.slots, 0)
         return (raw + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
 
 
@@ -120,6 +131,8 @@ class PrefillReport:
     cached_tokens: int | None
     duration_s: float
     keys: tuple[int, ...]
+    queued_chars: int = 0  # the queued prefill work the placement reckoned ahead of it
+    at: float = 0.0  # when it finished (time.monotonic(), one clock for the host): the merge order
 
 
 class Holdings:
@@ -205,6 +218,15 @@ class Holdings:
                         None if capacity == NONE32 else capacity, cpt or None, rate or None, mean, engine_id)
         return None
 
+    def read_keys(self, engine: int, stamp: int) -> list[int] | None:
+        """The section's keys in their published order, most recent first (a restarted
+        supervisor's starting state); None as for :meth:`read`."""
+        if self.read(engine, stamp) is None:
+            return None
+        off = self.layout.section_offset(engine)
+        count = min(int.from_bytes(self.mm[off + 12 : off + 16], "little"), self.layout.keys)
+        return list(struct.unpack_from(f"<{count}Q", self.mm, off + SECTION_HEAD))
+
     # -- report rings (a worker writes its slot's, the supervisor drains) -------------------------
 
     def report(self, slot: int, rep: PrefillReport) -> bool:
@@ -218,7 +240,8 @@ class Holdings:
         keys = rep.keys[: self.layout.entry_keys]
         head = _ENTRY.pack(write, rep.producer, len(keys), rep.identity, rep.prompt_chars,
                            NONE32 if rep.prompt_tokens is None else rep.prompt_tokens,
-                           NONE32 if rep.cached_tokens is None else rep.cached_tokens, rep.duration_s, rep.engine_id)
+                           NONE32 if rep.cached_tokens is None else rep.cached_tokens, rep.duration_s, rep.engine_id,
+                           min(max(rep.queued_chars, 0), NONE32 - 1), rep.at)
         body = struct.pack(f"<{len(keys)}Q", *keys)
         off = self.layout.entry_offset(slot, write)
         self.mm[off : off + _ENTRY.size] = head
@@ -242,14 +265,16 @@ class Holdings:
         return out
 
     def skip(self, slot: int) -> None:
-        """Drop a slot's unread reports (its worker is gone)."""
+        """A slot whose worker is gone: drop its unread reports and its prefill work."""
         base = self.layout.ring_offset(slot)
         self._set_u64(base + 8, self._u64(base))
+        for engine in range(self.layout.sections):
+            store_u32(self.mm, self.layout.work_offset(slot, engine), 0)
 
     def _entry(self, slot: int, index: int) -> PrefillReport | None:
         off = self.layout.entry_offset(slot, index)
         head = self.mm[off : off + _ENTRY.size]
-        seq, producer, nkeys, ident, chars, tokens, cached, duration, engine_id = _ENTRY.unpack(head)
+        seq, producer, nkeys, ident, chars, tokens, cached, duration, engine_id, queued, at = _ENTRY.unpack(head)
         if seq != index or nkeys > self.layout.entry_keys:
             return None
         body = self.mm[off + ENTRY_HEAD : off + ENTRY_HEAD + nkeys * 8]
@@ -257,7 +282,8 @@ class Holdings:
         if zlib.crc32(body, zlib.crc32(head)) != crc:
             return None
         return PrefillReport(producer, ident, engine_id, chars, None if tokens == NONE32 else tokens,
-                             None if cached == NONE32 else cached, duration, struct.unpack(f"<{nkeys}Q", body))
+                             None if cached == NONE32 else cached, duration, struct.unpack(f"<{nkeys}Q", body),
+                             queued, at)
 
 
 class HoldingsReader:
@@ -290,20 +316,43 @@ class WorkerHoldings(HoldingsReader):
     """A worker's side: the view placement reads, and its slot's ring it reports prefills to.
     ``report_prefill`` writes one entry and returns; nothing waits for the supervisor."""
 
-    __slots__ = ("slot", "dropped")
+    __slots__ = ("slot", "dropped", "_mine", "_work_at", "_all_work", "_n")
 
     def __init__(self, holdings: Holdings, stamps: list[int], slot: int) -> None:
         super().__init__(holdings, stamps)
         self.slot = slot
         self.dropped = 0
+        layout = holdings.layout
+        self._n = n = min(len(stamps), layout.sections)
+        self._mine = [0] * n
+        self._work_at = [layout.work_offset(slot, e) for e in range(n)]
+        # Every slot's counters in one unpack (only the first n engines of each row are summed).
+        self._all_work = struct.Struct(f"<{layout.slots * layout.sections}I")
+        if slot < layout.slots:
+            for at in self._work_at:  # a previous owner of the slot (dead) left its figures
+                store_u32(holdings.mm, at, 0)
+
+    def add_work(self, engine: int, chars: int) -> None:
+        """This worker's prefill legs in flight on ``engine`` gained (or, negative, lost)
+        ``chars`` uncached characters: one store, no lock."""
+        if engine < self._n and self.slot < self.holdings.layout.slots:
+            self._mine[engine] = value = max(self._mine[engine] + chars, 0)
+            store_u32(self.holdings.mm, self._work_at[engine], min(value, NONE32))
+
+    def work(self) -> list[int]:
+        """Per engine index, the uncached characters of this host's prefill legs in flight."""
+        layout = self.holdings.layout
+        values = self._all_work.unpack_from(self.holdings.mm, layout.work_offset(0, 0))
+        width = layout.sections
+        return [sum(values[e::width]) for e in range(self._n)] + [0] * (len(self.stamps) - self._n)
 
     def report_prefill(
         self, producer: int, engine_id: str | None, prompt_chars: int, prompt_tokens: int | None,
-        cached_tokens: int | None, duration_s: float, keys: list[int],
+        cached_tokens: int | None, duration_s: float, keys: list[int], queued_chars: int = 0, at: float = 0.0,
     ) -> None:
         if producer >= len(self.stamps):
             return
         rep = PrefillReport(producer, self.stamps[producer], engine_id_hash(engine_id), prompt_chars, prompt_tokens,
-                            cached_tokens, duration_s, tuple(keys))
+                            cached_tokens, duration_s, tuple(keys), int(queued_chars), at)
         if not self.holdings.report(self.slot, rep):
             self.dropped += 1

@@ -24,6 +24,11 @@ loop only starts the read (:meth:`Discovery.tick`) and, once it finished, applie
   moves), its breaker and its metric series removed. An engine named again while draining is
   readmitted.
 
+Left as it is: a worker's outcome report still unread in its ring when that worker lets go of a
+forgotten engine's slot, and the slot given to a new engine before the next drain (20 ms), would
+be charged to the new engine; it takes the slot's reuse within one drain of the worker's last leg
+there, and costs one report.
+
 ``narwhal_discovery_engines{source,state}``: by source (``file``, ``dns``) the engines found that
 are ``active`` (in the fleet, not probing or draining), ``probing`` (not yet through their first
 checks), ``draining`` (gone from the source, legs still finishing) and ``refused`` (a taken name,

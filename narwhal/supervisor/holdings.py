@@ -11,15 +11,18 @@
    ``exact``. vLLM leaves ``prompt_tokens_details`` out of a prefill that hit nothing: once a
    producer has reported cached tokens, its silence means none (before, an engine run without
    ``--enable-prompt-tokens-details`` would have every prediction judged ``over``). Each prefill
-   so judged counts once in ``narwhal_holdings_predictions_total{result}``.
+   so judged counts once in ``narwhal_holdings_predictions_total{result}``. A prediction counts
+   only blocks finished before the prefill started: two prefills of a new prefix placed together
+   both compute it (vLLM hits finished blocks only), which is no eviction.
 3. *Capacity*: ``vllm:cache_config_info``'s ``num_gpu_blocks`` × ``block_size`` tokens, in our
    blocks at the learned characters per token (4 until learned); the least recently used keys
    beyond it are forgotten. Unknown capacity: bounded by the section's room alone.
 4. *Restarts*: a report naming a new engine id (its descriptors' ``remote_engine_id``), or an
    ejection, drops the producer's holdings.
 
-Also learned per producer: the prefill rate (uncached characters per second of prefill, an
-exponentially weighted mean; a producer without one is placed at the fleet's mean) and, fleet
+Also learned per producer: the prefill rate (uncached characters per second of prefill, from
+prefills placed with nothing queued ahead, as a ratio of exponentially weighted means; a producer
+without one is placed at the candidates' mean) and, fleet
 wide, the mean uncached characters of a prefill (what a queued request is reckoned to cost).
 
 Pure apart from ``publish`` (the shared-memory write): time comes in as an argument.
@@ -27,6 +30,7 @@ Pure apart from ``publish`` (the shared-memory write): time comes in as an argum
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,11 +48,14 @@ DEFAULT_CHARS_PER_TOKEN = 4.0  # until a producer's answers say otherwise (Engli
 @dataclass
 class ProducerHoldings:
     stamp: int
-    keys: OrderedDict[int, None] = field(default_factory=OrderedDict)  # least recently used first
+    # Least recently used first; each key with when it was first computed there (monotonic s).
+    keys: OrderedDict[int, float] = field(default_factory=OrderedDict)
     engine_id: int = 0
     capacity_tokens: int | None = None
     chars_per_token: float | None = None
     rate: float | None = None  # uncached characters per second of prefill
+    work_mean: float = 0.0  # of the prefills placed with nothing queued ahead: uncached characters …
+    time_mean: float = 0.0  # … and seconds, both exponentially weighted (their ratio is the rate)
     reports_cached: bool = False  # it said cached_tokens once: from then on, silence means 0
     dirty: bool = True
     published_at: float = float("-inf")
@@ -63,10 +70,13 @@ def _ewma(old: float | None, sample: float) -> float:
     return sample if old is None else old + ALPHA * (sample - old)
 
 
-def _leading(keys: Sequence[int], held: OrderedDict[int, None]) -> int:
+def _leading(keys: Sequence[int], held: OrderedDict[int, float], started: float) -> int:
+    """The leading blocks held when a prefill started: one computed by a prefill that finished
+    later was still being computed then, and vLLM (like the fake) hits only finished blocks."""
     n = 0
     for key in keys:
-        if key not in held:
+        at = held.get(key)
+        if at is None or at > started:
             break
         n += 1
     return n
@@ -94,7 +104,8 @@ class HoldingsModel:
                 p.forget()  # restarted: a new engine holds nothing of the old one's
             p.engine_id = rep.engine_id
         keys = rep.keys
-        predicted = _leading(keys, p.keys)
+        started = rep.at - rep.duration_s if rep.at else math.inf
+        predicted = _leading(keys, p.keys, started)
         if rep.prompt_chars and rep.prompt_tokens:
             p.chars_per_token = _ewma(p.chars_per_token, rep.prompt_chars / rep.prompt_tokens)
         result = None
@@ -113,9 +124,14 @@ class HoldingsModel:
                 self._evicted(p, keys[actual])
         self._learn_rate(p, rep, cached_chars)
         held = p.keys
-        for key in keys:  # the producer computed or reused every block: now most recent
-            held[key] = None
-            held.move_to_end(key)
+        # The producer computed or reused every block: now the most recent, the prompt's head the
+        # most recent of all (vLLM frees a request's blocks tail first, so its tail goes first).
+        at = rep.at
+        for key in reversed(keys):
+            if key in held:
+                held.move_to_end(key)  # it keeps its first time: it was there all along
+            else:
+                held[key] = at
         self._trim(p)
         p.dirty = True
         return result
@@ -134,9 +150,15 @@ class HoldingsModel:
             return
         uncached = max(rep.prompt_chars - cached_chars, 0)
         self.mean_uncached = _ewma(self.mean_uncached, float(uncached))
-        # A prefill that computed less than a block measures the round trip, not the engine.
-        if uncached >= self.block_chars and rep.duration_s > 0:
-            p.rate = _ewma(p.rate, uncached / rep.duration_s)
+        # Only prefills placed with nothing queued ahead measure the engine: a queue's wait would
+        # charge a busy producer twice (once for its queue, again by a rate the queue made look
+        # slow). A ratio of means, not a mean of ratios: a small prefill is mostly the round
+        # trip, and must not weigh as much as a long one. Less than a block teaches nothing.
+        if rep.queued_chars == 0 and uncached >= self.block_chars and rep.duration_s > 0:
+            first = p.rate is None
+            p.work_mean = uncached if first else p.work_mean + ALPHA * (uncached - p.work_mean)
+            p.time_mean = rep.duration_s if first else p.time_mean + ALPHA * (rep.duration_s - p.time_mean)
+            p.rate = p.work_mean / p.time_mean
 
     def capacity_blocks(self, p: ProducerHoldings) -> int | None:
         if p.capacity_tokens is None:
@@ -170,6 +192,22 @@ class HoldingsModel:
     def fleet_rate(self) -> float | None:
         rates = [p.rate for p in self.producers if p is not None and p.rate is not None]
         return sum(rates) / len(rates) if rates else None
+
+    def restore(self, holdings: Holdings) -> None:
+        """Start from what a previous supervisor published (a restart loses no holdings; the
+        learned rate restarts from its published value)."""
+        for index, p in enumerate(self.producers):
+            held = holdings.read(index, p.stamp) if p is not None else None
+            if p is None or held is None:
+                continue
+            order = holdings.read_keys(index, p.stamp) or []
+            p.keys = OrderedDict((key, 0.0) for key in reversed(order))
+            p.engine_id, p.rate, p.chars_per_token = held.engine_id, held.prefill_chars_per_s, held.chars_per_token
+            if p.rate is not None:
+                p.work_mean, p.time_mean = p.rate, 1.0
+            p.dirty = False
+            if held.mean_uncached_chars:
+                self.mean_uncached = held.mean_uncached_chars
 
     def publish(self, holdings: Holdings, now: float) -> None:
         """Every changed producer's section not published in the last ``PUBLISH_S``, most

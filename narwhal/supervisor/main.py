@@ -90,6 +90,9 @@ class Supervisor:
         self._probing: set[str] = set()
         self._wall = time.time() - time.monotonic()
         self.holdings = holdings
+        # Policy held only: the series exist (at 0) from the start, so a rate() sees the first one.
+        self._predictions = {r: metrics.HOLDINGS_PREDICTIONS.labels(r)
+                             for r in (("exact", "over", "under") if holdings is not None else ())}
         self.model: HoldingsModel | None = None
         if holdings is not None:
             stamps = [identity(e.name, e.url) if e.can_prefill else None for e in self.fleet.engines]
@@ -240,14 +243,18 @@ class Supervisor:
 
     def drain_prefills(self) -> None:
         """The workers' completed prefills into the holdings (SPEC §3.3), then what changed
-        published. Each prefill with reported cached tokens is judged once."""
+        published. Each prefill with reported cached tokens is judged once, in order of completion
+        across workers: judged in ring order, a prefill that hit what another worker's finished a
+        moment earlier would read as ``under`` and that one's as ``over``."""
         if self.holdings is None or self.model is None:
             return
-        for slot in range(min(self.holdings.layout.slots, self.shared.in_use())):  # slots ever claimed
-            for rep in self.holdings.drain(slot):
-                result = self.model.apply(rep)
-                if result is not None:
-                    metrics.HOLDINGS_PREDICTIONS.labels(result).inc()
+        claimed = min(self.holdings.layout.slots, self.shared.in_use())  # slots ever claimed
+        reports = [rep for slot in range(claimed) for rep in self.holdings.drain(slot)]
+        reports.sort(key=lambda rep: rep.at)
+        for rep in reports:
+            result = self.model.apply(rep)
+            if result is not None:
+                self._predictions[result].inc()
         self.model.publish(self.holdings, time.monotonic())
 
     def sweep(self) -> None:
@@ -321,6 +328,8 @@ class Supervisor:
                                on_capacity=None if self.model is None else self.model.set_capacity)
             next_load = 0.0
             self.restore()
+            if self.model is not None and self.holdings is not None:
+                self.model.restore(self.holdings)
             self.publish()
             discovery = None
             if self.settings.discovery.enabled:  # imported only then: dnspython costs a static fleet's start nothing

@@ -28,6 +28,7 @@ from typing import Any
 
 import aiohttp
 
+from narwhal.engines import endpoints
 from narwhal.engines.client import EngineClient
 from narwhal.engines.connector import PrefillResult
 from narwhal.engines.control import ControlClient, ControlError, VersionPin
@@ -35,7 +36,7 @@ from narwhal.errors import EngineError, NarwhalError
 from narwhal.fleet import Engine, Fleet
 from narwhal.settings import Settings
 
-ENDPOINT = "/v1/completions"
+ENDPOINT = endpoints.PROBE
 PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"
 Verdict = tuple[str, str]  # (pass | fail | inconclusive, why: "" for a pass)
 
@@ -110,7 +111,7 @@ class Prober:
         return model, "" if model else "no model to probe with"
 
     def _body(self, model: str) -> dict[str, Any]:
-        return {"model": model, "prompt": "narwhal probe", "max_tokens": 2, "stream": True}
+        return {**endpoints.probe_body(model, "narwhal probe"), "stream": True}
 
     async def _prefill(self, producer: Engine, model: str, crossed: bool) -> PrefillResult:
         loop = asyncio.get_running_loop()
@@ -132,8 +133,8 @@ class Prober:
         from narwhal.engines.connector import validate_descriptor
 
         try:
-            validate_descriptor(result.descriptor, producer=engine.name, prefill_endpoint=ENDPOINT,
-                                decode_endpoint=ENDPOINT)
+            validate_descriptor(result.descriptor, producer=engine.name, prefill_endpoint=ENDPOINT.path,
+                                decode_endpoint=ENDPOINT.path)
         except EngineError as exc:
             return exc.message
         if consumers:  # give the handoff back: the producer frees its blocks now

@@ -13,6 +13,8 @@ the rank (what these tests predict) must decide between equal producers that hol
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -22,7 +24,7 @@ import pytest
 
 from narwhal.fleet.placement.affinity import key_hash, rank
 from narwhal.fleet.placement.blocks import PrefixBlocks
-from narwhal.testing.harness import FakeFleet, RouterProcess
+from narwhal.testing.harness import FakeFleet, RouterProcess, router_roles
 from tests.real_gunicorn.support import (
     MODEL,
     TOKEN,
@@ -36,6 +38,7 @@ from tests.real_gunicorn.support import (
     start_router,
     value,
     wait_state,
+    wait_until,
 )
 
 PRODUCERS = ["hp0", "hp1", "hp2", "hp3"]
@@ -49,13 +52,30 @@ def _engines() -> list[dict[str, Any]]:
     return [{"name": n, "role": "producer"} for n in PRODUCERS] + [{"name": n, "role": "consumer"} for n in CONSUMERS]
 
 
+def _fleet() -> FakeFleet:
+    return FakeFleet.start(PRODUCERS + CONSUMERS, args=["--model", MODEL, "--lease-s", "120", "--prefix-cache",
+                                                        "--kv-blocks", str(KV_BLOCKS), "--prefill-us-per-token", "10"])
+
+
 @pytest.fixture(scope="module")
 def hfleet() -> Iterator[FakeFleet]:
-    started = FakeFleet.start(PRODUCERS + CONSUMERS, args=["--model", MODEL, "--lease-s", "120", "--prefix-cache",
-                                                           "--kv-blocks", str(KV_BLOCKS),
-                                                           "--prefill-us-per-token", "10"])
+    started = _fleet()
     yield started
     started.stop()
+
+
+@pytest.fixture
+def fresh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RouterProcess, FakeFleet]]:
+    """A fleet and router of their own, nothing held and nothing learned: for the tests whose
+    choices depend on which producers are full (``held.eviction_weight``), which the module's
+    shared fleet fills as its tests go."""
+    fleet = _fleet()
+    try:
+        proc = _router(fleet, tmp_path_factory.mktemp("fresh"))
+        yield proc, fleet
+        proc.stop()
+    finally:
+        fleet.stop()
 
 
 def _router(hfleet: FakeFleet, tmp: Any, workers: int = 2, **placement: Any) -> RouterProcess:
@@ -173,11 +193,16 @@ async def test_eight_prefixes_on_four_producers_holding_two_each_are_shown_and_r
 
 
 async def test_after_the_producer_evicts_the_next_prefill_is_over_and_lowers_its_holdings(
-    router: RouterProcess, hfleet: FakeFleet,
+    fresh: tuple[RouterProcess, FakeFleet],
 ) -> None:
+    router, hfleet = fresh
     async with aiohttp.ClientSession() as session:
         prefix = _prefix(uuid.uuid4().hex)
         holder = (await _ask(session, router, prefix + " one"))["producer"]
+        # A hit, so the holder has reported cached tokens: from then on a prefill that reports
+        # none is judged as nothing cached (before, an absent field may mean an older vLLM).
+        await _wait_blocks(router, holder, lambda n: n >= BLOCKS, "the prefix published")
+        assert (await _ask(session, router, prefix + " again"))["cached_tokens"] >= BLOCKS * 64
         other = _prefix(uuid.uuid4().hex)
         while _favourites(other)[0] != holder:
             other = _prefix(uuid.uuid4().hex)
@@ -213,6 +238,31 @@ async def test_a_restarted_producer_loses_its_holdings(router: RouterProcess, hf
         await _wait_blocks(router, holder, lambda n: n == BLOCKS, "only what the new engine computed")
 
 
+async def test_a_restarted_supervisor_keeps_the_holdings(
+    hfleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    proc = _router(hfleet, tmp_path_factory.mktemp("restart"), workers=1)
+    try:
+        async with aiohttp.ClientSession() as session:
+            prefix = _prefix(uuid.uuid4().hex)
+            holder = (await _ask(session, proc, prefix + " one"))["producer"]
+            await _wait_blocks(proc, holder, lambda n: n == BLOCKS, "published")
+            (old,) = router_roles(proc.proc.pid)["supervisor"]
+            os.kill(old, signal.SIGKILL)
+            wait_until(lambda: [p for p in router_roles(proc.proc.pid)["supervisor"] if p != old], 15,
+                       "a new supervisor")
+            other = _prefix(uuid.uuid4().hex)
+            while _favourites(other)[0] != holder:
+                other = _prefix(uuid.uuid4().hex)
+            assert (await _ask(session, proc, other + " two"))["producer"] == holder
+            # The new supervisor started from the published section: both prefixes, not only the new one.
+            await _wait_blocks(proc, holder, lambda n: n == 2 * BLOCKS, "both prefixes")
+            line = await _ask(session, proc, prefix + " three")
+            assert (line["producer"], line["predicted_cached_chars"]) == (holder, BLOCKS * 256)
+    finally:
+        proc.stop()
+
+
 async def test_capacity_is_read_from_cache_config_info(router: RouterProcess, hfleet: FakeFleet) -> None:
     name = PRODUCERS[0]
 
@@ -243,8 +293,9 @@ async def test_capacity_is_read_from_cache_config_info(router: RouterProcess, hf
 
 
 async def test_a_second_replica_learns_what_the_first_placed_from_cached_tokens(
-    router: RouterProcess, hfleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory,
+    fresh: tuple[RouterProcess, FakeFleet], tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
+    router, hfleet = fresh
     replica = _router(hfleet, tmp_path_factory.mktemp("replica"), workers=1)
     try:
         prefix = _prefix(uuid.uuid4().hex)
@@ -288,5 +339,64 @@ async def test_each_policy_setting_labels_its_choices(
         assert settled(choices, expected) == expected
         held = first == "rendezvous"
         assert [line["predicted_cached_chars"] for line in lines] == ([0, BLOCKS * 256] if held else [None, None])
+    finally:
+        proc.stop()
+
+
+async def test_a_slower_producer_gets_fewer_new_prefixes_once_its_rate_is_learned(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Two producers, one prefilling 4× slower (as an older GPU): once each has prefilled with
+    nothing queued ahead, a prefix nobody holds goes to the fast one even where rank prefers the
+    slow one (4× the estimate is beyond the slack)."""
+    names = ["rslow", "rfast", "rd0"]
+    fleet = FakeFleet.start(names, args=["--model", MODEL, "--prefix-cache", "--prefill-us-per-token", "10",
+                                         "--prefill-us-per-token", "rslow=40"])
+    engines = [{"name": "rslow", "role": "producer"}, {"name": "rfast", "role": "producer"},
+               {"name": "rd0", "role": "consumer"}]
+    proc = start_router(fleet, engines, tmp_path_factory.mktemp("slow"), server={"workers": 1, "admin_token": TOKEN},
+                        placement={"load_interval_s": 0.1, "affinity_slack": 0.5})
+    try:
+        def ranked_first(name: str) -> str:
+            while True:
+                prefix = _prefix(uuid.uuid4().hex)
+                if rank(["rslow", "rfast"], PrefixBlocks(prefix, 256, 65536).key(0), key_hash)[0] == name:
+                    return prefix
+
+        async with aiohttp.ClientSession() as session:
+            for name in ("rslow", "rfast"):  # one clean prefill each: both rates learned
+                assert (await _ask(session, proc, ranked_first(name) + " q"))["producer"] == name
+            for name in ("rslow", "rfast"):
+                await _wait_rate(proc, name)
+            rates = {n: (await engine_entry(proc, n))["holdings"]["prefill_chars_per_s"] for n in ("rslow", "rfast")}
+            assert rates["rfast"] > 2 * rates["rslow"], rates
+            chosen = [(await _ask(session, proc, ranked_first("rslow") + " q"))["producer"] for _ in range(4)]
+        assert chosen == ["rfast"] * 4
+    finally:
+        proc.stop()
+        fleet.stop()
+
+
+async def _wait_rate(router: RouterProcess, name: str, timeout: float = 10) -> None:
+    end = asyncio.get_running_loop().time() + timeout
+    while not ((await engine_entry(router, name))["holdings"] or {}).get("prefill_chars_per_s"):
+        if asyncio.get_running_loop().time() > end:
+            raise AssertionError(f"{name}: no prefill rate learned")
+        await asyncio.sleep(0.05)
+
+
+async def test_a_full_table_forgets_the_oldest_keys_without_an_error(
+    hfleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    # 40 slots for 4 producers: 10 keys each, fewer than one prefix's 15 blocks.
+    proc = _router(hfleet, tmp_path_factory.mktemp("slots"), workers=1, holdings_slots=40)
+    try:
+        async with aiohttp.ClientSession() as session:
+            prefix = _prefix(uuid.uuid4().hex)
+            holder = (await _ask(session, proc, prefix + " one"))["producer"]
+            await _wait_blocks(proc, holder, lambda n: n == 10, "cut to the room")
+            # The prompt's tail went first (as vLLM evicts it): its head is still believed held.
+            line = await _ask(session, proc, prefix + " two")
+            assert (line["producer"], line["predicted_cached_chars"]) == (holder, 10 * 256)
     finally:
         proc.stop()

@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 from narwhal import reasons
-from narwhal.reasons import RETRYABLE, RING_CODE, RING_NAMES, STATUS_OF, TABLE, UNCOUNTED_REASONS, retryable
+from narwhal.reasons import RETRYABLE, RING_CODE, RING_NAMES, STATUS_OF, TABLE, UNCOUNTED_REASONS, Reason, retryable
 
 PACKAGE = Path(reasons.__file__).resolve().parent
 # Reason strings name router outcomes only here; the fake engine has vocabularies of its own.
@@ -14,7 +14,8 @@ OUTSIDE = {"fake_engine"}
 
 
 def _raised_reasons() -> dict[str, str]:
-    """Every string literal the router passes or assigns as a reason, with where it is."""
+    """Every reason the router passes or assigns (a string literal or a ``Reason`` member),
+    with where it is."""
     found: dict[str, str] = {}
     for path in PACKAGE.rglob("*.py"):
         if OUTSIDE & set(path.relative_to(PACKAGE).parts) or path.name == "reasons.py":
@@ -28,8 +29,11 @@ def _raised_reasons() -> dict[str, str]:
             elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "health_failed":
                 values.extend(node.args[1:])
             for value in values:
+                where = f"{path.relative_to(PACKAGE)}:{value.lineno}"
                 if isinstance(value, ast.Constant) and isinstance(value.value, str):
-                    found[value.value] = f"{path.relative_to(PACKAGE)}:{value.lineno}"
+                    found[value.value] = where
+            if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "Reason":
+                found[Reason[node.attr].value] = f"{path.relative_to(PACKAGE)}:{node.lineno}"
     return found
 
 
@@ -39,6 +43,12 @@ def test_every_reason_the_code_gives_is_in_the_table() -> None:
     names = {r.name for r in TABLE}
     missing = {name: where for name, where in raised.items() if name not in names}
     assert missing == {}
+
+
+def test_the_enum_names_exactly_the_tables_reasons() -> None:
+    assert [r.value for r in Reason] == [r.name for r in TABLE]
+    assert all(member == member.value and isinstance(member, str) for member in Reason)  # travels as its string
+    assert all(member.name == member.value.upper() for member in Reason)
 
 
 def test_names_are_unique() -> None:

@@ -25,12 +25,13 @@ import orjson
 
 from narwhal.engines.sse import DONE_EVENT, Kind, event_data
 from narwhal.errors import NarwhalError, RequestError, error_body
+from narwhal.reasons import Reason
 
 __all__ = ["Dialect", "Kind", "bad", "event_name", "is_int", "json_of", "status_of_code"]
 
 
 def bad(message: str) -> RequestError:
-    return RequestError(message, reason="bad_request")
+    return RequestError(message, reason=Reason.BAD_REQUEST)
 
 
 def is_int(value: Any) -> bool:
@@ -72,6 +73,9 @@ class Dialect:
     __slots__ = ()
 
     endpoint = ""
+    # The body fields that hold the prompt (the part that grows with it): encoded once and
+    # embedded in every engine body as is (``narwhal.request.admission.embed_prompt``).
+    prompt_fields: tuple[str, ...] = ()
     terminal = "[DONE]"  # the bare terminal event name, for the done_before_token detail
     terminal_bytes: bytes | None = DONE_EVENT  # what the terminal event is relayed as; None: as received
 
@@ -80,10 +84,15 @@ class Dialect:
     def check(self, body: dict[str, Any]) -> None:
         """Refuse (``RequestError``, 400) a field the router reads that has the wrong type."""
 
-    def affinity_text(self, body: dict[str, Any], limit: int) -> str:
-        """The prompt text the affinity key is cut from (at least ``limit`` characters when
-        the prompt has them); "" when the endpoint has none."""
-        return ""
+    def affinity_text(self, body: dict[str, Any], limit: int) -> str | None:
+        """The prompt text the affinity key is cut from, from its start (at least ``limit``
+        characters when the prompt has them); None when the endpoint has no prompt text (no
+        affinity key, never a local decode)."""
+        return None
+
+    def probe_body(self, model: str, prompt: str) -> dict[str, Any]:
+        """A tiny request for ``model`` (two tokens), as the supervisor's probes and preflight send."""
+        raise NotImplementedError
 
     # -- engine bodies --------------------------------------------------------------------------
 
@@ -91,11 +100,12 @@ class Dialect:
         """(prompt tokens, cached prompt tokens) of a prefill's ``usage``, each None when absent
         or not an int: here ``prompt_tokens`` and ``prompt_tokens_details.cached_tokens`` (vLLM
         fills the details with ``--enable-prompt-tokens-details``)."""
-        if not isinstance(usage, dict):
+        if type(usage) is not dict:  # decoded JSON: exact types
             return None, None
         details = usage.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        return int_or_none(usage.get("prompt_tokens")), int_or_none(cached)
+        cached = details.get("cached_tokens") if type(details) is dict else None
+        prompt = usage.get("prompt_tokens")
+        return (prompt if type(prompt) is int else None), (cached if type(cached) is int else None)
 
     def prefill_body(self, body: dict[str, Any], request_id: str, crossed: bool) -> dict[str, Any]:
         raise NotImplementedError

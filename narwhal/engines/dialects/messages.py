@@ -55,6 +55,7 @@ def _text(content: Any) -> str:
 class Messages(Dialect):
     __slots__ = ()
     endpoint = MESSAGES
+    prompt_fields = ("system", "messages")
     terminal = "message_stop"
     terminal_bytes = None
 

@@ -21,11 +21,59 @@ CHAT = "/v1/chat/completions"
 GENERATE = "/inference/v1/generate"
 
 
+def _check_prompt(prompt: Any) -> None:
+    if type(prompt) is str:  # exact types: orjson's values are never subclasses
+        return
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt) or all(is_int(p) for p in prompt):
+            return
+        if all(isinstance(p, list) and all(is_int(t) for t in p) for p in prompt):
+            return
+    raise bad("'prompt' must be a string, a list of strings, a list of token ids or a list of lists of ids")
+
+
+def _ids_text(ids: list[Any], limit: int) -> str:
+    # Each id takes at least two characters with its separator: limit ids are always enough.
+    return " ".join(map(str, ids[:limit]))
+
+
+def _message_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: only the text ones are prompt text
+        return "".join(
+            part["text"] for part in content
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+        )
+    return ""
+
+
 class Completions(Dialect):
     """Completions and chat: the rules of SPEC §3–§4 as ``engines.sse`` and ``connector`` hold them."""
 
     __slots__ = ()
     endpoint = COMPLETIONS
+    prompt_fields = ("prompt",)
+
+    def check(self, body: dict[str, Any]) -> None:
+        if "prompt" not in body:
+            raise bad("'prompt' is required")
+        _check_prompt(body["prompt"])
+
+    def affinity_text(self, body: dict[str, Any], limit: int) -> str | None:
+        """``prompt``: a string, the first of a list of strings, or token ids as decimal text."""
+        prompt = body.get("prompt")
+        if type(prompt) is str:
+            return prompt
+        if isinstance(prompt, list) and prompt:
+            first = prompt[0]
+            if isinstance(first, str):
+                return first
+            return _ids_text(first if isinstance(first, list) else prompt, limit)
+        return ""
+
+    def probe_body(self, model: str, prompt: str) -> dict[str, Any]:
+        return {"model": model, "prompt": prompt, "max_tokens": 2}
 
     def prefill_body(self, body: dict[str, Any], request_id: str, crossed: bool) -> dict[str, Any]:
         return connector.prefill_body(body, crossed=crossed)
@@ -45,6 +93,29 @@ class Completions(Dialect):
 class Chat(Completions):
     __slots__ = ()
     endpoint = CHAT
+    prompt_fields = ("messages",)
+
+    def check(self, body: dict[str, Any]) -> None:
+        messages = body.get("messages")
+        # Element types counted in C (exact: decoded JSON), not a Python step per message.
+        if type(messages) is not list or list(map(type, messages)).count(dict) != len(messages):
+            raise bad("'messages' must be a list of objects")
+
+    def affinity_text(self, body: dict[str, Any], limit: int) -> str | None:
+        """Each message's role and text content, until ``limit`` characters are in hand."""
+        parts: list[str] = []
+        size = 0
+        for message in body.get("messages") or ():
+            role = message.get("role")
+            piece = f"{role if isinstance(role, str) else ''}\n{_message_text(message.get('content'))[:limit]}\n"
+            parts.append(piece)
+            size += len(piece)
+            if size >= limit:
+                break
+        return "".join(parts)
+
+    def probe_body(self, model: str, prompt: str) -> dict[str, Any]:
+        return {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 2}
 
 
 # Removed from the prefill's sampling_params so its single token never ends the request early.
@@ -56,6 +127,7 @@ class Generate(Completions):
 
     __slots__ = ()
     endpoint = GENERATE
+    prompt_fields = ("token_ids",)
 
     def check(self, body: dict[str, Any]) -> None:
         ids = body.get("token_ids")
@@ -71,7 +143,7 @@ class Generate(Completions):
         if n is not None and (not is_int(n) or n > 1):
             raise bad("'sampling_params.n' > 1 is not supported by disaggregated serving")
 
-    def affinity_text(self, body: dict[str, Any], limit: int) -> str:
+    def affinity_text(self, body: dict[str, Any], limit: int) -> str | None:
         ids = body.get("token_ids")
         if not isinstance(ids, list):
             return ""

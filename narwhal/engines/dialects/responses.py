@@ -43,6 +43,7 @@ def _text(content: Any) -> str:
 class Responses(Dialect):
     __slots__ = ()
     endpoint = RESPONSES
+    prompt_fields = ("instructions", "input")
     terminal = "response.completed"
     terminal_bytes = None
 

@@ -17,8 +17,10 @@ Invariants, and why:
 * The choice itself is pure (no I/O): counts come through :class:`InflightCounts`, engine
   reports through a :class:`LoadSource`, the clock and the randomness are injected.
 
-Which pair (SPEC §3.2): producers by prefix affinity when the request has a key
-(:mod:`.affinity`), else least loaded (:mod:`.least_loaded`); the consumer least loaded among
+Which pair (SPEC §3.2, §3.3): with policy ``held`` (the default) and a prompt of at least one
+block, producers by estimated time to handoff knowing what each holds (:mod:`.held`); else by
+prefix affinity when the request has a key (:mod:`.affinity`), else least loaded
+(:mod:`.least_loaded`); the consumer least loaded among
 the producer's permitted consumers; saturated engines last; ties at random. A local decode
 (:meth:`Placement.reserve` with ``local``) reserves a consumer only. With
 ``load_interval_s = 0`` and no key, this is exactly the least-in-flight choice of before.
@@ -55,15 +57,6 @@ def _engine_index(engine: Engine) -> int:
     return engine.index
 
 
-def _by_index(fleet: Fleet, value: Callable[[Engine], Any]) -> list[Any]:
-    """``value`` of every engine, in a list by ``Engine.index`` (indices are engine slots in a
-    fleet that changes at run time: not positions)."""
-    out: list[Any] = [0] * fleet.span
-    for e in fleet.engines:
-        out[e.index] = value(e)
-    return out
-
-
 class Placement:
     def __init__(
         self,
@@ -91,10 +84,11 @@ class Placement:
             LoadCache(loads, clock, settings.load_stale_s, settings.kv_saturated)
             if loads is not None and settings.load_interval_s > 0 else None
         )
-        self._hashes = _by_index(fleet, lambda e: affinity.key_hash(e.name))
+        self._hashes = fleet.by_index(lambda e: affinity.key_hash(e.name))
         self._policy = settings.placement_policy
         self.holdings = holdings  # policy "held": what each producer holds (SPEC §3.3)
-        self._matched: list[int] = []  # the last held ordering's matched characters, by position
+        # The last held ordering's (matched, uncached, queued) characters, by position.
+        self._facts: list[tuple[int, int, int]] = []
 
     def current_loads(self) -> Loads | None:
         return None if self._loads is None else self._loads.current()
@@ -158,8 +152,11 @@ class Placement:
                 inflight.release(p, "prefill")
                 continue
             resv = Reservation(self, p, d, choice_of(position, p))
-            if self._matched:
-                resv.predicted_chars = self._matched[position]
+            if self._facts:
+                resv.predicted_chars, uncached, resv.queued_chars = self._facts[position]
+                if self.holdings is not None and uncached:
+                    resv.work = uncached  # this host's queued prefill work there, until it ends
+                    self.holdings.add_work(p.index, uncached)
             return resv
         return None
 
@@ -176,7 +173,7 @@ class Placement:
             loads is not None and loads.any_saturated
             and least_loaded.all_saturated([c[0].index for c in candidates], loads)
         )
-        self._matched = []
+        self._facts = []
         if self._policy == "least_loaded":
             key = None
         elif self._policy == "held" and blocks is not None and blocks.count and candidates:
@@ -213,24 +210,37 @@ class Placement:
         """SPEC §3.3 (:mod:`.held`): the least estimated time to handoff first, near-ties by
         rendezvous rank; saturated producers after the others unless every one is."""
         rest: list[Candidate] = []
+        source = self.holdings
         if loads is not None and loads.any_saturated and not every_saturated:
-            saturated = loads.saturated
-            rest = [c for c in candidates if saturated[c[0].index]]
-            candidates = [c for c in candidates if not saturated[c[0].index]]
-        readings = self.holdings.current() if self.holdings is not None else ()
+            # A scarce KV is always nearly full of cached prefixes: a saturated producer that
+            # holds the prompt's first block shares those blocks and stays a candidate; only
+            # one that would compute the prompt from scratch goes last.
+            saturated, first = loads.saturated, blocks.key(0)
+            readings = source.current() if source is not None else ()
+            holds = [first in held.keys_of(readings, i) for i in range(len(saturated))]
+            rest = [c for c in candidates if saturated[c[0].index] and not holds[c[0].index]]
+            candidates = [c for c in candidates if not saturated[c[0].index] or holds[c[0].index]]
+        if source is not None:
+            readings, work = source.current(), source.work()
+            extra = loads.extra if loads is not None else None
+            ours: Callable[[Candidate], float] = lambda c: work[c[0].index]  # noqa: E731
+            others: Callable[[Candidate], float] = (  # noqa: E731
+                (lambda c: extra[c[0].index]) if extra is not None else (lambda c: 0.0))
+        else:  # no holdings region (outside gunicorn): every request at the mean
+            readings, ours, others = (), (lambda c: 0.0), load
         hashes = self._hashes
-        ordered, matched = held.order(candidates, blocks, readings, _producer_index,
-                                      lambda c: hashes[c[0].index], load, self.settings.affinity_slack)
+        ordered, facts = held.order(candidates, blocks, readings, _producer_index, lambda c: hashes[c[0].index],
+                                    ours, others, self.settings.affinity_slack)
         if rest:
             ordered += least_loaded.order(rest, load, _producer_index, None, self._rng)
-            matched += [0] * len(rest)
-        self._matched = matched
+            facts += [(0, len(blocks.text), 0)] * len(rest)
+        self._facts = facts
         if every_saturated:
             return ordered, _saturated
-        anyone = any(matched)
+        anyone = any(f[0] for f in facts)
 
         def choice(position: int, producer: Engine) -> str:
-            return held.choice_label(matched[position], anyone)
+            return held.choice_label(facts[position][0], anyone)
 
         return ordered, choice
 
@@ -261,14 +271,14 @@ class Placement:
         """Seconds of quarantine left per engine, read once per pass. Not quarantined is 0.0,
         so such an engine sorts before every quarantined one (and ties one whose quarantine
         is just ending, which then is as good as over)."""
-        left = _by_index(self.fleet, self.view.quarantine_left)
+        left = self.fleet.by_index(self.view.quarantine_left)
         return lambda e: left[e.index]
 
     def _refresh(self) -> None:
         if self._version != self.fleet.version:
             self._by_model.clear()
             self._consumers_by_model.clear()
-            self._hashes = _by_index(self.fleet, lambda e: affinity.key_hash(e.name))
+            self._hashes = self.fleet.by_index(lambda e: affinity.key_hash(e.name))
             self._version = self.fleet.version
 
     def _candidates(self, model: str) -> tuple[Candidate, ...]:
@@ -363,6 +373,11 @@ class Placement:
                 await self._freed.wait()
         except TimeoutError:
             pass
+
+    def release_work(self, engine: Engine, chars: int) -> None:
+        """A held prefill leg ended: its uncached characters are no longer queued there."""
+        if self.holdings is not None:
+            self.holdings.add_work(engine.index, -chars)
 
     def _release(self, engine: Engine, phase: PhaseName) -> None:
         self.inflight.release(engine, phase)

@@ -69,6 +69,8 @@ class _Releaser(Protocol):
 
     def _release(self, engine: Engine, phase: PhaseName) -> None: ...
 
+    def release_work(self, engine: Engine, chars: int) -> None: ...
+
 
 class Reservation:
     """The slots of one attempt; each released exactly once.
@@ -77,8 +79,8 @@ class Reservation:
     ``affinity``, ``affinity_overflow``, ``least_loaded``, ``saturated``, ``held``,
     ``rendezvous``, or ``local`` for a local decode, which chose no producer at all."""
 
-    __slots__ = ("producer", "consumer", "detached", "choice", "crossed", "local", "predicted_chars", "_placement",
-                 "_prefill_held", "_decode_held", "_unsent")
+    __slots__ = ("producer", "consumer", "detached", "choice", "crossed", "local", "predicted_chars", "queued_chars",
+                 "work", "_placement", "_prefill_held", "_decode_held", "_unsent")
 
     def __init__(
         self, placement: _Releaser, producer: Engine, consumer: Engine, choice: str = "least_loaded",
@@ -92,6 +94,8 @@ class Reservation:
         self.crossed = producer is not consumer  # the KV crosses to another engine (not same-worker)
         self.local = local  # a local decode: no producer chosen, no prefill slot
         self.predicted_chars: int | None = None  # policy "held": the prompt's characters believed cached
+        self.queued_chars = 0  # policy "held": the queued prefill work reckoned ahead of it
+        self.work = 0  # policy "held": its uncached characters, counted as queued on the producer
         self._placement = placement
         self._prefill_held = not local
         self._decode_held = True
@@ -108,6 +112,9 @@ class Reservation:
     def release_prefill(self) -> None:
         if self._prefill_held:
             self._prefill_held = False
+            if self.work:
+                self._placement.release_work(self.producer, self.work)
+                self.work = 0
             self._placement._release(self.producer, "prefill")
 
     def release_decode(self) -> None:

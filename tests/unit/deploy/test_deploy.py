@@ -116,6 +116,7 @@ def test_the_deploy_files_need_exactly_these_metrics() -> None:
         "narwhal_handoff_age_seconds_bucket",
         "narwhal_handoffs_abandoned_total",
         "narwhal_handoffs_released_total",
+        "narwhal_holdings_predictions_total",
         "narwhal_inter_token_seconds_bucket",
         "narwhal_local_decodes_total",
         "narwhal_placements_total",

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from narwhal.engines import dialects
+from narwhal.engines import endpoints
 from narwhal.engines.connector import (
     InvalidHandoff,
     PrefillResult,
@@ -22,7 +22,7 @@ CHAT = "/v1/chat/completions"
 
 def decode_body(body: dict[str, Any], descriptor: dict[str, Any] | None) -> dict[str, Any]:
     """The completions dialect's decode body (the one every OpenAI endpoint's decode is built by)."""
-    return dialects.for_endpoint("/v1/completions").decode_body(body, "rid", descriptor)
+    return endpoints.COMPLETIONS.dialect.decode_body(body, "rid", descriptor)
 FOREIGN = ["transfer_id", "remote_bootstrap_addr", "first_tok", "disagg_spec", "ret_first_tok"]
 COMPLETIONS = "/v1/completions"
 
@@ -230,7 +230,7 @@ def test_release_body_is_acceptable_with_client_min_tokens() -> None:
 
 def make_result(descriptor: dict[str, Any] | None) -> PrefillResult:
     return PrefillResult(
-        producer="p0", producer_url="http://p0", endpoint=CHAT, request_id="rid-1", descriptor=descriptor
+        producer="p0", producer_url="http://p0", endpoint=endpoints.CHAT, request_id="rid-1", descriptor=descriptor
     )
 
 

@@ -10,6 +10,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from narwhal.engines import endpoints
 from narwhal.engines.client import EngineClient
 from narwhal.engines.connector import PrefillResult
 from narwhal.errors import EngineError
@@ -50,8 +51,8 @@ async def scripted() -> AsyncIterator[tuple[str, list[bytes]]]:
 
 async def _decode(url: str, endpoint: str) -> tuple[list[bytes], bool]:
     client = EngineClient.for_settings(EngineSettings(first_token_timeout_s=2, decode_read_timeout_s=2))
-    result = PrefillResult(producer="p0", producer_url=url, endpoint=endpoint, request_id="r1", descriptor=None,
-                           crossed=False)
+    result = PrefillResult(producer="p0", producer_url=url, endpoint=endpoints.BY_PATH[endpoint], request_id="r1",
+                           descriptor=None, crossed=False)
     leg = client.decode_leg(result, Ref(url), {"model": "m", "stream": True}, stream=True)
     spans: list[bytes] = []
     try:

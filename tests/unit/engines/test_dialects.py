@@ -6,14 +6,14 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from narwhal.engines import dialects
+from narwhal.engines import endpoints
 from narwhal.engines.sse import DONE_EVENT, Kind, split_events
 from narwhal.errors import NarwhalError, RequestError
 
-MSG = dialects.for_endpoint(dialects.MESSAGES)
-RESP = dialects.for_endpoint(dialects.RESPONSES)
-GEN = dialects.for_endpoint(dialects.GENERATE)
-CHAT = dialects.for_endpoint(dialects.CHAT)
+MSG = endpoints.MESSAGES.dialect
+RESP = endpoints.RESPONSES.dialect
+GEN = endpoints.GENERATE.dialect
+CHAT = endpoints.CHAT.dialect
 
 # vLLM's Anthropic converter (vllm/entrypoints/anthropic/serving.py), exclude_unset dumps.
 M_START = (b'event: message_start\ndata: {"type":"message_start","message":{"id":"chatcmpl-r1","content":[],'

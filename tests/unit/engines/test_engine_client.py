@@ -11,6 +11,7 @@ import orjson
 import pytest
 from aiohttp import web
 
+from narwhal.engines import endpoints
 from narwhal.engines.client import EngineClient, _prefill_result
 from narwhal.engines.connector import PrefillResult
 from narwhal.errors import DeadlineExceeded, EngineClientError, EngineError
@@ -18,7 +19,7 @@ from narwhal.fake_engine import FakeEngine
 from narwhal.settings import EngineSettings
 from narwhal.testing.harness import DeadEngine
 
-ENDPOINT = "/v1/completions"
+ENDPOINT = endpoints.COMPLETIONS
 BODY = {"model": "fake-model", "prompt": " ".join(f"w{i}" for i in range(40)), "stream": True, "max_tokens": 3}
 
 
@@ -245,7 +246,7 @@ async def test_passthrough_failures_take_the_leg_reasons(
 )
 def test_the_prefills_prompt_and_cached_tokens_are_read(usage: Any, expected: tuple[Any, Any]) -> None:
     for crossed in (True, False):
-        result = PrefillResult("p0", "http://p0", "/v1/completions", "r", None, crossed=crossed)
+        result = PrefillResult("p0", "http://p0", endpoints.COMPLETIONS, "r", None, crossed=crossed)
         body = orjson.dumps({"choices": [], "usage": usage, "kv_transfer_params": {"remote_engine_id": "e"}})
         _prefill_result(result, 200, body)
         assert (result.prompt_tokens, result.cached_tokens) == expected

@@ -16,6 +16,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from narwhal.engines import endpoints
 from narwhal.engines.client import EngineClient
 from narwhal.engines.control import (
     ControlClient,
@@ -139,11 +140,11 @@ async def test_the_data_plane_client_uses_the_same_context_and_key(
     client = EngineClient.for_settings(EngineSettings(ca_file=str(pki["ca_a"]), api_key="engine-key"))
     try:
         body = {"model": "fake-model", "prompt": "a b c d e f g h", "max_tokens": 2}
-        result = await client.prefill(_ref(good), "/v1/completions", body, request_id="rid-tls")
+        result = await client.prefill(_ref(good), endpoints.COMPLETIONS, body, request_id="rid-tls")
         assert result.producer == "good"
         assert good.get_records()[-1]["headers"]["authorization"] == "Bearer engine-key"
         with pytest.raises(EngineError) as info:
-            await client.prefill(_ref(rogue), "/v1/completions", body, request_id="rid-rogue")
+            await client.prefill(_ref(rogue), endpoints.COMPLETIONS, body, request_id="rid-rogue")
         assert info.value.reason == "engine_unreachable"
         assert info.value.message == "engine rogue is unreachable (prefill)"
         assert rogue.get_records() == []

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from narwhal.engines import dialects
+from narwhal.engines import endpoints
 
 CASES: list[tuple[str, Any, tuple[int | None, int | None]]] = [
     ("/v1/completions", {"prompt_tokens": 90, "prompt_tokens_details": {"cached_tokens": 64}}, (90, 64)),
@@ -28,4 +28,4 @@ CASES: list[tuple[str, Any, tuple[int | None, int | None]]] = [
 def test_prompt_usage_in_each_endpoints_fields(
     endpoint: str, usage: Any, expected: tuple[int | None, int | None]
 ) -> None:
-    assert dialects.for_endpoint(endpoint).prompt_usage(usage) == expected
+    assert endpoints.BY_PATH[endpoint].dialect.prompt_usage(usage) == expected

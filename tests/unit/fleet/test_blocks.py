@@ -46,7 +46,8 @@ def test_keys_are_blake2b_chained_through_the_salt() -> None:
 def test_keys_are_computed_lazily_and_once() -> None:
     lazy = PrefixBlocks(TEXT * 4, 256, 65536)
     assert lazy.key(0) == PrefixBlocks(TEXT * 4, 256, 65536).keys()[0]
-    assert len(lazy.keys(1)) == 1  # only what was asked for
+    assert len(lazy.keys(1)) == 4  # a batch of 4 (TEXT * 4 has 9 blocks), not every block
+    assert len(lazy.keys(5)) == 5  # keys(n): exactly as far as asked
     assert lazy.keys() == PrefixBlocks(TEXT * 4, 256, 65536).keys()
     assert lazy.key(5) is lazy.keys()[5]
 

@@ -26,12 +26,19 @@ class FakeHoldings:
 
     def __init__(self, engines: int) -> None:
         self.held: list[Held | None] = [None] * engines
+        self.queued = [0] * engines  # this host's in-flight prefill work, in uncached characters
 
     def set(self, index: int, keys: list[int], rate: float | None = None, mean: float = 0.0) -> None:
         self.held[index] = Held(frozenset(keys), len(keys), None, 4.0, rate, mean, 1)
 
     def current(self) -> list[Held | None]:
         return self.held
+
+    def work(self) -> list[int]:
+        return self.queued
+
+    def add_work(self, engine: int, chars: int) -> None:
+        self.queued[engine] += chars
 
 
 def _build(seed: int = 0, **placement: Any) -> tuple[Placement, FakeHoldings, Readings, Clock, LocalInflight]:
@@ -115,20 +122,34 @@ def test_the_lookup_stops_at_the_first_block_nobody_holds() -> None:
     held = frozenset(PrefixBlocks(PREFIX, 256, 65536).keys()[:2])
     fresh = _blocks()
     assert matched_blocks(fresh, [held, frozenset()]) == [2, 0]
-    assert len(fresh.keys(0)) == 3  # blocks 0, 1 held, block 2 looked at: nothing beyond
+    assert len(fresh.keys(0)) == 4  # blocks 0, 1 held, block 2 looked at: one batch of 4, nothing beyond
     nobody = _blocks()
     assert matched_blocks(nobody, [frozenset(), frozenset()]) == [0, 0] and len(nobody.keys(0)) == 0
+    long = PrefixBlocks(PREFIX * 4, 256, 65536)  # 32 blocks, the first 8 held
+    assert matched_blocks(long, [held | frozenset(long.keys(8)), frozenset()]) == [8, 0]
+    assert len(long.keys(0)) == 16  # 4, 8, then 16 for block 8: never all 32
     assert blocks.count == 8
 
 
-def test_a_saturated_holder_is_chosen_only_when_every_producer_is() -> None:
+def test_saturation_sends_last_only_the_producers_that_would_compute_the_prompt() -> None:
     placement, holdings, readings, clock, _ = _build()
     blocks = _blocks()
     holder = _ranked(blocks)[-1]
     holdings.set(PRODUCERS.index(holder), blocks.keys())
+    # A scarce KV is always nearly full: a saturated holder shares its cached blocks and stays first.
     readings.set(**{holder: Reading(read_at=clock.now, kv_usage=0.99)})
     found = _place(placement, _blocks())
-    assert found.producer.name != holder and found.choice == "rendezvous"
+    assert (found.producer.name, found.choice) == (holder, "held")
+    found.release()
+    # A saturated producer that holds nothing of the prompt goes after the unsaturated ones.
+    other = _blocks("another tenant's prompt " * 40)
+    favourite = _ranked(other)[0]
+    found = _place(placement, other)
+    assert found.producer.name == favourite  # unsaturated: its rank decides
+    found.release()
+    readings.set(**{favourite: Reading(read_at=clock.now, kv_usage=0.99)})
+    found = _place(placement, other)
+    assert found.producer.name != favourite and found.choice == "rendezvous"
     found.release()
     readings.set(**{n: Reading(read_at=clock.now, kv_usage=0.99) for n in PRODUCERS})
     found = _place(placement, _blocks())
@@ -142,3 +163,25 @@ def test_a_prompt_without_a_full_block_is_placed_by_the_affinity_rule_or_load() 
     placement, *_ = _build()
     found = placement.try_place(MODEL, frozenset(), None, False, None)
     assert found is not None and found.choice == "least_loaded" and found.predicted_chars is None
+
+
+def test_this_hosts_prefills_in_flight_count_by_their_own_uncached_characters() -> None:
+    placement, holdings, *_ = _build()
+    blocks = _blocks()
+    holder, second = _ranked(blocks)[-1], _ranked(blocks)[0]
+    holdings.set(PRODUCERS.index(holder), blocks.keys(), mean=3000.0)
+    first = _place(placement, _blocks())
+    # Held: it computes only the prompt's tail, and that much is now queued there until the leg ends.
+    tail = len(blocks.text) - blocks.count * 256
+    assert (first.producer.name, first.work, first.queued_chars) == (holder, tail, 0)
+    assert holdings.queued[PRODUCERS.index(holder)] == tail
+    # Its own queued legs are cheap hits: a second one still goes there (the fleet's mean of
+    # 3,000 characters a request would have sent it away).
+    again = _place(placement, _blocks())
+    assert (again.producer.name, again.queued_chars) == (holder, tail)
+    # A real backlog there, over three times the prompt (a miss elsewhere counts its uncached
+    # characters three times on a full producer, held.eviction_weight): the idle favourite now.
+    holdings.queued[PRODUCERS.index(holder)] = 3 * len(blocks.text) + 1
+    assert _place(placement, _blocks()).producer.name == second
+    first.release_prefill()
+    assert holdings.queued[PRODUCERS.index(holder)] == 3 * len(blocks.text) + 1 - tail and first.work == 0

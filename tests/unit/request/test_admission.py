@@ -8,9 +8,10 @@ from typing import Any
 import orjson
 import pytest
 
+from narwhal.engines.endpoints import CHAT, COMPLETIONS, Endpoint
 from narwhal.errors import RequestError
 from narwhal.fleet import Fleet
-from narwhal.request.admission import CHAT, COMPLETIONS, parse
+from narwhal.request.admission import parse
 from narwhal.settings import load_settings
 
 FLEET_TOML = """
@@ -53,13 +54,13 @@ def completion_body(**extra: Any) -> dict[str, Any]:
     return {"model": "m", "prompt": "hi", **extra}
 
 
-def refused(raw: bytes, endpoint: str, fleet: Fleet) -> RequestError:
+def refused(raw: bytes, endpoint: Endpoint, fleet: Fleet) -> RequestError:
     with pytest.raises(RequestError) as info:
         parse(raw, endpoint, fleet)
     return info.value
 
 
-def assert_bad_request(raw: bytes, endpoint: str, fleet: Fleet, message: str) -> None:
+def assert_bad_request(raw: bytes, endpoint: Endpoint, fleet: Fleet, message: str) -> None:
     err = refused(raw, endpoint, fleet)
     assert (err.reason, err.status, err.message) == ("bad_request", 400, message)
 
@@ -189,7 +190,7 @@ def test_invalid_utf8(fleet: Fleet, raw: bytes) -> None:
 
 @pytest.mark.parametrize("raw", [b"[]", b'[{"model":"m"}]', b'"hello"', b"42", b"1.5", b"null", b"true"])
 @pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS])
-def test_not_an_object(fleet: Fleet, raw: bytes, endpoint: str) -> None:
+def test_not_an_object(fleet: Fleet, raw: bytes, endpoint: Endpoint) -> None:
     assert_bad_request(raw, endpoint, fleet, "the request body must be a JSON object")
 
 
@@ -255,7 +256,7 @@ PROMPT_MESSAGE = "'prompt' must be a string, a list of strings, a list of token 
         (COMPLETIONS, completion_body(stream_options="include_usage"), "'stream_options' must be an object"),
     ],
 )
-def test_wrong_types(fleet: Fleet, endpoint: str, body: dict[str, Any], message: str) -> None:
+def test_wrong_types(fleet: Fleet, endpoint: Endpoint, body: dict[str, Any], message: str) -> None:
     assert_bad_request(orjson.dumps(body), endpoint, fleet, message)
 
 
@@ -273,7 +274,7 @@ def test_wrong_types(fleet: Fleet, endpoint: str, body: dict[str, Any], message:
     ],
 )
 @pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS])
-def test_unsupported_parameters(fleet: Fleet, extra: dict[str, Any], message: str, endpoint: str) -> None:
+def test_unsupported_parameters(fleet: Fleet, extra: dict[str, Any], message: str, endpoint: Endpoint) -> None:
     body = chat_body(**extra) if endpoint == CHAT else completion_body(**extra)
     assert_bad_request(orjson.dumps(body), endpoint, fleet, message)
 
@@ -282,7 +283,7 @@ def test_unsupported_parameters(fleet: Fleet, extra: dict[str, Any], message: st
 
 
 @pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS])
-def test_unknown_model(fleet: Fleet, endpoint: str) -> None:
+def test_unknown_model(fleet: Fleet, endpoint: Endpoint) -> None:
     body = chat_body(model="gpt-17") if endpoint == CHAT else completion_body(model="gpt-17")
     err = refused(orjson.dumps(body), endpoint, fleet)
     assert (err.reason, err.status) == ("model_not_found", 404)

@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 
+from narwhal.engines import endpoints
+from narwhal.engines.endpoints import CHAT, COMPLETIONS
 from narwhal.fleet.placement.affinity import key_hash
-from narwhal.request import affinity
-from narwhal.request.admission import CHAT, COMPLETIONS
-from narwhal.request.affinity import placement_hints, prompt_head
+from narwhal.request.affinity import held_hints, placement_hints, prompt_head
 from narwhal.settings import PlacementSettings
 
 LONG = "You are a careful assistant who answers in French. " * 40  # ~2 KiB
@@ -52,7 +52,7 @@ def test_affinity_off_no_key_and_nothing_read(monkeypatch: pytest.MonkeyPatch) -
     def boom(*_: Any) -> None:
         raise AssertionError("the prompt was read")
 
-    monkeypatch.setattr(affinity, "prompt_head", boom)
+    monkeypatch.setattr(type(COMPLETIONS.dialect), "affinity_text", boom)
     assert placement_hints(COMPLETIONS, {"prompt": LONG}, _settings(prefix_affinity=False)) == (None, False)
     assert placement_hints(COMPLETIONS, {"prompt": LONG}, _settings(policy="least_loaded")) == (None, False)
 
@@ -65,8 +65,9 @@ def test_local_decode_below_local_prefill_chars() -> None:
     assert (key, local) == (key_hash("x" * 1024), False)
 
 
-def test_an_endpoint_without_an_extractor_has_no_key_and_no_local_decode() -> None:
-    assert placement_hints("/v1/other", {"prompt": LONG}, _settings(local_prefill_chars=10)) == (None, False)
+def test_an_endpoint_without_prompt_text_has_no_key_and_no_local_decode() -> None:
+    tokenize = endpoints.BY_PATH["/tokenize"]
+    assert placement_hints(tokenize, {"prompt": LONG}, _settings(local_prefill_chars=10)) == (None, False)
 
 
 @pytest.mark.parametrize(
@@ -79,6 +80,21 @@ def test_an_endpoint_without_an_extractor_has_no_key_and_no_local_decode() -> No
     ],
 )
 def test_the_other_pd_endpoints_key_on_their_dialects_text(endpoint: str, body: dict[str, Any], text: str) -> None:
-    key, local = placement_hints(endpoint, body, _settings())
+    registered = endpoints.BY_PATH[endpoint]
+    key, local = placement_hints(registered, body, _settings())
     assert (key, local) == (key_hash(text[:1024]), False)
-    assert placement_hints(endpoint, body, _settings(local_prefill_chars=len(text) + 1)) == (None, True)
+    assert placement_hints(registered, body, _settings(local_prefill_chars=len(text) + 1)) == (None, True)
+
+
+def test_held_hints_read_the_prompt_once_for_blocks_key_and_local() -> None:
+    completions = COMPLETIONS
+    key, local, blocks = held_hints(completions, {"prompt": LONG}, _settings())
+    assert (key, local) == (None, False) and blocks is not None  # blocks place it: no key needed
+    assert (blocks.count, blocks.cut, blocks.text) == (len(LONG) // 256, False, LONG)
+    medium = LONG[:100]  # under a block, over affinity_min_chars: the affinity rule's key
+    assert held_hints(completions, {"prompt": medium}, _settings()) == (key_hash(medium), False, None)
+    assert held_hints(completions, {"prompt": "hi"}, _settings()) == (None, False, None)
+    assert held_hints(completions, {"prompt": LONG}, _settings(local_prefill_chars=5000)) == (None, True, None)
+    cut = held_hints(completions, {"prompt": LONG}, _settings(max_prefix_chars=512))[2]
+    assert cut is not None and (cut.count, cut.cut, len(cut.text)) == (2, True, 513)
+    assert held_hints(endpoints.BY_PATH["/tokenize"], {"prompt": LONG}, _settings()) == (None, False, None)

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
+from narwhal.engines import endpoints
 from narwhal.engines.connector import PrefillResult
 from narwhal.errors import DeadlineExceeded, EngineError, NarwhalError
 from narwhal.fleet import Engine, Fleet
@@ -135,7 +136,7 @@ def _setup(engines: Engines, consumers: int = 1) -> tuple[Attempts, LocalFleetSt
 
 def _request(stream: bool = True) -> ClientRequest:
     deadline = asyncio.get_running_loop().time() + 30
-    return ClientRequest(endpoint="/v1/completions", body={"model": "m", "prompt": "x"}, model="m", stream=stream,
+    return ClientRequest(endpoint=endpoints.COMPLETIONS, body={"model": "m", "prompt": "x"}, model="m", stream=stream,
                          deadline=deadline, forward={})
 
 
@@ -149,7 +150,8 @@ async def test_a_stream_goes_out_in_order_and_reports_success_with_nothing_held(
     client = Client()
     rec = AccessRecord(request_id="c1", endpoint="/v1/completions")
     await attempts.run(client, _request(), rec, 0.0, frozenset())  # type: ignore[arg-type]
-    assert client.written == [b"data: t0\n\n", b"data: t1\n\ndata: [DONE]\n\n", b""]
+    # The terminal span ended the body itself: no empty end-of-body write after it.
+    assert client.written == [b"data: t0\n\n", b"data: t1\n\ndata: [DONE]\n\n"]
     assert reports.seen == [{"producer": "p0", "consumer": "d0", "ok": True, "reason": None,
                              "before_first_token": False}]
     assert (rec.producer, rec.consumer) == ("p0", "d0") and rec.first_byte_s is not None
@@ -260,7 +262,7 @@ async def test_a_local_decode_has_no_prefill_no_descriptor_and_reports_its_consu
     await attempts.run(Client(), _local(_request()), rec, 0.0, frozenset())  # type: ignore[arg-type]
     assert engines.prefills == 0
     (result,) = engines.decoded
-    assert (result.descriptor, result.crossed, result.endpoint) == (None, False, "/v1/completions")
+    assert (result.descriptor, result.crossed, result.endpoint) == (None, False, endpoints.COMPLETIONS)
     assert (rec.mode, rec.producer, rec.consumer, rec.ttft_s) == ("local", None, "d0", None)
     assert reports.seen == [{"producer": "d0", "consumer": "d0", "ok": True, "reason": None,
                              "before_first_token": False}]
@@ -364,7 +366,7 @@ async def test_a_malformed_descriptor_from_an_abandoned_prefill_goes_nowhere() -
     resv = attempts.placement.try_place("m")
     assert resv is not None
     before = _handoff_counts()
-    rest = engines.prefill(resv.producer, "/v1/completions", {})
+    rest = engines.prefill(resv.producer, endpoints.COMPLETIONS, {})
     await attempts._finish_abandoned_prefill(rest, _request(), resv)
     assert engines.releases == [] and _delta(before) == (0, 1) and _held(state) == ([0, 0, 0], [0, 0, 0])
 
@@ -383,6 +385,6 @@ async def test_an_abandoned_prefill_releases_its_handoff_to_the_chosen_consumer_
         return await release(*args, **kw)
 
     engines.release = watched  # type: ignore[method-assign]
-    rest = engines.prefill(resv.producer, "/v1/completions", {})
+    rest = engines.prefill(resv.producer, endpoints.COMPLETIONS, {})
     await attempts._finish_abandoned_prefill(rest, _request(), resv)
     assert engines.releases == [resv.consumer.name] and held_during == [([0, 0, 0], [0, 0, 0])]

@@ -97,3 +97,24 @@ def test_the_region_is_inherited_across_fork() -> None:
     os.waitpid(pid, 0)
     held = h.read(1, P0)
     assert held is not None and held.keys == frozenset({42})
+
+
+def test_prefill_work_in_flight_is_summed_over_workers_and_cleared_with_a_dead_slot() -> None:
+    h = _region()
+    one, two = WorkerHoldings(h, [P0, 0], slot=0), WorkerHoldings(h, [P0, 0], slot=1)
+    one.add_work(0, 300)
+    two.add_work(0, 200)
+    two.add_work(1, 50)
+    assert one.work() == [500, 50]
+    one.add_work(0, -300)
+    assert two.work() == [200, 50]
+    h.skip(1)  # its worker died
+    assert one.work() == [0, 0]
+
+
+def test_a_report_carries_when_it_finished_for_the_merge_across_workers() -> None:
+    h = _region()
+    WorkerHoldings(h, [P0, 0], slot=1).report_prefill(0, None, 10, None, None, 0.0, [], 0, at=12.5)
+    WorkerHoldings(h, [P0, 0], slot=0).report_prefill(0, None, 11, None, None, 0.0, [], 0, at=12.25)
+    merged = sorted(h.drain(0) + h.drain(1), key=lambda r: r.at)
+    assert [(r.prompt_chars, r.at) for r in merged] == [(11, 12.25), (10, 12.5)]

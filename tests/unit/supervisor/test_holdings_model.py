@@ -32,9 +32,9 @@ def _held(model: HoldingsModel, index: int = 0) -> list[int]:
 def test_what_was_sent_is_held_and_a_repeat_that_hits_is_exact() -> None:
     m = _model()
     assert m.apply(_rep([1, 2, 3], cached=0)) == "exact"  # predicted 0, held 0
-    assert _held(m) == [1, 2, 3]
+    assert _held(m) == [3, 2, 1]  # least recently used first: the head is the most recent (vLLM frees tails first)
     assert m.apply(_rep([1, 2, 3, 4], cached=3 * 64)) == "exact"  # 3 blocks of 64 tokens at 4 chars
-    assert _held(m) == [1, 2, 3, 4]
+    assert _held(m) == [4, 3, 2, 1]
 
 
 def test_fewer_cached_than_predicted_is_over_and_forgets_what_lru_evicted_first() -> None:
@@ -42,15 +42,15 @@ def test_fewer_cached_than_predicted_is_over_and_forgets_what_lru_evicted_first(
     m.apply(_rep([10, 11], cached=0))  # the oldest
     m.apply(_rep([1, 2, 3, 4], cached=0))
     assert m.apply(_rep([1, 2, 3, 4], cached=64)) == "over"  # held 1 of 4 predicted
-    # Block 2 was evicted: so was everything less recently used than it (10, 11 and 1), and the
+    # Block 2 was evicted: so was everything less recently used than it (11, 10, 4, 3), and the
     # prefill put 1-4 back as the most recent.
-    assert _held(m) == [1, 2, 3, 4]
+    assert _held(m) == [4, 3, 2, 1]
 
 
 def test_more_cached_than_predicted_is_under_and_adds_what_another_replica_put_there() -> None:
     m = _model()
     assert m.apply(_rep([1, 2, 3, 4], cached=4 * 64 - 16)) == "under"  # 3 blocks held unknown to us
-    assert _held(m) == [1, 2, 3, 4]
+    assert _held(m) == [4, 3, 2, 1]
 
 
 def test_a_new_engine_id_drops_the_holdings() -> None:
@@ -66,14 +66,14 @@ def test_a_full_table_forgets_the_oldest_keys_without_an_error() -> None:
     m = _model(room=4)
     m.apply(_rep([1, 2, 3], cached=0))
     m.apply(_rep([7, 8, 9], cached=0))
-    assert _held(m) == [3, 7, 8, 9]
+    assert _held(m) == [1, 9, 8, 7]
 
 
 def test_capacity_bounds_the_holdings_in_our_blocks() -> None:
     m = _model()
     m.apply(_rep(list(range(1, 11)), cached=0))  # 10 blocks at 4 characters a token
     m.set_capacity(0, 16 * 24)  # 384 tokens = 1536 characters = 6 blocks of 256
-    assert _held(m) == [5, 6, 7, 8, 9, 10]
+    assert _held(m) == [6, 5, 4, 3, 2, 1]  # the prompt's tail forgotten first, as vLLM evicts it
     p = m.producers[0]
     assert p is not None and m.capacity_blocks(p) == 6
     m.set_capacity(0, None)  # no longer said: bounded by the room alone
@@ -97,6 +97,12 @@ def test_the_prefill_rate_is_learned_from_uncached_characters_and_durations() ->
     m.apply(_rep([1, 2, 3, 4], cached=4 * 64 - 16, chars=1024, tokens=256, duration=0.001))  # 64 chars: no sample
     assert p.rate == 102_400.0
     assert m.fleet_rate() == 102_400.0
+    # Placed behind queued work: its wait was the queue's, not the engine's speed.
+    m.apply(PrefillReport(0, P0, 11, 1024, 256, 0, 0.5, (1, 2, 3, 4), queued_chars=2048))
+    assert p.rate == 102_400.0
+    # A ratio of means: a long prefill weighs more than a short one.
+    m.apply(_rep([9] * 8, cached=0, chars=2048, tokens=512, duration=0.01))
+    assert p.rate == (1024 + 0.2 * 1024) / 0.01
 
 
 def test_publish_writes_changed_sections_most_recent_first() -> None:
@@ -131,3 +137,27 @@ def test_silence_means_nothing_cached_once_the_producer_has_reported_cached_toke
     assert m.apply(_rep([1, 2], cached=None)) is None  # never reported: maybe not enabled, not judged
     assert m.apply(_rep([1, 2], cached=2 * 64)) == "exact"
     assert m.apply(_rep([1, 2], cached=None)) == "over"  # it reports: no details is 0 cached
+
+
+def test_a_restarted_supervisor_starts_from_the_published_holdings() -> None:
+    region = Holdings.create(HoldingsLayout(sections=3, keys=8, slots=1))
+    first = _model()
+    first.apply(_rep([1, 2, 3], cached=0))
+    first.publish(region, 1.0)
+    seq = region.section_seq(0)
+    second = _model()
+    second.restore(region)
+    assert _held(second) == [3, 2, 1] and second.producers[0].engine_id == 11  # type: ignore[union-attr]
+    second.publish(region, 2.0)  # nothing changed: the section is not rewritten empty
+    assert region.section_seq(0) == seq
+    assert second.apply(_rep([1, 2, 3, 4], cached=3 * 64)) == "exact"
+
+
+def test_a_prefill_that_started_before_the_prefix_was_computed_is_no_eviction() -> None:
+    m = _model()
+    m.apply(PrefillReport(0, P0, 11, 808, 202, 0, 0.05, (1, 2, 3), 0, at=10.0))  # computed 9.95-10.0
+    # Placed together with it (started at 9.96): it could not hit blocks still being computed.
+    assert m.apply(PrefillReport(0, P0, 11, 808, 202, 0, 0.05, (1, 2, 3), 0, at=10.01)) == "exact"
+    assert _held(m) == [3, 2, 1]
+    # Started after they were done: they should have hit; none did, so they were evicted.
+    assert m.apply(PrefillReport(0, P0, 11, 808, 202, 0, 0.05, (1, 2, 3), 0, at=10.2)) == "over"
