@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from narwhal.testing.harness import FakeFleet, RouterProcess, http_get
+from narwhal.testing.harness import DeadEngine, FakeFleet, RouterProcess, http_get
 from tests.real_gunicorn.support import (
     TOKEN,
     admin,
@@ -292,3 +292,23 @@ async def test_a_vanished_engine_drains_its_streams_before_it_is_forgotten(fleet
         assert "engine d1 at " + fleet.engines["d1"] + " drained and forgotten" in router.log_text()
     finally:
         router.stop()
+
+
+async def test_a_new_engine_failing_its_checks_stays_probing_and_takes_no_request(
+    fleet: FakeFleet, tmp_path: Path
+) -> None:
+    dead = DeadEngine(refusing=True)
+    engines_file = tmp_path / "engines.toml"
+    write_engines(engines_file, [{"name": "gone", "url": dead.url, "role": "consumer"}])
+    router = discovering_router(fleet, tmp_path, engines_file)
+    try:
+        await wait_listed(router, "gone", "probing")
+        wait_until(lambda: "probe of gone (lifecycle): fail: health: " in router.log_text(), 10, "its check failed")
+        wait_until(lambda: value(scrape(router), "narwhal_discovery_engines", source="file", state="probing") == 1,
+                   5, "counted as probing")
+        for _ in range(6):  # every request goes to d0 meanwhile
+            assert (await send(router.url, "/v1/completions", completion(unique_prompt()))).status == 200
+        assert (await names(router))["gone"] == "probing"  # never ejected: it never served
+    finally:
+        router.stop()
+        dead.close()
