@@ -18,14 +18,16 @@ from typing import Any
 import aiohttp
 import pytest
 
-from narwhal.testing.harness import DeadEngine, FakeFleet, RouterProcess, http_get
+from narwhal.testing.harness import DeadEngine, FakeFleet, RouterProcess
 from tests.real_gunicorn.support import (
+    AUTH,
     TOKEN,
     admin,
     completion,
     records,
     scrape,
     send,
+    sessions_per_worker,
     start_router,
     unique_prompt,
     value,
@@ -37,6 +39,7 @@ pytestmark = pytest.mark.timeout(120)
 
 ROOT = Path(__file__).resolve().parents[2]
 STATIC = [{"name": "p0", "role": "producer"}, {"name": "d0", "role": "consumer"}]
+WORKERS = 2
 
 
 def write_engines(path: Path, entries: list[dict[str, Any]]) -> None:
@@ -54,7 +57,7 @@ def entry(fleet: FakeFleet, name: str, role: str) -> dict[str, str]:
 
 
 def discovering_router(fleet: FakeFleet, tmp: Path, engines_file: Path, **discovery: Any) -> RouterProcess:
-    return start_router(fleet, [dict(e) for e in STATIC], tmp, server={"workers": 2, "admin_token": TOKEN},
+    return start_router(fleet, [dict(e) for e in STATIC], tmp, server={"workers": WORKERS, "admin_token": TOKEN},
                         discovery={"file": str(engines_file), "interval_s": 0.2, **discovery},
                         log={"level": "info"})
 
@@ -63,25 +66,52 @@ async def names(router: RouterProcess) -> dict[str, str]:
     return {e["name"]: e["state"] for e in (await admin(router))["engines"]}
 
 
+async def views(router: RouterProcess) -> list[dict[str, str]]:
+    """Each worker's /admin/engines, by name: a worker takes a change up within
+    ``roster_follow.FOLLOW_S`` of another, so a wait ends only when every worker shows it."""
+    async with sessions_per_worker(router, WORKERS) as sessions:
+        out = []
+        for session in sessions.values():
+            async with session.get(router.url + "/admin/engines", headers=AUTH) as resp:
+                assert resp.status == 200, await resp.text()
+                out.append({e["name"]: e["state"] for e in (await resp.json())["engines"]})
+        return out
+
+
 async def wait_listed(router: RouterProcess, name: str, state: str, timeout: float = 20) -> None:
-    """Until ``name`` is in /admin/engines in ``state`` (absent at first: it is discovered)."""
+    """Until ``name`` is in every worker's /admin/engines in ``state`` (absent at first: it is discovered)."""
     end = asyncio.get_running_loop().time() + timeout
-    seen: dict[str, str] = {}
+    seen: list[dict[str, str]] = []
     while asyncio.get_running_loop().time() < end:
-        seen = await names(router)
-        if seen.get(name) == state:
+        seen = await views(router)
+        if all(view.get(name) == state for view in seen):
             return
         await asyncio.sleep(0.05)
-    raise AssertionError(f"{name} never {state} in /admin/engines: {seen}")
+    raise AssertionError(f"{name} never {state} in every worker's /admin/engines: {seen}")
+
+
+async def wait_ready_everywhere(router: RouterProcess, timeout: float = 10) -> None:
+    """Until every worker answers /ready 200 (each reads a new engine's models after taking it up)."""
+    end = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < end:
+        async with sessions_per_worker(router, WORKERS) as sessions:
+            statuses = []
+            for session in sessions.values():
+                async with session.get(router.url + "/ready") as resp:
+                    statuses.append(resp.status)
+        if statuses == [200] * WORKERS:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"not every worker ready: {statuses}")
 
 
 async def wait_gone(router: RouterProcess, name: str, timeout: float = 20) -> None:
     end = asyncio.get_running_loop().time() + timeout
     while asyncio.get_running_loop().time() < end:
-        if name not in await names(router):
+        if all(name not in view for view in await views(router)):
             return
         await asyncio.sleep(0.05)
-    raise AssertionError(f"{name} still in /admin/engines: {await names(router)}")
+    raise AssertionError(f"{name} still in some worker's /admin/engines: {await views(router)}")
 
 
 async def served_by(router: RouterProcess, fleet: FakeFleet, name: str, timeout: float = 15) -> None:
@@ -228,7 +258,7 @@ async def test_dns_a_records_are_engines_and_a_dns_server_gone_keeps_the_last_go
     try:
         with dns_server(records) as (dns_port, proc):
             router = start_router(
-                fleet, [dict(e) for e in STATIC], tmp_path, server={"workers": 2, "admin_token": TOKEN},
+                fleet, [dict(e) for e in STATIC], tmp_path, server={"workers": WORKERS, "admin_token": TOKEN},
                 log={"level": "info"},
                 discovery={"interval_s": 0.2, "resolver": f"127.0.0.1:{dns_port}",
                            "dns": [{"name": "vllm-decode.test", "port": port, "role": "consumer"}]})
@@ -278,7 +308,7 @@ async def test_a_vanished_engine_drains_its_streams_before_it_is_forgotten(fleet
         await wait_listed(router, "d1", "admitted")
         await admin(router, "POST", "/admin/engines/d0/eject")  # every decode goes to d1 now
         # Each worker reads d1's models within a second of taking it up: until then, 503.
-        wait_until(lambda: all(http_get(router.url + "/ready")[0] == 200 for _ in range(6)), 10, "d1 ready")
+        await wait_ready_everywhere(router)
         async with aiohttp.ClientSession() as session:
             body = completion(unique_prompt(), max_tokens=30, fake={"decode": {"token_delay_s": 0.1}})
             async with session.post(router.url + "/v1/completions", json=body) as resp:
