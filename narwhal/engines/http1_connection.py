@@ -317,13 +317,7 @@ class Connection(asyncio.Protocol):
             if self.complete:
                 return b""
             await self._wait()
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        chunks.clear()
-        self._buffered = 0
-        if self._paused and self.transport is not None:
-            self._paused = False
-            self.transport.resume_reading()
-        return data
+        return self.read_now()
 
     async def read_all(self) -> bytes:
         """The rest of the body, whole."""

@@ -299,6 +299,7 @@ def process_title(pid: int) -> str:
         return ""
 
 
+from narwhal.front.admin import children_of  # noqa: E402  (the master's children, as admin counts them)
 from narwhal.supervisor.process import TITLE as SUPERVISOR_TITLE  # noqa: E402
 
 
@@ -318,12 +319,6 @@ def router_roles(master: int) -> dict[str, list[int]]:
     return roles
 
 
-def children_of(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except OSError:
-        return []
 
 
 def stop_gunicorn(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
