@@ -18,19 +18,17 @@ engine that serves the model answers them. Which one, and why:
   however the request ends.
 * admission as placement's (:mod:`narwhal.fleet.placement`): engines out (ejected, probing,
   draining) never; quarantined ones only when no other can take it, the one whose quarantine
-  ends first first. Waiting for a free slot is bounded by ``placement.queue_timeout_s`` and the
-  deadline, at most ``placement.max_queue`` waiting; then 503 ``no_engine``.
+  ends first first. Pure: :meth:`SingleEngine.try_reserve` reserves now or says no; the bounded
+  wait for a free slot (``placement.queue_timeout_s``, ``placement.max_queue``, then 503
+  ``no_engine``) awaits, and lives in ``narwhal.request.slot_wait``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import random
 from collections.abc import Callable, Sequence
 
-from narwhal.errors import PlacementError
 from narwhal.fleet.placement import PhaseName, Placement
-from narwhal.fleet.placement.wait import Queue
 from narwhal.fleet.roster import Engine
 
 
@@ -96,7 +94,6 @@ class SingleEngine:
     def __init__(self, placement: Placement, rng: random.Random | None = None) -> None:
         self.placement = placement
         self._rng = rng or random.Random()
-        self.queue = Queue()  # passthrough requests waiting for an engine on this worker
         self._by_model: dict[str, tuple[Engine, ...]] = {}
         self._version = -1
 
@@ -126,19 +123,3 @@ class SingleEngine:
             if placement.inflight.try_reserve(engine, phase, cap):
                 return EngineSlot(placement, engine, phase)
         return None
-
-    async def reserve(self, model: str, deadline: float) -> EngineSlot:
-        """A slot now, or after a bounded wait; ``no_engine`` when none frees in time."""
-        found = self.try_reserve(model)
-        if found is not None:
-            return found
-        settings = self.placement.settings
-        retry_after = settings.retry_after_s
-        if not any(self.placement.view.placeable(e) for e in self._serving(model)):
-            raise PlacementError(
-                f"no engine available for model {model!r}: every engine serving it is out", retry_after_s=retry_after
-            )
-        self.queue.refuse_if_full(settings.max_queue, retry_after)
-        give_up = min(asyncio.get_running_loop().time() + settings.queue_timeout_s, deadline)
-        # Polled: a passthrough waiter is not among the pair waiters a release wakes.
-        return await self.queue.wait_for(lambda: self.try_reserve(model), asyncio.sleep, give_up, model, retry_after)

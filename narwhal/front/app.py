@@ -35,7 +35,6 @@ from narwhal.engines.control import ControlClient, open_session
 from narwhal.engines.endpoints import BY_PATH, ENDPOINTS, Endpoint
 from narwhal.errors import NarwhalError, RequestError
 from narwhal.fleet import Fleet
-from narwhal.fleet.placement import Placement
 from narwhal.front import roster_follow
 from narwhal.front.accept import BalancedSite, ConnectionShare, take_listeners
 from narwhal.front.admin import add_admin_routes
@@ -46,6 +45,7 @@ from narwhal.request.admission import check_api_key
 from narwhal.request.ids import client_request_id
 from narwhal.request.outcomes import Outcomes
 from narwhal.request.router import Router, error_response
+from narwhal.request.slot_wait import WaitingPlacement
 from narwhal.settings import Settings, current_or_load
 from narwhal.shm.holdings import WorkerHoldings, identity
 from narwhal.shm.local import LocalFleetState
@@ -273,7 +273,7 @@ async def _startup(app: web.Application) -> None:
     fleet, state, follower = roster_follow.fleet_and_state(settings, worker_state)  # with [discovery]: the table's
     loads = state if isinstance(state, WorkerFleetState) else None  # engine reports come from the supervisor
     holdings = worker_holdings(fleet, state)
-    placement = Placement(fleet, state, state, settings.placement, loads=loads, holdings=holdings)
+    placement = WaitingPlacement(fleet, state, state, settings.placement, loads=loads, holdings=holdings)
     outcomes = Outcomes(fleet, state, settings.recovery.failure_quarantine_s, prefills=holdings)
     parts = (settings, fleet, placement, EngineClient.for_settings(settings.engine), outcomes, state,
              AccessLog(settings.log.access_log))

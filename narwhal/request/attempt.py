@@ -39,13 +39,14 @@ from narwhal.engines.decode import DecodeLeg
 from narwhal.engines.relay import Sink
 from narwhal.errors import EngineError, NarwhalError
 from narwhal.fleet import Engine
-from narwhal.fleet.placement import Placement, Reservation
+from narwhal.fleet.placement import Reservation
 from narwhal.reasons import Reason
 from narwhal.request.accesslog import AccessRecord
 from narwhal.request.admission import ClientRequest
 from narwhal.request.client_stream import ClientStream
 from narwhal.request.ids import backend_id
 from narwhal.request.outcomes import Outcomes
+from narwhal.request.slot_wait import WaitingPlacement as Placement
 from narwhal.request.usage import UsageTap, completion_tokens, wants_usage
 from narwhal.settings import Settings
 

@@ -28,8 +28,6 @@ from aiohttp import web
 from narwhal.engines.client import EngineClient
 from narwhal.errors import EngineError
 from narwhal.fleet import Fleet
-from narwhal.fleet.passthrough import SingleEngine
-from narwhal.fleet.placement import Placement
 from narwhal.request.accesslog import AccessRecord
 from narwhal.request.admission import (
     check_api_key,
@@ -41,6 +39,7 @@ from narwhal.request.admission import (
 )
 from narwhal.request.ids import new_id
 from narwhal.request.outcomes import Outcomes
+from narwhal.request.slot_wait import WaitingEngine, WaitingPlacement
 from narwhal.settings import Settings
 
 MODE = "passthrough"  # the access log's "mode" for these routes
@@ -56,13 +55,13 @@ def parse_body(raw: bytes, fleet: Fleet) -> tuple[dict[str, Any], str]:
 
 class Passthrough:
     def __init__(
-        self, settings: Settings, fleet: Fleet, placement: Placement, client: EngineClient, outcomes: Outcomes
+        self, settings: Settings, fleet: Fleet, placement: WaitingPlacement, client: EngineClient, outcomes: Outcomes
     ) -> None:
         self.settings = settings
         self.fleet = fleet
         self.client = client
         self.outcomes = outcomes
-        self.engines = SingleEngine(placement)
+        self.engines = WaitingEngine(placement)
 
     async def serve(
         self, request: web.Request, endpoint: str, rec: AccessRecord, arrival: float, started: float

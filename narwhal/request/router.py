@@ -32,7 +32,6 @@ from narwhal.engines.client import EngineClient
 from narwhal.engines.endpoints import Endpoint
 from narwhal.errors import EngineError, NarwhalError
 from narwhal.fleet import Fleet
-from narwhal.fleet.placement import Placement
 from narwhal.reasons import Reason, retryable
 from narwhal.request.accesslog import AccessLog, AccessRecord
 from narwhal.request.admission import ClientRequest, admit, embed_prompt
@@ -42,6 +41,7 @@ from narwhal.request.client_stream import ClientStream
 from narwhal.request.ids import client_request_id, trace_id_of
 from narwhal.request.outcomes import Outcomes
 from narwhal.request.passthrough import Passthrough
+from narwhal.request.slot_wait import WaitingPlacement
 from narwhal.settings import Settings
 
 log = logging.getLogger("narwhal.request.router")
@@ -70,7 +70,7 @@ class Router:
         self,
         settings: Settings,
         fleet: Fleet,
-        placement: Placement,
+        placement: WaitingPlacement,
         client: EngineClient,
         outcomes: Outcomes,
         state: WorkerState,

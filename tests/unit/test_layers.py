@@ -70,3 +70,29 @@ def test_imports_point_down() -> None:
 def test_the_check_sees_an_upward_import() -> None:
     assert _layer("narwhal.engines.client") > _layer("narwhal.request.router")
     assert _layer("narwhal.fleet.placement") > _layer("narwhal.shm.worker")
+
+
+
+def _awaits(source: str) -> list[int]:
+    """Lines of ``source`` that await, define a coroutine or import asyncio."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        is_async = isinstance(node, ast.AsyncFunctionDef | ast.Await | ast.AsyncFor | ast.AsyncWith)
+        imports_asyncio = (isinstance(node, ast.Import) and any(a.name == "asyncio" for a in node.names)) or (
+            isinstance(node, ast.ImportFrom) and node.module == "asyncio")
+        if is_async or imports_asyncio:
+            found.append(node.lineno)  # type: ignore[attr-defined]
+    return found
+
+
+def test_fleet_is_pure_it_never_awaits() -> None:
+    # Decisions take time and state as arguments; whatever waits (the bounded wait for a slot)
+    # lives in the request layer (narwhal/request/slot_wait.py).
+    awaiting = [f"{_module(p)}:{line}" for p in (ROOT / "fleet").rglob("*.py") for line in _awaits(p.read_text())]
+    assert awaiting == []
+
+
+def test_the_purity_check_sees_an_await() -> None:
+    assert _awaits("import asyncio\nasync def f():\n    await g()\n") == [1, 2, 3]
+    assert _awaits("from asyncio import sleep\ndef f():\n    return 1\n") == [1]
+    assert _awaits((ROOT / "request" / "slot_wait.py").read_text())  # what moved out of fleet/ awaits

@@ -25,25 +25,23 @@ the producer's permitted consumers; saturated engines last; ties at random. A lo
 (:meth:`Placement.reserve` with ``local``) reserves a consumer only. With
 ``load_interval_s = 0`` and no key, this is exactly the least-in-flight choice of before.
 
-A request waits for a pair up to ``placement.queue_timeout_s`` (and never past its deadline),
-with at most ``placement.max_queue`` requests waiting on this worker; then 503 ``no_engine``.
+Pure: :meth:`Placement.try_place` reserves a pair now or says no. The bounded wait for a pair
+(``placement.queue_timeout_s``, never past the deadline, at most ``placement.max_queue``
+waiting, then 503 ``no_engine``) awaits, and lives in ``narwhal.request.slot_wait``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import random
 import time
 from collections.abc import Callable
 from typing import Any
 
-from narwhal.errors import PlacementError
 from narwhal.fleet import Engine, Fleet, FleetView
 from narwhal.fleet.placement import affinity, held, least_loaded
 from narwhal.fleet.placement.blocks import PrefixBlocks
 from narwhal.fleet.placement.load import LoadCache, Loads, LoadSource
 from narwhal.fleet.placement.reservation import InflightCounts, PhaseName, Reservation
-from narwhal.fleet.placement.wait import Queue
 from narwhal.settings import PlacementSettings
 
 Candidate = tuple[Engine, tuple[Engine, ...]]  # a producer and its permitted consumers
@@ -74,8 +72,6 @@ class Placement:
         self.inflight = inflight
         self.settings = settings
         self._rng = rng or random.Random()
-        self._freed = asyncio.Event()
-        self.queue = Queue()  # requests waiting for a pair on this worker
         self._by_model: dict[str, tuple[Candidate, ...]] = {}
         self._consumers_by_model: dict[str, tuple[Engine, ...]] = {}
         self._version = -1
@@ -345,45 +341,14 @@ class Placement:
             found = self.try_place(model, frozenset(), key, local, blocks)
         return found
 
-    async def reserve(
-        self, model: str, deadline: float, avoid: frozenset[str] = frozenset(), key: int | None = None,
-        local: bool = False, blocks: PrefixBlocks | None = None,
-    ) -> Reservation:
-        """Wait (bounded) for a pair; raise ``no_engine`` when none frees in time."""
-        found = self._place(model, avoid, key, local, blocks)
-        if found is not None:
-            return found
-        loop = asyncio.get_running_loop()
-        retry_after = self.settings.retry_after_s
-        self.queue.refuse_if_full(self.settings.max_queue, retry_after)
-        if not self._servable(model, local):
-            raise PlacementError(
-                f"no engine available for model {model!r}: every engine serving it is out",
-                retry_after_s=retry_after,
-            )
-        give_up = min(loop.time() + self.settings.queue_timeout_s, deadline)
-        return await self.queue.wait_for(
-            lambda: self._place(model, avoid, key, local, blocks), self._until_freed, give_up, model, retry_after
-        )
-
-    async def _until_freed(self, at_most_s: float) -> None:
-        """Until a slot of this worker is released, or ``at_most_s``."""
-        try:
-            async with asyncio.timeout(at_most_s):
-                await self._freed.wait()
-        except TimeoutError:
-            pass
-
     def release_work(self, engine: Engine, chars: int) -> None:
         """A held prefill leg ended: its uncached characters are no longer queued there."""
         if self.holdings is not None:
             self.holdings.add_work(engine.index, -chars)
 
     def _release(self, engine: Engine, phase: PhaseName) -> None:
+        """A slot of this worker is free again (``narwhal.request.slot_wait`` wakes its waiters)."""
         self.inflight.release(engine, phase)
-        if self.queue.waiting:  # a fresh Event per release costs, and only waiters need one
-            freed, self._freed = self._freed, asyncio.Event()
-            freed.set()
 
 
 def _saturated(position: int, producer: Engine) -> str:

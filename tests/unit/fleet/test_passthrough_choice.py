@@ -10,8 +10,9 @@ import pytest
 
 from narwhal.errors import PlacementError
 from narwhal.fleet import Engine, Fleet
-from narwhal.fleet.passthrough import SingleEngine, choose, serving_phase
+from narwhal.fleet.passthrough import choose, serving_phase
 from narwhal.fleet.placement import Placement
+from narwhal.request.slot_wait import WaitingEngine
 from narwhal.settings import Settings
 from narwhal.shm.local import LocalFleetState
 
@@ -23,11 +24,11 @@ def _fleet(*engines: dict[str, Any]) -> Fleet:
     return Fleet(Settings(engines=specs, placement={"queue_timeout_s": 0.2}))
 
 
-def _single(*engines: dict[str, Any]) -> tuple[SingleEngine, LocalFleetState, Fleet]:
+def _single(*engines: dict[str, Any]) -> tuple[WaitingEngine, LocalFleetState, Fleet]:
     fleet = _fleet(*engines)
     state = LocalFleetState(fleet)
     placement = Placement(fleet, state, state, Settings(placement={"queue_timeout_s": 0.2}).placement)
-    return SingleEngine(placement, random.Random(0)), state, fleet
+    return WaitingEngine(placement, random.Random(0)), state, fleet
 
 
 FOUR = ({"name": "p0", "role": "producer"}, {"name": "p1", "role": "producer"},

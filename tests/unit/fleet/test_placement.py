@@ -18,6 +18,7 @@ import pytest
 from narwhal.errors import PlacementError
 from narwhal.fleet import Engine, Fleet
 from narwhal.fleet.placement import LocalInflight, Placement, Reservation
+from narwhal.request.slot_wait import WaitingPlacement
 from narwhal.settings import Settings
 from narwhal.shm.local import LocalFleetState
 from narwhal.shm.records import EngineRecord, write_record
@@ -57,14 +58,14 @@ def _settings(*engines: dict[str, Any]) -> Settings:
     return Settings(engines=specs)
 
 
-def _placement(*engines: dict[str, Any], seed: int = 0) -> tuple[Placement, FakeView, LocalInflight]:
+def _placement(*engines: dict[str, Any], seed: int = 0) -> tuple[WaitingPlacement, FakeView, LocalInflight]:
     settings = _settings(*engines)
     fleet = Fleet(settings)
     view, inflight = FakeView(), LocalInflight(len(fleet.engines))
-    return Placement(fleet, view, inflight, settings.placement, random.Random(seed)), view, inflight
+    return WaitingPlacement(fleet, view, inflight, settings.placement, random.Random(seed)), view, inflight
 
 
-def _two_by_two(**consumer: Any) -> tuple[Placement, FakeView, LocalInflight]:
+def _two_by_two(**consumer: Any) -> tuple[WaitingPlacement, FakeView, LocalInflight]:
     return _placement({"name": "p0", "role": "producer"}, {"name": "p1", "role": "producer"},
                       {"name": "d0", "role": "consumer", **consumer}, {"name": "d1", "role": "consumer", **consumer})
 

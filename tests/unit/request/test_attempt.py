@@ -15,11 +15,11 @@ from narwhal.engines import endpoints
 from narwhal.engines.connector import PrefillResult
 from narwhal.errors import DeadlineExceeded, EngineError, NarwhalError
 from narwhal.fleet import Engine, Fleet
-from narwhal.fleet.placement import Placement
 from narwhal.request.accesslog import AccessRecord
 from narwhal.request.admission import ClientRequest
 from narwhal.request.attempt import Attempts
 from narwhal.request.outcomes import Outcomes
+from narwhal.request.slot_wait import WaitingPlacement
 from narwhal.settings import Settings
 from narwhal.shm.local import LocalFleetState
 
@@ -129,7 +129,7 @@ def _setup(engines: Engines, consumers: int = 1) -> tuple[Attempts, LocalFleetSt
     state = LocalFleetState(fleet)
     reports = Reports()
     spawned: list[Any] = []
-    attempts = Attempts(settings, Placement(fleet, state, state, settings.placement), engines,  # type: ignore[arg-type]
+    attempts = Attempts(settings, WaitingPlacement(fleet, state, state, settings.placement), engines,  # type: ignore[arg-type]
                         Outcomes(fleet, reports, 0), spawned.append)
     return attempts, state, reports, spawned
 
