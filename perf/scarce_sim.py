@@ -253,13 +253,25 @@ def _settings(policy: str) -> Settings:
                 for i in range(CONSUMERS)]
     return Settings(engines=engines, placement={"policy": policy})
 
+def _summary(row: str, edges: list[list[tuple[int, int, int]]], tally: Tally, duration_s: float) -> dict[str, Any]:
+    """The window's figures: producers' counters at its two edges, and what the users measured."""
+    deltas = [tuple(b - a for a, b in zip(x, y, strict=True)) for x, y in zip(edges[0], edges[1], strict=True)]
+    queried = sum(d[1] for d in deltas)
+    ttft = sorted(tally.ttft)
+    return {
+        "row": row,
+        "cached_share": round(sum(d[2] for d in deltas) / queried, 3) if queried else None,
+        "ttft_ms_p50": round(1000 * ttft[len(ttft) // 2], 1) if ttft else None,
+        "ttft_ms_p99": round(1000 * ttft[int(len(ttft) * 0.99)], 1) if ttft else None,
+        "rps": round(tally.requests / duration_s, 1),
+        "prefills": [d[0] for d in deltas],
+    }
 
-def simulate(variant: Variant, row: str, seed: int = 0, warmup_s: float = 1.0, duration_s: float = 3.0,
-             concurrency: int = 32, delays: PathDelays = PathDelays()) -> dict[str, Any]:
-    """One row of one variant from cold caches: cached share, producer time p50/p99 (ms), prefills per producer."""
-    loop = Loop()
-    policy = "held" if row == "held-2-replicas" else row if row != "ideal" else "held"
-    settings = _settings(policy)
+
+def _producers_and_hosts(
+    variant: Variant, row: str, seed: int, settings: Settings, loop: Loop,
+) -> tuple[list[Producer], list[Host]]:
+    """The variant's producers, and one router host (two for ``held-2-replicas``) supervising and reading loads."""
     fleet = Fleet(settings)
     rates = variant.rates()
     producers = [Producer(loop, PREFILL_US_PER_TOKEN * 1e-6 / rates[i]) for i in range(PRODUCERS)]
@@ -267,6 +279,17 @@ def simulate(variant: Variant, row: str, seed: int = 0, warmup_s: float = 1.0, d
     for host in hosts:
         host.supervise()
         host.read_loads(producers, settings.placement.load_interval_s)
+    return producers, hosts
+
+
+def simulate(variant: Variant, row: str, seed: int = 0, warmup_s: float = 1.0, duration_s: float = 3.0,
+             concurrency: int = 32, delays: PathDelays = PathDelays()) -> dict[str, Any]:
+    """One row of one variant from cold caches: cached share, producer time p50/p99 (ms), prefills per producer."""
+    loop = Loop()
+    policy = "held" if row == "held-2-replicas" else row if row != "ideal" else "held"
+    settings = _settings(policy)
+    producers, hosts = _producers_and_hosts(variant, row, seed, settings, loop)
+    rates = variant.rates()
     rng = random.Random(seed)
     source = ChatUsers(system_prompts(PROMPTS, PROMPT_CHARS), turns=5, seed=seed, weights=variant.weights(),
                        multi_turn=0.3)
@@ -328,17 +351,7 @@ def simulate(variant: Variant, row: str, seed: int = 0, warmup_s: float = 1.0, d
     edges.append([(p.prefills, p.queries, p.hits) for p in producers])
     loop.run(window[1])
     edges.append([(p.prefills, p.queries, p.hits) for p in producers])
-    deltas = [tuple(b - a for a, b in zip(x, y, strict=True)) for x, y in zip(edges[0], edges[1], strict=True)]
-    queried = sum(d[1] for d in deltas)
-    ttft = sorted(tally.ttft)
-    return {
-        "row": row,
-        "cached_share": round(sum(d[2] for d in deltas) / queried, 3) if queried else None,
-        "ttft_ms_p50": round(1000 * ttft[len(ttft) // 2], 1) if ttft else None,
-        "ttft_ms_p99": round(1000 * ttft[int(len(ttft) * 0.99)], 1) if ttft else None,
-        "rps": round(tally.requests / duration_s, 1),
-        "prefills": [d[0] for d in deltas],
-    }
+    return _summary(row, edges, tally, duration_s)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
