@@ -109,3 +109,22 @@ def last_event(reply: Reply) -> tuple[str | None, Any]:
     events = sse_events(reply.raw)
     assert events, reply.raw
     return events[-1]
+
+
+PASSTHROUGH_ROUTES = ["/tokenize", "/detokenize", "/v1/embeddings", "/pooling", "/score", "/v1/score", "/rerank",
+                      "/v1/rerank"]
+
+
+def body_for(route: str, tag: str, **extra: Any) -> dict[str, Any]:
+    """A valid body for ``route`` that carries ``tag`` (the records are found by it)."""
+    text = f"{tag} hello world"
+    bodies: dict[str, dict[str, Any]] = {
+        "/tokenize": {"prompt": text},
+        "/detokenize": {"tokens": [1, 2, 3], "user": tag},
+        "/v1/embeddings": {"input": [text, "second"]},
+        "/pooling": {"input": text},
+        "/score": {"text_1": text, "text_2": ["a", "b"]},
+        "/rerank": {"query": text, "documents": ["a", "b", "c"]},
+    }
+    bodies["/v1/score"], bodies["/v1/rerank"] = bodies["/score"], bodies["/rerank"]
+    return {"model": MODEL, **bodies[route], **extra}

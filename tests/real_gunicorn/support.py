@@ -20,7 +20,7 @@ import aiohttp
 import orjson
 
 from narwhal.metric_tally import FLUSH_S
-from narwhal.testing.harness import FakeFleet, RouterProcess, http_get, write_config
+from narwhal.testing.harness import FakeFleet, RouterProcess, children_of, http_get, write_config
 
 MODEL = "fake-model"
 
@@ -356,3 +356,9 @@ async def sessions_per_worker(router: RouterProcess, workers: int) -> AsyncItera
 async def post(session: aiohttp.ClientSession, router: RouterProcess, body: dict) -> tuple[int, bytes]:
     async with session.post(router.url + "/v1/completions", json=body) as resp:
         return resp.status, await resp.read()
+
+
+def workers_of(router: RouterProcess) -> set[int]:
+    """The router's live worker pids: booted per its log and still its children."""
+    booted = {int(pid) for pid in re.findall(r"Booting worker with pid: (\d+)", router.log_text())}
+    return booted & set(children_of(router.proc.pid))

@@ -1,4 +1,5 @@
-"""Settings: TOML + NARWHAL_ environment, one-line errors naming the key (SPEC §7)."""
+"""Settings (SPEC §7): valid loads, file errors, unknown keys and invalid values, each a one-line error naming
+the key."""
 
 from __future__ import annotations
 
@@ -10,48 +11,13 @@ from pathlib import Path
 import pytest
 
 from narwhal.settings import Settings, SettingsError, load_settings
-
-REPO = Path(__file__).resolve().parents[2]
-VENV_PYTHON = str(REPO / ".venv" / "bin" / "python")
-NOT_A_NUMBER = (
-    "engine.first_token_timeout_s: Input should be a valid number, unable to parse string as a number"
+from tests.unit.settings_support import (
+    BAD_TIMEOUT_TOML,
+    NOT_A_NUMBER,
+    TWO_ENGINES,
+    error_of,
+    write,
 )
-BAD_TIMEOUT_TOML = '[engine]\nfirst_token_timeout_s = "soon"\n'
-
-TWO_ENGINES = """
-[[engines]]
-name = "p0"
-url = "http://10.0.0.5:8100"
-role = "producer"
-
-[[engines]]
-name = "d0"
-url = "http://10.0.0.6:8200"
-role = "consumer"
-"""
-
-
-def write(tmp_path: Path, text: str, name: str = "narwhal.toml") -> str:
-    path = tmp_path / name
-    path.write_text(text)
-    return str(path)
-
-
-def error_of(tmp_path: Path, toml: str | None, environ: dict[str, str] | None = None) -> str:
-    path = write(tmp_path, toml) if toml is not None else None
-    with pytest.raises(SettingsError) as info:
-        load_settings(path, environ={} if environ is None else environ)
-    message = str(info.value)
-    assert "\n" not in message
-    return message
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    drop = ("NARWHAL_", "PROMETHEUS_MULTIPROC_DIR")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    env.update(extra)
-    return env
-
 
 # --------------------------------------------------------------------------- valid loads
 
@@ -354,115 +320,3 @@ def test_handoff_max_age_above_prefill_timeout_is_accepted(tmp_path: Path) -> No
     toml = "[engine]\nprefill_timeout_s = 10\n[handoff]\nmax_age_s = 10.5\n"
     s = load_settings(write(tmp_path, toml), environ={})
     assert (s.engine.prefill_timeout_s, s.handoff.max_age_s) == (10, 10.5)
-
-
-# --------------------------------------------------------------------------- start-up: no traceback
-
-
-def assert_one_line_exit(proc: subprocess.CompletedProcess[str], key_prefix: str) -> None:
-    assert proc.returncode != 0
-    assert "Traceback" not in proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith(f"narwhal: invalid settings: {key_prefix}"), lines[0]
-
-
-def run(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=30)
-
-
-def test_serve_with_bad_config_file_exits_2_with_one_line(tmp_path: Path) -> None:
-    path = write(tmp_path, BAD_TIMEOUT_TOML)
-    proc = run([VENV_PYTHON, "-m", "narwhal", "serve", "--config", path], clean_env(), tmp_path)
-    assert proc.returncode == 2
-    assert_one_line_exit(proc, "engine.first_token_timeout_s: ")
-    assert proc.stderr.strip() == "narwhal: invalid settings: " + NOT_A_NUMBER
-
-
-def test_serve_with_missing_config_file_exits_2(tmp_path: Path) -> None:
-    missing = str(tmp_path / "nope.toml")
-    proc = run([VENV_PYTHON, "-m", "narwhal", "serve", "--config", missing], clean_env(), tmp_path)
-    assert proc.returncode == 2
-    assert proc.stderr.strip() == f"narwhal: invalid settings: config: file not found: {missing}"
-
-
-def test_serve_with_bad_env_exits_2_with_one_line(tmp_path: Path) -> None:
-    proc = run([VENV_PYTHON, "-m", "narwhal", "serve"], clean_env(NARWHAL_SERVER__WORKERS="0"), tmp_path)
-    assert proc.returncode == 2
-    assert_one_line_exit(proc, "server.workers: ")
-    assert proc.stderr.strip() == (
-        "narwhal: invalid settings: server.workers: Input should be greater than or equal to 1"
-        " (from NARWHAL_SERVER__WORKERS)"
-    )
-
-
-def test_gunicorn_direct_with_bad_config_exits_with_one_line(tmp_path: Path) -> None:
-    path = write(tmp_path, BAD_TIMEOUT_TOML)
-    proc = run(
-        [VENV_PYTHON, "-m", "gunicorn", "-c", "python:narwhal.front.gunicorn_conf"],
-        clean_env(NARWHAL_CONFIG=path),
-        tmp_path,
-    )
-    assert_one_line_exit(proc, "engine.first_token_timeout_s: ")
-
-
-def test_gunicorn_conf_file_with_bad_env_exits_with_one_line(tmp_path: Path) -> None:
-    proc = run(
-        [VENV_PYTHON, "-m", "gunicorn", "-c", str(REPO / "gunicorn.conf.py")],
-        clean_env(NARWHAL_SERVER__WORKERS="0"),
-        tmp_path,
-    )
-    assert_one_line_exit(proc, "server.workers: ")
-
-
-def test_an_invalid_engine_version_specifier_stops_the_start(tmp_path: Path) -> None:
-    toml = '[engine_contract]\nmodel = "m"\nengine_version = ">=zero"\n'
-    with pytest.raises(SettingsError) as info:
-        load_settings(write(tmp_path, toml), environ={})
-    assert str(info.value) == "engine_contract.engine_version: invalid PEP 440 specifier '>=zero'"
-
-
-NOT_A_VERSION = (
-    "engine_contract.engine_version: invalid PEP 440 version 'not a version!' (expected a version such as "
-    "0.11.0 or a specifier set such as >=0.11,<0.12)"
-)
-NOT_A_VERSION_TOML = '[engine_contract]\nmodel = "m"\nengine_version = "not a version!"\n'
-
-
-def test_an_engine_version_that_is_no_pep440_version_stops_the_start(tmp_path: Path) -> None:
-    # It used to start, and then every probe failed forever (issue 16).
-    assert error_of(tmp_path, NOT_A_VERSION_TOML) == NOT_A_VERSION
-    assert error_of(tmp_path, '[engine_contract]\nengine_version = "0.11.*"\n') == (
-        "engine_contract.engine_version: invalid PEP 440 version '0.11.*' (expected a version such as 0.11.0 "
-        "or a specifier set such as >=0.11,<0.12)"
-    )
-
-
-def test_an_engine_version_from_the_environment_is_checked_too(tmp_path: Path) -> None:
-    message = error_of(
-        tmp_path, '[engine_contract]\nmodel = "m"\n', {"NARWHAL_ENGINE_CONTRACT__ENGINE_VERSION": "not a version!"}
-    )
-    assert message == NOT_A_VERSION + " (from NARWHAL_ENGINE_CONTRACT__ENGINE_VERSION)"
-
-
-def test_serve_with_an_invalid_engine_version_exits_2_with_one_line(tmp_path: Path) -> None:
-    path = write(tmp_path, NOT_A_VERSION_TOML)
-    proc = run([VENV_PYTHON, "-m", "narwhal", "serve", "--config", path], clean_env(), tmp_path)
-    assert proc.returncode == 2
-    assert_one_line_exit(proc, "engine_contract.engine_version: ")
-    assert proc.stderr == "narwhal: invalid settings: " + NOT_A_VERSION + "\n"
-
-
-def test_gunicorn_with_an_invalid_engine_version_exits_with_one_line(tmp_path: Path) -> None:
-    path = write(tmp_path, NOT_A_VERSION_TOML)
-    proc = run(
-        [VENV_PYTHON, "-m", "gunicorn", "-c", str(REPO / "gunicorn.conf.py")], clean_env(NARWHAL_CONFIG=path), tmp_path
-    )
-    assert_one_line_exit(proc, "engine_contract.engine_version: ")
-    assert proc.stderr.strip() == "narwhal: invalid settings: " + NOT_A_VERSION
-
-
-def test_an_exact_or_specifier_engine_version_is_accepted(tmp_path: Path) -> None:
-    for pin in ("0.11.0", "0.11", "0.11.1.dev3+g0123abc", ">=0.10,<0.12", "~=0.11.0", "==0.11.*", ""):
-        toml = f'[engine_contract]\nmodel = "m"\nengine_version = "{pin}"\n'
-        assert load_settings(write(tmp_path, toml), environ={}).engine_contract.engine_version == pin

@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 from narwhal.settings import load_settings
-from tests.unit.test_settings import VENV_PYTHON, clean_env, error_of, write
+from tests.unit.settings_support import VENV_PYTHON, clean_env, error_of, write
 
 NO_ENGINE = ("narwhal: invalid settings: engines: no engine to route to: add [[engines]] entries "
              "or a [discovery] source (file or dns)")

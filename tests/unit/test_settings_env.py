@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from narwhal.settings import load_settings
-from tests.unit.test_settings import REPO, VENV_PYTHON, assert_one_line_exit, clean_env, error_of, run
+from tests.unit.settings_support import REPO, VENV_PYTHON, assert_one_line_exit, clean_env, error_of, run
 
 STRINGS = 'expected a JSON list of strings, such as ["key1", "key2"]'
 ENGINES = 'expected a JSON list of objects, such as [{"name": "p0", "url": "http://10.0.0.5:8100", "role": "producer"}]'

@@ -6,7 +6,7 @@ from narwhal.fleet import Fleet
 from narwhal.fleet.blame import State
 from narwhal.fleet.membership import ChangingBreakers
 from narwhal.settings import EngineSpec, RecoverySettings, Settings
-from tests.unit.fleet.test_breaker import mesh as fleet
+from tests.unit.fleet.breaker_support import mesh as fleet
 
 
 def changing(infos: list, has_contract: bool = False) -> ChangingBreakers:  # type: ignore[type-arg]

@@ -1,5 +1,5 @@
 """The accept rule of narwhal.front.accept (the spread itself is tested through gunicorn in
-tests/real_gunicorn/test_connection_spread.py)."""
+tests/real_gunicorn/placement/test_connection_spread.py)."""
 
 from __future__ import annotations
 

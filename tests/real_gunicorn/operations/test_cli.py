@@ -17,7 +17,7 @@ import pytest
 from narwhal.testing.harness import FakeFleet, children_of, http_get, router_roles, stop_gunicorn, write_config
 from tests.real_gunicorn.support import MODEL, wait_until
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _listening_socket() -> socket.socket:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from narwhal.testing.harness import FakeFleet, write_config
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _env() -> dict[str, str]:

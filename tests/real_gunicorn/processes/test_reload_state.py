@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -29,12 +28,17 @@ from narwhal.testing.harness import (
     process_title,
     write_config,
 )
-from tests.real_gunicorn.support import AUTH, TIMEOUTS, TOKEN, admin, completion, send, unique_prompt, wait_until
-
-
-def workers_of(router: RouterProcess) -> set[int]:
-    booted = {int(pid) for pid in re.findall(r"Booting worker with pid: (\d+)", router.log_text())}
-    return booted & set(children_of(router.proc.pid))
+from tests.real_gunicorn.support import (
+    AUTH,
+    TIMEOUTS,
+    TOKEN,
+    admin,
+    completion,
+    send,
+    unique_prompt,
+    wait_until,
+    workers_of,
+)
 
 
 def _conf(workers: int, **extra: dict[str, Any]) -> dict[str, dict[str, Any]]:

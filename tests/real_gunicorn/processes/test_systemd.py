@@ -23,7 +23,7 @@ import orjson
 from narwhal.testing.harness import FakeFleet, http_get, stop_gunicorn, write_config
 from tests.real_gunicorn.support import wait_until
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 

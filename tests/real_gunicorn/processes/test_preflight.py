@@ -34,7 +34,7 @@ from tests.real_gunicorn.support import wait_until
 MODEL = "fake-model"
 LEASE_S = 1.5
 NAMES = ["pf-p0", "pf-p1", "pf-d0", "pf-d1", "pf-b0"]
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 FOUR = [("pf-p0", "producer"), ("pf-p1", "producer"), ("pf-d0", "consumer"), ("pf-d1", "consumer")]
 PAIRS = ["pf-p0 -> pf-d0", "pf-p0 -> pf-d1", "pf-p1 -> pf-d0", "pf-p1 -> pf-d1"]
 CONTRACT = {"model": MODEL, "engine_version": "0.11.0", "kv_connector": "NixlConnector"}

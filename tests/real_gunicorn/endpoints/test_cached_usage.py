@@ -18,8 +18,7 @@ import pytest
 
 from narwhal.fake_engine.prefix import PrefixCache, prompt_text, text_tokens
 from narwhal.testing.harness import FakeFleet, RouterProcess
-from tests.real_gunicorn.support import MODEL, access_line, send, settled, start_router
-from tests.real_gunicorn.test_metrics import scrape, value
+from tests.real_gunicorn.support import MODEL, access_line, scrape, send, settled, start_router, value
 
 ENGINES = [{"name": "cp0", "role": "producer"}, {"name": "cd0", "role": "consumer"}]
 

@@ -20,7 +20,7 @@ import pytest
 from narwhal.testing.harness import FakeFleet, RouterProcess, http_get, write_config
 from perf.scenarios import all_scenarios
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 EXPECTED = {
     "stream_c1",
     "stream_c32",

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from narwhal.testing.harness import FakeFleet, RouterProcess, children_of
-from tests.real_gunicorn.endpoints_support import Endpoint
+from tests.real_gunicorn.endpoints_support import PASSTHROUGH_ROUTES, Endpoint, body_for
 from tests.real_gunicorn.support import (
     MODEL,
     TOKEN,
@@ -36,8 +36,6 @@ from tests.real_gunicorn.support import (
     start_router,
     unique_prompt,
 )
-from tests.real_gunicorn.test_passthrough import ROUTES as PASSTHROUGH_ROUTES
-from tests.real_gunicorn.test_passthrough import body_for
 
 KEY = "client-key"
 CLIENT_AUTH = ("Authorization", f"Bearer {KEY}")

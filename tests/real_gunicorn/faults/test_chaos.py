@@ -27,7 +27,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> QuickRun:
     out = tmp_path_factory.mktemp("chaos")
     proc = subprocess.run(
         [sys.executable, "-m", "perf.chaos", "--quick", "--out", str(out)],
-        capture_output=True, text=True, timeout=200, cwd=Path(__file__).resolve().parents[2],
+        capture_output=True, text=True, timeout=200, cwd=Path(__file__).resolve().parents[3],
     )
     report_path = out / "chaos.json"
     assert report_path.exists(), proc.stdout + proc.stderr

@@ -32,12 +32,12 @@ from tests.real_gunicorn.support import (
     unique_prompt,
     value,
     wait_until,
+    workers_of,
 )
-from tests.real_gunicorn.test_reload_state import workers_of
 
 pytestmark = pytest.mark.timeout(120)
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 STATIC = [{"name": "p0", "role": "producer"}, {"name": "d0", "role": "consumer"}]
 WORKERS = 2
 

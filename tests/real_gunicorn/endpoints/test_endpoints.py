@@ -21,11 +21,12 @@ from tests.real_gunicorn.support import (
     access_line,
     expected_text,
     records_anywhere,
+    scrape,
     send,
     settled,
+    value,
     wait_until,
 )
-from tests.real_gunicorn.test_metrics import scrape, value
 
 IDS = [e.path for e in ALL]
 

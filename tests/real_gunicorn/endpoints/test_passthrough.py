@@ -19,6 +19,7 @@ import pytest
 
 from narwhal.fake_engine.passthrough import token_ids
 from narwhal.testing.harness import FakeFleet, RouterProcess
+from tests.real_gunicorn.endpoints_support import PASSTHROUGH_ROUTES, body_for
 from tests.real_gunicorn.support import (
     MODEL,
     TOKEN,
@@ -36,7 +37,6 @@ from tests.real_gunicorn.support import (
     wait_until,
 )
 
-ROUTES = ["/tokenize", "/detokenize", "/v1/embeddings", "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank"]
 KEY = {"Authorization": "Bearer client-key"}
 ENGINE_KEY = "engine-key"
 MAIN = ["p0", "d0", "d1"]
@@ -80,21 +80,6 @@ def clean_engines(fleet: FakeFleet) -> Iterator[None]:
         fleet.control_request("POST", f"/engines/{name}/start")
 
 
-def body_for(route: str, tag: str, **extra: Any) -> dict[str, Any]:
-    """A valid body for ``route`` that carries ``tag`` (the records are found by it)."""
-    text = f"{tag} hello world"
-    bodies: dict[str, dict[str, Any]] = {
-        "/tokenize": {"prompt": text},
-        "/detokenize": {"tokens": [1, 2, 3], "user": tag},
-        "/v1/embeddings": {"input": [text, "second"]},
-        "/pooling": {"input": text},
-        "/score": {"text_1": text, "text_2": ["a", "b"]},
-        "/rerank": {"query": text, "documents": ["a", "b", "c"]},
-    }
-    bodies["/v1/score"], bodies["/v1/rerank"] = bodies["/score"], bodies["/rerank"]
-    return {"model": MODEL, **bodies[route], **extra}
-
-
 def check_shape(route: str, answer: dict[str, Any]) -> None:
     if route == "/tokenize":
         assert set(answer) == {"count", "max_model_len", "tokens", "token_strs"}
@@ -113,7 +98,7 @@ def served(fleet: FakeFleet, tag: str, engines: list[str]) -> dict[str, list[dic
 
 
 async def test_each_route_reaches_one_consumer_with_no_transfer_params(router: RouterProcess, fleet: FakeFleet) -> None:
-    for route in ROUTES:
+    for route in PASSTHROUGH_ROUTES:
         tag = unique_prompt().split()[0]
         rid = "pt-" + tag
         trace = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -188,7 +173,7 @@ async def test_least_loaded_consumer_and_the_slot_held_while_it_runs(router: Rou
 
 
 async def test_client_keys_are_required(router: RouterProcess, fleet: FakeFleet) -> None:
-    for route in ROUTES:
+    for route in PASSTHROUGH_ROUTES:
         tag = unique_prompt().split()[0]
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             reply = await send(router.url, route, body_for(route, tag), headers=headers)

@@ -1,0 +1,277 @@
+"""The fake vLLM engine's wire format and its imitation of the KV handoff (VLLM-PROTOCOL.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient
+
+from narwhal.fake_engine import FakeEngine, build_engine_app
+from tests.unit.fake_engine.fe_support import (
+    PREFILL_KV,
+    ClientFactory,
+    decoded,
+    prefill_body,
+    two_engines,
+    wait_for,
+    words,
+)
+
+# -- wire format -------------------------------------------------------------------------------
+
+
+async def test_completions_stream_wire_format(client: TestClient[Any, Any]) -> None:
+    body = {"model": "fake-model", "prompt": "a b c", "max_tokens": 3, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    resp = await client.post("/v1/completions", json=body)
+    assert resp.status == 200
+    assert resp.headers["Content-Type"].startswith("text/event-stream")
+    raw = await resp.read()
+    evs = decoded(raw)
+    assert evs[-1] == "[DONE]"
+    tokens = evs[:3]
+    first = tokens[0]
+    assert first["id"].startswith("cmpl-") and first["object"] == "text_completion"
+    assert isinstance(first["created"], int) and first["model"] == "fake-model"
+    assert first["usage"] is None
+    assert first["choices"] == [
+        {"index": 0, "text": " t0", "logprobs": None, "finish_reason": None, "stop_reason": None}
+    ]
+    assert [t["choices"][0]["text"] for t in tokens] == [" t0", " t1", " t2"]
+    assert [t["choices"][0]["finish_reason"] for t in tokens] == [None, None, "length"]
+    assert evs[3]["choices"] == [] and evs[3]["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 3,
+        "total_tokens": 6,
+    }
+    assert len(evs) == 5
+    # Exact bytes of a token frame: what routers relay without re-encoding.
+    assert raw.split(b"\n\n")[1] == (
+        b'data: {"id":"'
+        + first["id"].encode()
+        + b'","object":"text_completion","created":'
+        + str(first["created"]).encode()
+        + b',"model":"fake-model","choices":[{"index":0,"text":" t1","logprobs":null,'
+        b'"finish_reason":null,"stop_reason":null}],"usage":null}'
+    )
+
+
+async def test_chat_stream_wire_format(client: TestClient[Any, Any]) -> None:
+    body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi there"}], "stream": True}
+    resp = await client.post("/v1/chat/completions", json={**body, "max_completion_tokens": 2})
+    evs = decoded(await resp.read())
+    assert evs[0]["object"] == "chat.completion.chunk" and evs[0]["id"].startswith("chatcmpl-")
+    assert evs[0]["choices"] == [
+        {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    ]
+    assert evs[1]["choices"][0]["delta"] == {"content": " t0"}
+    assert evs[1]["choices"][0]["finish_reason"] is None
+    assert evs[2]["choices"][0]["delta"] == {"content": " t1"}
+    assert evs[2]["choices"][0]["finish_reason"] == "length"
+    assert evs[3:] == ["[DONE]"]
+
+
+async def test_non_streaming_bodies(client: TestClient[Any, Any], engine: FakeEngine) -> None:
+    resp = await client.post(
+        "/v1/completions", json={"model": "fake-model", "prompt": ["a b", "c"], "max_tokens": 4}
+    )
+    data = await resp.json()
+    assert data["object"] == "text_completion"
+    assert data["choices"][0]["text"] == " t0 t1 t2 t3"
+    assert data["choices"][0]["finish_reason"] == "length"
+    assert data["usage"]["prompt_tokens"] == 3 and data["usage"]["completion_tokens"] == 4
+    assert "kv_transfer_params" in data and data["kv_transfer_params"] is None
+
+    chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "x y"}]}]}
+    resp = await client.post("/v1/chat/completions", json=chat, headers={"X-Request-Id": "abc"})
+    data = await resp.json()
+    assert data["id"] == "chatcmpl-abc" and data["object"] == "chat.completion"
+    # No max_tokens: the engine default (16) and a natural stop.
+    assert data["choices"][0]["message"]["content"] == "".join(f" t{i}" for i in range(16))
+    assert data["choices"][0]["finish_reason"] == "stop"
+    assert data["usage"]["prompt_tokens"] == 2
+    # Token-id prompts count their length.
+    resp = await client.post("/v1/completions", json={"prompt": [[1, 2, 3], [4]], "max_tokens": 1})
+    assert (await resp.json())["usage"]["prompt_tokens"] == 4
+
+
+async def test_validation_errors_like_vllm(client: TestClient[Any, Any], engine: FakeEngine) -> None:
+    resp = await client.post("/v1/completions", json={"model": "nope", "prompt": "x"})
+    assert resp.status == 404
+    assert await resp.json() == {
+        "error": {
+            "message": "The model `nope` does not exist.",
+            "type": "NotFoundError",
+            "param": "model",
+            "code": 404,
+        }
+    }
+    bad = [
+        {"prompt": "x", "stream": False, "stream_options": {"include_usage": True}},
+        {"prompt": "x", "max_tokens": 2, "min_tokens": 3},
+        {"prompt": "x", "narwhal_fake": {"decode": {"no_such_fault": 1}}},
+        {"prompt": "x", "narwhal_fake": {"decode": {"descriptor": "weird"}}},
+        {"max_tokens": 2},
+    ]
+    for body in bad:
+        resp = await client.post("/v1/completions", json=body)
+        assert resp.status == 400, body
+        err = (await resp.json())["error"]
+        assert err["type"] == "BadRequestError" and err["code"] == 400 and err["param"] is None
+    resp = await client.post("/v1/completions", json={"prompt": "x", "stream_options": {}})
+    assert "Stream options can only be defined when `stream=True`." in (await resp.json())["error"]["message"]
+    resp = await client.post(
+        "/v1/chat/completions", data=b"{not json", headers={"Content-Type": "application/json"}
+    )
+    assert resp.status == 400
+    assert all(r["outcome"] == "error" for r in engine.get_records())
+
+
+async def test_operational_routes(client: TestClient[Any, Any], engine: FakeEngine) -> None:
+    resp = await client.get("/health")
+    assert resp.status == 200 and await resp.read() == b""
+    assert await (await client.get("/version")).json() == {"version": "0.11.0"}
+    models = await (await client.get("/v1/models")).json()
+    assert models["object"] == "list"
+    entry = models["data"][0]
+    assert entry["id"] == entry["root"] == "fake-model" and entry["owned_by"] == "vllm"
+    assert entry["parent"] is None and entry["max_model_len"] == 8192 and entry["permission"] == []
+    assert await (await client.get("/load")).json() == {"server_load": 0}
+    text = await (await client.get("/metrics")).text()
+    assert 'vllm:num_requests_running{engine="0",model_name="fake-model"} 0.0' in text
+
+    engine.set_faults({"health_status": 503, "version": "0.9.9", "models": ["m1", "m2"]})
+    resp = await client.get("/health")
+    assert resp.status == 503 and await resp.read() == b""
+    assert (await (await client.get("/version")).json())["version"] == "0.9.9"
+    assert [m["id"] for m in (await (await client.get("/v1/models")).json())["data"]] == ["m1", "m2"]
+    assert (await client.post("/v1/completions", json={"model": "fake-model", "prompt": "x"})).status == 404
+    resp = await client.post("/v1/completions", json={"model": "m2", "prompt": "x", "max_tokens": 1})
+    assert (await resp.json())["model"] == "m2"
+    engine.clear_faults()
+    assert (await client.get("/health")).status == 200
+
+
+# -- KV handoff --------------------------------------------------------------------------------
+
+
+async def test_prefill_descriptor_and_held_blocks(client: TestClient[Any, Any], engine: FakeEngine) -> None:
+    resp = await client.post("/v1/completions", json=prefill_body(40), headers={"X-Request-Id": "r1"})
+    data = await resp.json()
+    assert data["choices"][0]["text"] == " t0"
+    desc = data["kv_transfer_params"]
+    assert desc == {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [[0, 1]],
+        "remote_engine_id": engine.engine_id,
+        "remote_request_id": "cmpl-r1-0",
+        "remote_host": "127.0.0.1",
+        "remote_port": client.server.port,
+        "tp_size": 1,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "remote_num_tokens": 40,
+        "remote_blocks_expiry_time": None,
+        "transfer_mode": "pull",
+    }
+    # A short prompt: an empty block list, still a held entry; a reused request id stays unique.
+    resp = await client.post("/v1/completions", json=prefill_body(5), headers={"X-Request-Id": "r1"})
+    desc2 = (await resp.json())["kv_transfer_params"]
+    assert desc2["remote_block_ids"] == [[]] and desc2["remote_request_id"] != "cmpl-r1-0"
+    resp = await client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": words(33)}],
+            "max_tokens": 1,
+            "kv_transfer_params": dict(PREFILL_KV),
+        },
+    )
+    assert (await resp.json())["kv_transfer_params"]["remote_block_ids"] == [[2, 3]]
+    stats = await (await client.get("/fake/stats")).json()
+    assert stats["held_blocks"] == 4 and stats["held_requests"] == 3
+    assert stats["requests"] == {"prefill": 3, "decode": 0, "total": 3}
+    assert stats["engine_id"] == engine.engine_id and stats["name"] == "e0"
+    assert stats["url"] == f"http://127.0.0.1:{client.server.port}"
+
+
+async def test_flat_block_ids_option(aiohttp_client: ClientFactory) -> None:
+    client = await aiohttp_client(build_engine_app(FakeEngine("old", flat_block_ids=True, block_size=8)))
+    desc = (await (await client.post("/v1/completions", json=prefill_body(17))).json())["kv_transfer_params"]
+    assert desc["remote_block_ids"] == [0, 1]
+
+
+@pytest.mark.parametrize("local_kv", [True, False], ids=["in-process", "http-side-channel"])
+async def test_decode_reads_and_releases_producer_blocks(
+    aiohttp_client: ClientFactory, local_kv: bool
+) -> None:
+    producer, consumer, pc, dc = await two_engines(aiohttp_client, consumer_local_kv=local_kv)
+    desc = (await (await pc.post("/v1/completions", json=prefill_body(48))).json())["kv_transfer_params"]
+    assert producer.stats()["held_blocks"] == 3
+    body = {"prompt": words(48), "max_tokens": 2, "stream": True, "kv_transfer_params": desc}
+    evs = decoded(await (await dc.post("/v1/completions", json=body)).read())
+    assert [e["choices"][0]["text"] for e in evs[:-1]] == [" t0", " t1"] and evs[-1] == "[DONE]"
+    assert producer.stats()["held_blocks"] == 0 and producer.stats()["held_requests"] == 0
+    assert producer.kv.kv_reads == 1 and consumer.kv_pulls == 1
+    assert consumer.get_records()[0]["phase"] == "decode"
+    # The same descriptor again: a late read, which vLLM only logs; the decode still succeeds.
+    resp = await dc.post("/v1/completions", json={**body, "stream": False})
+    assert resp.status == 200
+    assert producer.stats()["late_reads"] == 1
+
+
+async def test_lease_expiry_releases_blocks(
+    client: TestClient[Any, Any], aiohttp_client: ClientFactory
+) -> None:
+    engine = FakeEngine("short", lease_s=0.2)
+    c = await aiohttp_client(build_engine_app(engine))
+    desc = (await (await c.post("/v1/completions", json=prefill_body(32))).json())["kv_transfer_params"]
+    assert engine.stats()["held_blocks"] == 2
+    await wait_for(lambda: engine.kv.held_blocks == 0)
+    stats = await (await c.get("/fake/stats")).json()
+    assert stats["expired_blocks"] == 2 and stats["expired_requests"] == 1 and stats["held_requests"] == 0
+    # A decode after expiry: late read, normal output.
+    resp = await client.post(
+        "/v1/completions", json={"prompt": "x", "max_tokens": 1, "kv_transfer_params": desc}
+    )
+    assert resp.status == 200 and engine.kv.late_reads == 1
+
+
+async def test_kv_read_failure(aiohttp_client: ClientFactory) -> None:
+    producer, consumer, pc, dc = await two_engines(aiohttp_client)
+    desc = (await (await pc.post("/v1/completions", json=prefill_body(32))).json())["kv_transfer_params"]
+    producer.set_faults({"kv_read_fails": True})
+    body = {"prompt": "x", "max_tokens": 3, "stream": True, "kv_transfer_params": desc}
+    resp = await dc.post("/v1/completions", json=body)
+    assert resp.status == 200
+    assert decoded(await resp.read()) == [
+        {
+            "error": {
+                "message": "KV transfer failed",
+                "type": "InternalServerError",
+                "param": None,
+                "code": 500,
+            }
+        },
+        "[DONE]",
+    ]
+    resp = await dc.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "x"}],
+            "kv_transfer_params": desc,
+        },
+    )
+    assert resp.status == 500
+    assert (await resp.json())["error"]["message"] == "KV transfer failed"
+    assert consumer.kv_pull_failures == 2 and producer.kv.held_blocks == 2
+
+
+async def test_kv_read_failure_unreachable_producer(aiohttp_client: ClientFactory) -> None:
+    producer, consumer, pc, dc = await two_engines(aiohttp_client, consumer_local_kv=False)
+    desc = (await (await pc.post("/v1/completions", json=prefill_body(32))).json())["kv_transfer_params"]
+    await pc.close()  # the producer's port now refuses connections
+    resp = await dc.post("/v1/completions", json={"prompt": "x", "stream": True, "kv_transfer_params": desc})
+    evs = decoded(await resp.read())
+    assert evs[0]["error"]["code"] == 500 and evs[1] == "[DONE]"
