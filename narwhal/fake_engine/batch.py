@@ -44,6 +44,7 @@ class Scheduler:
 
     @property
     def waiting(self) -> int:
+        """Live waiters in the queue: what ``vllm:num_requests_waiting`` reports."""
         return sum(1 for f in self._queue if not f.done())
 
     def _has_room(self) -> bool:
@@ -72,6 +73,7 @@ class Scheduler:
             pass
 
     def release(self) -> None:
+        """Give back a slot :meth:`acquire` granted and hand it to the next live waiter."""
         self.running -= 1
         self._grant()
 
@@ -84,6 +86,7 @@ class Scheduler:
             fut.set_result(None)
 
     def set_limit(self, max_num_seqs: int) -> None:
+        """Change ``max_num_seqs`` at run time (0: no limit); waiters the new room admits start now."""
         self.max_num_seqs = max_num_seqs
         self._grant()
 
@@ -119,6 +122,7 @@ class Background:
         self._tasks = [loop.create_task(self._one()) for _ in range(requests)]
 
     async def stop(self) -> None:
+        """Cancel every background request and wait until each gave its slot back."""
         tasks, self._tasks = self._tasks, []
         self.requests = 0
         for task in tasks:

@@ -49,6 +49,7 @@ _ERROR_TYPES = {
 
 
 def token_text(i: int) -> str:
+    """The text of the ``i``-th generated token (``" t{i}"``): needs no JSON escaping."""
     return f" t{i}"
 
 
@@ -61,6 +62,7 @@ def token_bytes(i: int) -> bytes:
 
 
 def error_type(status: int) -> str:
+    """The error ``type`` vLLM names for an HTTP status (its exception class name)."""
     known = _ERROR_TYPES.get(status)
     if known is not None:
         return known
@@ -87,6 +89,7 @@ def error_object(
 
 
 def error_event(status: int | None, message: str, *, flat: bool = False) -> bytes:
+    """An in-stream error as one SSE ``data:`` frame, without the ``[DONE]`` that follows it."""
     return b"data: " + orjson.dumps(error_object(status, message, flat=flat)) + b"\n\n"
 
 
@@ -118,9 +121,11 @@ class ModelTemplates:
 
     @property
     def model_json(self) -> bytes:
+        """The model name as a JSON string, escaped once per engine and model."""
         return self._model_json
 
     def frames(self, chat: bool, rid: str, created: int) -> StreamFrames:
+        """The frames of one chat or completions response: its head (id, created, model) built once."""
         common = b'{"id":' + orjson.dumps(rid) + b',"object":'
         common += b'"chat.completion.chunk"' if chat else b'"text_completion"'
         common += b',"created":' + str(created).encode() + b',"model":' + self._model_json
@@ -140,9 +145,11 @@ class StreamFrames:
         self._tail_stop = b""
 
     def token(self, i: int) -> bytes:
+        """The frame of generated token ``i``: head + token + tail, no JSON encoding."""
         return self._head + token_bytes(i) + self._tail
 
     def last_token(self, i: int, finish_reason: str) -> bytes:
+        """The frame of the final token, carrying ``finish_reason`` (``"length"`` or ``"stop"``)."""
         tail = self._tail_length if finish_reason == "length" else self._tail_stop
         return self._head + token_bytes(i) + tail
 
@@ -151,13 +158,16 @@ class StreamFrames:
         return self._head + self._tail_stop
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> bytes:
+        """The usage-only chunk (``choices: []``) that ``include_usage`` asks for."""
         usage = orjson.dumps(usage_object(prompt_tokens, completion_tokens, cached_tokens))
         return b"data: " + self._common + b',"choices":[],"usage":' + usage + b"}\n\n"
 
     def role(self) -> bytes:
+        """The chunk before the first token (chat's role delta); completions send none."""
         return b""
 
     def heartbeat(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        """What keeps the stream alive while no token comes (first-token delay, silence)."""
         raise NotImplementedError
 
     def body(
@@ -186,6 +196,7 @@ class StreamFrames:
         self, prompt_tokens: int, completion_tokens: int, include_usage: bool, finish_reason: str,
         cached_tokens: int = 0,
     ) -> bytes:
+        """What follows the last token: the usage chunk if asked for, then ``[DONE]``."""
         usage = self.usage(prompt_tokens, completion_tokens, cached_tokens) if include_usage else b""
         return usage + DONE
 
@@ -195,6 +206,8 @@ class StreamFrames:
 
 
 class CompletionFrames(StreamFrames):
+    """``/v1/completions`` frames: a ``text`` per chunk, ``"usage": null`` on each."""
+
     __slots__ = ()
 
     def __init__(self, common: bytes) -> None:
@@ -207,11 +220,14 @@ class CompletionFrames(StreamFrames):
         self._tail_stop = b'","logprobs":null,"finish_reason":"stop","stop_reason":null}],"usage":null}\n\n'
 
     def heartbeat(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        """A usage-only chunk: completions have no role delta to repeat."""
         # Completions have no role delta: a usage-only chunk is their metadata event.
         return self.usage(prompt_tokens, completion_tokens)
 
 
 class ChatFrames(StreamFrames):
+    """``/v1/chat/completions`` frames: a ``delta`` per chunk, the role delta first."""
+
     __slots__ = ("_role", "_role_only")
 
     def __init__(self, common: bytes) -> None:
@@ -229,9 +245,11 @@ class ChatFrames(StreamFrames):
         )
 
     def role(self) -> bytes:
+        """The role delta with empty content that opens every chat stream."""
         return self._role
 
     def heartbeat(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        """A role-only delta: carries no content, so a client's text is unchanged."""
         return self._role_only
 
 

@@ -31,6 +31,7 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 def error_response(
     status: int, message: str, *, err_type: str | None = None, param: str | None = None, flat: bool = False
 ) -> web.Response:
+    """A vLLM (OpenAI-shaped) error body with ``status``; ``flat``: the ≤0.9 form."""
     body = error_object(status, message, err_type=err_type, param=param, flat=flat)
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
 
@@ -70,6 +71,7 @@ class Emitter:
         self.coalesce = coalesce
 
     async def start(self) -> None:
+        """Faithful mode: send the 200 and headers now, as Starlette does; coalesced: nothing yet."""
         if not self.coalesce:
             await self._prepare()
 
@@ -81,6 +83,7 @@ class Emitter:
         return resp
 
     async def emit(self, frame: bytes) -> None:
+        """Write ``frame`` now (faithful) or buffer it until the next pause (coalesced)."""
         if self.coalesce:
             self.buf.append(frame)
         else:
@@ -96,6 +99,7 @@ class Emitter:
         return resp
 
     async def finish(self) -> web.StreamResponse:
+        """End the answer: unsent, everything as one plain 200 body; started, flush what is buffered."""
         if self.resp is None:
             body = b"".join(self.buf)
             self.buf.clear()

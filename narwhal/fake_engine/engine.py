@@ -98,6 +98,7 @@ class FakeEngine(EngineState):
                     transport.abort()
 
     async def close(self) -> None:
+        """Stop, free the app runner and leave the registry, so no KV pull finds this engine."""
         await self.stop()
         if self._runner is not None:
             await self._runner.cleanup()

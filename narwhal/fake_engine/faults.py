@@ -93,6 +93,7 @@ class EngineFaults(BaseModel):
     metrics: Literal["hang", "garbage"] | None = None
 
     def for_phase(self, phase: str) -> FaultSpec | None:
+        """The engine-wide fault spec of ``phase`` (prefill, decode or passthrough)."""
         if phase == "passthrough":
             return self.passthrough
         return self.prefill if phase == "prefill" else self.decode

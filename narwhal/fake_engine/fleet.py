@@ -79,6 +79,7 @@ class Fleet:
         return {"control": self.control_url, "engines": urls}
 
     async def close(self) -> None:
+        """Close every engine and then the control server; open streams are aborted, not waited for."""
         # Engines first: their open streams are aborted, so nothing waits on a shutdown timeout.
         for engine in self.engines.values():
             await engine.close()
@@ -88,6 +89,7 @@ class Fleet:
 
 
 def write_ready_file(path: str, document: dict[str, Any]) -> None:
+    """Write the ready document by temp file and rename, so a poller never reads half of it."""
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".ready-", dir=directory)
     try:
@@ -259,6 +261,7 @@ def _models(args: argparse.Namespace, names: Sequence[str]) -> tuple[EngineModel
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``narwhal fake-engine``: check the arguments (2 and one line if wrong), serve until a signal; 0 then."""
     args = _parser().parse_args(argv)
     if args.engines and args.count is not None:
         print("narwhal fake-engine: use --engine or --count, not both", file=sys.stderr)

@@ -19,6 +19,7 @@ ID_PREFIX = {"completions": "cmpl-", "chat": "chatcmpl-", "messages": "chatcmpl-
 def frames_for(
     kind: str, templates: ModelTemplates, rid: str, created: int, max_tokens: int | None
 ) -> StreamFrames:
+    """The frames object one response of endpoint ``kind`` is written with."""
     if kind == "messages":
         return MessagesFrames(templates.model_json, rid)
     if kind == "responses":

@@ -22,6 +22,8 @@ FIRST_ID = 1000
 
 
 class GenerateFrames(StreamFrames):
+    """The token-in/token-out ``generate`` stream: ``token_ids`` per chunk, no text, no usage."""
+
     __slots__ = ("_rid",)
 
     def __init__(self, rid: str) -> None:
@@ -30,22 +32,27 @@ class GenerateFrames(StreamFrames):
         self._head = b'data: {"request_id":' + orjson.dumps(rid) + b',"choices":[{"index":0,"logprobs":null,'
 
     def token(self, i: int) -> bytes:
+        """A chunk carrying token ``i``'s id, ``finish_reason`` null."""
         return self._head + b'"finish_reason":null,"token_ids":[' + str(FIRST_ID + i).encode() + b"]}]}\n\n"
 
     def last_token(self, i: int, finish_reason: str) -> bytes:
+        """The final token's chunk, carrying ``finish_reason``."""
         finish = orjson.dumps(finish_reason)
         return self._head + b'"finish_reason":' + finish + b',"token_ids":[' + str(FIRST_ID + i).encode() + b"]}]}\n\n"
 
     def heartbeat(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        """A chunk with no choices: nothing generated, the stream kept alive."""
         return b'data: {"request_id":' + orjson.dumps(self._rid) + b',"choices":[]}\n\n'
 
     def empty_end(self, prompt_tokens: int, include_usage: bool, cached_tokens: int = 0) -> bytes:
+        """An immediate stop: one chunk with no token ids, then ``[DONE]``."""
         return self._head + b'"finish_reason":"stop","token_ids":[]}]}\n\n' + DONE
 
     def end(
         self, prompt_tokens: int, completion_tokens: int, include_usage: bool, finish_reason: str,
         cached_tokens: int = 0,
     ) -> bytes:
+        """Only ``[DONE]``: this endpoint has no usage chunk."""
         return DONE
 
     def body(

@@ -28,10 +28,13 @@ HEARTBEAT = b": keep-alive\n\n"
 
 
 def event(name: bytes, data: bytes) -> bytes:
+    """One named SSE event (``event:`` and ``data:`` lines)."""
     return b"event: " + name + b"\ndata: " + data + b"\n\n"
 
 
 class ResponsesFrames(StreamFrames):
+    """The ``/v1/responses`` stream and body; numbers its events, so one per response."""
+
     __slots__ = ("_rid", "_model", "_created", "_limit", "_seq", "_item")
 
     def __init__(self, model: str, rid: str, created: int, max_output_tokens: int | None) -> None:
@@ -53,6 +56,7 @@ class ResponsesFrames(StreamFrames):
         return event(data["type"].encode(), orjson.dumps(data))
 
     def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
+        """The response object in ``status`` with ``output`` and ``usage``, every field vLLM dumps."""
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {
             "id": self._rid, "created_at": self._created, "incomplete_details": incomplete, "instructions": None,
@@ -71,6 +75,7 @@ class ResponsesFrames(StreamFrames):
         return {"id": self._item, "content": content, "role": "assistant", "status": status, "type": "message"}
 
     def token(self, i: int) -> bytes:
+        """A ``response.output_text.delta``; the first token opens the output item and its part."""
         opened = self._open_item() if i == 0 else b""
         return opened + (
             b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","sequence_number":'
@@ -78,9 +83,11 @@ class ResponsesFrames(StreamFrames):
         )
 
     def last_token(self, i: int, finish_reason: str) -> bytes:
+        """Like any token: the status comes with ``response.completed``."""
         return self.token(i)
 
     def heartbeat(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        """An SSE comment: it takes no sequence number."""
         return HEARTBEAT
 
     def _open_item(self) -> bytes:
@@ -97,6 +104,7 @@ class ResponsesFrames(StreamFrames):
                                    "item": self._message(text, "completed")})
 
     def opening(self, prompt_tokens: int) -> bytes:
+        """``response.created`` and ``response.in_progress``, before any token."""
         created = self._event({"type": "response.created", "response": self.response("in_progress", [], None)})
         return created + self._event({"type": "response.in_progress",
                                       "response": self.response("in_progress", [], None)})
@@ -108,15 +116,18 @@ class ResponsesFrames(StreamFrames):
         return self._event({"type": "response.completed", "response": self.response(status, output, usage)})
 
     def terminal_first(self) -> bytes:
+        """``response.completed`` with no output: the terminal event with nothing before it."""
         return self._completed(None, 0, 0)
 
     def empty_end(self, prompt_tokens: int, include_usage: bool, cached_tokens: int = 0) -> bytes:
+        """An empty answer: the output item opened and closed empty, then ``response.completed``."""
         return self._open_item() + self._close_item("") + self._completed("", prompt_tokens, 0, cached_tokens)
 
     def end(
         self, prompt_tokens: int, completion_tokens: int, include_usage: bool, finish_reason: str,
         cached_tokens: int = 0,
     ) -> bytes:
+        """The item's closing events with the whole text, then ``response.completed`` (or incomplete)."""
         text = "".join([token_text(i) for i in range(completion_tokens)])
         return self._close_item(text) + self._completed(text, prompt_tokens, completion_tokens, cached_tokens)
 
@@ -127,6 +138,7 @@ class ResponsesFrames(StreamFrames):
         return failed
 
     def error(self, code: int | None, message: str, flat: bool) -> bytes:
+        """``event: error``, or ``flat``: the newer ``response.failed``."""
         if flat:  # the newer response.failed form
             return self._event({"type": "response.failed", "response": self.failed(code, message)})
         return self._event({"type": "error", "code": code, "message": message, "param": None})
@@ -134,6 +146,7 @@ class ResponsesFrames(StreamFrames):
     def body(
         self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
     ) -> dict[str, Any]:
+        """The whole (non-streaming) response, ``incomplete`` when ``max_output_tokens`` cut it."""
         status = "incomplete" if self._limit is not None and completion_tokens >= self._limit else "completed"
         usage = usage_object(prompt_tokens, completion_tokens, cached_tokens)
         return self.response(status, [self._message(text, "completed")], usage)

@@ -74,6 +74,7 @@ def _http_error(req: ParsedRequest, status: int, message: str, flat: bool) -> we
 
 
 async def handle_completion(engine: EngineState, request: web.Request, kind: str) -> web.StreamResponse:
+    """One request of a generating route ``kind``, in the order above; its record gets exactly one outcome."""
     if engine.port is None:
         # In-process test servers never tell the engine its port: learn it from the socket.
         sockname = request.transport.get_extra_info("sockname") if request.transport else None

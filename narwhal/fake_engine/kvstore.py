@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class HeldEntry:
+    """A handoff's held blocks and when its lease runs out (monotonic seconds)."""
+
     blocks: list[int]
     expires_at: float
 
@@ -68,6 +70,7 @@ class KvStore:
         return len(entry.blocks)
 
     def sweep(self, now: float | None = None) -> None:
+        """Free every entry whose lease ran out by ``now``; stops at the first live one (insertion order)."""
         if not self.held:
             return
         now = time.monotonic() if now is None else now

@@ -41,6 +41,8 @@ class RequestError(Exception):
 
 @dataclass(slots=True)
 class ParsedRequest:
+    """What generation needs of a validated request; trusted as is (module invariant)."""
+
     chat: bool
     phase: str
     model: str
@@ -55,6 +57,7 @@ class ParsedRequest:
 
 
 def detect_phase(body: dict[str, Any]) -> str:
+    """Prefill, or decode, as vLLM would treat the body; picks the fault spec and labels the record."""
     kv = body.get("kv_transfer_params")
     if isinstance(kv, dict):
         if kv.get("do_remote_decode") is True:
@@ -105,6 +108,7 @@ def count_prompt_tokens(body: dict[str, Any], chat: bool) -> int:
 
 
 def int_field(body: dict[str, Any], key: str) -> int | None:
+    """``body[key]`` as a non-negative int (None if absent); 400 otherwise, bools included."""
     value = body.get(key)
     if value is None:
         return None
@@ -114,6 +118,7 @@ def int_field(body: dict[str, Any], key: str) -> int | None:
 
 
 def parse_faults(body: dict[str, Any]) -> RequestFaults | None:
+    """The request's own faults (``narwhal_fake``), None if it has none; 400 if they do not validate."""
     raw_faults = body.get("narwhal_fake")
     if raw_faults is None:
         return None
@@ -124,6 +129,7 @@ def parse_faults(body: dict[str, Any]) -> RequestFaults | None:
 
 
 def resolve_model(body: dict[str, Any], models: list[str]) -> str:
+    """The model asked for, or the engine's first; 404 for one it does not serve, as vLLM."""
     model = body.get("model")
     if model is None:
         return models[0]

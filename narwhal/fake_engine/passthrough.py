@@ -57,6 +57,7 @@ def _words(text: str) -> list[str]:
 
 
 def token_ids(text: str) -> list[int]:
+    """The fake's token ids of ``text``: one per whitespace word, by hash, so stable across runs."""
     return [_hash(w) % VOCAB for w in _words(text)]
 
 
@@ -65,6 +66,7 @@ def _unit(text: str) -> float:
 
 
 def vector(text: str) -> list[float]:
+    """A deterministic unit-range vector of ``text``: same text, same embedding."""
     return [round(_unit(f"{i}:{text}") * 2 - 1, 4) for i in range(DIMENSIONS)]
 
 
@@ -103,6 +105,7 @@ def _encode(values: list[float], encoding: Any) -> list[float] | str:
 
 
 def tokenize(engine: EngineState, body: dict[str, Any], model: str, rid: str) -> dict[str, Any]:
+    """``/tokenize``: a prompt or chat messages into ids (and ``token_strs`` when asked)."""
     if isinstance(body.get("prompt"), str):
         text = body["prompt"]
     elif isinstance(body.get("messages"), list):
@@ -116,6 +119,7 @@ def tokenize(engine: EngineState, body: dict[str, Any], model: str, rid: str) ->
 
 
 def detokenize(engine: EngineState, body: dict[str, Any], model: str, rid: str) -> dict[str, Any]:
+    """``/detokenize``: ids back into the fake's token texts."""
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
         raise Invalid("`tokens` must be a list of non-negative integers")
@@ -134,6 +138,7 @@ def _pooled(kind: str, key: str, prefix: str) -> Callable[[EngineState, dict[str
 
 
 def score(engine: EngineState, body: dict[str, Any], model: str, rid: str) -> dict[str, Any]:
+    """``/score``: a score per (``text_1``, ``text_2``) pair, one ``text_1`` broadcast."""
     first, second = _texts(body.get("text_1"), "text_1"), _texts(body.get("text_2"), "text_2")
     if len(first) == 1:
         first = first * len(second)
@@ -147,6 +152,7 @@ def score(engine: EngineState, body: dict[str, Any], model: str, rid: str) -> di
 
 
 def rerank(engine: EngineState, body: dict[str, Any], model: str, rid: str) -> dict[str, Any]:
+    """``/rerank``: the documents best first, cut to ``top_n`` when it is set."""
     query = body.get("query")
     if not isinstance(query, str):
         raise Invalid("`query` must be a string")
@@ -231,6 +237,7 @@ async def _answer(
 
 
 def add_routes(app: web.Application, engine: EngineState) -> None:
+    """Register every passthrough path on the engine's app."""
     async def route(request: web.Request) -> web.StreamResponse:
         return await handle(engine, request)
 

@@ -30,10 +30,12 @@ GENERATING_ROUTES = {
 
 
 def json_response(data: object, status: int = 200) -> web.Response:
+    """A JSON body with ``status``."""
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
 
 
 def add_routes(app: web.Application, engine: EngineState) -> None:
+    """Every route of one engine: the generating ones, vLLM's control routes and the fake's ``/fake/*``."""
     def generating(kind: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def route(request: web.Request) -> web.StreamResponse:
             return await handle_completion(engine, request, kind)

@@ -39,15 +39,18 @@ _REGISTRY: weakref.WeakValueDictionary[str, EngineState] = weakref.WeakValueDict
 
 
 def register(engine: EngineState) -> None:
+    """Make ``engine`` reachable by ``engine_id`` for in-process KV pulls."""
     _REGISTRY[engine.engine_id] = engine
 
 
 def unregister(engine: EngineState) -> None:
+    """Forget ``engine``: no KV pull finds it by id any more (only its own entry goes)."""
     if _REGISTRY.get(engine.engine_id) is engine:
         del _REGISTRY[engine.engine_id]
 
 
 def lookup(engine_id: str) -> EngineState | None:
+    """The live engine with ``engine_id`` in this process, None if there is none."""
     return _REGISTRY.get(engine_id)
 
 
@@ -155,22 +158,27 @@ class EngineState:
 
     @property
     def models(self) -> list[str]:
+        """The models served: a fault's override, else the one configured."""
         return self.faults.models if self.faults.models else [self.model]
 
     @property
     def version(self) -> str:
+        """What ``/version`` says: a fault's override, else the configured version."""
         return self.faults.version or self.base_version
 
     @property
     def url(self) -> str | None:
+        """Where the engine listens (https with TLS); None before it has a port."""
         scheme = "https" if self.ssl_context is not None else "http"
         return None if self.port is None else f"{scheme}://{self.advertise_host}:{self.port}"
 
     def set_faults(self, faults: EngineFaults | dict[str, Any]) -> EngineFaults:
+        """Replace the engine-wide faults (validated); returns them."""
         self.faults = faults if isinstance(faults, EngineFaults) else EngineFaults.model_validate(faults)
         return self.faults
 
     def clear_faults(self) -> None:
+        """Back to no faults at all."""
         self.faults = NO_FAULTS
 
     def restarted(self) -> None:
@@ -204,24 +212,28 @@ class EngineState:
         return min(1.0, self.blocks_in_use() / self.load_model.kv_blocks)
 
     def templates(self, model: str) -> ModelTemplates:
+        """The frame templates of ``model``, built once per engine and model."""
         tpl = self._templates.get(model)
         if tpl is None:
             tpl = self._templates[model] = ModelTemplates(model)
         return tpl
 
     def next_id(self) -> str:
+        """A request id unique to this engine (the default when the request sends none)."""
         self._seq += 1
         return f"{self._id_prefix}{self._seq:08x}"
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
     def count_request(self, phase: str) -> None:
+        """Count a request in its phase's counter, what ``/fake/stats`` reports."""
         if phase == "prefill":
             self.requests_prefill += 1
         else:
             self.requests_decode += 1
 
     def record(self, phase: str, path: str, headers: dict[str, str], body: Any) -> dict[str, Any]:
+        """Append a request record (outcome pending) to the bounded list; counts what it pushes out."""
         rec: dict[str, Any] = {
             "phase": phase,
             "path": path,
@@ -237,6 +249,7 @@ class EngineState:
         return rec
 
     def get_records(self, contains: str | None = None) -> list[dict[str, Any]]:
+        """The records, only those whose body contains ``contains`` if given."""
         records = list(self.records)
         if contains:
             needle = contains.encode()
@@ -244,9 +257,11 @@ class EngineState:
         return records
 
     def clear_records(self) -> None:
+        """Forget every record (``records_dropped`` stays)."""
         self.records.clear()
 
     def stats(self) -> dict[str, Any]:
+        """The engine's counters as ``/fake/stats`` answers them; sweeps expired leases first."""
         self.kv.sweep()
         store = self.kv
         return {
@@ -291,6 +306,7 @@ class EngineState:
     # -- background work and the side channel's HTTP client ----------------------------------
 
     def client_session(self) -> aiohttp.ClientSession:
+        """The engine's one HTTP session (the KV side channel), made again if closed."""
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5, sock_connect=2))
         return self._session

@@ -48,6 +48,7 @@ class Work:
 
     @classmethod
     def prepare(cls, engine: EngineState, req: ParsedRequest, body: dict[str, Any]) -> Work:
+        """Before any wait: the prompt's tokens and block hashes when the prefix cache is on, else nothing."""
         computes = not (req.kv_params is not None and req.kv_params.get("do_remote_prefill") is True)
         cache = engine.cache
         if cache is None:
@@ -85,6 +86,7 @@ class Work:
         return cached
 
     def end(self, engine: EngineState) -> None:
+        """Give back the slot and blocks :meth:`run` took; idempotent, called on every path."""
         if self.slot:
             self.slot = False
             engine.scheduler.running_blocks -= self.blocks

@@ -36,6 +36,7 @@ class DescriptorTooLong(Exception):
 
 
 def encode(entry: dict[str, Any], source: str) -> bytes:
+    """The descriptor's bytes for an ``[[engines]]`` entry; :class:`DescriptorTooLong` if they do not fit."""
     blob = orjson.dumps({"source": source, "engine": entry})
     if len(blob) > ROOM:
         raise DescriptorTooLong(f"engine {entry.get('name')!r}: its description is over {ROOM} bytes")

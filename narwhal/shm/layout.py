@@ -109,24 +109,31 @@ TABLE_LOCK = LOCK_BASE - 2  # the engine table's one writer at a time: the maste
 
 @dataclass(frozen=True)
 class Layout:
+    """The region's sizes, and where each record and slot sits; the same in every process that maps it."""
+
     engines: int
     slots: int
     ring: int = DEFAULT_RING
 
     @property
     def records_offset(self) -> int:
+        """Where the engine records start, just after the header."""
         return HEADER_SIZE
 
     def record_offset(self, engine: int) -> int:
+        """Where engine slot ``engine``'s breaker record sits."""
         return HEADER_SIZE + engine * RECORD_SIZE
 
     def load_offset(self, engine: int) -> int:
+        """Where engine slot ``engine``'s load record sits."""
         return HEADER_SIZE + self.engines * RECORD_SIZE + engine * LOAD_RECORD_SIZE
 
     def table_offset(self, engine: int) -> int:
+        """Where engine slot ``engine``'s table entry sits (``shm.table``)."""
         return HEADER_SIZE + self.engines * (RECORD_SIZE + LOAD_RECORD_SIZE) + engine * TABLE_ENTRY_SIZE
 
     def descriptor_offset(self, engine: int) -> int:
+        """Where engine slot ``engine``'s descriptor sits (``shm.descriptors``)."""
         return (HEADER_SIZE + self.engines * (RECORD_SIZE + LOAD_RECORD_SIZE + TABLE_ENTRY_SIZE)
                 + engine * DESCRIPTOR_SIZE)
 
@@ -136,6 +143,7 @@ class Layout:
 
     @functools.cached_property
     def slot_size(self) -> int:
+        """One worker slot's bytes: header, counts, unsent decodes, ring; a multiple of 8."""
         return SLOT_HEADER_SIZE + self.engines * 8 + self._unsent_size + self.ring * RING_ENTRY_SIZE
 
     @functools.cached_property
@@ -143,15 +151,19 @@ class Layout:
         return HEADER_SIZE + self.engines * (RECORD_SIZE + LOAD_RECORD_SIZE + TABLE_ENTRY_SIZE + DESCRIPTOR_SIZE)
 
     def slot_offset(self, slot: int) -> int:
+        """Where worker slot ``slot`` starts."""
         return self._slots_base + slot * self.slot_size
 
     def counts_offset(self, slot: int) -> int:
+        """Where a worker slot's in-flight counts start."""
         return self.slot_offset(slot) + SLOT_HEADER_SIZE
 
     def count_offset(self, slot: int, engine: int, phase: int) -> int:
+        """The u32 a worker slot counts legs on an engine slot in a phase (0 prefill, 1 decode) in."""
         return self.counts_offset(slot) + (engine * 2 + phase) * 4
 
     def unsent_offset(self, slot: int, engine: int) -> int:
+        """The u32 a worker slot counts unsent decodes on an engine slot in."""
         return self.counts_offset(slot) + self.engines * 8 + engine * 4
 
     @property
@@ -160,11 +172,13 @@ class Layout:
         return self.engines * 8 + self._unsent_size
 
     def ring_offset(self, slot: int, index: int) -> int:
+        """Where ring entry ``index`` (any index: it wraps) of a worker slot sits."""
         return (self.slot_offset(slot) + SLOT_HEADER_SIZE + self.slot_counts_size
                 + (index % self.ring) * RING_ENTRY_SIZE)
 
     @property
     def size(self) -> int:
+        """The memfd's size, whole pages: the end of the last worker slot rounded up."""
         raw = self.slot_offset(self.slots)
         return (raw + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
 
@@ -179,6 +193,7 @@ class Region:
 
     @classmethod
     def create(cls, layout: Layout) -> Region:
+        """A new memfd and its mapping with the header written; master only, before any fork."""
         fd = os.memfd_create("narwhal-fleet", 0)  # inherited across fork (not CLOEXEC)
         os.ftruncate(fd, layout.size)
         mm = mmap.mmap(fd, layout.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -186,19 +201,24 @@ class Region:
         return cls(layout, fd, mm)
 
     def close(self) -> None:
+        """Unmap and close this process's descriptor; other processes keep theirs."""
         self.mm.close()
         os.close(self.fd)
 
     def u32(self, offset: int) -> int:
+        """An aligned u32 read as one copy of its bytes."""
         return int.from_bytes(self.mm[offset : offset + 4], "little")
 
     def set_u32(self, offset: int, value: int) -> None:
+        """An aligned u32 written as one copy (:func:`store_u32`); only the field's writer calls it."""
         store_u32(self.mm, offset, value)
 
     def u64(self, offset: int) -> int:
+        """An aligned u64 read as one copy of its bytes."""
         return int.from_bytes(self.mm[offset : offset + 8], "little")
 
     def set_u64(self, offset: int, value: int) -> None:
+        """An aligned u64 written as one copy, never ``pack_into`` (it zeroes first); only the field's writer."""
         self.mm[offset : offset + 8] = value.to_bytes(8, "little")
 
 

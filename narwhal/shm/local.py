@@ -25,6 +25,7 @@ class Quarantine(dict[int, float]):
     """
 
     def holds(self, index: int) -> bool:
+        """Is engine ``index`` quarantined now? Drops the entry once it is over."""
         until = self.get(index)
         if until is None:
             return False
@@ -34,14 +35,18 @@ class Quarantine(dict[int, float]):
         return False
 
     def left(self, index: int) -> float:
+        """Seconds until engine ``index``'s quarantine ends; 0.0 when it has none."""
         until = self.get(index)
         return 0.0 if until is None else max(until - time.monotonic(), 0.0)
 
     def add(self, index: int, seconds: float) -> None:
+        """Quarantine engine ``index`` for ``seconds`` from now, replacing any earlier deadline."""
         self[index] = time.monotonic() + seconds
 
 
 class LocalFleetState(LocalInflight):
+    """``FleetView``, counts and retry budget for one process alone: no supervisor, no other worker."""
+
     def __init__(self, fleet: Fleet) -> None:
         super().__init__(len(fleet.engines))
         self.fleet = fleet
@@ -51,36 +56,45 @@ class LocalFleetState(LocalInflight):
         self._retries = 0
 
     def admitted(self, engine: Engine) -> bool:
+        """Neither taken out by an operator nor quarantined (``FleetView``)."""
         if engine.index in self.out:
             return False
         return not (self._quarantine and self._quarantine.holds(engine.index))
 
     # Quarantine is soft (narwhal.fleet.roster.FleetView): a quarantined engine stays placeable.
     def placeable(self, engine: Engine) -> bool:
+        """Not taken out by an operator (``FleetView``)."""
         return engine.index not in self.out
 
     def any_quarantined(self) -> bool:
+        """Might some engine be quarantined (``FleetView``)?"""
         return bool(self._quarantine)  # expired entries go lazily: one costs a second look, no more
 
     def quarantine_left(self, engine: Engine) -> float:
+        """Seconds left of the engine's quarantine (``FleetView``)."""
         return self._quarantine.left(engine.index)
 
     def quarantine(self, engine: Engine, seconds: float) -> None:
+        """Quarantine ``engine`` in this process for ``seconds``."""
         self._quarantine.add(engine.index, seconds)
 
     def request_started(self) -> None:
+        """One more request in flight: the retry budget's base."""
         self._requests += 1
 
     def request_finished(self) -> None:
+        """Pairs with :meth:`request_started`, once per request."""
         self._requests -= 1
 
     def try_start_retry(self, ratio: float, minimum: int) -> bool:
+        """Mark a request retrying if this process's budget allows (``ratio`` of requests, at least ``minimum``)."""
         if self._retries >= max(minimum, int(ratio * self._requests)):
             return False
         self._retries += 1
         return True
 
     def retry_finished(self) -> None:
+        """The request :meth:`try_start_retry` marked has ended: its share of the budget is free."""
         self._retries -= 1
 
     def report(self, producer: Engine, consumer: Engine, **_: object) -> None:

@@ -113,6 +113,8 @@ RECORD_BYTES = _SEQ_BYTES + _RECORD.size + 4
 
 @dataclass(frozen=True, slots=True)
 class EngineRecord:
+    """An engine's breaker state as the supervisor published it; ``name_hash`` says whose it is."""
+
     version: int  # the header generation it was published under (shm.worker waits for it)
     state: int
     failure_streak: int
@@ -133,6 +135,7 @@ def _opt(value: float) -> float | None:
 
 
 def write_record(region: Region, engine: int, rec: EngineRecord) -> None:
+    """Supervisor only: publish the record at engine slot ``engine`` under its seqlock."""
     reason = REASON_CODE.get(rec.last_failure_reason or "", 0)
     payload = _RECORD.pack(
         rec.version,
@@ -183,6 +186,7 @@ class LoadRecord:
 
 
 def write_load(region: Region, engine: int, rec: LoadRecord, version: int) -> None:
+    """Supervisor only: publish the reading at engine slot ``engine``, stamped with load generation ``version``."""
     payload = _LOAD.pack(
         version, rec.read_at, rec.running, rec.waiting, math.nan if rec.kv_usage is None else rec.kv_usage,
         rec.ours, rec.name_hash,
@@ -221,6 +225,8 @@ ENTRY_BYTES = _ENTRY.size + 4
 
 @dataclass(frozen=True, slots=True)
 class Report:
+    """One ring entry: an outcome or an operator command, engines by engine slot."""
+
     seq: int
     at: float
     producer: int
@@ -232,6 +238,7 @@ class Report:
 
 
 def pack_report(report: Report) -> bytes:
+    """The entry's bytes, its CRC over the payload and ``seq`` (the ring index it goes to)."""
     payload = _ENTRY.pack(
         report.seq, report.at, report.producer, report.consumer, report.failed, report.reason,
         report.flags | (report.kind << 4),

@@ -31,6 +31,8 @@ from narwhal.shm.table import LIVE, EngineTable, identity
 
 
 class SharedFleet:
+    """Every process's operations on the one shared region; each field has one writer (above)."""
+
     def __init__(self, region: L.Region) -> None:
         self.region = region
         self.layout = region.layout
@@ -44,28 +46,35 @@ class SharedFleet:
 
     @classmethod
     def create(cls, engines: int, slots: int, ring: int = L.DEFAULT_RING) -> SharedFleet:
+        """A new region (master only, in ``on_starting``, before any fork); tests make their own."""
         return cls(L.Region.create(L.Layout(engines=engines, slots=slots, ring=ring)))
 
     def close(self) -> None:
+        """Unmap and close the memfd; the memory goes with the last process that holds it."""
         self.region.close()
 
     # -- header ---------------------------------------------------------------------------------
 
     @property
     def generation(self) -> int:
+        """Bumped by the supervisor after it publishes engine records; workers decode again on a move."""
         return self.region.u64(L.GENERATION_OFFSET)
 
     def bump_generation(self) -> None:
+        """Supervisor only, after the records it changed were written (``shm.records``)."""
         self.region.set_u64(L.GENERATION_OFFSET, self.generation + 1)
 
     @property
     def load_generation(self) -> int:
+        """Bumped by the supervisor after each round of load readings; placement reads again on a move."""
         return self.region.u64(L.LOAD_GENERATION_OFFSET)
 
     def bump_load_generation(self) -> None:
+        """Supervisor only, after the round's load records were written."""
         self.region.set_u64(L.LOAD_GENERATION_OFFSET, self.load_generation + 1)
 
     def beat(self, pid: int) -> None:
+        """Supervisor only: proves to the master's keeper that supervisor ``pid`` is alive and not wedged."""
         # The time first: a keeper that sees a new supervisor's pid must see that supervisor's
         # beat, not its predecessor's stale one (or none at all), which would read as wedged.
         self.region.set_u64(L.HEARTBEAT_OFFSET, time.monotonic_ns())
@@ -73,14 +82,17 @@ class SharedFleet:
 
     @property
     def heartbeat_age_s(self) -> float:
+        """Seconds since the last beat; infinite before the first, so a keeper never reads 0 as fresh."""
         last = self.region.u64(L.HEARTBEAT_OFFSET)
         return float("inf") if last == 0 else (time.monotonic_ns() - last) / 1e9
 
     @property
     def supervisor_pid(self) -> int:
+        """The pid of the supervisor that beat last (0: none yet)."""
         return self.region.u32(L.SUPERVISOR_PID_OFFSET)
 
     def count_start(self) -> int:
+        """Master only: one more supervisor started; returns the count (1 for the first)."""
         starts = self.region.u64(L.STARTS_OFFSET) + 1
         self.region.set_u64(L.STARTS_OFFSET, starts)
         return starts
@@ -128,6 +140,7 @@ class SharedFleet:
         return out
 
     def live_slots(self) -> int:
+        """How many table slots are LIVE: a worker following the table knows it read every descriptor."""
         return sum(1 for slot in range(self.layout.engines) if self.table.entry(slot).state == LIVE)
 
     # -- locks ----------------------------------------------------------------------------------
@@ -146,11 +159,13 @@ class SharedFleet:
 
     @staticmethod
     def cap_lock(engine: int, phase: int) -> int:
+        """The lock byte of an engine slot's cap in a phase: a capped reservation's check-and-increment."""
         return L.LOCK_BASE + engine * 2 + phase
 
     # -- slots ----------------------------------------------------------------------------------
 
     def slot_pid(self, slot: int) -> int:
+        """The pid holding worker slot ``slot``; 0 when it is free."""
         return self.region.u32(self.layout.slot_offset(slot) + L.SLOT_PID)
 
     def claim_slot(self, pid: int) -> int | None:
@@ -197,6 +212,7 @@ class SharedFleet:
         self.region.set_u32(base + L.SLOT_PID, 0)
 
     def claimed_slots(self) -> list[int]:
+        """Worker slots held by some pid (alive or not: a dead one's is cleared by its reaper)."""
         return [s for s in range(self.in_use()) if self.slot_pid(s)]
 
     def live_workers(self) -> int:
@@ -206,9 +222,11 @@ class SharedFleet:
     # -- counts ---------------------------------------------------------------------------------
 
     def slot_counts(self, slot: int) -> tuple[int, ...]:
+        """One worker slot's in-flight counts, index ``engine * 2 + phase`` (what tests read)."""
         return self._counts.unpack_from(self.mm, self.layout.counts_offset(slot))
 
     def set_count(self, slot: int, engine: int, phase: int, value: int) -> None:
+        """Write one of a slot's in-flight counts; only that slot's worker may (tests stand in for one)."""
         self.region.set_u32(self.layout.count_offset(slot, engine, phase), value)
 
     def totals(self, engines: int | None = None) -> list[int]:
@@ -232,6 +250,7 @@ class SharedFleet:
         return [sum(values[i::width]) for i in range(width)]
 
     def engine_total(self, engine: int, phase: int) -> int:
+        """An engine slot's legs in flight in a phase, summed over claimed slots: the exact count a cap needs."""
         return sum(
             self.region.u32(self.layout.count_offset(slot, engine, phase))
             for slot in range(self.in_use())
@@ -250,9 +269,11 @@ class SharedFleet:
         return max(self.engine_total(engine, 0) + self.engine_total(engine, 1) - unsent, 0)
 
     def set_slot_field(self, slot: int, field: int, value: int) -> None:
+        """Write a u32 of a slot's header; only that slot's worker may."""
         self.region.set_u32(self.layout.slot_offset(slot) + field, value)
 
     def slot_field_total(self, field: int) -> int:
+        """A slot header u32 summed over claimed slots: the fleet-wide requests or retries in flight."""
         return sum(
             self.region.u32(self.layout.slot_offset(s) + field) for s in range(self.in_use()) if self.slot_pid(s)
         )
@@ -329,4 +350,5 @@ def _alive(pid: int) -> bool:
 
 
 def alive(pid: int) -> bool:
+    """Is ``pid`` running? A zombie (exited, not yet reaped) counts as gone."""
     return _alive(pid)

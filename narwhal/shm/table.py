@@ -72,21 +72,27 @@ def record_hash(name: str, url: str) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Entry:
+    """One table slot: whose it is (``identity``), the epoch it was assigned or retired at, FREE/LIVE/RETIRED."""
+
     identity: int
     epoch: int
     state: int
 
 
 class EngineTable:
+    """The engine slots' owners; written under the table lock only, read without a lock."""
+
     def __init__(self, region: L.Region) -> None:
         self.region = region
         self.size = region.layout.engines
 
     @property
     def epoch(self) -> int:
+        """Moved by a reload that retires a slot and by each run-time write; a worker that sees it move reads again."""
         return self.region.u32(L.TABLE_EPOCH_OFFSET)
 
     def entry(self, slot: int) -> Entry:
+        """Slot ``slot``'s entry (FREE: never written); a write under way waited out, a dead writer's judged by CRC."""
         for _ in range(_BUSY_TRIES):  # the master writes for microseconds, once per reload
             try:
                 body = read_framed(self.region, self.region.layout.table_offset(slot), _ENTRY.size)

@@ -130,11 +130,13 @@ class WorkerFleetState:
         return bool(self._mine[2 * engine_slot] or self._mine[2 * engine_slot + 1] or self._unsent[engine_slot])
 
     def note_epoch(self, epoch: int) -> None:
+        """Note in this slot the table epoch it holds nothing older than (``shm.table``: a retired slot waits)."""
         L.store_u32(self._mm, self.shared.layout.slot_offset(self.slot) + L.SLOT_TABLE_EPOCH, epoch)
 
     # -- FleetView ------------------------------------------------------------------------------
 
     def records(self) -> list[EngineRecord | None]:
+        """Each engine's breaker record by fleet index (None: none yet, or not this engine's); decoded per bump."""
         generation: int = L.U64.unpack_from(self._mm, L.GENERATION_OFFSET)[0]
         if generation != self._generation:
             fresh = list(self._records)
@@ -162,6 +164,7 @@ class WorkerFleetState:
         return self._records
 
     def admitted(self, engine: Engine) -> bool:
+        """Neither out nor quarantined (``FleetView``); a joining engine is neither until its first record."""
         rec = self.records()[engine.index]
         if rec is None:
             if engine.index in self._joining:
@@ -171,18 +174,21 @@ class WorkerFleetState:
         return not (self._quarantine and self._quarantine.holds(engine.index))
 
     def placeable(self, engine: Engine) -> bool:
+        """Not out (``FleetView``): quarantined engines are placeable, as the last resort."""
         rec = self.records()[engine.index]
         if rec is None:
             return engine.index not in self._joining  # a discovered engine: not before the supervisor spoke
         return rec.state in PLACEABLE_STATES
 
     def any_quarantined(self) -> bool:
+        """Might some engine be quarantined, published or local (``FleetView``)? A stale True costs a second pass."""
         # Local entries are dropped lazily (admitted() deletes expired ones): a stale entry
         # here only costs placement a second pass that finds what the first did.
         self.records()
         return self._published_quarantine or bool(self._quarantine)
 
     def quarantine_left(self, engine: Engine) -> float:
+        """Seconds left of the later of this worker's and the published quarantine (``FleetView``)."""
         left = self._quarantine.left(engine.index)
         rec = self.records()[engine.index]
         if rec is not None and rec.state == QUARANTINED and rec.quarantined_until is not None:
@@ -190,6 +196,7 @@ class WorkerFleetState:
         return max(left, 0.0)
 
     def quarantine(self, engine: Engine, seconds: float) -> None:
+        """Quarantine ``engine`` in this worker at once, before the supervisor hears of the failure."""
         self._quarantine.add(engine.index, seconds)
 
     # -- LoadSource (narwhal.fleet.placement.load) -----------------------------------------------
@@ -227,21 +234,25 @@ class WorkerFleetState:
     # -- InflightCounts -------------------------------------------------------------------------
 
     def totals(self, phase: str) -> list[int]:
+        """Fleet-wide legs in flight per engine in one phase (``InflightCounts``), one unpack."""
         both = self.shared.totals(self._span)
         if self._in_order:
             return both[_PHASE[phase]::2]
         return [both[i] for i in (self._prefill_at if phase == "prefill" else self._decode_at)]
 
     def both_totals(self) -> tuple[list[int], list[int]]:
+        """Fleet-wide (prefill, decode) legs per engine from one read of every slot (``InflightCounts``)."""
         both = self.shared.totals(self._span)
         if self._in_order:
             return both[0::2], both[1::2]
         return [both[i] for i in self._prefill_at], [both[i] for i in self._decode_at]
 
     def count(self, engine: Engine, phase: str) -> int:
+        """Fleet-wide legs on one engine in a phase (``InflightCounts``), summed slot by slot."""
         return self.shared.engine_total(self._slots[engine.index], _PHASE[phase])
 
     def try_reserve(self, engine: Engine, phase: str, cap: int | None) -> bool:
+        """Count a leg on ``engine``; with a cap, under the engine's cap lock and False when it is full."""
         p = _PHASE[phase]
         if cap is None:  # the usual case: _bump written out
             i = engine.index * 2 + p
@@ -257,6 +268,7 @@ class WorkerFleetState:
         return True
 
     def release(self, engine: Engine, phase: str) -> None:
+        """Give back a leg :meth:`try_reserve` counted; :class:`Reservation` calls it exactly once."""
         i = engine.index * 2 + _PHASE[phase]  # _bump written out: once per phase per request
         self._mine[i] = value = self._mine[i] - 1
         at = self._count_at[i]
@@ -266,6 +278,7 @@ class WorkerFleetState:
     # bytes): they run six times per request, and the helper's frame was a call each.
 
     def unsent_decode(self, engine: Engine, delta: int) -> None:
+        """Move this slot's reserved-but-unsent decodes on ``engine``, which the load reader subtracts."""
         i = engine.index
         self._unsent[i] = value = self._unsent[i] + delta
         at = self._unsent_at[i]
@@ -280,16 +293,19 @@ class WorkerFleetState:
     # -- requests and retries in flight (the fleet-wide retry budget) -----------------------
 
     def request_started(self) -> None:
+        """One more request in flight in this worker: the retry budget's base."""
         self._requests += 1
         at = self._requests_at
         self._mm[at : at + 4] = self._requests.to_bytes(4, "little")
 
     def request_finished(self) -> None:
+        """Pairs with :meth:`request_started`, once per request however it ends."""
         self._requests -= 1
         at = self._requests_at
         self._mm[at : at + 4] = self._requests.to_bytes(4, "little")
 
     def try_start_retry(self, ratio: float, minimum: int) -> bool:
+        """Mark a request retrying if the fleet-wide budget allows (``ratio`` of requests, at least ``minimum``)."""
         inflight = self.shared.slot_field_total(L.SLOT_REQUESTS)
         retries = self.shared.slot_field_total(L.SLOT_RETRIES)
         if retries >= max(minimum, int(ratio * inflight)):
@@ -299,15 +315,18 @@ class WorkerFleetState:
         return True
 
     def retry_finished(self) -> None:
+        """The request :meth:`try_start_retry` marked has ended: its share of the budget is free."""
         self._retries -= 1
         self.shared.set_slot_field(self.slot, L.SLOT_RETRIES, self._retries)
 
     # -- client connections (narwhal.front.accept.ConnectionShare) ----------------------------------
 
     def publish(self, connections: int | None) -> None:
+        """This worker's client connections for the others' accept pacing; None: not accepting."""
         L.store_u32(self._mm, self._connections_at, L.NOT_ACCEPTING if connections is None else connections)
 
     def least_other(self) -> int | None:
+        """The fewest connections of another accepting worker (None: none), for accept pacing."""
         return self.shared.least_connections(excluding=self.slot)
 
     # -- outcome reports ------------------------------------------------------------------------

@@ -1,0 +1,138 @@
+"""Every public class, function and method in narwhal/ has a docstring saying what it is for.
+
+Why a test (issue 22 item 5): a newcomer reads a name's one line to learn what it is for and the
+invariant it keeps; a name without one sends them into its body. Public is a name not starting
+with ``_``, at module level or in a public class (methods included); dunders and private names
+are left alone. ``NOT_YET`` lists the modules being refactored while the docstrings were written;
+it may only shrink: a listed module that is fully documented fails the second test, so the set
+cannot go stale.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "narwhal"
+
+# Under refactor (issue 22 items 1-3) when the docstrings went in: the lead documents each as its
+# refactor lands and removes it here; the set shrinks to empty.
+NOT_YET = {
+    "narwhal/engines/client.py",
+    "narwhal/engines/decode.py",
+    "narwhal/engines/failures.py",
+    "narwhal/engines/relay.py",
+    "narwhal/fleet/placement/held.py",
+    "narwhal/fleet/placement/load.py",
+    "narwhal/fleet/placement/pair.py",
+    "narwhal/fleet/placement/reservation.py",
+    "narwhal/request/accesslog.py",
+    "narwhal/request/admission.py",
+    "narwhal/request/attempt.py",
+    "narwhal/request/client_stream.py",
+    "narwhal/request/ids.py",
+    "narwhal/request/outcomes.py",
+    "narwhal/request/passthrough.py",
+    "narwhal/request/router.py",
+    "narwhal/request/slot_wait.py",
+    "narwhal/request/tracing.py",
+    "narwhal/request/usage.py",
+    "narwhal/shm/holdings.py",
+    "narwhal/supervisor/holdings.py",
+    # Being documented on branch docs, a package per commit (gone by its last commit):
+    "narwhal/cli.py",
+    "narwhal/demo.py",
+    "narwhal/engines/connector.py",
+    "narwhal/engines/control.py",
+    "narwhal/engines/dialects/base.py",
+    "narwhal/engines/dialects/messages.py",
+    "narwhal/engines/dialects/openai.py",
+    "narwhal/engines/dialects/responses.py",
+    "narwhal/engines/http1.py",
+    "narwhal/engines/http1_connection.py",
+    "narwhal/engines/sse.py",
+    "narwhal/engines/timers.py",
+    "narwhal/errors.py",
+    "narwhal/fleet/blame.py",
+    "narwhal/fleet/breaker.py",
+    "narwhal/fleet/discovery.py",
+    "narwhal/fleet/membership.py",
+    "narwhal/fleet/passthrough.py",
+    "narwhal/fleet/readmission.py",
+    "narwhal/fleet/roster.py",
+    "narwhal/front/accept.py",
+    "narwhal/front/admin.py",
+    "narwhal/front/app.py",
+    "narwhal/front/gunicorn_hooks.py",
+    "narwhal/front/gunicorn_logging.py",
+    "narwhal/front/roster_follow.py",
+    "narwhal/front/server.py",
+    "narwhal/logs.py",
+    "narwhal/metric_tally.py",
+    "narwhal/metrics.py",
+    "narwhal/preflight/report.py",
+    "narwhal/reasons.py",
+    "narwhal/settings.py",
+    "narwhal/settings_discovery.py",
+    "narwhal/supervisor/discovery.py",
+    "narwhal/supervisor/discovery_sources.py",
+    "narwhal/supervisor/load.py",
+    "narwhal/supervisor/main.py",
+    "narwhal/supervisor/probes.py",
+    "narwhal/supervisor/process.py",
+    "narwhal/supervisor/startup.py",
+    "narwhal/testing/harness.py",
+}
+
+
+def undocumented(source: str) -> list[str]:
+    """``line name`` of each public class, function and method of ``source`` without a docstring."""
+    missing: list[str] = []
+
+    def walk(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                if child.name.startswith("_"):
+                    continue
+                if ast.get_docstring(child) is None:
+                    missing.append(f"{child.lineno} {prefix}{child.name}")
+                if isinstance(child, ast.ClassDef):
+                    walk(child, f"{prefix}{child.name}.")
+
+    walk(ast.parse(source), "")
+    return missing
+
+
+def _modules() -> dict[str, str]:
+    return {path.relative_to(ROOT).as_posix(): path.read_text() for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_the_checker_sees_public_names_only() -> None:
+    source = (
+        "def f(): pass\n"
+        "def _g(): pass\n"
+        "class C:\n"
+        '    """A class."""\n'
+        "    def m(self): pass\n"
+        "    def __init__(self): pass\n"
+        "    def _p(self): pass\n"
+        "class _Hidden:\n"
+        "    def m(self): pass\n"
+        "async def h():\n"
+        '    """Documented."""\n'
+    )
+    assert undocumented(source) == ["1 f", "5 C.m"]
+
+
+def test_every_public_name_has_a_docstring() -> None:
+    modules = _modules()
+    assert len(modules) > 50  # the scan really sees the package
+    missing = [f"{name}:{hit}" for name, text in modules.items() if name not in NOT_YET for hit in undocumented(text)]
+    assert missing == []
+
+
+def test_not_yet_lists_only_modules_still_undocumented() -> None:
+    modules = _modules()
+    done = sorted(name for name in NOT_YET if not undocumented(modules.get(name, "")))
+    assert done == [], "documented (or gone): remove from NOT_YET"
