@@ -1,6 +1,7 @@
 """The supervisor: the only writer of breaker state, run in its own process.
 
-Its loop, every few milliseconds:
+Its loop, a pass (`Supervisor.step`, which never awaits) every LOOP_S; time is an injected clock,
+so a test drives the passes with a fake one (tests/unit/supervisor/test_supervisor_loop.py):
 
 1. beat (the master's keeper reads the heartbeat: a stale one means a wedged loop);
 2. read every worker's outcome ring, merge the reports in order of completion time and feed
@@ -23,7 +24,9 @@ import functools
 import logging
 import os
 import time
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from narwhal import metrics
 from narwhal.engines.control import PooledReader, open_session
@@ -60,6 +63,9 @@ from narwhal.supervisor.load import LoadReader
 from narwhal.supervisor.probes import Prober
 from narwhal.supervisor.rounds import spread
 
+if TYPE_CHECKING:  # discovery is imported only when enabled (dnspython)
+    from narwhal.supervisor.discovery import Discovery
+
 log = logging.getLogger("narwhal.supervisor")
 
 _LOAD_READ_STATES = frozenset({State.ADMITTED, State.DEGRADED, State.QUARANTINED})
@@ -68,9 +74,25 @@ SWEEP_S = 0.25
 EXPORT_S = 1.0
 
 
+@dataclass
+class Loop:
+    """What the loop's passes carry from one to the next: the checkers and when each is next due."""
+
+    prober: Prober
+    loads: LoadReader
+    discovery: Discovery | None
+    pid: int
+    next_health: float
+    next_load: float = 0.0
+    next_sweep: float = 0.0
+    next_export: float = 0.0
+
+
 class Supervisor:
-    def __init__(self, shared: SharedFleet, settings: Settings, holdings: Holdings | None = None) -> None:
+    def __init__(self, shared: SharedFleet, settings: Settings, holdings: Holdings | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.shared = shared
+        self._clock = clock  # every decision's time: a test drives the loop's passes with a fake one
         self.settings = settings
         self.sources: dict[str, str] = {}  # engine name -> its source (static, file, dns:NAME): discovery only
         if settings.discovery.enabled:  # the table's engines, each at its engine slot (front.roster_follow)
@@ -88,7 +110,7 @@ class Supervisor:
         self._published = -1
         self._tasks: set[asyncio.Task[Any]] = set()
         self._probing: set[str] = set()
-        self._wall = time.time() - time.monotonic()
+        self._wall = time.time() - clock()
         self.holdings = holdings
         # Policy held only: the series exist (at 0) from the start, so a rate() sees the first one.
         self._predictions = {r: metrics.HOLDINGS_PREDICTIONS.labels(r)
@@ -128,14 +150,14 @@ class Supervisor:
         ``joining`` start PROBING (``fleet.membership``)."""
         self.fleet.replace(members)
         self.specs = {spec.name: spec for _, spec in members}
-        self.breakers.reshape(self._infos(), joining, time.monotonic())
+        self.breakers.reshape(self._infos(), joining, self._clock())
         self._map_slots()
 
     # -- state ------------------------------------------------------------------------------------
 
     def restore(self) -> None:
         """Start from the records a previous supervisor published (none at first start)."""
-        now = time.monotonic()
+        now = self._clock()
         for engine in self.fleet.engines:
             try:  # no supervisor is writing now: a record its predecessor left mid-write counts if whole
                 rec = read_record(self.shared.region, self._slot[engine.name], writer_gone=True)
@@ -195,7 +217,7 @@ class Supervisor:
     def admitted(self, engine: Engine) -> bool:
         if engine.name not in self.fleet.by_name:  # forgotten since (discovery)
             return False
-        return self.breakers.admitted(engine.name, time.monotonic())
+        return self.breakers.admitted(engine.name, self._clock())
 
     def _placeable(self, engine: Engine) -> bool:
         """Admitted or quarantined (placement's fallback, SPEC §5): whose load placement may weigh."""
@@ -210,7 +232,7 @@ class Supervisor:
         if not reports:
             return
         reports.sort(key=lambda r: r.at)  # "consecutive" = in order of completion time
-        now = time.monotonic()
+        now = self._clock()
         by_slot = self._by_slot
         for r in reports:
             producer, consumer = by_slot.get(r.producer), by_slot.get(r.consumer)
@@ -220,20 +242,12 @@ class Supervisor:
                 failed_engine = None if r.failed == NONE16 else by_slot.get(r.failed)
                 failed = None if failed_engine is None else failed_engine.name
                 reason = REASONS[r.reason] if r.reason < len(REASONS) else ""
-                self.breakers.record(
-                    Outcome(
-                        producer=producer.name,
-                        consumer=consumer.name,
-                        ok=bool(r.flags & FLAG_OK),
-                        failed_engine=failed,
-                        phase=None if failed is None else ("prefill" if r.flags & FLAG_PREFILL else "decode"),
-                        reason=reason or None,
-                        counts=bool(r.flags & FLAG_COUNTS),
-                        before_first_token=bool(r.flags & FLAG_BEFORE_TOKEN),
-                        at=r.at,
-                        local=r.kind == KIND_LOCAL_OUTCOME,
-                    )
-                )
+                self.breakers.record(Outcome(
+                    producer=producer.name, consumer=consumer.name, ok=bool(r.flags & FLAG_OK), failed_engine=failed,
+                    phase=None if failed is None else ("prefill" if r.flags & FLAG_PREFILL else "decode"),
+                    reason=reason or None, counts=bool(r.flags & FLAG_COUNTS),
+                    before_first_token=bool(r.flags & FLAG_BEFORE_TOKEN), at=r.at, local=r.kind == KIND_LOCAL_OUTCOME,
+                ))
             elif r.kind == KIND_EJECT:
                 self.breakers.eject(producer.name, now)
             elif r.kind == KIND_READMIT:
@@ -255,7 +269,7 @@ class Supervisor:
             result = self.model.apply(rep)
             if result is not None:
                 self._predictions[result].inc()
-        self.model.publish(self.holdings, time.monotonic())
+        self.model.publish(self.holdings, self._clock())
 
     def sweep(self) -> None:
         """Give back the counts of workers that died without a word (kill -9, OOM)."""
@@ -303,72 +317,80 @@ class Supervisor:
         else:
             log.info("probe of %s (%s): %s", engine.name, plan.kind, result)
         metrics.PROBES.labels(engine.name, result).inc()
-        self.breakers.probe_result(engine.name, result, time.monotonic())
+        self.breakers.probe_result(engine.name, result, self._clock())
 
     def _start_health(self, prober: Prober, engine: Engine) -> None:
         self._spawn(self._health(prober, engine))
 
     async def _health(self, prober: Prober, engine: Engine) -> None:
-        sent_at = time.monotonic()
+        sent_at = self._clock()
         failure = await prober.health_failure(engine)
         if failure is not None and engine.name in self.fleet.by_name:  # not forgotten meanwhile (discovery)
             log.warning("health check of %s: fail: %s", engine.name, failure)
-            now = time.monotonic()
+            now = self._clock()
             if self.breakers.admitted(engine.name, now):
                 self.breakers.health_failed(engine.name, now, "health_check", sent_at=sent_at)
 
+    def start(self, prober: Prober, loads: LoadReader) -> Loop:
+        """Take over the last published state and publish it: what a (re)started loop begins with."""
+        self.restore()
+        if self.model is not None and self.holdings is not None:
+            self.model.restore(self.holdings)
+        self.publish()
+        discovery = None
+        if self.settings.discovery.enabled:  # imported only then: dnspython costs a static fleet's start nothing
+            from narwhal.supervisor.discovery import Discovery
+
+            discovery = Discovery(self, self.settings)
+        next_health = self._clock() + self.settings.recovery.health_interval_s
+        return Loop(prober, loads, discovery, os.getpid(), next_health)
+
+    def step(self, loop: Loop) -> None:
+        """One pass of the loop (the module's opening text): never awaits, so the beat goes on;
+        what must wait (probes, health checks, load reads, discovery) is started, not awaited."""
+        self.shared.beat(loop.pid)
+        self.drain()
+        self.drain_prefills()
+        now = self._clock()
+        self.breakers.tick(now)
+        for plan in self.breakers.due_probes(now):
+            if plan.engine not in self._probing:
+                self._probing.add(plan.engine)
+                self._spawn(self._probe(loop.prober, self.fleet.by_name[plan.engine], plan))
+        if now >= loop.next_health:
+            health_every = self.settings.recovery.health_interval_s
+            loop.next_health = now + health_every
+            checked = [e for e in self.fleet.engines if self.breakers.admitted(e.name, now)]
+            # A batch per pass of the loop (supervisor.rounds), not the whole fleet at once.
+            starts = [functools.partial(self._start_health, loop.prober, e) for e in checked]
+            self._spawn(spread(starts, min(health_every / 2, 1.0)))
+        load_every = self.settings.placement.load_interval_s
+        if load_every > 0 and now >= loop.next_load:
+            loop.next_load = now + load_every
+            loop.loads.start_round((e for e in self.fleet.engines if self._placeable(e)), load_every / 2)
+        if loop.discovery is not None:
+            loop.discovery.tick(now)  # a read is started, never awaited here
+        if now >= loop.next_sweep:
+            loop.next_sweep = now + SWEEP_S
+            self.sweep()
+            if loop.discovery is not None:
+                loop.discovery.sweep()
+        if self.breakers.version != self._published:
+            self.publish()
+        if now >= loop.next_export:
+            loop.next_export = now + EXPORT_S
+            self.export()
+
     async def run(self) -> None:
+        """The supervisor's life: a pass every LOOP_S until cancelled."""
         # engine.ca_file and the engine key come with the session (engines.control): health checks
         # and probes must reach engines as the request path does, or an https fleet is ejected.
         async with open_session(self.settings.engine) as session:
-            prober = Prober(self.settings, self.fleet, session, self.admitted)
             load_every = self.settings.placement.load_interval_s
             # Each read bounded by the interval: a round never outlives the next one's start.
             loads = LoadReader(self.shared, PooledReader(self.settings.engine, load_every or 1.0),
                                on_capacity=None if self.model is None else self.model.set_capacity)
-            next_load = 0.0
-            self.restore()
-            if self.model is not None and self.holdings is not None:
-                self.model.restore(self.holdings)
-            self.publish()
-            discovery = None
-            if self.settings.discovery.enabled:  # imported only then: dnspython costs a static fleet's start nothing
-                from narwhal.supervisor.discovery import Discovery
-
-                discovery = Discovery(self, self.settings)
-            health_every = self.settings.recovery.health_interval_s
-            next_health = time.monotonic() + health_every
-            next_sweep = next_export = 0.0
-            pid = os.getpid()
+            loop = self.start(Prober(self.settings, self.fleet, session, self.admitted), loads)
             while True:
-                self.shared.beat(pid)
-                self.drain()
-                self.drain_prefills()
-                now = time.monotonic()
-                self.breakers.tick(now)
-                for plan in self.breakers.due_probes(now):
-                    if plan.engine not in self._probing:
-                        self._probing.add(plan.engine)
-                        self._spawn(self._probe(prober, self.fleet.by_name[plan.engine], plan))
-                if now >= next_health:
-                    next_health = now + health_every
-                    checked = [e for e in self.fleet.engines if self.breakers.admitted(e.name, now)]
-                    # A batch per pass of the loop (supervisor.rounds), not the whole fleet at once.
-                    starts = [functools.partial(self._start_health, prober, e) for e in checked]
-                    self._spawn(spread(starts, min(health_every / 2, 1.0)))
-                if load_every > 0 and now >= next_load:
-                    next_load = now + load_every
-                    loads.start_round((e for e in self.fleet.engines if self._placeable(e)), load_every / 2)
-                if discovery is not None:
-                    discovery.tick(now)  # a read is started, never awaited here: the beat goes on
-                if now >= next_sweep:
-                    next_sweep = now + SWEEP_S
-                    self.sweep()
-                    if discovery is not None:
-                        discovery.sweep()
-                if self.breakers.version != self._published:
-                    self.publish()
-                if now >= next_export:
-                    next_export = now + EXPORT_S
-                    self.export()
+                self.step(loop)
                 await asyncio.sleep(LOOP_S)
