@@ -51,17 +51,9 @@ NOT_YET = {
     "narwhal/fleet/passthrough.py",
     "narwhal/fleet/readmission.py",
     "narwhal/fleet/roster.py",
-    "narwhal/front/accept.py",
-    "narwhal/front/admin.py",
-    "narwhal/front/app.py",
-    "narwhal/front/gunicorn_hooks.py",
-    "narwhal/front/gunicorn_logging.py",
-    "narwhal/front/roster_follow.py",
-    "narwhal/front/server.py",
     "narwhal/logs.py",
     "narwhal/metric_tally.py",
     "narwhal/metrics.py",
-    "narwhal/preflight/report.py",
     "narwhal/reasons.py",
     "narwhal/settings.py",
     "narwhal/settings_discovery.py",
@@ -72,7 +64,6 @@ NOT_YET = {
     "narwhal/supervisor/probes.py",
     "narwhal/supervisor/process.py",
     "narwhal/supervisor/startup.py",
-    "narwhal/testing/harness.py",
 }
 
 
