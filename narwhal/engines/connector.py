@@ -109,6 +109,7 @@ class PrefillResult:
         return copy.deepcopy(self.descriptor)
 
     def age(self, now: float | None = None) -> float:
+        """Seconds since the prefill started: the handoff's age, refused over ``handoff.max_age_s``."""
         return (time.monotonic() if now is None else now) - self.started_at
 
 

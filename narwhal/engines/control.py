@@ -155,6 +155,7 @@ class VersionPin:
         return cls(contract.engine_version)
 
     def matches(self, version: str) -> bool:
+        """Does ``version`` meet the pin? An unparsable version never does."""
         try:
             found = Version(version)
         except InvalidVersion:
@@ -189,6 +190,7 @@ class ControlClient:
         self._headers = auth_headers(settings)
 
     async def get(self, engine: EngineRef, path: str) -> tuple[int, bytes]:
+        """``(status, body)`` of ``GET path`` within the bound; :class:`ControlError` when there is no answer."""
         try:
             async with asyncio.timeout(self.timeout_s):
                 async with self.session.get(engine.url + path, headers=self._headers) as resp:
@@ -210,10 +212,12 @@ class ControlClient:
         return await self._answer(engine, "/health") is not None
 
     async def version(self, engine: EngineRef) -> str | None:
+        """The engine's ``/version``, None on any failure."""
         body = await self._answer(engine, "/version")
         return None if body is None else parse_version(body)
 
     async def models(self, engine: EngineRef) -> list[str] | None:
+        """The model ids of the engine's ``/v1/models``, None on any failure."""
         body = await self._answer(engine, "/v1/models")
         return None if body is None else parse_models(body)
 
@@ -236,6 +240,7 @@ class PooledReader:
         self._auth = auth_line(settings)
 
     async def get(self, engine: EngineRef, path: str) -> tuple[int, bytes]:
+        """``(status, body)`` within the bound, the connection pooled only after a whole answer."""
         deadline = asyncio.get_running_loop().time() + self.timeout_s
         conn: Connection | None = None
         try:
@@ -254,4 +259,5 @@ class PooledReader:
         return status, body
 
     async def close(self) -> None:
+        """Close the reader's pool."""
         await self.pool.close()

@@ -133,6 +133,7 @@ class UpstreamPool:
         self._open: set[Connection] = set()
 
     def origin(self, url: str) -> Origin:
+        """The origin of ``url`` (its address, TLS and request heads), made once per URL."""
         origin = self._origins.get(url)
         if origin is None:
             origin = self._origins[url] = Origin(url, self._ssl)
@@ -220,9 +221,11 @@ class UpstreamPool:
 
     @property
     def open_connections(self) -> int:
+        """Connections open now, pooled or in use."""
         return len(self._open)
 
     async def close(self) -> None:
+        """Close every connection, idle or in use, and yield once so their ``connection_lost`` runs."""
         for conn in list(self._open):
             conn.close()
         self._idle.clear()

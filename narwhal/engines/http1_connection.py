@@ -119,9 +119,11 @@ class Connection(asyncio.Protocol):
     # -- asyncio.Protocol ---------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """asyncio: the socket is up."""
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
 
     def data_received(self, data: bytes) -> None:
+        """asyncio, per socket read: parse, then one sink call or one wakeup for what the read brought."""
         if not self.headers_done:
             self._head = self._head + data if self._head else data
         body = self._body
@@ -162,9 +164,11 @@ class Connection(asyncio.Protocol):
                 self.close()
 
     def eof_received(self) -> bool | None:
+        """asyncio: close the transport; :meth:`connection_lost` says what the EOF meant."""
         return None  # close the transport; connection_lost decides what the EOF meant
 
     def connection_lost(self, exc: Exception | None) -> None:
+        """asyncio: a body framed by EOF is complete, any other unfinished response fails."""
         self._closed = True
         self._pool._forget(self)
         if not self.complete:
@@ -181,6 +185,7 @@ class Connection(asyncio.Protocol):
     # the one fact the headers give here (is the body framed?) is read from the head at once.
 
     def on_headers_complete(self) -> None:
+        """httptools: the status and head are in; the reader is woken after the read."""
         self.status = self._parser.get_status_code()
         head = self._head
         end = head.find(b"\r\n\r\n")  # _head_end, written out: once per response
@@ -205,6 +210,7 @@ class Connection(asyncio.Protocol):
         self.sink(data)
 
     def on_message_complete(self) -> None:
+        """httptools: the response ended; a server that will not keep alive makes it unreusable."""
         self.complete = True
         if not self._parser.should_keep_alive():
             self._closed = True  # not reusable; closed when released
@@ -228,6 +234,7 @@ class Connection(asyncio.Protocol):
             self._timer = self._loop.call_at(deadline, self._expire)
 
     def disarm(self) -> None:
+        """Cancel the exchange's deadline (:meth:`arm`); the caller bounds each read itself."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -277,6 +284,7 @@ class Connection(asyncio.Protocol):
 
     @property
     def failed(self) -> bool:
+        """Has this exchange failed (its first error kept)?"""
         return self._error is not None
 
     def wake(self) -> None:
@@ -342,6 +350,7 @@ class Connection(asyncio.Protocol):
             self.close()
 
     def close(self) -> None:
+        """Close for good: the deadline cancelled, never pooled again."""
         self.disarm()
         self._closed = True
         if self.transport is not None:
@@ -349,6 +358,7 @@ class Connection(asyncio.Protocol):
 
     @property
     def reusable(self) -> bool:
+        """Open and not closing: a pooled connection still fit for the next request."""
         return not self._closed and self.transport is not None and not self.transport.is_closing()
 
     def send(self, head: bytes, body: bytes, size: int | None = None) -> None:

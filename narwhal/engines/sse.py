@@ -68,6 +68,7 @@ class SSEFramer:
 
     @property
     def pending(self) -> int:
+        """Bytes held back, waiting for the rest of their event."""
         return len(self._buf)
 
 
@@ -89,6 +90,8 @@ def event_data(event: bytes) -> bytes | None:
 
 
 class Kind(enum.Enum):
+    """What an event is to the request path: metadata, generated output, the terminal event or an error."""
+
     METADATA = "metadata"  # role-only deltas, usage-only chunks, comments, unknown events
     TOKEN = "token"  # generated output: text, content, reasoning, tool calls or finish_reason
     DONE = "done"

@@ -19,6 +19,8 @@ T = TypeVar("T")
 
 
 class LazyTimeout:
+    """One lazily re-armed timer for every wait of a stream; the task that makes it is the one it cancels."""
+
     __slots__ = ("_loop", "_task", "_handle", "_bound", "_reading", "_fired")
 
     def __init__(self) -> None:
@@ -70,6 +72,7 @@ class LazyTimeout:
             self._handle = self._loop.call_at(self._bound, self._fire)
 
     def close(self) -> None:
+        """Cancel the timer; call it when the stream ends."""
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None

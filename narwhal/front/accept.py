@@ -38,6 +38,7 @@ LISTENERS: list[socket.socket] = []
 
 
 def take_listeners() -> list[socket.socket]:
+    """The gunicorn sockets this worker accepts from, handed over once (empty the second time, and outside gunicorn)."""
     taken = LISTENERS[:]
     LISTENERS.clear()
     return taken
@@ -46,8 +47,11 @@ def take_listeners() -> list[socket.socket]:
 class ConnectionShare(Protocol):
     """Where a worker publishes its connection count and reads the other workers'."""
 
-    def publish(self, connections: int | None) -> None: ...  # None: not accepting
-    def least_other(self) -> int | None: ...  # fewest connections of another accepting worker
+    def publish(self, connections: int | None) -> None:
+        """Publish this worker's client connections; None: it is not accepting."""
+
+    def least_other(self) -> int | None:
+        """The fewest connections of another worker that is accepting; None when there is none."""
 
 
 def pause_after(mine: int, least_other: int | None) -> float:
@@ -81,9 +85,11 @@ class BalancedSite(web.BaseSite):
 
     @property
     def name(self) -> str:
+        """The listening address as aiohttp names a site (``http://host:port`` or unix)."""
         return self._name
 
     async def start(self) -> None:
+        """Start accepting from the socket ourselves, one connection per readiness."""
         await super().start()
         self._handler = self._runner.server
         self._loop = asyncio.get_running_loop()
@@ -92,6 +98,7 @@ class BalancedSite(web.BaseSite):
         self._read()
 
     async def stop(self) -> None:
+        """Accept no more, then stop as any aiohttp site."""
         self.stop_accepting()
         await super().stop()
 

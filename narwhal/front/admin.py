@@ -41,6 +41,7 @@ _ACTION_WAIT_S = 2.0
 
 
 def engine_view(router: Router, state: WorkerFleetState | LocalFleetState, engine: Engine) -> dict[str, Any]:
+    """One engine as ``GET /admin/engines`` shows it: the published record, counts, load and holdings."""
     totals_p, totals_d = state.totals("prefill"), state.totals("decode")
     entry: dict[str, Any] = {
         "name": engine.name,
@@ -126,6 +127,7 @@ def _load_view(reading: LoadRecord | None) -> dict[str, Any] | None:
 
 
 def add_admin_routes(app: web.Application, token: str, router_key: Any, state_key: Any) -> None:
+    """``/admin/engines`` and its eject/readmit/drain actions, every one behind the admin token."""
     expected = token.encode()
 
     def authorize(request: web.Request) -> None:

@@ -327,6 +327,7 @@ async def _shutdown(app: web.Application) -> None:
 
 
 def build_app(settings: Settings) -> web.Application:
+    """The worker's aiohttp app: a route per ``ENDPOINTS`` entry, the control routes, the lifecycle."""
     app = web.Application(
         middlewares=[_errors(settings.server.max_header_bytes)],
         client_max_size=settings.server.max_body_bytes,
@@ -356,6 +357,7 @@ MAX_HEADER_FIELDS = 128
 
 
 def make_runner(settings: Settings) -> web.AppRunner:
+    """The app's runner with the settings' timeouts, on gunicorn's sockets when there are some."""
     # The parser's own limits sit above server.max_header_bytes so that the size check in
     # the middleware, which answers 431 in the OpenAI shape, is the one that decides.
     parser_limit = settings.server.max_header_bytes * 2

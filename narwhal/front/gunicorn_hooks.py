@@ -114,6 +114,7 @@ def _check_room(settings: Settings) -> None:
 
 
 def gunicorn_settings() -> dict[str, Any]:
+    """gunicorn's configuration from Narwhal's settings; read by ``gunicorn_conf`` in the master."""
     settings = _load()
     remember(settings)
     _prepare_metrics_dir()
@@ -302,6 +303,7 @@ def post_worker_init(worker: Any) -> None:
 
 
 def child_exit(server: Any, worker: Any) -> None:
+    """gunicorn, in the master, a worker gone: free its slot (it was the slot's one writer), mark its metrics dead."""
     from narwhal import shm
 
     if shm.SHARED is not None:
@@ -316,6 +318,7 @@ def child_exit(server: Any, worker: Any) -> None:
 
 
 def on_exit(server: Any) -> None:
+    """gunicorn, the master leaving: stop the supervisor; remove the metrics directory if Narwhal made it."""
     if _KEEPER:
         _KEEPER.pop().stop()
     path = os.environ.get(_PROM_ENV)

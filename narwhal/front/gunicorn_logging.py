@@ -17,7 +17,10 @@ from narwhal.logs import JsonFormatter
 
 
 class JsonLogger(Logger):  # type: ignore[misc]
+    """gunicorn's logger, every handler it sets up formatting as Narwhal's JSON lines."""
+
     def setup(self, cfg: Any) -> None:
+        """gunicorn's set-up (targets, levels, reopening), then the JSON formatter on each handler."""
         super().setup(cfg)
         for log in (self.error_log, self.access_log):
             for handler in log.handlers:

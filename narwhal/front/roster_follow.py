@@ -58,6 +58,7 @@ def members(shared: SharedFleet) -> tuple[list[tuple[int, EngineSpec]], bool, se
 
 
 def fleet_from_table(settings: Settings, shared: SharedFleet) -> tuple[Fleet, int]:
+    """The worker's fleet from the engine table's LIVE entries, and the epoch read before them."""
     epoch = shared.table.epoch  # read first: what is noted may be older than what was read, never newer
     found, _, _ = members(shared)
     return Fleet(settings, found), epoch
@@ -88,6 +89,8 @@ def scraped(settings: Settings, fleet: Fleet) -> frozenset[str] | None:
 
 
 class RosterFollower:
+    """Keeps a worker's fleet the engine table's (with ``[discovery]``); one u32 compare per check."""
+
     def __init__(self, shared: SharedFleet, fleet: Fleet, state: WorkerFleetState, epoch: int) -> None:
         self.shared = shared
         self.fleet = fleet
@@ -100,6 +103,7 @@ class RosterFollower:
         self.check()
 
     def check(self) -> None:
+        """Take up a moved epoch; note it only once nothing is held on a slot retired by then."""
         epoch = self.shared.table.epoch
         if epoch != self._seen:
             found, complete, _ = members(self.shared)
@@ -122,6 +126,7 @@ class RosterFollower:
         self.state.note_epoch(max(note, 0))
 
     async def keep_following(self) -> None:
+        """:meth:`check` every ``FOLLOW_S``; a failing check is logged, never ends the loop."""
         while True:
             await asyncio.sleep(FOLLOW_S)
             try:

@@ -85,6 +85,7 @@ class NarwhalRunner(web.AppRunner):
         return server
 
     async def setup(self) -> None:
+        """aiohttp's set-up, then a :class:`BalancedSite` per listener."""
         await super().setup()
         share = self._share()
         for sock in self._listeners:
@@ -92,4 +93,5 @@ class NarwhalRunner(web.AppRunner):
 
 
 def make_app_runner(app: web.Application, **kwargs: Any) -> web.AppRunner:
+    """The runner every worker app is served by (``NarwhalRunner``)."""
     return NarwhalRunner(app, **kwargs)

@@ -32,6 +32,7 @@ class Check:
     detail: str = ""
 
     def to_dict(self) -> dict[str, str]:
+        """The check as the JSON report writes it."""
         return {"verdict": self.verdict, "detail": self.detail}
 
 
@@ -49,6 +50,8 @@ class _Verdicted:
 
 @dataclass(slots=True)
 class EngineResult(_Verdicted):
+    """One engine's checks, in the order they ran; its first failure is its reason."""
+
     name: str
     role: str
     # Insertion order is the order the checks ran: health, version, models, handoff, transfers.
@@ -58,6 +61,7 @@ class EngineResult(_Verdicted):
 
     @property
     def ok(self) -> bool:
+        """Every check of the engine passed."""
         return self.verdict == OK
 
     def fail(self, check: str, reason: str) -> None:
@@ -68,6 +72,7 @@ class EngineResult(_Verdicted):
             self.reason = reason
 
     def to_dict(self) -> dict[str, Any]:
+        """The engine as the JSON report writes it."""
         return {
             "name": self.name,
             "role": self.role,
@@ -80,6 +85,8 @@ class EngineResult(_Verdicted):
 
 @dataclass(slots=True)
 class PairResult(_Verdicted):
+    """One producer→consumer transfer check; a pair that is not ``required`` never fails the run."""
+
     producer: str
     consumer: str
     note: str = ""
@@ -87,13 +94,16 @@ class PairResult(_Verdicted):
 
     @property
     def name(self) -> str:
+        """``producer -> consumer``, as the table prints it."""
         return f"{self.producer} -> {self.consumer}"
 
     @property
     def passed(self) -> bool:
+        """OK, or not required (a pair placement would never use)."""
         return self.verdict == OK or not self.required
 
     def to_dict(self) -> dict[str, Any]:
+        """The pair as the JSON report writes it."""
         return {
             "producer": self.producer,
             "consumer": self.consumer,
@@ -119,6 +129,7 @@ class PreflightReport:
 
     @property
     def ok(self) -> bool:
+        """No error, every engine ok and every pair passed: the run's exit status."""
         return (
             not self.errors
             and all(e.ok for e in self.engines)
@@ -126,6 +137,7 @@ class PreflightReport:
         )
 
     def engine(self, name: str) -> EngineResult:
+        """The result of the engine called ``name``; ``KeyError`` if none."""
         for result in self.engines:
             if result.name == name:
                 return result
@@ -136,9 +148,11 @@ class PreflightReport:
         return {e.name for e in self.engines if not e.ok}
 
     def failed_pairs(self) -> set[tuple[str, str]]:
+        """The (producer, consumer) pairs that did not pass: placement starts without them."""
         return {(p.producer, p.consumer) for p in self.pairs if not p.passed}
 
     def to_dict(self) -> dict[str, Any]:
+        """The whole report as ``--json`` prints it."""
         return {
             "ok": self.ok,
             "engines": [e.to_dict() for e in self.engines],
@@ -149,6 +163,7 @@ class PreflightReport:
         }
 
     def to_json(self, *, indent: bool = True) -> str:
+        """:meth:`to_dict` as JSON text, indented unless ``indent`` is False."""
         option = orjson.OPT_INDENT_2 if indent else 0
         return orjson.dumps(self.to_dict(), option=option).decode()
 
@@ -171,6 +186,7 @@ class PreflightReport:
         return "\n".join(lines)
 
     def summary(self) -> str:
+        """The last line: ok, or how many engines and pairs failed."""
         if self.ok:
             return f"preflight: ok ({len(self.engines)} engines, {len(self.pairs)} pairs)"
         bad_engines = sum(not e.ok for e in self.engines)
@@ -204,6 +220,7 @@ def charge_transfers(fleet: Fleet, report: PreflightReport) -> None:
 
 
 def unused_engines(fleet: Fleet) -> list[str]:
+    """A warning per engine that no permitted pair can use (roles, ``kv_peers``, connector)."""
     out = []
     for e in fleet.engines:
         if e.can_prefill and not e.permitted_consumers:

@@ -42,6 +42,7 @@ def _die_with_parent() -> None:
 
 
 def http_get(url: str, timeout: float = 2.0, headers: Mapping[str, str] | None = None) -> tuple[int, bytes]:
+    """``(status, body)`` of a GET; ``(0, b"")`` when nothing answered, never raises for HTTP errors."""
     try:
         with urllib.request.urlopen(urllib.request.Request(url, headers=dict(headers or {})), timeout=timeout) as resp:
             return resp.status, resp.read()
@@ -76,6 +77,7 @@ class FakeFleet:
     def start(
         cls, names: Sequence[str], *, args: Sequence[str] = (), timeout: float = 30.0
     ) -> FakeFleet:
+        """Start ``narwhal fake-engine`` with ``names`` and wait for its ready file; killed if it never comes."""
         fd, ready = tempfile.mkstemp(prefix="narwhal-fleet-", suffix=".json")
         os.close(fd)
         os.unlink(ready)
@@ -97,6 +99,7 @@ class FakeFleet:
         return cls(proc, info["control"], info["engines"])
 
     def control_request(self, method: str, path: str, body: Any = None) -> Any:
+        """One call to the fleet's control server; its JSON answer (None when empty)."""
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.control + path, data=data, method=method)
         req.add_header("Content-Type", "application/json")
@@ -105,6 +108,7 @@ class FakeFleet:
         return json.loads(raw) if raw else None
 
     def stats(self, name: str) -> dict[str, Any]:
+        """Engine ``name``'s ``/fake/stats`` counters."""
         stats: dict[str, Any] = self.control_request("GET", f"/engines/{name}/stats")
         return stats
 
@@ -118,6 +122,7 @@ class FakeFleet:
         self.control_request("PUT", f"/engines/{name}/background", {"requests": requests, "hold_s": hold_s})
 
     def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 10 s; returns once the process is gone."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -148,6 +153,7 @@ class DeadEngine:
             self._filler = socket.create_connection(address, timeout=5)
 
     def close(self) -> None:
+        """Close the sockets: the address is free again."""
         for sock in (self._filler, self._sock):
             if sock is not None:
                 sock.close()
@@ -283,10 +289,12 @@ class RouterProcess:
             _wait(lambda: _http_ok(url + "/ready"), timeout, "router /ready", proc)
 
     def log_text(self) -> str:
+        """Everything the router wrote to its log file so far."""
         with open(self.log_path, errors="replace") as f:
             return f.read()
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Stop gunicorn with ``sig`` (:func:`stop_gunicorn`); its exit status."""
         return stop_gunicorn(self.proc, sig, timeout)
 
 

@@ -31,10 +31,12 @@ __all__ = ["Dialect", "Kind", "bad", "event_name", "is_int", "json_of", "status_
 
 
 def bad(message: str) -> RequestError:
+    """The 400 an admission check raises (reason ``bad_request``)."""
     return RequestError(message, reason=Reason.BAD_REQUEST)
 
 
 def is_int(value: Any) -> bool:
+    """An int and not a bool: decoded JSON has exact types, so one ``type`` test says it."""
     return type(value) is int
 
 
@@ -108,6 +110,7 @@ class Dialect:
         return (prompt if type(prompt) is int else None), (cached if type(cached) is int else None)
 
     def prefill_body(self, body: dict[str, Any], request_id: str, crossed: bool) -> dict[str, Any]:
+        """The producer's body: one token, not streamed, the handoff asked for when ``crossed``."""
         raise NotImplementedError
 
     def decode_body(self, body: dict[str, Any], request_id: str, descriptor: dict[str, Any] | None) -> dict[str, Any]:
@@ -120,6 +123,7 @@ class Dialect:
         return out
 
     def release_body(self, body: dict[str, Any], request_id: str, descriptor: dict[str, Any]) -> dict[str, Any]:
+        """A one-token decode whose only job is to free the producer's blocks named by ``descriptor``."""
         raise NotImplementedError
 
     # -- the stream -----------------------------------------------------------------------------
@@ -134,6 +138,7 @@ class Dialect:
         return -1
 
     def classify(self, event: bytes) -> tuple[Kind, dict[str, Any] | None]:
+        """One event's kind, with the normalised error object when it is an error."""
         raise NotImplementedError
 
     def whole_error(self, data: bytes) -> dict[str, Any] | None:
@@ -143,6 +148,7 @@ class Dialect:
     # -- the router's own errors, shaped for this endpoint's clients ---------------------------
 
     def error_body(self, exc: NarwhalError) -> bytes:
+        """The router's own error as this endpoint's clients expect it (here OpenAI's shape)."""
         return error_body(exc.message, exc.reason, exc.status)
 
     def error_event(self, exc: NarwhalError) -> bytes:

@@ -38,6 +38,7 @@ _OUTPUT_DELTAS = frozenset({"text_delta", "thinking_delta", "input_json_delta"})
 
 
 def anthropic_type(status: int) -> str:
+    """The Anthropic error ``type`` a Messages client sees for a status."""
     known = _TYPE_OF_STATUS.get(status)
     if known is not None:
         return known
@@ -53,6 +54,8 @@ def _text(content: Any) -> str:
 
 
 class Messages(Dialect):
+    """``/v1/messages``: Anthropic's events, ``message_stop`` terminal, errors in Anthropic's shape."""
+
     __slots__ = ()
     endpoint = MESSAGES
     prompt_fields = ("system", "messages")
@@ -60,6 +63,7 @@ class Messages(Dialect):
     terminal_bytes = None
 
     def check(self, body: dict[str, Any]) -> None:
+        """``messages`` a list of objects and ``max_tokens`` present, as Anthropic requires."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise bad("'messages' must be a list of objects")
@@ -73,6 +77,7 @@ class Messages(Dialect):
             raise bad("'stop_sequences' must be a list of strings")
 
     def affinity_text(self, body: dict[str, Any], limit: int) -> str:
+        """The system prompt, then each message as ``role: text``, until ``limit`` characters."""
         parts = [_text(body.get("system"))]
         size = len(parts[0])
         for message in body.get("messages") or ():
@@ -99,6 +104,7 @@ class Messages(Dialect):
         return uncached + (cached or 0) + written, cached
 
     def prefill_body(self, body: dict[str, Any], request_id: str, crossed: bool) -> dict[str, Any]:
+        """One token, not streamed, ``stop_sequences`` dropped so nothing ends it early."""
         out = dict(body)
         out.pop("stop_sequences", None)  # the single token must not end the request early
         out["stream"] = False
@@ -107,6 +113,7 @@ class Messages(Dialect):
         return out
 
     def release_body(self, body: dict[str, Any], request_id: str, descriptor: dict[str, Any]) -> dict[str, Any]:
+        """One token, not streamed, carrying the descriptor to free."""
         out = dict(body)
         out["stream"] = False
         out["max_tokens"] = 1
@@ -114,10 +121,12 @@ class Messages(Dialect):
         return out
 
     def may_end(self, span: bytes) -> bool:
+        """Could ``span`` hold ``message_stop`` or an error (Anthropic's or OpenAI's)?"""
         # An Anthropic error's data holds "type":"error"; OpenAI's holds the key "error".
         return b"message_stop" in span or b'"error"' in span
 
     def clean_end(self, span: bytes) -> int:
+        """The length through ``message_stop`` (a ``[DONE]`` after it dropped) when output ends there; else -1."""
         at = span.rfind(b"event: message_stop\n")
         if at < 0 or (at and span[at - 2 : at] != b"\n\n") or b'"error"' in span:
             return -1
@@ -127,6 +136,7 @@ class Messages(Dialect):
         return end
 
     def classify(self, event: bytes) -> tuple[Kind, dict[str, Any] | None]:
+        """By event name (or the data's ``type``); an error in either shape is normalised."""
         obj = json_of(event)
         name = event_name(event)
         if name is None and isinstance(obj, dict):
@@ -144,10 +154,12 @@ class Messages(Dialect):
         return (Kind.TOKEN if _is_output(name, obj) else Kind.METADATA), None
 
     def error_body(self, exc: NarwhalError) -> bytes:
+        """Anthropic's ``{"type": "error", "error": {...}}``."""
         error = {"type": anthropic_type(exc.status), "message": exc.message}
         return orjson.dumps({"type": "error", "error": error})
 
     def error_event(self, exc: NarwhalError) -> bytes:
+        """``event: error`` with Anthropic's error body."""
         return b"event: error\ndata: " + self.error_body(exc) + b"\n\n"
 
 

@@ -56,6 +56,7 @@ class Completions(Dialect):
     prompt_fields = ("prompt",)
 
     def check(self, body: dict[str, Any]) -> None:
+        """``prompt`` present: a string, strings, token ids or lists of ids."""
         if "prompt" not in body:
             raise bad("'prompt' is required")
         _check_prompt(body["prompt"])
@@ -73,12 +74,15 @@ class Completions(Dialect):
         return ""
 
     def probe_body(self, model: str, prompt: str) -> dict[str, Any]:
+        """A two-token completion of ``prompt``."""
         return {"model": model, "prompt": prompt, "max_tokens": 2}
 
     def prefill_body(self, body: dict[str, Any], request_id: str, crossed: bool) -> dict[str, Any]:
+        """``connector.prefill_body``: the rewrite of SPEC §3."""
         return connector.prefill_body(body, crossed=crossed)
 
     def release_body(self, body: dict[str, Any], request_id: str, descriptor: dict[str, Any]) -> dict[str, Any]:
+        """``connector.release_body``."""
         return connector.release_body(body, descriptor)
 
     # The functions themselves, not methods around them: on the chat path, the probe runs for
@@ -87,15 +91,19 @@ class Completions(Dialect):
     classify = staticmethod(sse.classify)
 
     def clean_end(self, span: bytes) -> int:
+        """The whole span when it ends with ``[DONE]`` (``sse.ends_with_done``), else -1."""
         return len(span) if sse.ends_with_done(span) else -1
 
 
 class Chat(Completions):
+    """``/v1/chat/completions``: completions' stream rules, the prompt in ``messages``."""
+
     __slots__ = ()
     endpoint = CHAT
     prompt_fields = ("messages",)
 
     def check(self, body: dict[str, Any]) -> None:
+        """``messages`` a list of objects, checked without a Python step per message."""
         messages = body.get("messages")
         # Element types counted in C (exact: decoded JSON), not a Python step per message.
         if type(messages) is not list or list(map(type, messages)).count(dict) != len(messages):
@@ -115,6 +123,7 @@ class Chat(Completions):
         return "".join(parts)
 
     def probe_body(self, model: str, prompt: str) -> dict[str, Any]:
+        """A two-token chat of one user message."""
         return {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 2}
 
 
@@ -130,6 +139,7 @@ class Generate(Completions):
     prompt_fields = ("token_ids",)
 
     def check(self, body: dict[str, Any]) -> None:
+        """Non-empty ``token_ids``, a ``sampling_params`` object, and ``n`` at most 1 (one stream to relay)."""
         ids = body.get("token_ids")
         if not isinstance(ids, list) or not ids or not all(is_int(t) for t in ids):
             raise bad("'token_ids' must be a non-empty list of token ids")
@@ -144,6 +154,7 @@ class Generate(Completions):
             raise bad("'sampling_params.n' > 1 is not supported by disaggregated serving")
 
     def affinity_text(self, body: dict[str, Any], limit: int) -> str | None:
+        """The prompt's ids joined by spaces, no more of them than ``limit`` characters need."""
         ids = body.get("token_ids")
         if not isinstance(ids, list):
             return ""
@@ -151,6 +162,7 @@ class Generate(Completions):
         return " ".join(map(str, ids[: limit // 2 + 1]))
 
     def prefill_body(self, body: dict[str, Any], request_id: str, crossed: bool) -> dict[str, Any]:
+        """One token in ``sampling_params``, with what could end it early dropped; not streamed."""
         out = dict(body)
         out.pop("stream_options", None)  # refused by vLLM when stream is false
         params = dict(out.get("sampling_params") or {})
@@ -163,6 +175,7 @@ class Generate(Completions):
         return out
 
     def release_body(self, body: dict[str, Any], request_id: str, descriptor: dict[str, Any]) -> dict[str, Any]:
+        """One token, not streamed, ``min_tokens`` dropped (vLLM refuses it above max), the descriptor in."""
         out = dict(body)
         out.pop("stream_options", None)
         params = dict(out.get("sampling_params") or {})
@@ -174,6 +187,7 @@ class Generate(Completions):
         return out
 
     def classify(self, event: bytes) -> tuple[Kind, dict[str, Any] | None]:
+        """``sse.classify``, and a chunk whose choices carry ``token_ids`` is output."""
         kind, err = sse.classify(event)
         if kind is not Kind.METADATA or b'"token_ids"' not in (event_data(event) or b""):
             return kind, err

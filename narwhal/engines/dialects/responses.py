@@ -41,6 +41,8 @@ def _text(content: Any) -> str:
 
 
 class Responses(Dialect):
+    """``/v1/responses``: named events, ``response.completed`` terminal, the body's ``request_id`` as id."""
+
     __slots__ = ()
     endpoint = RESPONSES
     prompt_fields = ("instructions", "input")
@@ -48,6 +50,7 @@ class Responses(Dialect):
     terminal_bytes = None
 
     def check(self, body: dict[str, Any]) -> None:
+        """Refuse what two legs cannot honour (a stored previous response, background) and bad types."""
         if body.get("previous_response_id") is not None:
             raise bad("'previous_response_id' is not supported by disaggregated serving: the stored "
                       "response lives inside one engine process, which the other leg cannot read")
@@ -64,6 +67,7 @@ class Responses(Dialect):
             raise bad("'max_output_tokens' must be an integer >= 0")
 
     def affinity_text(self, body: dict[str, Any], limit: int) -> str:
+        """The instructions, then the input (text, or each item as ``role: text``) until ``limit``."""
         instructions = body.get("instructions")
         parts = [instructions if isinstance(instructions, str) else ""]
         items = body.get("input")
@@ -89,6 +93,7 @@ class Responses(Dialect):
         return int_or_none(usage.get("input_tokens")), int_or_none(cached)
 
     def prefill_body(self, body: dict[str, Any], request_id: str, crossed: bool) -> dict[str, Any]:
+        """One output token, not streamed, not stored, not background; the backend id as ``request_id``."""
         out = dict(body)
         out.pop("stream_options", None)
         out["stream"] = False
@@ -100,11 +105,13 @@ class Responses(Dialect):
         return out
 
     def decode_body(self, body: dict[str, Any], request_id: str, descriptor: dict[str, Any] | None) -> dict[str, Any]:
+        """The base decode body with the backend id as ``request_id`` (vLLM reads no ``X-Request-Id`` here)."""
         out = super().decode_body(body, request_id, descriptor)
         out["request_id"] = request_id
         return out
 
     def release_body(self, body: dict[str, Any], request_id: str, descriptor: dict[str, Any]) -> dict[str, Any]:
+        """One output token, not streamed, not stored, carrying the descriptor to free."""
         out = dict(body)
         out.pop("stream_options", None)
         out["stream"] = False
@@ -115,10 +122,12 @@ class Responses(Dialect):
         return out
 
     def may_end(self, span: bytes) -> bool:
+        """Could ``span`` hold a terminal event, ``response.failed`` or an error?"""
         return b"response.completed" in span or b"response.incomplete" in span or b'"error"' in span \
             or b"response.failed" in span
 
     def clean_end(self, span: bytes) -> int:
+        """The whole span when it is output then one ``response.completed``, no error; else -1."""
         at = span.rfind(b"event: response.completed\n")
         if at < 0 or (at and span[at - 2 : at] != b"\n\n") or not span.endswith(b"\n\n"):
             return -1
@@ -131,6 +140,7 @@ class Responses(Dialect):
         return len(span)
 
     def classify(self, event: bytes) -> tuple[Kind, dict[str, Any] | None]:
+        """By event name (or the data's ``type``); ``error`` and ``response.failed`` are errors."""
         obj = json_of(event)
         name = event_name(event)
         if name is None and isinstance(obj, dict) and isinstance(obj.get("type"), str):
@@ -155,6 +165,7 @@ class Responses(Dialect):
         return Kind.METADATA, None
 
     def whole_error(self, data: bytes) -> dict[str, Any] | None:
+        """A non-streaming body whose response has ``status: "failed"``, its error normalised."""
         if b'"failed"' not in data:
             return None
         try:
@@ -166,6 +177,7 @@ class Responses(Dialect):
         return _normalised(obj.get("error"))
 
     def error_event(self, exc: NarwhalError) -> bytes:
+        """``event: error`` in the Responses shape (``code``, ``message``, ``param``)."""
         event = {"type": "error", "code": exc.status, "message": exc.message, "param": None}
         return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"
 
