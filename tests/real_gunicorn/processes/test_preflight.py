@@ -120,51 +120,40 @@ def test_all_good_exits_0_with_one_row_per_engine_and_pair(pf_fleet: FakeFleet, 
     assert pf_fleet.stats("pf-p0")["requests"]["prefill"] == 3  # 1 engine check + 2 pairs
 
 
-def test_version_mismatch_fails_the_engine_and_skips_its_pairs(pf_fleet: FakeFleet, tmp_path: Path) -> None:
-    _fault(pf_fleet, "pf-p1", {"version": "0.10.0"})
+# One engine failing one check (case, engine, its fault or None to stop it, the engine's reason, its
+# pairs' verdict and reason). A failed engine's pairs are skipped; a producer whose own checks pass
+# but whose handoffs fail is charged, and its pairs fail (the consumers decoded the other's handoffs).
+ONE_ENGINE_FAILS: list[tuple[str, str, dict[str, Any] | None, str, str, str]] = [
+    ("version", "pf-p1", {"version": "0.10.0"}, "version 0.10.0 does not match 0.11.0",
+     "skip", "producer pf-p1 failed"),
+    ("model", "pf-d0", {"models": ["other-model"]}, "model fake-model not served", "skip", "consumer pf-d0 failed"),
+    ("connector", "pf-p0", {"prefill": {"descriptor": "mooncake"}},
+     "connector mismatch: invalid handoff: connector mismatch", "skip", "producer pf-p0 failed"),
+    ("transfers", "pf-p0", {"kv_read_fails": True}, "transfers to pf-d0, pf-d1 failed",
+     "fail", "transfer failed: KV transfer failed"),
+    ("unreachable", "pf-d1", None, "unreachable", "skip", "consumer pf-d1 failed"),
+    ("health_503", "pf-d0", {"health_status": 503}, "health 503", "skip", "consumer pf-d0 failed"),
+]
+
+
+@pytest.mark.parametrize(("case", "engine", "fault", "reason", "pair_verdict", "pair_reason"), ONE_ENGINE_FAILS,
+                         ids=[row[0] for row in ONE_ENGINE_FAILS])
+def test_one_failing_engine_fails_alone_and_its_pairs_say_why(
+    pf_fleet: FakeFleet, tmp_path: Path, case: str, engine: str, fault: dict[str, Any] | None, reason: str,
+    pair_verdict: str, pair_reason: str,
+) -> None:
+    if fault is None:
+        pf_fleet.control_request("POST", f"/engines/{engine}/stop")
+    else:
+        _fault(pf_fleet, engine, fault)
     proc = _cli(_config(pf_fleet, tmp_path))
     assert proc.returncode == 1
-    expected = _all_ok(["pf-p0", "pf-d0", "pf-d1"], PAIRS[:2])
-    expected["engine pf-p1"] = ("fail", "version 0.10.0 does not match 0.11.0", "-")
-    expected["pair pf-p1 -> pf-d0"] = ("skip", "producer pf-p1 failed", "-")
-    expected["pair pf-p1 -> pf-d1"] = ("skip", "producer pf-p1 failed", "-")
+    mine = [p for p in PAIRS if engine in p.split(" -> ")]
+    expected = _all_ok([n for n, _ in FOUR if n != engine], [p for p in PAIRS if p not in mine])
+    expected[f"engine {engine}"] = ("fail", reason, "-")
+    expected.update({f"pair {p}": (pair_verdict, pair_reason, "-") for p in mine})
     assert _rows(proc.stdout) == expected
     assert proc.stdout.splitlines()[-1] == "preflight: FAILED (1 of 4 engines, 2 of 4 pairs failed)"
-
-
-def test_wrong_model_fails_the_consumer(pf_fleet: FakeFleet, tmp_path: Path) -> None:
-    _fault(pf_fleet, "pf-d0", {"models": ["other-model"]})
-    proc = _cli(_config(pf_fleet, tmp_path))
-    assert proc.returncode == 1
-    expected = _all_ok(["pf-p0", "pf-p1", "pf-d1"], ["pf-p0 -> pf-d1", "pf-p1 -> pf-d1"])
-    expected["engine pf-d0"] = ("fail", "model fake-model not served", "-")
-    expected["pair pf-p0 -> pf-d0"] = ("skip", "consumer pf-d0 failed", "-")
-    expected["pair pf-p1 -> pf-d0"] = ("skip", "consumer pf-d0 failed", "-")
-    assert _rows(proc.stdout) == expected
-
-
-def test_connector_mismatch_fails_the_producer(pf_fleet: FakeFleet, tmp_path: Path) -> None:
-    _fault(pf_fleet, "pf-p0", {"prefill": {"descriptor": "mooncake"}})
-    proc = _cli(_config(pf_fleet, tmp_path))
-    assert proc.returncode == 1
-    expected = _all_ok(["pf-p1", "pf-d0", "pf-d1"], PAIRS[2:])
-    expected["engine pf-p0"] = ("fail", "connector mismatch: invalid handoff: connector mismatch", "-")
-    expected["pair pf-p0 -> pf-d0"] = ("skip", "producer pf-p0 failed", "-")
-    expected["pair pf-p0 -> pf-d1"] = ("skip", "producer pf-p0 failed", "-")
-    assert _rows(proc.stdout) == expected
-
-
-def test_failed_transfers_fail_the_pairs_and_charge_the_producer(pf_fleet: FakeFleet, tmp_path: Path) -> None:
-    _fault(pf_fleet, "pf-p0", {"kv_read_fails": True})
-    proc = _cli(_config(pf_fleet, tmp_path))
-    assert proc.returncode == 1
-    expected = _all_ok(["pf-p1", "pf-d0", "pf-d1"], PAIRS[2:])
-    # Its own checks pass, but its handoffs failed on two consumers: the producer is charged,
-    # the consumers (which decoded pf-p1's handoffs) are not.
-    expected["engine pf-p0"] = ("fail", "transfers to pf-d0, pf-d1 failed", "-")
-    expected["pair pf-p0 -> pf-d0"] = ("fail", "transfer failed: KV transfer failed", "-")
-    expected["pair pf-p0 -> pf-d1"] = ("fail", "transfer failed: KV transfer failed", "-")
-    assert _rows(proc.stdout) == expected
 
 
 def test_a_consumer_whose_tp_is_no_multiple_of_the_producers_is_named_as_the_cause(
@@ -194,29 +183,6 @@ def test_a_consumer_whose_tp_is_no_multiple_of_the_producers_is_named_as_the_cau
     expected["pair pf-p0 -> pf-b0"] = ("fail", (
         f"transfer failed: KV transfer failed; tensor parallel mismatch: pf-p0 runs TP 2, pf-b0 TP 1: {rule}"), "-")
     assert _rows(proc.stdout) == expected
-
-
-def test_an_unreachable_engine(pf_fleet: FakeFleet, tmp_path: Path) -> None:
-    pf_fleet.control_request("POST", "/engines/pf-d1/stop")
-    proc = _cli(_config(pf_fleet, tmp_path))
-    assert proc.returncode == 1
-    expected = _all_ok(["pf-p0", "pf-p1", "pf-d0"], ["pf-p0 -> pf-d0", "pf-p1 -> pf-d0"])
-    expected["engine pf-d1"] = ("fail", "unreachable", "-")
-    expected["pair pf-p0 -> pf-d1"] = ("skip", "consumer pf-d1 failed", "-")
-    expected["pair pf-p1 -> pf-d1"] = ("skip", "consumer pf-d1 failed", "-")
-    assert _rows(proc.stdout) == expected
-
-
-def test_a_dead_engine_health_503(pf_fleet: FakeFleet, tmp_path: Path) -> None:
-    _fault(pf_fleet, "pf-d0", {"health_status": 503})
-    proc = _cli(_config(pf_fleet, tmp_path))
-    assert proc.returncode == 1
-    rows = _rows(proc.stdout)
-    assert rows["engine pf-d0"] == ("fail", "health 503", "-")
-    assert rows["pair pf-p0 -> pf-d0"] == ("skip", "consumer pf-d0 failed", "-")
-    assert sorted(k for k, v in rows.items() if v[0] != "ok") == [
-        "engine pf-d0", "pair pf-p0 -> pf-d0", "pair pf-p1 -> pf-d0"
-    ]
 
 
 def test_json_document(pf_fleet: FakeFleet, tmp_path: Path) -> None:
