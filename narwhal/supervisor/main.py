@@ -6,7 +6,7 @@ Its loop, every few milliseconds:
 2. read every worker's outcome ring, merge the reports in order of completion time and feed
    them to the breakers (operator actions travel the same rings);
 3. let time pass in the breakers (quarantine and wave-hold expiry), start due probes;
-4. publish every engine record whose status changed, then bump the generation, so workers
+4. once any status changed, publish every engine record, then bump the generation, so workers
    re-read the records on their next request: an ejection is visible fleet-wide within one
    loop period (~20 ms) of the report that caused it; the state gauges follow at once.
 
@@ -69,6 +69,8 @@ EXPORT_S = 1.0
 
 
 class Supervisor:
+    """The supervisor's state and loop: the one writer of breaker, load and holdings records."""
+
     def __init__(self, shared: SharedFleet, settings: Settings, holdings: Holdings | None = None) -> None:
         self.shared = shared
         self.settings = settings
@@ -159,6 +161,7 @@ class Supervisor:
             )
 
     def publish(self) -> None:
+        """Every engine's record under the next generation, then the bump: workers re-read once they see it."""
         version = self.shared.generation + 1  # each record carries it: shm.worker waits for it
         for engine in self.fleet.engines:
             st = self.breakers.status(engine.name)
@@ -193,6 +196,7 @@ class Supervisor:
             metrics.ENGINE_STATE.labels(engine.name, engine.role).set(int(self.breakers.status(engine.name).state))
 
     def admitted(self, engine: Engine) -> bool:
+        """Does the engine take requests now (a probe picks its partner by it)? False once it is forgotten."""
         if engine.name not in self.fleet.by_name:  # forgotten since (discovery)
             return False
         return self.breakers.admitted(engine.name, time.monotonic())
@@ -204,6 +208,7 @@ class Supervisor:
     # -- reports ----------------------------------------------------------------------------------
 
     def drain(self) -> None:
+        """Every ring's new reports, in completion order, into the breakers; a removed engine's are dropped."""
         reports: list[Report] = []
         for slot in range(self.shared.in_use()):
             reports.extend(self.shared.drain(slot))
@@ -318,6 +323,7 @@ class Supervisor:
                 self.breakers.health_failed(engine.name, now, "health_check", sent_at=sent_at)
 
     async def run(self) -> None:
+        """The loop (module docstring) until cancelled; reads and probes run in tasks, so no I/O delays the beat."""
         # engine.ca_file and the engine key come with the session (engines.control): health checks
         # and probes must reach engines as the request path does, or an https fleet is ejected.
         async with open_session(self.settings.engine) as session:
