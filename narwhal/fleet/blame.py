@@ -80,6 +80,8 @@ class State(enum.IntEnum):
 
 @dataclass(frozen=True)
 class EngineInfo:
+    """What blame needs of an engine: its roles, wave and the pairs configuration permits."""
+
     name: str
     role: str  # "producer" | "consumer" | "both"
     wave: str | None
@@ -88,6 +90,7 @@ class EngineInfo:
 
     @property
     def roles(self) -> tuple[RoleName, ...]:
+        """The breaker roles it is judged in: both for ``both``, else its one."""
         if self.role == "both":
             return ("producer", "consumer")
         return ("producer",) if self.role == "producer" else ("consumer",)
@@ -113,6 +116,8 @@ class Outcome:
 
 @dataclass(frozen=True)
 class ProbePlan:
+    """What the supervisor must probe an engine with, and as which roles."""
+
     engine: str
     kind: str  # "health" (GET /health only) or "probe" (lifecycle validation + inference probe)
     as_producer: bool  # a tiny prefill whose descriptor must validate
@@ -158,6 +163,7 @@ class Pending:
     as_producer: dict[str, set[str]] = field(default_factory=dict)
 
     def clear(self, engine: str, role: RoleName | None = None) -> None:
+        """Forget the engine's unexplained faults in ``role`` (None: both roles)."""
         if role in (None, "consumer"):
             self.as_consumer.pop(engine, None)
         if role in (None, "producer"):

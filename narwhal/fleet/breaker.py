@@ -1,15 +1,14 @@
 """Circuit breakers, quarantine, probes and readmission of engines (SPEC §5, §6): pure state.
 
-The supervisor owns one :class:`Breakers`. It feeds it the workers' reports in completion
-order (:meth:`~Breakers.record`), its own health checks (:meth:`~Breakers.health_failed`),
-probe results and operator actions, calls :meth:`~Breakers.tick` and
-:meth:`~Breakers.due_probes` on its clock, and publishes :meth:`~Breakers.statuses` whenever
-:attr:`~Breakers.version` moved. Nothing here does I/O, awaits or reads a clock: every time is
-an argument (seconds on the supervisor's monotonic-like clock; converting
-``quarantined_until`` / ``last_failure_at`` to Unix seconds for the admin API is the
-supervisor's job). Blame — who a failed attempt counts against — is in
-:mod:`narwhal.fleet.blame`, with the types that cross this module's boundary (re-exported
-here: :class:`State`, :class:`EngineInfo`, :class:`Outcome`, :class:`ProbePlan`,
+The supervisor owns one :class:`Breakers`. It feeds it the workers' reports in completion order
+(:meth:`~Breakers.record`), its own health checks (:meth:`~Breakers.health_failed`), probe
+results and operator actions, calls :meth:`~Breakers.tick` and :meth:`~Breakers.due_probes` on
+its clock, and publishes :meth:`~Breakers.statuses` whenever :attr:`~Breakers.version` moved.
+Nothing here does I/O, awaits or reads a clock: every time is an argument (seconds on the
+supervisor's monotonic-like clock; converting ``quarantined_until`` / ``last_failure_at`` to
+Unix seconds for the admin API is the supervisor's job). Blame — who a failed attempt counts
+against — is in :mod:`narwhal.fleet.blame`, with the types that cross this module's boundary
+(re-exported here: :class:`State`, :class:`EngineInfo`, :class:`Outcome`, :class:`ProbePlan`,
 :class:`EngineStatus`).
 
 State machine (one per engine)::
@@ -230,11 +229,10 @@ class Breakers:
         """Take over what a previous supervisor published (a restart); unknown names are ignored.
 
         ``by_operator`` / ``waiting`` say whether an EJECTED engine was the operator's (never
-        probed) or waiting for its wave (see :meth:`ejected_by_operator`,
-        :meth:`waiting_for_wave`). Lost with the old process: ambiguity sets, original
-        producers, probe schedules and wave holds: the streak goes to every role of the engine,
-        an engine that was PROBING is probed again at once, an EJECTED one after one interval,
-        and a wave hold restarts at ``now``.
+        probed) or waiting for its wave (see :meth:`ejected_by_operator`, :meth:`waiting_for_wave`).
+        Lost with the old process: ambiguity sets, original producers, probe schedules and wave
+        holds: the streak goes to every role of the engine, an engine that was PROBING is probed
+        again at once, an EJECTED one after one interval, and a wave hold restarts at ``now``.
         """
         rec = self._engines.get(status.name)
         if rec is None:
@@ -260,9 +258,11 @@ class Breakers:
     # ------------------------------------------------------------------------------ queries
 
     def status(self, engine: str) -> EngineStatus:
+        """The engine's status as last committed; ``KeyError`` for an unknown name."""
         return self._status[engine]
 
     def statuses(self) -> list[EngineStatus]:
+        """Every engine's status, in fleet order: what the supervisor publishes."""
         return [self._status[name] for name in self._engines]
 
     def admitted(self, engine: str, now: float) -> bool:

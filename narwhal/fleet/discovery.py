@@ -52,6 +52,7 @@ class Wanted:
     refused_by_source: dict[str, int] = field(default_factory=dict)
 
     def urls(self) -> set[str]:
+        """The URLs of the wanted members: what the running fleet is compared by."""
         return {m.spec.url for m in self.members}
 
 
@@ -101,6 +102,7 @@ class Change:
 
 
 def change(current: Iterable[str], wanted: Wanted) -> Change:
+    """What moves from ``current`` (URLs) to ``wanted``: members to add, URLs to remove (sorted)."""
     now = set(current)
     return Change(
         added=tuple(m for m in wanted.members if m.spec.url not in now),

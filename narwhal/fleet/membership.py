@@ -31,6 +31,8 @@ JOIN_KIND = "lifecycle"  # without a contract: /health and /v1/models
 
 
 class ChangingBreakers(Breakers):
+    """Breakers whose engines change at run time (discovery); a joining engine is PROBING."""
+
     def reshape(self, engines: Sequence[EngineInfo], joining: set[str], now: float) -> None:
         """The engines become ``engines``; those named in ``joining`` that are new start PROBING."""
         wanted = {info.name: info for info in engines}
@@ -61,10 +63,12 @@ class ChangingBreakers(Breakers):
         self.version += 1
 
     def joining(self, engine: str) -> bool:
+        """Is the engine discovered and not yet through its first checks?"""
         rec = self._engines.get(engine)
         return rec is not None and rec.joining
 
     def due_probes(self, now: float) -> list[ProbePlan]:
+        """The joining engines' first checks due now (one in flight each), then the breakers' own probes."""
         plans: list[ProbePlan] = []
         for rec in self._engines.values():
             if rec.joining and rec.state is not State.PROBING:
@@ -77,6 +81,7 @@ class ChangingBreakers(Breakers):
         return plans + super().due_probes(now)
 
     def probe_result(self, engine: str, result: str, now: float) -> None:
+        """A joining engine that fails stays PROBING and is probed again; anything else as the breakers do."""
         rec = self._engines.get(engine)
         if rec is not None and rec.joining and rec.state is State.PROBING:
             if result != "pass":

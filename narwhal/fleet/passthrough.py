@@ -83,6 +83,7 @@ class EngineSlot:
         self._held = True
 
     def release(self) -> None:
+        """Give the slot back, once; later calls do nothing. Wakes waiters for pairs too."""
         if self._held:
             self._held = False
             self._placement._release(self.engine, self.phase)  # wakes pair waiters too
@@ -108,6 +109,7 @@ class SingleEngine:
         return found
 
     def try_reserve(self, model: str) -> EngineSlot | None:
+        """A slot on an engine serving ``model``, least loaded first (quarantined only if no other); None: none free."""
         placement, view = self.placement, self.placement.view
         engines = self._serving(model)
         prefills, decodes = placement.inflight.both_totals()

@@ -54,6 +54,7 @@ class BreakerRecord:
     readmitted_at: float = float("-inf")
 
     def clear_streaks(self) -> None:
+        """Both role streaks and the handoff streak to zero: a readmission, or a take-over's fresh start."""
         self.streak = {"producer": 0, "consumer": 0}
         self.handoff_streak = 0
 
@@ -68,7 +69,7 @@ class BreakerRecord:
 
     def take_over(self, status: EngineStatus) -> None:
         """What a previous supervisor published, as this record's: the streak in every role,
-        none of it a handoff charge (which were is lost with the old process); no probe, no hold."""
+        none of it a handoff charge (those are lost with the old process); no probe, no hold."""
         self.clear_streaks()
         for role in self.info.roles:
             self.streak[role] = status.failure_streak
@@ -78,6 +79,7 @@ class BreakerRecord:
         self.by_operator = self.waiting = False
 
     def status(self) -> EngineStatus:
+        """The record as published: the larger role streak is the failure streak."""
         return EngineStatus(
             name=self.info.name,
             state=self.state,
@@ -104,6 +106,8 @@ def probe_plan(rec: BreakerRecord, kind: str) -> ProbePlan:
 
 @dataclass
 class Wave:
+    """The engines of one ``wave``, readmitted together (whole-wave restart), and its current hold."""
+
     members: list[BreakerRecord]
     hold_since: float | None = None  # when the first member of this episode passed
 

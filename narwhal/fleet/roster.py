@@ -21,6 +21,8 @@ log = logging.getLogger("narwhal.fleet.roster")
 
 @dataclass(slots=True, eq=False)
 class Engine:
+    """One configured or discovered engine, with the pairs it may form; compared by identity, never by value."""
+
     index: int
     name: str
     url: str
@@ -101,6 +103,7 @@ class Fleet:
         return added, list(old.values())
 
     def set_models(self, engine: Engine, models: frozenset[str]) -> None:
+        """The models ``engine`` serves (from ``/v1/models``); placement's caches move with ``version``."""
         if engine.models != models:
             log.info("engine %s serves %s", engine.name, sorted(models))
         engine.models = models
@@ -112,9 +115,11 @@ class Fleet:
 
     @property
     def served_models(self) -> frozenset[str]:
+        """Every model some engine serves: what ``/v1/models`` lists and admission accepts."""
         return self._served
 
     def serves(self, model: str) -> bool:
+        """Does some engine serve ``model``? One set lookup."""
         return model in self._served
 
 

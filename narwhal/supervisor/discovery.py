@@ -62,10 +62,13 @@ STATES = ("active", "probing", "draining", "refused")
 
 
 def gauge_source(source: str) -> str:
+    """The ``source`` label of the discovery gauge: every DNS name counts as ``dns``."""
     return "dns" if source.startswith("dns:") else source
 
 
 class Discovery:
+    """SPEC §10 in the supervisor: sources read off the loop, their last good sets applied to the table."""
+
     def __init__(self, sup: Supervisor, settings: Settings) -> None:
         self.sup = sup
         self.settings = settings.discovery
@@ -133,6 +136,7 @@ class Discovery:
     # -- applying ------------------------------------------------------------------------------
 
     def apply(self) -> None:
+        """The wanted fleet against the current one: the gone drained, those named again readmitted, the new joined."""
         sup = self.sup
         current = {e.url for e in sup.fleet.engines}
         wanted = wanted_fleet(self.static, {s: self.last_good.get(s, []) for s in self.order}, current,
@@ -216,6 +220,7 @@ class Discovery:
         log.info("discovery: engine %s at %s drained and forgotten (slot %d retired)", name, engine.url, engine.index)
 
     def export(self) -> None:
+        """Discovered engines per source and state (active, probing, draining, refused) as gauges."""
         counts = {(gauge_source(s), state): 0 for s in self.order for state in STATES}
         for engine in self.sup.fleet.engines:
             source = self.sup.sources.get(engine.name, STATIC)

@@ -96,6 +96,7 @@ class DnsReader:
         self._resolver.timeout = timeout_s
 
     async def read(self, source: DnsSource) -> list[EngineSpec]:
+        """The engines a DNS source names now (A/AAAA, or SRV targets), sorted; :class:`SourceUnreadable` on failure."""
         if source.srv:
             targets = await self._srv(source.name)
         else:

@@ -48,6 +48,8 @@ WARN_EVERY_S = 60.0  # at most one "not read" line per engine this often
 
 
 class LoadReader:
+    """Reads engines' ``/metrics`` off the loop into load records; at most one read per engine at a time."""
+
     def __init__(
         self, shared: SharedFleet, control: PooledReader | ControlClient,
         on_capacity: Callable[[int, int | None], None] | None = None,
@@ -114,5 +116,6 @@ class LoadReader:
         self.shared.bump_load_generation()
 
     def cancel(self) -> None:
+        """Cancel every read still running (the supervisor stopping)."""
         for task in self._tasks:
             task.cancel()

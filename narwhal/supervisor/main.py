@@ -7,7 +7,7 @@ so a test drives the passes with a fake one (tests/unit/supervisor/test_supervis
 2. read every worker's outcome ring, merge the reports in order of completion time and feed
    them to the breakers (operator actions travel the same rings);
 3. let time pass in the breakers (quarantine and wave-hold expiry), start due probes;
-4. publish every engine record whose status changed, then bump the generation, so workers
+4. once any status changed, publish every engine record, then bump the generation, so workers
    re-read the records on their next request: an ejection is visible fleet-wide within one
    loop period (~20 ms) of the report that caused it; the state gauges follow at once.
 
@@ -89,6 +89,8 @@ class Loop:
 
 
 class Supervisor:
+    """The supervisor's state and loop: the one writer of breaker, load and holdings records."""
+
     def __init__(self, shared: SharedFleet, settings: Settings, holdings: Holdings | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.shared = shared
@@ -181,6 +183,7 @@ class Supervisor:
             )
 
     def publish(self) -> None:
+        """Every engine's record under the next generation, then the bump: workers re-read once they see it."""
         version = self.shared.generation + 1  # each record carries it: shm.worker waits for it
         for engine in self.fleet.engines:
             st = self.breakers.status(engine.name)
@@ -209,12 +212,12 @@ class Supervisor:
         self.export_states()
 
     def export_states(self) -> None:
-        """Engine states as gauges, at every publish: they follow ``/admin/engines`` within one
-        loop (SPEC §8: 100 ms), not an export period behind it."""
+        """Engine states as gauges at every publish: within one loop of ``/admin/engines`` (SPEC §8)."""
         for engine in self.fleet.engines:
             metrics.ENGINE_STATE.labels(engine.name, engine.role).set(int(self.breakers.status(engine.name).state))
 
     def admitted(self, engine: Engine) -> bool:
+        """Does the engine take requests now (a probe picks its partner by it)? False once it is forgotten."""
         if engine.name not in self.fleet.by_name:  # forgotten since (discovery)
             return False
         return self.breakers.admitted(engine.name, self._clock())
@@ -226,6 +229,7 @@ class Supervisor:
     # -- reports ----------------------------------------------------------------------------------
 
     def drain(self) -> None:
+        """Every ring's new reports, in completion order, into the breakers; a removed engine's are dropped."""
         reports: list[Report] = []
         for slot in range(self.shared.in_use()):
             reports.extend(self.shared.drain(slot))
@@ -382,7 +386,7 @@ class Supervisor:
             self.export()
 
     async def run(self) -> None:
-        """The supervisor's life: a pass every LOOP_S until cancelled."""
+        """A pass (``step``) every LOOP_S until cancelled; reads and probes run in tasks, so no I/O delays the beat."""
         # engine.ca_file and the engine key come with the session (engines.control): health checks
         # and probes must reach engines as the request path does, or an https fleet is ejected.
         async with open_session(self.settings.engine) as session:

@@ -46,6 +46,8 @@ def _why(exc: NarwhalError) -> str:
 
 
 class Prober:
+    """Runs the supervisor's health checks and readmission probes; every leg bounded by the first-token timeout."""
+
     def __init__(
         self,
         settings: Settings,
@@ -62,6 +64,7 @@ class Prober:
         self.pin = VersionPin.of(settings.engine_contract)
 
     async def health(self, engine: Engine) -> bool:
+        """Did ``GET /health`` answer 200?"""
         return await self.health_failure(engine) is None
 
     async def health_failure(self, engine: Engine) -> str | None:
@@ -74,6 +77,7 @@ class Prober:
 
     async def probe(self, engine: Engine, kind: str, as_producer: bool, as_consumer: bool,
                     producer: str | None) -> Verdict:
+        """The verdict of one probe of ``kind`` and why: health, lifecycle, then the producer and consumer legs."""
         if kind == "health":
             failure = await self.health_failure(engine)
             return (PASS, "") if failure is None else (FAIL, failure)

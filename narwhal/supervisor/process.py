@@ -51,6 +51,7 @@ MIN_RESPAWN_S = 1.0
 
 
 def set_parent_death_signal(sig: int) -> None:
+    """Have the kernel send ``sig`` to this process when its parent dies (Linux; elsewhere the ``getppid`` check)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
@@ -82,6 +83,7 @@ class SupervisorKeeper:
     # -- the master's calls ----------------------------------------------------------------
 
     def start(self) -> None:
+        """Master only: fork a supervisor (told it is a restart after the first) and watch its pidfd."""
         starts = self.shared.count_start()
         pid = fork_child(lambda: run_supervisor(self.shared, restarted=starts > 1), death_signal=signal.SIGTERM,
                          keep_fd=self.shared.region.fd)
@@ -115,6 +117,7 @@ class SupervisorKeeper:
             self._signal(signal.SIGTERM)
 
     def stop(self, timeout: float = 5.0) -> None:
+        """Master only, for good: SIGTERM, reap within ``timeout``, then SIGKILL; the keeper restarts nothing after."""
         self.stopping = True
         if not self.pid:
             return
@@ -131,6 +134,7 @@ class SupervisorKeeper:
     # -- state -----------------------------------------------------------------------------
 
     def wedged(self) -> bool:
+        """No beat for ``STALE_S`` (``STARTUP_S`` before its first): alive but not looping, to be replaced."""
         if self.shared.supervisor_pid != self.pid:  # this one has not beaten yet
             return self.clock() - self.started_at > STARTUP_S
         return self.shared.heartbeat_age_s > STALE_S

@@ -25,6 +25,7 @@ from narwhal.shm.table import record_hash
 
 
 def preflight_on_start(shared: SharedFleet, settings: Settings) -> set[str]:
+    """Master, before any fork: run preflight, print it, publish failed engines EJECTED; their names."""
     report = asyncio.run(run_preflight(settings))
     failed = report.failed_engines()
     if settings.log.format == "json":  # one JSON line, the report as data, like every other line
