@@ -12,6 +12,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -114,68 +115,72 @@ async def test_coalesced_stream_is_identical(aiohttp_client: ClientFactory, spec
 # -- fleet and control server ------------------------------------------------------------------
 
 
-async def test_fleet_control_routes_in_process() -> None:
+@pytest.fixture
+async def running() -> AsyncIterator[tuple[Fleet, dict[str, Any], aiohttp.ClientSession]]:
+    """A two-engine fleet (a, b) with its control server, in process, and a client session."""
     fleet = Fleet(["a", "b"], lease_s=30)
     ready = await fleet.start()
     try:
-        async with aiohttp.ClientSession() as s:
-            ctl = ready["control"]
-            put = await s.put(
-                f"{ctl}/engines/a/faults", json={"decode": {"status": 429}, "kv_read_fails": True}
-            )
-            assert (await put.json())["faults"]["decode"] == {"status": 429}
-            assert (await s.put(f"{ctl}/engines/a/faults", json={"bogus": 1})).status == 400
-            assert (await s.get(f"{ctl}/engines/zzz/stats")).status == 404
-            resp = await s.post(f"{ready['engines']['a']}/v1/completions", json={"prompt": "x"})
-            assert resp.status == 429
-            reqs = await (
-                await s.get(f"{ctl}/engines/a/requests", params={"contains": '"prompt":"x"'})
-            ).json()
-            assert reqs["count"] == 1 and reqs["requests"][0]["status"] == 429
-            assert (await (await s.delete(f"{ctl}/engines/a/faults")).json())["faults"] == {}
-            # Crossed handoff a -> b through the control-visible stats.
-            pre = await (
-                await s.post(f"{ready['engines']['a']}/v1/completions", json=prefill_body(32))
-            ).json()
-            everything = await (await s.get(f"{ctl}/engines")).json()
-            assert everything["a"]["held_blocks"] == 2 and set(everything) == {"a", "b"}
-            body = {"prompt": "x", "max_tokens": 1, "kv_transfer_params": pre["kv_transfer_params"]}
-            assert (await s.post(f"{ready['engines']['b']}/v1/completions", json=body)).status == 200
-            assert (await (await s.get(f"{ctl}/engines/a/stats")).json())["held_blocks"] == 0
-            # The real AppRunner cancels the handler of a stream whose client went away.
-            stream = await s.post(
-                f"{ready['engines']['b']}/v1/completions", json=faulty({"tokens": 100, "token_delay_s": 0.05})
-            )
-            await stream.content.readuntil(b"\n\n")
-            stream.close()
-            await wait_for(lambda: fleet.engines["b"].aborted_streams == 1)
-            # Stop aborts an open stream and refuses new connections; start listens again.
-            stream = await s.post(
-                f"{ready['engines']['b']}/v1/completions", json=faulty({"tokens": 100, "token_delay_s": 0.05})
-            )
-            await stream.content.readuntil(b"\n\n")
-            stopped = await (await s.post(f"{ctl}/engines/b/stop")).json()
-            assert stopped["serving"] is False
-            with pytest.raises(aiohttp.ClientPayloadError):
-                await stream.read()
-            with pytest.raises(aiohttp.ClientConnectorError):
-                await s.get(f"{ready['engines']['b']}/health")
-            started = await (await s.post(f"{ctl}/engines/b/start")).json()
-            assert started == {"name": "b", "serving": True, "url": ready["engines"]["b"]}
-            assert (await s.get(f"{ready['engines']['b']}/health")).status == 200
-            # A stopped producer cannot serve reads, even through the in-process registry.
-            pre = await (
-                await s.post(f"{ready['engines']['b']}/v1/completions", json=prefill_body(32))
-            ).json()
-            await s.post(f"{ctl}/engines/b/stop")
-            body = {"prompt": "x", "stream": True, "kv_transfer_params": pre["kv_transfer_params"]}
-            evs = decoded(await (await s.post(f"{ready['engines']['a']}/v1/completions", json=body)).read())
-            assert evs[0]["error"]["message"] == "KV transfer failed" and evs[1:] == ["[DONE]"]
-            await s.post(f"{ctl}/engines/b/start")
-            assert (await (await s.post(f"{ctl}/reset")).json()) == {"reset": ["a", "b"]}
-            assert (await (await s.delete(f"{ctl}/engines/b/requests")).json())["cleared"] == 0
+        async with aiohttp.ClientSession() as session:
+            yield fleet, ready, session
     finally:
         await fleet.close()
+
+
+async def test_fleet_control_routes_set_faults_and_show_requests_and_holdings(
+    running: tuple[Fleet, dict[str, Any], aiohttp.ClientSession],
+) -> None:
+    fleet, ready, s = running
+    ctl = ready["control"]
+    put = await s.put(f"{ctl}/engines/a/faults", json={"decode": {"status": 429}, "kv_read_fails": True})
+    assert (await put.json())["faults"]["decode"] == {"status": 429}
+    assert (await s.put(f"{ctl}/engines/a/faults", json={"bogus": 1})).status == 400
+    assert (await s.get(f"{ctl}/engines/zzz/stats")).status == 404
+    resp = await s.post(f"{ready['engines']['a']}/v1/completions", json={"prompt": "x"})
+    assert resp.status == 429
+    reqs = await (await s.get(f"{ctl}/engines/a/requests", params={"contains": '"prompt":"x"'})).json()
+    assert reqs["count"] == 1 and reqs["requests"][0]["status"] == 429
+    assert (await (await s.delete(f"{ctl}/engines/a/faults")).json())["faults"] == {}
+    # Crossed handoff a -> b through the control-visible stats.
+    pre = await (await s.post(f"{ready['engines']['a']}/v1/completions", json=prefill_body(32))).json()
+    everything = await (await s.get(f"{ctl}/engines")).json()
+    assert everything["a"]["held_blocks"] == 2 and set(everything) == {"a", "b"}
+    body = {"prompt": "x", "max_tokens": 1, "kv_transfer_params": pre["kv_transfer_params"]}
+    assert (await s.post(f"{ready['engines']['b']}/v1/completions", json=body)).status == 200
+    assert (await (await s.get(f"{ctl}/engines/a/stats")).json())["held_blocks"] == 0
+    assert (await (await s.post(f"{ctl}/reset")).json()) == {"reset": ["a", "b"]}
+    assert (await (await s.delete(f"{ctl}/engines/b/requests")).json())["cleared"] == 0
+
+
+async def test_fleet_control_stops_and_starts_an_engine_and_an_abort_is_counted(
+    running: tuple[Fleet, dict[str, Any], aiohttp.ClientSession],
+) -> None:
+    fleet, ready, s = running
+    ctl, b_url = ready["control"], ready["engines"]["b"]
+    # The real AppRunner cancels the handler of a stream whose client went away.
+    stream = await s.post(f"{b_url}/v1/completions", json=faulty({"tokens": 100, "token_delay_s": 0.05}))
+    await stream.content.readuntil(b"\n\n")
+    stream.close()
+    await wait_for(lambda: fleet.engines["b"].aborted_streams == 1)
+    # Stop aborts an open stream and refuses new connections; start listens again.
+    stream = await s.post(f"{b_url}/v1/completions", json=faulty({"tokens": 100, "token_delay_s": 0.05}))
+    await stream.content.readuntil(b"\n\n")
+    stopped = await (await s.post(f"{ctl}/engines/b/stop")).json()
+    assert stopped["serving"] is False
+    with pytest.raises(aiohttp.ClientPayloadError):
+        await stream.read()
+    with pytest.raises(aiohttp.ClientConnectorError):
+        await s.get(f"{b_url}/health")
+    started = await (await s.post(f"{ctl}/engines/b/start")).json()
+    assert started == {"name": "b", "serving": True, "url": b_url}
+    assert (await s.get(f"{b_url}/health")).status == 200
+    # A stopped producer cannot serve reads, even through the in-process registry.
+    pre = await (await s.post(f"{b_url}/v1/completions", json=prefill_body(32))).json()
+    await s.post(f"{ctl}/engines/b/stop")
+    body = {"prompt": "x", "stream": True, "kv_transfer_params": pre["kv_transfer_params"]}
+    evs = decoded(await (await s.post(f"{ready['engines']['a']}/v1/completions", json=body)).read())
+    assert evs[0]["error"]["message"] == "KV transfer failed" and evs[1:] == ["[DONE]"]
+    await s.post(f"{ctl}/engines/b/start")
 
 
 def _http(method: str, url: str, body: Any = None) -> tuple[int, Any]:
