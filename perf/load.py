@@ -46,13 +46,15 @@ class Workload:
     stream: bool = True
     tokens: int = 16
     fault: Mapping[str, Any] | None = None  # the fake engine's per-request ``narwhal_fake``
+    system_chars: int = 0  # chat: a system prompt this long before the user's message (chat_long)
 
     def data(self) -> dict[str, Any]:
         if self.endpoint in pd_endpoints.ENDPOINTS:
             return pd_endpoints.data(self.endpoint, MODEL, PROMPT, self.tokens, self.stream, self.fault)
         data: dict[str, Any] = {"model": MODEL, "max_tokens": self.tokens, "stream": self.stream}
         if self.endpoint == CHAT:
-            data["messages"] = [{"role": "user", "content": PROMPT}]
+            system = [{"role": "system", "content": _system_text(self.system_chars)}] if self.system_chars else []
+            data["messages"] = [*system, {"role": "user", "content": PROMPT}]
         else:
             data["prompt"] = PROMPT
         if self.fault is not None:
@@ -70,6 +72,12 @@ class Workload:
 
 
 PREFILL_KV = PREFILL_KV_PARAMS  # exactly what the router sends a producer
+
+
+def _system_text(chars: int) -> str:
+    """``chars`` characters of words and punctuation, as a long system prompt reads (not one run of a letter)."""
+    sentence = "You are a careful assistant; answer briefly, cite the policy, and never guess. "
+    return (sentence * (chars // len(sentence) + 1))[:chars]
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,11 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from perf import baseline, procs, report, report_plots
+from perf import baseline, procs
 from perf.interrupts import INTERRUPTS
 from perf.memory import run_memory
-from perf.notes import notes
 from perf.placement import run_placement
+from perf.report import plots as report_plots
+from perf.report import results as report
+from perf.report.notes import notes
+from perf.report.summary import against_baseline, compare, recommend_workers, summarize
 from perf.scarce import run_scarce
 from perf.scenarios import (
     SCARCE_ROWS,
@@ -38,7 +41,6 @@ from perf.scenarios import (
     select,
 )
 from perf.stack import Stack, expand_peer
-from perf.summary import against_baseline, compare, recommend_workers, summarize
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
@@ -127,21 +129,14 @@ def _add_comparison_options(p: argparse.ArgumentParser) -> None:
 
 
 def _git() -> str:
+    """The commit under test, marked when narwhal/ has uncommitted changes (they are what ran)."""
+
+    def out(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=5,
+                              cwd=Path(__file__).parent).stdout.strip()
+
     try:
-        rev = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            cwd=Path(__file__).parent,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "narwhal"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            cwd=Path(__file__).parent,
-        ).stdout.strip()
+        rev, dirty = out("rev-parse", "--short", "HEAD"), out("status", "--porcelain", "--", "narwhal")
         return (rev or "unknown") + (" (narwhal/ modified)" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"

@@ -9,7 +9,7 @@ and stops them all before the next scenario.
 
 Between rounds the producers' prefix caches are emptied (the model is switched off and on
 through the control server), so no variant inherits another's warm cache, and every round starts
-fresh conversations. The figures per variant: the pooled ``perf/summary`` figures (client-felt
+fresh conversations. The figures per variant: the pooled ``perf.report.summary`` figures (client-felt
 TTFB = ``first_byte_s``, router CPU per request), the router's own ``ttft_s`` from its access log,
 and the producers' cached share of prompt tokens from their prefix-cache counters (vLLM's
 ``prefix_cache_queries`` / ``hits``), read as the measured window opens and closes: the steady
@@ -28,9 +28,9 @@ from typing import Any
 from narwhal.testing.harness import FakeFleet, RouterProcess, write_config
 from perf.chat_load import AccessLog, ChatUsers, FixedBody, run_users, system_prompts
 from perf.load import COMPLETIONS, RoundResult, Workload, percentile
+from perf.report.summary import summarize
 from perf.scenarios import Scenario
 from perf.stack import Peer, Target, router_sections
-from perf.summary import summarize
 
 SHORT = Workload(COMPLETIONS, stream=True, tokens=16)
 
@@ -256,7 +256,7 @@ def _ms(values: list[float], q: float) -> float | None:
 
 
 def figures(target: Target, tally: Tally, cores: int) -> dict[str, Any]:
-    """``perf/summary``'s figures plus the placement ones: router TTFT, cached share, modes."""
+    """``perf.report.summary``'s figures plus the placement ones: router TTFT, cached share, modes."""
     stats = summarize(target, tally.rounds, cores)
     stats["router_ttft_ms"] = {"p50": _ms(tally.ttft, 50), "p99": _ms(tally.ttft, 99)}
     stats["router_first_byte_ms"] = {"p50": _ms(tally.first_byte, 50), "p99": _ms(tally.first_byte, 99)}

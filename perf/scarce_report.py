@@ -1,6 +1,6 @@
 """``prefix_scarce`` in the report: every row's figures, and issue 21's targets as PASS/FAIL lines.
 
-Why apart from ``perf/placement_report.py``: these targets compare ``held`` with rows that are
+Why apart from ``perf/report/placement.py``: these targets compare ``held`` with rows that are
 not variants of one router (the ideal placement, the peer's best policy, two replicas), and a row
 may be "not available" (a build that refuses ``policy = "held"``): its targets then say n/a
 rather than failing, and the run goes on. As everywhere in the report, a verdict never fails a run.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from perf.report_tables import fmt
+from perf.report.tables import fmt
 
 NAMES = ("prefix_scarce_uniform", "prefix_scarce_zipf", "prefix_scarce_slow")
 # Issue 21's thresholds.

@@ -4,7 +4,7 @@ Why interleaving: the host is shared and noisy (other engineers' test runs, CI).
 figure measured a minute after its direct baseline would mostly measure the minute; rotating
 the order of targets every round and pooling the rounds makes every ratio come from the same
 stretch of time. The host's busy CPU not accounted to our processes is reported per scenario
-("other CPU %") so a noisy run can be recognised. The pooling itself is ``perf/summary.py``.
+("other CPU %") so a noisy run can be recognised. The pooling itself is ``perf/report/summary.py``.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ TARGETS = ("narwhal", "baseline", "direct", "direct-pd", "peer")
 WITH_FLOOR = (*TARGETS, "aiohttp-floor")
 STREAM = Workload(COMPLETIONS, stream=True, tokens=16)
 PACED = Workload(COMPLETIONS, stream=True, tokens=16, fault=PACED_FAULT)
+LONG_SYSTEM_CHARS = 4000
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +100,13 @@ def _load_scenarios(quick: bool, big: int) -> list[Scenario]:
             "chat_c32",
             "streaming chat completions, 16 tokens, c=32",
             workload=Workload(CHAT, stream=True, tokens=16),
+            concurrency=32,
+        ),
+        # The same with a 4,000-character system prompt: what a long prompt costs over chat_c32 (issue 24).
+        Scenario(
+            "chat_long",
+            "streaming chat completions, 4,000-character system prompt, 16 tokens, c=32",
+            workload=Workload(CHAT, stream=True, tokens=16, system_chars=LONG_SYSTEM_CHARS),
             concurrency=32,
         ),
         # The other P/D endpoints against the same fleet; the direct-pd floor speaks completions only.

@@ -2,7 +2,7 @@
 
 Runs as a subprocess so the suite's own processes (fake fleet, gunicorn router) are started and
 stopped exactly as an operator would run it, and a hang is bounded by the subprocess timeout.
-One run, two tests: the fault mix and the poison storm that follows it (``perf.chaos_storm``).
+One run, two tests: the fault mix and the poison storm that follows it (``perf.chaos.storm``).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from perf.chaos import ENGINE_EVENTS, PROCESS_EVENTS
-from perf.chaos_faults import KINDS
-from perf.chaos_storm import MIN_CLEAN_SHARE, POISON_SHARE
+from perf.chaos.faults import KINDS
+from perf.chaos.run import ENGINE_EVENTS, PROCESS_EVENTS
+from perf.chaos.storm import MIN_CLEAN_SHARE, POISON_SHARE
 
 QuickRun = tuple[subprocess.CompletedProcess[str], dict[str, Any]]
 

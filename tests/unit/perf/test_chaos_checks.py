@@ -1,4 +1,4 @@
-"""The chaos suite's KV accounting (perf.chaos_checks) judges only from complete records.
+"""The chaos suite's KV accounting (perf.chaos.checks) judges only from complete records.
 
 Why: the fake keeps a bounded list of request records per engine. A storm overran it: a
 producer's oldest prefills then had no decode record left on the consumers and were reported
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from perf.chaos_checks import kv_accounting, kv_leaks
+from perf.chaos.checks import kv_accounting, kv_leaks
 
 
 class Fleet:

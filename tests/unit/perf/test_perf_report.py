@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from perf.report import evaluate_targets
+from perf.report.results import evaluate_targets
 
 
 def _target(router_cpu: float, ratio: float, ttfb_added: float) -> dict[str, Any]:
@@ -50,3 +50,25 @@ def test_without_a_peer_the_host_verdict_is_not_guessed() -> None:
     cpu = _row(rows, "router CPU")
     assert cpu["host_result"] == "n/a" and cpu["host_threshold"] == "n/a (needs --peer)"
     assert _row(rows, "paced decode 10 ms")["host_result"] == "PASS"  # the PD floor needs no peer
+
+
+def test_cpu_against_the_peer_is_judged_per_scenario_at_0_9() -> None:
+    rows = evaluate_targets(_results(700.0))  # 700 / 783 = 0.894 at c=32; c=1: 1100 / 783 = 1.405
+    c32 = _row(rows, "router CPU per request ×peer, stream_c32")
+    assert (c32["narwhal"], c32["result"]) == (0.894, "PASS")
+    c1 = _row(rows, "router CPU per request ×peer, stream_c1")
+    assert (c1["narwhal"], c1["result"]) == (1.405, "FAIL")
+    assert _row(rows, "router CPU per request ×peer, chat_long")["result"] == "n/a"  # did not run
+    assert _row(evaluate_targets(_results(700.0, peer=False)), "router CPU per request ×peer, stream_c32")[
+        "result"] == "n/a"
+
+
+def test_a_long_prompt_may_cost_at_most_15_percent_over_a_short_one() -> None:
+    results = _results(700.0)
+    results["chat_c32"] = {"targets": {"narwhal": _target(600.0, 0.3, 0.0)}}
+    results["chat_long"] = {"targets": {"narwhal": _target(690.0, 0.3, 0.0)}}
+    row = _row(evaluate_targets(results), "router CPU per request, chat_long ×chat_c32")
+    assert (row["narwhal"], row["result"]) == (1.15, "PASS")
+    results["chat_long"]["targets"]["narwhal"]["router_cpu_us_per_req"] = 700.0
+    row = _row(evaluate_targets(results), "router CPU per request, chat_long ×chat_c32")
+    assert (row["narwhal"], row["result"]) == (1.167, "FAIL")

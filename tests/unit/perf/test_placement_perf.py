@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 
 from perf.chat_load import ChatUsers, system_prompts
-from perf.placement_report import table, targets
+from perf.report.placement import table, targets
 from perf.scenarios import all_scenarios, placement_scenarios, select
 
 

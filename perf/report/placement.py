@@ -1,6 +1,6 @@
 """The placement scenarios in the report: their table, the issue's placement targets, one plot.
 
-Why apart from ``perf/report_tables.py``: these scenarios compare *variants of one router* (affinity
+Why apart from ``perf/report/tables.py``: these scenarios compare *variants of one router* (affinity
 on/off, reported load on/off, local decode on/off) rather than a router against ``direct``, and
 their targets are ratios between variants of the same run. The verdicts here never fail a run,
 as everywhere in the report; a scenario that did not run shows no section.
@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from perf.report_tables import fmt
+from perf.report.tables import fmt
 
 NAMES = ("prefix_mix", "busy_elsewhere", "local_short")
 

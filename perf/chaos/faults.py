@@ -10,10 +10,10 @@ An *expectation* lists the outcomes a request may end with: ``ok`` (a full strea
 the expected tokens, then ``[DONE]``), ``http:<status>:<type>`` (an OpenAI-shaped error with the
 ``x-narwhal-error`` header) or ``term:<code>:<type>`` (HTTP 200, a prefix of the expected tokens,
 then exactly one terminal error event and no ``[DONE]``). Disruptions that overlap a request
-(engines stopped, kv reads failing, a worker killed) widen the allowed set in ``perf.chaos``.
+(engines stopped, kv reads failing, a worker killed) widen the allowed set in ``perf.chaos.run``.
 
 The fleet's names and what a chaos client sends (deadline, timeout, back-off) live here too, so
-both scenarios — the fault mix of ``perf.chaos`` and the poison storm of ``perf.chaos_storm`` —
+both scenarios — the fault mix of ``perf.chaos.run`` and the poison storm of ``perf.chaos.storm`` —
 read them from one place without importing each other.
 """
 
@@ -36,7 +36,7 @@ CLIENT_SLACK_S = 5.0  # client timeout = deadline + slack: beyond it the router 
 NO_ENGINE_BACKOFF_S = 1.0
 PROMPT_WORDS = 12  # 3 KV blocks at --block-size 4: every crossed handoff pins blocks
 
-# Timeouts the router runs with (perf.chaos writes them into its config) and fault sizes that
+# Timeouts the router runs with (perf.chaos.run writes them into its config) and fault sizes that
 # are clearly beyond them, so a busy machine cannot blur which side of the bound a fault is on.
 PREFILL_TIMEOUT_S = 1.5
 FIRST_TOKEN_TIMEOUT_S = 1.5

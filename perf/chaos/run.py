@@ -7,9 +7,9 @@ worker killed with streams open, a reload under load. This suite runs a real fak
 requests of which ~30 % carry a per-request fault, and meanwhile stops/starts engines, flaps
 their health, fails their KV reads, kills a worker and the supervisor with SIGKILL and reloads
 with SIGHUP. Every reply is checked against what the contract allows for the fault it met
-(``perf.chaos_faults``); at the end, with faults cleared, every engine must be admitted again,
+(``perf.chaos.faults``); at the end, with faults cleared, every engine must be admitted again,
 no reservation may be held, no KV handoff stranded, and router fds/RSS back near their start
-(``perf.chaos_checks``). Then the poison storm (``perf.chaos_storm``): on a fresh fleet and
+(``perf.chaos.checks``). Then the poison storm (``perf.chaos.storm``): on a fresh fleet and
 router, half the requests carry a fault every engine fails on, and clean requests must keep
 succeeding. Exit status 1 on any violation or leak, or a storm below its bound.
 
@@ -35,9 +35,8 @@ from typing import Any
 import aiohttp
 
 from narwhal.testing.harness import FakeFleet, RouterProcess, write_config
-from perf import chaos_checks as checks
-from perf import chaos_storm as storm
-from perf.chaos_faults import (
+from perf.chaos import checks, storm
+from perf.chaos.faults import (
     ADMIN_TOKEN,
     CLIENT_SLACK_S,
     CONSUMERS,
@@ -57,7 +56,7 @@ from perf.chaos_faults import (
     judge,
     make_expectation,
 )
-from perf.chaos_report import print_storm, print_summary, summarize
+from perf.chaos.report import print_storm, print_summary, summarize
 
 LEASE_S = 60.0
 FAULT_FRACTION = 0.3
@@ -68,7 +67,7 @@ FAULT_FRACTION = 0.3
 MAX_FDS_GROWTH = 20
 MAX_RSS_GROWTH_KB = 30 * 1024
 TAIL_S = 2.0  # requests keep flowing this long after the last fault window closed
-# The KV accounting reads every request record of the run (perf.chaos_checks); the fake's
+# The KV accounting reads every request record of the run (perf.chaos.checks); the fake's
 # default keeps the last 2,000 per engine, which a storm passes in seconds (a quick storm sent
 # 6,065 requests in 8 s: every engine's list was full, covering only its last 5 to 7 s). About
 # 2 kB a record: a full run's fleet stays within ~100 MB.
@@ -358,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--strict", action="store_true",
                    help="count connection errors around a SIGHUP reload (a known finding) as violations")
-    p.add_argument("--poison-storm", action="store_true", help="run only the poison storm (perf/chaos_storm.py)")
+    p.add_argument("--poison-storm", action="store_true", help="run only the poison storm (perf/chaos/storm.py)")
     p.add_argument("--max-ejected-fraction", type=float, nargs="+", default=[0.5], metavar="F",
                    help="the storm's recovery.max_ejected_fraction; several values: one storm each (default 0.5)")
     p.add_argument("--storm-s", type=float, default=None, help="storm seconds (default 20, --quick 8)")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from perf import placement_report
+from perf.report import placement as placement_report
 
 COLORS = {"narwhal": "C0", "peer": "C1", "direct-pd": "C2", "aiohttp-floor": "C3", "direct": "C7"}
 # One line per target and family: "<target> (<family>)|<line style>" -> (concurrency, req/s, TTFB p99).

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from perf import report
+from perf.report import results as report
 
 CONSUMER_BOUND_CORES = 0.85  # the fake consumer is one process: near one core, it is the limit
 PACED_SHORTFALL = 0.9  # paced direct baseline below this share of its pacing ceiling

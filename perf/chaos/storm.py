@@ -11,7 +11,7 @@ The scenario: a fresh fake fleet (2 producers, 2 consumers) and the router under
 ``failure_quarantine_s = 1``, ``max_retries = 1``, ``eject_after = 3`` and
 ``max_ejected_fraction`` (default 0.5). After a clean warm-up, the storm sends for ``storm_s``
 seconds from ``storm_concurrency`` clients, half of the requests poisoned
-(:func:`perf.chaos_faults.poison_expectation`). Every reply is judged against the contract like
+(:func:`perf.chaos.faults.poison_expectation`). Every reply is judged against the contract like
 the main suite's; the figure is ``clean_success_share``: the clean requests of the storm answered
 with their full stream. Below :data:`MIN_CLEAN_SHARE` the run fails — when
 ``max_ejected_fraction < 1`` only: at 1.0 ejections may legitimately take a whole role, and the
@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from perf import chaos_checks as checks
-from perf.chaos_faults import (
+from perf.chaos import checks
+from perf.chaos.faults import (
     ADMIN_TOKEN,
     CLIENT_SLACK_S,
     CONSUMERS,
@@ -45,8 +45,8 @@ from perf.chaos_faults import (
     poison_expectation,
 )
 
-if TYPE_CHECKING:  # perf.chaos imports this module: the type only, no import cycle at run time
-    from perf.chaos import Chaos
+if TYPE_CHECKING:  # perf.chaos.run imports this module: the type only, no import cycle at run time
+    from perf.chaos.run import Chaos
 
 POISON_SHARE = 0.5
 MIN_CLEAN_SHARE = 0.99

@@ -3,7 +3,7 @@
 Targets are evaluated here, not in the scenarios, so a partial run (``--scenarios``) still gets
 a table: a target whose scenario did not run says "n/a". The report never fails a run: it only
 says PASS or FAIL, tuning the router is someone else's job. The Markdown's sections are in
-``perf/report_tables.py``, the PNG plots in ``perf/report_plots.py``.
+``perf/report/tables.py``, the PNG plots in ``perf/report/plots.py``.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from perf import placement_report, scarce_report
-from perf import report_tables as tables
+from perf import scarce_report
+from perf.report import placement as placement_report
+from perf.report import tables
 
 # The issue's thresholds.
 CPU_US_C32 = 600.0
@@ -22,6 +23,10 @@ RATIO_C32_FALLBACK = 0.41
 ADDED_TTFB_MS_C1 = 0.6
 PACED_RATIO = 0.97
 RSS_KIB_PER_STREAM = 100.0
+# Issue 24: router CPU per request against the peer's in the same run, and a long prompt's extra cost.
+CPU_VS_PEER = 0.9
+CPU_VS_PEER_SCENARIOS = ("stream_c1", "stream_c32", "stream_c128", "paced_c128", "chat_long")
+LONG_OVER_SHORT = 1.15
 # What the reference peer (vllm-router 0.1.17) measured on the host the thresholds come from.
 PEER_CPU_US_C32 = 290.0
 PEER_ADDED_TTFB_MS_C1 = 0.57
@@ -93,7 +98,34 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         ),
         _row(results, f"paced decode c={big}: errors", "paced_c1000", ("errors", "count"), "= 0", lambda v: v == 0),
         _memory_row(results),
+        *(_cpu_vs_peer_row(results, name) for name in CPU_VS_PEER_SCENARIOS),
+        _long_over_short_row(results),
     ]
+
+
+def _ratio_row(name: str, value: float | None, threshold: str, ok: bool | None) -> dict[str, Any]:
+    """A target that is a ratio of two figures of this run: the same threshold on any host."""
+    value = None if value is None else round(value, 3)
+    return {"target": name, "narwhal": value, "threshold": threshold, "peer": None, "pd_floor": None,
+            "result": _verdict(ok), "host_threshold": threshold, "host_result": _verdict(ok)}
+
+
+def _cpu_vs_peer_row(results: dict[str, Any], scenario: str) -> dict[str, Any]:
+    """Narwhal's router CPU per request over the peer's, both measured in the same rounds."""
+    mine = figure(results, scenario, "narwhal", "router_cpu_us_per_req")
+    peer = figure(results, scenario, "peer", "router_cpu_us_per_req")
+    ratio = mine / peer if mine is not None and peer else None
+    return _ratio_row(f"router CPU per request ×peer, {scenario}", ratio, f"≤ {CPU_VS_PEER:g} (needs --peer)",
+                      None if ratio is None else ratio <= CPU_VS_PEER)
+
+
+def _long_over_short_row(results: dict[str, Any]) -> dict[str, Any]:
+    """What a 4,000-character system prompt costs over a short chat at the same concurrency."""
+    long = figure(results, "chat_long", "narwhal", "router_cpu_us_per_req")
+    short = figure(results, "chat_c32", "narwhal", "router_cpu_us_per_req")
+    ratio = long / short if long is not None and short else None
+    return _ratio_row("router CPU per request, chat_long ×chat_c32", ratio, f"≤ {LONG_OVER_SHORT:g}",
+                      None if ratio is None else ratio <= LONG_OVER_SHORT)
 
 
 # A threshold as text and its test; the test is None when the figure it scales by is missing.
@@ -179,7 +211,7 @@ def _memory_row(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def markdown(doc: dict[str, Any]) -> str:
-    """``results.md``: the sections of ``perf/report_tables.py`` in order, those with nothing to show left out."""
+    """``results.md``: the sections of ``perf/report/tables.py`` in order, those with nothing to show left out."""
     results = {k: v for k, v in doc["scenarios"].items() if "error" not in v}
     failed = {k: v["error"] for k, v in doc["scenarios"].items() if "error" in v}
     lines = tables.header(doc["meta"])

@@ -1,6 +1,6 @@
 """Summary of a chaos run: outcome counts, latency percentiles, the printed table.
 
-Why separate: ``perf.chaos`` orchestrates processes and faults; turning results into the JSON
+Why separate: ``perf.chaos.run`` orchestrates processes and faults; turning results into the JSON
 report and the terminal table is plain data work, kept apart so both stay short and readable.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from perf.chaos_faults import KINDS
+from perf.chaos.faults import KINDS
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -71,7 +71,7 @@ def print_summary(rep: dict[str, Any]) -> None:
 
 
 def print_storm(rep: dict[str, Any]) -> None:
-    """One poison-storm run (``perf.chaos_storm``): the figure first, then what explains it."""
+    """One poison-storm run (``perf.chaos.storm``): the figure first, then what explains it."""
     judged = "" if rep.get("enforced") else " (not judged: at 1.0 ejections may take a whole role)"
     print(f"poison storm, max_ejected_fraction {rep['max_ejected_fraction']}: {rep.get('requests', 0)} requests "
           f"in {rep.get('duration_s', '?')} s ({rep.get('req_per_s', '?')} req/s) at concurrency "
