@@ -40,16 +40,6 @@ NOT_YET = {
     "narwhal/request/usage.py",
     "narwhal/shm/holdings.py",
     "narwhal/supervisor/holdings.py",
-    # Being documented on branch docs, a package per commit (gone by its last commit):
-    "narwhal/cli.py",
-    "narwhal/demo.py",
-    "narwhal/errors.py",
-    "narwhal/logs.py",
-    "narwhal/metric_tally.py",
-    "narwhal/metrics.py",
-    "narwhal/reasons.py",
-    "narwhal/settings.py",
-    "narwhal/settings_discovery.py",
 }
 
 
