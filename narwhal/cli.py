@@ -46,6 +46,7 @@ def _preflight_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``narwhal``'s entry point: the command's exit status; a reader that closed stdout is said once, no traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return _run(argv)

@@ -66,6 +66,7 @@ Press Ctrl-C to stop everything.
 
 
 def run_demo(port: int = DEFAULT_PORT, workers: int = 2) -> int:
+    """``narwhal demo``: fake fleet and router on ``port`` until a signal (0); 1: the port is busy, the router died."""
     if _port_in_use(port):
         return _busy(port)
     stop = threading.Event()

@@ -27,6 +27,8 @@ from narwhal.reasons import STATUS_OF, Reason  # noqa: E402
 
 
 class NarwhalError(Exception):
+    """Any error the router answers with: its reason decides the status (``reasons.TABLE``) unless given."""
+
     reason: str = Reason.INTERNAL_ERROR
 
     def __init__(self, message: str, *, reason: str | None = None, status: int | None = None) -> None:
@@ -37,6 +39,7 @@ class NarwhalError(Exception):
         self.status = status if status is not None else STATUS_OF.get(self.reason, 500)
 
     def body(self) -> bytes:
+        """The OpenAI-shaped error body (``error_body``)."""
         return error_body(self.message, self.reason, self.status)
 
     def sse_event(self) -> bytes:
@@ -44,14 +47,19 @@ class NarwhalError(Exception):
         return b"data: " + self.body() + b"\n\n"
 
     def headers(self) -> dict[str, str]:
+        """The headers that go with the body: ``x-narwhal-error`` names the reason."""
         return {"x-narwhal-error": self.reason}
 
 
 class RequestError(NarwhalError):
+    """The client's fault, refused before any engine is asked (4xx)."""
+
     reason = Reason.BAD_REQUEST
 
 
 class PlacementError(NarwhalError):
+    """No engine could take the request in time (503); the client is told when to retry."""
+
     reason = Reason.NO_ENGINE
 
     def __init__(self, message: str, *, retry_after_s: int) -> None:
@@ -59,10 +67,13 @@ class PlacementError(NarwhalError):
         self.retry_after_s = retry_after_s
 
     def headers(self) -> dict[str, str]:
+        """``x-narwhal-error`` and ``Retry-After``."""
         return {"x-narwhal-error": self.reason, "retry-after": str(self.retry_after_s)}
 
 
 class DeadlineExceeded(NarwhalError):
+    """The request's deadline passed before it could be answered (504)."""
+
     reason = Reason.DEADLINE_EXCEEDED
 
 
@@ -97,4 +108,5 @@ class EngineClientError(EngineError):
 
 
 def error_body(message: str, kind: str, status: int) -> bytes:
+    """OpenAI's error object (``type`` is the reason, ``code`` the status) as bytes."""
     return orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}})

@@ -34,7 +34,10 @@ def master_line(level: str, logger: str, message: str) -> str:
 
 
 class JsonFormatter(logging.Formatter):
+    """Formats a record as one JSON line: ``ts``, ``level``, ``logger``, ``message`` (and ``exception``)."""
+
     def format(self, record: logging.LogRecord) -> str:
+        """The record as one JSON object on one line; a traceback goes in ``exception``, not on new lines."""
         line = {
             "ts": round(record.created, 6),
             "level": record.levelname.lower(),
@@ -47,6 +50,7 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(settings: LogSettings) -> None:
+    """Point the ``narwhal`` loggers at stderr in the ``[log]`` format and level, and nowhere else."""
     handler = logging.StreamHandler(sys.stderr)
     if settings.format == "json":
         handler.setFormatter(JsonFormatter())

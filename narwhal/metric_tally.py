@@ -71,9 +71,11 @@ class Tally:
         return pending
 
     def inc(self, counter: Any, amount: float = 1.0) -> None:
+        """Add ``amount`` to ``counter`` at the next flush (the request path writes ``counts`` directly)."""
         self.counts[counter] += amount
 
     def observe(self, pending: _Pending, value: float) -> None:
+        """A histogram sample into its pending bucket and sum (straight to ``observe`` without the internals)."""
         if pending.direct:
             pending.hist.observe(value)
             return

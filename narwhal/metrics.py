@@ -144,11 +144,13 @@ def requests_child(endpoint: str, code: int, model: str = "") -> Any:
 
 @functools.lru_cache(maxsize=128)
 def attempts_child(outcome: str) -> Any:
+    """``ATTEMPTS.labels(outcome)`` resolved once per outcome, not on every attempt."""
     return ATTEMPTS.labels(outcome)
 
 
 @functools.lru_cache(maxsize=16)
 def placements_child(choice: str) -> Any:
+    """``PLACEMENTS.labels(choice)`` resolved once per choice, not on every placement."""
     return PLACEMENTS.labels(choice)
 
 
@@ -185,6 +187,7 @@ def publish_build_info(version: str, engine_version: str) -> None:
 
 
 def multiprocess_dir() -> str | None:
+    """prometheus_client's multiprocess directory; None when each process counts alone."""
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 
 class Retry(enum.Enum):
+    """When a reason's failure may be retried on another engine, before visible output (SPEC §5)."""
+
     NEVER = "never"
     ALWAYS = "always"  # a transient fault before visible output (connect, 5xx, timeouts, …)
     IF_429 = "if_429"  # an engine's 4xx: only overload (429) is worth another engine

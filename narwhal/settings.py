@@ -48,6 +48,7 @@ that raises the count (4 → 8: 12 workers at once) must find a slot for every n
 
 
 class ServerSettings(_Section):
+    """``[server]``: where and how the workers listen, how many, and their limits (bodies, headers, timeouts)."""
     bind: str = "127.0.0.1:8700"  # no engine's port: vLLM (and Triton, Ray Serve) default to 8000, the demo 8080
     workers: Annotated[int, Field(ge=1, le=MAX_WORKERS)] = 2
     admin_token: str = ""
@@ -72,10 +73,12 @@ class ServerSettings(_Section):
 
 
 class RequestSettings(_Section):
+    """``[request]``: the deadline a client request gets at admission, for all its attempts."""
     deadline_s: PositiveFloat = 600
 
 
 class EngineSettings(_Section):
+    """``[engine]``: the legs' timeouts and how the router reaches engines (their key, the CA file)."""
     prefill_timeout_s: PositiveFloat = 30
     first_token_timeout_s: PositiveFloat = 30
     decode_read_timeout_s: NonNegativeFloat = 20
@@ -91,10 +94,12 @@ class EngineSettings(_Section):
 
 
 class HandoffSettings(_Section):
+    """``[handoff]``: how old a prefill's KV handoff may be when its decode is sent."""
     max_age_s: PositiveFloat = 40
 
 
 class PlacementSettings(_Section):
+    """``[placement]``: the wait for a slot, engine load readings, affinity, the producer policy (SPEC §3.2, §3.3)."""
     queue_timeout_s: NonNegativeFloat = 5
     max_queue: Annotated[int, Field(ge=0)] = 1024
     retry_after_s: Annotated[int, Field(ge=0)] = 1
@@ -132,10 +137,12 @@ class PlacementSettings(_Section):
 
 
 class PreflightSettings(_Section):
+    """``[preflight]``: whether the master runs preflight at start (failed engines start ejected)."""
     on_start: bool = True
 
 
 class LogSettings(_Section):
+    """``[log]``: level, JSON or text lines, and the access log's target (``-``: stderr, empty: none)."""
     level: Literal["debug", "info", "warning", "error", "critical"] = "info"
     format: Literal["json", "text"] = "json"
     access_log: str = "-"
@@ -145,8 +152,7 @@ class TracingSettings(_Section):
     """OpenTelemetry spans over OTLP/HTTP (README "Tracing"); needs the ``tracing`` extra.
 
     A value left unset (None) is the standard ``OTEL_*`` variable's, else the default
-    (``narwhal.request.tracing`` resolves them, in the worker): set here, Narwhal's value wins.
-    """
+    (``narwhal.request.tracing`` resolves them, in the worker): set here, Narwhal's value wins."""
 
     enabled: bool = False
     endpoint: Annotated[str, Field(pattern=r"^https?://[^\s/]+(/\S*)?$")] | None = None
@@ -156,10 +162,8 @@ class TracingSettings(_Section):
     @model_validator(mode="after")
     def _extra_installed(self) -> TracingSettings:
         if self.enabled and not _tracing_installed():
-            raise ValueError(
-                "enabled = true needs the tracing extra: install Narwhal with [tracing], e.g. pip install "
-                "'.[tracing]' in a clone (opentelemetry-sdk and opentelemetry-exporter-otlp-proto-http)"
-            )
+            raise ValueError("enabled = true needs the tracing extra: install Narwhal with [tracing], e.g. pip install "
+                             "'.[tracing]' in a clone (opentelemetry-sdk and opentelemetry-exporter-otlp-proto-http)")
         return self
 
 
@@ -174,6 +178,7 @@ def _tracing_installed() -> bool:
 
 
 class RecoverySettings(_Section):
+    """``[recovery]``: breakers, quarantine, retries and their budget, readmission, waves (SPEC §5, §6)."""
     eject_after: Annotated[int, Field(ge=1)] = 3
     failure_quarantine_s: NonNegativeFloat = 0
     max_retries: Annotated[int, Field(ge=0, le=10)] = 0
@@ -189,6 +194,7 @@ class RecoverySettings(_Section):
 
 
 class EngineContract(_Section):
+    """``[engine_contract]``, optional: the model, version pin and connector every engine must meet (SPEC §6)."""
     model: str = ""
     engine_version: str = ""  # a PEP 440 version ("0.11.0") or specifier set (">=0.10,<0.12")
     kv_connector: str = "NixlConnector"
@@ -204,8 +210,7 @@ class EngineContract(_Section):
 
 
 def parse_version_pin(text: str) -> SpecifierSet:
-    """``engine_contract.engine_version`` parsed (SPEC §6) as a PEP 440 specifier set; ValueError
-    names what is wrong.
+    """``engine_contract.engine_version`` parsed (SPEC §6) as a PEP 440 specifier set; ValueError names what is wrong.
 
     A pin that starts with an operator or holds a comma is a specifier set, anything else a
     single version: so ``>=zero`` is reported as a bad specifier, not as a bad version. A
@@ -222,16 +227,15 @@ def parse_version_pin(text: str) -> SpecifierSet:
     try:
         return SpecifierSet(f"=={Version(text)}")
     except InvalidVersion:
-        raise ValueError(
-            f"invalid PEP 440 version {text!r} (expected a version such as 0.11.0 "
-            "or a specifier set such as >=0.11,<0.12)"
-        ) from None
+        raise ValueError(f"invalid PEP 440 version {text!r} (expected a version such as 0.11.0 "
+                         "or a specifier set such as >=0.11,<0.12)") from None
 
 
 Role = Literal["producer", "consumer", "both"]
 
 
 class EngineSpec(_Section):
+    """One ``[[engines]]`` entry; the one place an engine's role is read (:attr:`can_prefill`, :attr:`can_decode`)."""
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
     url: str
     role: Role
@@ -251,20 +255,18 @@ class EngineSpec(_Section):
 
     @property
     def can_prefill(self) -> bool:
+        """A producer or ``both``: may take prefills."""
         return self.role in ("producer", "both")
 
     @property
     def can_decode(self) -> bool:
+        """A consumer or ``both``: may take decodes."""
         return self.role in ("consumer", "both")
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX,
-        env_nested_delimiter="__",
-        extra="forbid",
-        frozen=True,
-    )
+    """Every section, validated as a whole and frozen; a ``NARWHAL_`` variable wins over the TOML file."""
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", frozen=True)
 
     server: ServerSettings = ServerSettings()
     request: RequestSettings = RequestSettings()
@@ -301,6 +303,7 @@ class Settings(BaseSettings):
         return self.discovery.slots(self.server.max_engines)
 
     def connector_of(self, spec: EngineSpec) -> str:
+        """The engine's KV connector: its own, else the contract's, else NixlConnector (a pair needs one)."""
         if spec.kv_connector:
             return spec.kv_connector
         if self.engine_contract is not None:
@@ -309,14 +312,11 @@ class Settings(BaseSettings):
 
     @classmethod
     def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # Environment first (wins), then the TOML document passed as init kwargs.
+        """pydantic-settings' hook: the environment first (it wins), then the TOML document as init kwargs."""
         return (env_settings, init_settings)
 
 
@@ -348,10 +348,8 @@ def _first_error_line(exc: ValidationError, environ: dict[str, str]) -> str:
 
 
 def load_settings(path: str | None = None, environ: dict[str, str] | None = None) -> Settings:
-    """Load settings from ``path`` (or ``$NARWHAL_CONFIG``) and the environment.
-
-    Raises :class:`SettingsError` with a one-line message naming the offending key.
-    """
+    """Load settings from ``path`` (or ``$NARWHAL_CONFIG``) and the environment; an invalid one raises
+    :class:`SettingsError` with a one-line message naming the offending key."""
     env = dict(os.environ if environ is None else environ)
     path = path or env.get(CONFIG_ENV) or None
     document = _read_toml(path) if path else {}
@@ -382,19 +380,21 @@ def load_settings_or_exit(path: str | None = None) -> Settings:
         raise SystemExit(2) from None
 
 
-# The settings the gunicorn master loaded before forking: workers inherit them, so a worker
-# runs on exactly what the master validated (and a SIGHUP reload swaps them for new workers).
+# What the master loaded before forking: a worker runs on exactly what the master validated.
 _current: Settings | None = None
 
 
 def remember(settings: Settings) -> None:
+    """Master only, before forking: what its children inherit (a SIGHUP reload swaps them for new ones)."""
     global _current
     _current = settings
 
 
 def current() -> Settings | None:
+    """The settings the master remembered; None in a process no master forked (tests, tools)."""
     return _current
 
 
 def current_or_load() -> Settings:
+    """The remembered settings, else loaded now (exit 2 if invalid): the same call inside gunicorn and out."""
     return _current if _current is not None else load_settings_or_exit()

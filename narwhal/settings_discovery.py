@@ -78,6 +78,7 @@ class DiscoverySettings(BaseModel):
 
     @property
     def slots_key(self) -> str:
+        """The setting that bounds the engine slots now, for the error line that names it."""
         return "discovery.max_engines" if self.enabled else "server.max_engines"
 
     def refusal(self, static_engines: int) -> str | None:
@@ -88,6 +89,7 @@ class DiscoverySettings(BaseModel):
         return "engines: no engine to route to: add [[engines]] entries or a [discovery] source (file or dns)"
 
     def resolver_address(self) -> tuple[str, int] | None:
+        """The ``resolver`` setting as (host, port), brackets off an IPv6 host; None: the host's resolv.conf."""
         if not self.resolver:
             return None
         host, _, port = self.resolver.rpartition(":")

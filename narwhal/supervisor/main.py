@@ -289,8 +289,7 @@ class Supervisor:
                         self.holdings.skip(slot)
 
     def export(self) -> None:
-        """In-flight gauges, every EXPORT_S: they change with every request, and a scrape
-        every few seconds needs no fresher figure."""
+        """In-flight gauges every EXPORT_S: they move with every request; a scrape needs no fresher figure."""
         totals = self.shared.totals(self._span)
         for engine in self.fleet.engines:
             at = self._slot[engine.name]
