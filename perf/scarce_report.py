@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from perf.report.tables import fmt
+from perf.report.figures import dig, judged, ratio
+from perf.report.tables import fmt, section
 
 NAMES = ("prefix_scarce_uniform", "prefix_scarce_zipf", "prefix_scarce_slow")
 # Issue 21's thresholds.
@@ -23,21 +24,6 @@ SLOW_SHARE = 0.6
 CPU_OF_AFFINITY = 1.05
 
 Target = tuple[str, str, str, str]  # (target, figure, threshold, verdict)
-
-
-def _get(rows: dict[str, Any], row: str, *path: str) -> Any:
-    value: Any = rows.get(row)
-    for key in path:
-        value = value.get(key) if isinstance(value, dict) else None
-    return value
-
-
-def _ratio(a: Any, b: Any) -> float | None:
-    return round(a / b, 3) if isinstance(a, int | float) and isinstance(b, int | float) and b else None
-
-
-def _verdict(value: float | None, ok: Callable[[float], bool]) -> str:
-    return "n/a" if value is None else ("PASS" if ok(value) else "FAIL")
 
 
 def best_peer(rows: dict[str, Any]) -> tuple[float | None, str]:
@@ -65,29 +51,29 @@ def variant_targets(name: str, res: dict[str, Any]) -> list[Target]:
 
     def add(what: str, value: float | None, threshold: str, ok: Callable[[float], bool], *needs: str) -> None:
         digits = 1 if what.endswith("(points)") else 3
-        out.append((f"{name}: {what}", _shown(value, res, *needs, digits=digits), threshold, _verdict(value, ok)))
+        out.append((f"{name}: {what}", _shown(value, res, *needs, digits=digits), threshold, judged(value, ok)))
 
-    held_share, ideal_share = _get(rows, "held", "cached_share"), _get(rows, "ideal", "cached_share")
-    add("held cached share ÷ ideal's", _ratio(held_share, ideal_share), f"≥ {HELD_SHARE_OF_IDEAL:g}",
+    held_share, ideal_share = dig(rows, "held", "cached_share"), dig(rows, "ideal", "cached_share")
+    add("held cached share ÷ ideal's", ratio(held_share, ideal_share), f"≥ {HELD_SHARE_OF_IDEAL:g}",
         lambda v: v >= HELD_SHARE_OF_IDEAL, "held", "ideal")
-    p50 = _get(rows, "held", "ttfb_ms", "p50")
-    add("held TTFB p50 ÷ ideal's", _ratio(p50, _get(rows, "ideal", "ttfb_ms", "p50")), f"≤ {TTFB_OF_IDEAL:g}",
+    p50 = dig(rows, "held", "ttfb_ms", "p50")
+    add("held TTFB p50 ÷ ideal's", ratio(p50, dig(rows, "ideal", "ttfb_ms", "p50")), f"≤ {TTFB_OF_IDEAL:g}",
         lambda v: v <= TTFB_OF_IDEAL, "held", "ideal")
     peer_p50, peer = best_peer(rows)
-    add(f"held TTFB p50 ÷ {peer}'s (the peer's best)", _ratio(p50, peer_p50), f"≤ {TTFB_OF_PEER:g}",
+    add(f"held TTFB p50 ÷ {peer}'s (the peer's best)", ratio(p50, peer_p50), f"≤ {TTFB_OF_PEER:g}",
         lambda v: v <= TTFB_OF_PEER, "held", "peer-consistent_hash")
-    two = _get(rows, "held-2-replicas", "cached_share")
+    two = dig(rows, "held-2-replicas", "cached_share")
     points = round(100.0 * (two - held_share), 1) if two is not None and held_share is not None else None
     add("two replicas' cached share − one's (points)", points, f"within ±{REPLICA_POINTS:g}",
         lambda v: abs(v) <= REPLICA_POINTS, "held", "held-2-replicas")
-    cpu = _ratio(_get(rows, "held", "router_cpu_us_per_req"), _get(rows, "affinity", "router_cpu_us_per_req"))
+    cpu = ratio(dig(rows, "held", "router_cpu_us_per_req"), dig(rows, "affinity", "router_cpu_us_per_req"))
     add("held router CPU/req ÷ affinity's", cpu, f"≤ {CPU_OF_AFFINITY:g}", lambda v: v <= CPU_OF_AFFINITY,
         "held", "affinity")
     if (res.get("variant") or {}).get("slow"):
-        share = _get(rows, "held", "producers", "slow_share_ratio")
+        share = dig(rows, "held", "producers", "slow_share_ratio")
         add("held: slow producer's prefill share ÷ a fast one's", share, f"≤ {SLOW_SHARE:g}",
             lambda v: v <= SLOW_SHARE, "held")
-        add("held TTFB p50 ÷ affinity's", _ratio(p50, _get(rows, "affinity", "ttfb_ms", "p50")), "< 1",
+        add("held TTFB p50 ÷ affinity's", ratio(p50, dig(rows, "affinity", "ttfb_ms", "p50")), "< 1",
             lambda v: v < 1.0, "held", "affinity")
     return out
 
@@ -98,9 +84,9 @@ def targets(results: dict[str, Any]) -> list[Target]:
 
 
 def _producers(s: dict[str, Any]) -> str:
-    per = _get(s, "producers", "per_producer") or {}
+    per = dig(s, "producers", "per_producer") or {}
     text = " / ".join(f"{n} {p['prefills']}" for n, p in per.items()) or "—"
-    ratio = _get(s, "producers", "slow_share_ratio")
+    ratio = dig(s, "producers", "slow_share_ratio")
     return text if ratio is None else f"{text} (slow ÷ fast {fmt(ratio, 2)})"
 
 
@@ -117,19 +103,16 @@ def table(results: dict[str, Any]) -> list[str]:
     present = [n for n in NAMES if n in results]
     if not present:
         return []
-    lines = [
-        "",
-        "## Scarce KV (prefix_scarce)",
-        "",
+    lines = section(
+        "Scarce KV (prefix_scarce)",
         "8 shared 4,000-character system prompts, 4 producers whose KV holds 2-3 of them. TTFB = first "
         "token as the client feels it; router TTFT = the router's `ttft_s`; cached share = the producers' "
         "cached ÷ prompt tokens; router CPU in µs per request (all router processes); prefills per producer "
         "over the measured windows.",
-        "",
         "| scenario | row | req/s | TTFB p50 ms | TTFB p99 ms | router TTFT p50 ms | cached share "
         "| router CPU µs | prefills per producer | errors |",
         "|---|---|---:|---:|---:|---:|---:|---:|---|---:|",
-    ]
+    )
     for name in present:
         res = results[name]
         for row, s in res["targets"].items():

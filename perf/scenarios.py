@@ -58,7 +58,8 @@ def all_scenarios(quick: bool, cores: int | None = None) -> list[Scenario]:
     """Every scenario, full size or ``--quick`` size (same names, smaller counts)."""
     cores = cores or os.cpu_count() or 1
     big = 200 if quick else 1000
-    scenarios = [*_load_scenarios(quick, big), _sweep_scenario(cores, quick), _memory_scenario(big)]
+    scenarios = [*_load_scenarios(quick, big), *_endpoint_scenarios(), _sweep_scenario(cores, quick),
+                 _memory_scenario(big)]
     if quick:
         # Paced streams last 160 ms and more: a 0.2 s warm-up on a loaded host can leave the
         # 0.5 s window with none finished yet (seen as a CI-style smoke failure, 0 requests).
@@ -89,6 +90,12 @@ def _load_scenarios(quick: bool, big: int) -> list[Scenario]:
             concurrency=big,
             warmup_s=0.8 if quick else 1.5,
         ),
+    ]
+
+
+def _endpoint_scenarios() -> list[Scenario]:
+    """The other request shapes at c=32: non-streaming, chat (short and long prompts), the other P/D endpoints."""
+    return [
         Scenario(
             "nonstream_c32",
             "non-streaming completions, 16 tokens, c=32",
@@ -110,19 +117,11 @@ def _load_scenarios(quick: bool, big: int) -> list[Scenario]:
             concurrency=32,
         ),
         # The other P/D endpoints against the same fleet; the direct-pd floor speaks completions only.
-        Scenario(
-            "responses_c32",
-            "streaming Responses API, 16 tokens, c=32",
-            workload=Workload(RESPONSES, stream=True, tokens=16),
-            concurrency=32,
-            targets=("narwhal", "direct"),
-        ),
-        Scenario(
-            "messages_c32",
-            "streaming Anthropic Messages, 16 tokens, c=32",
-            workload=Workload(MESSAGES, stream=True, tokens=16),
-            concurrency=32,
-            targets=("narwhal", "direct"),
+        *(
+            Scenario(f"{name}_c32", f"streaming {title}, 16 tokens, c=32", concurrency=32,
+                     workload=Workload(endpoint, stream=True, tokens=16), targets=("narwhal", "direct"))
+            for name, title, endpoint in (("responses", "Responses API", RESPONSES),
+                                          ("messages", "Anthropic Messages", MESSAGES))
         ),
         Scenario(
             "accesslog_c32",

@@ -8,64 +8,49 @@ as everywhere in the report; a scenario that did not run shows no section.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from perf.report.tables import fmt
+from perf.report.figures import figure, judged, ratio, save_plot
+from perf.report.tables import fmt, section
 
 NAMES = ("prefix_mix", "busy_elsewhere", "local_short")
-
-
-def _fig(results: dict[str, Any], scenario: str, target: str, *path: str) -> Any:
-    value: Any = results.get(scenario, {}).get("targets", {}).get(target)
-    for key in path:
-        value = value.get(key) if isinstance(value, dict) else None
-    return value
-
-
-def _ratio(a: Any, b: Any) -> float | None:
-    return round(a / b, 3) if isinstance(a, int | float) and isinstance(b, int | float) and b else None
-
-
-def _verdict(value: float | None, ok: Callable[[float], bool]) -> str:
-    return "n/a" if value is None else ("PASS" if ok(value) else "FAIL")
 
 
 def targets(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     """(target, figure, threshold, verdict) for the issue's placement targets."""
     rows: list[tuple[str, str, str, str]] = []
-    share = _fig(results, "prefix_mix", "affinity", "cached_share")
-    without = _fig(results, "prefix_mix", "no-affinity", "cached_share")
+    share = figure(results, "prefix_mix", "affinity", "cached_share")
+    without = figure(results, "prefix_mix", "no-affinity", "cached_share")
     rows.append(("prefix_mix: cached share with affinity", f"{fmt(share, 3)} (without: {fmt(without, 3)})",
-                 "≥ 0.8", _verdict(share, lambda v: v >= 0.8)))
-    p50 = _fig(results, "prefix_mix", "affinity", "ttfb_ms", "p50")
-    r = _ratio(p50, _fig(results, "prefix_mix", "no-affinity", "ttfb_ms", "p50"))
-    rows.append(("prefix_mix: TTFB p50, affinity ÷ none", fmt(r, 3), "≤ 0.5", _verdict(r, lambda v: v <= 0.5)))
+                 "≥ 0.8", judged(share, lambda v: v >= 0.8)))
+    p50 = figure(results, "prefix_mix", "affinity", "ttfb_ms", "p50")
+    r = ratio(p50, figure(results, "prefix_mix", "no-affinity", "ttfb_ms", "p50"))
+    rows.append(("prefix_mix: TTFB p50, affinity ÷ none", fmt(r, 3), "≤ 0.5", judged(r, lambda v: v <= 0.5)))
     peers = [
         (s["ttfb_ms"]["p50"], t) for t, s in results.get("prefix_mix", {}).get("targets", {}).items()
         if t.startswith("peer") and s["ttfb_ms"]["p50"] is not None
     ]
     best = min(peers) if peers else (None, "peer")
-    rp = _ratio(p50, best[0])
+    rp = ratio(p50, best[0])
     rows.append((f"prefix_mix: TTFB p50, affinity ÷ {best[1]} (its best)", fmt(rp, 3), "≤ 1",
-                 _verdict(rp, lambda v: v <= 1.0)))
-    rb = _ratio(
-        _fig(results, "busy_elsewhere", "load-on", "ttfb_ms", "p99"),
-        _fig(results, "busy_elsewhere", "load-off", "ttfb_ms", "p99"),
+                 judged(rp, lambda v: v <= 1.0)))
+    rb = ratio(
+        figure(results, "busy_elsewhere", "load-on", "ttfb_ms", "p99"),
+        figure(results, "busy_elsewhere", "load-off", "ttfb_ms", "p99"),
     )
-    rows.append(("busy_elsewhere: TTFB p99, load on ÷ off", fmt(rb, 3), "≤ 0.5", _verdict(rb, lambda v: v <= 0.5)))
-    rc = _ratio(
-        _fig(results, "local_short", "local", "router_cpu_us_per_req"),
-        _fig(results, "local_short", "disaggregated", "router_cpu_us_per_req"),
+    rows.append(("busy_elsewhere: TTFB p99, load on ÷ off", fmt(rb, 3), "≤ 0.5", judged(rb, lambda v: v <= 0.5)))
+    rc = ratio(
+        figure(results, "local_short", "local", "router_cpu_us_per_req"),
+        figure(results, "local_short", "disaggregated", "router_cpu_us_per_req"),
     )
     rows.append(("local_short: router CPU, local ÷ disaggregated", fmt(rc, 3), "≤ 0.7",
-                 _verdict(rc, lambda v: v <= 0.7)))
-    rt = _ratio(
-        _fig(results, "local_short", "local", "ttfb_ms", "p50"),
-        _fig(results, "local_short", "disaggregated", "ttfb_ms", "p50"),
+                 judged(rc, lambda v: v <= 0.7)))
+    rt = ratio(
+        figure(results, "local_short", "local", "ttfb_ms", "p50"),
+        figure(results, "local_short", "disaggregated", "ttfb_ms", "p50"),
     )
-    rows.append(("local_short: TTFB p50, local ÷ disaggregated", fmt(rt, 3), "< 1", _verdict(rt, lambda v: v < 1.0)))
+    rows.append(("local_short: TTFB p50, local ÷ disaggregated", fmt(rt, 3), "< 1", judged(rt, lambda v: v < 1.0)))
     return rows
 
 
@@ -74,18 +59,15 @@ def table(results: dict[str, Any]) -> list[str]:
     present = [n for n in NAMES if n in results]
     if not present:
         return []
-    lines = [
-        "",
-        "## Placement scenarios",
-        "",
+    lines = section(
+        "Placement scenarios",
         "TTFB = first token as the client feels it (`first_byte_s`); router TTFT = the router's `ttft_s` "
         "(the producer's answer: the handoff is ready); cached share = the producers' cached prompt tokens "
         "÷ prompt tokens (their `/metrics` counters); CPU in µs per request.",
-        "",
         "| scenario | variant | req/s | TTFB p50 ms | TTFB p99 ms | router TTFT p50 ms | router TTFT p99 ms "
         "| cached share | modes | errors | router CPU µs |",
         "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
-    ]
+    )
     for name in present:
         for variant, s in results[name]["targets"].items():
             modes = ", ".join(f"{k}:{v}" for k, v in (s.get("modes") or {}).items()) or "—"
@@ -119,8 +101,4 @@ def plot(plt: Any, results: dict[str, Any], out_dir: Path) -> str | None:
         ax.set_ylabel("ms")
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out_dir / "placement.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
+    return save_plot(plt, fig, out_dir, "placement.png")

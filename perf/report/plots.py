@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from perf.report import placement as placement_report
+from perf.report.figures import save_plot
 
 COLORS = {"narwhal": "C0", "peer": "C1", "direct-pd": "C2", "aiohttp-floor": "C3", "direct": "C7"}
 # One line per target and family: "<target> (<family>)|<line style>" -> (concurrency, req/s, TTFB p99).
@@ -78,11 +79,7 @@ def _plot_concurrency(plt: Any, series: Series, out_dir: Path) -> str:
         ax.grid(True, alpha=0.3)
     ax2.set_yscale("log")
     ax1.legend(fontsize=8)
-    fig.tight_layout()
-    path = out_dir / "concurrency.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
+    return save_plot(plt, fig, out_dir, "concurrency.png")
 
 
 def _plot_workers(plt: Any, sweep: dict[str, Any], out_dir: Path) -> str:
@@ -105,8 +102,4 @@ def _plot_workers(plt: Any, sweep: dict[str, Any], out_dir: Path) -> str:
         ax.set_title(f"{title}, c={sweep['concurrency']}")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out_dir / "workers.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
+    return save_plot(plt, fig, out_dir, "workers.png")

@@ -16,6 +16,7 @@ from typing import Any
 from perf import scarce_report
 from perf.report import placement as placement_report
 from perf.report import tables
+from perf.report.figures import figure, verdict
 
 # The issue's thresholds.
 CPU_US_C32 = 600.0
@@ -30,23 +31,6 @@ LONG_OVER_SHORT = 1.15
 # What the reference peer (vllm-router 0.1.17) measured on the host the thresholds come from.
 PEER_CPU_US_C32 = 290.0
 PEER_ADDED_TTFB_MS_C1 = 0.57
-
-
-def _get(results: dict[str, Any], scenario: str, target: str) -> dict[str, Any] | None:
-    s = results.get(scenario)
-    return None if s is None else s.get("targets", {}).get(target)
-
-
-def _verdict(ok: bool | None) -> str:
-    return "n/a" if ok is None else ("PASS" if ok else "FAIL")
-
-
-def figure(results: dict[str, Any], scenario: str, target: str, *path: str) -> Any:
-    """A figure of one target in one scenario (``path`` into its stats), or None."""
-    value: Any = _get(results, scenario, target)
-    for key in path:
-        value = value.get(key) if isinstance(value, dict) else None
-    return value
 
 
 def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -107,7 +91,7 @@ def _ratio_row(name: str, value: float | None, threshold: str, ok: bool | None) 
     """A target that is a ratio of two figures of this run: the same threshold on any host."""
     value = None if value is None else round(value, 3)
     return {"target": name, "narwhal": value, "threshold": threshold, "peer": None, "pd_floor": None,
-            "result": _verdict(ok), "host_threshold": threshold, "host_result": _verdict(ok)}
+            "result": verdict(ok), "host_threshold": threshold, "host_result": verdict(ok)}
 
 
 def _cpu_vs_peer_row(results: dict[str, Any], scenario: str) -> dict[str, Any]:
@@ -179,15 +163,15 @@ def _row(
         "threshold": threshold,
         "peer": figure(results, scenario, "peer", *path),
         "pd_floor": figure(results, scenario, "direct-pd", *path) if floor else None,
-        "result": _verdict(None if value is None else bool(test(value))),
+        "result": verdict(None if value is None else bool(test(value))),
         "host_threshold": host_threshold if host_test is not None else "n/a (needs --peer)",
-        "host_result": _verdict(None if value is None or host_test is None else bool(host_test(value))),
+        "host_result": verdict(None if value is None or host_test is None else bool(host_test(value))),
     }
 
 
 def _memory_row(results: dict[str, Any]) -> dict[str, Any]:
     """The slow-streams target: two figures (errors and RSS growth) in one row, the same on any host."""
-    mem, pmem = _get(results, "memory", "narwhal"), _get(results, "memory", "peer")
+    mem, pmem = figure(results, "memory", "narwhal"), figure(results, "memory", "peer")
 
     def mem_text(m: dict[str, Any] | None) -> str | None:
         if m is None:
@@ -204,9 +188,9 @@ def _memory_row(results: dict[str, Any]) -> dict[str, Any]:
         "threshold": f"< {RSS_KIB_PER_STREAM:g} KiB, 0 errors",
         "peer": mem_text(pmem),
         "pd_floor": None,
-        "result": _verdict(ok),
+        "result": verdict(ok),
         "host_threshold": f"< {RSS_KIB_PER_STREAM:g} KiB, 0 errors",
-        "host_result": _verdict(ok),
+        "host_result": verdict(ok),
     }
 
 

@@ -239,3 +239,8 @@ def closing(failed: dict[str, str], notes: list[str]) -> list[str]:
     if notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
     return lines
+
+
+def section(title: str, intro: str, header: str, rule: str) -> list[str]:
+    """A ``results.md`` section's opening: its title, what its figures mean, its table's head."""
+    return ["", f"## {title}", "", intro, "", header, rule]
