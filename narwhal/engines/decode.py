@@ -26,7 +26,6 @@ makes the engine abort the request.
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Required, TypedDict
 
@@ -37,7 +36,8 @@ from narwhal.engines.connector import PrefillResult, validate_descriptor
 from narwhal.engines.control import EngineRef
 from narwhal.engines.dialects.base import event_name
 from narwhal.engines.endpoints import Endpoint
-from narwhal.engines.http1 import Connection, UpstreamError
+from narwhal.engines.failures import Wait
+from narwhal.engines.http1 import Connection
 from narwhal.engines.relay import DirectRelay, Sink
 from narwhal.engines.timers import LazyTimeout
 from narwhal.errors import EngineError
@@ -69,7 +69,7 @@ class DecodeLeg:
     __slots__ = (
         "_client", "_name", "_url", "_endpoint", "_request_id", "_headers", "_payload", "streaming", "_deadline",
         "_sink", "_loop", "_first_bound", "_conn", "_finished", "_framer", "_held", "_seen_token", "_done",
-        "_timer", "_relay", "_passed", "_error", "_dialect", "sent",
+        "_timer", "_relay", "_passed", "_error", "_dialect", "sent", "_wire",
     )
 
     def __init__(
@@ -108,6 +108,9 @@ class DecodeLeg:
         # a whole answer is bounded by the deadline only.
         first_s = client.settings.first_token_timeout_s if stream else 0.0
         self._first_bound = failures.leg_bound(self._loop.time(), first_s, deadline)
+        # Every wait on the wire runs inside it; its wait moves to SILENCE with the first token.
+        self._wire = failures.WireFailures(self._name, "decode", deadline, Wait.FIRST_TOKEN,
+                                           client.settings.first_token_timeout_s, self._first_bound)
         self._conn: Connection | None = None
         # False until the request went out: a leg that failed connecting (refused, or out of
         # time) left the handoff with nobody, and its caller must release it elsewhere.
@@ -125,25 +128,23 @@ class DecodeLeg:
 
     async def open(self) -> bytes | None:
         """POST the decode and read the head (a whole answer: the body too, returned)."""
-        try:
+        head = self._client.engine_headers(self._request_id, self._headers)
+        with self._wire:
             conn = self._conn = await self._client.pool.post(
-                self._url, self._endpoint, self._client.engine_headers(self._request_id, self._headers),
-                self._payload, deadline=self._first_bound,
+                self._url, self._endpoint, head, self._payload, deadline=self._first_bound,
             )
             self.sent = True
             status = await conn.response()
             if status != 200:
                 raise failures.status_error(status, await conn.read_all(), self._name, "decode")
             data = None if self.streaming else await conn.read_all()
-            if data is not None and (err := self._dialect.whole_error(data)) is not None:
-                raise failures.stream_error(err, self._name)
-            conn.disarm()  # from here each read has its own bound
-        except TimeoutError:
-            raise self._timed_out(self._first_bound, before_token=True) from None
-        except UpstreamError as exc:
-            raise failures.transport_error(exc, self._name, "decode") from None
+        if data is not None and (err := self._dialect.whole_error(data)) is not None:
+            raise failures.stream_error(err, self._name)
+        conn.disarm()  # from here each read has its own bound
         if data is not None:
             self._finished = True
+        else:
+            self._wire.terminal = self._dialect.terminal  # a lost connection is now a disconnect
         return data
 
     async def next_span(self) -> bytes | None:
@@ -198,10 +199,8 @@ class DecodeLeg:
             settings = self._client.settings
             self._relay = DirectRelay(self._conn, self._framer, self._sink, settings.decode_read_timeout_s,
                                       self._deadline, self._dialect.may_end)
-        try:
+        with self._wire:  # the relay's silence raises BoundPassed, which carries its bound
             return await self._relay.run()
-        except TimeoutError:
-            raise self._timed_out(self._relay.timed_out_at or math.inf, before_token=False) from None
 
     async def _read_span(self) -> bytes:
         """One read under its bound: the first token's before it, then the silence bound.
@@ -213,16 +212,12 @@ class DecodeLeg:
             return self._framer.feed(conn.read_now())
         if self._timer is None:
             self._timer = LazyTimeout()
+        wire = self._wire
         if self._seen_token:
-            bound = failures.leg_bound(self._loop.time(), self._client.settings.decode_read_timeout_s, self._deadline)
-        else:
-            bound = self._first_bound
-        try:
-            chunk = await self._timer.wait(conn.read_some(), bound)
-        except TimeoutError:
-            raise self._timed_out(bound, before_token=not self._seen_token) from None
-        except UpstreamError:
-            chunk = b""
+            wire.bound = failures.leg_bound(self._loop.time(), self._client.settings.decode_read_timeout_s,
+                                            self._deadline)
+        with wire:  # before the first token its bound is the first token's, set when built
+            chunk = await self._timer.wait(conn.read_some(), wire.bound)
         if not chunk:
             raise failures.disconnected(self._name, self._dialect.terminal)
         return self._framer.feed(chunk)
@@ -245,6 +240,7 @@ class DecodeLeg:
             if kind is sse.Kind.TOKEN:
                 if not self._seen_token:
                     self._seen_token = True
+                    self._wire.wait, self._wire.seconds = Wait.SILENCE, self._client.settings.decode_read_timeout_s
                     out.append(event + b"\n\n")
                     if self._take_rest(events, i + 1, out):
                         break
@@ -271,7 +267,7 @@ class DecodeLeg:
             # whole answer may leave at once; nothing may wait after that. A body that ends
             # cleanly lets the connection be pooled.
             assert self._conn is not None
-            self._finished = self._conn.complete or await _read_to_end(self._conn)
+            self._finished = self._conn.complete or await self._conn.read_to_end(_DRAIN_S)
         if not self._seen_token:
             return None
         self._held = []
@@ -293,19 +289,3 @@ class DecodeLeg:
             out.append(rest)
             return True
         return False
-
-    def _timed_out(self, bound: float, *, before_token: bool) -> Exception:
-        settings = self._client.settings
-        return failures.decode_timeout(
-            self._name, bound, self._deadline, before_token=before_token,
-            first_token_s=settings.first_token_timeout_s, read_s=settings.decode_read_timeout_s,
-        )
-
-
-async def _read_to_end(conn: Connection) -> bool:
-    try:
-        async with asyncio.timeout(_DRAIN_S):
-            await conn.read_all()
-    except (TimeoutError, UpstreamError):
-        return False
-    return True

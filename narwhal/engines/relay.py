@@ -11,7 +11,7 @@ that writes it to the client's transport; the generator sleeps until something n
 * a span that may end the stream (``[DONE]`` or an error object): the generator classifies it;
 * a client that fell behind (the sink reports its transport above the high-water mark): the
   generator yields ``b""`` and its caller waits for the client, under its write timeout;
-* silence longer than ``decode_read_timeout_s``, or the deadline: ``TimeoutError``;
+* silence longer than ``decode_read_timeout_s``, or the deadline: ``BoundPassed``, a ``TimeoutError``;
 * the engine's end or failure: the generator's ordinary read path reports it.
 
 Per token, after the first: one read, one sink call, one framing step, one byte probe — and
@@ -31,7 +31,7 @@ import asyncio
 import math
 from collections.abc import Callable
 
-from narwhal.engines.failures import leg_bound
+from narwhal.engines.failures import BoundPassed, leg_bound
 from narwhal.engines.http1 import Connection
 from narwhal.engines.sse import SSEFramer, may_end_stream
 
@@ -68,7 +68,8 @@ class DirectRelay:
     async def run(self) -> bytes | None:
         """Relay until the generator is needed. Returns a span to classify, ``b""`` when the
         client must drain first, or None when the engine ended or failed (read it to see how);
-        raises ``TimeoutError`` on silence or the deadline (``timed_out_at`` is the bound)."""
+        raises :class:`~narwhal.engines.failures.BoundPassed` (a ``TimeoutError``) on silence or
+        the deadline, carrying the bound that passed (also ``timed_out_at``)."""
         conn = self._conn
         self._stopped, self._held, self.timed_out_at = False, None, None
         self._last = self._loop.time()
@@ -86,7 +87,7 @@ class DirectRelay:
                 self._timer.cancel()
                 self._timer = None
         if self.timed_out_at is not None:
-            raise TimeoutError
+            raise BoundPassed(self.timed_out_at)
         if self._held is not None:
             return self._held
         return b"" if self._stopped else None
