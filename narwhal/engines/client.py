@@ -27,6 +27,7 @@ from narwhal.engines.decode import DecodeLeg, DecodeOptions
 from narwhal.engines.endpoints import Endpoint
 from narwhal.engines.failures import Wait
 from narwhal.engines.http1 import Connection, UpstreamPool, header_lines
+from narwhal.engines.relay import Signal
 from narwhal.errors import EngineError, Phase
 from narwhal.settings import EngineSettings
 
@@ -154,7 +155,7 @@ class EngineClient:
         self, result: PrefillResult, consumer: EngineRef, body: dict[str, Any], **options: Unpack[DecodeOptions]
     ) -> DecodeLeg:
         """The decode as an object with named steps (``narwhal.engines.decode``): validates the
-        handoff now, then ``open()``, ``next_span()`` until None, and ``close()`` always."""
+        handoff now, then ``open()``, ``next_span()`` until ``Signal.END``, and ``close()`` always."""
         return DecodeLeg(self, result, consumer, body, **options)
 
     async def decode(
@@ -177,8 +178,9 @@ class EngineClient:
             if whole is not None:
                 yield whole
                 return
-            while (span := await leg.next_span()) is not None:
-                yield span
+            while (span := await leg.next_span()) is not Signal.END:
+                # The generator's documented form (README): b"" says the client fell behind.
+                yield b"" if span is Signal.BEHIND else span
         finally:
             leg.close()
 

@@ -8,8 +8,9 @@ connection). What the client sees is decided by its caller; what the engine did 
 The hot path: after the first token, spans that cannot end the stream are handed to the
 caller's *sink* from the connection's data callback (``narwhal.engines.relay``), so a long
 stream costs no await per token; :meth:`next_span` only wakes for a span that may end the
-stream, a client that fell behind (``b""``: let it drain, then call again), silence, or the
-engine's end. Before the first token, metadata events are held and sent along with it.
+stream, a client that fell behind (``Signal.BEHIND``: let it drain, then call again), silence,
+or the engine's end (``Signal.END`` once the terminal event went out). Before the first token,
+metadata events are held and sent along with it.
 
 Why the events after the first token are judged as one span (``_take_rest``): in an unpaced
 stream the first span often holds the whole answer, and a probe, a copy and an append per
@@ -38,7 +39,7 @@ from narwhal.engines.dialects.base import event_name
 from narwhal.engines.endpoints import Endpoint
 from narwhal.engines.failures import Wait
 from narwhal.engines.http1 import Connection
-from narwhal.engines.relay import DirectRelay, Sink
+from narwhal.engines.relay import DirectRelay, Signal, Sink
 from narwhal.engines.timers import LazyTimeout
 from narwhal.errors import EngineError
 
@@ -147,28 +148,30 @@ class DecodeLeg:
             self._wire.terminal = self._dialect.terminal  # a lost connection is now a disconnect
         return data
 
-    async def next_span(self) -> bytes | None:
+    async def next_span(self) -> bytes | Signal:
         """The next bytes for the client — whole SSE events, the first span holding the first
-        token — ``b""`` when the sink reported the client behind, None once [DONE] went out."""
+        token — ``Signal.BEHIND`` when the sink reported the client behind, ``Signal.END`` once
+        the terminal event went out."""
         if self._error is not None:
             raise self._error
         while not self._done:
-            span = None
             if self._sink is not None and self._seen_token and self._passed >= _RELAY_AFTER:
-                span = await self._relayed()
-                if span == b"":
-                    return span
-            if span is None:  # before the first token, or the relay saw the engine end
+                got = await self._relayed()
+                if got is Signal.BEHIND:
+                    return got
+                # HANDBACK: the relay saw the engine end; the read path tells how
+                span = await self._read_span() if got is Signal.HANDBACK else got
+            else:
                 span = await self._read_span()
-                if not span:
-                    continue
+            if not span:
+                continue
             if self._seen_token and not self._dialect.may_end(span):
                 self._passed += 1
                 return span
             out = await self._classify(span)
             if out is not None:
                 return out
-        return None
+        return Signal.END
 
     @property
     def ended(self) -> bool:
@@ -193,7 +196,7 @@ class DecodeLeg:
 
     # -- inside a step ----------------------------------------------------------------------
 
-    async def _relayed(self) -> bytes | None:
+    async def _relayed(self) -> bytes | Signal:
         assert self._conn is not None and self._sink is not None
         if self._relay is None:
             settings = self._client.settings
