@@ -18,6 +18,27 @@ event was ~50 of the ~720 calls per request at c=32 (``python -m perf.callcount`
 the span gets exactly the test a later span gets (the usual end, or output that cannot end
 the stream), and only a span that fails it is judged event by event, as before.
 
+The leg's states (:class:`LegState`; ``NEXT`` is this table, and a move not in it fails an
+``assert``: a programming error, which ``tests/unit/engines/test_leg_states.py`` provokes)::
+
+    state      moves to                 what it means
+    NEW        SENT, CLOSED             built, the body encoded, nothing sent
+    SENT       AWAITING, ENDED, CLOSED  the request went out (the consumer has the handoff); a
+                                        stream's 200 head -> AWAITING, a whole answer -> ENDED
+    AWAITING   STREAMING, CLOSED        metadata is held until the first token
+    STREAMING  ENDED, FAILED, CLOSED    the first token went out; only the end and errors matter
+    ENDED      CLOSED                   the terminal event (or the whole answer) came cleanly
+    FAILED     CLOSED                   an error event after output: the output goes out first,
+                                        the error on the next call
+    CLOSED     -                        close() ran (a second call does nothing)
+
+Any failure raised on the way leaves the state where it was, and close() then closes the
+connection (only ENDED offers it to the pool), which makes the engine abort the request.
+``sent`` is ``state is not NEW``: read it before close(). Why an enum with a table, not flags:
+six booleans (sent, finished, seen token, done, an error held, streaming) made a machine nobody
+had written down; a move is still one attribute write (states are module constants: no
+attribute lookup on the enum class per check, no call).
+
 Invariants: bytes go out in the order received, each once; no timer spans a return to the
 caller (a timer that fired while the caller writes to a slow client would cancel the caller);
 a stream that ended cleanly lets its connection be pooled, any other end closes it, which
@@ -27,6 +48,7 @@ makes the engine abort the request.
 from __future__ import annotations
 
 import asyncio
+import enum
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Required, TypedDict
 
@@ -54,6 +76,38 @@ _DRAIN_S = 1.0
 _RELAY_AFTER = 1
 
 
+class LegState(enum.IntEnum):
+    """Where a decode leg is (the table in this module's text); an IntEnum, so a lookup in NEXT
+    hashes in C."""
+
+    NEW = 0
+    SENT = 1
+    AWAITING = 2
+    STREAMING = 3
+    ENDED = 4
+    FAILED = 5
+    CLOSED = 6
+
+
+NEW, SENT, AWAITING, STREAMING, ENDED, FAILED, CLOSED = LegState
+NEXT: dict[LegState, frozenset[LegState]] = {
+    NEW: frozenset({SENT, CLOSED}),
+    SENT: frozenset({AWAITING, ENDED, CLOSED}),
+    AWAITING: frozenset({STREAMING, CLOSED}),
+    STREAMING: frozenset({ENDED, FAILED, CLOSED}),
+    ENDED: frozenset({CLOSED}),
+    FAILED: frozenset({CLOSED}),
+    CLOSED: frozenset(),
+}
+"""The allowed moves: each state's successors (the table in this module's text)."""
+_READING = frozenset({AWAITING, STREAMING, ENDED, FAILED})  # where next_span() may be called
+
+
+def _illegal(state: LegState, to: LegState) -> str:
+    """The message of a move not in NEXT (built only when the assert fails)."""
+    return f"decode leg: {state.name} -> {to.name} is not a move (decode.NEXT)"
+
+
 class DecodeOptions(TypedDict, total=False):
     """What a decode takes besides the handoff, the consumer and the body (one list, for
     :meth:`EngineClient.decode` and :meth:`EngineClient.decode_leg` alike)."""
@@ -69,8 +123,8 @@ class DecodeOptions(TypedDict, total=False):
 class DecodeLeg:
     __slots__ = (
         "_client", "_name", "_url", "_endpoint", "_request_id", "_headers", "_payload", "streaming", "_deadline",
-        "_sink", "_loop", "_first_bound", "_conn", "_finished", "_framer", "_held", "_seen_token", "_done",
-        "_timer", "_relay", "_passed", "_error", "_dialect", "sent", "_wire",
+        "_sink", "_loop", "_first_bound", "_conn", "_framer", "_held", "_state", "_timer", "_relay", "_passed",
+        "_error", "_dialect", "_wire",
     )
 
     def __init__(
@@ -113,13 +167,9 @@ class DecodeLeg:
         self._wire = failures.WireFailures(self._name, "decode", deadline, Wait.FIRST_TOKEN,
                                            client.settings.first_token_timeout_s, self._first_bound)
         self._conn: Connection | None = None
-        # False until the request went out: a leg that failed connecting (refused, or out of
-        # time) left the handoff with nobody, and its caller must release it elsewhere.
-        self.sent = False
-        self._finished = False
+        self._state = NEW
         self._framer = sse.SSEFramer()
         self._held: list[bytes] = []  # metadata before the first token, sent along with it
-        self._seen_token = self._done = False
         self._timer: LazyTimeout | None = None
         self._relay: DirectRelay | None = None  # built when first needed: short streams never are
         self._passed = 0  # spans returned after the first token
@@ -129,12 +179,14 @@ class DecodeLeg:
 
     async def open(self) -> bytes | None:
         """POST the decode and read the head (a whole answer: the body too, returned)."""
+        assert self._state is NEW, f"decode leg: open() in {self._state.name}"
         head = self._client.engine_headers(self._request_id, self._headers)
         with self._wire:
             conn = self._conn = await self._client.pool.post(
                 self._url, self._endpoint, head, self._payload, deadline=self._first_bound,
             )
-            self.sent = True
+            assert SENT in NEXT[self._state], _illegal(self._state, SENT)
+            self._state = SENT
             status = await conn.response()
             if status != 200:
                 raise failures.status_error(status, await conn.read_all(), self._name, "decode")
@@ -143,8 +195,11 @@ class DecodeLeg:
             raise failures.stream_error(err, self._name)
         conn.disarm()  # from here each read has its own bound
         if data is not None:
-            self._finished = True
+            assert ENDED in NEXT[self._state], _illegal(self._state, ENDED)
+            self._state = ENDED
         else:
+            assert AWAITING in NEXT[self._state], _illegal(self._state, AWAITING)
+            self._state = AWAITING
             self._wire.terminal = self._dialect.terminal  # a lost connection is now a disconnect
         return data
 
@@ -152,10 +207,12 @@ class DecodeLeg:
         """The next bytes for the client — whole SSE events, the first span holding the first
         token — ``Signal.BEHIND`` when the sink reported the client behind, ``Signal.END`` once
         the terminal event went out."""
-        if self._error is not None:
+        if self._state is FAILED:
+            assert self._error is not None
             raise self._error
-        while not self._done:
-            if self._sink is not None and self._seen_token and self._passed >= _RELAY_AFTER:
+        assert self._state in _READING, f"decode leg: next_span() in {self._state.name}"
+        while self._state is not ENDED:
+            if self._sink is not None and self._state is STREAMING and self._passed >= _RELAY_AFTER:
                 got = await self._relayed()
                 if got is Signal.BEHIND:
                     return got
@@ -165,7 +222,7 @@ class DecodeLeg:
                 span = await self._read_span()
             if not span:
                 continue
-            if self._seen_token and not self._dialect.may_end(span):
+            if self._state is STREAMING and not self._dialect.may_end(span):
                 self._passed += 1
                 return span
             out = await self._classify(span)
@@ -174,9 +231,20 @@ class DecodeLeg:
         return Signal.END
 
     @property
+    def state(self) -> LegState:
+        """Where the leg is (the module's table)."""
+        return self._state
+
+    @property
+    def sent(self) -> bool:
+        """The request went out (read it before close()): a leg that failed connecting (refused,
+        or out of time) left the handoff with nobody, and its caller must release it elsewhere."""
+        return self._state is not NEW
+
+    @property
     def ended(self) -> bool:
         """The stream reached its terminal event cleanly: the last span may end the client's body."""
-        return self._done and self._error is None
+        return self._state is ENDED
 
     @property
     def relayed(self) -> int:
@@ -184,15 +252,21 @@ class DecodeLeg:
         return 0 if self._relay is None else self._relay.spans
 
     def close(self) -> None:
+        """Pool the connection after a clean end (its own checks may still close it), else close
+        it, which makes the engine abort; a second call does nothing."""
+        if self._state is CLOSED:
+            return
         if self._timer is not None:
             self._timer.close()
             self._timer = None
         conn, self._conn = self._conn, None
         if conn is not None:
-            if self._finished:
+            if self._state is ENDED:
                 conn.release()
             else:
                 conn.close()
+        assert CLOSED in NEXT[self._state], _illegal(self._state, CLOSED)
+        self._state = CLOSED
 
     # -- inside a step ----------------------------------------------------------------------
 
@@ -216,7 +290,7 @@ class DecodeLeg:
         if self._timer is None:
             self._timer = LazyTimeout()
         wire = self._wire
-        if self._seen_token:
+        if self._state is STREAMING:
             wire.bound = failures.leg_bound(self._loop.time(), self._client.settings.decode_read_timeout_s,
                                             self._deadline)
         with wire:  # before the first token its bound is the first token's, set when built
@@ -227,51 +301,56 @@ class DecodeLeg:
 
     async def _classify(self, span: bytes) -> bytes | None:
         """Judge a span that may hold the first token or the stream's end; return what goes to
-        the client (None: nothing yet, only metadata so far)."""
+        the client (None: nothing yet, only metadata so far). AWAITING or STREAMING on entry."""
         dialect = self._dialect
         out = self._held
-        if self._seen_token and (cut := dialect.clean_end(span)) >= 0:
+        if self._state is STREAMING and (cut := dialect.clean_end(span)) >= 0:
             # The usual end: output, the terminal event last, no error: as received.
             out.append(span if cut == len(span) else span[:cut])
-            self._done = True
-        events: list[bytes] = [] if self._done else sse.split_events(span)
+            assert ENDED in NEXT[self._state], _illegal(self._state, ENDED)
+            self._state = ENDED
+        events: list[bytes] = [] if self._state is ENDED else sse.split_events(span)
         for i, event in enumerate(events):
-            if self._seen_token and not dialect.may_end(event):
+            if self._state is STREAMING and not dialect.may_end(event):
                 out.append(event + b"\n\n")  # after the first token only the end matters
                 continue
             kind, err = dialect.classify(event)
             if kind is sse.Kind.TOKEN:
-                if not self._seen_token:
-                    self._seen_token = True
+                if self._state is AWAITING:
+                    assert STREAMING in NEXT[self._state], _illegal(self._state, STREAMING)
+                    self._state = STREAMING
                     self._wire.wait, self._wire.seconds = Wait.SILENCE, self._client.settings.decode_read_timeout_s
                     out.append(event + b"\n\n")
                     if self._take_rest(events, i + 1, out):
                         break
                     continue
             elif kind is sse.Kind.DONE:
-                if not self._seen_token:
+                if self._state is AWAITING:
                     name = event_name(event)  # the bare name of the terminal event received
                     raise failures.done_before_token(self._name, name.decode() if name else dialect.terminal)
                 # What follows the terminal event (vLLM's [DONE] after message_stop) is dropped.
                 out.append(dialect.terminal_bytes or event + b"\n\n")
-                self._done = True
+                assert ENDED in NEXT[self._state], _illegal(self._state, ENDED)
+                self._state = ENDED
                 break
             elif kind is sse.Kind.ERROR:
                 error = failures.stream_error(err or {}, self._name)
-                if not (self._seen_token and out):
+                if self._state is AWAITING or not out:
                     raise error
-                self._error, self._done = error, True  # what came before it goes out first
+                assert FAILED in NEXT[self._state], _illegal(self._state, FAILED)
+                self._error, self._state = error, FAILED  # what came before it goes out first
                 self._held = []
                 return b"".join(out)
             out.append(event + b"\n\n")
-        if self._done and self._error is None:
+        if self._state is ENDED:
             # Read the end of the chunked body (normally here already) *before* the last span
             # goes out: the caller ends the client's response with it, and a client that has its
             # whole answer may leave at once; nothing may wait after that. A body that ends
-            # cleanly lets the connection be pooled.
+            # cleanly lets close() pool the connection (Connection.release checks it did).
             assert self._conn is not None
-            self._finished = self._conn.complete or await self._conn.read_to_end(_DRAIN_S)
-        if not self._seen_token:
+            if not self._conn.complete:
+                await self._conn.read_to_end(_DRAIN_S)
+        elif self._state is AWAITING:
             return None
         self._held = []
         return out[0] if len(out) == 1 else b"".join(out)
@@ -286,7 +365,8 @@ class DecodeLeg:
         dialect = self._dialect
         if (cut := dialect.clean_end(rest)) >= 0:
             out.append(rest if cut == len(rest) else rest[:cut])
-            self._done = True
+            assert ENDED in NEXT[self._state], _illegal(self._state, ENDED)
+            self._state = ENDED
             return True
         if not dialect.may_end(rest):
             out.append(rest)
