@@ -23,7 +23,7 @@ import orjson
 from narwhal.engines import failures
 from narwhal.engines.connector import PrefillResult
 from narwhal.engines.control import EngineRef, auth_line, ssl_context
-from narwhal.engines.decode import DecodeLeg, DecodeOptions
+from narwhal.engines.decode import DecodeContext, DecodeLeg, DecodeOptions
 from narwhal.engines.endpoints import Endpoint
 from narwhal.engines.failures import Wait
 from narwhal.engines.http1 import Connection, UpstreamPool, header_lines
@@ -51,6 +51,9 @@ class EngineClient:
         self.pool = pool
         self.settings = settings
         self._auth = auth_line(settings)  # the one engine header (engines.control), prebuilt
+        # What a decode leg sees of this client (engines.decode imports nothing from here).
+        self.decode_context = DecodeContext(pool.post, self.engine_headers, settings.first_token_timeout_s,
+                                            settings.decode_read_timeout_s)
 
     @classmethod
     def for_settings(cls, settings: EngineSettings) -> EngineClient:
@@ -156,7 +159,7 @@ class EngineClient:
     ) -> DecodeLeg:
         """The decode as an object with named steps (``narwhal.engines.decode``): validates the
         handoff now, then ``open()``, ``next_span()`` until ``Signal.END``, and ``close()`` always."""
-        return DecodeLeg(self, result, consumer, body, **options)
+        return DecodeLeg(self.decode_context, result, consumer, body, **options)
 
     async def decode(
         self, result: PrefillResult, consumer: EngineRef, body: dict[str, Any], **options: Unpack[DecodeOptions]

@@ -49,8 +49,9 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Required, TypedDict
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Required, TypedDict
 
 import orjson
 
@@ -64,9 +65,6 @@ from narwhal.engines.http1 import Connection
 from narwhal.engines.relay import DirectRelay, Signal, Sink
 from narwhal.engines.timers import LazyTimeout
 from narwhal.errors import EngineError
-
-if TYPE_CHECKING:
-    from narwhal.engines.client import EngineClient
 
 _DRAIN_S = 1.0
 # The direct relay has a fixed cost per stream (a timer, a wakeup for the end). The span after
@@ -108,6 +106,19 @@ def _illegal(state: LegState, to: LegState) -> str:
     return f"decode leg: {state.name} -> {to.name} is not a move (decode.NEXT)"
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeContext:
+    """What a decode leg needs of the client that made it, and nothing more: the pool's ``post``,
+    the engine headers and the two timeouts of SPEC §4. Built once per client (not per leg);
+    the leg imports nothing from ``engines.client``, so the two modules no longer import each
+    other."""
+
+    post: Callable[..., Awaitable[Connection]]  # UpstreamPool.post
+    engine_headers: Callable[[str, Mapping[str, str] | None], bytes]  # EngineClient.engine_headers
+    first_token_timeout_s: float
+    decode_read_timeout_s: float
+
+
 class DecodeOptions(TypedDict, total=False):
     """What a decode takes besides the handoff, the consumer and the body (one list, for
     :meth:`EngineClient.decode` and :meth:`EngineClient.decode_leg` alike)."""
@@ -122,14 +133,14 @@ class DecodeOptions(TypedDict, total=False):
 
 class DecodeLeg:
     __slots__ = (
-        "_client", "_name", "_url", "_endpoint", "_request_id", "_headers", "_payload", "streaming", "_deadline",
+        "_ctx", "_name", "_url", "_endpoint", "_request_id", "_headers", "_payload", "streaming", "_deadline",
         "_sink", "_loop", "_first_bound", "_conn", "_framer", "_held", "_state", "_timer", "_relay", "_passed",
         "_error", "_dialect", "_wire",
     )
 
     def __init__(
         self,
-        client: EngineClient,
+        ctx: DecodeContext,
         result: PrefillResult,
         consumer: EngineRef,
         body: dict[str, Any],
@@ -152,7 +163,7 @@ class DecodeLeg:
             )
         if max_age_s is not None and result.age() > max_age_s:
             raise failures.expired(result, max_age_s)
-        self._client = client
+        self._ctx = ctx
         self._name, self._url = consumer.name, consumer.url
         self._request_id, self._headers = result.request_id, headers
         self._dialect = dialect = decode_endpoint.dialect
@@ -161,11 +172,11 @@ class DecodeLeg:
         self._loop = asyncio.get_running_loop()
         # Streams: connecting and the response head spend the first token's budget (SPEC §4);
         # a whole answer is bounded by the deadline only.
-        first_s = client.settings.first_token_timeout_s if stream else 0.0
+        first_s = ctx.first_token_timeout_s if stream else 0.0
         self._first_bound = failures.leg_bound(self._loop.time(), first_s, deadline)
         # Every wait on the wire runs inside it; its wait moves to SILENCE with the first token.
         self._wire = failures.WireFailures(self._name, "decode", deadline, Wait.FIRST_TOKEN,
-                                           client.settings.first_token_timeout_s, self._first_bound)
+                                           ctx.first_token_timeout_s, self._first_bound)
         self._conn: Connection | None = None
         self._state = NEW
         self._framer = sse.SSEFramer()
@@ -180,9 +191,9 @@ class DecodeLeg:
     async def open(self) -> bytes | None:
         """POST the decode and read the head (a whole answer: the body too, returned)."""
         assert self._state is NEW, f"decode leg: open() in {self._state.name}"
-        head = self._client.engine_headers(self._request_id, self._headers)
+        head = self._ctx.engine_headers(self._request_id, self._headers)
         with self._wire:
-            conn = self._conn = await self._client.pool.post(
+            conn = self._conn = await self._ctx.post(
                 self._url, self._endpoint, head, self._payload, deadline=self._first_bound,
             )
             assert SENT in NEXT[self._state], _illegal(self._state, SENT)
@@ -273,8 +284,7 @@ class DecodeLeg:
     async def _relayed(self) -> bytes | Signal:
         assert self._conn is not None and self._sink is not None
         if self._relay is None:
-            settings = self._client.settings
-            self._relay = DirectRelay(self._conn, self._framer, self._sink, settings.decode_read_timeout_s,
+            self._relay = DirectRelay(self._conn, self._framer, self._sink, self._ctx.decode_read_timeout_s,
                                       self._deadline, self._dialect.may_end)
         with self._wire:  # the relay's silence raises BoundPassed, which carries its bound
             return await self._relay.run()
@@ -291,8 +301,7 @@ class DecodeLeg:
             self._timer = LazyTimeout()
         wire = self._wire
         if self._state is STREAMING:
-            wire.bound = failures.leg_bound(self._loop.time(), self._client.settings.decode_read_timeout_s,
-                                            self._deadline)
+            wire.bound = failures.leg_bound(self._loop.time(), self._ctx.decode_read_timeout_s, self._deadline)
         with wire:  # before the first token its bound is the first token's, set when built
             chunk = await self._timer.wait(conn.read_some(), wire.bound)
         if not chunk:
@@ -319,7 +328,7 @@ class DecodeLeg:
                 if self._state is AWAITING:
                     assert STREAMING in NEXT[self._state], _illegal(self._state, STREAMING)
                     self._state = STREAMING
-                    self._wire.wait, self._wire.seconds = Wait.SILENCE, self._client.settings.decode_read_timeout_s
+                    self._wire.wait, self._wire.seconds = Wait.SILENCE, self._ctx.decode_read_timeout_s
                     out.append(event + b"\n\n")
                     if self._take_rest(events, i + 1, out):
                         break
