@@ -23,11 +23,12 @@ import orjson
 from narwhal.engines import failures
 from narwhal.engines.connector import PrefillResult
 from narwhal.engines.control import EngineRef, auth_line, ssl_context
-from narwhal.engines.decode import DecodeLeg, DecodeOptions
+from narwhal.engines.decode import DecodeContext, DecodeLeg, DecodeOptions
 from narwhal.engines.endpoints import Endpoint
-from narwhal.engines.http1 import Connection, UpstreamError, UpstreamPool, header_lines
-from narwhal.errors import DeadlineExceeded, EngineError, Phase
-from narwhal.reasons import Reason
+from narwhal.engines.failures import Wait
+from narwhal.engines.http1 import Connection, UpstreamPool, header_lines
+from narwhal.engines.relay import Signal
+from narwhal.errors import EngineError, Phase
 from narwhal.settings import EngineSettings
 
 ReleaseOutcome = Literal["released", "failed", "unreachable"]
@@ -50,6 +51,9 @@ class EngineClient:
         self.pool = pool
         self.settings = settings
         self._auth = auth_line(settings)  # the one engine header (engines.control), prebuilt
+        # What a decode leg sees of this client (engines.decode imports nothing from here).
+        self.decode_context = DecodeContext(pool.post, self.engine_headers, settings.first_token_timeout_s,
+                                            settings.decode_read_timeout_s)
 
     @classmethod
     def for_settings(cls, settings: EngineSettings) -> EngineClient:
@@ -139,21 +143,10 @@ class EngineClient:
             def on_rest(rest: Awaitable[tuple[int, bytes]]) -> None:
                 abandon(self._finish_prefill(rest, result))
 
-        try:
-            status, data = await self._exchange(
-                producer.url, endpoint.path, self.engine_headers(request_id, headers), payload, bound, on_rest
-            )
-        except TimeoutError:
-            if deadline is not None and bound == deadline:
-                raise DeadlineExceeded("the request deadline ran out during prefill") from None
-            raise EngineError(
-                f"prefill on engine {producer.name} exceeded {self.settings.prefill_timeout_s:g}s",
-                reason=Reason.PREFILL_TIMEOUT,
-                engine=producer.name,
-                phase="prefill",
-            ) from None
-        except UpstreamError as exc:
-            raise failures.transport_error(exc, producer.name, "prefill") from None
+        head = self.engine_headers(request_id, headers)
+        with failures.WireFailures(producer.name, "prefill", deadline, Wait.PREFILL, self.settings.prefill_timeout_s,
+                                   bound):
+            status, data = await self._exchange(producer.url, endpoint.path, head, payload, bound, on_rest)
         return _prefill_result(result, status, data)
 
     @staticmethod
@@ -165,8 +158,8 @@ class EngineClient:
         self, result: PrefillResult, consumer: EngineRef, body: dict[str, Any], **options: Unpack[DecodeOptions]
     ) -> DecodeLeg:
         """The decode as an object with named steps (``narwhal.engines.decode``): validates the
-        handoff now, then ``open()``, ``next_span()`` until None, and ``close()`` always."""
-        return DecodeLeg(self, result, consumer, body, **options)
+        handoff now, then ``open()``, ``next_span()`` until ``Signal.END``, and ``close()`` always."""
+        return DecodeLeg(self.decode_context, result, consumer, body, **options)
 
     async def decode(
         self, result: PrefillResult, consumer: EngineRef, body: dict[str, Any], **options: Unpack[DecodeOptions]
@@ -188,8 +181,9 @@ class EngineClient:
             if whole is not None:
                 yield whole
                 return
-            while (span := await leg.next_span()) is not None:
-                yield span
+            while (span := await leg.next_span()) is not Signal.END:
+                # The generator's documented form (README): b"" says the client fell behind.
+                yield b"" if span is Signal.BEHIND else span
         finally:
             leg.close()
 
@@ -210,17 +204,22 @@ class EngineClient:
         if result.descriptor is None:
             return "failed"
         payload = orjson.dumps(result.endpoint.dialect.release_body(body, result.request_id, result.descriptor))
-        bound = failures.leg_bound(asyncio.get_running_loop().time(), self.settings.first_token_timeout_s, None)
+        seconds = self.settings.first_token_timeout_s
+        bound = failures.leg_bound(asyncio.get_running_loop().time(), seconds, None)
         head = self.engine_headers(result.request_id, headers)
+        # What a release makes of a wire failure is where it happened, not its reason.
+        wire = failures.WireFailures(consumer.name, "decode", None, Wait.FIRST_TOKEN, seconds, bound)
         try:
-            conn = await self.pool.post(consumer.url, result.endpoint.path, head, payload, deadline=bound)
-        except (TimeoutError, UpstreamError):
+            with wire:
+                conn = await self.pool.post(consumer.url, result.endpoint.path, head, payload, deadline=bound)
+        except EngineError:
             return "unreachable"  # nothing went out: the consumer never saw the handoff
         try:
-            status, _ = await _answer(conn)
+            with wire:
+                status, _ = await _answer(conn)
         except BaseException as exc:
             conn.close()
-            if isinstance(exc, TimeoutError | UpstreamError):
+            if isinstance(exc, EngineError):
                 return "failed"
             raise
         return "released" if status == 200 else "failed"
@@ -245,10 +244,11 @@ class EngineClient:
         engine serves in (its breaker streak). A cancelled caller closes the connection, so the
         engine drops the request. Every other outcome raises, as on the legs.
         """
-        bound = failures.leg_bound(asyncio.get_running_loop().time(), self.settings.first_token_timeout_s, deadline)
+        seconds = self.settings.first_token_timeout_s
+        bound = failures.leg_bound(asyncio.get_running_loop().time(), seconds, deadline)
         payload = orjson.dumps(body)
-        try:
-            head = self.engine_headers(request_id, headers)
+        head = self.engine_headers(request_id, headers)
+        with failures.WireFailures(engine.name, phase, deadline, Wait.ANSWER, seconds, bound):
             conn = await self.pool.post(engine.url, path, head, payload, deadline=bound)
             try:
                 status = await conn.response()
@@ -258,17 +258,6 @@ class EngineClient:
                 conn.close()
                 raise
             conn.release()
-        except TimeoutError:
-            if deadline is not None and bound == deadline:
-                raise DeadlineExceeded(f"the request deadline ran out waiting for engine {engine.name}") from None
-            raise EngineError(
-                f"engine {engine.name} sent no answer within {self.settings.first_token_timeout_s:g}s",
-                reason=Reason.FIRST_TOKEN_TIMEOUT,
-                engine=engine.name,
-                phase=phase,
-            ) from None
-        except UpstreamError as exc:
-            raise failures.transport_error(exc, engine.name, phase) from None
         if not 200 <= status < 300:
             raise failures.status_error(status, data, engine.name, phase)
         return status, data, content_type

@@ -8,14 +8,36 @@ connection). What the client sees is decided by its caller; what the engine did 
 The hot path: after the first token, spans that cannot end the stream are handed to the
 caller's *sink* from the connection's data callback (``narwhal.engines.relay``), so a long
 stream costs no await per token; :meth:`next_span` only wakes for a span that may end the
-stream, a client that fell behind (``b""``: let it drain, then call again), silence, or the
-engine's end. Before the first token, metadata events are held and sent along with it.
+stream, a client that fell behind (``Signal.BEHIND``: let it drain, then call again), silence,
+or the engine's end (``Signal.END`` once the terminal event went out). Before the first token,
+metadata events are held and sent along with it.
 
 Why the events after the first token are judged as one span (``_take_rest``): in an unpaced
 stream the first span often holds the whole answer, and a probe, a copy and an append per
 event was ~50 of the ~720 calls per request at c=32 (``python -m perf.callcount``); the rest of
 the span gets exactly the test a later span gets (the usual end, or output that cannot end
 the stream), and only a span that fails it is judged event by event, as before.
+
+The leg's states (:class:`LegState`; ``NEXT`` is this table, and a move not in it fails an
+``assert``: a programming error, which ``tests/unit/engines/test_leg_states.py`` provokes)::
+
+    state      moves to                 what it means
+    NEW        SENT, CLOSED             built, the body encoded, nothing sent
+    SENT       AWAITING, ENDED, CLOSED  the request went out (the consumer has the handoff); a
+                                        stream's 200 head -> AWAITING, a whole answer -> ENDED
+    AWAITING   STREAMING, CLOSED        metadata is held until the first token
+    STREAMING  ENDED, FAILED, CLOSED    the first token went out; only the end and errors matter
+    ENDED      CLOSED                   the terminal event (or the whole answer) came cleanly
+    FAILED     CLOSED                   an error event after output: the output goes out first,
+                                        the error on the next call
+    CLOSED     -                        close() ran (a second call does nothing)
+
+Any failure raised on the way leaves the state where it was, and close() then closes the
+connection (only ENDED offers it to the pool), which makes the engine abort the request.
+``sent`` is ``state is not NEW``: read it before close(). Why an enum with a table, not flags:
+six booleans (sent, finished, seen token, done, an error held, streaming) made a machine nobody
+had written down; a move is still one attribute write (states are module constants: no
+attribute lookup on the enum class per check, no call).
 
 Invariants: bytes go out in the order received, each once; no timer spans a return to the
 caller (a timer that fired while the caller writes to a slow client would cancel the caller);
@@ -26,9 +48,10 @@ makes the engine abort the request.
 from __future__ import annotations
 
 import asyncio
-import math
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Required, TypedDict
+import enum
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Required, TypedDict
 
 import orjson
 
@@ -37,13 +60,11 @@ from narwhal.engines.connector import PrefillResult, validate_descriptor
 from narwhal.engines.control import EngineRef
 from narwhal.engines.dialects.base import event_name
 from narwhal.engines.endpoints import Endpoint
-from narwhal.engines.http1 import Connection, UpstreamError
-from narwhal.engines.relay import DirectRelay, Sink
+from narwhal.engines.failures import Wait
+from narwhal.engines.http1 import Connection
+from narwhal.engines.relay import DirectRelay, Signal, Sink
 from narwhal.engines.timers import LazyTimeout
 from narwhal.errors import EngineError
-
-if TYPE_CHECKING:
-    from narwhal.engines.client import EngineClient
 
 _DRAIN_S = 1.0
 # The direct relay has a fixed cost per stream (a timer, a wakeup for the end). The span after
@@ -51,6 +72,51 @@ _DRAIN_S = 1.0
 # whole rest and [DONE], which the caller writes with the end of the body at no extra cost.
 # Measured (A/B, perf suite): 1 beats 3 by ~5 % unpaced and 5-11 % paced; 0 costs ~10 % unpaced.
 _RELAY_AFTER = 1
+
+
+class LegState(enum.IntEnum):
+    """Where a decode leg is (the table in this module's text); an IntEnum, so a lookup in NEXT
+    hashes in C."""
+
+    NEW = 0
+    SENT = 1
+    AWAITING = 2
+    STREAMING = 3
+    ENDED = 4
+    FAILED = 5
+    CLOSED = 6
+
+
+NEW, SENT, AWAITING, STREAMING, ENDED, FAILED, CLOSED = LegState
+NEXT: dict[LegState, frozenset[LegState]] = {
+    NEW: frozenset({SENT, CLOSED}),
+    SENT: frozenset({AWAITING, ENDED, CLOSED}),
+    AWAITING: frozenset({STREAMING, CLOSED}),
+    STREAMING: frozenset({ENDED, FAILED, CLOSED}),
+    ENDED: frozenset({CLOSED}),
+    FAILED: frozenset({CLOSED}),
+    CLOSED: frozenset(),
+}
+"""The allowed moves: each state's successors (the table in this module's text)."""
+_READING = frozenset({AWAITING, STREAMING, ENDED, FAILED})  # where next_span() may be called
+
+
+def _illegal(state: LegState, to: LegState) -> str:
+    """The message of a move not in NEXT (built only when the assert fails)."""
+    return f"decode leg: {state.name} -> {to.name} is not a move (decode.NEXT)"
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeContext:
+    """What a decode leg needs of the client that made it, and nothing more: the pool's ``post``,
+    the engine headers and the two timeouts of SPEC §4. Built once per client (not per leg);
+    the leg imports nothing from ``engines.client``, so the two modules no longer import each
+    other."""
+
+    post: Callable[..., Awaitable[Connection]]  # UpstreamPool.post
+    engine_headers: Callable[[str, Mapping[str, str] | None], bytes]  # EngineClient.engine_headers
+    first_token_timeout_s: float
+    decode_read_timeout_s: float
 
 
 class DecodeOptions(TypedDict, total=False):
@@ -67,14 +133,14 @@ class DecodeOptions(TypedDict, total=False):
 
 class DecodeLeg:
     __slots__ = (
-        "_client", "_name", "_url", "_endpoint", "_request_id", "_headers", "_payload", "streaming", "_deadline",
-        "_sink", "_loop", "_first_bound", "_conn", "_finished", "_framer", "_held", "_seen_token", "_done",
-        "_timer", "_relay", "_passed", "_error", "_dialect", "sent",
+        "_ctx", "_name", "_url", "_endpoint", "_request_id", "_headers", "_payload", "streaming", "_deadline",
+        "_sink", "_loop", "_first_bound", "_conn", "_framer", "_held", "_state", "_timer", "_relay", "_passed",
+        "_error", "_dialect", "_wire",
     )
 
     def __init__(
         self,
-        client: EngineClient,
+        ctx: DecodeContext,
         result: PrefillResult,
         consumer: EngineRef,
         body: dict[str, Any],
@@ -97,7 +163,7 @@ class DecodeLeg:
             )
         if max_age_s is not None and result.age() > max_age_s:
             raise failures.expired(result, max_age_s)
-        self._client = client
+        self._ctx = ctx
         self._name, self._url = consumer.name, consumer.url
         self._request_id, self._headers = result.request_id, headers
         self._dialect = dialect = decode_endpoint.dialect
@@ -106,16 +172,15 @@ class DecodeLeg:
         self._loop = asyncio.get_running_loop()
         # Streams: connecting and the response head spend the first token's budget (SPEC §4);
         # a whole answer is bounded by the deadline only.
-        first_s = client.settings.first_token_timeout_s if stream else 0.0
+        first_s = ctx.first_token_timeout_s if stream else 0.0
         self._first_bound = failures.leg_bound(self._loop.time(), first_s, deadline)
+        # Every wait on the wire runs inside it; its wait moves to SILENCE with the first token.
+        self._wire = failures.WireFailures(self._name, "decode", deadline, Wait.FIRST_TOKEN,
+                                           ctx.first_token_timeout_s, self._first_bound)
         self._conn: Connection | None = None
-        # False until the request went out: a leg that failed connecting (refused, or out of
-        # time) left the handoff with nobody, and its caller must release it elsewhere.
-        self.sent = False
-        self._finished = False
+        self._state = NEW
         self._framer = sse.SSEFramer()
         self._held: list[bytes] = []  # metadata before the first token, sent along with it
-        self._seen_token = self._done = False
         self._timer: LazyTimeout | None = None
         self._relay: DirectRelay | None = None  # built when first needed: short streams never are
         self._passed = 0  # spans returned after the first token
@@ -125,54 +190,72 @@ class DecodeLeg:
 
     async def open(self) -> bytes | None:
         """POST the decode and read the head (a whole answer: the body too, returned)."""
-        try:
-            conn = self._conn = await self._client.pool.post(
-                self._url, self._endpoint, self._client.engine_headers(self._request_id, self._headers),
-                self._payload, deadline=self._first_bound,
+        assert self._state is NEW, f"decode leg: open() in {self._state.name}"
+        head = self._ctx.engine_headers(self._request_id, self._headers)
+        with self._wire:
+            conn = self._conn = await self._ctx.post(
+                self._url, self._endpoint, head, self._payload, deadline=self._first_bound,
             )
-            self.sent = True
+            assert SENT in NEXT[self._state], _illegal(self._state, SENT)
+            self._state = SENT
             status = await conn.response()
             if status != 200:
                 raise failures.status_error(status, await conn.read_all(), self._name, "decode")
             data = None if self.streaming else await conn.read_all()
-            if data is not None and (err := self._dialect.whole_error(data)) is not None:
-                raise failures.stream_error(err, self._name)
-            conn.disarm()  # from here each read has its own bound
-        except TimeoutError:
-            raise self._timed_out(self._first_bound, before_token=True) from None
-        except UpstreamError as exc:
-            raise failures.transport_error(exc, self._name, "decode") from None
+        if data is not None and (err := self._dialect.whole_error(data)) is not None:
+            raise failures.stream_error(err, self._name)
+        conn.disarm()  # from here each read has its own bound
         if data is not None:
-            self._finished = True
+            assert ENDED in NEXT[self._state], _illegal(self._state, ENDED)
+            self._state = ENDED
+        else:
+            assert AWAITING in NEXT[self._state], _illegal(self._state, AWAITING)
+            self._state = AWAITING
+            self._wire.terminal = self._dialect.terminal  # a lost connection is now a disconnect
         return data
 
-    async def next_span(self) -> bytes | None:
+    async def next_span(self) -> bytes | Signal:
         """The next bytes for the client — whole SSE events, the first span holding the first
-        token — ``b""`` when the sink reported the client behind, None once [DONE] went out."""
-        if self._error is not None:
+        token — ``Signal.BEHIND`` when the sink reported the client behind, ``Signal.END`` once
+        the terminal event went out."""
+        if self._state is FAILED:
+            assert self._error is not None
             raise self._error
-        while not self._done:
-            span = None
-            if self._sink is not None and self._seen_token and self._passed >= _RELAY_AFTER:
-                span = await self._relayed()
-                if span == b"":
-                    return span
-            if span is None:  # before the first token, or the relay saw the engine end
+        assert self._state in _READING, f"decode leg: next_span() in {self._state.name}"
+        while self._state is not ENDED:
+            if self._sink is not None and self._state is STREAMING and self._passed >= _RELAY_AFTER:
+                got = await self._relayed()
+                if got is Signal.BEHIND:
+                    return got
+                # HANDBACK: the relay saw the engine end; the read path tells how
+                span = await self._read_span() if got is Signal.HANDBACK else got
+            else:
                 span = await self._read_span()
-                if not span:
-                    continue
-            if self._seen_token and not self._dialect.may_end(span):
+            if not span:
+                continue
+            if self._state is STREAMING and not self._dialect.may_end(span):
                 self._passed += 1
                 return span
             out = await self._classify(span)
             if out is not None:
                 return out
-        return None
+        return Signal.END
+
+    @property
+    def state(self) -> LegState:
+        """Where the leg is (the module's table)."""
+        return self._state
+
+    @property
+    def sent(self) -> bool:
+        """The request went out (read it before close()): a leg that failed connecting (refused,
+        or out of time) left the handoff with nobody, and its caller must release it elsewhere."""
+        return self._state is not NEW
 
     @property
     def ended(self) -> bool:
         """The stream reached its terminal event cleanly: the last span may end the client's body."""
-        return self._done and self._error is None
+        return self._state is ENDED
 
     @property
     def relayed(self) -> int:
@@ -180,28 +263,31 @@ class DecodeLeg:
         return 0 if self._relay is None else self._relay.spans
 
     def close(self) -> None:
+        """Pool the connection after a clean end (its own checks may still close it), else close
+        it, which makes the engine abort; a second call does nothing."""
+        if self._state is CLOSED:
+            return
         if self._timer is not None:
             self._timer.close()
             self._timer = None
         conn, self._conn = self._conn, None
         if conn is not None:
-            if self._finished:
+            if self._state is ENDED:
                 conn.release()
             else:
                 conn.close()
+        assert CLOSED in NEXT[self._state], _illegal(self._state, CLOSED)
+        self._state = CLOSED
 
     # -- inside a step ----------------------------------------------------------------------
 
-    async def _relayed(self) -> bytes | None:
+    async def _relayed(self) -> bytes | Signal:
         assert self._conn is not None and self._sink is not None
         if self._relay is None:
-            settings = self._client.settings
-            self._relay = DirectRelay(self._conn, self._framer, self._sink, settings.decode_read_timeout_s,
+            self._relay = DirectRelay(self._conn, self._framer, self._sink, self._ctx.decode_read_timeout_s,
                                       self._deadline, self._dialect.may_end)
-        try:
+        with self._wire:  # the relay's silence raises BoundPassed, which carries its bound
             return await self._relay.run()
-        except TimeoutError:
-            raise self._timed_out(self._relay.timed_out_at or math.inf, before_token=False) from None
 
     async def _read_span(self) -> bytes:
         """One read under its bound: the first token's before it, then the silence bound.
@@ -213,66 +299,67 @@ class DecodeLeg:
             return self._framer.feed(conn.read_now())
         if self._timer is None:
             self._timer = LazyTimeout()
-        if self._seen_token:
-            bound = failures.leg_bound(self._loop.time(), self._client.settings.decode_read_timeout_s, self._deadline)
-        else:
-            bound = self._first_bound
-        try:
-            chunk = await self._timer.wait(conn.read_some(), bound)
-        except TimeoutError:
-            raise self._timed_out(bound, before_token=not self._seen_token) from None
-        except UpstreamError:
-            chunk = b""
+        wire = self._wire
+        if self._state is STREAMING:
+            wire.bound = failures.leg_bound(self._loop.time(), self._ctx.decode_read_timeout_s, self._deadline)
+        with wire:  # before the first token its bound is the first token's, set when built
+            chunk = await self._timer.wait(conn.read_some(), wire.bound)
         if not chunk:
             raise failures.disconnected(self._name, self._dialect.terminal)
         return self._framer.feed(chunk)
 
     async def _classify(self, span: bytes) -> bytes | None:
         """Judge a span that may hold the first token or the stream's end; return what goes to
-        the client (None: nothing yet, only metadata so far)."""
+        the client (None: nothing yet, only metadata so far). AWAITING or STREAMING on entry."""
         dialect = self._dialect
         out = self._held
-        if self._seen_token and (cut := dialect.clean_end(span)) >= 0:
+        if self._state is STREAMING and (cut := dialect.clean_end(span)) >= 0:
             # The usual end: output, the terminal event last, no error: as received.
             out.append(span if cut == len(span) else span[:cut])
-            self._done = True
-        events: list[bytes] = [] if self._done else sse.split_events(span)
+            assert ENDED in NEXT[self._state], _illegal(self._state, ENDED)
+            self._state = ENDED
+        events: list[bytes] = [] if self._state is ENDED else sse.split_events(span)
         for i, event in enumerate(events):
-            if self._seen_token and not dialect.may_end(event):
+            if self._state is STREAMING and not dialect.may_end(event):
                 out.append(event + b"\n\n")  # after the first token only the end matters
                 continue
             kind, err = dialect.classify(event)
             if kind is sse.Kind.TOKEN:
-                if not self._seen_token:
-                    self._seen_token = True
+                if self._state is AWAITING:
+                    assert STREAMING in NEXT[self._state], _illegal(self._state, STREAMING)
+                    self._state = STREAMING
+                    self._wire.wait, self._wire.seconds = Wait.SILENCE, self._ctx.decode_read_timeout_s
                     out.append(event + b"\n\n")
                     if self._take_rest(events, i + 1, out):
                         break
                     continue
             elif kind is sse.Kind.DONE:
-                if not self._seen_token:
+                if self._state is AWAITING:
                     name = event_name(event)  # the bare name of the terminal event received
                     raise failures.done_before_token(self._name, name.decode() if name else dialect.terminal)
                 # What follows the terminal event (vLLM's [DONE] after message_stop) is dropped.
                 out.append(dialect.terminal_bytes or event + b"\n\n")
-                self._done = True
+                assert ENDED in NEXT[self._state], _illegal(self._state, ENDED)
+                self._state = ENDED
                 break
             elif kind is sse.Kind.ERROR:
                 error = failures.stream_error(err or {}, self._name)
-                if not (self._seen_token and out):
+                if self._state is AWAITING or not out:
                     raise error
-                self._error, self._done = error, True  # what came before it goes out first
+                assert FAILED in NEXT[self._state], _illegal(self._state, FAILED)
+                self._error, self._state = error, FAILED  # what came before it goes out first
                 self._held = []
                 return b"".join(out)
             out.append(event + b"\n\n")
-        if self._done and self._error is None:
+        if self._state is ENDED:
             # Read the end of the chunked body (normally here already) *before* the last span
             # goes out: the caller ends the client's response with it, and a client that has its
             # whole answer may leave at once; nothing may wait after that. A body that ends
-            # cleanly lets the connection be pooled.
+            # cleanly lets close() pool the connection (Connection.release checks it did).
             assert self._conn is not None
-            self._finished = self._conn.complete or await _read_to_end(self._conn)
-        if not self._seen_token:
+            if not self._conn.complete:
+                await self._conn.read_to_end(_DRAIN_S)
+        elif self._state is AWAITING:
             return None
         self._held = []
         return out[0] if len(out) == 1 else b"".join(out)
@@ -287,25 +374,10 @@ class DecodeLeg:
         dialect = self._dialect
         if (cut := dialect.clean_end(rest)) >= 0:
             out.append(rest if cut == len(rest) else rest[:cut])
-            self._done = True
+            assert ENDED in NEXT[self._state], _illegal(self._state, ENDED)
+            self._state = ENDED
             return True
         if not dialect.may_end(rest):
             out.append(rest)
             return True
         return False
-
-    def _timed_out(self, bound: float, *, before_token: bool) -> Exception:
-        settings = self._client.settings
-        return failures.decode_timeout(
-            self._name, bound, self._deadline, before_token=before_token,
-            first_token_s=settings.first_token_timeout_s, read_s=settings.decode_read_timeout_s,
-        )
-
-
-async def _read_to_end(conn: Connection) -> bool:
-    try:
-        async with asyncio.timeout(_DRAIN_S):
-            await conn.read_all()
-    except (TimeoutError, UpstreamError):
-        return False
-    return True

@@ -4,11 +4,27 @@ The one place that turns what the wire reports (``narwhal.engines.http1``'s exce
 status, an error object inside a stream, a clock that ran out) into :class:`EngineError` with
 its reason, engine, leg and message (SPEC §2, §4). Messages name engines by name, never by URL.
 Each reason's status, retry rule and breaker weight are in ``narwhal.reasons``.
+
+The wire's exceptions are mapped by one context manager, :class:`WireFailures`, that every leg
+(prefill, decode, release, passthrough) holds around its awaits on the wire, as httpx's
+``map_httpcore_exceptions`` does: inside it a ``TimeoutError`` becomes the deadline's error or
+the reason of what the leg was waiting for (:class:`Wait`), an ``UpstreamError`` becomes
+``engine_unreachable`` before the response head and ``engine_disconnect`` after it. Why one
+place: the same two ``except`` clauses were written out eleven times over three modules, each
+with its own copy of the deadline test. A leg builds one per leg (not per read) and moves its
+``bound`` and ``wait`` with plain attribute writes; outside the exception path it costs the
+two calls of a ``with`` per wire await, none per relayed chunk.
+
+Invariant: no leg catches a wire exception itself (``tests/unit/engines/test_failures.py``
+checks ``client.py``, ``decode.py`` and ``relay.py``); what the wire layer (``http1*.py``)
+catches of its own stays there.
 """
 
 from __future__ import annotations
 
+import enum
 import math
+from types import TracebackType
 from typing import Any
 
 import orjson
@@ -16,7 +32,7 @@ import orjson
 from narwhal.engines import sse
 from narwhal.engines.connector import PrefillResult
 from narwhal.engines.http1 import ConnectFailed, UpstreamError
-from narwhal.errors import DeadlineExceeded, EngineClientError, EngineError, Phase
+from narwhal.errors import DeadlineExceeded, EngineClientError, EngineError, NarwhalError, Phase
 from narwhal.reasons import Reason
 
 
@@ -25,6 +41,77 @@ def leg_bound(now: float, seconds: float, deadline: float | None) -> float:
     ``now`` (0: no bound of its own), and never past the request's ``deadline``."""
     bound = now + seconds if seconds else math.inf
     return deadline if deadline is not None and deadline < bound else bound
+
+
+class Wait(enum.Enum):
+    """What a leg waits for: the reason, message and deadline text when its own bound runs out."""
+
+    PREFILL = (Reason.PREFILL_TIMEOUT, "prefill on engine {name} exceeded {seconds:g}s",
+               "the request deadline ran out during prefill")
+    FIRST_TOKEN = (Reason.FIRST_TOKEN_TIMEOUT, "engine {name} sent no token within {seconds:g}s",
+                   "the request deadline ran out while decoding")
+    SILENCE = (Reason.DECODE_SILENCE,
+               "engine went silent between tokens: engine {name} sent nothing for {seconds:g}s",
+               "the request deadline ran out while decoding")
+    ANSWER = (Reason.FIRST_TOKEN_TIMEOUT, "engine {name} sent no answer within {seconds:g}s",
+              "the request deadline ran out waiting for engine {name}")
+
+    def __init__(self, reason: Reason, message: str, deadline_message: str) -> None:
+        self.reason, self.message, self.deadline_message = reason, message, deadline_message
+
+
+class BoundPassed(TimeoutError):
+    """A wait's own ``bound`` (loop time) passed, raised where the leg's scope cannot know which
+    bound it was (the direct relay's silence timer, re-armed inside the data callback)."""
+
+    def __init__(self, bound: float) -> None:
+        super().__init__()
+        self.bound = bound
+
+
+class WireFailures:
+    """The one mapping of wire exceptions to reasons, as a context manager around a leg's awaits.
+
+    ``name`` / ``phase``: the engine and the leg charged; ``deadline``: the request's (loop time,
+    None: none); ``wait`` and ``seconds``: what the leg waits for now and its timeout (for the
+    message); ``bound``: when the current wait ends; ``terminal``: None until the response head
+    was read, then the terminal event the body owes (a connection lost after the head is a
+    disconnect before it). The leg moves ``wait``, ``seconds``, ``bound`` and ``terminal`` as it
+    goes. Exceptions other than the wire's pass through unchanged."""
+
+    __slots__ = ("name", "phase", "deadline", "wait", "seconds", "bound", "terminal")
+
+    def __init__(
+        self, name: str, phase: Phase, deadline: float | None, wait: Wait, seconds: float, bound: float
+    ) -> None:
+        self.name, self.phase, self.deadline = name, phase, deadline
+        self.wait, self.seconds, self.bound = wait, seconds, bound
+        self.terminal: str | None = None
+
+    def __enter__(self) -> WireFailures:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        if kind is None:
+            return False
+        if issubclass(kind, TimeoutError):
+            raise self.timed_out(exc.bound if isinstance(exc, BoundPassed) else self.bound) from None
+        if issubclass(kind, UpstreamError):
+            assert isinstance(exc, UpstreamError)
+            if self.terminal is not None:
+                raise disconnected(self.name, self.terminal) from None
+            raise transport_error(exc, self.name, self.phase) from None
+        return False
+
+    def timed_out(self, bound: float) -> NarwhalError:
+        """The request's deadline if that is what ran out, else the reason of the wait."""
+        wait, name = self.wait, self.name
+        if self.deadline is not None and bound >= self.deadline:
+            return DeadlineExceeded(wait.deadline_message.format(name=name))
+        return EngineError(wait.message.format(name=name, seconds=self.seconds), reason=wait.reason, engine=name,
+                           phase=self.phase)
 
 
 def transport_error(exc: UpstreamError, name: str, phase: Phase) -> EngineError:
@@ -97,26 +184,5 @@ def done_before_token(name: str, terminal: str = "[DONE]") -> EngineError:
     """``terminal`` is the bare name of the endpoint's terminal event (SPEC §2.1)."""
     return EngineError(
         f"stream ended with {terminal} before any token arrived", reason=Reason.DONE_BEFORE_TOKEN, engine=name,
-        phase="decode",
-    )
-
-
-def decode_timeout(
-    name: str, bound: float, deadline: float | None, *, before_token: bool, first_token_s: float, read_s: float
-) -> Exception:
-    """The request's deadline if that is what ran out, else the engine's fault of the moment."""
-    if deadline is not None and bound >= deadline:
-        return DeadlineExceeded("the request deadline ran out while decoding")
-    if before_token:
-        return EngineError(
-            f"engine {name} sent no token within {first_token_s:g}s",
-            reason=Reason.FIRST_TOKEN_TIMEOUT,
-            engine=name,
-            phase="decode",
-        )
-    return EngineError(
-        f"engine went silent between tokens: engine {name} sent nothing for {read_s:g}s",
-        reason=Reason.DECODE_SILENCE,
-        engine=name,
         phase="decode",
     )

@@ -338,6 +338,16 @@ class Connection(asyncio.Protocol):
                 return b"".join(parts) if len(parts) != 1 else parts[0]
             parts.append(data)
 
+    async def read_to_end(self, seconds: float) -> bool:
+        """Read what is left of the body within ``seconds``; False when it did not end cleanly
+        then (a draining read, not a leg: the connection is then closed, never pooled)."""
+        try:
+            async with asyncio.timeout(seconds):
+                await self.read_all()
+        except (TimeoutError, UpstreamError):
+            return False
+        return True
+
     def release(self) -> None:
         """Done with this response: back to the pool if it ended cleanly, else closed."""
         if self._timer is not None:

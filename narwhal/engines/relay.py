@@ -10,8 +10,8 @@ that writes it to the client's transport; the generator sleeps until something n
 
 * a span that may end the stream (``[DONE]`` or an error object): the generator classifies it;
 * a client that fell behind (the sink reports its transport above the high-water mark): the
-  generator yields ``b""`` and its caller waits for the client, under its write timeout;
-* silence longer than ``decode_read_timeout_s``, or the deadline: ``TimeoutError``;
+  relay returns ``Signal.BEHIND`` and its caller waits for the client, under its write timeout;
+* silence longer than ``decode_read_timeout_s``, or the deadline: ``BoundPassed``, a ``TimeoutError``;
 * the engine's end or failure: the generator's ordinary read path reports it.
 
 Per token, after the first: one read, one sink call, one framing step, one byte probe — and
@@ -28,14 +28,26 @@ when full); one timer per stream, re-armed lazily, not one per span.
 from __future__ import annotations
 
 import asyncio
+import enum
 import math
 from collections.abc import Callable
 
-from narwhal.engines.failures import leg_bound
+from narwhal.engines.failures import BoundPassed, leg_bound
 from narwhal.engines.http1 import Connection
 from narwhal.engines.sse import SSEFramer, may_end_stream
 
 Sink = Callable[[bytes], bool]  # write a span to the client; False when the client fell behind
+
+
+class Signal(enum.Enum):
+    """A span read that brings no bytes for the client says which of these instead.
+
+    Spans themselves stay plain ``bytes`` (no wrapper, no allocation per span); a read returns
+    ``bytes | Signal``, and the caller tells them apart with one ``is``."""
+
+    END = "end"  # the stream is over: its terminal event already went out (DecodeLeg.next_span)
+    BEHIND = "behind"  # the client fell behind: let it drain under its write bound, then read again
+    HANDBACK = "handback"  # the relay stopped with nothing held: the engine ended or failed; read to see how
 
 
 class DirectRelay:
@@ -65,10 +77,12 @@ class DirectRelay:
         self.timed_out_at: float | None = None
         self.spans = 0  # spans handed to the sink (the inter-token figure's count)
 
-    async def run(self) -> bytes | None:
-        """Relay until the generator is needed. Returns a span to classify, ``b""`` when the
-        client must drain first, or None when the engine ended or failed (read it to see how);
-        raises ``TimeoutError`` on silence or the deadline (``timed_out_at`` is the bound)."""
+    async def run(self) -> bytes | Signal:
+        """Relay until the generator is needed. Returns a span to classify, ``Signal.BEHIND``
+        when the client must drain first, or ``Signal.HANDBACK`` when the engine ended or failed
+        (read it to see how);
+        raises :class:`~narwhal.engines.failures.BoundPassed` (a ``TimeoutError``) on silence or
+        the deadline, carrying the bound that passed (also ``timed_out_at``)."""
         conn = self._conn
         self._stopped, self._held, self.timed_out_at = False, None, None
         self._last = self._loop.time()
@@ -86,10 +100,10 @@ class DirectRelay:
                 self._timer.cancel()
                 self._timer = None
         if self.timed_out_at is not None:
-            raise TimeoutError
+            raise BoundPassed(self.timed_out_at)
         if self._held is not None:
             return self._held
-        return b"" if self._stopped else None
+        return Signal.BEHIND if self._stopped else Signal.HANDBACK
 
     def _on_body(self, chunk: bytes) -> None:
         self._last = self._loop.time()

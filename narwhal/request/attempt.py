@@ -36,7 +36,7 @@ from narwhal import metrics
 from narwhal.engines.client import EngineClient
 from narwhal.engines.connector import InvalidHandoff, PrefillResult, validate_descriptor
 from narwhal.engines.decode import DecodeLeg
-from narwhal.engines.relay import Sink
+from narwhal.engines.relay import Signal, Sink
 from narwhal.errors import EngineError, NarwhalError
 from narwhal.fleet import Engine
 from narwhal.fleet.placement import Reservation
@@ -70,11 +70,11 @@ async def _stream(
     observed = ended = False
     spans = 0
     try:
-        while (span := await leg.next_span()) is not None:
+        while (span := await leg.next_span()) is not Signal.END:
             if not client.committed:
                 rec.first_byte_s = time.perf_counter() - started
                 await client.commit_stream()
-            if not span:  # the relay found the client behind: let it drain
+            if span is Signal.BEHIND:  # the relay found the client behind: let it drain
                 await client.drain()
                 continue
             # The span with the terminal event goes out with the end of the chunked body: one

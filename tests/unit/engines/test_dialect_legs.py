@@ -13,6 +13,7 @@ from aiohttp.test_utils import TestServer
 from narwhal.engines import endpoints
 from narwhal.engines.client import EngineClient
 from narwhal.engines.connector import PrefillResult
+from narwhal.engines.relay import Signal
 from narwhal.errors import EngineError
 from narwhal.settings import EngineSettings
 
@@ -57,7 +58,8 @@ async def _decode(url: str, endpoint: str) -> tuple[list[bytes], bool]:
     spans: list[bytes] = []
     try:
         assert await leg.open() is None
-        while (span := await leg.next_span()) is not None:
+        while (span := await leg.next_span()) is not Signal.END:
+            assert isinstance(span, bytes)
             spans.append(span)
         return spans, leg.ended
     finally:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from narwhal.engines.relay import DirectRelay
+from narwhal.engines.relay import DirectRelay, Signal
 from narwhal.engines.sse import SSEFramer
 
 BOUND_S = 5.0  # every wait in these tests; none should take more than a few ms
@@ -122,7 +122,7 @@ async def _parked(conn: FakeConn) -> None:
         await conn.parked.wait()
 
 
-async def _finished(task: asyncio.Task[bytes | None]) -> asyncio.Task[bytes | None]:
+async def _finished(task: asyncio.Task[bytes | Signal]) -> asyncio.Task[bytes | Signal]:
     """The task, once it ended by itself: a relay still running after BOUND_S fails the test
     (rather than raising a TimeoutError that could pass for the relay's own)."""
     await asyncio.wait({task}, timeout=BOUND_S)
@@ -130,7 +130,7 @@ async def _finished(task: asyncio.Task[bytes | None]) -> asyncio.Task[bytes | No
     return task
 
 
-async def _result(task: asyncio.Task[bytes | None]) -> bytes | None:
+async def _result(task: asyncio.Task[bytes | Signal]) -> bytes | Signal:
     return (await _finished(task)).result()
 
 
@@ -153,7 +153,7 @@ async def test_spans_reach_the_client_in_order_exactly_once_until_the_engine_end
     conn.read(b"data: 6")  # an incomplete event is held by the framer, not sent
     conn.read(b"\n\n")
     conn.end()
-    assert await _result(task) is None  # the engine's end: the generator's read path reports it
+    assert await _result(task) is Signal.HANDBACK  # the engine's end: the generator's read path reports it
     assert client.spans == [
         b"data: 1\n\ndata: 2\n\n", b"data: 3\n\n", b"data: 4\n\ndata: 5\n\n", b"data: 6\n\n",
     ]
@@ -166,7 +166,7 @@ async def test_a_failed_connection_ends_the_relay_with_what_was_sent() -> None:
     await _parked(conn)
     conn.read(b"data: 1\n\n")
     conn.fail()
-    assert await _result(task) is None
+    assert await _result(task) is Signal.HANDBACK
     assert client.spans == [b"data: 1\n\n"] and conn.sink is None
 
 
@@ -199,7 +199,7 @@ async def test_a_client_that_falls_behind_stops_the_relay_and_a_second_run_resum
     conn.read(b"data: 1\n\n")
     conn.read(b"data: 2\n\n")  # written, but the client's transport is now above its high water
     conn.read(b"data: 3\n\n")
-    assert await _result(task) == b""  # the caller waits for the client, then runs again
+    assert await _result(task) is Signal.BEHIND  # the caller waits for the client, then runs again
     assert client.spans == [b"data: 1\n\n", b"data: 2\n\n"]
     assert conn.sink is None
     conn.read(b"data: 4\n\n")  # still stopped: buffered behind 3
@@ -209,7 +209,7 @@ async def test_a_client_that_falls_behind_stops_the_relay_and_a_second_run_resum
     assert client.spans == [b"data: 1\n\n", b"data: 2\n\n", b"data: 3\n\ndata: 4\n\n"]
     conn.read(b"data: 5\n\n")
     conn.end()
-    assert await _result(task) is None
+    assert await _result(task) is Signal.HANDBACK
     assert b"".join(client.spans) == b"".join(b"data: %d\n\n" % i for i in range(1, 6))
 
 
@@ -256,7 +256,7 @@ async def test_no_read_timeout_and_no_deadline_arm_no_timer_and_a_stop_cancels_t
     await _parked(conn)
     assert clock.timers == []
     conn.end()
-    assert await _result(task) is None
+    assert await _result(task) is Signal.HANDBACK
 
     clock = FakeClock(100.0)
     conn = FakeConn()

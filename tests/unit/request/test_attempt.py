@@ -13,6 +13,7 @@ from prometheus_client import REGISTRY
 
 from narwhal.engines import endpoints
 from narwhal.engines.connector import PrefillResult
+from narwhal.engines.relay import Signal
 from narwhal.errors import DeadlineExceeded, EngineError, NarwhalError
 from narwhal.fleet import Engine, Fleet
 from narwhal.request.accesslog import AccessRecord
@@ -43,11 +44,11 @@ class Leg:
 
     last: bytes = b""
 
-    async def next_span(self) -> bytes | None:
+    async def next_span(self) -> bytes | Signal:
         if not self.spans:
             if self.fail_at is not None:
                 raise self.fail_at
-            return None
+            return Signal.END
         self.last = self.spans.pop(0)
         return self.last
 
@@ -221,7 +222,7 @@ async def test_a_client_gone_after_the_first_token_releases_no_handoff() -> None
 
 async def test_a_client_gone_before_the_first_token_has_its_handoff_released() -> None:
     class Gone(Leg):
-        async def next_span(self) -> bytes | None:
+        async def next_span(self) -> bytes | Signal:
             raise asyncio.CancelledError  # the handler is cancelled while waiting for the token
 
     engines = Engines(leg=Gone([]))
