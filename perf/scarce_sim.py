@@ -37,7 +37,6 @@ from narwhal.engines.endpoints import BY_PATH
 from narwhal.fake_engine.prefix import PrefixCache, prompt_text, text_tokens
 from narwhal.fleet import Fleet
 from narwhal.fleet.placement import LocalInflight, Placement, Reservation
-from narwhal.fleet.placement.affinity import key_hash
 from narwhal.request.affinity import held_hints, placement_hints
 from narwhal.settings import Settings
 from narwhal.shm.holdings import Held, PrefillReport
@@ -173,7 +172,7 @@ class Host:
         self.work_chars = [0] * len(fleet.engines)
         stamps = [1 if e.can_prefill else None for e in fleet.engines]
         self.model = HoldingsModel(stamps, settings.placement.holdings_slots, settings.placement.block_chars,
-                                   [key_hash(e.name) for e in fleet.engines])
+                                   fleet.engines)
         for e in fleet.engines:
             if e.can_prefill:
                 self.model.set_capacity(e.index, KV_BLOCKS * 16)

@@ -34,6 +34,7 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from narwhal.fleet.placement import homes
 from narwhal.shm.holdings import Holdings, PrefillReport
@@ -154,15 +155,22 @@ def _leading(keys: Sequence[int], held: OrderedDict[int, float], started: float)
     return n
 
 
+class Named(Protocol):
+    """An engine, as far as homes need it: its name."""
+
+    @property
+    def name(self) -> str: ...
+
+
 class HoldingsModel:
     """Per engine index, the keys a producer is believed to hold, bounded by ``room`` keys."""
 
     def __init__(self, stamps: Sequence[int | None], room: int, block_chars: int,
-                 names: Sequence[int] | None = None) -> None:
+                 engines: Sequence[Named] | None = None) -> None:
         # None: no section (not a producer): reports for it are ignored.
         self.producers = [None if s is None else ProducerHoldings(s) for s in stamps]
-        # Per engine index its name's rendezvous hash (homes; none: no homes are assigned).
-        self.names = list(names) if names is not None else None
+        # Per engine index its name's rendezvous hash (homes; no engines: no homes are assigned).
+        self.names = [homes.key_hash(e.name) for e in engines] if engines is not None else None
         self.prefixes: dict[int, _Prefix] = {}  # live prefixes by first block key
         self.homes_at = float("-inf")
         self.room = room

@@ -33,7 +33,6 @@ from narwhal.engines.control import PooledReader, open_session
 from narwhal.fleet import Engine, Fleet
 from narwhal.fleet.breaker import EngineInfo, EngineStatus, Outcome, State
 from narwhal.fleet.membership import ChangingBreakers
-from narwhal.fleet.placement.affinity import key_hash
 from narwhal.settings import EngineSpec, Settings
 from narwhal.shm import layout as L
 from narwhal.shm.holdings import Holdings, identity
@@ -121,8 +120,7 @@ class Supervisor:
         self.model: HoldingsModel | None = None
         if holdings is not None:
             stamps = [identity(e.name, e.url) if e.can_prefill else None for e in self.fleet.engines]
-            self.model = HoldingsModel(stamps, holdings.layout.keys, settings.placement.block_chars,
-                                       [key_hash(e.name) for e in self.fleet.engines])
+            self.model = HoldingsModel(stamps, holdings.layout.keys, settings.placement.block_chars, self.fleet.engines)
 
     def _infos(self) -> list[EngineInfo]:
         return [

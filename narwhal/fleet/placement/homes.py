@@ -30,7 +30,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from narwhal.fleet.placement.affinity import score
+from narwhal.fleet.placement.affinity import key_hash, score
+
+__all__ = ["FILL", "MAX_HOMES", "assign", "key_hash", "room_blocks"]
 
 FILL = 0.9  # of a producer's KV capacity, what homes may take (the rest: tails, pinned blocks)
 MAX_HOMES = 4096
