@@ -171,7 +171,8 @@ class Host:
         self.published: list[Held | None] = [None] * len(fleet.engines)
         self.work_chars = [0] * len(fleet.engines)
         stamps = [1 if e.can_prefill else None for e in fleet.engines]
-        self.model = HoldingsModel(stamps, settings.placement.holdings_slots, settings.placement.block_chars)
+        self.model = HoldingsModel(stamps, settings.placement.holdings_slots, settings.placement.block_chars,
+                                   fleet.engines)
         for e in fleet.engines:
             if e.can_prefill:
                 self.model.set_capacity(e.index, KV_BLOCKS * 16)
@@ -201,8 +202,10 @@ class Host:
 
     # the supervisor's Holdings.publish
     def publish(self, engine: int, stamp: int, engine_id: int, keys: list[int], capacity_blocks: int | None,
-                rate: float | None, cpt: float | None, mean: float) -> None:
-        self.published[engine] = Held(frozenset(keys), len(keys), capacity_blocks, cpt, rate, mean, engine_id)
+                rate: float | None, cpt: float | None, mean: float, hot_blocks: int = 0,
+                homes: dict[int, int] | None = None) -> None:
+        self.published[engine] = Held(frozenset(keys), len(keys), capacity_blocks, cpt, rate, mean, engine_id,
+                                      hot_blocks, homes or None)
 
     def supervise(self) -> None:
         """One pass of the supervisor's loop: merge the reports in completion order, publish."""

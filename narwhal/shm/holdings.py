@@ -8,7 +8,9 @@ change independently. ::
     sections    E × (64 B + K × 8 B)   per engine index, written only by the supervisor:
         seq u64 (odd while written), identity u32 (CRC32 of name and URL), count u32,
         capacity_blocks u32, crc u32, engine id u64, prefill chars/s f64, chars/token f64,
-        mean uncached chars per prefill f64; then ``count`` block keys, most recent first
+        mean uncached chars per prefill f64, hot blocks u32 (reused in the last few seconds),
+        homes u32; then ``count`` block keys, most recent first, then ``homes`` pairs of (first
+        block key, blocks) u64: the live prefixes whose home this producer is
     rings       W × (16 B + R × entry)  per worker slot, written only by that worker:
         write index u64 (worker), read index u64 (supervisor); each entry one completed
         prefill: producer, its identity and engine id, prompt chars and tokens, cached
@@ -49,8 +51,9 @@ MAGIC = 0x4E484C44  # "NHLD"
 HEADER = struct.Struct("<IIIIIII")  # magic, version, sections, keys per section, slots, ring, keys per entry
 HEADER_SIZE = 64
 GENERATION_OFFSET = 32
-SECTION_HEAD = 64
-_SECTION = struct.Struct("<IIIIQddd")  # identity, count, capacity, crc, engine id, rate, cpt, mean (at 8)
+SECTION_HEAD = 72
+_SECTION = struct.Struct("<IIIIQdddII")  # identity, count, capacity, crc, engine id, rate, cpt, mean, hot,
+#                                           homes (at 8)
 RING_HEAD = 16
 _ENTRY = struct.Struct("<QHHIIIIdQId")  # seq, producer, nkeys, identity, chars, tokens, cached, duration,
 #                                          engine id, queued chars, finished at (monotonic)
@@ -117,6 +120,8 @@ class Held:
     prefill_chars_per_s: float | None
     mean_uncached_chars: float
     engine_id: int
+    hot_blocks: int = 0  # of ``blocks``, those reused lately: live prefixes a new one would evict
+    homes: dict[int, int] | None = None  # first block key -> blocks: the live prefixes homed here
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +153,7 @@ class Holdings:
         fd = os.memfd_create("narwhal-holdings", 0)  # inherited across fork, as the fleet region
         os.ftruncate(fd, layout.size)
         mm = mmap.mmap(fd, layout.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        HEADER.pack_into(mm, 0, MAGIC, 1, layout.sections, layout.keys, layout.slots, layout.ring,
+        HEADER.pack_into(mm, 0, MAGIC, 2, layout.sections, layout.keys, layout.slots, layout.ring,
                          layout.entry_keys)
         return cls(layout, fd, mm)
 
@@ -172,17 +177,21 @@ class Holdings:
     def publish(
         self, engine: int, stamp: int, engine_id: int, keys: list[int], capacity_blocks: int | None,
         prefill_chars_per_s: float | None, chars_per_token: float | None, mean_uncached_chars: float,
+        hot_blocks: int = 0, homes: dict[int, int] | None = None,
     ) -> None:
-        """Supervisor side: one producer's holdings, most recent key first (cut to the room)."""
+        """Supervisor side: one producer's holdings, most recent key first (cut to the room,
+        the homes first)."""
         if engine >= self.layout.sections:
             return
-        keys = keys[: self.layout.keys]
+        pairs = list(homes.items())[: self.layout.keys // 2] if homes else []
+        keys = keys[: self.layout.keys - 2 * len(pairs)]
         off = self.layout.section_offset(engine)
         seq = self._u64(off)
         self._set_u64(off, seq | 1)  # odd: being written
-        body = struct.pack(f"<{len(keys)}Q", *keys)
+        body = struct.pack(f"<{len(keys) + 2 * len(pairs)}Q", *keys, *(v for pair in pairs for v in pair))
         head = _SECTION.pack(stamp, len(keys), NONE32 if capacity_blocks is None else capacity_blocks, 0,
-                             engine_id, prefill_chars_per_s or 0.0, chars_per_token or 0.0, mean_uncached_chars)
+                             engine_id, prefill_chars_per_s or 0.0, chars_per_token or 0.0, mean_uncached_chars,
+                             min(hot_blocks, len(keys)), len(pairs))
         crc = zlib.crc32(body, zlib.crc32(head))
         self.mm[off + 8 : off + 8 + _SECTION.size] = head[:12] + crc.to_bytes(4, "little") + head[16:]
         self.mm[off + SECTION_HEAD : off + SECTION_HEAD + len(body)] = body
@@ -206,16 +215,20 @@ class Holdings:
             if seq & 1:
                 continue
             raw = mm[off + 8 : off + 8 + _SECTION.size]
-            ident, count, capacity, crc, engine_id, rate, cpt, mean = _SECTION.unpack(raw)
+            ident, count, capacity, crc, engine_id, rate, cpt, mean, hot, nhomes = _SECTION.unpack(raw)
             if ident != stamp:
                 return None
             count = min(count, self.layout.keys)
-            body = mm[off + SECTION_HEAD : off + SECTION_HEAD + count * 8]
+            nhomes = min(nhomes, (self.layout.keys - count) // 2)
+            body = mm[off + SECTION_HEAD : off + SECTION_HEAD + (count + 2 * nhomes) * 8]
             head = raw[:12] + b"\0\0\0\0" + raw[16:]
             if self._u64(off) != seq or zlib.crc32(body, zlib.crc32(head)) != crc:
                 continue
-            return Held(frozenset(struct.unpack(f"<{count}Q", body)), count,
-                        None if capacity == NONE32 else capacity, cpt or None, rate or None, mean, engine_id)
+            values = struct.unpack(f"<{count + 2 * nhomes}Q", body)
+            homes = dict(zip(values[count::2], values[count + 1 :: 2], strict=True)) if nhomes else None
+            return Held(frozenset(values[:count]), count,
+                        None if capacity == NONE32 else capacity, cpt or None, rate or None, mean, engine_id, hot,
+                        homes)
         return None
 
     def read_keys(self, engine: int, stamp: int) -> list[int] | None:

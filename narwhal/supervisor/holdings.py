@@ -31,18 +31,28 @@ Pure apart from ``publish`` (the shared-memory write): time comes in as an argum
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from narwhal.fleet.placement import homes
 from narwhal.shm.holdings import Holdings, PrefillReport
 
 ALPHA = 0.2  # weight of a new sample in the learned means
+RATE_MIN_BLOCKS = 8
+MAX_PREFIXES = 65536  # live prefixes tracked (first keys); more are not given homes
+FIT_ALPHA = 0.01  # the fleet's fixed cost per prefill: a slow mean over many prefills of every size
 # A section is published at most this often: each publish makes every worker decode it again
 # (a few hundred µs for thousands of keys), and a tenth of a second late costs a prefix nothing
 # it would not lose to the round trip of its first prefill anyway.
 PUBLISH_S = 0.1
 DEFAULT_CHARS_PER_TOKEN = 4.0  # until a producer's answers say otherwise (English text, roughly)
+# A block reused within this many seconds is *hot*: a live prefix whose eviction would be paid
+# for again soon. Long enough to span the gap between a chat's turns and between uses of a
+# tenant's system prompt at a few requests a second; short enough that a prefix its traffic has
+# left stops protecting the blocks it sits on within a couple of publishes of the load moving.
+HOT_S = 2.0
 
 
 @dataclass
@@ -54,16 +64,79 @@ class ProducerHoldings:
     capacity_tokens: int | None = None
     chars_per_token: float | None = None
     rate: float | None = None  # uncached characters per second of prefill
+    mean_uncached: float | None = None  # of its prefills (all of them): what one not ours is reckoned
     work_mean: float = 0.0  # of the prefills placed with nothing queued ahead: uncached characters …
     time_mean: float = 0.0  # … and seconds, both exponentially weighted (their ratio is the rate)
     reports_cached: bool = False  # it said cached_tokens once: from then on, silence means 0
+    # The keys reused (a prefill hit them, by its report) within HOT_S, least recently reused
+    # first, with when: the live part of ``keys`` (a subset: a key that goes goes from both).
+    hot: OrderedDict[int, float] = field(default_factory=OrderedDict)
+    published_hot: int = 0
+    homes: dict[int, int] = field(default_factory=dict)  # first key -> blocks, its live prefixes' homes here
+    urgent: bool = False  # an ``under``: published at the next pass, not after PUBLISH_S
     dirty: bool = True
     published_at: float = float("-inf")
 
     def forget(self) -> None:
         if self.keys:
             self.keys.clear()
+            self.hot.clear()
             self.dirty = True
+
+    def hot_blocks(self, now: float) -> int:
+        """Keys reused within ``HOT_S`` of ``now`` (older ones stop counting as live)."""
+        hot = self.hot
+        while hot:
+            key, at = next(iter(hot.items()))
+            if at >= now - HOT_S:
+                break
+            del hot[key]
+        return len(hot)
+
+
+class Fit:
+    """An exponentially weighted least-squares line through (uncached characters, seconds)."""
+
+    __slots__ = ("mx", "my", "mxx", "mxy", "n")
+
+    def __init__(self) -> None:
+        self.mx = self.my = self.mxx = self.mxy = 0.0
+        self.n = 0
+
+    def add(self, x: float, y: float) -> None:
+        """One prefill's uncached characters and duration."""
+        a = 1.0 if self.n == 0 else max(FIT_ALPHA, 1.0 / (self.n + 1))
+        self.mx += a * (x - self.mx)
+        self.my += a * (y - self.my)
+        self.mxx += a * (x * x - self.mxx)
+        self.mxy += a * (x * y - self.mxy)
+        self.n += 1
+
+    def intercept(self, spread: float) -> float:
+        """The seconds of a prefill of nothing (≥ 0); 0 until the samples' characters spread
+        at least ``spread`` (a line through one point says nothing)."""
+        var = self.mxx - self.mx * self.mx
+        if var < spread * spread:
+            return 0.0
+        slope = (self.mxy - self.mx * self.my) / var
+        if slope <= 0:
+            return 0.0
+        return max(self.my - slope * self.mx, 0.0)
+
+
+@dataclass
+class _Prefix:
+    """A live prefix: its last use, its uses, its last hits (in blocks), its blocks until one hits."""
+
+    last: float
+    blocks: int
+    uses: int = 1
+    hits: deque[int] = field(default_factory=lambda: deque(maxlen=9))
+
+    def size(self) -> int:
+        if not self.hits:
+            return self.blocks
+        return sorted(self.hits)[len(self.hits) // 2]
 
 
 def _ewma(old: float | None, sample: float) -> float:
@@ -82,15 +155,28 @@ def _leading(keys: Sequence[int], held: OrderedDict[int, float], started: float)
     return n
 
 
+class Named(Protocol):
+    """An engine, as far as homes need it: its name."""
+
+    @property
+    def name(self) -> str: ...
+
+
 class HoldingsModel:
     """Per engine index, the keys a producer is believed to hold, bounded by ``room`` keys."""
 
-    def __init__(self, stamps: Sequence[int | None], room: int, block_chars: int) -> None:
+    def __init__(self, stamps: Sequence[int | None], room: int, block_chars: int,
+                 engines: Sequence[Named] | None = None) -> None:
         # None: no section (not a producer): reports for it are ignored.
         self.producers = [None if s is None else ProducerHoldings(s) for s in stamps]
+        # Per engine index its name's rendezvous hash (homes; no engines: no homes are assigned).
+        self.names = [homes.key_hash(e.name) for e in engines] if engines is not None else None
+        self.prefixes: dict[int, _Prefix] = {}  # live prefixes by first block key
+        self.homes_at = float("-inf")
         self.room = room
         self.block_chars = block_chars
         self.mean_uncached: float | None = None
+        self.fit = Fit()  # duration against uncached characters, every producer's unqueued prefills
 
     def apply(self, rep: PrefillReport) -> str | None:
         """One completed prefill into the model; the prediction's result when it can be judged."""
@@ -116,12 +202,15 @@ class HoldingsModel:
             p.reports_cached = True
         elif p.reports_cached and rep.prompt_tokens is not None:
             cached_tokens = 0  # vLLM leaves the details out of a prefill that hit nothing
+        hits = predicted
         if cached_tokens is not None:
             cached_chars = int(cached_tokens * cpt)
-            actual = min(cached_chars // self.block_chars, len(keys))
+            hits = actual = min(cached_chars // self.block_chars, len(keys))
             result = "exact" if abs(actual - predicted) <= 1 else ("over" if predicted > actual else "under")
             if result == "over":
                 self._evicted(p, keys[actual])
+            elif result == "under":
+                p.urgent = True  # another replica's prefix: every worker should know it now
         self._learn_rate(p, rep, cached_chars)
         held = p.keys
         # The producer computed or reused every block: now the most recent, the prompt's head the
@@ -132,9 +221,52 @@ class HoldingsModel:
                 held.move_to_end(key)  # it keeps its first time: it was there all along
             else:
                 held[key] = at
+        if keys:
+            self._used(keys[0], hits, len(keys), at)
+        hot = p.hot
+        for key in keys[:hits]:  # reused: live (those the producer said it held, ours or not)
+            hot[key] = at
+            hot.move_to_end(key)
         self._trim(p)
         p.dirty = True
         return result
+
+    def _used(self, first: int, hits: int, blocks: int, at: float) -> None:
+        """A prefix (by its first key) was prefilled again, ``hits`` of its ``blocks`` cached.
+        Its size is the median of its last few hits (what its requests share, the same in every
+        replica; a chat's later turns hit their own history too, and must not make it look
+        longer), the prompt's blocks less its own last until one hits."""
+        entry = self.prefixes.get(first)
+        if entry is None:
+            if len(self.prefixes) < MAX_PREFIXES:
+                self.prefixes[first] = _Prefix(at, max(blocks - 1, 1))
+            return
+        entry.last = max(entry.last, at)
+        entry.uses += 1
+        if hits:
+            entry.hits.append(hits)
+
+    def assign_homes(self, now: float) -> None:
+        """Every live prefix's home (``fleet.placement.homes``): reused within ``HOT_S``."""
+        if self.names is None:
+            return
+        stale = now - HOT_S
+        for first in [k for k, e in self.prefixes.items() if e.last < stale]:
+            del self.prefixes[first]
+        live = [(first, e.size()) for first, e in self.prefixes.items() if e.uses >= 2]
+        indices = [i for i, p in enumerate(self.producers) if p is not None]
+        rooms = [(self.names[i], homes.room_blocks(self.capacity_blocks(self.producers[i]))) for i in indices]  # type: ignore[arg-type]
+        chosen = homes.assign(live, rooms)
+        sizes = dict(live)
+        per: dict[int, dict[int, int]] = {i: {} for i in indices}
+        for first, at in chosen.items():
+            per[indices[at]][first] = sizes[first]
+        for i, mine in per.items():
+            p = self.producers[i]
+            assert p is not None
+            if mine != p.homes:
+                p.homes = mine
+                p.dirty = True
 
     def _evicted(self, p: ProducerHoldings, key: int) -> None:
         """``key`` was evicted: so was every key less recently used than it (LRU)."""
@@ -142,6 +274,7 @@ class HoldingsModel:
             return
         for old in list(p.keys):
             del p.keys[old]
+            p.hot.pop(old, None)
             if old == key:
                 break
 
@@ -150,15 +283,27 @@ class HoldingsModel:
             return
         uncached = max(rep.prompt_chars - cached_chars, 0)
         self.mean_uncached = _ewma(self.mean_uncached, float(uncached))
+        p.mean_uncached = _ewma(p.mean_uncached, float(uncached))
         # Only prefills placed with nothing queued ahead measure the engine: a queue's wait would
         # charge a busy producer twice (once for its queue, again by a rate the queue made look
         # slow). A ratio of means, not a mean of ratios: a small prefill is mostly the round
         # trip, and must not weigh as much as a long one. Less than a block teaches nothing.
-        if rep.queued_chars == 0 and uncached >= self.block_chars and rep.duration_s > 0:
-            first = p.rate is None
-            p.work_mean = uncached if first else p.work_mean + ALPHA * (uncached - p.work_mean)
-            p.time_mean = rep.duration_s if first else p.time_mean + ALPHA * (rep.duration_s - p.time_mean)
-            p.rate = p.work_mean / p.time_mean
+        if rep.queued_chars == 0 and rep.duration_s > 0:
+            self.fit.add(float(uncached), rep.duration_s)
+            if uncached >= RATE_MIN_BLOCKS * self.block_chars:
+                first = p.rate is None
+                p.work_mean = uncached if first else p.work_mean + ALPHA * (uncached - p.work_mean)
+                p.time_mean = rep.duration_s if first else p.time_mean + ALPHA * (rep.duration_s - p.time_mean)
+                p.rate = self.rate_of(p)
+
+    def rate_of(self, p: ProducerHoldings) -> float | None:
+        """Uncached characters per second of ``p``'s compute: its mean work over its mean time
+        less the fleet's fixed cost per prefill (the round trip, the router), which would
+        otherwise make a producer that mostly hits look slow (its prefills are mostly that)."""
+        if not p.time_mean:
+            return p.rate
+        fixed = min(self.fit.intercept(4 * self.block_chars), 0.9 * p.time_mean)
+        return p.work_mean / (p.time_mean - fixed)
 
     def capacity_blocks(self, p: ProducerHoldings) -> int | None:
         if p.capacity_tokens is None:
@@ -172,7 +317,8 @@ class HoldingsModel:
             bound = min(bound, capacity)
         held = p.keys
         while len(held) > bound:  # a full table forgets its oldest keys, as the LRU would
-            held.popitem(last=False)
+            old, _ = held.popitem(last=False)
+            p.hot.pop(old, None)
             p.dirty = True
 
     def set_capacity(self, engine: int, tokens: int | None) -> None:
@@ -212,11 +358,21 @@ class HoldingsModel:
     def publish(self, holdings: Holdings, now: float) -> None:
         """Every changed producer's section not published in the last ``PUBLISH_S``, most
         recent key first."""
+        if now - self.homes_at >= PUBLISH_S:
+            self.homes_at = now
+            self.assign_homes(now)
         for index, p in enumerate(self.producers):
-            if p is None or not p.dirty or now - p.published_at < PUBLISH_S:
+            if p is None:
                 continue
-            p.dirty = False
+            hot = p.hot_blocks(now)
+            if hot != p.published_hot:
+                p.dirty = True  # the live count moves with time alone, as reuses age out
+            if not p.dirty or (now - p.published_at < PUBLISH_S and not p.urgent):
+                continue
+            p.dirty = p.urgent = False
             p.published_at = now
+            p.published_hot = hot
             keys = list(reversed(p.keys))
+            p.rate = self.rate_of(p)
             holdings.publish(index, p.stamp, p.engine_id, keys, self.capacity_blocks(p), p.rate,
-                             p.chars_per_token, self.mean_uncached or 0.0)
+                             p.chars_per_token, p.mean_uncached or self.mean_uncached or 0.0, hot, p.homes)

@@ -120,7 +120,7 @@ class Supervisor:
         self.model: HoldingsModel | None = None
         if holdings is not None:
             stamps = [identity(e.name, e.url) if e.can_prefill else None for e in self.fleet.engines]
-            self.model = HoldingsModel(stamps, holdings.layout.keys, settings.placement.block_chars)
+            self.model = HoldingsModel(stamps, holdings.layout.keys, settings.placement.block_chars, self.fleet.engines)
 
     def _infos(self) -> list[EngineInfo]:
         return [

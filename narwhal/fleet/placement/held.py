@@ -3,24 +3,30 @@
 For each candidate producer: *matched* = the characters of the longest leading run of this
 prompt's blocks it is believed to hold (the supervisor's holdings, read from shared memory);
 *estimated time to handoff* = (its queued prefill work + this prompt's uncached characters ×
-:func:`eviction_weight`) ÷ its prefill rate.
-Queued work is its prefill load (this host's in-flight prefill legs plus what
-it reports running and waiting that is not ours): this host's legs by their own uncached
-characters (summed in shared memory by every worker), the others' requests each reckoned at the
-fleet's mean uncached characters per prefill (this prompt's length while none is known). The rate is the
-producer's learned one, else the candidates' mean, else 1 (all equal: the estimate is then the
-work itself). The least estimate wins; candidates within ``placement.affinity_slack`` of it are
-ordered by the rendezvous rank of the prompt's first block key, so workers and replicas that know
-nothing yet (every estimate equal) still agree, and a prefix's first prefills all go where its
-later ones will look.
+``MISS_WEIGHT`` + the live characters it would evict × ``EVICT_WEIGHT``) ÷ its prefill rate.
+Queued work is its prefill load (this host's in-flight prefill legs plus what it reports running
+and waiting that is not ours): this host's legs by their own uncached characters (summed in
+shared memory by every worker), the others' requests each reckoned at that producer's mean
+uncached characters per prefill (else the fleet's; this prompt's length while none is known).
+The rate is the producer's learned one, else the candidates' mean, else 1. The least estimate
+wins; candidates within ``placement.affinity_slack`` of it are ordered home first
+(``homes``), then by the rendezvous rank of the prompt's first block key, so workers and
+replicas that know nothing yet (every estimate equal) still agree.
 
-Deviation from SPEC §3.3 (README "Placement"), measured on perf's ``prefix_scarce``: counted
-once, the uncached part lets a short queue beat a held prefix on every fluctuation, and each
-such miss evicts another prefix on a full producer (cached share 0.27, TTFB p50 114 ms against
-the ideal's 0.89 and 28 ms). On a full producer it counts three times — the prefill itself, the
-prefix it evicts (prefilled again later) and the queue it holds up (0.73, 44 ms). And a
-saturated producer (KV usage at ``kv_saturated``) goes last only when it holds none of the
-prompt: a scarce KV is always nearly full, and a hit shares the blocks it needs.
+Deviations from SPEC §3.3 (README "Placement"), each measured with ``perf.scarce_sim``:
+
+* A miss counts ``MISS_WEIGHT`` (6) times its uncached characters: its prefill, and the queue it
+  holds up behind it on an engine that prefills one batch at a time; counted once, a short queue
+  beats a held prefix on every fluctuation and each such miss evicts another prefix.
+* Eviction is charged by what is *live*: the producer's ``hot_blocks`` (reused in the last few
+  seconds, ``supervisor.holdings.HOT_S``) plus the prompt's new blocks beyond its capacity are
+  live blocks the prefill evicts, each to be prefilled again (``evicted_chars``). A full cache of
+  stale prefixes costs nothing to fill; one full of live ones does.
+* A prefix's *home* (``fleet.placement.homes``, the same in every replica) is reckoned as
+  holding it, and a saturated home stays a candidate like a holder: that is how a second replica
+  finds where the first put a prefix without any shared state.
+* A saturated producer (KV usage at ``kv_saturated``) goes last only when it holds none of the
+  prompt and is not its home: a scarce KV is always nearly full, and a hit shares the blocks.
 
 Invariants, and why:
 
@@ -44,7 +50,8 @@ from narwhal.fleet.placement.blocks import PrefixBlocks
 T = TypeVar("T")
 
 _NOTHING: frozenset[int] = frozenset()
-FULL_WEIGHT = 3.0  # a miss on a full producer: its prefill, the prefix it evicts, the queue it holds up
+MISS_WEIGHT = 6.0  # a miss: its own prefill, and the requests queued behind it meanwhile
+EVICT_WEIGHT = 6.0  # a live block evicted: prefilled again by a later request, which waits as above
 
 
 class HeldReading(Protocol):
@@ -62,6 +69,10 @@ class HeldReading(Protocol):
     def prefill_chars_per_s(self) -> float | None: ...
     @property
     def mean_uncached_chars(self) -> float: ...
+    @property
+    def hot_blocks(self) -> int: ...
+    @property
+    def homes(self) -> dict[int, int] | None: ...
 
 
 class HoldingsSource(Protocol):
@@ -78,6 +89,14 @@ def keys_of(readings: Sequence[HeldReading | None], index: int) -> frozenset[int
     """The block keys engine ``index`` is believed to hold (none without a reading)."""
     reading = readings[index] if index < len(readings) else None
     return reading.keys if reading is not None else _NOTHING
+
+
+def holds_first(readings: Sequence[HeldReading | None], index: int, first: int) -> bool:
+    """Engine ``index`` holds the block keyed ``first``, or is the home of the prefix it opens."""
+    reading = readings[index] if index < len(readings) else None
+    if reading is None:
+        return False
+    return first in reading.keys or (reading.homes is not None and first in reading.homes)
 
 
 def matched_blocks(blocks: PrefixBlocks, sets: Sequence[frozenset[int]]) -> list[int]:
@@ -108,40 +127,61 @@ def order(
     the prompt's characters it would compute, and the queued work ahead of them. ``ours``: this
     host's in-flight prefill work there, in characters; ``others``: its requests not ours."""
     readings = [held[index(item)] if index(item) < len(held) else None for item in items]
-    sets = [_NOTHING if r is None else r.keys for r in readings]
-    runs = matched_blocks(blocks, sets)
+    runs = matched_blocks(blocks, [_NOTHING if r is None else r.keys for r in readings])
+    first = blocks.key(0)
+    home = [r is not None and r.homes is not None and first in r.homes for r in readings]
+    estimates, facts = _estimates(items, blocks, readings, runs, home, ours, others)
+    bound = min(estimates) * (1 + slack) + 1e-9
+    ranked = sorted(
+        range(len(items)),
+        key=lambda i: (False, not home[i], -score(first, engine_hash(items[i]))) if estimates[i] <= bound
+        else (True, False, estimates[i]),
+    )
+    return [items[i] for i in ranked], [facts[i] for i in ranked]
+
+
+def _estimates(
+    items: list[T], blocks: PrefixBlocks, readings: list[HeldReading | None], runs: list[int], home: list[bool],
+    ours: Callable[[T], float], others: Callable[[T], float],
+) -> tuple[list[float], list[tuple[int, int, int]]]:
+    """Per candidate its estimated time to handoff, and (matched, uncached, queued) characters."""
     width = blocks.block_chars
     prompt = len(blocks.text)
     known = [r.prefill_chars_per_s for r in readings if r is not None and r.prefill_chars_per_s]
     default_rate = sum(known) / len(known) if known else 1.0
     means = [r.mean_uncached_chars for r in readings if r is not None and r.mean_uncached_chars > 0]
-    per_request = max(means) if means else float(prompt)
-    estimates = []
-    facts = []
-    for item, reading, run in zip(items, readings, runs, strict=True):
-        rate = (reading.prefill_chars_per_s if reading is not None else None) or default_rate
+    fleet_mean = max(means) if means else float(prompt)
+    first = blocks.key(0)
+    estimates: list[float] = []
+    facts: list[tuple[int, int, int]] = []
+    for item, reading, run, at_home in zip(items, readings, runs, home, strict=True):
+        rate = default_rate
+        per_request = fleet_mean
+        if reading is not None:
+            rate = reading.prefill_chars_per_s or default_rate
+            per_request = reading.mean_uncached_chars or fleet_mean
         queued = ours(item) + others(item) * per_request
         uncached = max(prompt - run * width, 0)
-        estimates.append((queued + uncached * eviction_weight(reading)) / rate)
         facts.append((run * width, uncached, int(queued)))
-    best = min(estimates)
-    bound = best * (1 + slack) + 1e-9
-    first = blocks.key(0) if blocks.count else 0
-    ranked = sorted(
-        range(len(items)),
-        key=lambda i: (estimates[i] > bound, -score(first, engine_hash(items[i])) if estimates[i] <= bound
-                       else estimates[i]),
-    )
-    return [items[i] for i in ranked], [facts[i] for i in ranked]
+        if at_home:  # every replica sends it there: reckoned held (homes.py says why)
+            assert reading is not None and reading.homes is not None
+            uncached = max(prompt - max(run, min(reading.homes[first], blocks.count)) * width, 0)
+        estimates.append((queued + uncached * MISS_WEIGHT + evicted_chars(reading, uncached, width)) / rate)
+    return estimates, facts
 
 
-def eviction_weight(reading: HeldReading | None) -> float:
-    """How many times a candidate's uncached characters count: three times on a producer whose
-    KV is full or of unknown size (the prefill, the prefix it evicts, the queue it holds up),
-    once where there is room (nothing is evicted)."""
-    if reading is None or reading.capacity_blocks is None:
-        return FULL_WEIGHT  # unknown capacity: assume full, as a busy cache is
-    return FULL_WEIGHT if reading.blocks >= reading.capacity_blocks else 1.0
+def evicted_chars(reading: HeldReading | None, uncached: int, width: int) -> float:
+    """The live characters a prefill of ``uncached`` new characters would evict there: its new
+    blocks beyond the room its cold blocks leave (capacity − hot blocks), at most the hot blocks.
+    Unknown capacity: as large as what it is seen to hold."""
+    if reading is None or not uncached:
+        return 0.0
+    hot = reading.hot_blocks
+    if not hot:
+        return 0.0
+    capacity = reading.capacity_blocks if reading.capacity_blocks is not None else reading.blocks
+    over = min(hot + -(-uncached // width) - capacity, hot)  # new blocks beyond the cold ones' room
+    return over * width * EVICT_WEIGHT if over > 0 else 0.0
 
 
 def choice_label(matched: int, anyone_held: bool) -> str:

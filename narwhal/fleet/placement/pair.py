@@ -209,11 +209,11 @@ class Placement:
         source = self.holdings
         if loads is not None and loads.any_saturated and not every_saturated:
             # A scarce KV is always nearly full of cached prefixes: a saturated producer that
-            # holds the prompt's first block shares those blocks and stays a candidate; only
-            # one that would compute the prompt from scratch goes last.
+            # holds the prompt's first block (or is its home) shares those blocks and stays a
+            # candidate; only one that would compute the prompt from scratch goes last.
             saturated, first = loads.saturated, blocks.key(0)
             readings = source.current() if source is not None else ()
-            holds = [first in held.keys_of(readings, i) for i in range(len(saturated))]
+            holds = [held.holds_first(readings, i, first) for i in range(len(saturated))]
             rest = [c for c in candidates if saturated[c[0].index] and not holds[c[0].index]]
             candidates = [c for c in candidates if not saturated[c[0].index] or holds[c[0].index]]
         if source is not None:

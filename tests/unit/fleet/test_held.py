@@ -11,7 +11,7 @@ from narwhal.fleet import Fleet
 from narwhal.fleet.placement import LocalInflight, Placement, Reservation
 from narwhal.fleet.placement.affinity import key_hash, rank
 from narwhal.fleet.placement.blocks import PrefixBlocks
-from narwhal.fleet.placement.held import matched_blocks
+from narwhal.fleet.placement.held import MISS_WEIGHT, matched_blocks
 from narwhal.settings import Settings
 from narwhal.shm.holdings import Held
 from tests.unit.fleet.test_placement import MODEL, FakeView
@@ -179,9 +179,10 @@ def test_this_hosts_prefills_in_flight_count_by_their_own_uncached_characters() 
     # 3,000 characters a request would have sent it away).
     again = _place(placement, _blocks())
     assert (again.producer.name, again.queued_chars) == (holder, tail)
-    # A real backlog there, over three times the prompt (a miss elsewhere counts its uncached
-    # characters three times on a full producer, held.eviction_weight): the idle favourite now.
-    holdings.queued[PRODUCERS.index(holder)] = 3 * len(blocks.text) + 1
+    # A real backlog there, over MISS_WEIGHT times the prompt (a miss elsewhere counts its
+    # uncached characters that many times): the idle favourite now.
+    backlog = int(MISS_WEIGHT * len(blocks.text)) + 1
+    holdings.queued[PRODUCERS.index(holder)] = backlog
     assert _place(placement, _blocks()).producer.name == second
     first.release_prefill()
-    assert holdings.queued[PRODUCERS.index(holder)] == 3 * len(blocks.text) + 1 - tail and first.work == 0
+    assert holdings.queued[PRODUCERS.index(holder)] == backlog - tail and first.work == 0

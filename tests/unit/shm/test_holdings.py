@@ -7,6 +7,7 @@ import os
 import struct
 
 from narwhal.shm.holdings import (
+    SECTION_HEAD,
     Holdings,
     HoldingsLayout,
     HoldingsReader,
@@ -43,7 +44,7 @@ def test_a_torn_section_is_not_read_as_holdings() -> None:
     h = _region()
     h.publish(0, P0, 1, [5, 6], None, None, None, 0.0)
     off = h.layout.section_offset(0)
-    h.mm[off + 64 : off + 72] = struct.pack("<Q", 99)  # a key changed under an unchanged CRC
+    h.mm[off + SECTION_HEAD : off + SECTION_HEAD + 8] = struct.pack("<Q", 99)  # a key changed, CRC not
     assert h.read(0, P0) is None
     h.publish(0, P0, 1, [5, 6], None, None, None, 0.0)
     seq = int.from_bytes(h.mm[off : off + 8], "little")

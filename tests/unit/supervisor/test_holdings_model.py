@@ -89,20 +89,24 @@ def test_reports_for_another_engine_or_no_producer_are_ignored() -> None:
     assert _held(m) == []
 
 
-def test_the_prefill_rate_is_learned_from_uncached_characters_and_durations() -> None:
+def test_the_prefill_rate_is_learned_from_long_uncached_prefills_and_durations() -> None:
     m = _model()
-    m.apply(_rep([1, 2, 3, 4], cached=0, chars=1024, tokens=256, duration=0.01))
+    keys = list(range(1, 9))
+    m.apply(_rep(keys, cached=0, chars=2048, tokens=512, duration=0.02))
     p = m.producers[0]
     assert p is not None and p.rate == 102_400.0 and p.chars_per_token == 4.0
-    m.apply(_rep([1, 2, 3, 4], cached=4 * 64 - 16, chars=1024, tokens=256, duration=0.001))  # 64 chars: no sample
+    # Under RATE_MIN_BLOCKS uncached: mostly the round trip, no sample of the engine's speed.
+    m.apply(_rep(keys, cached=4 * 64, chars=2048, tokens=512, duration=0.005))
     assert p.rate == 102_400.0
     assert m.fleet_rate() == 102_400.0
     # Placed behind queued work: its wait was the queue's, not the engine's speed.
-    m.apply(PrefillReport(0, P0, 11, 1024, 256, 0, 0.5, (1, 2, 3, 4), queued_chars=2048))
+    m.apply(PrefillReport(0, P0, 11, 2048, 512, 0, 0.5, tuple(keys), queued_chars=2048))
     assert p.rate == 102_400.0
-    # A ratio of means: a long prefill weighs more than a short one.
-    m.apply(_rep([9] * 8, cached=0, chars=2048, tokens=512, duration=0.01))
-    assert p.rate == (1024 + 0.2 * 1024) / 0.01
+    # A ratio of means: a long prefill weighs more than a short one (these lie on a line through
+    # 0, so no fixed cost is taken off).
+    m.apply(_rep(list(range(1, 17)), cached=0, chars=4096, tokens=1024, duration=0.08))
+    assert m.fit.intercept(4 * 256) == 0.0
+    assert p.rate == (2048 + 0.2 * 2048) / (0.02 + 0.2 * 0.06)
 
 
 def test_publish_writes_changed_sections_most_recent_first() -> None:

@@ -1,0 +1,60 @@
+"""Homes for the live prefixes (SPEC §3.3, README "Placement"): where every replica sends a prefix.
+
+Why: the holdings a replica learns are its own traffic's. Two router replicas with requests
+alternating each learn only where *they* put a prefix, so each keeps its own copy on a producer
+of its choosing and the two halves of the fleet's traffic evict each other's prefixes (measured
+by ``perf.scarce_sim``: 0.25 cached with two replicas against 0.8 with one). What both replicas
+do see alike is *which* prefixes are live and how long they are: each sees half of every
+prefix's traffic. So each supervisor computes the same assignment of live prefixes to producers
+from that alone: the prefixes in order of their first block key, each to the first producer in
+its rendezvous rank whose room still takes it (rendezvous hashing with bounded loads, the bound
+being KV room instead of requests). A producer's room is its KV capacity less a margin for the
+requests' own tails and the blocks running requests pin. Not scaled by the learned prefill rate:
+each replica learns its own, from noisy round trips, and rooms that differ by replica give homes
+that differ by replica (measured: two replicas 0.55-0.67 cached with rate-scaled rooms, 0.77-0.89
+without). Placement then reckons a
+prefix's home as holding it (``held.order``): every replica sends it there, learns there that it
+is held (``under``) and stops keeping a copy of its own elsewhere.
+
+Invariants, and why:
+
+* Pure and deterministic: the same prefixes, sizes and rooms give the same homes in every
+  process (the rendezvous score is :func:`affinity.score`, no salted hash, no clock).
+* A prefix no producer has room for has no home (placement falls back to the estimate alone);
+  producers of unknown capacity take no homes (nothing bounds them, and a home there would be
+  affinity's hot spot again).
+* Bounded: at most ``MAX_HOMES`` prefixes, the longest first when there are more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from narwhal.fleet.placement.affinity import key_hash, score
+
+__all__ = ["FILL", "MAX_HOMES", "assign", "key_hash", "room_blocks"]
+
+FILL = 0.9  # of a producer's KV capacity, what homes may take (the rest: tails, pinned blocks)
+MAX_HOMES = 4096
+
+
+def room_blocks(capacity_blocks: int | None) -> int:
+    """The blocks of homes a producer takes: none of unknown capacity."""
+    return 0 if capacity_blocks is None else int(capacity_blocks * FILL)
+
+
+def assign(prefixes: Sequence[tuple[int, int]], producers: Sequence[tuple[int, int]]) -> dict[int, int]:
+    """``prefixes``: (first block key, blocks); ``producers``: (engine name hash, room blocks).
+    Each prefix's home, as an index into ``producers``; prefixes without room are left out."""
+    if len(prefixes) > MAX_HOMES:
+        prefixes = sorted(prefixes, key=lambda p: (-p[1], p[0]))[:MAX_HOMES]
+    used = [0] * len(producers)
+    homes: dict[int, int] = {}
+    for key, size in sorted(prefixes):
+        ranked = sorted(range(len(producers)), key=lambda i: score(key, producers[i][0]), reverse=True)
+        for i in ranked:
+            if used[i] + size <= producers[i][1]:
+                used[i] += size
+                homes[key] = i
+                break
+    return homes
