@@ -64,6 +64,17 @@ def json_of(event: bytes) -> Any:
         return None
 
 
+def content_text(content: Any, part_type: str | None = None) -> str:
+    """A message's prompt text: a string as is, or its content parts' ``text`` joined (only parts of
+    ``part_type`` when given: chat's image and audio parts also carry fields, never prompt text)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(part["text"] for part in content if isinstance(part, dict) and isinstance(part.get("text"), str)
+                       and (part_type is None or part.get("type") == part_type))
+    return ""
+
+
 def status_of_code(code: Any) -> int | None:
     """An error object's ``code`` as an HTTP status when it is one (4xx/5xx), else None (→ 502)."""
     return code if is_int(code) and 400 <= code <= 599 else None

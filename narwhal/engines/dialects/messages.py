@@ -20,7 +20,16 @@ from typing import Any
 import orjson
 
 from narwhal.engines import connector, sse
-from narwhal.engines.dialects.base import Dialect, Kind, bad, event_name, int_or_none, json_of, status_of_code
+from narwhal.engines.dialects.base import (
+    Dialect,
+    Kind,
+    bad,
+    content_text,
+    event_name,
+    int_or_none,
+    json_of,
+    status_of_code,
+)
 from narwhal.errors import NarwhalError
 
 MESSAGES = "/v1/messages"
@@ -43,14 +52,6 @@ def anthropic_type(status: int) -> str:
     if known is not None:
         return known
     return "api_error" if status >= 500 else "invalid_request_error"
-
-
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(b["text"] for b in content if isinstance(b, dict) and isinstance(b.get("text"), str))
-    return ""
 
 
 class Messages(Dialect):
@@ -78,13 +79,13 @@ class Messages(Dialect):
 
     def affinity_text(self, body: dict[str, Any], limit: int) -> str:
         """The system prompt, then each message as ``role: text``, until ``limit`` characters."""
-        parts = [_text(body.get("system"))]
+        parts = [content_text(body.get("system"))]
         size = len(parts[0])
         for message in body.get("messages") or ():
             if size >= limit:
                 break
             if isinstance(message, dict):
-                part = f"{message.get('role', '')}: {_text(message.get('content'))}"
+                part = f"{message.get('role', '')}: {content_text(message.get('content'))}"
                 parts.append(part)
                 size += len(part)
         return "\n".join(p for p in parts if p)

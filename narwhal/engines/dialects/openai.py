@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from narwhal.engines import connector, sse
-from narwhal.engines.dialects.base import Dialect, Kind, bad, is_int, json_of
+from narwhal.engines.dialects.base import Dialect, Kind, bad, content_text, is_int, json_of
 from narwhal.engines.sse import event_data
 
 COMPLETIONS = "/v1/completions"
@@ -36,16 +36,6 @@ def _ids_text(ids: list[Any], limit: int) -> str:
     # Each id takes at least two characters with its separator: limit ids are always enough.
     return " ".join(map(str, ids[:limit]))
 
-
-def _message_text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # content parts: only the text ones are prompt text
-        return "".join(
-            part["text"] for part in content
-            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-        )
-    return ""
 
 
 class Completions(Dialect):
@@ -115,7 +105,7 @@ class Chat(Completions):
         size = 0
         for message in body.get("messages") or ():
             role = message.get("role")
-            piece = f"{role if isinstance(role, str) else ''}\n{_message_text(message.get('content'))[:limit]}\n"
+            piece = f"{role if isinstance(role, str) else ''}\n{content_text(message.get('content'), 'text')[:limit]}\n"
             parts.append(piece)
             size += len(piece)
             if size >= limit:

@@ -20,7 +20,17 @@ from typing import Any
 import orjson
 
 from narwhal.engines import connector
-from narwhal.engines.dialects.base import Dialect, Kind, bad, event_name, int_or_none, is_int, json_of, status_of_code
+from narwhal.engines.dialects.base import (
+    Dialect,
+    Kind,
+    bad,
+    content_text,
+    event_name,
+    int_or_none,
+    is_int,
+    json_of,
+    status_of_code,
+)
 from narwhal.errors import NarwhalError
 
 RESPONSES = "/v1/responses"
@@ -32,12 +42,13 @@ _OUTPUT_EVENTS = frozenset({
 _TERMINAL_EVENTS = frozenset({b"response.completed", b"response.incomplete"})
 
 
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return ""
+
+def _one_token(body: dict[str, Any], request_id: str) -> dict[str, Any]:
+    """The client's body for a one-token leg (a prefill, a release): not streamed, not stored."""
+    out = dict(body)
+    out.pop("stream_options", None)
+    out.update(stream=False, max_output_tokens=1, store=False, request_id=request_id)
+    return out
 
 
 class Responses(Dialect):
@@ -79,7 +90,7 @@ class Responses(Dialect):
                 if size >= limit:
                     break
                 if isinstance(item, dict):
-                    part = f"{item.get('role', '')}: {_text(item.get('content'))}"
+                    part = f"{item.get('role', '')}: {content_text(item.get('content'))}"
                     parts.append(part)
                     size += len(part)
         return "\n".join(p for p in parts if p)
@@ -94,13 +105,8 @@ class Responses(Dialect):
 
     def prefill_body(self, body: dict[str, Any], request_id: str, crossed: bool) -> dict[str, Any]:
         """One output token, not streamed, not stored, not background; the backend id as ``request_id``."""
-        out = dict(body)
-        out.pop("stream_options", None)
-        out["stream"] = False
-        out["max_output_tokens"] = 1
+        out = _one_token(body, request_id)
         out["background"] = False
-        out["store"] = False
-        out["request_id"] = request_id
         connector.ask_for_handoff(out, crossed)
         return out
 
@@ -112,12 +118,7 @@ class Responses(Dialect):
 
     def release_body(self, body: dict[str, Any], request_id: str, descriptor: dict[str, Any]) -> dict[str, Any]:
         """One output token, not streamed, not stored, carrying the descriptor to free."""
-        out = dict(body)
-        out.pop("stream_options", None)
-        out["stream"] = False
-        out["max_output_tokens"] = 1
-        out["store"] = False
-        out["request_id"] = request_id
+        out = _one_token(body, request_id)
         out["kv_transfer_params"] = descriptor
         return out
 
