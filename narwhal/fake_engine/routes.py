@@ -147,7 +147,8 @@ def render_metrics(engine: EngineState) -> str:
         else:
             lines += [f"# HELP vllm:{name} {help_text}", f"# TYPE vllm:{name} gauge"]
             lines.append(f"vllm:{name}{label} {float(value)}")
-    return "\n".join(lines) + "\n" + cache_config_info(engine)
+    info = cache_config_info(engine) if engine.load_model.cache_config_info else ""
+    return "\n".join(lines) + "\n" + info
 
 
 def cache_config_info(engine: EngineState) -> str:

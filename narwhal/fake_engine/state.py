@@ -68,6 +68,9 @@ class EngineModel(BaseModel):
     prefill_s_per_token: float = Field(default=0.0, ge=0.0, le=1.0)  # per uncached prompt token
     prefix_cache: bool = False  # also: tokens are 4-character pieces of the prompt text
     kv_blocks: int = Field(default=10000, ge=1)
+    # False: ``/metrics`` leaves out ``vllm:cache_config_info``, as vLLM before 0.6 and some builds
+    # do (the router then knows no KV capacity, SPEC §3.3 source 3).
+    cache_config_info: bool = True
     # The descriptor's ``tp_size``; as a consumer, vLLM 0.11's NixlConnector rule: its own TP must
     # be a multiple of the producer's, or the KV pull fails (``kv.consumer_pull``).
     tensor_parallel_size: int = Field(default=1, ge=1, le=64)

@@ -31,18 +31,18 @@ Pure apart from ``publish`` (the shared-memory write): time comes in as an argum
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from narwhal.fleet.placement import homes
 from narwhal.shm.holdings import Holdings, PrefillReport
+from narwhal.supervisor.holdings_fit import Fit, Prefix
 
 ALPHA = 0.2  # weight of a new sample in the learned means
 RATE_MIN_BLOCKS = 8
 MAX_PREFIXES = 65536  # live prefixes tracked (first keys); more are not given homes
-FIT_ALPHA = 0.01  # the fleet's fixed cost per prefill: a slow mean over many prefills of every size
 # A section is published at most this often: each publish makes every worker decode it again
 # (a few hundred µs for thousands of keys), and a tenth of a second late costs a prefix nothing
 # it would not lose to the round trip of its first prefill anyway.
@@ -73,11 +73,13 @@ class ProducerHoldings:
     hot: OrderedDict[int, float] = field(default_factory=OrderedDict)
     published_hot: int = 0
     homes: dict[int, int] = field(default_factory=dict)  # first key -> blocks, its live prefixes' homes here
+    learned_blocks: int | None = None  # the room its evictions showed (None: none seen)
     urgent: bool = False  # an ``under``: published at the next pass, not after PUBLISH_S
     dirty: bool = True
     published_at: float = float("-inf")
 
     def forget(self) -> None:
+        self.learned_blocks = None  # a new engine: what the old one's evictions showed is moot
         if self.keys:
             self.keys.clear()
             self.hot.clear()
@@ -92,51 +94,6 @@ class ProducerHoldings:
                 break
             del hot[key]
         return len(hot)
-
-
-class Fit:
-    """An exponentially weighted least-squares line through (uncached characters, seconds)."""
-
-    __slots__ = ("mx", "my", "mxx", "mxy", "n")
-
-    def __init__(self) -> None:
-        self.mx = self.my = self.mxx = self.mxy = 0.0
-        self.n = 0
-
-    def add(self, x: float, y: float) -> None:
-        """One prefill's uncached characters and duration."""
-        a = 1.0 if self.n == 0 else max(FIT_ALPHA, 1.0 / (self.n + 1))
-        self.mx += a * (x - self.mx)
-        self.my += a * (y - self.my)
-        self.mxx += a * (x * x - self.mxx)
-        self.mxy += a * (x * y - self.mxy)
-        self.n += 1
-
-    def intercept(self, spread: float) -> float:
-        """The seconds of a prefill of nothing (≥ 0); 0 until the samples' characters spread
-        at least ``spread`` (a line through one point says nothing)."""
-        var = self.mxx - self.mx * self.mx
-        if var < spread * spread:
-            return 0.0
-        slope = (self.mxy - self.mx * self.my) / var
-        if slope <= 0:
-            return 0.0
-        return max(self.my - slope * self.mx, 0.0)
-
-
-@dataclass
-class _Prefix:
-    """A live prefix: its last use, its uses, its last hits (in blocks), its blocks until one hits."""
-
-    last: float
-    blocks: int
-    uses: int = 1
-    hits: deque[int] = field(default_factory=lambda: deque(maxlen=9))
-
-    def size(self) -> int:
-        if not self.hits:
-            return self.blocks
-        return sorted(self.hits)[len(self.hits) // 2]
 
 
 def _ewma(old: float | None, sample: float) -> float:
@@ -171,7 +128,7 @@ class HoldingsModel:
         self.producers = [None if s is None else ProducerHoldings(s) for s in stamps]
         # Per engine index its name's rendezvous hash (homes; no engines: no homes are assigned).
         self.names = [homes.key_hash(e.name) for e in engines] if engines is not None else None
-        self.prefixes: dict[int, _Prefix] = {}  # live prefixes by first block key
+        self.prefixes: dict[int, Prefix] = {}  # live prefixes by first block key
         self.homes_at = float("-inf")
         self.room = room
         self.block_chars = block_chars
@@ -209,6 +166,12 @@ class HoldingsModel:
             result = "exact" if abs(actual - predicted) <= 1 else ("over" if predicted > actual else "under")
             if result == "over":
                 self._evicted(p, keys[actual])
+                # What outlived the eviction is what fits beside this prompt: the room it has for
+                # our blocks (less than its capacity when the requests' tails, running requests'
+                # pins or another replica's prefixes take the rest; all of it when unknown).
+                p.learned_blocks = max(len(p.keys), len(keys))
+            elif result == "exact" and p.learned_blocks is not None and len(p.keys) >= p.learned_blocks:
+                p.learned_blocks += 1  # held as predicted at the learned bound: perhaps there is more
             elif result == "under":
                 p.urgent = True  # another replica's prefix: every worker should know it now
         self._learn_rate(p, rep, cached_chars)
@@ -239,7 +202,7 @@ class HoldingsModel:
         entry = self.prefixes.get(first)
         if entry is None:
             if len(self.prefixes) < MAX_PREFIXES:
-                self.prefixes[first] = _Prefix(at, max(blocks - 1, 1))
+                self.prefixes[first] = Prefix(at, max(blocks - 1, 1))
             return
         entry.last = max(entry.last, at)
         entry.uses += 1
@@ -255,7 +218,7 @@ class HoldingsModel:
             del self.prefixes[first]
         live = [(first, e.size()) for first, e in self.prefixes.items() if e.uses >= 2]
         indices = [i for i, p in enumerate(self.producers) if p is not None]
-        rooms = [(self.names[i], homes.room_blocks(self.capacity_blocks(self.producers[i]))) for i in indices]  # type: ignore[arg-type]
+        rooms = [(self.names[i], homes.room_blocks(self.known_capacity(self.producers[i]))) for i in indices]  # type: ignore[arg-type]
         chosen = homes.assign(live, rooms)
         sizes = dict(live)
         per: dict[int, dict[int, int]] = {i: {} for i in indices}
@@ -305,10 +268,22 @@ class HoldingsModel:
         fixed = min(self.fit.intercept(4 * self.block_chars), 0.9 * p.time_mean)
         return p.work_mean / (p.time_mean - fixed)
 
-    def capacity_blocks(self, p: ProducerHoldings) -> int | None:
+    def known_capacity(self, p: ProducerHoldings) -> int | None:
+        """Its KV capacity in our blocks, as ``cache_config_info`` says (the same for every
+        replica, which homes need)."""
         if p.capacity_tokens is None:
             return None
         return int(p.capacity_tokens * (p.chars_per_token or DEFAULT_CHARS_PER_TOKEN)) // self.block_chars
+
+    def capacity_blocks(self, p: ProducerHoldings) -> int | None:
+        """The blocks it holds at most: its KV capacity, else (an engine that does not say it)
+        the room its evictions showed, else unknown (bounded by the section's room alone).
+        A known capacity is not lowered by evictions: those also come from the requests' own
+        tails and from other replicas converging on the same homes, and a replica that shrank
+        its producers for them would scatter what it should keep (measured with
+        ``perf.scarce_sim``: two replicas 0.68-0.80 cached with it, 0.77-0.89 without)."""
+        known = self.known_capacity(p)
+        return known if known is not None else p.learned_blocks
 
     def _trim(self, p: ProducerHoldings) -> None:
         bound = self.room

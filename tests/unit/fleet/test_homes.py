@@ -1,0 +1,50 @@
+"""Homes for the live prefixes (``fleet.placement.homes``): deterministic, bounded by room, the
+same whatever order the prefixes and producers come in."""
+
+from __future__ import annotations
+
+import random
+
+from narwhal.fleet.placement import homes
+from narwhal.fleet.placement.affinity import key_hash, rank
+
+NAMES = [f"p{i}" for i in range(4)]
+HASHES = [key_hash(n) for n in NAMES]
+
+
+def _prefixes(n: int, size: int = 15) -> list[tuple[int, int]]:
+    return [(key_hash(f"prefix {i}"), size) for i in range(n)]
+
+
+def test_a_prefix_with_room_everywhere_is_homed_on_its_rendezvous_favourite() -> None:
+    (key, size), = _prefixes(1)
+    chosen = homes.assign([(key, size)], [(h, 36) for h in HASHES])
+    assert NAMES[chosen[key]] == rank(NAMES, key, key_hash)[0]
+
+
+def test_room_bounds_each_producer_and_a_prefix_without_room_has_no_home() -> None:
+    prefixes = _prefixes(9)
+    chosen = homes.assign(prefixes, [(h, 36) for h in HASHES])  # two of 15 blocks each
+    per = [sum(1 for at in chosen.values() if at == i) for i in range(4)]
+    assert per == [2, 2, 2, 2] and len(chosen) == 8
+    assert homes.assign(prefixes, [(h, 0) for h in HASHES]) == {}  # unknown capacity: no room
+
+
+def test_every_replica_computes_the_same_homes_whatever_order_it_saw_them_in() -> None:
+    prefixes = _prefixes(8)
+    rooms = [(h, 36) for h in HASHES]
+    first = homes.assign(prefixes, rooms)
+    shuffled = prefixes[:]
+    random.Random(3).shuffle(shuffled)
+    assert homes.assign(shuffled, rooms) == first
+
+
+def test_room_is_the_known_capacity_less_the_margin() -> None:
+    assert homes.room_blocks(None) == 0
+    assert homes.room_blocks(40) == int(40 * homes.FILL)
+
+
+def test_past_max_homes_the_longest_prefixes_are_homed() -> None:
+    many = [(key_hash(f"short {i}"), 1) for i in range(homes.MAX_HOMES)] + [(key_hash("long"), 10)]
+    chosen = homes.assign(many, [(h, 10**6) for h in HASHES])
+    assert len(chosen) == homes.MAX_HOMES and key_hash("long") in chosen
