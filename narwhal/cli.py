@@ -29,7 +29,7 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
     if refusal is not None:
         print(f"narwhal: invalid settings: {refusal}", file=sys.stderr, flush=True)
         return 2
-    from narwhal.front.gunicorn_hooks import CONFIG_FILE
+    from narwhal.master.gunicorn_hooks import CONFIG_FILE
 
     argv = [sys.executable, "-m", "gunicorn", "-c", CONFIG_FILE, *extra]
     os.execv(sys.executable, argv)

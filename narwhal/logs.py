@@ -2,7 +2,7 @@
 
 In ``json`` mode every line a Narwhal process writes for an operator is one JSON object with
 ``ts``, ``level``, ``logger`` and ``message``: Narwhal's loggers, gunicorn's own error log
-(``narwhal.front.gunicorn_logging``), the start-up preflight report (:func:`json_line`) and the
+(``narwhal.master.gunicorn_logging``), the start-up preflight report (:func:`json_line`) and the
 master's own lines about its supervisor (:func:`master_line`).
 The one-line settings errors stay plain: they are written before any format is known.
 """

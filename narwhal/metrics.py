@@ -1,7 +1,7 @@
 """Prometheus metrics (SPEC §8), in multiprocess mode so every worker's samples are scraped.
 
 ``PROMETHEUS_MULTIPROC_DIR`` must be in the environment before ``prometheus_client`` is
-first imported in a process: the gunicorn master sets it (``narwhal.front.gunicorn_hooks``) before
+first imported in a process: the gunicorn master sets it (``narwhal.master.gunicorn_hooks``) before
 any worker imports this module. Without it (unit tests, the Python API) the metrics work in
 ordinary single-process mode.
 

@@ -3,7 +3,7 @@
 An :class:`Endpoint` is a path, whether it takes the P/D path or is passed through to one
 engine, and its :class:`~narwhal.engines.dialects.Dialect` — the endpoint's admission checks,
 affinity text, usage fields, engine bodies, stream rules, error shape and probe body. Routes
-(``narwhal.front.app``), admission, affinity, the legs, the supervisor's probes and preflight
+(``narwhal.worker.app``), admission, affinity, the legs, the supervisor's probes and preflight
 all read this table; none keeps a list or a path of its own. A new endpoint is one line here
 (and a dialect for a P/D one).
 

@@ -9,7 +9,7 @@ answer: an HTTP error before the 200 was committed, one terminal SSE error event
 it ends.
 
 Client disconnects: the app runs with ``handler_cancellation=True`` (also under gunicorn, see
-``narwhal.front.app``), so a client that goes away cancels this handler; the attempt's
+``narwhal.worker.app``), so a client that goes away cancels this handler; the attempt's
 ``finally`` blocks close the decode connection (the engine aborts the request) and release
 what it held. ``SIGTERM``: in-flight requests may finish for the graceful time, then the rest
 are ended with the ``shutting_down`` terminal event (or a 503 before their first token).

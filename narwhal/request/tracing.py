@@ -8,7 +8,7 @@ failure). Each engine leg is sent the W3C ``traceparent`` of *its own* span (and
 
 Why subclasses and wrappers instead of calls in the hot path: with tracing off nothing here
 is imported and the request path is exactly the untraced one — no ``if`` per span, no no-op
-tracer calls. With it on, ``narwhal.front.app`` builds a :class:`TracedRouter`, which swaps
+tracer calls. With it on, ``narwhal.worker.app`` builds a :class:`TracedRouter`, which swaps
 in :class:`TracedAttempts`, a placement whose ``reserve`` opens a span, and an access log
 that copies the finished record onto the server span (the record holds everything the span
 should say, and is written in the handler's context, where the server span is current).

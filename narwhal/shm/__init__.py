@@ -1,6 +1,6 @@
 """Fleet state shared between the supervisor and the workers (see ``layout`` for the why).
 
-``SHARED`` is set in the gunicorn master before it forks (``narwhal.front.gunicorn_hooks``); workers
+``SHARED`` is set in the gunicorn master before it forks (``narwhal.master.gunicorn_hooks``); workers
 and the supervisor inherit it. It stays None when the app runs outside gunicorn.
 """
 

@@ -280,7 +280,7 @@ class SharedFleet:
 
     def least_connections(self, excluding: int) -> int | None:
         """The fewest client connections of a worker other than slot ``excluding`` that is
-        accepting (None when there is none): see ``narwhal.front.accept``."""
+        accepting (None when there is none): see ``narwhal.worker.accept``."""
         counts = [
             held
             for s in range(self.in_use())

@@ -33,7 +33,7 @@ matches no engine of the new list and is dropped.
 * Readers (workers at start-up, the supervisor) look identities up once; an entry's mapping
   never changes while they live, so they keep it. Entries are seqlock-framed like every
   multi-field record (``shm.records``).
-* At run time (discovery), a worker follows the table (``front.roster_follow``): when the
+* At run time (discovery), a worker follows the table (``worker.roster_follow``): when the
   epoch moved it builds its roster again from the LIVE entries and their descriptors, and
   notes in its slot the epoch it read *only once it holds nothing on any slot retired up to
   then* (no leg in flight there; until then it notes one less than that slot's retirement).

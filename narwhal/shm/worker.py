@@ -109,7 +109,7 @@ class WorkerFleetState:
         L.store_u32(self._mm, shared.layout.slot_offset(slot) + L.SLOT_TABLE_EPOCH,
                     worker_epoch(shared.table, [self._slots[e.index] for e in fleet.engines]))
 
-    # -- a fleet that changes at run time (front.roster_follow) -----------------------------------
+    # -- a fleet that changes at run time (worker.roster_follow) -----------------------------------
 
     def follow(self, added: list[Engine], removed: list[Engine]) -> None:
         """The fleet (``by_slot``) was rebuilt: new engines wait for their first record (never
@@ -319,7 +319,7 @@ class WorkerFleetState:
         self._retries -= 1
         self.shared.set_slot_field(self.slot, L.SLOT_RETRIES, self._retries)
 
-    # -- client connections (narwhal.front.accept.ConnectionShare) ----------------------------------
+    # -- client connections (narwhal.worker.accept.ConnectionShare) ----------------------------------
 
     def publish(self, connections: int | None) -> None:
         """This worker's client connections for the others' accept pacing; None: not accepting."""

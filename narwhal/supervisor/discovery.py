@@ -17,7 +17,7 @@ loop only starts the read (:meth:`Discovery.tick`) and, once it finished, applie
 * **Joining**: under the table lock, a slot is chosen, the engine's descriptor written there
   (``shm.descriptors``), the supervisor takes it up PROBING (``fleet.membership``) and publishes its
   record, and only then does the table entry turn LIVE and the epoch move: a worker that takes it
-  up (``front.roster_follow``) finds its description and a record saying "not yet".
+  up (``worker.roster_follow``) finds its description and a record saying "not yet".
 * **Leaving**: an engine no source names any more is DRAINING (no new legs; in-flight legs
   finish; a handoff nobody decodes is released by the request that made it, as always). Once no
   worker holds a leg on it for two sweeps in a row it is forgotten: its slot retired (the epoch

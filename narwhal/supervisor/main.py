@@ -97,7 +97,7 @@ class Supervisor:
         self._clock = clock  # every decision's time: a test drives the loop's passes with a fake one
         self.settings = settings
         self.sources: dict[str, str] = {}  # engine name -> its source (static, file, dns:NAME): discovery only
-        if settings.discovery.enabled:  # the table's engines, each at its engine slot (front.roster_follow)
+        if settings.discovery.enabled:  # the table's engines, each at its engine slot (worker.roster_follow)
             described = shared.described()
             self.sources = {entry["name"]: source for _, entry, source in described}
             members = [(slot, EngineSpec(**entry)) for slot, entry, _ in described]

@@ -1,53 +1,16 @@
-"""Starting, watching and restarting the supervisor from the gunicorn master.
-
-Invariant: while the master lives, a supervisor is running or is restarted within about a
-second — whatever killed the previous one (SPEC §1). Only the master can promise that: any
-process below it can be OOM-killed, and a watcher that is itself killed watches nothing (the
-previous design forked a watchdog that forked the supervisor; a SIGKILL of the watchdog
-took the supervisor with it, for good). So the master watches the supervisor itself.
-
-How the master watches without a periodic hook of its own: gunicorn's main loop calls
-``Arbiter.manage_workers`` at least once a second and right after every signal (SIGCHLD
-included), so ``narwhal.front.gunicorn_hooks`` wraps that method of the running arbiter to call
-:meth:`SupervisorKeeper.check` (and ``reap_workers``, the only call in a reload's wait for the
-old workers, which lasts as long as their streams: the supervisor a reload stops is replaced
-at once, not after that wait). gunicorn reaps every child with ``waitpid(-1)`` (an unknown
-pid is reaped and forgotten), so the keeper cannot ``waitpid`` its child; it learns of the
-exit from a **pidfd** (``pidfd_open``, exact even after the reap and immune to pid reuse),
-falling back to ``kill(pid, 0)`` where pidfds are missing. A supervisor whose heartbeat in
-shared memory goes stale (a wedged event loop) is killed and replaced the same way.
-
-Deliberately left out: a master thread (``PR_SET_PDEATHSIG`` fires when the forking *thread*
-ends) and ``multiprocessing`` (its atexit hook in the first worker that exits terminates a
-daemonic child). ``os.fork`` from the master's main thread is all it takes: the child closes
-every inherited descriptor but stdio and the shared memory (never a listening socket), dies
-with the master (``PR_SET_PDEATHSIG`` plus a ``getppid`` check), and names itself in ``ps``.
-"""
+"""The supervisor process's own body (``run_supervisor``), what the master's keeper forks
+(``narwhal.master.keeper``): its title in ``ps``, the death signal that ends it with the master,
+the master's settings, a fresh event loop running ``supervisor.main`` until signalled."""
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import os
-import select
 import signal
-import sys
-import time
-from collections.abc import Callable
 
-from narwhal.logs import master_line
 from narwhal.shm.shared import SharedFleet
 
 PR_SET_PDEATHSIG = 1
 TITLE = "narwhal: supervisor"
-STALE_S = 3.0  # heartbeat age after which a running supervisor is presumed wedged
-# A new supervisor imports, loads settings and restores state before its first beat; on a
-# loaded host that can take longer than STALE_S, and the old one's beat says nothing about it.
-STARTUP_S = 30.0
-TERM_GRACE_S = 3.0  # a supervisor asked to stop (reload, shutdown) that is still there is killed
-# A supervisor that dies at once (say, its settings no longer load) is restarted no faster
-# than this: a crash loop must not fork as fast as SIGCHLD can wake the master.
-MIN_RESPAWN_S = 1.0
 
 
 def set_parent_death_signal(sig: int) -> None:
@@ -66,149 +29,6 @@ def set_title(title: str) -> None:
     except ImportError:  # pragma: no cover - installed with narwhal
         return
     setproctitle(title)
-
-
-class SupervisorKeeper:
-    """The master's handle on its supervisor: start, check (every master loop), reload, stop."""
-
-    def __init__(self, shared: SharedFleet, *, clock: Callable[[], float] = time.monotonic) -> None:
-        self.shared = shared
-        self.clock = clock
-        self.pid = 0
-        self._pidfd = -1
-        self.started_at = 0.0
-        self._term_sent_at: float | None = None
-        self.stopping = False
-
-    # -- the master's calls ----------------------------------------------------------------
-
-    def start(self) -> None:
-        """Master only: fork a supervisor (told it is a restart after the first) and watch its pidfd."""
-        starts = self.shared.count_start()
-        pid = fork_child(lambda: run_supervisor(self.shared, restarted=starts > 1), death_signal=signal.SIGTERM,
-                         keep_fd=self.shared.region.fd)
-        self.pid, self.started_at, self._term_sent_at = pid, self.clock(), None
-        self._pidfd = _pidfd_open(pid)
-
-    def check(self) -> None:
-        """Restart a supervisor that is gone, kill one that is wedged or will not stop."""
-        if self.stopping:
-            return
-        if self.pid and self._exited():
-            self._forget()
-        if not self.pid:
-            if self.clock() - self.started_at >= MIN_RESPAWN_S:
-                self.start()
-            return
-        now = self.clock()
-        if self._term_sent_at is not None:
-            if now - self._term_sent_at > TERM_GRACE_S:
-                self._signal(signal.SIGKILL)
-        elif self.wedged():
-            line = master_line("error", "narwhal.supervisor", f"supervisor {self.pid} stopped beating; restarting it")
-            print(line, file=sys.stderr, flush=True)
-            self._signal(signal.SIGKILL)
-
-    def reload(self) -> None:
-        """SIGHUP: the running supervisor stops; :meth:`check` starts one on the new settings."""
-        if self.pid and self._term_sent_at is None:
-            self._term_sent_at = self.clock()
-            self.started_at = 0.0  # a reload is not a crash loop: restart as soon as it is gone
-            self._signal(signal.SIGTERM)
-
-    def stop(self, timeout: float = 5.0) -> None:
-        """Master only, for good: SIGTERM, reap within ``timeout``, then SIGKILL; the keeper restarts nothing after."""
-        self.stopping = True
-        if not self.pid:
-            return
-        self._signal(signal.SIGTERM)
-        end = time.monotonic() + timeout
-        while time.monotonic() < end and not self._exited():
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(self.pid, os.WNOHANG)  # gunicorn no longer reaps once it is exiting
-            time.sleep(0.02)
-        if not self._exited():
-            self._signal(signal.SIGKILL)
-        self._forget()
-
-    # -- state -----------------------------------------------------------------------------
-
-    def wedged(self) -> bool:
-        """No beat for ``STALE_S`` (``STARTUP_S`` before its first): alive but not looping, to be replaced."""
-        if self.shared.supervisor_pid != self.pid:  # this one has not beaten yet
-            return self.clock() - self.started_at > STARTUP_S
-        return self.shared.heartbeat_age_s > STALE_S
-
-    def _exited(self) -> bool:
-        if self._pidfd >= 0:
-            readable, _, _ = select.select([self._pidfd], [], [], 0)
-            return bool(readable)
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return True
-        return False
-
-    def _signal(self, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, sig)
-
-    def _forget(self) -> None:
-        pid, self.pid = self.pid, 0
-        if self._pidfd >= 0:
-            os.close(self._pidfd)
-            self._pidfd = -1
-        if pid and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-            # Its live gauges must not linger or double beside its successor's.
-            from prometheus_client import multiprocess
-
-            multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]
-
-
-def _pidfd_open(pid: int) -> int:
-    try:
-        return os.pidfd_open(pid)
-    except (AttributeError, OSError):  # no pidfd (old kernel, not Linux): kill(pid, 0) instead
-        return -1
-
-
-def fork_child(body: Callable[[], None], *, death_signal: int, keep_fd: int) -> int:
-    """Fork; in the child run ``body`` and exit — it must never return into gunicorn's
-    arbiter. Returns the child's pid to the parent."""
-    parent = os.getpid()
-    pid = os.fork()
-    if pid:
-        return pid
-    code = 0
-    try:
-        _reset_signals()
-        set_parent_death_signal(death_signal)
-        _close_inherited_fds(keep=keep_fd)
-        if os.getppid() == parent:  # else the parent died before the death signal was armed
-            body()
-    except BaseException:  # noqa: BLE001 - whatever happens, the child ends here
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    finally:
-        os._exit(code)
-
-
-def _close_inherited_fds(keep: int) -> None:
-    """Keep only stdio and the shared memory: never a listening socket the master holds, so
-    the supervisor never holds the port."""
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        if fd > 2 and fd != keep:
-            with contextlib.suppress(OSError):  # the descriptor listdir itself used, closed
-                os.close(fd)
-
-
-def _reset_signals() -> None:
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1,
-                signal.SIGUSR2, signal.SIGWINCH, signal.SIGTTIN, signal.SIGTTOU):
-        signal.signal(sig, signal.SIG_DFL)
 
 
 def run_supervisor(shared: SharedFleet, *, restarted: bool) -> None:

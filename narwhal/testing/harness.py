@@ -203,12 +203,12 @@ def _listen(port: int) -> socket.socket:
 def _config_file(root: str | None, env: dict[str, str]) -> str:
     """The gunicorn configuration to run: this package's, or that of the tree at ``root``
     (whose directory then goes first on ``PYTHONPATH`` in ``env``)."""
-    from narwhal.front.gunicorn_hooks import CONFIG_FILE
+    from narwhal.master.gunicorn_hooks import CONFIG_FILE
 
     if root is None:
         return CONFIG_FILE
     # `python -m` puts the working directory first on sys.path: run from there.
-    # Where that tree keeps its gunicorn configuration: narwhal/front/ since the layers,
+    # Where that tree keeps its gunicorn configuration: narwhal/worker/ since the layers,
     # narwhal/ in older commits (which --baseline runs too).
     name = os.path.basename(CONFIG_FILE)
     front = os.path.join(root, "narwhal", "front", name)
@@ -242,7 +242,7 @@ class RouterProcess:
 
         Waiting for every worker matters to whoever opens many connections at once next:
         a worker still starting accepts none of them, and keep-alive keeps them where they
-        landed (see ``narwhal.front.accept``).
+        landed (see ``narwhal.worker.accept``).
 
         ``root``: a directory holding another ``narwhal`` package (e.g. an older commit, for
         the perf suite's ``--baseline``) to run instead of this one, with this one's dependencies.
@@ -307,8 +307,8 @@ def process_title(pid: int) -> str:
         return ""
 
 
-from narwhal.front.admin import children_of  # noqa: E402  (the master's children, as admin counts them)
 from narwhal.supervisor.process import TITLE as SUPERVISOR_TITLE  # noqa: E402
+from narwhal.worker.admin import children_of  # noqa: E402  (the master's children, as admin counts them)
 
 
 def router_roles(master: int) -> dict[str, list[int]]:

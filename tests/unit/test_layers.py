@@ -12,7 +12,8 @@ ROOT = Path(narwhal.__file__).resolve().parent
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("commands", ("narwhal.cli", "narwhal.demo", "narwhal.__main__", "narwhal.app")),
     ("testing", ("narwhal.testing",)),
-    ("front", ("narwhal.front",)),
+    ("master", ("narwhal.master",)),
+    ("worker", ("narwhal.worker",)),
     ("request", ("narwhal.request",)),
     ("supervisor", ("narwhal.supervisor",)),
     ("preflight", ("narwhal.preflight",)),

@@ -52,7 +52,7 @@ def test_serve_with_no_engine_and_no_source_refuses_with_one_line(tmp_path: Path
 
 def test_gunicorn_with_no_engine_and_no_source_refuses_with_one_line(tmp_path: Path) -> None:
     path = write(tmp_path, '[server]\nworkers = 1\nbind = "127.0.0.1:0"\n')
-    proc = subprocess.run([VENV_PYTHON, "-m", "gunicorn", "-c", "python:narwhal.front.gunicorn_conf"],
+    proc = subprocess.run([VENV_PYTHON, "-m", "gunicorn", "-c", "python:narwhal.master.gunicorn_conf"],
                           env=clean_env(NARWHAL_CONFIG=path), cwd=tmp_path, capture_output=True, text=True,
                           timeout=30)
     assert proc.returncode != 0

@@ -51,7 +51,7 @@ def test_serve_with_bad_env_exits_2_with_one_line(tmp_path: Path) -> None:
 def test_gunicorn_direct_with_bad_config_exits_with_one_line(tmp_path: Path) -> None:
     path = write(tmp_path, BAD_TIMEOUT_TOML)
     proc = run(
-        [VENV_PYTHON, "-m", "gunicorn", "-c", "python:narwhal.front.gunicorn_conf"],
+        [VENV_PYTHON, "-m", "gunicorn", "-c", "python:narwhal.master.gunicorn_conf"],
         clean_env(NARWHAL_CONFIG=path),
         tmp_path,
     )

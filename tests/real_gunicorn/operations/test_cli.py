@@ -195,7 +195,7 @@ def _metrics_dirs_of(pids: list[int]) -> set[str]:
 
 
 def test_a_unix_socket_bind_serves_through_every_worker(fleet: FakeFleet, tmp_path: Path) -> None:
-    # unix:PATH listeners go through narwhal.front.accept like TCP ones (no TCP_NODELAY there).
+    # unix:PATH listeners go through narwhal.worker.accept like TCP ones (no TCP_NODELAY there).
     config = write_config(
         [{"name": "p0", "url": fleet.engines["p0"], "role": "producer"},
          {"name": "d0", "url": fleet.engines["d0"], "role": "consumer"}],

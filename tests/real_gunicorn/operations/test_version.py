@@ -14,9 +14,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from narwhal.front.app import version_document
 from narwhal.settings import load_settings
 from narwhal.testing.harness import FakeFleet, RouterProcess, http_get
+from narwhal.worker.app import version_document
 from tests.real_gunicorn.support import start_router
 
 VERSION = metadata.version("narwhal-router")

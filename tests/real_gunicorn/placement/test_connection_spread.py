@@ -1,4 +1,4 @@
-"""Client connections are spread over the workers (narwhal.front.accept), through real gunicorn.
+"""Client connections are spread over the workers (narwhal.worker.accept), through real gunicorn.
 
 Without it, a burst of connections opened together lands on whichever worker wakes first
 (uvloop accepts every pending connection at once), and keep-alive keeps it there.
@@ -56,7 +56,7 @@ async def test_a_burst_of_connections_is_spread_over_the_workers(router: RouterP
     pids = await _burst(router.url, BURST)
     per_worker = collections.Counter(pids)
     assert len(per_worker) == 2, per_worker  # the router fixture runs 2 workers
-    # Balanced within a few (a worker this far ahead slows its accepts; see narwhal.front.accept);
+    # Balanced within a few (a worker this far ahead slows its accepts; see narwhal.worker.accept);
     # before, all 16 went to one worker.
     assert min(per_worker.values()) >= BURST // 4, per_worker
 

@@ -207,7 +207,7 @@ def _valid_request_id(headers: list[tuple[str, str | bytes]]) -> str | None:
 
 
 def _malformed(answer: Answer) -> bool:
-    """aiohttp's HTTP parser refused the request (``narwhal.front.server``), before any route."""
+    """aiohttp's HTTP parser refused the request (``narwhal.worker.server``), before any route."""
     return answer.status == 400 and b"malformed HTTP request" in answer.body
 
 

@@ -270,7 +270,7 @@ def test_http_parser_refusals_are_in_the_openai_shape(
 ) -> None:
     # Requests refused by aiohttp's HTTP parser before the app runs (a field or request line over
     # the limit, too many fields, a duplicated singleton header) are answered in the OpenAI shape
-    # too (narwhal/front/server.py), never echoing the client's bytes.
+    # too (narwhal/worker/server.py), never echoing the client's bytes.
     body = orjson.dumps(completion(unique_prompt(), max_tokens=2))
     path = COMPLETIONS if extra_head is not None else COMPLETIONS + "?q=" + "a" * 20000
     head = (

@@ -107,7 +107,7 @@ def test_bad_values_name_the_key(tmp_path: Path, toml: str, key: str) -> None:
 
 def test_with_tracing_off_the_request_path_never_imports_opentelemetry() -> None:
     code = (
-        "import sys, narwhal.front.app, narwhal.front.gunicorn_hooks, narwhal.request.router, narwhal.settings;"
+        "import sys, narwhal.worker.app, narwhal.master.gunicorn_hooks, narwhal.request.router, narwhal.settings;"
         "narwhal.settings.load_settings(None, environ={});"
         "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))"
     )

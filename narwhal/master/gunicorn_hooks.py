@@ -17,7 +17,7 @@ import sys
 import tempfile
 from typing import Any
 
-# Nothing here may import prometheus_client (or narwhal.metrics, narwhal.front.app) at module level:
+# Nothing here may import prometheus_client (or narwhal.metrics, narwhal.worker.app) at module level:
 # it must first be imported after PROMETHEUS_MULTIPROC_DIR is set.
 from narwhal.settings import (
     MAX_WORKERS,
@@ -73,7 +73,7 @@ def _assign_engine_slots(settings: Settings) -> None:
     new ones take a free one; no room is a refused reload (or start), one line. With discovery
     on, the engines the supervisor discovered stay (unless a static entry now has their name or
     URL: static wins), and the epoch moves once the static engines' descriptors are written, so
-    running workers take up the new list (``front.roster_follow``)."""
+    running workers take up the new list (``worker.roster_follow``)."""
     from narwhal import shm
     from narwhal.fleet import Fleet
     from narwhal.shm import descriptors
@@ -135,8 +135,8 @@ def gunicorn_settings() -> dict[str, Any]:
         "control_socket_disable": True,
         "errorlog": "-",
         "accesslog": None,  # Narwhal writes its own access log (log.access_log)
-        # gunicorn's own lines through Narwhal's JSON formatter in json mode (narwhal.front.gunicorn_logging).
-        "logger_class": "narwhal.front.gunicorn_logging.JsonLogger" if settings.log.format == "json"
+        # gunicorn's own lines through Narwhal's JSON formatter in json mode (narwhal.master.gunicorn_logging).
+        "logger_class": "narwhal.master.gunicorn_logging.JsonLogger" if settings.log.format == "json"
         else "gunicorn.glogging.Logger",
         "loglevel": settings.log.level,
         "limit_request_field_size": settings.server.max_header_bytes,
@@ -192,9 +192,9 @@ def _adopt_gunicorn_options(server: Any) -> Settings:
 def on_starting(server: Any) -> None:
     """In the master, before the listening sockets exist: shared memory, then the supervisor."""
     from narwhal import shm
+    from narwhal.master.keeper import SupervisorKeeper
     from narwhal.shm.layout import WORKER_SLOTS
     from narwhal.shm.shared import SharedFleet
-    from narwhal.supervisor.process import SupervisorKeeper
 
     settings = _adopt_gunicorn_options(server)
     if settings.server.workers > MAX_WORKERS:  # gunicorn's --workers: settings validation never saw it
@@ -212,7 +212,7 @@ def on_starting(server: Any) -> None:
     _assign_engine_slots(settings)  # before anything forks: every process looks its engines up
     shm.HOLDINGS = create_holdings(settings, shm.SHARED.layout.slots)
     if settings.preflight.on_start and settings.engines:
-        from narwhal.supervisor.startup import preflight_on_start
+        from narwhal.master.startup import preflight_on_start
 
         # Before any worker exists, so an engine that fails starts ejected everywhere.
         preflight_on_start(shm.SHARED, settings)
@@ -279,17 +279,17 @@ def nworkers_changed(server: Any, new_value: int, old_value: int | None) -> None
 
 
 def post_worker_init(worker: Any) -> None:
-    """In each worker: take over the listening sockets (``narwhal.front.accept``), and note when
+    """In each worker: take over the listening sockets (``narwhal.worker.accept``), and note when
     SIGTERM arrives, so in-flight streams are ended before the master's graceful timeout
     (counted from the signal) rather than aiohttp's (counted from when the worker gets round
     to stopping, up to a second later)."""
     loop = getattr(worker, "loop", None)
     if loop is None:
         return
-    from narwhal.front import accept, app
+    from narwhal.worker import accept, app
 
     if worker.wsgi is app.create_app and not worker.cfg.is_ssl:
-        # Narwhal's app accepts from these itself (narwhal.front.accept): aiohttp's worker starts
+        # Narwhal's app accepts from these itself (narwhal.worker.accept): aiohttp's worker starts
         # no server of its own on them. TLS listeners, and any other app run with this
         # configuration, stay with aiohttp.
         accept.LISTENERS[:] = worker.sockets

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-log = logging.getLogger("narwhal.front.accept")
+log = logging.getLogger("narwhal.worker.accept")
 
 LEAD = 2  # a worker this many connections ahead of the least loaded one slows down
 PAUSE_S = 0.0005  # per connection of lead: between two accepts of a worker that is ahead

@@ -1,4 +1,4 @@
-"""The master's supervisor keeper (narwhal.supervisor.process.SupervisorKeeper) as a state machine:
+"""The master's supervisor keeper (narwhal.master.keeper.SupervisorKeeper) as a state machine:
 when it takes its supervisor for wedged, when it restarts, when it escalates, with time as a
 fake clock and real child processes standing in for the supervisor."""
 
@@ -15,11 +15,11 @@ from typing import Any, cast
 
 import pytest
 
-from narwhal.front.gunicorn_hooks import reconcile
+from narwhal.master import keeper
+from narwhal.master.gunicorn_hooks import reconcile
+from narwhal.master.keeper import MIN_RESPAWN_S, STALE_S, STARTUP_S, TERM_GRACE_S, SupervisorKeeper
 from narwhal.settings import Settings
 from narwhal.shm.shared import SharedFleet
-from narwhal.supervisor import process
-from narwhal.supervisor.process import MIN_RESPAWN_S, STALE_S, STARTUP_S, TERM_GRACE_S, SupervisorKeeper
 
 
 @dataclass
@@ -56,7 +56,7 @@ class _Children:
 @pytest.fixture
 def children(monkeypatch: pytest.MonkeyPatch) -> Any:
     kids = _Children()
-    monkeypatch.setattr(process, "fork_child", kids.fork)
+    monkeypatch.setattr(keeper, "fork_child", kids.fork)
     yield kids
     for proc in kids.procs:
         proc.kill()
@@ -221,8 +221,8 @@ def test_a_reload_that_leaves_a_new_worker_without_a_slot_is_refused_with_one_li
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from narwhal import shm
-    from narwhal.front import gunicorn_hooks
     from narwhal.settings import SettingsError
+    from narwhal.master import gunicorn_hooks
 
     shared = SharedFleet.create(engines=1, slots=6, ring=1)
     monkeypatch.setattr(shm, "SHARED", shared)

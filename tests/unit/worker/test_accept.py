@@ -1,9 +1,9 @@
-"""The accept rule of narwhal.front.accept (the spread itself is tested through gunicorn in
+"""The accept rule of narwhal.worker.accept (the spread itself is tested through gunicorn in
 tests/real_gunicorn/placement/test_connection_spread.py)."""
 
 from __future__ import annotations
 
-from narwhal.front.accept import LEAD, MAX_PAUSE_S, PAUSE_S, pause_after
+from narwhal.worker.accept import LEAD, MAX_PAUSE_S, PAUSE_S, pause_after
 
 
 def test_a_worker_not_ahead_accepts_at_full_speed() -> None:

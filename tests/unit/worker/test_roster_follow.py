@@ -7,13 +7,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from narwhal.front.roster_follow import RosterFollower, fleet_from_table
 from narwhal.settings import Settings
 from narwhal.shm import descriptors
 from narwhal.shm import layout as L
 from narwhal.shm.shared import SharedFleet
 from narwhal.shm.table import TableFull, identity
 from narwhal.shm.worker import WorkerFleetState
+from narwhal.worker.roster_follow import RosterFollower, fleet_from_table
 
 
 @pytest.fixture

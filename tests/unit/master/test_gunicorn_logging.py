@@ -9,12 +9,12 @@ import orjson
 import pytest
 from gunicorn.config import Config
 
-from narwhal.front import gunicorn_hooks
-from narwhal.front.gunicorn_logging import JsonLogger
+from narwhal.master.gunicorn_logging import JsonLogger
 from narwhal.settings import load_settings
+from narwhal.master import gunicorn_hooks
 
 
-@pytest.mark.parametrize(("fmt", "cls"), [("json", "narwhal.front.gunicorn_logging.JsonLogger"),
+@pytest.mark.parametrize(("fmt", "cls"), [("json", "narwhal.master.gunicorn_logging.JsonLogger"),
                                           ("text", "gunicorn.glogging.Logger")])
 def test_the_logger_class_follows_log_format(monkeypatch: pytest.MonkeyPatch, fmt: str, cls: str) -> None:
     settings = load_settings(None, environ={"NARWHAL_LOG__FORMAT": fmt})

@@ -62,7 +62,7 @@ def engine_view(router: Router, state: WorkerFleetState | LocalFleetState, engin
         entry["load"] = _load_view(state.load_readings()[engine.index])
         rec = state.records()[engine.index]
         if rec is None and not state.placeable(engine):
-            entry["state"] = "probing"  # discovered, its first record not read yet (front.roster_follow)
+            entry["state"] = "probing"  # discovered, its first record not read yet (worker.roster_follow)
         if rec is not None:
             entry.update(
                 state=STATE_NAMES[rec.state] if rec.state < len(STATE_NAMES) else "admitted",

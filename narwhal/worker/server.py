@@ -5,7 +5,7 @@ limit, too many headers, a duplicated singleton header, a malformed request line
 them in plain text, echoing the offending bytes and logging a traceback. Narwhal's contract is
 one error shape everywhere and never an echo of client bytes, so ``handle_error`` is replaced
 on the connection handler. ``make_runner`` wires it in: the one place that knows about it.
-Under gunicorn the runner also accepts the connections itself (``narwhal.front.accept``).
+Under gunicorn the runner also accepts the connections itself (``narwhal.worker.accept``).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from narwhal.errors import error_body
-from narwhal.front.accept import BalancedSite, ConnectionShare
 from narwhal.reasons import Reason
+from narwhal.worker.accept import BalancedSite, ConnectionShare
 
-log = logging.getLogger("narwhal.front.server")
+log = logging.getLogger("narwhal.worker.server")
 
 
 class _Handler(RequestHandler):
@@ -64,7 +64,7 @@ class _Server(web.Server):
 
 class NarwhalRunner(web.AppRunner):
     """The app's runner; with ``listeners`` (gunicorn's sockets) it also starts one
-    :class:`narwhal.front.accept.BalancedSite` per socket once the app is up."""
+    :class:`narwhal.worker.accept.BalancedSite` per socket once the app is up."""
 
     def __init__(
         self,

@@ -1,6 +1,6 @@
 """The aiohttp application and the factory gunicorn's aiohttp worker calls.
 
-gunicorn loads ``narwhal.front.app:create_app`` (no parentheses): an async zero-argument factory
+gunicorn loads ``narwhal.worker.app:create_app`` (no parentheses): an async zero-argument factory
 returning a ``web.AppRunner``. That is the only way, under ``GunicornWebWorker``, to choose
 ``handler_cancellation`` — off by default in production yet forced on by aiohttp's test
 server, so a router tested only there would leak upstream requests of departed clients in
@@ -35,10 +35,6 @@ from narwhal.engines.control import ControlClient, open_session
 from narwhal.engines.endpoints import BY_PATH, ENDPOINTS, Endpoint
 from narwhal.errors import NarwhalError, RequestError
 from narwhal.fleet import Fleet
-from narwhal.front import roster_follow
-from narwhal.front.accept import BalancedSite, ConnectionShare, take_listeners
-from narwhal.front.admin import add_admin_routes
-from narwhal.front.server import make_app_runner
 from narwhal.reasons import Reason
 from narwhal.request.accesslog import AccessLog
 from narwhal.request.admission import check_api_key
@@ -50,8 +46,12 @@ from narwhal.settings import Settings, current_or_load
 from narwhal.shm.holdings import WorkerHoldings, identity
 from narwhal.shm.local import LocalFleetState
 from narwhal.shm.worker import UnmappedEngine, WorkerFleetState
+from narwhal.worker import roster_follow
+from narwhal.worker.accept import BalancedSite, ConnectionShare, take_listeners
+from narwhal.worker.admin import add_admin_routes
+from narwhal.worker.server import make_app_runner
 
-log = logging.getLogger("narwhal.front.app")
+log = logging.getLogger("narwhal.worker.app")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -237,7 +237,7 @@ async def _keep_discovering(fleet: Fleet, control: ControlClient) -> None:
 
 def worker_state(fleet: Fleet, by_slot: bool = False) -> WorkerFleetState | LocalFleetState:
     """This worker's slot in the shared fleet state, or process-local state without one
-    (``by_slot``: a fleet that follows the engine table, ``front.roster_follow``)."""
+    (``by_slot``: a fleet that follows the engine table, ``worker.roster_follow``)."""
     shared = shm.SHARED
     if shared is not None:
         if len(fleet.engines) > shared.layout.engines:
@@ -382,7 +382,7 @@ def make_runner(settings: Settings) -> web.AppRunner:
 
 
 async def create_app() -> web.AppRunner:
-    """gunicorn's entry point: ``narwhal.front.app:create_app``."""
+    """gunicorn's entry point: ``narwhal.worker.app:create_app``."""
     from narwhal.logs import configure_logging
 
     settings = current_or_load()

@@ -37,7 +37,7 @@ from narwhal.shm.shared import SharedFleet
 from narwhal.shm.table import RETIRED
 from narwhal.shm.worker import WorkerFleetState
 
-log = logging.getLogger("narwhal.front.roster")
+log = logging.getLogger("narwhal.worker.roster")
 
 FOLLOW_S = 0.25  # a change is taken up within this (plus the supervisor's interval)
 

@@ -16,8 +16,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from narwhal.errors import RequestError
-from narwhal.front.app import _errors
 from narwhal.reasons import Reason
+from narwhal.worker.app import _errors
 
 ClientFactory = Callable[..., Awaitable[TestClient[Any, Any]]]
 HEADER_LIMIT = 2048

@@ -3,10 +3,10 @@
 gunicorn executes this module in the master at start and again on every ``SIGHUP``; the
 settings are loaded (and validated: one line and exit 2 on a bad value) each time, so a
 reload picks up a changed TOML file. Hooks only wire process events to
-``narwhal.front.gunicorn_hooks``; no request logic lives here.
+``narwhal.master.gunicorn_hooks``; no request logic lives here.
 """
 
-from narwhal.front.gunicorn_hooks import (  # noqa: F401
+from narwhal.master.gunicorn_hooks import (  # noqa: F401
     child_exit,
     gunicorn_settings,
     nworkers_changed,
