@@ -23,7 +23,7 @@ import orjson
 from narwhal.engines import failures
 from narwhal.engines.connector import PrefillResult
 from narwhal.engines.control import EngineRef, auth_line, ssl_context
-from narwhal.engines.decode import DecodeContext, DecodeLeg, DecodeOptions
+from narwhal.engines.decode import DecodeContext, DecodeLeg, DecodeOptions, LegOptions, checked_handoff
 from narwhal.engines.endpoints import Endpoint
 from narwhal.engines.failures import Wait
 from narwhal.engines.http1 import Connection, UpstreamPool, header_lines
@@ -61,9 +61,12 @@ class EngineClient:
         return cls(UpstreamPool(ssl_context(settings.ca_file)), settings)
 
     async def close(self) -> None:
+        """Close every connection of the pool, idle or in use."""
         await self.pool.close()
 
     def engine_headers(self, request_id: str, extra: Mapping[str, str] | None) -> bytes:
+        """Every leg's header lines: ``X-Request-Id``, the engine key, then ``extra`` (the
+        client's forwarded headers); a request id holding CR or LF is refused."""
         if "\r" in request_id or "\n" in request_id:
             raise ValueError("a request id may not hold CR or LF")
         lines = b"X-Request-Id: " + request_id.encode("latin-1") + b"\r\n" + self._auth
@@ -155,11 +158,13 @@ class EngineClient:
         return _prefill_result(result, status, data)
 
     def decode_leg(
-        self, result: PrefillResult, consumer: EngineRef, body: dict[str, Any], **options: Unpack[DecodeOptions]
+        self, result: PrefillResult, consumer: EngineRef, body: dict[str, Any], descriptor: dict[str, Any] | None,
+        **options: Unpack[LegOptions],
     ) -> DecodeLeg:
-        """The decode as an object with named steps (``narwhal.engines.decode``): validates the
-        handoff now, then ``open()``, ``next_span()`` until ``Signal.END``, and ``close()`` always."""
-        return DecodeLeg(self.decode_context, result, consumer, body, **options)
+        """The decode as an object with named steps (``narwhal.engines.decode``), carrying
+        ``descriptor`` as :func:`~narwhal.engines.decode.checked_handoff` returned it: ``open()``,
+        ``next_span()`` until ``Signal.END``, and ``close()`` always."""
+        return DecodeLeg(self.decode_context, result, consumer, body, descriptor, **options)
 
     async def decode(
         self, result: PrefillResult, consumer: EngineRef, body: dict[str, Any], **options: Unpack[DecodeOptions]
@@ -175,7 +180,9 @@ class EngineClient:
         (:mod:`narwhal.engines.relay`); the generator then also yields ``b""`` when ``sink``
         reported the client behind: wait for the client to drain, then go on iterating.
         """
-        leg = self.decode_leg(result, consumer, body, **options)
+        max_age_s = options.pop("max_age_s", None)
+        descriptor = checked_handoff(result, options.get("endpoint") or result.endpoint, max_age_s)
+        leg = self.decode_leg(result, consumer, body, descriptor, **options)
         try:
             whole = await leg.open()
             if whole is not None:

@@ -1,9 +1,10 @@
 """One decode leg, the engine's side: open it, then take spans until the stream has ended.
 
 A :class:`DecodeLeg` reads the consumer's answer and applies the stream rules of SPEC §4 in
-named steps — :meth:`open` (validate the handoff, POST, read the head under the first-token
-timer), :meth:`next_span` (the next bytes for the client), :meth:`close` (pool or close the
-connection). What the client sees is decided by its caller; what the engine did is decided here.
+named steps — :meth:`open` (POST, read the head under the first-token timer),
+:meth:`next_span` (the next bytes for the client), :meth:`close` (pool or close the
+connection). What the client sees is decided by its caller; what the engine did is decided
+here. Before any leg, :func:`checked_handoff` is the handoff's own step (SPEC §3 step 5).
 
 The hot path: after the first token, spans that cannot end the stream are handed to the
 caller's *sink* from the connection's data callback (``narwhal.engines.relay``), so a long
@@ -32,12 +33,10 @@ The leg's states (:class:`LegState`; ``NEXT`` is this table, and a move not in i
                                         the error on the next call
     CLOSED     -                        close() ran (a second call does nothing)
 
-Any failure raised on the way leaves the state where it was, and close() then closes the
-connection (only ENDED offers it to the pool), which makes the engine abort the request.
-``sent`` is ``state is not NEW``: read it before close(). Why an enum with a table, not flags:
-six booleans (sent, finished, seen token, done, an error held, streaming) made a machine nobody
-had written down; a move is still one attribute write (states are module constants: no
-attribute lookup on the enum class per check, no call).
+A failure leaves the state where it was; close() then closes the connection (only ENDED offers
+it to the pool). ``sent`` is ``state is not NEW`` (read it before close()). Why a table, not
+flags: four booleans and an error formed a machine nobody had written down; a move is still one
+attribute write (module constants: no lookup on the enum class, no call).
 
 Invariants: bytes go out in the order received, each once; no timer spans a return to the
 caller (a timer that fired while the caller writes to a slow client would cancel the caller);
@@ -75,8 +74,7 @@ _RELAY_AFTER = 1
 
 
 class LegState(enum.IntEnum):
-    """Where a decode leg is (the table in this module's text); an IntEnum, so a lookup in NEXT
-    hashes in C."""
+    """Where a decode leg is (the module's table); an IntEnum, so a lookup in NEXT hashes in C."""
 
     NEW = 0
     SENT = 1
@@ -119,19 +117,45 @@ class DecodeContext:
     decode_read_timeout_s: float
 
 
-class DecodeOptions(TypedDict, total=False):
-    """What a decode takes besides the handoff, the consumer and the body (one list, for
-    :meth:`EngineClient.decode` and :meth:`EngineClient.decode_leg` alike)."""
+class LegOptions(TypedDict, total=False):
+    """What a decode leg takes besides its context, the result, the consumer, the body and the
+    validated descriptor (``EngineClient.decode_leg``)."""
 
     stream: Required[bool]
     deadline: float | None
     endpoint: Endpoint | None
-    max_age_s: float | None
     headers: Mapping[str, str] | None
     sink: Sink | None
 
 
+class DecodeOptions(LegOptions, total=False):
+    """A leg's options and the handoff's age bound (``EngineClient.decode``, which checks it)."""
+
+    max_age_s: float | None
+
+
+def checked_handoff(
+    result: PrefillResult, decode_endpoint: Endpoint, max_age_s: float | None
+) -> dict[str, Any] | None:
+    """SPEC §3 step 5, and step 6's age rule: the descriptor a decode on ``decode_endpoint`` may
+    carry (None when the prefill was not crossed: a same-worker or local decode carries none),
+    or raise ``invalid_handoff`` (the NixlConnector rules in order) or ``handoff_expired``. Its
+    own step, before any leg is built: what an attempt does with a refused handoff (count it
+    abandoned, or release it) is the attempt's business, not the leg's."""
+    descriptor = None
+    if result.crossed:
+        descriptor = validate_descriptor(
+            result.descriptor, producer=result.producer, prefill_endpoint=result.endpoint.path,
+            decode_endpoint=decode_endpoint.path,
+        )
+    if max_age_s is not None and result.age() > max_age_s:
+        raise failures.expired(result, max_age_s)
+    return descriptor
+
+
 class DecodeLeg:
+    """One decode on one consumer, as named steps (the module's text): open, next_span, close."""
+
     __slots__ = (
         "_ctx", "_name", "_url", "_endpoint", "_request_id", "_headers", "_payload", "streaming", "_deadline",
         "_sink", "_loop", "_first_bound", "_conn", "_framer", "_held", "_state", "_timer", "_relay", "_passed",
@@ -144,25 +168,17 @@ class DecodeLeg:
         result: PrefillResult,
         consumer: EngineRef,
         body: dict[str, Any],
+        descriptor: dict[str, Any] | None,
         *,
         stream: bool,
         deadline: float | None = None,
         endpoint: Endpoint | None = None,
-        max_age_s: float | None = None,
         headers: Mapping[str, str] | None = None,
         sink: Sink | None = None,
     ) -> None:
-        """Validate the handoff (raises ``invalid_handoff`` / ``handoff_expired``) and build the body."""
+        """Build the body around ``descriptor``, already checked (:func:`checked_handoff`)."""
         decode_endpoint = endpoint or result.endpoint
         self._endpoint = decode_endpoint.path
-        descriptor = None
-        if result.crossed:
-            descriptor = validate_descriptor(
-                result.descriptor, producer=result.producer, prefill_endpoint=result.endpoint.path,
-                decode_endpoint=self._endpoint,
-            )
-        if max_age_s is not None and result.age() > max_age_s:
-            raise failures.expired(result, max_age_s)
         self._ctx = ctx
         self._name, self._url = consumer.name, consumer.url
         self._request_id, self._headers = result.request_id, headers

@@ -115,6 +115,7 @@ class WireFailures:
 
 
 def transport_error(exc: UpstreamError, name: str, phase: Phase) -> EngineError:
+    """A transport failure before the response head: ``engine_unreachable`` (refused, or lost)."""
     if isinstance(exc, ConnectFailed):
         message = f"engine {name} is unreachable ({phase})"
     else:
@@ -123,6 +124,7 @@ def transport_error(exc: UpstreamError, name: str, phase: Phase) -> EngineError:
 
 
 def engine_message(data: bytes) -> str:
+    """The message of an engine's error answer (its error object's, FastAPI's ``detail``, or the text)."""
     try:
         obj = orjson.loads(data)
     except orjson.JSONDecodeError:
@@ -139,6 +141,7 @@ def engine_message(data: bytes) -> str:
 
 
 def status_error(status: int, data: bytes, name: str, phase: Phase) -> EngineError:
+    """A non-2xx answer: a 4xx passed through (never counted), anything else ``engine_5xx``."""
     if 400 <= status < 500:
         message = engine_message(data) or f"engine {name} answered HTTP {status}"
         return EngineClientError(message, engine=name, phase=phase, status=status)
@@ -162,6 +165,7 @@ def stream_error(err: dict[str, Any], name: str, phase: Phase = "decode") -> Eng
 
 
 def expired(result: PrefillResult, max_age_s: float) -> EngineError:
+    """A handoff older than ``handoff.max_age_s``: ``handoff_expired``, nobody's fault."""
     error = EngineError(
         f"handoff from engine {result.producer} expired after {result.age():.1f}s "
         f"(handoff.max_age_s = {max_age_s:g})",
@@ -174,6 +178,7 @@ def expired(result: PrefillResult, max_age_s: float) -> EngineError:
 
 
 def disconnected(name: str, terminal: str = "[DONE]") -> EngineError:
+    """A stream that ended (cleanly or not) before its terminal event: ``engine_disconnect``."""
     return EngineError(
         f"engine {name} closed the stream before {terminal}", reason=Reason.ENGINE_DISCONNECT, engine=name,
         phase="decode",

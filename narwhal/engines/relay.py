@@ -51,6 +51,8 @@ class Signal(enum.Enum):
 
 
 class DirectRelay:
+    """Hands a stream's spans to the sink from the connection's data callback until it must stop."""
+
     __slots__ = (
         "_conn", "_framer", "_sink", "_loop", "_read_timeout", "_deadline", "_last", "_timer",
         "_stopped", "_held", "timed_out_at", "_may_end", "spans", "_openai",

@@ -1,4 +1,7 @@
-"""One attempt, read top to bottom: reserve → prefill → validate → decode → relay → outcome → release.
+"""One attempt, read top to bottom as SPEC §3's steps: :meth:`Attempts.run` reserves the pair (2),
+runs the prefill step (3-4, ``_prefill_step``), checks the handoff as a step of its own (5, and
+step 6's age rule: ``_handoff``, over ``engines.decode.checked_handoff``), decodes and relays
+(6-7, ``_decode``), reports the outcome and releases in ``finally`` (8).
 
 An attempt is one prefill and one decode on a pair placed together (SPEC §3). It owns both
 phase reservations, the handoff and the decode connection, and gives each back exactly once
@@ -35,7 +38,7 @@ from aiohttp import web
 from narwhal import metrics
 from narwhal.engines.client import EngineClient
 from narwhal.engines.connector import InvalidHandoff, PrefillResult, validate_descriptor
-from narwhal.engines.decode import DecodeLeg
+from narwhal.engines.decode import DecodeLeg, checked_handoff
 from narwhal.engines.relay import Signal, Sink
 from narwhal.errors import EngineError, NarwhalError
 from narwhal.fleet import Engine
@@ -108,6 +111,8 @@ def _observe_stream_end(rec: AccessRecord, started: float, spans: int, tap: Usag
 
 
 class Attempts:
+    """Runs one attempt of a request, SPEC §3 steps 2-8 in order (:meth:`run`); the router retries."""
+
     def __init__(
         self,
         settings: Settings,
@@ -125,35 +130,16 @@ class Attempts:
     async def run(
         self, client: ClientStream, req: ClientRequest, rec: AccessRecord, started: float, avoid: frozenset[str]
     ) -> web.StreamResponse:
+        """One attempt, SPEC §3's steps in order (step 1, admission, was the router's); raises
+        what the router retries or answers."""
         resv = await self.placement.reserve(req.model, req.deadline, avoid, req.affinity, req.local, req.blocks)
-        producer, consumer = resv.producer, resv.consumer
+        producer, consumer = resv.producer, resv.consumer  # 2. placement: the pair, both slots held
         rec.producer, rec.consumer = (None if resv.local else producer.name), consumer.name
-        request_id = backend_id(rec.request_id, rec.attempts)
-        rec.backend_ids.append(request_id)
         try:
-            ttft_s: float | None = None
-            if resv.local:
-                # SPEC §3.2: no producer, no prefill leg; the consumer serves the client body.
-                rec.mode = "local"
-                metrics.TALLY.counts[metrics.LOCAL_DECODES] += 1
-                result = PrefillResult(consumer.name, consumer.url, req.endpoint, request_id, None, crossed=False)
-            else:
-                rec.mode = "disaggregated" if resv.crossed else "same_worker"
-                metrics.TALLY.counts[metrics.placements_child(resv.choice)] += 1
-                result = await self._prefill(req, resv, request_id)
-                resv.release_prefill()
-                rec.ttft_s = ttft_s = time.perf_counter() - started
-                rec.prompt_tokens, rec.cached_tokens = result.prompt_tokens, result.cached_tokens
-                metrics.count_prefill_tokens(result.prompt_tokens, result.cached_tokens)
-                if req.blocks is not None:
-                    rec.predicted_cached_chars = resv.predicted_chars
-                    # Runs at the decode's first wait: the keys are finished off the critical path.
-                    asyncio.get_running_loop().call_soon(self.outcomes.prefilled, producer, req.blocks, result,
-                                                         resv.queued_chars)
-            response = await self._decode(client, req, resv, result, rec, started, ttft_s)
-            metrics.TALLY.counts[metrics.attempts_child("success")] += 1
-            self.outcomes.success(producer, consumer, local=resv.local)
-            return response
+            result = await self._prefill_step(req, resv, rec, started)  # 3-4. prefill -> PrefillResult
+            ttft_s = None if resv.local else rec.ttft_s
+            descriptor = self._handoff(req, resv, result, rec, ttft_s)  # 5. validation (and 6's age rule)
+            response = await self._decode(client, req, resv, result, descriptor, rec, started, ttft_s)  # 6-7.
         except EngineError as exc:
             exc.pair = (producer.name, consumer.name)  # what the retry should avoid
             metrics.attempts_child(exc.reason).inc()
@@ -162,9 +148,39 @@ class Attempts:
         except NarwhalError as exc:
             metrics.attempts_child(exc.reason).inc()
             raise
+        else:
+            metrics.TALLY.counts[metrics.attempts_child("success")] += 1
+            self.outcomes.success(producer, consumer, local=resv.local)
+            return response
         finally:
-            if not resv.detached:
+            if not resv.detached:  # 8. cleanup (a detached reservation is its background task's)
                 resv.release()
+
+    async def _prefill_step(
+        self, req: ClientRequest, resv: Reservation, rec: AccessRecord, started: float
+    ) -> PrefillResult:
+        """SPEC §3 steps 3-4: the prefill leg on the producer and its PrefillResult (``rec.ttft_s``
+        set); a local decode (§3.2) has no prefill, and a result of its own with no descriptor."""
+        request_id = backend_id(rec.request_id, rec.attempts)
+        rec.backend_ids.append(request_id)
+        consumer = resv.consumer
+        if resv.local:
+            rec.mode = "local"
+            metrics.TALLY.counts[metrics.LOCAL_DECODES] += 1
+            return PrefillResult(consumer.name, consumer.url, req.endpoint, request_id, None, crossed=False)
+        rec.mode = "disaggregated" if resv.crossed else "same_worker"
+        metrics.TALLY.counts[metrics.placements_child(resv.choice)] += 1
+        result = await self._prefill(req, resv, request_id)
+        resv.release_prefill()
+        rec.ttft_s = time.perf_counter() - started
+        rec.prompt_tokens, rec.cached_tokens = result.prompt_tokens, result.cached_tokens
+        metrics.count_prefill_tokens(result.prompt_tokens, result.cached_tokens)
+        if req.blocks is not None:
+            rec.predicted_cached_chars = resv.predicted_chars
+            # Runs at the decode's first wait: the keys are finished off the critical path.
+            asyncio.get_running_loop().call_soon(self.outcomes.prefilled, resv.producer, req.blocks, result,
+                                                 resv.queued_chars)
+        return result
 
     def _prefill(self, req: ClientRequest, resv: Reservation, request_id: str) -> Awaitable[PrefillResult]:
         # A plain function returning the leg's coroutine: no frame of its own to resume on
@@ -186,17 +202,35 @@ class Attempts:
             on_abandon=abandon,
         )
 
+    def _handoff(
+        self, req: ClientRequest, resv: Reservation, result: PrefillResult, rec: AccessRecord, ttft_s: float | None
+    ) -> dict[str, Any] | None:
+        """SPEC §3 step 5 (none for a same-worker or local decode) and step 6's age rule: the
+        descriptor the decode carries. A rejected one is sent nowhere (counted abandoned: a
+        malformed one could crash a consumer), an expired one is released. ``rec``: the
+        attempt's, for a traced subclass."""
+        try:
+            return checked_handoff(result, result.endpoint, self.settings.handoff.max_age_s)
+        except NarwhalError as exc:
+            if exc.reason == Reason.INVALID_HANDOFF:
+                metrics.HANDOFFS_ABANDONED.inc()  # sent nowhere: no consumer could use it
+            elif exc.reason == Reason.HANDOFF_EXPIRED:
+                self._release_later(result, req, resv)
+            _observe_start(ttft_s, None, None if resv.local else result.age())
+            raise
+
     async def _decode(
         self,
         client: ClientStream,
         req: ClientRequest,
         resv: Reservation,
         result: PrefillResult,
+        descriptor: dict[str, Any] | None,
         rec: AccessRecord,
         started: float,
         ttft_s: float | None,
     ) -> web.StreamResponse:
-        """Decode on the consumer and relay what it sends (SPEC §3 steps 5-7). ``rec`` is only
+        """Decode on the consumer and relay what it sends (SPEC §3 steps 6-7). ``rec`` is only
         written: what the client was sent is ``client.committed``."""
         leg = None
         age = None if resv.local else result.age()
@@ -210,8 +244,8 @@ class Attempts:
         first_byte_s: float | None = None
         try:
             leg = self.client.decode_leg(
-                result, resv.consumer, req.body, stream=req.stream, deadline=req.deadline,
-                max_age_s=self.settings.handoff.max_age_s, headers=req.forward, sink=sink,
+                result, resv.consumer, req.body, descriptor, stream=req.stream, deadline=req.deadline,
+                headers=req.forward, sink=sink,
             )
             resv.decode_sent()
             whole = await leg.open()
@@ -222,11 +256,7 @@ class Attempts:
             streaming = True
             return await _stream(client, leg, rec, started, ttft_s, age, tap)
         except NarwhalError as exc:
-            if exc.reason == Reason.INVALID_HANDOFF:
-                metrics.HANDOFFS_ABANDONED.inc()  # sent nowhere: no consumer could use it
-            elif exc.reason == Reason.HANDOFF_EXPIRED:
-                self._release_later(result, req, resv)
-            elif leg is not None and not leg.sent:
+            if leg is not None and not leg.sent:
                 # Connecting ran out of time or was refused: the consumer never saw the handoff.
                 # An engine fault (refused, first-token timeout) says it is unreachable: try it
                 # last; the request's deadline says nothing about it.

@@ -119,6 +119,7 @@ def stop() -> None:
 
 
 def traceparent(span: Span) -> str:
+    """The W3C ``traceparent`` header value of ``span``."""
     ctx = span.get_span_context()
     return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
 
@@ -183,10 +184,8 @@ class TracedAttempts(Attempts):
                 _failed(span, exc)
                 raise
 
-    async def _decode(
-        self, client: ClientStream, req: ClientRequest, resv: Reservation, result: PrefillResult,
-        rec: AccessRecord, started: float, ttft_s: float | None,
-    ) -> web.StreamResponse:
+    def _decode_span(self, resv: Reservation, result: PrefillResult, rec: AccessRecord) -> Any:
+        """The decode leg's CLIENT span, made current (a context manager)."""
         attributes: dict[str, Any] = {
             "narwhal.engine": resv.consumer.name, "narwhal.attempt": rec.attempts,
             "narwhal.backend_id": result.request_id, "narwhal.crossed": result.crossed,
@@ -194,12 +193,31 @@ class TracedAttempts(Attempts):
         if not resv.local:  # a local decode had no producer and no handoff
             attributes["narwhal.handoff_age_s"] = result.age()
             attributes["narwhal.producer"] = result.producer
-        with self.tracer.start_as_current_span(
+        return self.tracer.start_as_current_span(
             "narwhal.decode", kind=SpanKind.CLIENT, record_exception=False, set_status_on_exception=False,
             attributes=attributes,
-        ) as span:
+        )
+
+    def _handoff(
+        self, req: ClientRequest, resv: Reservation, result: PrefillResult, rec: AccessRecord, ttft_s: float | None
+    ) -> dict[str, Any] | None:
+        try:
+            return super()._handoff(req, resv, result, rec, ttft_s)
+        except BaseException as exc:
+            # A refused handoff fails the decode before it starts: its span says so, as one
+            # decode span per attempt that reached its decode always has.
+            with self._decode_span(resv, result, rec) as span:
+                _failed(span, exc)
+            raise
+
+    async def _decode(
+        self, client: ClientStream, req: ClientRequest, resv: Reservation, result: PrefillResult,
+        descriptor: dict[str, Any] | None, rec: AccessRecord, started: float, ttft_s: float | None,
+    ) -> web.StreamResponse:
+        with self._decode_span(resv, result, rec) as span:
             try:
-                return await super()._decode(client, _leg_request(req, span), resv, result, rec, started, ttft_s)
+                return await super()._decode(client, _leg_request(req, span), resv, result, descriptor, rec, started,
+                                             ttft_s)
             except BaseException as exc:
                 _failed(span, exc)
                 raise
@@ -249,6 +267,7 @@ class TracedRouter(Router):
         self.attempts = attempts
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        """The request under its SERVER span, a child of the client's trace when it sent one."""
         parent = _PROPAGATOR.extract(request.headers)
         with self.tracer.start_as_current_span(
             f"{request.method} {endpoint.path}", context=parent, kind=SpanKind.SERVER,

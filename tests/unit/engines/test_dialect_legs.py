@@ -54,7 +54,7 @@ async def _decode(url: str, endpoint: str) -> tuple[list[bytes], bool]:
     client = EngineClient.for_settings(EngineSettings(first_token_timeout_s=2, decode_read_timeout_s=2))
     result = PrefillResult(producer="p0", producer_url=url, endpoint=endpoints.BY_PATH[endpoint], request_id="r1",
                            descriptor=None, crossed=False)
-    leg = client.decode_leg(result, Ref(url), {"model": "m", "stream": True}, stream=True)
+    leg = client.decode_leg(result, Ref(url), {"model": "m", "stream": True}, None, stream=True)
     spans: list[bytes] = []
     try:
         assert await leg.open() is None

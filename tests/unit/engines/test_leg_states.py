@@ -75,7 +75,8 @@ async def client() -> AsyncIterator[EngineClient]:
 def _leg(client: EngineClient, url: str, *, stream: bool = True) -> decode.DecodeLeg:
     result = PrefillResult(producer="p0", producer_url=url, endpoint=endpoints.BY_PATH["/v1/completions"],
                            request_id="r1", descriptor=None, crossed=False)
-    return client.decode_leg(result, Ref(url), {"model": "m", "prompt": "x", "stream": stream}, stream=stream)
+    return client.decode_leg(result, Ref(url), {"model": "m", "prompt": "x", "stream": stream}, None,
+                            stream=stream)
 
 
 def test_the_table_in_the_modules_text_is_next() -> None:

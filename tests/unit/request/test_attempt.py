@@ -5,6 +5,7 @@ decode went out (``sent``), not by a log; where a release goes when a consumer c
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,12 +70,15 @@ class Engines:
     releases: list[str] = field(default_factory=list)
     unreachable: set[str] = field(default_factory=set)  # consumers a release cannot connect to
     descriptor: dict[str, Any] = field(default_factory=lambda: dict(DESCRIPTOR))
+    age_s: float = 0.0  # how old the handoff is when the prefill returns
+    legs: int = 0  # decode legs built
 
     async def prefill(self, producer: Any, endpoint: str, body: Any, **_: Any) -> PrefillResult:
         return PrefillResult(producer=producer.name, producer_url=producer.url, endpoint=endpoint,
-                             request_id="r1", descriptor=self.descriptor)
+                             request_id="r1", descriptor=self.descriptor, started_at=time.monotonic() - self.age_s)
 
-    def decode_leg(self, result: PrefillResult, consumer: Any, body: Any, **_: Any) -> Leg:
+    def decode_leg(self, result: PrefillResult, consumer: Any, body: Any, descriptor: Any, **_: Any) -> Leg:
+        self.legs += 1
         if self.refuse is not None:
             raise self.refuse
         assert self.leg is not None
@@ -189,24 +193,26 @@ async def test_a_failure_before_the_first_token_is_reported_as_such_and_releases
     assert _held(state) == ([0, 0], [0, 0]) and spawned == []  # the consumer had the handoff
 
 
-async def test_an_expired_handoff_is_released_to_the_consumer() -> None:
-    expired = EngineError("old", reason="handoff_expired", engine="p0", phase="prefill")
-    expired.counts = False
-    engines = Engines(refuse=expired)
+async def test_an_expired_handoff_is_released_to_the_consumer_and_no_leg_is_built() -> None:
+    engines = Engines(age_s=10_000.0)  # older than handoff.max_age_s
     attempts, state, reports, spawned = _setup(engines)
-    with pytest.raises(EngineError):
+    with pytest.raises(EngineError) as failed:
         await attempts.run(Client(), _request(), AccessRecord(request_id="c", endpoint="e"), 0.0, frozenset())  # type: ignore[arg-type]
+    assert failed.value.reason == "handoff_expired" and not failed.value.counts and engines.legs == 0
     assert len(spawned) == 1
     await spawned[0]
     assert engines.releases == ["d0"] and _held(state) == ([0, 0], [0, 0])
 
 
-async def test_an_invalid_handoff_is_sent_nowhere() -> None:
-    engines = Engines(refuse=EngineError("bad", reason="invalid_handoff", engine="p0", phase="prefill"))
+async def test_an_invalid_handoff_is_sent_nowhere_and_counted_abandoned() -> None:
+    engines = Engines(descriptor={"remote_engine_id": ""})
     attempts, _, reports, spawned = _setup(engines)
-    with pytest.raises(EngineError):
+    before = _handoff_counts()
+    with pytest.raises(EngineError) as failed:
         await attempts.run(Client(), _request(), AccessRecord(request_id="c", endpoint="e"), 0.0, frozenset())  # type: ignore[arg-type]
+    assert str(failed.value) == "invalid handoff: missing engine identity" and engines.legs == 0
     assert spawned == [] and engines.releases == [] and reports.seen[0]["reason"] == "invalid_handoff"
+    assert _delta(before) == (0, 1)
 
 
 async def test_a_client_gone_after_the_first_token_releases_no_handoff() -> None:
@@ -246,9 +252,9 @@ class CountingEngines(Engines):
         self.prefills += 1
         return await super().prefill(producer, endpoint, body, **kw)
 
-    def decode_leg(self, result: PrefillResult, consumer: Any, body: Any, **kw: Any) -> Leg:
+    def decode_leg(self, result: PrefillResult, consumer: Any, body: Any, descriptor: Any, **kw: Any) -> Leg:
         self.decoded.append(result)
-        return super().decode_leg(result, consumer, body, **kw)
+        return super().decode_leg(result, consumer, body, descriptor, **kw)
 
 
 def _local(request: ClientRequest) -> ClientRequest:
