@@ -9,9 +9,9 @@ import orjson
 import pytest
 from gunicorn.config import Config
 
+from narwhal.master import gunicorn_hooks
 from narwhal.master.gunicorn_logging import JsonLogger
 from narwhal.settings import load_settings
-from narwhal.master import gunicorn_hooks
 
 
 @pytest.mark.parametrize(("fmt", "cls"), [("json", "narwhal.master.gunicorn_logging.JsonLogger"),

@@ -221,8 +221,8 @@ def test_a_reload_that_leaves_a_new_worker_without_a_slot_is_refused_with_one_li
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from narwhal import shm
-    from narwhal.settings import SettingsError
     from narwhal.master import gunicorn_hooks
+    from narwhal.settings import SettingsError
 
     shared = SharedFleet.create(engines=1, slots=6, ring=1)
     monkeypatch.setattr(shm, "SHARED", shared)
