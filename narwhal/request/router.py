@@ -22,6 +22,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -65,17 +66,26 @@ def error_response(exc: NarwhalError, request_id: str, dialect: dialects.Dialect
     return web.Response(status=exc.status, body=body, content_type="application/json", headers=headers)
 
 
+@dataclass(frozen=True, slots=True)
+class RouterParts:
+    """What a worker's router is built from, by name (``narwhal.worker.compose`` builds them)."""
+
+    settings: Settings
+    fleet: Fleet
+    placement: WaitingPlacement
+    client: EngineClient
+    outcomes: Outcomes
+    state: WorkerState
+    access_log: AccessLog
+
+
 class Router:
-    def __init__(
-        self,
-        settings: Settings,
-        fleet: Fleet,
-        placement: WaitingPlacement,
-        client: EngineClient,
-        outcomes: Outcomes,
-        state: WorkerState,
-        access_log: AccessLog,
-    ) -> None:
+    """One worker's requests: admission, attempts and retries, the HTTP error or terminal event, drain."""
+
+    def __init__(self, parts: RouterParts) -> None:
+        settings, fleet, placement, client, outcomes = (parts.settings, parts.fleet, parts.placement, parts.client,
+                                                        parts.outcomes)
+        state, access_log = parts.state, parts.access_log
         self.settings = settings
         self.recovery = settings.recovery
         self.fleet = fleet

@@ -51,8 +51,8 @@ from narwhal.request.admission import ClientRequest
 from narwhal.request.attempt import Attempts
 from narwhal.request.client_stream import ClientStream
 from narwhal.request.ids import attempt_of
-from narwhal.request.router import Router
-from narwhal.settings import Settings, TracingSettings
+from narwhal.request.router import Router, RouterParts
+from narwhal.settings import TracingSettings
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _PROVIDERS: list[TracerProvider] = []
@@ -255,8 +255,9 @@ class _SpanAnnotatingLog:
 class TracedRouter(Router):
     """The router with a SERVER span per request, continuing the client's trace if it sent one."""
 
-    def __init__(self, settings: Settings, *args: Any, tracer: Tracer) -> None:
-        super().__init__(settings, *args)
+    def __init__(self, parts: RouterParts, *, tracer: Tracer) -> None:
+        super().__init__(parts)
+        settings = parts.settings
         self.tracer = tracer
         self.access_log = _SpanAnnotatingLog(self.access_log)  # type: ignore[assignment]
         attempts = TracedAttempts(

@@ -28,27 +28,22 @@ import orjson
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from narwhal import __version__, metrics, shm
+from narwhal import __version__, metrics
 from narwhal.engines import dialects
-from narwhal.engines.client import EngineClient
 from narwhal.engines.control import ControlClient, open_session
 from narwhal.engines.endpoints import BY_PATH, ENDPOINTS, Endpoint
 from narwhal.errors import NarwhalError, RequestError
 from narwhal.fleet import Fleet
 from narwhal.reasons import Reason
-from narwhal.request.accesslog import AccessLog
 from narwhal.request.admission import check_api_key
 from narwhal.request.ids import client_request_id
-from narwhal.request.outcomes import Outcomes
 from narwhal.request.router import Router, error_response
-from narwhal.request.slot_wait import WaitingPlacement
 from narwhal.settings import Settings, current_or_load
-from narwhal.shm.holdings import WorkerHoldings, identity
-from narwhal.shm.local import LocalFleetState
-from narwhal.shm.worker import UnmappedEngine, WorkerFleetState
+from narwhal.shm.worker import WorkerFleetState
 from narwhal.worker import roster_follow
 from narwhal.worker.accept import BalancedSite, ConnectionShare, take_listeners
 from narwhal.worker.admin import add_admin_routes
+from narwhal.worker.compose import compose
 from narwhal.worker.server import make_app_runner
 
 log = logging.getLogger("narwhal.worker.app")
@@ -235,54 +230,13 @@ async def _keep_discovering(fleet: Fleet, control: ControlClient) -> None:
             await discover_models(fleet, control)
 
 
-def worker_state(fleet: Fleet, by_slot: bool = False) -> WorkerFleetState | LocalFleetState:
-    """This worker's slot in the shared fleet state, or process-local state without one
-    (``by_slot``: a fleet that follows the engine table, ``worker.roster_follow``)."""
-    shared = shm.SHARED
-    if shared is not None:
-        if len(fleet.engines) > shared.layout.engines:
-            log.error("%d engines exceed the shared layout (%d): fleet state is per worker",
-                      len(fleet.engines), shared.layout.engines)
-        else:
-            slot = shared.claim_slot(os.getpid())
-            if slot is not None:
-                try:
-                    return WorkerFleetState(shared, slot, fleet, by_slot=by_slot)
-                except UnmappedEngine as exc:
-                    shared.release(slot, os.getpid())
-                    log.error("engines without a slot in the shared table (%s): fleet state is per worker", exc)
-            else:
-                log.error("no free worker slot in the shared layout: fleet state is per worker")
-    return LocalFleetState(fleet)
-
-
-def worker_holdings(fleet: Fleet, state: WorkerFleetState | LocalFleetState) -> WorkerHoldings | None:
-    """This worker's view of the holdings and its ring for reporting prefills (policy ``held``
-    under gunicorn); None without the region, when ``held`` places by rendezvous rank alone."""
-    if shm.HOLDINGS is None or not isinstance(state, WorkerFleetState):
-        return None
-    return WorkerHoldings(shm.HOLDINGS, [identity(e.name, e.url) for e in fleet.engines], state.slot)
-
-
 async def _startup(app: web.Application) -> None:
     """Build what the worker serves with: its fleet state, placement, router; discover models."""
     settings = app[SETTINGS]
     pin = settings.engine_contract.engine_version if settings.engine_contract else ""
     metrics.publish_build_info(__version__, pin)
     session = open_session(settings.engine)  # TLS and key as on every engine link
-    fleet, state, follower = roster_follow.fleet_and_state(settings, worker_state)  # with [discovery]: the table's
-    loads = state if isinstance(state, WorkerFleetState) else None  # engine reports come from the supervisor
-    holdings = worker_holdings(fleet, state)
-    placement = WaitingPlacement(fleet, state, state, settings.placement, loads=loads, holdings=holdings)
-    outcomes = Outcomes(fleet, state, settings.recovery.failure_quarantine_s, prefills=holdings)
-    parts = (settings, fleet, placement, EngineClient.for_settings(settings.engine), outcomes, state,
-             AccessLog(settings.log.access_log))
-    if settings.tracing.enabled:  # imported only then: with tracing off, OpenTelemetry is never loaded
-        from narwhal.request import tracing
-
-        router: Router = tracing.TracedRouter(*parts, tracer=tracing.start(settings.tracing))
-    else:
-        router = Router(*parts)
+    fleet, state, follower, router = compose(settings)
     app[STATE] = state
     app[ROUTER] = router
     app[_SERVED].router = router
