@@ -37,6 +37,7 @@ from narwhal.engines.endpoints import BY_PATH
 from narwhal.fake_engine.prefix import PrefixCache, prompt_text, text_tokens
 from narwhal.fleet import Fleet
 from narwhal.fleet.placement import LocalInflight, Placement, Reservation
+from narwhal.fleet.placement.blocks import PrefixBlocks
 from narwhal.request.affinity import held_hints, placement_hints
 from narwhal.settings import Settings
 from narwhal.shm.holdings import Held, PrefillReport
@@ -285,6 +286,27 @@ def _producers_and_hosts(
     return producers, hosts
 
 
+def _edges(loop: Loop, producers: Sequence[Producer], window: tuple[float, float]) -> list[list[tuple[int, int, int]]]:
+    """Run the loop to the window's two edges; the producers' (prefills, queried, hits) at each."""
+    edges = []
+    for edge in window:
+        loop.run(edge)
+        edges.append([(p.prefills, p.queries, p.hits) for p in producers])
+    return edges
+
+
+def _placed(host: Host, rng: random.Random, body: dict[str, Any], settings: Settings,
+            policy: str) -> tuple[Reservation, Host, PrefixBlocks | None]:
+    """A request placed by one of ``host``'s workers (at random), as the router's admission and
+    placement would: its reservation, the host, and its block keys (policy ``held`` only)."""
+    placement = host.placements[rng.randrange(len(host.placements))]
+    key, _, blocks = (held_hints(CHAT, body, settings.placement) if policy == "held"
+                      else (*placement_hints(CHAT, body, settings.placement), None))
+    resv = placement.try_place(MODEL_NAME, frozenset(), key, False, blocks)
+    assert resv is not None, "no caps in this fleet: a pair is always free"
+    return resv, host, blocks
+
+
 def simulate(variant: Variant, row: str, seed: int = 0, warmup_s: float = 1.0, duration_s: float = 3.0,
              concurrency: int = 32, delays: PathDelays = PathDelays()) -> dict[str, Any]:
     """One row of one variant from cold caches: cached share, producer time p50/p99 (ms), prefills per producer."""
@@ -300,7 +322,6 @@ def simulate(variant: Variant, row: str, seed: int = 0, warmup_s: float = 1.0, d
     tally = Tally()
     counter = itertools.count()
     window = (warmup_s, warmup_s + duration_s)
-    edges: list[list[tuple[int, int, int]]] = []
 
     def jitter(d: float) -> float:
         return d * rng.uniform(1 - delays.jitter, 1 + delays.jitter)
@@ -312,15 +333,9 @@ def simulate(variant: Variant, row: str, seed: int = 0, warmup_s: float = 1.0, d
         tokens = text_tokens(text)
         n = next(counter)
         if row == "ideal":
-            index = assignment[source.system_of(u)]
-            resv: Reservation | None = None
+            index, resv, host, blocks = assignment[source.system_of(u)], None, hosts[0], None
         else:
-            host = hosts[n % len(hosts)]
-            placement = host.placements[rng.randrange(len(host.placements))]
-            key, _, blocks = (held_hints(CHAT, body, settings.placement) if policy == "held"
-                              else (*placement_hints(CHAT, body, settings.placement), None))
-            resv = placement.try_place(MODEL_NAME, frozenset(), key, False, blocks)
-            assert resv is not None, "no caps in this fleet: a pair is always free"
+            resv, host, blocks = _placed(hosts[n % len(hosts)], rng, body, settings, policy)
             index = resv.producer.index
         p = producers[index]
 
@@ -350,11 +365,7 @@ def simulate(variant: Variant, row: str, seed: int = 0, warmup_s: float = 1.0, d
 
     for u in range(concurrency):
         loop.at(rng.uniform(0, 0.01), lambda u=u: user(u))
-    loop.run(window[0])
-    edges.append([(p.prefills, p.queries, p.hits) for p in producers])
-    loop.run(window[1])
-    edges.append([(p.prefills, p.queries, p.hits) for p in producers])
-    return _summary(row, edges, tally, duration_s)
+    return _summary(row, _edges(loop, producers, window), tally, duration_s)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

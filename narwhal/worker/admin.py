@@ -110,6 +110,8 @@ def _holdings_view(router: Router, engine: Engine) -> dict[str, Any] | None:
         "capacity_blocks": held.capacity_blocks,
         "chars_per_token": held.chars_per_token,
         "prefill_chars_per_s": held.prefill_chars_per_s,
+        "hot_blocks": held.hot_blocks,  # reused in the last few seconds: the live part of blocks
+        "homes": len(held.homes or ()),  # live prefixes every replica sends here first
     }
 
 

@@ -13,11 +13,9 @@ ROOT = Path(__file__).resolve().parents[2]
 MODULE_LINES = 400
 FUNCTION_LINES = 60
 
-# Over while being split (issue 21 splits test_holdings.py and simulate; issue 22's handoff step
-# moves test_descriptor.py's checks): remove each as it lands.
+# Over while being split (issue 22's handoff step moves test_descriptor.py's checks): remove each
+# as it lands.
 OVER_FOR_NOW = {
-    "perf/scarce_sim.py:simulate",
-    "tests/real_gunicorn/test_holdings.py",
     "tests/unit/engines/test_descriptor.py",
 }
 

@@ -1,0 +1,136 @@
+"""SPEC §3.3 through real gunicorn, what is shared: holdings every worker reads, what a second
+replica learns from cached tokens, and each policy setting's labels (``holdings_support`` says
+what the fleet is)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from narwhal.testing.harness import FakeFleet, RouterProcess
+from tests.real_gunicorn.placement import holdings_support as hs
+from tests.real_gunicorn.placement.holdings_support import BLOCKS, PRODUCERS
+from tests.real_gunicorn.support import admin, scrape, sessions_per_worker, settled, value, wait_state
+
+
+@pytest.fixture(scope="module")
+def hfleet() -> Iterator[FakeFleet]:
+    yield from hs.module_fleet()
+
+
+@pytest.fixture(scope="module")
+def router(hfleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
+    yield from hs.module_router(hfleet, tmp_path_factory)
+
+
+@pytest.fixture
+def fresh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RouterProcess, FakeFleet]]:
+    yield from hs.fresh_pair(tmp_path_factory)
+
+
+async def test_a_prefix_prefilled_through_one_worker_is_placed_on_its_producer_by_the_other(
+    router: RouterProcess,
+) -> None:
+    prefix = hs.make_prefix()
+    favourite = hs.favourites(prefix)[0]
+    # The favourite out while the first worker places the prefix: it goes to the second in rank.
+    await admin(router, "POST", f"/admin/engines/{favourite}/eject")
+    try:
+        async with sessions_per_worker(router, 2) as sessions:
+            first_worker, second_worker = sessions.values()
+            first = await hs.ask(first_worker, router, prefix + " first question")
+            holder = first["producer"]
+            assert holder == hs.favourites(prefix)[1] and first["predicted_cached_chars"] == 0
+            await admin(router, "POST", f"/admin/engines/{favourite}/readmit")
+            await wait_state(router, favourite, "admitted")
+            await hs.wait_blocks(router, holder, lambda n: n >= BLOCKS, "the first prefill's blocks published")
+            # Rank alone would now send it to the favourite; the holdings send it where it is.
+            second = await hs.ask(second_worker, router, prefix + " second question")
+    finally:
+        await admin(router, "POST", f"/admin/engines/{favourite}/readmit")
+    assert second["producer"] == holder
+    assert second["predicted_cached_chars"] == BLOCKS * 256
+    assert second["cached_tokens"] >= BLOCKS * 64  # the producer's own cache agrees
+
+
+async def test_eight_prefixes_on_four_producers_holding_two_each_are_shown_and_repeats_hit(
+    router: RouterProcess,
+) -> None:
+    chosen: dict[str, list[str]] = {p: [] for p in PRODUCERS}
+    while any(len(v) < 2 for v in chosen.values()):  # prefixes that rank spreads two per producer
+        prefix = hs.make_prefix()
+        if len(chosen[hs.favourites(prefix)[0]]) < 2:
+            chosen[hs.favourites(prefix)[0]].append(prefix)
+    start = {p: (await hs.holdings(router, p))["blocks"] for p in PRODUCERS}
+    before = hs.predictions(router)
+    async with aiohttp.ClientSession() as session:
+        for producer, prefixes in chosen.items():
+            for prefix in prefixes:
+                line = await hs.ask(session, router, prefix + " who are you?")
+                assert line["producer"] == producer, line
+        for producer in PRODUCERS:
+            cap = (await hs.holdings(router, producer))["capacity_blocks"] or 10**9
+            await hs.wait_blocks(router, producer, lambda n, p=producer, c=cap: n == min(start[p] + 2 * BLOCKS, c),
+                               "two prefixes' blocks")
+        for producer, prefixes in chosen.items():
+            for prefix in prefixes:
+                line = await hs.ask(session, router, prefix + " and what do you do?")
+                assert line["producer"] == producer, line
+                assert line["predicted_cached_chars"] == BLOCKS * 256 and line["cached_tokens"] >= BLOCKS * 64, line
+    # Every repeat exact; a first prefill is judged too once its producer has reported cached tokens.
+    delta = hs.delta(router, before, {"exact": 16, "over": 0, "under": 0})
+    assert delta["over"] == delta["under"] == 0 and 8 <= delta["exact"] <= 16, delta
+
+
+async def test_a_second_replica_learns_what_the_first_placed_from_cached_tokens(
+    fresh: tuple[RouterProcess, FakeFleet], tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    router, hfleet = fresh
+    replica = hs.start(hfleet, tmp_path_factory.mktemp("replica"), workers=1)
+    try:
+        prefix = hs.make_prefix()
+        async with aiohttp.ClientSession() as session:
+            holder = (await hs.ask(session, router, prefix + " one"))["producer"]
+            before = hs.predictions(replica)
+            # Knowing nothing, the replica agrees by rank; the producer's answer says it held it.
+            line = await hs.ask(session, replica, prefix + " two")
+        assert (line["producer"], line["predicted_cached_chars"]) == (holder, 0)
+        assert line["cached_tokens"] >= BLOCKS * 64
+        assert hs.delta(replica, before, {"exact": 0, "over": 0, "under": 1}) == {"exact": 0, "over": 0, "under": 1}
+        await hs.wait_blocks(replica, holder, lambda n: n >= BLOCKS, "learned from the answer")
+    finally:
+        replica.stop()
+
+
+@pytest.mark.parametrize(("placement", "first", "second"), [
+    ({"policy": "held"}, "rendezvous", "held"),
+    ({"policy": "affinity"}, "affinity", "affinity"),
+    ({"policy": "least_loaded"}, "least_loaded", "least_loaded"),
+    ({"policy": "held", "prefix_affinity": False}, "least_loaded", "least_loaded"),
+])
+async def test_each_policy_setting_labels_its_choices(
+    hfleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory, placement: dict[str, Any], first: str, second: str,
+) -> None:
+    proc = hs.start(hfleet, tmp_path_factory.mktemp("policy"), workers=1, **placement)
+    try:
+        prefix = hs.make_prefix()
+        async with aiohttp.ClientSession() as session:
+            lines = [await hs.ask(session, proc, prefix + " one")]
+            if first == "rendezvous":
+                await hs.wait_blocks(proc, lines[0]["producer"], lambda n: n >= BLOCKS, "published")
+            lines.append(await hs.ask(session, proc, prefix + " two"))
+
+        def choices() -> dict[str, float]:
+            text = scrape(proc)
+            return {c: value(text, "narwhal_placements_total", producer_choice=c)
+                    for c in {first, second} if value(text, "narwhal_placements_total", producer_choice=c)}
+
+        expected = {first: 1.0, second: 1.0} if first != second else {first: 2.0}
+        assert settled(choices, expected) == expected
+        held = first == "rendezvous"
+        assert [line["predicted_cached_chars"] for line in lines] == ([0, BLOCKS * 256] if held else [None, None])
+    finally:
+        proc.stop()
