@@ -9,13 +9,14 @@ permitted) and the router under real gunicorn with its defaults and 2 workers. A
 has settled, the supervisor's CPU is read over an idle window, then over a window of one client
 streaming 16-token completions back to back. CPU comes from ``/proc/<pid>/task/*/schedstat``
 (nanoseconds on the CPU, every thread), so a 10 s window resolves well below 1 ms/s. With
-``--baseline REF`` REF's ``narwhal/`` runs as a second target in the same interleaved rounds
-(``perf.baseline``); the figures are medians over the rounds. ``--profile DIR`` samples this
-checkout's supervisor with py-spy (``pip install py-spy``) over the idle window of the first
+``--baseline REF[,REF…]`` each REF's ``narwhal/`` runs as a target of its own in the same
+interleaved rounds (``perf.baseline``; ``--no-checkout``: only those, so the files may change
+while it runs); the figures are medians over the rounds. ``--profile DIR`` samples the first
+target's supervisor with py-spy (``pip install py-spy``) over the idle window of the first
 round and prints its hottest functions.
 
 Usage: ``python -m perf.supervisor_idle [--engines 4,32] [--seconds 10] [--rounds 3]
-[--workers 2] [--baseline REF] [--profile DIR] [--set SECTION.KEY=VALUE]``.
+[--workers 2] [--baseline REF[,REF…]] [--no-checkout] [--profile DIR] [--set SECTION.KEY=VALUE]``.
 """
 
 from __future__ import annotations
@@ -176,21 +177,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=10.0, help="each window's length (default 10)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument("--workers", type=int, default=2, help="gunicorn workers (default 2)")
-    parser.add_argument("--baseline", help="git commit to measure beside this checkout (e.g. main)")
-    parser.add_argument("--profile", type=Path, metavar="DIR", help="py-spy this checkout's idle supervisor")
+    parser.add_argument("--baseline", help="git commits to measure beside this checkout, comma-separated (e.g. main)")
+    parser.add_argument("--no-checkout", action="store_true",
+                        help="measure only the --baseline commits (each exported), not this checkout's files")
+    parser.add_argument("--profile", type=Path, metavar="DIR", help="py-spy the first target's idle supervisor")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="a setting for every target, e.g. placement.load_interval_s=0 (repeatable)")
     args = parser.parse_args(argv)
     repo = Path(__file__).resolve().parent.parent
-    targets: list[tuple[str, str | None]] = [("head", None)]
-    if args.baseline:
+    targets: list[tuple[str, str | None]] = [] if args.no_checkout else [("checkout", None)]
+    for ref in [r for r in (args.baseline or "").split(",") if r]:
         base = Path(tempfile.mkdtemp(prefix="narwhal-sup-idle-base-"))
         try:
-            commit = baseline.export(args.baseline, repo, base)
+            commit = baseline.export(ref, repo, base)
         except baseline.BaselineError as exc:
             print(f"perf.supervisor_idle: {exc}", file=sys.stderr)
             return 2
-        targets.append((f"{args.baseline} ({commit[:10]})", str(base)))
+        targets.append((f"{ref} ({commit[:10]})", str(base)))
+    if not targets:
+        parser.error("nothing to measure: --no-checkout needs --baseline")
     rows: list[tuple[int, str, list[Window], list[Window]]] = []
     for engines in [int(n) for n in args.engines.split(",") if n.strip()]:
         names = [f"p{i}" for i in range(engines // 2)] + [f"d{i}" for i in range(engines - engines // 2)]
@@ -199,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for rnd in range(args.rounds):
                 for name, root in targets:  # interleaved: a drift of the host hits every target alike
-                    want = args.profile if (rnd == 0 and root is None) else None
+                    want = args.profile if (rnd == 0 and name == targets[0][0]) else None
                     idle, busy = run_target(fleet, args.workers, args.seconds, root, want, args.set)
                     results[name][0].append(idle)
                     results[name][1].append(busy)
