@@ -1,7 +1,8 @@
 """One attempt, read top to bottom as SPEC §3's steps: :meth:`Attempts.run` reserves the pair (2),
-runs the prefill step (3-4, ``_prefill_step``), checks the handoff as a step of its own (5, and
-step 6's age rule: ``_handoff``, over ``engines.decode.checked_handoff``), decodes and relays
-(6-7, ``_decode``), reports the outcome and releases in ``finally`` (8).
+runs the prefill (3, ``_prefill_step``), reads its result (4, ``_prefilled``), checks the handoff
+as a step of its own (5, and step 6's age rule: ``_handoff``, over
+``engines.decode.checked_handoff``), decodes and relays (6-7, ``_decode``), reports the outcome
+and releases in ``finally`` (8).
 
 An attempt is one prefill and one decode on a pair placed together (SPEC §3). It owns both
 phase reservations, the handoff and the decode connection, and gives each back exactly once
@@ -136,8 +137,8 @@ class Attempts:
         producer, consumer = resv.producer, resv.consumer  # 2. placement: the pair, both slots held
         rec.producer, rec.consumer = (None if resv.local else producer.name), consumer.name
         try:
-            result = await self._prefill_step(req, resv, rec, started)  # 3-4. prefill -> PrefillResult
-            ttft_s = None if resv.local else rec.ttft_s
+            result = await self._prefill_step(req, resv, rec)  # 3. prefill (none for a local decode)
+            ttft_s = self._prefilled(req, resv, rec, result, started)  # 4. the PrefillResult
             descriptor = self._handoff(req, resv, result, rec, ttft_s)  # 5. validation (and 6's age rule)
             response = await self._decode(client, req, resv, result, descriptor, rec, started, ttft_s)  # 6-7.
         except EngineError as exc:
@@ -156,23 +157,32 @@ class Attempts:
             if not resv.detached:  # 8. cleanup (a detached reservation is its background task's)
                 resv.release()
 
-    async def _prefill_step(
-        self, req: ClientRequest, resv: Reservation, rec: AccessRecord, started: float
-    ) -> PrefillResult:
-        """SPEC §3 steps 3-4: the prefill leg on the producer and its PrefillResult (``rec.ttft_s``
-        set); a local decode (§3.2) has no prefill, and a result of its own with no descriptor."""
+    def _prefill_step(self, req: ClientRequest, resv: Reservation, rec: AccessRecord) -> Awaitable[PrefillResult]:
+        """SPEC §3 step 3: the prefill leg on the producer, as the awaitable of its PrefillResult;
+        a local decode (§3.2) has no prefill, and a result of its own with no descriptor. A
+        plain function, like ``_prefill``: no frame of its own to resume on every wakeup."""
         request_id = backend_id(rec.request_id, rec.attempts)
         rec.backend_ids.append(request_id)
+        if not resv.local:
+            rec.mode = "disaggregated" if resv.crossed else "same_worker"
+            metrics.TALLY.counts[metrics.placements_child(resv.choice)] += 1
+            return self._prefill(req, resv, request_id)
+        rec.mode = "local"
+        metrics.TALLY.counts[metrics.LOCAL_DECODES] += 1
         consumer = resv.consumer
+        local = asyncio.get_running_loop().create_future()  # done: awaiting it does not suspend
+        local.set_result(PrefillResult(consumer.name, consumer.url, req.endpoint, request_id, None, crossed=False))
+        return local
+
+    def _prefilled(
+        self, req: ClientRequest, resv: Reservation, rec: AccessRecord, result: PrefillResult, started: float
+    ) -> float | None:
+        """SPEC §3 step 4: what the PrefillResult says (TTFT, returned; tokens; the producer's
+        holdings report); nothing for a local decode."""
         if resv.local:
-            rec.mode = "local"
-            metrics.TALLY.counts[metrics.LOCAL_DECODES] += 1
-            return PrefillResult(consumer.name, consumer.url, req.endpoint, request_id, None, crossed=False)
-        rec.mode = "disaggregated" if resv.crossed else "same_worker"
-        metrics.TALLY.counts[metrics.placements_child(resv.choice)] += 1
-        result = await self._prefill(req, resv, request_id)
+            return None
         resv.release_prefill()
-        rec.ttft_s = time.perf_counter() - started
+        rec.ttft_s = ttft_s = time.perf_counter() - started
         rec.prompt_tokens, rec.cached_tokens = result.prompt_tokens, result.cached_tokens
         metrics.count_prefill_tokens(result.prompt_tokens, result.cached_tokens)
         if req.blocks is not None:
@@ -180,7 +190,7 @@ class Attempts:
             # Runs at the decode's first wait: the keys are finished off the critical path.
             asyncio.get_running_loop().call_soon(self.outcomes.prefilled, resv.producer, req.blocks, result,
                                                  resv.queued_chars)
-        return result
+        return ttft_s
 
     def _prefill(self, req: ClientRequest, resv: Reservation, request_id: str) -> Awaitable[PrefillResult]:
         # A plain function returning the leg's coroutine: no frame of its own to resume on
