@@ -145,68 +145,45 @@ def test_an_uncounted_failure_is_reported_uncounted_and_quarantines_nothing(
     assert not state.any_quarantined()
 
 
-def test_a_stream_error_made_uncounted_by_its_status_is_reported_so(
-    fleet: Fleet, state: WorkerFleetState, clock: Clock
+# One failure each (SPEC §5, §6): the pair, the failing leg (engine, phase, reason, whether it
+# counts), before the first token or not, the quarantine setting; what the ring carries (pair,
+# failed engine, ring reason code, flags) and which engine this worker takes out at once.
+# Ring codes never move: engine_5xx 2, engine_disconnect 4, engine_stream_error 10.
+FAILURES = [
+    # an error object below 500 made uncounted by engines.client: reported, nobody charged
+    ("stream_error_uncounted", "p0", "d0", ("d0", "decode", "engine_stream_error", False), False, QUARANTINE_S,
+     (0, 1, 1, 10, 0), None),
+    # ambiguous (the producer's handoff or the consumer): left to the supervisor
+    ("crossed_decode_before_token", "p0", "d0", ("d0", "decode", "engine_disconnect", True), True, QUARANTINE_S,
+     (0, 1, 1, 4, FLAG_COUNTS | FLAG_BEFORE_TOKEN), None),
+    ("crossed_decode_after_token", "p0", "d0", ("d0", "decode", "engine_disconnect", True), False, QUARANTINE_S,
+     (0, 1, 1, 4, FLAG_COUNTS), "d0"),
+    # P is D: nothing is ambiguous, the one engine is charged
+    ("same_engine_before_token", "b0", "b0", ("b0", "decode", "engine_disconnect", True), True, QUARANTINE_S,
+     (2, 2, 2, 4, FLAG_COUNTS | FLAG_BEFORE_TOKEN), "b0"),
+    ("no_quarantine_setting", "p0", "d0", ("p0", "prefill", "engine_5xx", True), True, 0.0,
+     (0, 1, 0, 2, FLAG_COUNTS | FLAG_BEFORE_TOKEN | FLAG_PREFILL), None),
+    ("unknown_engine", "p0", "d0", ("gone", "prefill", "engine_5xx", True), True, QUARANTINE_S,
+     (0, 1, NONE16, 2, FLAG_COUNTS | FLAG_BEFORE_TOKEN | FLAG_PREFILL), None),
+]
+
+
+@pytest.mark.parametrize(("case", "producer", "consumer", "leg", "before_token", "quarantine_s", "ring", "out"),
+                         FAILURES, ids=[row[0] for row in FAILURES])
+def test_a_failure_is_reported_and_charged_as_spec_says(
+    fleet: Fleet, state: WorkerFleetState, clock: Clock, case: str, producer: str, consumer: str,
+    leg: tuple[str, str, str, bool], before_token: bool, quarantine_s: float, ring: tuple[int, ...],
+    out: str | None,
 ) -> None:
-    p0, d0 = fleet.by_name["p0"], fleet.by_name["d0"]
-    error = EngineError("stream error 400", reason="engine_stream_error", engine="d0", phase="decode")
-    error.counts = False  # as engines.client sets it for an error object below 500
-    Outcomes(fleet, state, QUARANTINE_S).failure(p0, d0, error, before_first_token=False)
-    assert _drained(state) == [(0, 1, 1, 10, 0, T0)]
-    assert _admitted(state, fleet) == {"p0": True, "d0": True, "b0": True}
-
-
-def test_a_crossed_decode_failing_before_its_first_token_is_left_to_the_supervisor(
-    fleet: Fleet, state: WorkerFleetState, clock: Clock
-) -> None:
-    """Ambiguous (SPEC §6): the producer's handoff or the consumer may be at fault."""
-    p0, d0 = fleet.by_name["p0"], fleet.by_name["d0"]
-    error = EngineError("closed", reason="engine_disconnect", engine="d0", phase="decode")
-    Outcomes(fleet, state, QUARANTINE_S).failure(p0, d0, error, before_first_token=True)
-    assert _drained(state) == [(0, 1, 1, 4, FLAG_COUNTS | FLAG_BEFORE_TOKEN, T0)]
-    assert _admitted(state, fleet) == {"p0": True, "d0": True, "b0": True}
-
-
-def test_a_crossed_decode_failing_after_its_first_token_quarantines_the_consumer(
-    fleet: Fleet, state: WorkerFleetState, clock: Clock
-) -> None:
-    p0, d0 = fleet.by_name["p0"], fleet.by_name["d0"]
-    error = EngineError("closed", reason="engine_disconnect", engine="d0", phase="decode")
-    Outcomes(fleet, state, QUARANTINE_S).failure(p0, d0, error, before_first_token=False)
-    assert _drained(state) == [(0, 1, 1, 4, FLAG_COUNTS, T0)]
-    assert _admitted(state, fleet) == {"p0": True, "d0": False, "b0": True}
-    assert state.quarantine_left(d0) == QUARANTINE_S
-
-
-def test_a_same_engine_decode_failing_before_its_first_token_quarantines_it(
-    fleet: Fleet, state: WorkerFleetState, clock: Clock
-) -> None:
-    """P is D: nothing is ambiguous, the one engine is charged."""
-    b0 = fleet.by_name["b0"]
-    error = EngineError("closed", reason="engine_disconnect", engine="b0", phase="decode")
-    Outcomes(fleet, state, QUARANTINE_S).failure(b0, b0, error, before_first_token=True)
-    assert _drained(state) == [(2, 2, 2, 4, FLAG_COUNTS | FLAG_BEFORE_TOKEN, T0)]
-    assert _admitted(state, fleet) == {"p0": True, "d0": True, "b0": False}
-
-
-def test_without_a_quarantine_setting_a_charged_failure_is_only_reported(
-    fleet: Fleet, state: WorkerFleetState, clock: Clock
-) -> None:
-    p0, d0 = fleet.by_name["p0"], fleet.by_name["d0"]
-    error = EngineError("HTTP 500", reason="engine_5xx", engine="p0", phase="prefill")
-    Outcomes(fleet, state, 0.0).failure(p0, d0, error, before_first_token=True)
-    assert _drained(state) == [(0, 1, 0, 2, FLAG_COUNTS | FLAG_BEFORE_TOKEN | FLAG_PREFILL, T0)]
-    assert _admitted(state, fleet) == {"p0": True, "d0": True, "b0": True}
-
-
-def test_a_failure_naming_an_unknown_engine_is_reported_without_one(
-    fleet: Fleet, state: WorkerFleetState, clock: Clock
-) -> None:
-    p0, d0 = fleet.by_name["p0"], fleet.by_name["d0"]
-    error = EngineError("HTTP 500", reason="engine_5xx", engine="gone", phase="prefill")
-    Outcomes(fleet, state, QUARANTINE_S).failure(p0, d0, error, before_first_token=True)
-    assert _drained(state) == [(0, 1, NONE16, 2, FLAG_COUNTS | FLAG_BEFORE_TOKEN | FLAG_PREFILL, T0)]
-    assert _admitted(state, fleet) == {"p0": True, "d0": True, "b0": True}
+    engine, phase, reason, counts = leg
+    error = EngineError("failed", reason=reason, engine=engine, phase=phase)  # type: ignore[arg-type]
+    error.counts = counts  # as engines.client sets it for an error object below 500
+    Outcomes(fleet, state, quarantine_s).failure(fleet.by_name[producer], fleet.by_name[consumer], error,
+                                                 before_first_token=before_token)
+    assert _drained(state) == [(*ring, T0)]
+    assert _admitted(state, fleet) == {e.name: e.name != out for e in fleet.engines}
+    if out is not None:
+        assert state.quarantine_left(fleet.by_name[out]) == QUARANTINE_S
 
 
 def test_reports_keep_their_order_and_times(fleet: Fleet, state: WorkerFleetState, clock: Clock) -> None:
