@@ -15,7 +15,7 @@ replicas that know nothing yet (every estimate equal) still agree.
 
 Deviations from SPEC §3.3 (README "Placement"), each measured with ``perf.scarce_sim``:
 
-* A miss counts ``MISS_WEIGHT`` (6) times its uncached characters: its prefill, and the queue it
+* A miss counts ``MISS_WEIGHT`` (9) times its uncached characters: its prefill, and the queue it
   holds up behind it on an engine that prefills one batch at a time; counted once, a short queue
   beats a held prefix on every fluctuation and each such miss evicts another prefix.
 * Eviction is charged by what is *live*: the producer's ``hot_blocks`` (reused in the last few
@@ -50,8 +50,10 @@ from narwhal.fleet.placement.blocks import PrefixBlocks
 T = TypeVar("T")
 
 _NOTHING: frozenset[int] = frozenset()
-MISS_WEIGHT = 6.0  # a miss: its own prefill, and the requests queued behind it meanwhile
-EVICT_WEIGHT = 6.0  # a live block evicted: prefilled again by a later request, which waits as above
+MISS_WEIGHT = 9.0  # a miss: its own prefill, and the requests queued behind it meanwhile
+# A live block evicted: prefilled again by a later request, which waits as above, and the prefix
+# it belonged to is then scattered between two producers (twice the miss's weight: measured).
+EVICT_WEIGHT = 18.0
 
 
 class HeldReading(Protocol):
