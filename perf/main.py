@@ -20,16 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from perf import baseline, procs
-from perf.interrupts import INTERRUPTS
-from perf.memory import run_memory
-from perf.placement import run_placement
-from perf.report import plots as report_plots
-from perf.report import results as report
-from perf.report.notes import notes
-from perf.report.summary import against_baseline, compare, recommend_workers, summarize
-from perf.scarce import run_scarce
-from perf.scenarios import (
+from perf import baseline
+from perf.load import procs
+from perf.load.interrupts import INTERRUPTS
+from perf.load.memory import run_memory
+from perf.load.placement import run_placement
+from perf.load.scarce import run_scarce
+from perf.load.scenarios import (
     SCARCE_ROWS,
     Scenario,
     ScenarioResult,
@@ -40,7 +37,11 @@ from perf.scenarios import (
     scarce_scenarios,
     select,
 )
-from perf.stack import Stack, expand_peer
+from perf.load.stack import Stack, expand_peer
+from perf.report import plots as report_plots
+from perf.report import results as report
+from perf.report.notes import notes
+from perf.report.summary import against_baseline, compare, recommend_workers, summarize
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent

@@ -18,7 +18,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from perf import procs
+from perf.load import procs
 
 RATE_HZ = 200
 # Frames every worker stack has (gunicorn and the event loop's own entry): noise in a top list.

@@ -1,12 +1,12 @@
 """``prefix_scarce`` offline: the real placement against the fake's KV model, in simulated time.
 
-Why: the timed scenario (``perf/scarce.py``) runs on a shared 2-core machine, where a round's
+Why: the timed scenario (``perf/load/scarce.py``) runs on a shared 2-core machine, where a round's
 figures move by 10-20 % with the neighbours' load, and one variant takes a minute. A placement
 policy is a function of what it reads (holdings, in-flight counts, engine readings), so it can
 be judged deterministically: this module drives the router's own :class:`Placement` (policy
 ``held``, ``affinity``, ``least_loaded``), the supervisor's own :class:`HoldingsModel` (reports
 merged every ``LOOP_S``, sections published at most every ``PUBLISH_S``) and the fake engine's
-own :class:`PrefixCache` (vLLM's LRU block pool), with ``perf/chat_load``'s users and the
+own :class:`PrefixCache` (vLLM's LRU block pool), with ``perf/load/chat``'s users and the
 scenario's sizes, on an event queue with an injected clock. It runs a variant in about a second.
 
 What is modelled, and what is not:
@@ -43,9 +43,9 @@ from narwhal.settings import Settings
 from narwhal.shm.holdings import Held, PrefillReport
 from narwhal.supervisor.holdings import HoldingsModel
 from narwhal.supervisor.main import LOOP_S
-from perf.chat_load import ChatUsers, system_prompts
-from perf.load import MODEL as MODEL_NAME
-from perf.scarce import (
+from perf.load.chat import ChatUsers, system_prompts
+from perf.load.generator import MODEL as MODEL_NAME
+from perf.load.scarce import (
     KV_BLOCKS,
     MAX_NUM_SEQS,
     PREFILL_US_PER_TOKEN,

@@ -35,7 +35,7 @@ from typing import Any
 
 from narwhal.shm import layout as L
 from narwhal.testing.harness import FakeFleet, RouterProcess, write_config
-from perf.procs import children_of
+from perf.load.procs import children_of
 
 MODEL = "fake-model"
 

@@ -37,7 +37,8 @@ import aiohttp
 import orjson
 
 from narwhal.testing.harness import FakeFleet, RouterProcess, router_roles, write_config
-from perf import baseline, procs, profile
+from perf import baseline, profile
+from perf.load import procs
 
 MODEL = "fake-model"
 SETTLE_S = 3.0  # after /ready: the first health round, the first reads' connections, preflight's tail

@@ -62,7 +62,7 @@ def _floor_note(results: dict[str, Any]) -> str | None:
     if not parts:
         return None
     return (
-        "aiohttp floor (`perf/floor_proxy.py`: gunicorn + aiohttp + Narwhal's engine client and nothing "
+        "aiohttp floor (`perf/load/floor_proxy.py`: gunicorn + aiohttp + Narwhal's engine client and nothing "
         "else): " + "; ".join(parts) + ". What the floor adds over the PD floor is the framework's "
         "cost; what Narwhal adds over the floor is its features'."
     )

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from perf import scarce_report
 from perf.report import placement as placement_report
+from perf.report import scarce as scarce_report
 from perf.report import tables
 from perf.report.figures import figure, verdict
 

@@ -14,8 +14,8 @@ import statistics
 from collections import Counter
 from typing import Any
 
-from perf.load import RoundResult, percentile
-from perf.stack import Target
+from perf.load.generator import RoundResult, percentile
+from perf.load.stack import Target
 
 
 def _ms(value: float | None) -> float | None:

@@ -4,7 +4,7 @@ Why (issue 23 item 7): the systemd unit pointed at a test module that had moved 
 Dockerfile at a test that lived elsewhere; a reader following them found nothing. Every tracked
 text file is read; a path is a token starting with one of the repository's top-level folders
 (``narwhal/``, ``tests/``, ``deploy/``, ``perf/``, ``.ci/``, ``.github/``). It counts as found if
-it exists, names a module without its ``.py`` (``perf/load``, ``perf/load.run_round``), or is
+it exists, names a module without its ``.py`` (``perf/load/generator``, ``perf/load/generator.run_round``), or is
 ignored by git (generated output such as ``perf/results/``).
 """
 

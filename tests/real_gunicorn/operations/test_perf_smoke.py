@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from narwhal.testing.harness import FakeFleet, RouterProcess, http_get, write_config
-from perf.scenarios import all_scenarios
+from perf.load.scenarios import all_scenarios
 
 REPO = Path(__file__).resolve().parents[3]
 EXPECTED = {
@@ -79,7 +79,7 @@ def test_quick_run_works(tmp_path: Path) -> None:
     for name in ("stream_c1", "stream_c32", "nonstream_c32"):
         floor = scenarios[name]["targets"]["aiohttp-floor"]
         assert floor["requests"] > 0 and floor["router_cpu_us_per_req"] is not None, name
-    assert "aiohttp floor (`perf/floor_proxy.py`" in (tmp_path / "results.md").read_text()
+    assert "aiohttp floor (`perf/load/floor_proxy.py`" in (tmp_path / "results.md").read_text()
     assert scenarios["workers"]["recommended_workers"] in scenarios["workers"]["workers"]
     assert len(doc["targets"]) == 12 and all(t["result"] in ("PASS", "FAIL", "n/a") for t in doc["targets"])
     # Issue 24's ratios are judged from this run's own figures: the smoke has no peer, chat_long ran.

@@ -6,9 +6,9 @@ from typing import Any
 
 import orjson
 
-from perf.chat_load import ChatUsers, system_prompts
+from perf.load.chat import ChatUsers, system_prompts
+from perf.load.scenarios import all_scenarios, placement_scenarios, select
 from perf.report.placement import table, targets
-from perf.scenarios import all_scenarios, placement_scenarios, select
 
 
 def test_a_chat_extends_its_own_history_under_one_system_prompt() -> None:

@@ -10,12 +10,12 @@ import orjson
 import pytest
 from aiohttp import web
 
-from perf.chat_load import ChatUsers, run_users, system_prompts, zipf_weights
-from perf.load import PREFILL_KV
+from perf.load.chat import ChatUsers, run_users, system_prompts, zipf_weights
+from perf.load.generator import PREFILL_KV
+from perf.load.scarce import VARIANTS, IdealLegs, ideal_assignment, producer_figures
+from perf.load.scenarios import SCARCE_ROWS, all_scenarios, placement_scenarios, scarce_scenarios, select
 from perf.main import parse_args
-from perf.scarce import VARIANTS, IdealLegs, ideal_assignment, producer_figures
-from perf.scarce_report import table, targets, variant_targets
-from perf.scenarios import SCARCE_ROWS, all_scenarios, placement_scenarios, scarce_scenarios, select
+from perf.report.scarce import table, targets, variant_targets
 
 
 def test_zipf_weights_are_uniform_at_zero_and_fall_as_k_to_the_minus_s() -> None:

@@ -15,15 +15,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from perf.load import CHAT, COMPLETIONS, RoundResult, Workload, new_session, run_round
-from perf.pd_endpoints import MESSAGES, RESPONSES
+from perf.load.generator import CHAT, COMPLETIONS, RoundResult, Workload, new_session, run_round
+from perf.load.pd_endpoints import MESSAGES, RESPONSES
+from perf.load.stack import Stack, Target
 from perf.profile import Profiler
 from perf.profile import summarize as summarize_profile
-from perf.stack import Stack, Target
 
 PACED_FAULT = {"decode": {"token_delay_s": 0.01}}
 TARGETS = ("narwhal", "baseline", "direct", "direct-pd", "peer")
-# The aiohttp floor (perf/floor_proxy.py) beside them: what of Narwhal's figures is the framework's.
+# The aiohttp floor (perf/load/floor_proxy.py) beside them: what of Narwhal's figures is the framework's.
 WITH_FLOOR = (*TARGETS, "aiohttp-floor")
 STREAM = Workload(COMPLETIONS, stream=True, tokens=16)
 PACED = Workload(COMPLETIONS, stream=True, tokens=16, fault=PACED_FAULT)
@@ -161,7 +161,7 @@ def _memory_scenario(big: int) -> Scenario:
 
 
 def placement_scenarios(quick: bool) -> list[Scenario]:
-    """SPEC §3.2's scenarios (``perf/placement.py``): run when named, each with its own fleets."""
+    """SPEC §3.2's scenarios (``perf/load/placement.py``): run when named, each with its own fleets."""
     c = 16 if quick else 32
     warmup = 0.5 if quick else 1.0
     return [
@@ -184,7 +184,7 @@ def placement_scenarios(quick: bool) -> list[Scenario]:
     ]
 
 
-# prefix_scarce's rows (``perf/scarce.py``): Narwhal per placement.policy, two replicas with
+# prefix_scarce's rows (``perf/load/scarce.py``): Narwhal per placement.policy, two replicas with
 # requests alternating, the peer's two prefill policies, and the load generator's ideal placement.
 SCARCE_ROWS = (
     "held", "affinity", "least_loaded", "held-2-replicas", "peer-consistent_hash", "peer-cache_aware", "ideal",

@@ -1,12 +1,12 @@
 """``prefix_scarce`` (issue 21): placement when each producer's KV holds only 2–3 of the shared prompts.
 
-Why its own module beside ``perf/placement.py``: the rows here are not variants of one router but
+Why its own module beside ``perf/load/placement.py``: the rows here are not variants of one router but
 different placements of the same load, some of which are no Narwhal router at all: the three
 ``placement.policy`` values, two replicas with requests alternating between them, the peer's two
 prefill policies, and an *ideal* row where the load generator does P/D itself with a perfect
 static prompt → producer assignment (``ideal_assignment``), the figure the others are judged
 against. The fleets, the peer command, the cold caches between rounds, the tally and the
-figures are ``perf/placement``'s; the load loop is ``perf/chat_load``'s.
+figures are ``perf/load/placement``'s; the load loop is ``perf/load/chat``'s.
 
 Rows that use ``policy = "held"`` are tried and, when the router refuses that setting at start
 (a build without the holdings table), reported "not available" with the router's one line,
@@ -28,12 +28,12 @@ from typing import Any
 import orjson
 
 from narwhal.testing.harness import FakeFleet, RouterProcess, write_config
-from perf.chat_load import AccessLog, ChatUsers, run_users, system_prompts, zipf_weights
-from perf.load import CHAT, PREFILL_KV, PdLegs, RoundResult
-from perf.placement import Running, Tally, cold_caches, figures, start_peers
-from perf.scarce_report import variant_targets
-from perf.scenarios import Scenario
-from perf.stack import Target, router_sections
+from perf.load.chat import AccessLog, ChatUsers, run_users, system_prompts, zipf_weights
+from perf.load.generator import CHAT, PREFILL_KV, PdLegs, RoundResult
+from perf.load.placement import Running, Tally, cold_caches, figures, start_peers
+from perf.load.scenarios import Scenario
+from perf.load.stack import Target, router_sections
+from perf.report.scarce import variant_targets
 
 PRODUCERS = 4
 CONSUMERS = 2
@@ -120,7 +120,7 @@ class IdealLegs:
 
 @dataclass(slots=True)
 class ScarceTally(Tally):
-    """``perf/placement``'s tally, plus each producer's counters over the measured windows."""
+    """``perf/load/placement``'s tally, plus each producer's counters over the measured windows."""
 
     producers: dict[str, list[int]] = field(default_factory=dict)  # name -> [prefills, queried, cached]
 

@@ -1,6 +1,6 @@
 """The placement scenarios' load: users whose every request has its own body, and what they measure.
 
-Why not ``perf/load.run_round``: it sends one body to every user, which is right for measuring
+Why not ``perf/load/generator.run_round``: it sends one body to every user, which is right for measuring
 a router's cost but says nothing about placement, where what matters is *which* prefix a request
 carries. Here each user owns a body source: a multi-turn chat that extends its own history under
 one of a few long shared system prompts (``ChatUsers``, the prefix-affinity workload), or the same
@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from perf.load import (
+from perf.load.generator import (
     CHAT,
     MODEL,
     Groups,
@@ -129,7 +129,7 @@ class ChatUsers:
 
 
 class FixedBody:
-    """Every user sends the same bytes (``perf/load.Workload``'s body)."""
+    """Every user sends the same bytes (``perf/load/generator.Workload``'s body)."""
 
     def __init__(self, endpoint: str, body: bytes) -> None:
         self._endpoint = endpoint

@@ -3,7 +3,7 @@
 Why a module of its own: their frames are ``event: <type>`` events that end with their own
 terminal event rather than ``[DONE]``, and the load generator must recognise output and the end
 as cheaply as it does for completions (a byte prefix test, no parse after the first token). The
-request bodies mirror ``perf.load.Workload``'s: the same prompt and token count.
+request bodies mirror ``perf.load.generator.Workload``'s: the same prompt and token count.
 """
 
 from __future__ import annotations

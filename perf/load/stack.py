@@ -30,7 +30,7 @@ from pathlib import Path
 
 from narwhal.supervisor.process import set_parent_death_signal
 from narwhal.testing.harness import FakeFleet, RouterProcess, write_config
-from perf.load import COMPLETIONS, MODEL, Workload
+from perf.load.generator import COMPLETIONS, MODEL, Workload
 
 # The issue's reference peer: the Rust vllm-router 0.1.17 in PD mode (``--peer vllm-router``).
 VLLM_ROUTER = (
@@ -300,7 +300,7 @@ class Stack:
             return None
 
     def floor(self, name: str = "aiohttp-floor") -> Target | None:
-        """The aiohttp floor (``perf/floor_proxy.py``) under gunicorn with Narwhal's worker
+        """The aiohttp floor (``perf/load/floor_proxy.py``) under gunicorn with Narwhal's worker
         count, started once; a failure is remembered and the run goes on without it."""
         if name in self.targets:
             return self.targets[name]
@@ -310,7 +310,7 @@ class Stack:
         template = (
             "env FLOOR_PRODUCER={producer_url} FLOOR_CONSUMER={consumer_url} "
             f"{shlex.quote(sys.executable)} -m gunicorn -c /dev/null --chdir {shlex.quote(str(root))} "
-            f"-w {self.workers} -k aiohttp.GunicornUVLoopWebWorker -b 127.0.0.1:{{port}} perf.floor_proxy:app"
+            f"-w {self.workers} -k aiohttp.GunicornUVLoopWebWorker -b 127.0.0.1:{{port}} perf.load.floor_proxy:app"
         )
         try:
             return self._launch(template, name)

@@ -17,9 +17,9 @@ from typing import Any
 
 import aiohttp
 
-from perf import procs
-from perf.load import COMPLETIONS, HEADERS, Workload, new_session, percentile, run_round
-from perf.stack import Target
+from perf.load import procs
+from perf.load.generator import COMPLETIONS, HEADERS, Workload, new_session, percentile, run_round
+from perf.load.stack import Target
 
 BATCH = 100  # connects per batch while opening streams: no SYN storm on the listen backlog
 BATCH_PAUSE_S = 0.05

@@ -6,7 +6,7 @@ checks, placement, reservations, shared state, breakers, timeouts beyond the cli
 metrics or error shapes. What it adds over ``direct-pd`` is what the framework costs; what
 Narwhal adds over it is what Narwhal's features cost. Not a router: any failure is a 500.
 
-Run by the suite as ``gunicorn -c /dev/null perf.floor_proxy:app`` with the engines' URLs
+Run by the suite as ``gunicorn -c /dev/null perf.load.floor_proxy:app`` with the engines' URLs
 in ``FLOOR_PRODUCER`` / ``FLOOR_CONSUMER`` (``-c /dev/null``: not Narwhal's gunicorn.conf.py).
 """
 

@@ -4,7 +4,7 @@ Why their own processes: placement is judged on what the engines model (prefix c
 cost, batch limit, background load; SPEC §9), which the router-cost scenarios must not have on,
 and on router settings that differ per variant (affinity on/off, engine-reported load on/off,
 local decode on/off). So every scenario starts its fleets with the models it needs and one
-router per variant, runs the variants in rotating order every round (as ``perf/scenarios`` does),
+router per variant, runs the variants in rotating order every round (as ``perf/load/scenarios`` does),
 and stops them all before the next scenario.
 
 Between rounds the producers' prefix caches are emptied (the model is switched off and on
@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from narwhal.testing.harness import FakeFleet, RouterProcess, write_config
-from perf.chat_load import AccessLog, ChatUsers, FixedBody, run_users, system_prompts
-from perf.load import COMPLETIONS, RoundResult, Workload, percentile
+from perf.load.chat import AccessLog, ChatUsers, FixedBody, run_users, system_prompts
+from perf.load.generator import COMPLETIONS, RoundResult, Workload, percentile
+from perf.load.scenarios import Scenario
+from perf.load.stack import Peer, Target, router_sections
 from perf.report.summary import summarize
-from perf.scenarios import Scenario
-from perf.stack import Peer, Target, router_sections
 
 SHORT = Workload(COMPLETIONS, stream=True, tokens=16)
 

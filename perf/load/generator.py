@@ -27,7 +27,7 @@ import aiohttp
 import orjson
 
 from narwhal.engines.connector import PREFILL_KV_PARAMS
-from perf import pd_endpoints, procs
+from perf.load import pd_endpoints, procs
 
 MODEL = "fake-model"
 COMPLETIONS = "/v1/completions"
