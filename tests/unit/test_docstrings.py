@@ -21,15 +21,12 @@ PACKAGE = ROOT / "narwhal"
 NOT_YET = {
     "narwhal/fleet/placement/held.py",
     "narwhal/fleet/placement/pair.py",
-    "narwhal/request/accesslog.py",
     "narwhal/request/admission.py",
     "narwhal/request/client_stream.py",
-    "narwhal/request/ids.py",
     "narwhal/request/outcomes.py",
     "narwhal/request/passthrough.py",
     "narwhal/request/router.py",
     "narwhal/request/slot_wait.py",
-    "narwhal/request/usage.py",
     "narwhal/shm/holdings.py",
     "narwhal/supervisor/holdings.py",
 }
