@@ -23,10 +23,7 @@ NOT_YET = {
     "narwhal/fleet/placement/pair.py",
     "narwhal/request/admission.py",
     "narwhal/request/client_stream.py",
-    "narwhal/request/outcomes.py",
-    "narwhal/request/passthrough.py",
     "narwhal/request/router.py",
-    "narwhal/request/slot_wait.py",
     "narwhal/shm/holdings.py",
     "narwhal/supervisor/holdings.py",
 }
