@@ -21,7 +21,6 @@ PACKAGE = ROOT / "narwhal"
 NOT_YET = {
     "narwhal/fleet/placement/held.py",
     "narwhal/fleet/placement/pair.py",
-    "narwhal/request/router.py",
     "narwhal/shm/holdings.py",
     "narwhal/supervisor/holdings.py",
 }
