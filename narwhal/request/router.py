@@ -53,7 +53,7 @@ class WorkerState(Protocol):
     """The request-level part of the fleet state (local or shared memory)."""
 
     def request_started(self) -> None:
-        """One more request in flight: the retry budget's base. Once per placed request."""
+        """One more request in flight: the retry budget's base. Once per admitted request that runs attempts."""
 
     def request_finished(self) -> None:
         """Pairs with :meth:`request_started`, once per request however it ends."""

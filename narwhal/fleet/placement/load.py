@@ -33,15 +33,19 @@ class LoadReading(Protocol):
     @property
     def read_at(self) -> float:
         """``time.monotonic()`` when read: older than ``load_stale_s`` means no reading."""
+
     @property
     def running(self) -> float:
         """Requests the engine said it was running, this host's legs included."""
+
     @property
     def waiting(self) -> float:
         """Requests the engine said were queued, this host's legs included."""
+
     @property
     def kv_usage(self) -> float | None:
         """KV cache fraction in use (None if not reported): at ``kv_saturated`` or above, saturated."""
+
     @property
     def ours(self) -> float:
         """This host's in-flight legs on the engine when the reading came: subtracted, counted exactly."""
@@ -52,8 +56,9 @@ class LoadSource(Protocol):
 
     def load_version(self) -> int:
         """The supervisor's publish round: unchanged means the readings are too. One word; cheap."""
+
     def load_readings(self) -> Sequence[LoadReading | None]:
-        """Every engine's last reading by index (None: never read); costly, so read on a new round only."""
+        """Every engine's last reading by index (None: never read); a record each, so read on a new round only."""
 
 
 @dataclass(frozen=True, slots=True)

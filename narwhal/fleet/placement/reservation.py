@@ -30,14 +30,19 @@ class InflightCounts(Protocol):
 
     def totals(self, phase: PhaseName) -> list[int]:
         """Legs in ``phase`` per engine index, to rank candidates by."""
+
     def both_totals(self) -> tuple[list[int], list[int]]:
         """(prefill, decode) per engine index in one read, for a choice that weighs both."""
+
     def count(self, engine: Engine, phase: PhaseName) -> int:
         """Legs in ``phase`` on ``engine`` now."""
+
     def try_reserve(self, engine: Engine, phase: PhaseName, cap: int | None) -> bool:
         """Take a slot unless ``engine`` already has ``cap`` (None: no cap); True if taken."""
+
     def release(self, engine: Engine, phase: PhaseName) -> None:
         """Give back one slot taken by :meth:`try_reserve`; exactly once per slot."""
+
     def unsent_decode(self, engine: Engine, delta: int) -> None:
         """Count ``delta`` reserved decodes not yet sent, which the consumer's report cannot include."""
 
