@@ -25,6 +25,8 @@ import orjson
 
 @dataclass(slots=True)
 class AccessRecord:
+    """What one request's access-log line says, filled in as it goes; written once, when it ends."""
+
     request_id: str
     endpoint: str
     model: str | None = None
@@ -51,6 +53,7 @@ class AccessRecord:
     trace_id: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
+        """The line's JSON fields in their documented order (SPEC §8), stamped with the wall clock now."""
         return {
             "ts": round(time.time(), 6),
             "request_id": self.request_id,
@@ -85,6 +88,8 @@ PIPE_BUF = select.PIPE_BUF  # the largest write a pipe keeps whole (4096 on Linu
 
 
 class AccessLog:
+    """A worker's buffered access-log writer: ``""`` logs nothing, ``"-"`` is stderr, else a file."""
+
     def __init__(self, target: str) -> None:
         self._fd: int | None
         self._owned = False
@@ -100,6 +105,7 @@ class AccessLog:
             self._owned = True
 
     def write(self, record: AccessRecord) -> None:
+        """Queue the line, written within ``FLUSH_S`` (at once past ``PIPE_BUF`` or with no loop); once a request."""
         if self._fd is None:
             return
         line = orjson.dumps(record.as_dict()) + b"\n"
@@ -114,6 +120,7 @@ class AccessLog:
                 self.flush()
 
     def flush(self) -> None:
+        """Write every queued line now, whole lines per ``PIPE_BUF`` write; a write error is dropped."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -138,6 +145,7 @@ class AccessLog:
             pass  # a full disk must not fail requests that were already answered
 
     def close(self) -> None:
+        """Flush, then close a file this log opened (never stderr); later writes are dropped."""
         self.flush()
         if self._owned and self._fd is not None:
             os.close(self._fd)

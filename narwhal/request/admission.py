@@ -47,6 +47,8 @@ _TRACESTATE_MEMBER_MAX = 256 + 1 + 256
 
 @dataclass(slots=True)
 class ClientRequest:
+    """A request past admission: what every attempt needs, checked once; the placement hints come after."""
+
     endpoint: Endpoint  # resolved by the route: nothing looks it up again
     body: dict[str, Any]
     model: str
@@ -104,6 +106,7 @@ def trace_context(request: web.Request) -> dict[str, str]:
 
 
 async def read_body(request: web.Request, settings: Settings) -> bytes:
+    """The raw body, read once: JSON, at most ``max_body_bytes``, within ``body_read_timeout_s``; else a 4xx."""
     ctype = request.headers.get("Content-Type")
     if ctype is not None:
         mime = ctype.split(";", 1)[0].strip().lower()
@@ -184,6 +187,7 @@ def embed_prompt(body: dict[str, Any], fields: tuple[str, ...]) -> None:
 
 
 def request_deadline(request: web.Request, settings: Settings, arrival: float) -> float:
+    """When the request must end (loop time): ``deadline_s`` after arrival; the client's header only shortens it."""
     budget = settings.request.deadline_s
     raw = request.headers.get(DEADLINE_HEADER)
     if raw is not None:
@@ -235,6 +239,7 @@ def parse(raw: bytes, endpoint: Endpoint, fleet: Fleet) -> tuple[dict[str, Any],
 async def admit(
     request: web.Request, endpoint: Endpoint, settings: Settings, fleet: Fleet, arrival: float
 ) -> ClientRequest:
+    """Key, deadline and body checked once, before anything is placed; a ``RequestError`` (4xx) if not."""
     check_api_key(request, settings.server.api_keys, x_api_key=endpoint.x_api_key)
     deadline = request_deadline(request, settings, arrival)
     raw = await read_body(request, settings)

@@ -74,6 +74,8 @@ class ClientSink:
 
 
 class ClientStream:
+    """The client's side of one request: committed once (a 200 or a whole answer), every write bounded."""
+
     __slots__ = (
         "request", "request_id", "response", "committed", "sink", "stream", "_writes", "_write_timeout_s", "dialect",
     )
@@ -126,6 +128,7 @@ class ClientStream:
     # -- writing a committed stream ---------------------------------------------------------
 
     async def write(self, data: bytes, *, eof: bool = False) -> None:
+        """Write to the committed response (``eof``: and end it); a client not reading in time is cut off."""
         stream = self.response
         assert stream is not None
         if self._cannot_wait(len(data)):
@@ -153,6 +156,7 @@ class ClientStream:
         await self.stream.write_eof()
 
     def close(self) -> None:
+        """Drop the write timer: once per request, in the router's ``finally``; idempotent."""
         if self._writes is not None:
             self._writes.close()
             self._writes = None

@@ -72,6 +72,7 @@ def printable_ascii(value: str) -> bool:
 
 
 def client_request_id(request: web.Request) -> str:
+    """The request's id: the client's ``x-request-id`` if safe to echo and log, else a new one."""
     given = request.headers.get("x-request-id")
     if given and len(given) <= _MAX_REQUEST_ID and printable_ascii(given):
         return given

@@ -29,9 +29,11 @@ class Reporter(Protocol):
     def report(
         self, producer: Engine, consumer: Engine, *, error: EngineError | None = None,
         failed: Engine | None = None, before_first_token: bool = False, local: bool = False,
-    ) -> None: ...
+    ) -> None:
+        """Hand one attempt's outcome to the supervisor, which keeps the streaks (SPEC §6); never awaits."""
 
-    def quarantine(self, engine: Engine, seconds: float) -> None: ...
+    def quarantine(self, engine: Engine, seconds: float) -> None:
+        """Keep ``engine`` out of placement for ``seconds`` now, not waiting for the supervisor (SPEC §5)."""
 
 
 class PrefillSink(Protocol):
@@ -40,10 +42,13 @@ class PrefillSink(Protocol):
     def report_prefill(
         self, producer: int, engine_id: str | None, prompt_chars: int, prompt_tokens: int | None,
         cached_tokens: int | None, duration_s: float, keys: list[int], queued_chars: int = 0, at: float = 0.0,
-    ) -> None: ...
+    ) -> None:
+        """Record one completed prefill (what it cached, how long it took) for the holdings; never awaits."""
 
 
 class Outcomes:
+    """Turns each attempt's end into reports, failure counters and quarantines: breakers' one source."""
+
     def __init__(
         self, fleet: Fleet, reporter: Reporter, quarantine_s: float, prefills: PrefillSink | None = None
     ) -> None:
@@ -74,6 +79,7 @@ class Outcomes:
     def failure(
         self, producer: Engine, consumer: Engine, error: EngineError, *, before_first_token: bool, local: bool = False
     ) -> None:
+        """Report a failed attempt; quarantine the engine at once if the error counts and blame is clear."""
         failed = self.fleet.by_name.get(error.engine)
         if error.counts:
             metrics.ENGINE_FAILURES.labels(error.engine, error.phase, error.reason).inc()

@@ -54,6 +54,8 @@ def parse_body(raw: bytes, fleet: Fleet) -> tuple[dict[str, Any], str]:
 
 
 class Passthrough:
+    """The passthrough routes' handler: one engine per request, no retries; the router owns the rest."""
+
     def __init__(
         self, settings: Settings, fleet: Fleet, placement: WaitingPlacement, client: EngineClient, outcomes: Outcomes
     ) -> None:

@@ -52,10 +52,17 @@ log = logging.getLogger("narwhal.request.router")
 class WorkerState(Protocol):
     """The request-level part of the fleet state (local or shared memory)."""
 
-    def request_started(self) -> None: ...
-    def request_finished(self) -> None: ...
-    def try_start_retry(self, ratio: float, minimum: int) -> bool: ...
-    def retry_finished(self) -> None: ...
+    def request_started(self) -> None:
+        """One more request in flight: the retry budget's base. Once per admitted request that runs attempts."""
+
+    def request_finished(self) -> None:
+        """Pairs with :meth:`request_started`, once per request however it ends."""
+
+    def try_start_retry(self, ratio: float, minimum: int) -> bool:
+        """Mark a request retrying if the fleet-wide budget allows; at most once per request."""
+
+    def retry_finished(self) -> None:
+        """Pairs with a :meth:`try_start_retry` that returned True, once, when the request ends."""
 
 
 def error_response(exc: NarwhalError, request_id: str, dialect: dialects.Dialect | None = None) -> web.Response:
@@ -103,6 +110,7 @@ class Router:
         self._drain_timer: asyncio.Future[None] | None = None
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        """Serve one client request on ``endpoint``; whatever way it ends, writes one access-log line."""
         # Deadlines are in loop time (timers); measurements use perf_counter, because
         # uvloop's clock moves in whole milliseconds and ttft_s is often below one.
         loop = asyncio.get_running_loop()
@@ -223,6 +231,7 @@ class Router:
         task.add_done_callback(self._background.discard)
 
     async def drain_background(self, timeout: float) -> None:
+        """At shutdown, once requests are done: wait up to ``timeout`` for spawned follow-up tasks."""
         if self._drain_timer is not None:
             self._drain_timer.cancel()  # every request is done: nothing left to end
         if self._background:

@@ -41,6 +41,7 @@ class Queue:
         self.waiting = 0
 
     def refuse_if_full(self, max_queue: int, retry_after_s: int) -> None:
+        """Raise ``no_engine`` if ``max_queue`` already wait here: checked before :meth:`wait_for`."""
         if self.waiting >= max_queue:
             raise PlacementError("no engine available: the wait queue is full", retry_after_s=retry_after_s)
 

@@ -36,6 +36,7 @@ def completion_tokens(data: bytes | None) -> int | None:
 
 
 def wants_usage(body: dict[str, object]) -> bool:
+    """The client asked for usage in its stream, so a :class:`UsageTap` is worth its byte searches."""
     options = body.get("stream_options")
     return isinstance(options, dict) and options.get("include_usage") is True
 
@@ -51,6 +52,7 @@ class UsageTap:
         self.tokens: int | None = None
 
     def see(self, span: bytes) -> None:
+        """Note a span the caller wrote itself; call in the order sent, so the last count wins."""
         found = completion_tokens(span)
         if found is not None:
             self.tokens = found

@@ -31,22 +31,34 @@ class LoadReading(Protocol):
     """What the supervisor published for one engine (``narwhal.shm.records.LoadRecord``)."""
 
     @property
-    def read_at(self) -> float: ...
+    def read_at(self) -> float:
+        """``time.monotonic()`` when read: older than ``load_stale_s`` means no reading."""
+
     @property
-    def running(self) -> float: ...
+    def running(self) -> float:
+        """Requests the engine said it was running, this host's legs included."""
+
     @property
-    def waiting(self) -> float: ...
+    def waiting(self) -> float:
+        """Requests the engine said were queued, this host's legs included."""
+
     @property
-    def kv_usage(self) -> float | None: ...
+    def kv_usage(self) -> float | None:
+        """KV cache fraction in use (None if not reported): at ``kv_saturated`` or above, saturated."""
+
     @property
-    def ours(self) -> float: ...
+    def ours(self) -> float:
+        """This host's in-flight legs on the engine when the reading came: subtracted, counted exactly."""
 
 
 class LoadSource(Protocol):
     """Where readings come from: shared memory in a worker."""
 
-    def load_version(self) -> int: ...
-    def load_readings(self) -> Sequence[LoadReading | None]: ...
+    def load_version(self) -> int:
+        """The supervisor's publish round: unchanged means the readings are too. One word; cheap."""
+
+    def load_readings(self) -> Sequence[LoadReading | None]:
+        """Every engine's last reading by index (None: never read); a record each, so read on a new round only."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +102,7 @@ class LoadCache:
         self._loads: Loads | None = None
 
     def current(self) -> Loads:
+        """The loads to place by now; recomputed only on a new round or a reading going stale."""
         now = self._clock()
         version = self._source.load_version()
         if self._loads is None or version != self._version or now > self._until:

@@ -26,12 +26,25 @@ PhaseName = Literal["prefill", "decode"]
 
 
 class InflightCounts(Protocol):
-    def totals(self, phase: PhaseName) -> list[int]: ...
-    def both_totals(self) -> tuple[list[int], list[int]]: ...  # (prefill, decode), one read
-    def count(self, engine: Engine, phase: PhaseName) -> int: ...
-    def try_reserve(self, engine: Engine, phase: PhaseName, cap: int | None) -> bool: ...
-    def release(self, engine: Engine, phase: PhaseName) -> None: ...
-    def unsent_decode(self, engine: Engine, delta: int) -> None: ...  # reserved decodes not sent yet
+    """The in-flight legs per engine and phase placement counts by: shared memory or local."""
+
+    def totals(self, phase: PhaseName) -> list[int]:
+        """Legs in ``phase`` per engine index, to rank candidates by."""
+
+    def both_totals(self) -> tuple[list[int], list[int]]:
+        """(prefill, decode) per engine index in one read, for a choice that weighs both."""
+
+    def count(self, engine: Engine, phase: PhaseName) -> int:
+        """Legs in ``phase`` on ``engine`` now."""
+
+    def try_reserve(self, engine: Engine, phase: PhaseName, cap: int | None) -> bool:
+        """Take a slot unless ``engine`` already has ``cap`` (None: no cap); True if taken."""
+
+    def release(self, engine: Engine, phase: PhaseName) -> None:
+        """Give back one slot taken by :meth:`try_reserve`; exactly once per slot."""
+
+    def unsent_decode(self, engine: Engine, delta: int) -> None:
+        """Count ``delta`` reserved decodes not yet sent, which the consumer's report cannot include."""
 
 
 class LocalInflight:
@@ -42,15 +55,19 @@ class LocalInflight:
         self.unsent = [0] * size  # no load reader here: kept for what a test wants to see
 
     def totals(self, phase: PhaseName) -> list[int]:
+        """Legs in ``phase`` per engine index: the live list, not a copy."""
         return self._counts[phase]
 
     def both_totals(self) -> tuple[list[int], list[int]]:
+        """(prefill, decode) per engine index: the live lists."""
         return self._counts["prefill"], self._counts["decode"]
 
     def count(self, engine: Engine, phase: PhaseName) -> int:
+        """Legs in ``phase`` on ``engine`` now."""
         return self._counts[phase][engine.index]
 
     def try_reserve(self, engine: Engine, phase: PhaseName, cap: int | None) -> bool:
+        """Take a slot unless ``cap`` is reached; check and take are atomic (one thread, no await)."""
         counts = self._counts[phase]
         if cap is not None and counts[engine.index] >= cap:
             return False
@@ -58,9 +75,11 @@ class LocalInflight:
         return True
 
     def release(self, engine: Engine, phase: PhaseName) -> None:
+        """Give back one slot; not idempotent (:class:`Reservation` makes it so)."""
         self._counts[phase][engine.index] -= 1
 
     def unsent_decode(self, engine: Engine, delta: int) -> None:
+        """Kept only for tests to see: there is no load reader in this process."""
         self.unsent[engine.index] += delta
 
 
@@ -110,6 +129,7 @@ class Reservation:
             self._placement.inflight.unsent_decode(self.consumer, -1)
 
     def release_prefill(self) -> None:
+        """Give back the prefill slot and the queued work it counted on the producer; idempotent."""
         if self._prefill_held:
             self._prefill_held = False
             if self.work:
@@ -118,11 +138,13 @@ class Reservation:
             self._placement._release(self.producer, "prefill")
 
     def release_decode(self) -> None:
+        """Give back the decode slot (clearing its unsent count) when the decode ends; idempotent."""
         if self._decode_held:
             self._decode_held = False
             self.decode_sent()  # never sent, or sent: either way no longer unsent
             self._placement._release(self.consumer, "decode")
 
     def release(self) -> None:
+        """Give back whatever is still held, for ``finally``; idempotent."""
         self.release_prefill()
         self.release_decode()
