@@ -209,7 +209,7 @@ def _config_file(root: str | None, env: dict[str, str]) -> str:
         return CONFIG_FILE
     # `python -m` puts the working directory first on sys.path: run from there.
     # Where that tree keeps its gunicorn configuration: narwhal/master/ since the packages by
-    # process, narwhal/worker/ since the layers, narwhal/ in older commits (--baseline runs them).
+    # process, its front package since the layers, narwhal/ in older commits (--baseline runs them).
     name = os.path.basename(CONFIG_FILE)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
     for where in ("master", "front"):

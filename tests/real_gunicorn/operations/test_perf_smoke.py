@@ -132,7 +132,7 @@ def test_a_router_started_from_another_root_runs_that_code(tmp_path: Path) -> No
     # What --baseline relies on: RouterProcess(root=...) serves the narwhal package found there.
     root = tmp_path / "other"
     shutil.copytree(REPO / "narwhal", root / "narwhal", ignore=shutil.ignore_patterns("__pycache__"))
-    app = root / "narwhal" / "front" / "app.py"
+    app = root / "narwhal" / "worker" / "app.py"
     source = app.read_text()
     assert '{"status": "ok", "worker": os.getpid()}' in source
     app.write_text(source.replace('{"status": "ok", "worker"', '{"status": "ok-from-other-root", "worker"'))
