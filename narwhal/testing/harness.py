@@ -208,12 +208,15 @@ def _config_file(root: str | None, env: dict[str, str]) -> str:
     if root is None:
         return CONFIG_FILE
     # `python -m` puts the working directory first on sys.path: run from there.
-    # Where that tree keeps its gunicorn configuration: narwhal/worker/ since the layers,
-    # narwhal/ in older commits (which --baseline runs too).
+    # Where that tree keeps its gunicorn configuration: narwhal/master/ since the packages by
+    # process, narwhal/front/ since the layers, narwhal/ in older commits (--baseline runs them all).
     name = os.path.basename(CONFIG_FILE)
-    front = os.path.join(root, "narwhal", "front", name)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
-    return front if os.path.exists(front) else os.path.join(root, "narwhal", name)
+    for package in ("master", "front"):
+        path = os.path.join(root, "narwhal", package, name)
+        if os.path.exists(path):
+            return path
+    return os.path.join(root, "narwhal", name)
 
 
 class RouterProcess:
