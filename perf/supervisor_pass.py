@@ -5,7 +5,8 @@ each is paid cold (the process slept 20 ms; on a shared VM its caches are someon
 then), so a pass costs several times what a tight loop of passes says. This runs the real pass
 on a real shared region (and holdings region, policy ``held``), with 2 worker slots claimed and
 N engines, nothing read from any engine (``load_interval_s = 0``, no health round due), and
-reads the process's own CPU from ``/proc/self/task/*/schedstat`` over the window. ``--baseline
+reads the process's own CPU from ``/proc/self/task/*/schedstat`` over the window, then counts the
+Python calls of a pass (steady on any host, where the CPU figure moves with the neighbours). ``--baseline
 REF[,REF…]`` runs each REF's ``narwhal/`` (exported, ``perf.baseline``) in a subprocess the same
 way, interleaved with this checkout's; figures are medians over the rounds.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import os
 import statistics
 import subprocess
@@ -26,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from perf import baseline
+
+CALL_PASSES = 200
 
 
 class _Prober:
@@ -44,8 +48,9 @@ def _cpu_ns() -> int:
     return total
 
 
-async def _passes(engines: int, seconds: float) -> float:
-    """The supervisor's passes every LOOP_S for ``seconds``: this process's CPU ms per second."""
+async def _passes(engines: int, seconds: float) -> tuple[float, float]:
+    """The supervisor's passes every LOOP_S for ``seconds``: this process's CPU ms per second; then
+    Python calls per pass (``cProfile``, back to back): a figure the host's load does not move."""
     from narwhal.engines.control import PooledReader
     from narwhal.master.gunicorn_hooks import create_holdings
     from narwhal.settings import Settings
@@ -72,10 +77,17 @@ async def _passes(engines: int, seconds: float) -> float:
     while time.monotonic() - began < seconds:
         supervisor.step(loop)
         await asyncio.sleep(LOOP_S)
-    return (_cpu_ns() - start) / 1e6 / (time.monotonic() - began)
+    cpu = (_cpu_ns() - start) / 1e6 / (time.monotonic() - began)
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(CALL_PASSES):
+        supervisor.step(loop)
+    profile.disable()
+    calls = sum(entry.callcount for entry in profile.getstats())
+    return cpu, calls / CALL_PASSES
 
 
-def _measure(root: str | None, engines: int, seconds: float) -> float:
+def _measure(root: str | None, engines: int, seconds: float) -> tuple[float, float]:
     """One window in a fresh process: this checkout's ``narwhal`` or the tree at ``root``."""
     env = dict(os.environ)
     if root is not None:
@@ -83,7 +95,8 @@ def _measure(root: str | None, engines: int, seconds: float) -> float:
     cmd = [sys.executable, "-m", "perf.supervisor_pass", "--child", str(engines), str(seconds)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=seconds + 120, check=True,
                          cwd=Path(__file__).resolve().parent.parent)
-    return float(out.stdout.split()[-1])
+    cpu, calls = out.stdout.split()[-2:]
+    return float(cpu), float(calls)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         import uvloop
 
-        print(uvloop.run(_passes(int(args.child[0]), float(args.child[1]))))
+        print(*uvloop.run(_passes(int(args.child[0]), float(args.child[1]))))
         return 0
     repo = Path(__file__).resolve().parent.parent
     targets: list[tuple[str, str | None]] = [("checkout", None)]
@@ -109,15 +122,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"perf.supervisor_pass: {exc}", file=sys.stderr)
             return 2
         targets.append((f"{ref} ({commit[:10]})", str(dest)))
-    print("| engines | target | loop CPU (ms/s), median | rounds |\n|---:|---|---:|---|")
+    print("| engines | target | loop CPU (ms/s), median | rounds | Python calls per pass |\n|---:|---|---:|---|---:|")
     for engines in [int(n) for n in args.engines.split(",") if n.strip()]:
-        figures: dict[str, list[float]] = {name: [] for name, _ in targets}
+        figures: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in targets}
         for _ in range(args.rounds):
             for name, root in targets:  # interleaved: a drift of the host hits every target alike
                 figures[name].append(_measure(root, engines, args.seconds))
         for name, values in figures.items():
-            print(f"| {engines} | {name} | {statistics.median(values):.2f} | "
-                  f"{', '.join(f'{v:.2f}' for v in values)} |", flush=True)
+            cpu = [v[0] for v in values]
+            print(f"| {engines} | {name} | {statistics.median(cpu):.2f} | {', '.join(f'{v:.2f}' for v in cpu)} "
+                  f"| {statistics.median(v[1] for v in values):.0f} |", flush=True)
     return 0
 
 
