@@ -1,12 +1,13 @@
-"""The supervisor's loop alone: its pass (``Supervisor.step``) every ``LOOP_S`` under uvloop, CPU ms/s.
+"""The supervisor's loop alone (``Supervisor.run``: a pass every ``LOOP_S``) under uvloop, CPU ms/s.
 
 Why: on an idle fleet the loop's fifty passes a second are most of the supervisor's cost, and
 each is paid cold (the process slept 20 ms; on a shared VM its caches are someone else's by
-then), so a pass costs several times what a tight loop of passes says. This runs the real pass
-on a real shared region (and holdings region, policy ``held``), with 2 worker slots claimed and
-N engines, nothing read from any engine (``load_interval_s = 0``, no health round due), and
-reads the process's own CPU from ``/proc/self/task/*/schedstat`` over the window, then counts the
-Python calls of a pass (steady on any host, where the CPU figure moves with the neighbours). ``--baseline
+then), so a pass costs several times what a tight loop of passes says. This runs the real loop
+(``Supervisor.run``, its own session and prober) on a real shared region (and holdings region,
+policy ``held``) with 2 worker slots claimed and N engines, nothing read from any engine
+(``load_interval_s = 0``, no health round due), and reads the process's own CPU from
+``/proc/self/task/*/schedstat`` over the window; then it counts the Python calls of a pass
+(``cProfile``, passes back to back), a figure the host's load does not move. ``--baseline
 REF[,REF…]`` runs each REF's ``narwhal/`` (exported, ``perf.baseline``) in a subprocess the same
 way, interleaved with this checkout's; figures are medians over the rounds.
 
@@ -56,7 +57,7 @@ async def _passes(engines: int, seconds: float) -> tuple[float, float]:
     from narwhal.settings import Settings
     from narwhal.shm.shared import SharedFleet
     from narwhal.supervisor.load import LoadReader
-    from narwhal.supervisor.main import LOOP_S, Supervisor
+    from narwhal.supervisor.main import Supervisor
 
     half = engines // 2
     specs = [{"name": f"p{i}", "url": f"http://127.0.0.1:{10000 + i}", "role": "producer"} for i in range(half)]
@@ -69,15 +70,14 @@ async def _passes(engines: int, seconds: float) -> tuple[float, float]:
     shared.claim_slot(os.getpid())
     shared.claim_slot(1)  # a second worker (pid 1 lives), as with server.workers = 2
     supervisor = Supervisor(shared, settings, holdings=create_holdings(settings, shared.layout.slots))
-    loop = supervisor.start(_Prober(), LoadReader(shared, PooledReader(settings.engine, 1.0)))  # type: ignore[arg-type]
-    for _ in range(50):  # a second's worth first: imports, first publish, caches
-        supervisor.step(loop)
-        await asyncio.sleep(LOOP_S)
+    running = asyncio.ensure_future(supervisor.run())  # the real loop, as the supervisor process runs it
+    await asyncio.sleep(1.0)  # its start first: imports, the first publish, caches
     start, began = _cpu_ns(), time.monotonic()
-    while time.monotonic() - began < seconds:
-        supervisor.step(loop)
-        await asyncio.sleep(LOOP_S)
+    await asyncio.sleep(seconds)
     cpu = (_cpu_ns() - start) / 1e6 / (time.monotonic() - began)
+    running.cancel()
+    await asyncio.gather(running, return_exceptions=True)
+    loop = supervisor.start(_Prober(), LoadReader(shared, PooledReader(settings.engine, 1.0)))  # type: ignore[arg-type]
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(CALL_PASSES):
@@ -89,12 +89,12 @@ async def _passes(engines: int, seconds: float) -> tuple[float, float]:
 
 def _measure(root: str | None, engines: int, seconds: float) -> tuple[float, float]:
     """One window in a fresh process: this checkout's ``narwhal`` or the tree at ``root``."""
-    env = dict(os.environ)
-    if root is not None:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
+    env, repo = dict(os.environ), Path(__file__).resolve().parent.parent
+    if root is not None:  # `python -m` puts its working directory first on sys.path: run from root
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, str(repo), env.get("PYTHONPATH"))))
     cmd = [sys.executable, "-m", "perf.supervisor_pass", "--child", str(engines), str(seconds)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=seconds + 120, check=True,
-                         cwd=Path(__file__).resolve().parent.parent)
+                         cwd=root or repo)
     cpu, calls = out.stdout.split()[-2:]
     return float(cpu), float(calls)
 
