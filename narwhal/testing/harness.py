@@ -208,13 +208,15 @@ def _config_file(root: str | None, env: dict[str, str]) -> str:
     if root is None:
         return CONFIG_FILE
     # `python -m` puts the working directory first on sys.path: run from there.
-    # Where that tree keeps its gunicorn configuration: narwhal/master/ since the packages by
-    # process, its front package since the layers, narwhal/ in older commits (--baseline runs them).
+    # Where that tree keeps its gunicorn configuration: the master package since the packages by
+    # process, the front package since the layers, narwhal itself in older commits (--baseline
+    # runs them all).
     name = os.path.basename(CONFIG_FILE)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
-    for where in ("master", "front"):
-        if os.path.exists(found := os.path.join(root, "narwhal", where, name)):
-            return found
+    for package in ("master", "front"):
+        path = os.path.join(root, "narwhal", package, name)
+        if os.path.exists(path):
+            return path
     return os.path.join(root, "narwhal", name)
 
 

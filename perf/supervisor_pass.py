@@ -1,0 +1,139 @@
+"""The supervisor's loop alone (``Supervisor.run``: a pass every ``LOOP_S``) under uvloop, CPU ms/s.
+
+Why: on an idle fleet the loop's fifty passes a second are most of the supervisor's cost, and
+each is paid cold (the process slept 20 ms; on a shared VM its caches are someone else's by
+then), so a pass costs several times what a tight loop of passes says. This runs the real loop
+(``Supervisor.run``, its own session and prober) on a real shared region (and holdings region,
+policy ``held``) with 2 worker slots claimed and N engines, nothing read from any engine
+(``load_interval_s = 0``, no health round due), and reads the process's own CPU from
+``/proc/self/task/*/schedstat`` over the window; then it counts the Python calls of a pass
+(``cProfile``, passes back to back), a figure the host's load does not move. ``--baseline
+REF[,REF…]`` runs each REF's ``narwhal/`` (exported, ``perf.baseline``) in a subprocess the same
+way, interleaved with this checkout's; figures are medians over the rounds.
+
+Usage: ``python -m perf.supervisor_pass [--engines 4,32] [--seconds 6] [--rounds 3] [--baseline REF]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from perf import baseline
+
+CALL_PASSES = 200
+
+
+class _Prober:
+    async def probe(self, *args: Any) -> tuple[str, str]:
+        return "pass", ""
+
+    async def health_failure(self, engine: Any) -> str | None:
+        return None
+
+
+def _cpu_ns() -> int:
+    total = 0
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/schedstat") as f:
+            total += int(f.read().split()[0])
+    return total
+
+
+async def _passes(engines: int, seconds: float) -> tuple[float, float]:
+    """The supervisor's passes every LOOP_S for ``seconds``: this process's CPU ms per second; then
+    Python calls per pass (``cProfile``, back to back): a figure the host's load does not move."""
+    from narwhal.engines.control import PooledReader
+    from narwhal.master.gunicorn_hooks import create_holdings
+    from narwhal.settings import Settings
+    from narwhal.shm.shared import SharedFleet
+    from narwhal.supervisor.load import LoadReader
+    from narwhal.supervisor.main import Supervisor
+
+    half = engines // 2
+    specs = [{"name": f"p{i}", "url": f"http://127.0.0.1:{10000 + i}", "role": "producer"} for i in range(half)]
+    specs += [{"name": f"d{i}", "url": f"http://127.0.0.1:{20000 + i}", "role": "consumer"}
+              for i in range(engines - half)]
+    settings = Settings.model_validate({"engines": specs, "placement": {"load_interval_s": 0},
+                                        "recovery": {"health_interval_s": 3600}, "server": {"max_engines": 64}})
+    shared = SharedFleet.create(engines=64, slots=512)
+    shared.assign_engines([(e.name, e.url) for e in settings.engines])
+    shared.claim_slot(os.getpid())
+    shared.claim_slot(1)  # a second worker (pid 1 lives), as with server.workers = 2
+    supervisor = Supervisor(shared, settings, holdings=create_holdings(settings, shared.layout.slots))
+    running = asyncio.ensure_future(supervisor.run())  # the real loop, as the supervisor process runs it
+    await asyncio.sleep(1.0)  # its start first: imports, the first publish, caches
+    start, began = _cpu_ns(), time.monotonic()
+    await asyncio.sleep(seconds)
+    cpu = (_cpu_ns() - start) / 1e6 / (time.monotonic() - began)
+    running.cancel()
+    await asyncio.gather(running, return_exceptions=True)
+    loop = supervisor.start(_Prober(), LoadReader(shared, PooledReader(settings.engine, 1.0)))  # type: ignore[arg-type]
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(CALL_PASSES):
+        supervisor.step(loop)
+    profile.disable()
+    calls = sum(entry.callcount for entry in profile.getstats())
+    return cpu, calls / CALL_PASSES
+
+
+def _measure(root: str | None, engines: int, seconds: float) -> tuple[float, float]:
+    """One window in a fresh process: this checkout's ``narwhal`` or the tree at ``root``."""
+    env, repo = dict(os.environ), Path(__file__).resolve().parent.parent
+    if root is not None:  # `python -m` puts its working directory first on sys.path: run from root
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, str(repo), env.get("PYTHONPATH"))))
+    cmd = [sys.executable, "-m", "perf.supervisor_pass", "--child", str(engines), str(seconds)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=seconds + 120, check=True,
+                         cwd=root or repo)
+    cpu, calls = out.stdout.split()[-2:]
+    return float(cpu), float(calls)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m perf.supervisor_pass", description=__doc__.splitlines()[0])
+    parser.add_argument("--engines", default="4,32", help="fleet sizes, comma-separated (default 4,32)")
+    parser.add_argument("--seconds", type=float, default=6.0, help="each window's length (default 6)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    parser.add_argument("--baseline", help="git commits to measure beside this checkout, comma-separated")
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        import uvloop
+
+        print(*uvloop.run(_passes(int(args.child[0]), float(args.child[1]))))
+        return 0
+    repo = Path(__file__).resolve().parent.parent
+    targets: list[tuple[str, str | None]] = [("checkout", None)]
+    for ref in [r for r in (args.baseline or "").split(",") if r]:
+        dest = Path(tempfile.mkdtemp(prefix="narwhal-sup-pass-"))
+        try:
+            commit = baseline.export(ref, repo, dest)
+        except baseline.BaselineError as exc:
+            print(f"perf.supervisor_pass: {exc}", file=sys.stderr)
+            return 2
+        targets.append((f"{ref} ({commit[:10]})", str(dest)))
+    print("| engines | target | loop CPU (ms/s), median | rounds | Python calls per pass |\n|---:|---|---:|---|---:|")
+    for engines in [int(n) for n in args.engines.split(",") if n.strip()]:
+        figures: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in targets}
+        for _ in range(args.rounds):
+            for name, root in targets:  # interleaved: a drift of the host hits every target alike
+                figures[name].append(_measure(root, engines, args.seconds))
+        for name, values in figures.items():
+            cpu = [v[0] for v in values]
+            print(f"| {engines} | {name} | {statistics.median(cpu):.2f} | {', '.join(f'{v:.2f}' for v in cpu)} "
+                  f"| {statistics.median(v[1] for v in values):.0f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
