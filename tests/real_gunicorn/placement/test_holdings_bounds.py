@@ -102,12 +102,13 @@ async def test_a_full_table_forgets_the_oldest_keys_without_an_error(
 async def test_a_slower_producer_gets_fewer_new_prefixes_once_its_rate_is_learned(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    """Two producers, one prefilling 4× slower (as an older GPU): once each has prefilled with
+    """Two producers, one prefilling 10× slower (as an older GPU; 10× so that a loaded host's round
+    trips cannot blur the rates learned from one prefill each): once each has prefilled with
     nothing queued ahead, a prefix nobody holds goes to the fast one even where rank prefers the
-    slow one (4× the estimate is beyond the slack)."""
+    slow one (10× the estimate is far beyond the slack)."""
     names = ["rslow", "rfast", "rd0"]
     fleet = FakeFleet.start(names, args=["--model", MODEL, "--prefix-cache", "--prefill-us-per-token", "10",
-                                         "--prefill-us-per-token", "rslow=40"])
+                                         "--prefill-us-per-token", "rslow=100"])
     engines = [{"name": "rslow", "role": "producer"}, {"name": "rfast", "role": "producer"},
                {"name": "rd0", "role": "consumer"}]
     proc = start_router(fleet, engines, tmp_path_factory.mktemp("slow"), server={"workers": 1, "admin_token": TOKEN},
