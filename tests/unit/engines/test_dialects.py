@@ -3,6 +3,9 @@ events, terminal detection, in-stream errors and their statuses, the bodies and 
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
+
 import orjson
 import pytest
 
@@ -15,52 +18,18 @@ RESP = endpoints.RESPONSES.dialect
 GEN = endpoints.GENERATE.dialect
 CHAT = endpoints.CHAT.dialect
 
-# vLLM's Anthropic converter (vllm/entrypoints/anthropic/serving.py), exclude_unset dumps.
-M_START = (b'event: message_start\ndata: {"type":"message_start","message":{"id":"chatcmpl-r1","content":[],'
-           b'"model":"m","stop_reason":null,"stop_sequence":null,"usage":{"input_tokens":9,"output_tokens":0}}}')
-M_BLOCK = (b'event: content_block_start\ndata: {"type":"content_block_start","content_block":{"type":"text",'
-           b'"text":""},"index":0}')
-M_TEXT = (b'event: content_block_delta\ndata: {"type":"content_block_delta","delta":{"type":"text_delta",'
-          b'"text":"Hi"},"index":0}')
-M_THINK = (b'event: content_block_delta\ndata: {"type":"content_block_delta","delta":{"type":"thinking_delta",'
-           b'"thinking":"hm"},"index":0}')
-M_SIG = (b'event: content_block_delta\ndata: {"type":"content_block_delta","delta":{"type":"signature_delta",'
-         b'"signature":"ab"},"index":0}')
-M_TOOL = (b'event: content_block_start\ndata: {"type":"content_block_start","content_block":{"type":"tool_use",'
-          b'"id":"call_1","name":"get","input":{}},"index":1}')
-M_JSON = (b'event: content_block_delta\ndata: {"type":"content_block_delta","delta":{"type":"input_json_delta",'
-          b'"partial_json":"{\\"a\\""},"index":1}')
-M_STOP_BLOCK = b'event: content_block_stop\ndata: {"type":"content_block_stop","index":0}'
-M_DELTA = (b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"end_turn"},'
-           b'"usage":{"input_tokens":9,"output_tokens":1}}')
-M_END = b'event: message_stop\ndata: {"type":"message_stop"}'
-M_ERROR = (b'event: error\ndata: {"type":"error","error":{"type":"internal_error",'
-           b'"message":"Invalid data format received"}}')
 
-# vLLM's Responses stream (vllm/entrypoints/openai/responses).
-R_CREATED = (b'event: response.created\ndata: {"type":"response.created","sequence_number":0,"response":{"id":"r1",'
-             b'"status":"in_progress","output":[],"kv_transfer_params":null,"error":null}}')
-R_ITEM = (b'event: response.output_item.added\ndata: {"type":"response.output_item.added","sequence_number":2,'
-          b'"output_index":0,"item":{"id":"msg_1","type":"message","role":"assistant","content":[],"status":"in_progress"}}')
-R_TEXT = (b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","sequence_number":4,'
-          b'"item_id":"msg_1","output_index":0,"content_index":0,"delta":"Hi","logprobs":[]}')
-R_CALL = (b'event: response.output_item.added\ndata: {"type":"response.output_item.added","sequence_number":2,'
-          b'"output_index":0,"item":{"type":"function_call","call_id":"c1","name":"f","arguments":"{}"}}')
-R_DONE_ITEM = (b'event: response.output_item.done\ndata: {"type":"response.output_item.done","sequence_number":5,'
-               b'"output_index":0,"item":{"id":"msg_1","type":"message","content":[],"status":"completed"}}')
-R_END = (b'event: response.completed\ndata: {"type":"response.completed","sequence_number":6,"response":{"id":"r1",'
-         b'"status":"completed","error":null,"kv_transfer_params":null}}')
-R_INCOMPLETE = b'event: response.incomplete\ndata: {"type":"response.incomplete","sequence_number":6,"response":{}}'
-R_ERROR = b'event: error\ndata: {"type":"error","code":503,"message":"busy","param":null,"sequence_number":3}'
-R_FAILED = (b'event: response.failed\ndata: {"type":"response.failed","sequence_number":3,'
-            b'"response":{"status":"failed","error":{"code":"server_error","message":"boom"}}}')
+def recorded_events(path: Path) -> SimpleNamespace:
+    """The entries of a recording: ``== NAME`` opens one, its lines up to the next are the event."""
+    events: dict[str, bytes] = {}
+    for entry in path.read_text().split("\n== ")[1:]:
+        name, _, text = entry.partition("\n")
+        events[name] = text.strip("\n").encode()
+    return SimpleNamespace(**events)
 
-# vLLM's tokens-in route (vllm/entrypoints/serve/disagg/serving.py).
-G_TOKEN = (b'data: {"request_id":"generate-tokens-r1","choices":[{"index":0,"logprobs":null,'
-           b'"finish_reason":null,"token_ids":[42]}]}')
-G_EMPTY = (b'data: {"request_id":"generate-tokens-r1","choices":[{"index":0,"logprobs":null,'
-           b'"finish_reason":null,"token_ids":[]}]}')
-G_LAST = b'data: {"request_id":"g","choices":[{"index":0,"logprobs":null,"finish_reason":"length","token_ids":[7]}]}'
+
+# Event text as real vLLM engines send it (sources named in the recording).
+E = recorded_events(Path(__file__).with_name("vllm_events.txt"))
 
 
 def ev(*events: bytes) -> bytes:
@@ -68,9 +37,9 @@ def ev(*events: bytes) -> bytes:
 
 
 @pytest.mark.parametrize(("event", "kind"), [
-    (M_START, Kind.METADATA), (M_BLOCK, Kind.METADATA), (M_TEXT, Kind.TOKEN), (M_THINK, Kind.TOKEN),
-    (M_SIG, Kind.METADATA), (M_TOOL, Kind.TOKEN), (M_JSON, Kind.TOKEN), (M_STOP_BLOCK, Kind.METADATA),
-    (M_DELTA, Kind.TOKEN), (M_END, Kind.DONE), (b"data: [DONE]", Kind.METADATA), (b": comment", Kind.METADATA),
+    (E.M_START, Kind.METADATA), (E.M_BLOCK, Kind.METADATA), (E.M_TEXT, Kind.TOKEN), (E.M_THINK, Kind.TOKEN),
+    (E.M_SIG, Kind.METADATA), (E.M_TOOL, Kind.TOKEN), (E.M_JSON, Kind.TOKEN), (E.M_STOP_BLOCK, Kind.METADATA),
+    (E.M_DELTA, Kind.TOKEN), (E.M_END, Kind.DONE), (b"data: [DONE]", Kind.METADATA), (b": comment", Kind.METADATA),
 ])
 def test_messages_events_are_classified(event: bytes, kind: Kind) -> None:
     assert MSG.classify(event)[0] is kind
@@ -92,22 +61,22 @@ def test_messages_understand_openai_shaped_errors() -> None:
     event = (b'data: {"error": {"message": "Internal server error", "type": "InternalServerError",'
              b' "param": null, "code": 500}}')
     assert MSG.classify(event) == (Kind.ERROR, {"code": 500, "message": "Internal server error"})
-    assert MSG.classify(M_ERROR) == (Kind.ERROR, {"code": None, "message": "Invalid data format received"})
+    assert MSG.classify(E.M_ERROR) == (Kind.ERROR, {"code": None, "message": "Invalid data format received"})
 
 
 def test_messages_clean_end_cuts_the_done_vllm_sends_after_message_stop() -> None:
-    span = ev(M_TEXT, M_STOP_BLOCK, M_DELTA, M_END) + DONE_EVENT
-    assert span[: MSG.clean_end(span)] == ev(M_TEXT, M_STOP_BLOCK, M_DELTA, M_END)
-    assert MSG.clean_end(ev(M_TEXT, M_END)) == len(ev(M_TEXT, M_END))
-    assert MSG.clean_end(ev(M_TEXT, M_ERROR) + DONE_EVENT) == -1  # an error: judged event by event
-    assert MSG.clean_end(ev(M_TEXT)) == -1
-    assert MSG.may_end(ev(M_TEXT)) is False
-    assert MSG.may_end(ev(M_END)) and MSG.may_end(ev(M_ERROR))
+    span = ev(E.M_TEXT, E.M_STOP_BLOCK, E.M_DELTA, E.M_END) + DONE_EVENT
+    assert span[: MSG.clean_end(span)] == ev(E.M_TEXT, E.M_STOP_BLOCK, E.M_DELTA, E.M_END)
+    assert MSG.clean_end(ev(E.M_TEXT, E.M_END)) == len(ev(E.M_TEXT, E.M_END))
+    assert MSG.clean_end(ev(E.M_TEXT, E.M_ERROR) + DONE_EVENT) == -1  # an error: judged event by event
+    assert MSG.clean_end(ev(E.M_TEXT)) == -1
+    assert MSG.may_end(ev(E.M_TEXT)) is False
+    assert MSG.may_end(ev(E.M_END)) and MSG.may_end(ev(E.M_ERROR))
 
 
 @pytest.mark.parametrize(("event", "kind"), [
-    (R_CREATED, Kind.METADATA), (R_ITEM, Kind.METADATA), (R_TEXT, Kind.TOKEN), (R_CALL, Kind.TOKEN),
-    (R_DONE_ITEM, Kind.TOKEN), (R_END, Kind.DONE), (R_INCOMPLETE, Kind.DONE),
+    (E.R_CREATED, Kind.METADATA), (E.R_ITEM, Kind.METADATA), (E.R_TEXT, Kind.TOKEN), (E.R_CALL, Kind.TOKEN),
+    (E.R_DONE_ITEM, Kind.TOKEN), (E.R_END, Kind.DONE), (E.R_INCOMPLETE, Kind.DONE),
     (b'event: response.reasoning_text.delta\ndata: {"type":"response.reasoning_text.delta","delta":"x"}', Kind.TOKEN),
     (b'event: response.function_call_arguments.delta\ndata: {"type":"response.function_call_arguments.delta"}',
      Kind.TOKEN),
@@ -117,17 +86,17 @@ def test_responses_events_are_classified(event: bytes, kind: Kind) -> None:
 
 
 def test_responses_errors_take_their_code_or_502() -> None:
-    assert RESP.classify(R_ERROR) == (Kind.ERROR, {"code": 503, "message": "busy"})
-    assert RESP.classify(R_FAILED) == (Kind.ERROR, {"code": None, "message": "boom"})  # "server_error": 502
+    assert RESP.classify(E.R_ERROR) == (Kind.ERROR, {"code": 503, "message": "busy"})
+    assert RESP.classify(E.R_FAILED) == (Kind.ERROR, {"code": None, "message": "boom"})  # "server_error": 502
 
 
 def test_responses_clean_end_and_probe() -> None:
-    span = ev(R_TEXT, R_DONE_ITEM, R_END)
+    span = ev(E.R_TEXT, E.R_DONE_ITEM, E.R_END)
     assert RESP.clean_end(span) == len(span)
-    assert RESP.clean_end(ev(R_TEXT, R_ERROR, R_END)) == -1
-    assert RESP.clean_end(ev(R_TEXT, R_INCOMPLETE)) == -1  # the rarer terminal: judged event by event
-    assert RESP.may_end(ev(R_TEXT)) is False
-    assert all(RESP.may_end(ev(e)) for e in (R_END, R_INCOMPLETE, R_ERROR, R_FAILED))
+    assert RESP.clean_end(ev(E.R_TEXT, E.R_ERROR, E.R_END)) == -1
+    assert RESP.clean_end(ev(E.R_TEXT, E.R_INCOMPLETE)) == -1  # the rarer terminal: judged event by event
+    assert RESP.may_end(ev(E.R_TEXT)) is False
+    assert all(RESP.may_end(ev(e)) for e in (E.R_END, E.R_INCOMPLETE, E.R_ERROR, E.R_FAILED))
 
 
 def test_responses_whole_body_failed_is_an_error() -> None:
@@ -137,7 +106,7 @@ def test_responses_whole_body_failed_is_an_error() -> None:
 
 
 @pytest.mark.parametrize(("event", "kind"), [
-    (G_TOKEN, Kind.TOKEN), (G_EMPTY, Kind.METADATA), (G_LAST, Kind.TOKEN), (b"data: [DONE]", Kind.DONE),
+    (E.G_TOKEN, Kind.TOKEN), (E.G_EMPTY, Kind.METADATA), (E.G_LAST, Kind.TOKEN), (b"data: [DONE]", Kind.DONE),
     (b'data: {"error": {"message": "x", "code": 500}}', Kind.ERROR),
 ])
 def test_generate_events_are_classified(event: bytes, kind: Kind) -> None:
