@@ -27,7 +27,7 @@ from narwhal.engines.sse import DONE_EVENT, Kind, event_data
 from narwhal.errors import NarwhalError, RequestError, error_body
 from narwhal.reasons import Reason
 
-__all__ = ["Dialect", "Kind", "bad", "event_name", "is_int", "json_of", "status_of_code"]
+__all__ = ["Dialect", "Kind", "bad", "event_name", "is_int", "json_of", "status_of_code", "turns_text"]
 
 
 def bad(message: str) -> RequestError:
@@ -73,6 +73,21 @@ def content_text(content: Any, part_type: str | None = None) -> str:
         return "".join(part["text"] for part in content if isinstance(part, dict) and isinstance(part.get("text"), str)
                        and (part_type is None or part.get("type") == part_type))
     return ""
+
+
+def turns_text(head: str, turns: Any, limit: int) -> str:
+    """``head``, then each turn (an object with ``role`` and ``content``) as ``role: text``, a line
+    each, until ``limit`` characters are in hand: Messages' and Responses' affinity text."""
+    parts = [head]
+    size = len(head)
+    for turn in turns if isinstance(turns, list) else ():
+        if size >= limit:
+            break
+        if isinstance(turn, dict):
+            part = f"{turn.get('role', '')}: {content_text(turn.get('content'))}"
+            parts.append(part)
+            size += len(part)
+    return "\n".join(p for p in parts if p)
 
 
 def status_of_code(code: Any) -> int | None:

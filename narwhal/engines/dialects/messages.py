@@ -29,6 +29,7 @@ from narwhal.engines.dialects.base import (
     int_or_none,
     json_of,
     status_of_code,
+    turns_text,
 )
 from narwhal.errors import NarwhalError
 
@@ -79,16 +80,7 @@ class Messages(Dialect):
 
     def affinity_text(self, body: dict[str, Any], limit: int) -> str:
         """The system prompt, then each message as ``role: text``, until ``limit`` characters."""
-        parts = [content_text(body.get("system"))]
-        size = len(parts[0])
-        for message in body.get("messages") or ():
-            if size >= limit:
-                break
-            if isinstance(message, dict):
-                part = f"{message.get('role', '')}: {content_text(message.get('content'))}"
-                parts.append(part)
-                size += len(part)
-        return "\n".join(p for p in parts if p)
+        return turns_text(content_text(body.get("system")), body.get("messages"), limit)
 
     def prompt_usage(self, usage: Any) -> tuple[int | None, int | None]:
         """Anthropic's usage: ``input_tokens`` are the tokens *not* read from or written to the

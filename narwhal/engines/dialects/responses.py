@@ -24,12 +24,12 @@ from narwhal.engines.dialects.base import (
     Dialect,
     Kind,
     bad,
-    content_text,
     event_name,
     int_or_none,
     is_int,
     json_of,
     status_of_code,
+    turns_text,
 )
 from narwhal.errors import NarwhalError
 
@@ -80,20 +80,11 @@ class Responses(Dialect):
     def affinity_text(self, body: dict[str, Any], limit: int) -> str:
         """The instructions, then the input (text, or each item as ``role: text``) until ``limit``."""
         instructions = body.get("instructions")
-        parts = [instructions if isinstance(instructions, str) else ""]
+        head = instructions if isinstance(instructions, str) else ""
         items = body.get("input")
         if isinstance(items, str):
-            parts.append(items)
-        elif isinstance(items, list):
-            size = len(parts[0])
-            for item in items:
-                if size >= limit:
-                    break
-                if isinstance(item, dict):
-                    part = f"{item.get('role', '')}: {content_text(item.get('content'))}"
-                    parts.append(part)
-                    size += len(part)
-        return "\n".join(p for p in parts if p)
+            return "\n".join(p for p in (head, items) if p)
+        return turns_text(head, items, limit)
 
     def prompt_usage(self, usage: Any) -> tuple[int | None, int | None]:
         """``input_tokens`` and ``input_tokens_details.cached_tokens`` (vLLM's ResponseUsage)."""
