@@ -16,12 +16,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from narwhal.testing.harness import FakeFleet, RouterProcess
+from narwhal.testing.harness import FakeFleet
 from tests.real_gunicorn.support import (
     ENGINES,
     LEASE_S,
     MODEL,
-    start_router,
+    engines_named,
+    router_fixture,
     wait_until,
 )
 
@@ -33,41 +34,12 @@ def fleet() -> Iterator[FakeFleet]:
     fleet.stop()
 
 
-@pytest.fixture(scope="module")
-def router(fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
-    """p0, p1 → d0, d1: crossed decodes only."""
-    engines = [
-        {"name": "p0", "role": "producer"},
-        {"name": "p1", "role": "producer"},
-        {"name": "d0", "role": "consumer"},
-        {"name": "d1", "role": "consumer"},
-    ]
-    proc = start_router(fleet, engines, tmp_path_factory.mktemp("router"))
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
-def same_router(fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
-    """b0 alone, role both: every decode is a same-worker decode."""
-    proc = start_router(fleet, [{"name": "b0", "role": "both"}], tmp_path_factory.mktemp("same"))
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
-def solo_router(fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
-    """p2 → d2 only, no silence bound, a short handoff age: deterministic placement."""
-    engines = [{"name": "p2", "role": "producer"}, {"name": "d2", "role": "consumer"}]
-    proc = start_router(
-        fleet,
-        engines,
-        tmp_path_factory.mktemp("solo"),
-        engine={"decode_read_timeout_s": 0},
-        handoff={"max_age_s": 0.6},
-    )
-    yield proc
-    proc.stop()
+router = router_fixture(engines_named("p0", "p1", "d0", "d1"), "p0, p1 → d0, d1: crossed decodes only.")
+same_router = router_fixture(engines_named("b0"), "b0 alone, role both: every decode is a same-worker decode.")
+solo_router = router_fixture(
+    engines_named("p2", "d2"), "p2 → d2 only, no silence bound, a short handoff age: deterministic placement.",
+    engine={"decode_read_timeout_s": 0}, handoff={"max_age_s": 0.6},
+)
 
 
 @pytest.fixture(scope="module", autouse=True)

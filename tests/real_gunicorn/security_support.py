@@ -12,6 +12,7 @@ from typing import Any
 from narwhal.testing.harness import FakeFleet, RouterProcess
 from tests.real_gunicorn.support import (
     Reply,
+    access_log_of,
     error_of,
     records,
 )
@@ -48,7 +49,7 @@ class Prompts(list[str]):
 
 def _log_texts(router: RouterProcess) -> str:
     texts = []
-    for path in (router.log_path, router.access_log_path):  # type: ignore[attr-defined]
+    for path in (router.log_path, access_log_of(router)):
         with open(path, "rb") as f:
             texts.append(f.read().decode("utf-8", "replace"))
     return "\n".join(texts)

@@ -11,13 +11,14 @@ import io
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
+import pytest
 
 from narwhal.metric_tally import FLUSH_S
 from narwhal.testing.harness import FakeFleet, RouterProcess, children_of, http_get, write_config
@@ -62,10 +63,42 @@ def start_router(
     )
 
 
+def engines_named(*names: str, **extra: Any) -> list[dict[str, Any]]:
+    """Engine entries for ``names`` with the role their prefix says (``p``/``sp`` producer,
+    ``d``/``sd`` consumer, ``b`` both); ``extra`` is added to every entry."""
+    roles = {"p": "producer", "d": "consumer", "b": "both"}
+    return [{"name": n, "role": roles[n.removeprefix("s")[0]], **extra} for n in names]
+
+
+def router_fixture(engines: list[dict[str, Any]], doc: str,
+                   on_start: Callable[[RouterProcess], None] | None = None, **sections: dict[str, Any]) -> Any:
+    """A module-scoped fixture, named as the module names it (``solo = router_fixture(...)``): a
+    router over ``engines`` configured with ``sections`` (as :func:`start_router` takes them),
+    started once for the module and stopped after it."""
+
+    @pytest.fixture(scope="module")
+    def fixture(fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
+        proc = start_router(fleet, [dict(e) for e in engines], tmp_path_factory.mktemp("router"), **sections)
+        try:
+            if on_start is not None:
+                on_start(proc)
+            yield proc
+        finally:
+            proc.stop()
+
+    fixture.__doc__ = doc
+    return fixture
+
+
+def access_log_of(router: RouterProcess) -> str:
+    """The router's access log: ``access.log`` beside ``router.log``, as :func:`start_router` places it."""
+    return router.log_path.replace("router.log", "access.log")
+
+
 def access_line(router: RouterProcess, request_id: str, timeout: float = 5.0) -> dict[str, Any]:
     """The router's access-log line for ``request_id``, once written (bounded wait). The log is
-    ``access.log`` beside ``router.log``, as :func:`start_router` places it."""
-    path = router.log_path.replace("router.log", "access.log")
+    at :func:`access_log_of`."""
+    path = access_log_of(router)
 
     def find() -> dict[str, Any] | None:
         with open(path, "rb") as f:

@@ -27,11 +27,12 @@ from tests.real_gunicorn.support import (
     admin,
     at_rest,
     engine_entry,
+    engines_named,
     error_of,
     records,
+    router_fixture,
     scrape,
     send,
-    start_router,
     unique_prompt,
     wait_state,
     wait_until,
@@ -46,30 +47,19 @@ PASSTHROUGH_RECOVERY = {"eject_after": 3, "readmit_interval_s": 60, "readmit_int
                         "health_interval_s": 60}
 
 
-@pytest.fixture(scope="module")
-def router(fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
-    engines = [{"name": "p0", "role": "producer"}, {"name": "d0", "role": "consumer"},
-               {"name": "d1", "role": "consumer"}]
-    proc = start_router(
-        fleet, engines, tmp_path_factory.mktemp("passthrough"),
-        server={"workers": 2, "admin_token": TOKEN, "api_keys": ["client-key"], "max_body_bytes": 65536},
-        engine={"first_token_timeout_s": 10, "api_key": ENGINE_KEY},
-        recovery={"readmit_interval_s": 60, "readmit_interval_max_s": 60, "health_interval_s": 60},
-    )
-    yield proc
-    proc.stop()
+router = router_fixture(
+    engines_named("p0", "d0", "d1"), "p0 → d0, d1 with client keys, an engine key and a small body bound.",
+    server={"workers": 2, "admin_token": TOKEN, "api_keys": ["client-key"], "max_body_bytes": 65536},
+    engine={"first_token_timeout_s": 10, "api_key": ENGINE_KEY},
+    recovery={"readmit_interval_s": 60, "readmit_interval_max_s": 60, "health_interval_s": 60},
+)
 
 
-@pytest.fixture(scope="module")
-def solo(fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
-    two = [MODEL, "second-model"]  # configured: the fake engines answer for MODEL only
-    engines = [{"name": "p1", "role": "producer", "models": two}, {"name": "d2", "role": "consumer", "models": two}]
-    proc = start_router(
-        fleet, engines, tmp_path_factory.mktemp("passthrough-solo"),
-        server={"workers": 2, "admin_token": TOKEN}, recovery=PASSTHROUGH_RECOVERY,
-    )
-    yield proc
-    proc.stop()
+solo = router_fixture(
+    engines_named("p1", "d2", models=[MODEL, "second-model"]),  # configured: the fakes answer for MODEL only
+    "p1 → d2, each configured with two models.",
+    server={"workers": 2, "admin_token": TOKEN}, recovery=PASSTHROUGH_RECOVERY,
+)
 
 
 @pytest.fixture(autouse=True)

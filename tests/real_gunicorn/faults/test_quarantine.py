@@ -8,20 +8,18 @@ the worker that saw it and fleet-wide once the supervisor publishes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import orjson
-import pytest
 
 from narwhal.testing.harness import FakeFleet, RouterProcess, http_get
 from tests.real_gunicorn.support import (
     TOKEN,
     completion,
     engine_entry,
+    engines_named,
     post,
     records,
+    router_fixture,
     sessions_per_worker,
-    start_router,
     unique_prompt,
     wait_state,
 )
@@ -30,16 +28,11 @@ CONSUMERS = ["sd0", "sd1"]
 FAULT = {"decode": {"close_after": 1}}  # follows the request: whichever consumer serves it fails
 
 
-@pytest.fixture(scope="module")
-def router(fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
-    engines = [{"name": "sp1", "role": "producer"}] + [{"name": n, "role": "consumer"} for n in CONSUMERS]
-    proc = start_router(
-        fleet, engines, tmp_path_factory.mktemp("soft-quarantine"),
-        server={"workers": 2, "admin_token": TOKEN},
-        recovery={"max_retries": 0, "failure_quarantine_s": 30.0, "eject_after": 1000},
-    )
-    yield proc
-    proc.stop()
+router = router_fixture(
+    engines_named("sp1", *CONSUMERS), "sp1 → both consumers, no retry, a failed engine quarantined for 30 s.",
+    server={"workers": 2, "admin_token": TOKEN},
+    recovery={"max_retries": 0, "failure_quarantine_s": 30.0, "eject_after": 1000},
+)
 
 
 def _served_by(fleet: FakeFleet, prompt: str) -> list[str]:

@@ -19,9 +19,11 @@ from tests.real_gunicorn.support import (
     at_rest,
     completion,
     engine_entry,
+    engines_named,
     post,
     readmit_all,
     records,
+    router_fixture,
     scrape,
     send,
     sessions_per_worker,
@@ -46,28 +48,18 @@ def clean_faults(fleet: FakeFleet) -> Iterator[None]:
         fleet.control_request("POST", f"/engines/{name}/start")
 
 
-@pytest.fixture(scope="module")
-def retry_router(fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
-    engines = [{"name": n, "role": "producer"} for n in PRODUCERS] + [{"name": "sd0", "role": "consumer"}]
-    proc = start_router(
-        fleet, engines, tmp_path_factory.mktemp("retry"),
-        server={"workers": 3, "admin_token": TOKEN},
-        recovery={"max_retries": 1, "retry_budget_ratio": 0.0, "retry_budget_min": 2, "eject_after": 1000},
-    )
-    yield proc
-    proc.stop()
+retry_router = router_fixture(
+    engines_named(*PRODUCERS, "sd0"), "sp0, sp1 → sd0, one retry, a budget of two retries.",
+    server={"workers": 3, "admin_token": TOKEN},
+    recovery={"max_retries": 1, "retry_budget_ratio": 0.0, "retry_budget_min": 2, "eject_after": 1000},
+)
 
 
-@pytest.fixture(scope="module")
-def quarantine_router(fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
-    engines = [{"name": n, "role": "producer"} for n in PRODUCERS] + [{"name": "sd0", "role": "consumer"}]
-    proc = start_router(
-        fleet, engines, tmp_path_factory.mktemp("quarantine"),
-        server={"workers": 3, "admin_token": TOKEN},
-        recovery={"max_retries": 1, "failure_quarantine_s": 4.0, "eject_after": 1000},
-    )
-    yield proc
-    proc.stop()
+quarantine_router = router_fixture(
+    engines_named(*PRODUCERS, "sd0"), "sp0, sp1 → sd0, one retry, a failed engine quarantined for 4 s.",
+    server={"workers": 3, "admin_token": TOKEN},
+    recovery={"max_retries": 1, "failure_quarantine_s": 4.0, "eject_after": 1000},
+)
 
 
 async def test_a_retry_succeeds_on_the_other_producer_with_a_new_request_id(
@@ -148,15 +140,10 @@ async def test_the_retry_budget_stops_a_retry_storm(retry_router: RouterProcess,
     assert value(after, "narwhal_retry_budget_exhausted_total") - exhausted == 8
 
 
-@pytest.fixture(scope="module")
-def capped_fleet_router(fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
-    engines = [{"name": "sp1", "role": "producer"}, {"name": "sd1", "role": "consumer", "max_inflight_decode": 1}]
-    proc = start_router(
-        fleet, engines, tmp_path_factory.mktemp("capped3"),
-        server={"workers": 3, "admin_token": TOKEN}, placement={"queue_timeout_s": 15},
-    )
-    yield proc
-    proc.stop()
+capped_fleet_router = router_fixture(
+    [*engines_named("sp1"), *engines_named("sd1", max_inflight_decode=1)], "sp1 → sd1 capped at one stream, 3 workers.",
+    server={"workers": 3, "admin_token": TOKEN}, placement={"queue_timeout_s": 15},
+)
 
 
 async def test_a_cap_of_one_never_holds_two_streams_whichever_workers_serve_them(

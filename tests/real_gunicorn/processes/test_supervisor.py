@@ -22,11 +22,13 @@ from tests.real_gunicorn.support import (
     admin,
     completion,
     engine_entry,
+    engines_named,
     error_of,
     post,
     readmit_all,
     records,
     records_anywhere,
+    router_fixture,
     send,
     sessions_per_worker,
     start_router,
@@ -39,32 +41,20 @@ PRODUCERS = ["sp0", "sp1"]
 CONSUMERS = ["sd0", "sd1"]
 
 
-@pytest.fixture(scope="module")
-def sup_router(fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
-    engines = [{"name": n, "role": "producer"} for n in PRODUCERS]
-    engines += [{"name": n, "role": "consumer"} for n in CONSUMERS]
-    proc = start_router(
-        fleet, engines, tmp_path_factory.mktemp("sup"),
-        server={"workers": 3, "admin_token": TOKEN},
-        recovery={"eject_after": 3, "readmit_interval_s": 0.5, "readmit_interval_max_s": 1, "health_interval_s": 0.5},
-        # With a contract, readmission is lifecycle validation plus an inference probe.
-        engine_contract={"model": "fake-model", "engine_version": "0.11.0", "kv_connector": "NixlConnector"},
-    )
-    yield proc
-    proc.stop()
+sup_router = router_fixture(
+    engines_named(*PRODUCERS, *CONSUMERS), "Both producers and consumers, 3 workers, ejection after 3 failures; "
+    "with a contract, readmission is lifecycle validation plus an inference probe.",
+    server={"workers": 3, "admin_token": TOKEN},
+    recovery={"eject_after": 3, "readmit_interval_s": 0.5, "readmit_interval_max_s": 1, "health_interval_s": 0.5},
+    engine_contract={"model": "fake-model", "engine_version": "0.11.0", "kv_connector": "NixlConnector"},
+)
 
 
-@pytest.fixture(scope="module")
-def health_router(fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
-    """No engine contract: a development fleet, readmitted by a passing health check."""
-    engines = [{"name": "sp1", "role": "producer"}, {"name": "sd1", "role": "consumer"}]
-    proc = start_router(
-        fleet, engines, tmp_path_factory.mktemp("health"),
-        server={"workers": 2, "admin_token": TOKEN},
-        recovery={"eject_after": 2, "readmit_interval_s": 0.5, "readmit_interval_max_s": 1, "health_interval_s": 0.3},
-    )
-    yield proc
-    proc.stop()
+health_router = router_fixture(
+    engines_named("sp1", "sd1"), "No engine contract: a development fleet, readmitted by a passing health check.",
+    server={"workers": 2, "admin_token": TOKEN},
+    recovery={"eject_after": 2, "readmit_interval_s": 0.5, "readmit_interval_max_s": 1, "health_interval_s": 0.3},
+)
 
 
 @pytest.fixture(autouse=True)
