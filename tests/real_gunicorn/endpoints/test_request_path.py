@@ -25,6 +25,7 @@ from tests.real_gunicorn.support import (
     value,
     wait_until,
 )
+from tests.wire import PREFILL_KV
 
 PRODUCERS = ["p0", "p1"]
 CONSUMERS = ["d0", "d1"]
@@ -98,14 +99,7 @@ async def test_prefill_body_is_rewritten_exactly(router: RouterProcess, fleet: F
         "max_completion_tokens": 1,
         "temperature": 0.5,
         "ignore_eos": True,
-        "kv_transfer_params": {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        },
+        "kv_transfer_params": PREFILL_KV,
     }
     _, decode = one(fleet, prompt, CONSUMERS)
     sent = dict(body)

@@ -22,14 +22,6 @@ def decode_body(body: dict[str, Any], descriptor: dict[str, Any] | None) -> dict
 FOREIGN = ["transfer_id", "remote_bootstrap_addr", "first_tok", "disagg_spec", "ret_first_tok"]
 COMPLETIONS = "/v1/completions"
 
-PREFILL_KV = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 def client_body() -> dict[str, Any]:

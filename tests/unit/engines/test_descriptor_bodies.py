@@ -15,11 +15,11 @@ from narwhal.engines.connector import (
     release_body,
 )
 from tests.unit.engines.descriptor_support import (
-    PREFILL_KV,
     client_body,
     decode_body,
     valid_descriptor,
 )
+from tests.wire import PREFILL_KV
 
 # --------------------------------------------------------------------------- prefill body
 

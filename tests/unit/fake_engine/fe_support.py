@@ -12,15 +12,8 @@ from typing import Any
 from aiohttp.test_utils import TestClient
 
 from narwhal.fake_engine import FakeEngine, build_engine_app
+from tests.wire import PREFILL_KV
 
-PREFILL_KV = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 ROOT = Path(__file__).resolve().parents[3]
 
 ClientFactory = Callable[..., Awaitable[TestClient[Any, Any]]]

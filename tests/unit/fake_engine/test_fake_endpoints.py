@@ -8,10 +8,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
-import pytest
 from aiohttp.test_utils import TestClient
 
-from narwhal.fake_engine import FakeEngine, build_engine_app
+from narwhal.fake_engine import FakeEngine
 
 ClientFactory = Callable[..., Awaitable[TestClient[Any, Any]]]
 KV = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
@@ -21,14 +20,6 @@ RESPONSE = {"model": "fake-model", "max_output_tokens": 2, "input": "one two", "
 GENERATE = {"model": "fake-model", "token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 2}}
 
 
-@pytest.fixture
-def engine() -> FakeEngine:
-    return FakeEngine("e0")
-
-
-@pytest.fixture
-async def client(aiohttp_client: ClientFactory, engine: FakeEngine) -> TestClient[Any, Any]:
-    return await aiohttp_client(build_engine_app(engine))
 
 
 def events(raw: bytes) -> list[tuple[str | None, Any]]:

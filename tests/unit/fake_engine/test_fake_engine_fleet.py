@@ -23,7 +23,6 @@ from aiohttp.test_utils import TestClient
 
 from narwhal.fake_engine import FakeEngine, Fleet, build_engine_app
 from tests.unit.fake_engine.fe_support import (
-    PREFILL_KV,
     ROOT,
     ClientFactory,
     decoded,
@@ -32,6 +31,7 @@ from tests.unit.fake_engine.fe_support import (
     two_engines,
     wait_for,
 )
+from tests.wire import PREFILL_KV
 
 # -- stats, records, aborts --------------------------------------------------------------------
 

@@ -9,7 +9,6 @@ from aiohttp.test_utils import TestClient
 
 from narwhal.fake_engine import FakeEngine, build_engine_app
 from tests.unit.fake_engine.fe_support import (
-    PREFILL_KV,
     ClientFactory,
     decoded,
     prefill_body,
@@ -17,6 +16,7 @@ from tests.unit.fake_engine.fe_support import (
     wait_for,
     words,
 )
+from tests.wire import PREFILL_KV
 
 # -- wire format -------------------------------------------------------------------------------
 
