@@ -103,26 +103,20 @@ def test_prefix_affinity_false_means_least_loaded(values: dict[str, Any], policy
     assert PlacementSettings(**values).placement_policy == policy
 
 
-def test_policy_least_loaded_ignores_the_key() -> None:
-    placement, *_ = _fleet(policy="least_loaded")
+@pytest.mark.parametrize(("values", "choice", "producers"), [
+    ({"policy": "least_loaded"}, "least_loaded", len(PRODUCERS)),  # the key ignored: every producer
+    ({"prefix_affinity": False}, "least_loaded", len(PRODUCERS)),
+    ({"policy": "affinity"}, "affinity", 1),  # the rendezvous rule: the key's one favourite
+])
+def test_each_policy_places_as_spec_says(values: dict[str, Any], choice: str, producers: int) -> None:
+    placement, *_ = _fleet(**values)
     chosen: Counter[str] = Counter()
     for _ in range(60):
         found = _place(placement, KEY)
         chosen[found.producer.name] += 1
-        assert found.choice == "least_loaded"
+        assert found.choice == choice
         found.release()
-    assert set(chosen) == set(PRODUCERS)
-
-
-def test_policy_affinity_keeps_the_rendezvous_rule() -> None:
-    placement, *_ = _fleet(policy="affinity")
-    chosen: Counter[str] = Counter()
-    for _ in range(20):
-        found = _place(placement, KEY)
-        chosen[found.producer.name] += 1
-        assert found.choice == "affinity"
-        found.release()
-    assert len(chosen) == 1
+    assert len(chosen) == producers
 
 
 def test_settings_from_the_environment_name_the_key(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -167,17 +167,6 @@ def test_without_a_key_producers_are_least_loaded() -> None:
     assert (found.producer.name, found.choice) == ("p3", "least_loaded")
 
 
-def test_affinity_off_ignores_the_key() -> None:
-    placement, *_ = _fleet(prefix_affinity=False)
-    chosen: Counter[str] = Counter()
-    for _ in range(60):
-        found = _place(placement, KEY)
-        chosen[found.producer.name] += 1
-        assert found.choice == "least_loaded"
-        found.release()
-    assert set(chosen) == set(PRODUCERS)
-
-
 def test_the_retry_avoids_the_favourite_that_just_failed() -> None:
     placement, *_ = _fleet()
     first, second = _favourite(KEY, PRODUCERS)[:2]
