@@ -24,31 +24,26 @@ from tests.wire import PREFILL_KV
 # --------------------------------------------------------------------------- prefill body
 
 
+# The client's body as a one-token, not streamed prefill; crossed, it asks for the handoff.
+PREFILL = {
+    "model": "m",
+    "messages": [{"role": "user", "content": "hi"}],
+    "stream": False,
+    "max_tokens": 1,
+    "temperature": 0.7,
+    "seed": 11,
+    "ignore_eos": True,
+}
+
+
 def test_prefill_body_crossed() -> None:
-    assert prefill_body(client_body(), crossed=True) == {
-        "model": "m",
-        "messages": [{"role": "user", "content": "hi"}],
-        "stream": False,
-        "max_tokens": 1,
-        "temperature": 0.7,
-        "seed": 11,
-        "ignore_eos": True,
-        "kv_transfer_params": PREFILL_KV,
-    }
+    assert prefill_body(client_body(), crossed=True) == {**PREFILL, "kv_transfer_params": PREFILL_KV}
 
 
 def test_prefill_body_same_worker_has_no_kv_transfer_params() -> None:
     body = client_body()
     body["kv_transfer_params"] = {"remote_engine_id": "smuggled"}
-    assert prefill_body(body, crossed=False) == {
-        "model": "m",
-        "messages": [{"role": "user", "content": "hi"}],
-        "stream": False,
-        "max_tokens": 1,
-        "temperature": 0.7,
-        "seed": 11,
-        "ignore_eos": True,
-    }
+    assert prefill_body(body, crossed=False) == PREFILL
 
 
 def test_prefill_body_replaces_a_client_kv_transfer_params() -> None:

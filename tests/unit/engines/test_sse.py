@@ -115,30 +115,30 @@ def test_partial_event_is_held_until_separator() -> None:
     assert framer.pending == 0
 
 
-def test_crlf_is_normalised_to_lf() -> None:
-    framer = SSEFramer()
-    assert framer.feed(b"data: a\r\n\r\ndata: b\r\n\r\n") == b"data: a\n\ndata: b\n\n"
+# Chunks fed in turn and what each returns: line endings of every kind, split anywhere.
+FRAMINGS = {
     # once CRLF was seen, later LF-only chunks still frame correctly
-    assert framer.feed(b"data: c\n\n") == b"data: c\n\n"
-    assert framer.pending == 0
+    "crlf normalised to lf": [(b"data: a\r\n\r\ndata: b\r\n\r\n", b"data: a\n\ndata: b\n\n"),
+                              (b"data: c\n\n", b"data: c\n\n")],
+    # a CR ends its line at once (it may be a lone-CR stream); the LF that pairs with it in the
+    # next chunk is dropped rather than read as a second, blank line
+    "cr split from its lf": [(b"data: a\r", b""), (b"\n\r", b"data: a\n\n"), (b"\n", b"")],
+    "cr/lf split is one line ending": [(b"data: a\r", b""), (b"\ndata: b\r\n\r\n", b"data: a\ndata: b\n\n")],
+    # lone-CR endings: every event ends in "\r\r", complete whatever follows (once a bug: the
+    # last event was never returned)
+    "lone cr stream fed whole": [(b"data: a\r\rdata: [DONE]\r\r", b"data: a\n\ndata: [DONE]\n\n")],
+    # a chunk ending in CR (maybe half a CRLF) withholds only what may still continue (once a bug:
+    # the complete event before it was withheld too)
+    "trailing cr withholds only the open event": [(b"data: a\r\n\r\ndata: b\r", b"data: a\n\n"),
+                                                  (b"\n\r\n", b"data: b\n\n")],
+}
 
 
-def test_cr_split_from_its_lf_across_chunks() -> None:
-    # A CR ends its line at once (it may be a lone-CR stream); the LF that pairs with it
-    # in the next chunk is dropped rather than read as a second, blank line.
+@pytest.mark.parametrize("feeds", FRAMINGS.values(), ids=FRAMINGS.keys())
+def test_framing_across_chunks(feeds: list[tuple[bytes, bytes]]) -> None:
     framer = SSEFramer()
-    assert framer.feed(b"data: a\r") == b""
-    assert framer.feed(b"\n\r") == b"data: a\n\n"
-    assert framer.feed(b"\n") == b""
+    assert [framer.feed(chunk) for chunk, _ in feeds] == [out for _, out in feeds]
     assert framer.pending == 0
-
-
-def test_cr_split_from_lf_does_not_double_the_line_break() -> None:
-    # "data: a\r" + "\ndata: b\r\n\r\n": the CR/LF pair is one line ending, not two.
-    framer = SSEFramer()
-    assert framer.feed(b"data: a\r") == b""
-    assert framer.feed(b"\ndata: b\r\n\r\n") == b"data: a\ndata: b\n\n"
-    assert event_data(b"data: a\ndata: b") == b"a\nb"
 
 
 def test_lone_cr_line_endings_inside_a_stream() -> None:
@@ -147,22 +147,6 @@ def test_lone_cr_line_endings_inside_a_stream() -> None:
     assert framer.pending == len(b"data: c")
     assert split_events(b"data: a\ndata: b\n\n") == [b"data: a\ndata: b"]
     assert event_data(b"data: a\ndata: b") == b"a\nb"
-
-
-def test_lone_cr_stream_fed_whole_returns_its_events() -> None:
-    # BUG (narwhal/engines/sse.py, SSEFramer.feed): a chunk ending in b"\r" returns b"" for the whole
-    # buffer. With lone-CR line endings every event ends in b"\r\r", which is a complete event
-    # whatever follows, so the final event (here [DONE]) is never returned.
-    framer = SSEFramer()
-    assert framer.feed(b"data: a\r\rdata: [DONE]\r\r") == b"data: a\n\ndata: [DONE]\n\n"
-
-
-def test_complete_event_not_withheld_by_trailing_cr() -> None:
-    # BUG (narwhal/engines/sse.py, SSEFramer.feed): "data: a" is complete, but because the chunk ends
-    # in a CR (possibly the first half of a CRLF) the complete event is withheld too.
-    framer = SSEFramer()
-    assert framer.feed(b"data: a\r\n\r\ndata: b\r") == b"data: a\n\n"
-    assert framer.feed(b"\n\r\n") == b"data: b\n\n"
 
 
 def test_comment_event_is_metadata() -> None:
