@@ -128,34 +128,26 @@ async def test_chunked_body_in_pieces_is_reassembled(pool: UpstreamPool) -> None
         assert pool.open_connections == 1
 
 
-async def test_a_body_delimited_by_the_end_of_the_connection_is_complete(pool: UpstreamPool) -> None:
+@pytest.mark.parametrize(("head", "body"), [
+    (b"Connection: close\r\n", b"all of it"),
+    # "chunked" in another header, and a body that spells a Content-Length line: the body is
+    # still delimited by the end of the connection (not a truncated framed body)
+    (b"X-Note: chunked\r\nConnection: close\r\n", b"all of it\r\ncontent-length: 1\r\n"),
+], ids=["close", "no length or chunked framing"])
+async def test_a_body_delimited_by_the_end_of_the_connection_is_complete(
+    pool: UpstreamPool, head: bytes, body: bytes
+) -> None:
     async def script(srv: RawServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await srv.read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nall of it")
+        writer.write(b"HTTP/1.1 200 OK\r\n" + head + b"\r\n" + body)
         await writer.drain()
 
     async with serving(script) as (srv, url):
         conn = await pool.post(url, "/x", b"", b"{}")
         assert await conn.response() == 200
-        assert await conn.read_all() == b"all of it"
+        assert await conn.read_all() == body
         conn.release()
         assert pool.open_connections == 0  # never pooled
-
-
-async def test_only_a_length_or_chunked_frames_a_body(pool: UpstreamPool) -> None:
-    # "chunked" in another header, and a body that spells a Content-Length line: the body is
-    # still delimited by the end of the connection (not a truncated framed body).
-    async def script(srv: RawServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await srv.read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nX-Note: chunked\r\n"
-                     b"Connection: close\r\n\r\nall of it\r\ncontent-length: 1\r\n")
-        await writer.drain()
-
-    async with serving(script) as (srv, url):
-        conn = await pool.post(url, "/x", b"", b"{}")
-        assert await conn.response() == 200
-        assert await conn.read_all() == b"all of it\r\ncontent-length: 1\r\n"
-        conn.release()
 
 
 async def test_connection_close_is_not_pooled(pool: UpstreamPool) -> None:
