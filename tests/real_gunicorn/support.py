@@ -90,6 +90,20 @@ def router_fixture(engines: list[dict[str, Any]], doc: str,
     return fixture
 
 
+def faults_cleared_after_each(*names: str) -> Any:
+    """An autouse fixture: after each test, ``names`` lose their injected faults and, if a test
+    stopped them, serve again (so no test inherits another's engine state)."""
+
+    @pytest.fixture(autouse=True)
+    def fixture(fleet: FakeFleet) -> Iterator[None]:
+        yield
+        for name in names:
+            fleet.control_request("DELETE", f"/engines/{name}/faults")
+            fleet.control_request("POST", f"/engines/{name}/start")
+
+    return fixture
+
+
 def access_log_of(router: RouterProcess) -> str:
     """The router's access log: ``access.log`` beside ``router.log``, as :func:`start_router` places it."""
     return router.log_path.replace("router.log", "access.log")

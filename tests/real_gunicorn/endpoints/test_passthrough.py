@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import orjson
-import pytest
 
 from narwhal.fake_engine.passthrough import token_ids
 from narwhal.testing.harness import FakeFleet, RouterProcess
@@ -29,6 +27,7 @@ from tests.real_gunicorn.support import (
     engine_entry,
     engines_named,
     error_of,
+    faults_cleared_after_each,
     records,
     router_fixture,
     scrape,
@@ -62,12 +61,7 @@ solo = router_fixture(
 )
 
 
-@pytest.fixture(autouse=True)
-def clean_engines(fleet: FakeFleet) -> Iterator[None]:
-    yield
-    for name in MAIN + SOLO:
-        fleet.control_request("DELETE", f"/engines/{name}/faults")
-        fleet.control_request("POST", f"/engines/{name}/start")
+clean_engines = faults_cleared_after_each(*MAIN, *SOLO)
 
 
 def check_shape(route: str, answer: dict[str, Any]) -> None:

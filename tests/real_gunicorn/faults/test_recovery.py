@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import time
-from collections.abc import Iterator
 
 import orjson
 import pytest
@@ -20,6 +19,7 @@ from tests.real_gunicorn.support import (
     completion,
     engine_entry,
     engines_named,
+    faults_cleared_after_each,
     post,
     readmit_all,
     records,
@@ -40,12 +40,7 @@ PRODUCERS = ["sp0", "sp1"]
 CONSUMERS = ["sd0", "sd1"]
 
 
-@pytest.fixture(autouse=True)
-def clean_faults(fleet: FakeFleet) -> Iterator[None]:
-    yield
-    for name in PRODUCERS + CONSUMERS:
-        fleet.control_request("DELETE", f"/engines/{name}/faults")
-        fleet.control_request("POST", f"/engines/{name}/start")
+clean_faults = faults_cleared_after_each(*PRODUCERS, *CONSUMERS)
 
 
 retry_router = router_fixture(

@@ -24,6 +24,7 @@ from tests.real_gunicorn.support import (
     engine_entry,
     engines_named,
     error_of,
+    faults_cleared_after_each,
     post,
     readmit_all,
     records,
@@ -57,11 +58,7 @@ health_router = router_fixture(
 )
 
 
-@pytest.fixture(autouse=True)
-def clean_faults(fleet: FakeFleet) -> Iterator[None]:
-    yield
-    for name in PRODUCERS + CONSUMERS:
-        fleet.control_request("DELETE", f"/engines/{name}/faults")
+clean_faults = faults_cleared_after_each(*PRODUCERS, *CONSUMERS)
 
 
 async def test_admin_api_needs_the_token(sup_router: RouterProcess) -> None:
