@@ -17,12 +17,11 @@ from collections.abc import Iterator
 import pytest
 
 from narwhal.testing.harness import FakeFleet
+from tests.real_gunicorn.fixtures import engines_named, router_fixture
 from tests.real_gunicorn.support import (
     ENGINES,
     LEASE_S,
     MODEL,
-    engines_named,
-    router_fixture,
     wait_until,
 )
 

@@ -18,6 +18,7 @@ import orjson
 from narwhal.fake_engine.passthrough import token_ids
 from narwhal.testing.harness import FakeFleet, RouterProcess
 from tests.real_gunicorn.endpoints_support import PASSTHROUGH_ROUTES, body_for
+from tests.real_gunicorn.fixtures import engines_named, faults_cleared_after_each, router_fixture
 from tests.real_gunicorn.support import (
     MODEL,
     TOKEN,
@@ -25,11 +26,8 @@ from tests.real_gunicorn.support import (
     admin,
     at_rest,
     engine_entry,
-    engines_named,
     error_of,
-    faults_cleared_after_each,
     records,
-    router_fixture,
     scrape,
     send,
     unique_prompt,

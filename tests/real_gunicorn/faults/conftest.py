@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from narwhal.testing.harness import RouterProcess
+from tests.real_gunicorn.fixtures import engines_named, router_fixture
 from tests.real_gunicorn.hostile_support import worker_pids
-from tests.real_gunicorn.support import engines_named, router_fixture
 
 
 def _note_children(proc: RouterProcess) -> None:

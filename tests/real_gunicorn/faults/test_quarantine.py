@@ -11,14 +11,13 @@ from __future__ import annotations
 import orjson
 
 from narwhal.testing.harness import FakeFleet, RouterProcess, http_get
+from tests.real_gunicorn.fixtures import engines_named, router_fixture
 from tests.real_gunicorn.support import (
     TOKEN,
     completion,
     engine_entry,
-    engines_named,
     post,
     records,
-    router_fixture,
     sessions_per_worker,
     unique_prompt,
     wait_state,

@@ -12,18 +12,16 @@ import orjson
 import pytest
 
 from narwhal.testing.harness import FakeFleet, RouterProcess, http_get, router_roles
+from tests.real_gunicorn.fixtures import engines_named, faults_cleared_after_each, router_fixture
 from tests.real_gunicorn.support import (
     TOKEN,
     admin,
     at_rest,
     completion,
     engine_entry,
-    engines_named,
-    faults_cleared_after_each,
     post,
     readmit_all,
     records,
-    router_fixture,
     scrape,
     send,
     sessions_per_worker,

@@ -17,19 +17,17 @@ import orjson
 import pytest
 
 from narwhal.testing.harness import FakeFleet, RouterProcess, http_get
+from tests.real_gunicorn.fixtures import engines_named, faults_cleared_after_each, router_fixture
 from tests.real_gunicorn.support import (
     TOKEN,
     admin,
     completion,
     engine_entry,
-    engines_named,
     error_of,
-    faults_cleared_after_each,
     post,
     readmit_all,
     records,
     records_anywhere,
-    router_fixture,
     send,
     sessions_per_worker,
     start_router,

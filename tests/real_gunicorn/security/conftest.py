@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from tests.real_gunicorn.fixtures import router_fixture
 from tests.real_gunicorn.security_support import ADMIN_TOKEN, AUTH_ENGINE_KEY, CLIENT_KEY, ENGINE_SECRET, MAX_BODY, PAIR
-from tests.real_gunicorn.support import router_fixture
 
 open_router = router_fixture(
     PAIR, "No admin token, no client keys; a secret engine key; debug logs; short engine timeouts.",
