@@ -50,6 +50,7 @@ class EngineClient:
     def __init__(self, pool: UpstreamPool, settings: EngineSettings) -> None:
         self.pool = pool
         self.settings = settings
+        self._loop: asyncio.AbstractEventLoop | None = None  # taken at the first leg (engines.timers says why)
         self._auth = auth_line(settings)  # the one engine header (engines.control), prebuilt
         # What a decode leg sees of this client (engines.decode imports nothing from here).
         self.decode_context = DecodeContext(pool.post, self.engine_headers, settings.first_token_timeout_s,
@@ -128,7 +129,9 @@ class EngineClient:
         rest of the prefill is handed to ``on_abandon`` as an awaitable of the result (to run
         in the background and release its handoff) — no task is spent on the common path.
         """
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
         result = PrefillResult(
             producer=producer.name,
             producer_url=producer.url,
@@ -164,7 +167,7 @@ class EngineClient:
         """The decode as an object with named steps (``narwhal.engines.decode``), carrying
         ``descriptor`` as :func:`~narwhal.engines.decode.checked_handoff` returned it: ``open()``,
         ``next_span()`` until ``Signal.END``, and ``close()`` always."""
-        return DecodeLeg(self.decode_context, result, consumer, body, descriptor, **options)
+        return DecodeLeg(self.decode_context, result, consumer, body, descriptor, loop=self._loop, **options)
 
     async def decode(
         self, result: PrefillResult, consumer: EngineRef, body: dict[str, Any], **options: Unpack[DecodeOptions]

@@ -175,8 +175,10 @@ class DecodeLeg:
         endpoint: Endpoint | None = None,
         headers: Mapping[str, str] | None = None,
         sink: Sink | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
-        """Build the body around ``descriptor``, already checked (:func:`checked_handoff`)."""
+        """Build the body around ``descriptor``, already checked (:func:`checked_handoff`);
+        ``loop``: the running loop, when the caller holds it (see ``engines.timers``)."""
         decode_endpoint = endpoint or result.endpoint
         self._endpoint = decode_endpoint.path
         self._ctx = ctx
@@ -185,7 +187,7 @@ class DecodeLeg:
         self._dialect = dialect = decode_endpoint.dialect
         self._payload = orjson.dumps(dialect.decode_body(body, result.request_id, descriptor))
         self.streaming, self._deadline, self._sink = stream, deadline, sink
-        self._loop = asyncio.get_running_loop()
+        self._loop = loop or asyncio.get_running_loop()
         # Streams: connecting and the response head spend the first token's budget (SPEC §4);
         # a whole answer is bounded by the deadline only.
         first_s = ctx.first_token_timeout_s if stream else 0.0
@@ -301,7 +303,7 @@ class DecodeLeg:
         assert self._conn is not None and self._sink is not None
         if self._relay is None:
             self._relay = DirectRelay(self._conn, self._framer, self._sink, self._ctx.decode_read_timeout_s,
-                                      self._deadline, self._dialect.may_end)
+                                      self._deadline, self._dialect.may_end, self._loop)
         with self._wire:  # the relay's silence raises BoundPassed, which carries its bound
             return await self._relay.run()
 
@@ -314,7 +316,7 @@ class DecodeLeg:
         if conn.buffered:
             return self._framer.feed(conn.read_now())
         if self._timer is None:
-            self._timer = LazyTimeout()
+            self._timer = LazyTimeout(self._loop)
         wire = self._wire
         if self._state is STREAMING:
             wire.bound = failures.leg_bound(self._loop.time(), self._ctx.decode_read_timeout_s, self._deadline)

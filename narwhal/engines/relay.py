@@ -60,7 +60,7 @@ class DirectRelay:
 
     def __init__(
         self, conn: Connection, framer: SSEFramer, sink: Sink, read_timeout: float, deadline: float | None,
-        may_end: Callable[[bytes], bool] = may_end_stream,
+        may_end: Callable[[bytes], bool] = may_end_stream, loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         self._conn = conn
         self._may_end = may_end  # the endpoint's byte probe for its terminal event or an error
@@ -69,7 +69,7 @@ class DirectRelay:
         self._openai = may_end is may_end_stream
         self._framer = framer
         self._sink = sink
-        self._loop = asyncio.get_running_loop()
+        self._loop = loop or asyncio.get_running_loop()
         self._read_timeout = read_timeout
         self._deadline = deadline
         self._last = 0.0

@@ -23,9 +23,11 @@ class LazyTimeout:
 
     __slots__ = ("_loop", "_task", "_handle", "_bound", "_reading", "_fired")
 
-    def __init__(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        # Given the loop, no asyncio.get_running_loop(): CPython 3.11 makes a getpid() syscall
+        # in every call of it (to notice a fork), and a stream makes this timer per request.
+        self._loop = loop = loop or asyncio.get_running_loop()
+        task = asyncio.current_task(loop)
         assert task is not None
         self._task = task
         self._handle: asyncio.TimerHandle | None = None

@@ -127,6 +127,7 @@ class Attempts:
         self.client = client
         self.outcomes = outcomes
         self.spawn = spawn  # runs a coroutine in the background, owned by the router
+        self._loop: asyncio.AbstractEventLoop | None = None  # taken once (engines.timers says why)
 
     async def run(
         self, client: ClientStream, req: ClientRequest, rec: AccessRecord, started: float, avoid: frozenset[str]
@@ -170,9 +171,15 @@ class Attempts:
         rec.mode = "local"
         metrics.TALLY.counts[metrics.LOCAL_DECODES] += 1
         consumer = resv.consumer
-        local = asyncio.get_running_loop().create_future()  # done: awaiting it does not suspend
+        local = self._running_loop().create_future()  # done: awaiting it does not suspend
         local.set_result(PrefillResult(consumer.name, consumer.url, req.endpoint, request_id, None, crossed=False))
         return local
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
 
     def _prefilled(
         self, req: ClientRequest, resv: Reservation, rec: AccessRecord, result: PrefillResult, started: float
@@ -188,7 +195,7 @@ class Attempts:
         if req.blocks is not None:
             rec.predicted_cached_chars = resv.predicted_chars
             # Runs at the decode's first wait: the keys are finished off the critical path.
-            asyncio.get_running_loop().call_soon(self.outcomes.prefilled, resv.producer, req.blocks, result,
+            self._running_loop().call_soon(self.outcomes.prefilled, resv.producer, req.blocks, result,
                                                  resv.queued_chars)
         return ttft_s
 

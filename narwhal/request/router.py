@@ -108,12 +108,17 @@ class Router:
         self._active: set[asyncio.Task[Any] | None] = set()  # client requests being handled
         self._stopping = False
         self._drain_timer: asyncio.Future[None] | None = None
+        # The worker's loop, taken once: asyncio.get_running_loop() costs a getpid() syscall per
+        # call on CPython 3.11 (engines.timers).
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         """Serve one client request on ``endpoint``; whatever way it ends, writes one access-log line."""
         # Deadlines are in loop time (timers); measurements use perf_counter, because
         # uvloop's clock moves in whole milliseconds and ttft_s is often below one.
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
         arrival = loop.time()
         started = time.perf_counter()
         traceparent = request.headers.get("traceparent")  # parsed only when sent: most requests send none
