@@ -177,8 +177,7 @@ class DecodeLeg:
         sink: Sink | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
-        """Build the body around ``descriptor``, already checked (:func:`checked_handoff`);
-        ``loop``: the running loop, when the caller holds it (see ``engines.timers``)."""
+        """Build the body around ``descriptor``, already checked (:func:`checked_handoff`)."""
         decode_endpoint = endpoint or result.endpoint
         self._endpoint = decode_endpoint.path
         self._ctx = ctx
