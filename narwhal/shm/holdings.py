@@ -77,6 +77,9 @@ def engine_id_hash(engine_id: str | None) -> int:
 
 @dataclass(frozen=True)
 class HoldingsLayout:
+    """Where each part of the holdings region lies: a section per producer, a report ring per
+    worker slot, a queued-work counter per (slot, producer); the same in every process."""
+
     sections: int  # engines (by index) with a section
     keys: int  # block keys per section
     slots: int  # worker slots (the fleet region's slot numbers)
@@ -85,26 +88,33 @@ class HoldingsLayout:
 
     @property
     def section_size(self) -> int:
+        """Bytes of one producer's section: its head and room for ``keys`` block keys."""
         return SECTION_HEAD + self.keys * 8
 
     def section_offset(self, engine: int) -> int:
+        """Where producer ``engine``'s section starts."""
         return HEADER_SIZE + engine * self.section_size
 
     @property
     def entry_size(self) -> int:
+        """Bytes of one prefill report in a ring."""
         return ENTRY_HEAD + self.entry_keys * 8
 
     def ring_offset(self, slot: int) -> int:
+        """Where worker slot ``slot``'s report ring (its indices, then its entries) starts."""
         return HEADER_SIZE + self.sections * self.section_size + slot * (RING_HEAD + self.ring * self.entry_size)
 
     def entry_offset(self, slot: int, index: int) -> int:
+        """Where report number ``index`` of ``slot``'s ring lies (the ring wraps)."""
         return self.ring_offset(slot) + RING_HEAD + (index % self.ring) * self.entry_size
 
     def work_offset(self, slot: int, engine: int) -> int:
+        """Where ``slot``'s count of queued prefill characters on ``engine`` lies (one writer: that slot)."""
         return self.ring_offset(self.slots) + (slot * self.sections + engine) * 4
 
     @property
     def size(self) -> int:
+        """The whole region's bytes, rounded up to whole pages."""
         raw = self.work_offset(self.slots, 0)
         return (raw + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
 
@@ -150,6 +160,7 @@ class Holdings:
 
     @classmethod
     def create(cls, layout: HoldingsLayout) -> Holdings:
+        """A new zeroed region laid out as ``layout`` (before the fork: the workers inherit it)."""
         fd = os.memfd_create("narwhal-holdings", 0)  # inherited across fork, as the fleet region
         os.ftruncate(fd, layout.size)
         mm = mmap.mmap(fd, layout.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -158,6 +169,7 @@ class Holdings:
         return cls(layout, fd, mm)
 
     def close(self) -> None:
+        """Unmap the region and close its file."""
         self.mm.close()
         os.close(self.fd)
 
@@ -170,6 +182,7 @@ class Holdings:
 
     @property
     def generation(self) -> int:
+        """Moves with every publish: a reader that saw the same value has nothing new to read."""
         return self._u64(GENERATION_OFFSET)
 
     # -- sections (supervisor writes, workers read) ---------------------------------------------
@@ -199,6 +212,7 @@ class Holdings:
         self._set_u64(GENERATION_OFFSET, self.generation + 1)
 
     def section_seq(self, engine: int) -> int:
+        """``engine``'s section sequence (odd while being written); 0 for an engine without a section."""
         return self._u64(self.layout.section_offset(engine)) if engine < self.layout.sections else 0
 
     def read(self, engine: int, stamp: int) -> Held | None:
@@ -313,6 +327,7 @@ class HoldingsReader:
         self._held: list[Held | None] = [None] * len(stamps)
 
     def current(self) -> list[Held | None]:
+        """Each producer's holdings as last published, re-read only when the generation moved."""
         holdings = self.holdings
         generation = holdings.generation
         if generation != self._generation:
@@ -363,6 +378,7 @@ class WorkerHoldings(HoldingsReader):
         self, producer: int, engine_id: str | None, prompt_chars: int, prompt_tokens: int | None,
         cached_tokens: int | None, duration_s: float, keys: list[int], queued_chars: int = 0, at: float = 0.0,
     ) -> None:
+        """Worker side: report one completed prefill to the supervisor (a full ring drops it, counted)."""
         if producer >= len(self.stamps):
             return
         rep = PrefillReport(producer, self.stamps[producer], engine_id_hash(engine_id), prompt_chars, prompt_tokens,

@@ -19,9 +19,6 @@ PACKAGE = ROOT / "narwhal"
 # Under refactor (issue 22 items 1-3) when the docstrings went in: the lead documents each as its
 # refactor lands and removes it here; the set shrinks to empty.
 NOT_YET = {
-    "narwhal/fleet/placement/held.py",
-    "narwhal/fleet/placement/pair.py",
-    "narwhal/shm/holdings.py",
     "narwhal/supervisor/holdings.py",
 }
 

@@ -60,21 +60,29 @@ class HeldReading(Protocol):
     """One producer's published holdings (``narwhal.shm.holdings.Held``)."""
 
     @property
-    def keys(self) -> frozenset[int]: ...
+    def keys(self) -> frozenset[int]:
+        """The block keys the producer is believed to hold."""
     @property
-    def blocks(self) -> int: ...
+    def blocks(self) -> int:
+        """How many blocks that is."""
     @property
-    def capacity_blocks(self) -> int | None: ...
+    def capacity_blocks(self) -> int | None:
+        """Its KV capacity in blocks of ``block_chars`` (reported, else learned from its evictions); None: unknown."""
     @property
-    def chars_per_token(self) -> float | None: ...
+    def chars_per_token(self) -> float | None:
+        """Characters per token its prefills showed; None before any."""
     @property
-    def prefill_chars_per_s(self) -> float | None: ...
+    def prefill_chars_per_s(self) -> float | None:
+        """Its learned prefill rate (uncached characters per second); None before any."""
     @property
-    def mean_uncached_chars(self) -> float: ...
+    def mean_uncached_chars(self) -> float:
+        """The mean uncached characters of its prefills: the work a request not ours stands for."""
     @property
-    def hot_blocks(self) -> int: ...
+    def hot_blocks(self) -> int:
+        """Blocks reused in the last few seconds: the live part of ``blocks``."""
     @property
-    def homes(self) -> dict[int, int] | None: ...
+    def homes(self) -> dict[int, int] | None:
+        """The live prefixes homed here, first block key to blocks; None for none."""
 
 
 class HoldingsSource(Protocol):
@@ -82,9 +90,12 @@ class HoldingsSource(Protocol):
     work in flight (uncached characters of its prefill legs), which placement adds to and takes
     back as legs start and end."""
 
-    def current(self) -> Sequence[HeldReading | None]: ...
-    def work(self) -> Sequence[int]: ...
-    def add_work(self, engine: int, chars: int) -> None: ...
+    def current(self) -> Sequence[HeldReading | None]:
+        """Per engine index, its published holdings (None: none)."""
+    def work(self) -> Sequence[int]:
+        """Per engine index, this host's uncached prefill characters in flight on it."""
+    def add_work(self, engine: int, chars: int) -> None:
+        """Add ``chars`` (negative: take back) to ``engine``'s work in flight."""
 
 
 def keys_of(readings: Sequence[HeldReading | None], index: int) -> frozenset[int]:

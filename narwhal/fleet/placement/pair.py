@@ -56,6 +56,11 @@ def _engine_index(engine: Engine) -> int:
 
 
 class Placement:
+    """Chooses a (producer, consumer) pair and reserves it, without waiting (SPEC §3.2, §3.3).
+
+    Invariant: a returned :class:`Reservation` holds its pair's phase slots (a local decode: the
+    decode slot only) until released; ``None`` means no permitted pair has room now (the caller waits)."""
+
     def __init__(
         self,
         fleet: Fleet,
@@ -87,6 +92,7 @@ class Placement:
         self._facts: list[tuple[int, int, int]] = []
 
     def current_loads(self) -> Loads | None:
+        """The engines' reported loads still fresh enough to place by; None when load reads are off."""
         return None if self._loads is None else self._loads.current()
 
     def try_place(
