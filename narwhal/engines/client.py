@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
-from typing import Any, Literal, Unpack
+from typing import Any, Literal, Unpack, cast
 
 import orjson
 
@@ -185,7 +185,7 @@ class EngineClient:
         """
         max_age_s = options.pop("max_age_s", None)
         descriptor = checked_handoff(result, options.get("endpoint") or result.endpoint, max_age_s)
-        leg = self.decode_leg(result, consumer, body, descriptor, **options)
+        leg = self.decode_leg(result, consumer, body, descriptor, **cast(LegOptions, options))  # max_age_s popped
         try:
             whole = await leg.open()
             if whole is not None:

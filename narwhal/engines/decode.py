@@ -50,7 +50,7 @@ import asyncio
 import enum
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Required, TypedDict
+from typing import Any, Literal, Required, TypedDict
 
 import orjson
 
@@ -231,7 +231,7 @@ class DecodeLeg:
             self._wire.terminal = self._dialect.terminal  # a lost connection is now a disconnect
         return data
 
-    async def next_span(self) -> bytes | Signal:
+    async def next_span(self) -> bytes | Literal[Signal.END, Signal.BEHIND]:
         """The next bytes for the client — whole SSE events, the first span holding the first
         token — ``Signal.BEHIND`` when the sink reported the client behind, ``Signal.END`` once
         the terminal event went out."""
@@ -298,7 +298,7 @@ class DecodeLeg:
 
     # -- inside a step ----------------------------------------------------------------------
 
-    async def _relayed(self) -> bytes | Signal:
+    async def _relayed(self) -> bytes | Literal[Signal.BEHIND, Signal.HANDBACK]:
         assert self._conn is not None and self._sink is not None
         if self._relay is None:
             self._relay = DirectRelay(self._conn, self._framer, self._sink, self._ctx.decode_read_timeout_s,

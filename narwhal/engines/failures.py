@@ -93,9 +93,9 @@ class WireFailures:
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool:
+    ) -> None:
         if kind is None:
-            return False
+            return
         if issubclass(kind, TimeoutError):
             raise self.timed_out(exc.bound if isinstance(exc, BoundPassed) else self.bound) from None
         if issubclass(kind, UpstreamError):
@@ -103,7 +103,6 @@ class WireFailures:
             if self.terminal is not None:
                 raise disconnected(self.name, self.terminal) from None
             raise transport_error(exc, self.name, self.phase) from None
-        return False
 
     def timed_out(self, bound: float) -> NarwhalError:
         """The request's deadline if that is what ran out, else the reason of the wait."""

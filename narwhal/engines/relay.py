@@ -31,6 +31,7 @@ import asyncio
 import enum
 import math
 from collections.abc import Callable
+from typing import Literal
 
 from narwhal.engines.failures import BoundPassed, leg_bound
 from narwhal.engines.http1 import Connection
@@ -79,7 +80,7 @@ class DirectRelay:
         self.timed_out_at: float | None = None
         self.spans = 0  # spans handed to the sink (the inter-token figure's count)
 
-    async def run(self) -> bytes | Signal:
+    async def run(self) -> bytes | Literal[Signal.BEHIND, Signal.HANDBACK]:
         """Relay until the generator is needed. Returns a span to classify, ``Signal.BEHIND``
         when the client must drain first, or ``Signal.HANDBACK`` when the engine ended or failed
         (read it to see how);
