@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import tarfile
+import tempfile
 from pathlib import Path
 
 PACKAGE = "narwhal"
@@ -52,3 +53,14 @@ def export(ref: str, repo: Path, dest: Path) -> str:
     if not (dest / PACKAGE / "__init__.py").is_file():
         raise BaselineError(f"{ref} has no {PACKAGE}/ package")
     return commit
+
+
+def targets(refs: str | None, repo: Path, *, checkout: bool = True) -> list[tuple[str, str | None]]:
+    """What a comparing tool measures: this checkout (root None) unless ``checkout`` is false,
+    then each commit of the comma-separated ``refs``, exported, as ``(label, root)``. Raises
+    :class:`BaselineError` naming the first ref that is not a commit."""
+    found: list[tuple[str, str | None]] = [("checkout", None)] if checkout else []
+    for ref in [r for r in (refs or "").split(",") if r]:
+        dest = Path(tempfile.mkdtemp(prefix="narwhal-baseline-"))
+        found.append((f"{ref} ({export(ref, repo, dest)[:10]})", str(dest)))
+    return found

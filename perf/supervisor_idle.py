@@ -186,15 +186,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="a setting for every target, e.g. placement.load_interval_s=0 (repeatable)")
     args = parser.parse_args(argv)
     repo = Path(__file__).resolve().parent.parent
-    targets: list[tuple[str, str | None]] = [] if args.no_checkout else [("checkout", None)]
-    for ref in [r for r in (args.baseline or "").split(",") if r]:
-        base = Path(tempfile.mkdtemp(prefix="narwhal-sup-idle-base-"))
-        try:
-            commit = baseline.export(ref, repo, base)
-        except baseline.BaselineError as exc:
-            print(f"perf.supervisor_idle: {exc}", file=sys.stderr)
-            return 2
-        targets.append((f"{ref} ({commit[:10]})", str(base)))
+    try:
+        targets = baseline.targets(args.baseline, repo, checkout=not args.no_checkout)
+    except baseline.BaselineError as exc:
+        print(f"perf.supervisor_idle: {exc}", file=sys.stderr)
+        return 2
     if not targets:
         parser.error("nothing to measure: --no-checkout needs --baseline")
     rows: list[tuple[int, str, list[Window], list[Window]]] = []

@@ -23,12 +23,12 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from perf import baseline
+from perf.load import procs
 
 CALL_PASSES = 200
 
@@ -39,14 +39,6 @@ class _Prober:
 
     async def health_failure(self, engine: Any) -> str | None:
         return None
-
-
-def _cpu_ns() -> int:
-    total = 0
-    for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/schedstat") as f:
-            total += int(f.read().split()[0])
-    return total
 
 
 async def _passes(engines: int, seconds: float) -> tuple[float, float]:
@@ -72,9 +64,9 @@ async def _passes(engines: int, seconds: float) -> tuple[float, float]:
     supervisor = Supervisor(shared, settings, holdings=create_holdings(settings, shared.layout.slots))
     running = asyncio.ensure_future(supervisor.run())  # the real loop, as the supervisor process runs it
     await asyncio.sleep(1.0)  # its start first: imports, the first publish, caches
-    start, began = _cpu_ns(), time.monotonic()
+    start, began = procs.self_cpu_ns(), time.monotonic()
     await asyncio.sleep(seconds)
-    cpu = (_cpu_ns() - start) / 1e6 / (time.monotonic() - began)
+    cpu = (procs.self_cpu_ns() - start) / 1e6 / (time.monotonic() - began)
     running.cancel()
     await asyncio.gather(running, return_exceptions=True)
     loop = supervisor.start(_Prober(), LoadReader(shared, PooledReader(settings.engine, 1.0)))  # type: ignore[arg-type]
@@ -113,15 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         print(*uvloop.run(_passes(int(args.child[0]), float(args.child[1]))))
         return 0
     repo = Path(__file__).resolve().parent.parent
-    targets: list[tuple[str, str | None]] = [("checkout", None)]
-    for ref in [r for r in (args.baseline or "").split(",") if r]:
-        dest = Path(tempfile.mkdtemp(prefix="narwhal-sup-pass-"))
-        try:
-            commit = baseline.export(ref, repo, dest)
-        except baseline.BaselineError as exc:
-            print(f"perf.supervisor_pass: {exc}", file=sys.stderr)
-            return 2
-        targets.append((f"{ref} ({commit[:10]})", str(dest)))
+    try:
+        targets = baseline.targets(args.baseline, repo)
+    except baseline.BaselineError as exc:
+        print(f"perf.supervisor_pass: {exc}", file=sys.stderr)
+        return 2
     print("| engines | target | loop CPU (ms/s), median | rounds | Python calls per pass |\n|---:|---|---:|---|---:|")
     for engines in [int(n) for n in args.engines.split(",") if n.strip()]:
         figures: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in targets}

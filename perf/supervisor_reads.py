@@ -24,12 +24,12 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from perf import baseline
+from perf.load import procs
 
 CALL_READS = 200
 # A histogram's lines as vLLM writes them: what a real /metrics is mostly made of.
@@ -81,14 +81,6 @@ def _wait_listening(port: int, timeout_s: float = 30.0) -> None:
     raise RuntimeError(f"the /metrics server on port {port} did not start")
 
 
-def _cpu_ns() -> int:
-    total = 0
-    for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/schedstat") as f:
-            total += int(f.read().split()[0])
-    return total
-
-
 async def _reads(url: str, count: int) -> tuple[float, float]:
     """``count`` reads of the engine at ``url``: µs of CPU per read, then Python calls per read."""
     from narwhal.engines.control import PooledReader
@@ -106,10 +98,10 @@ async def _reads(url: str, count: int) -> tuple[float, float]:
     engine: Any = Fleet(settings).engines[0]
     for _ in range(100):  # the connection, the caches
         await reader._read(engine)
-    start = _cpu_ns()
+    start = procs.self_cpu_ns()
     for _ in range(count):
         await reader._read(engine)
-    cpu_us = (_cpu_ns() - start) / 1e3 / count
+    cpu_us = (procs.self_cpu_ns() - start) / 1e3 / count
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(CALL_READS):
@@ -147,15 +139,11 @@ def main(argv: list[str] | None = None) -> int:
         _serve(int(args.serve[0]), _body(int(args.serve[1])))
         return 0
     repo = Path(__file__).resolve().parent.parent
-    targets: list[tuple[str, str | None]] = [("checkout", None)]
-    for ref in [r for r in (args.baseline or "").split(",") if r]:
-        dest = Path(tempfile.mkdtemp(prefix="narwhal-sup-reads-"))
-        try:
-            commit = baseline.export(ref, repo, dest)
-        except baseline.BaselineError as exc:
-            print(f"perf.supervisor_reads: {exc}", file=sys.stderr)
-            return 2
-        targets.append((f"{ref} ({commit[:10]})", str(dest)))
+    try:
+        targets = baseline.targets(args.baseline, repo)
+    except baseline.BaselineError as exc:
+        print(f"perf.supervisor_reads: {exc}", file=sys.stderr)
+        return 2
     print("| body | target | µs CPU per read, median | rounds | Python calls per read |\n|---|---|---:|---|---:|")
     for kib in [int(k) for k in args.body_kib.split(",") if k.strip()]:
         port = _free_port()
