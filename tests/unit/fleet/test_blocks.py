@@ -14,7 +14,7 @@ import pytest
 
 from narwhal.fleet.placement.blocks import PrefixBlocks
 from narwhal.settings import PlacementSettings, Settings
-from tests.unit.fleet.test_placement_choice import KEY, PRODUCERS, _fleet, _place
+from tests.unit.fleet.placement_support import KEY, PRODUCERS, fleet_of, place
 
 TEXT = "narwhal block keys, version 1. " * 20  # 620 characters: 2 full blocks of 256
 KNOWN_0, KNOWN_1 = 16089810404084641342, 14524211667425308471  # TEXT's keys, pinned
@@ -109,10 +109,10 @@ def test_prefix_affinity_false_means_least_loaded(values: dict[str, Any], policy
     ({"policy": "affinity"}, "affinity", 1),  # the rendezvous rule: the key's one favourite
 ])
 def test_each_policy_places_as_spec_says(values: dict[str, Any], choice: str, producers: int) -> None:
-    placement, *_ = _fleet(**values)
+    placement, *_ = fleet_of(**values)
     chosen: Counter[str] = Counter()
     for _ in range(60):
-        found = _place(placement, KEY)
+        found = place(placement, KEY)
         chosen[found.producer.name] += 1
         assert found.choice == choice
         found.release()

@@ -14,116 +14,66 @@ from narwhal.fleet.placement.blocks import PrefixBlocks
 from narwhal.fleet.placement.held import MISS_WEIGHT, matched_blocks
 from narwhal.settings import Settings
 from narwhal.shm.holdings import Held
-from tests.unit.fleet.test_placement import MODEL, FakeView
-from tests.unit.fleet.test_placement_choice import Clock, Reading, Readings
-
-PRODUCERS = [f"p{i}" for i in range(4)]
-PREFIX = "".join(f"system prompt block {i:03d} ".ljust(256, ".") for i in range(8))  # 8 blocks of 256
-
-
-class FakeHoldings:
-    """A HoldingsSource: per engine index what the supervisor would have published."""
-
-    def __init__(self, engines: int) -> None:
-        self.held: list[Held | None] = [None] * engines
-        self.queued = [0] * engines  # this host's in-flight prefill work, in uncached characters
-
-    def set(self, index: int, keys: list[int], rate: float | None = None, mean: float = 0.0) -> None:
-        self.held[index] = Held(frozenset(keys), len(keys), None, 4.0, rate, mean, 1)
-
-    def current(self) -> list[Held | None]:
-        return self.held
-
-    def work(self) -> list[int]:
-        return self.queued
-
-    def add_work(self, engine: int, chars: int) -> None:
-        self.queued[engine] += chars
-
-
-def _build(seed: int = 0, **placement: Any) -> tuple[Placement, FakeHoldings, Readings, Clock, LocalInflight]:
-    engines = [{"name": n, "role": "producer"} for n in PRODUCERS] + [{"name": "d0", "role": "consumer"}]
-    specs = [{"url": f"http://127.0.0.1:{9000 + i}", "models": [MODEL], **e} for i, e in enumerate(engines)]
-    settings = Settings(engines=specs, placement={"policy": "held", **placement})
-    fleet = Fleet(settings)
-    holdings, readings, clock = FakeHoldings(len(fleet.engines)), Readings(fleet), Clock()
-    inflight = LocalInflight(len(fleet.engines))
-    built = Placement(fleet, FakeView(), inflight, settings.placement, random.Random(seed), loads=readings,
-                      clock=clock, holdings=holdings)
-    return built, holdings, readings, clock, inflight
-
-
-def _blocks(text: str = PREFIX + "the user's question") -> PrefixBlocks:
-    return PrefixBlocks(text, 256, 65536)
-
-
-def _place(placement: Placement, blocks: PrefixBlocks) -> Reservation:
-    found = placement.try_place(MODEL, frozenset(), None, False, blocks)
-    assert found is not None
-    return found
-
-
-def _ranked(blocks: PrefixBlocks) -> list[str]:
-    return rank(list(PRODUCERS), blocks.key(0), key_hash)
-
+from tests.unit.fleet.held_support import PREFIX, PRODUCERS, FakeHoldings, build_held, place_blocks, prompt_blocks, ranked
+from tests.unit.fleet.placement_support import MODEL, Reading
 
 def test_nothing_held_anywhere_every_placement_agrees_on_the_rendezvous_favourite() -> None:
-    blocks = _blocks()
+    blocks = prompt_blocks()
     for seed in range(5):  # other workers and replicas: other random streams, the same choice
-        placement, *_ = _build(seed)
-        found = _place(placement, _blocks())
-        assert (found.producer.name, found.choice, found.predicted_chars) == (_ranked(blocks)[0], "rendezvous", 0)
+        placement, *_ = build_held(seed)
+        found = place_blocks(placement, prompt_blocks())
+        assert (found.producer.name, found.choice, found.predicted_chars) == (ranked(blocks)[0], "rendezvous", 0)
 
 
 def test_the_producer_holding_the_prefix_wins_and_says_how_much_it_holds() -> None:
-    placement, holdings, *_ = _build()
-    blocks = _blocks()
-    other = _ranked(blocks)[-1]  # not the one rank alone would pick
+    placement, holdings, *_ = build_held()
+    blocks = prompt_blocks()
+    other = ranked(blocks)[-1]  # not the one rank alone would pick
     holdings.set(PRODUCERS.index(other), blocks.keys()[:5])
-    found = _place(placement, _blocks())
+    found = place_blocks(placement, prompt_blocks())
     assert (found.producer.name, found.choice, found.predicted_chars) == (other, "held", 5 * 256)
 
 
 def test_a_holder_with_a_long_queue_loses_to_an_idle_producer_that_hands_off_sooner() -> None:
-    placement, holdings, readings, clock, _ = _build()
-    blocks = _blocks()
-    holder = _ranked(blocks)[-1]
+    placement, holdings, readings, clock, _ = build_held()
+    blocks = prompt_blocks()
+    holder = ranked(blocks)[-1]
     holdings.set(PRODUCERS.index(holder), blocks.keys()[:2], mean=2000.0)
     # 6 requests there (its own report), each reckoned at the fleet's mean of 2,000 uncached characters.
     readings.set(**{holder: Reading(read_at=clock.now, running=4, waiting=2)})
-    found = _place(placement, _blocks())
+    found = place_blocks(placement, prompt_blocks())
     assert found.producer.name != holder and found.choice == "least_loaded"
 
 
 def test_a_slower_producer_is_passed_over_when_nothing_is_held() -> None:
-    placement, holdings, *_ = _build()
-    blocks = _blocks()
-    favourite = _ranked(blocks)[0]
+    placement, holdings, *_ = build_held()
+    blocks = prompt_blocks()
+    favourite = ranked(blocks)[0]
     for i, name in enumerate(PRODUCERS):
         holdings.set(i, [], rate=100_000.0 if name == favourite else 200_000.0)
-    found = _place(placement, _blocks())
-    assert found.producer.name == _ranked(blocks)[1] and found.choice == "rendezvous"
+    found = place_blocks(placement, prompt_blocks())
+    assert found.producer.name == ranked(blocks)[1] and found.choice == "rendezvous"
 
 
 def test_estimates_within_the_slack_are_ordered_by_rank() -> None:
-    placement, holdings, *_ = _build()
-    blocks = _blocks()
-    favourite = _ranked(blocks)[0]
+    placement, holdings, *_ = build_held()
+    blocks = prompt_blocks()
+    favourite = ranked(blocks)[0]
     for i, name in enumerate(PRODUCERS):  # the favourite 5 % slower: within the 10 % slack
         holdings.set(i, [], rate=95_000.0 if name == favourite else 100_000.0)
-    assert _place(placement, _blocks()).producer.name == favourite
-    slack0, holdings0, *_ = _build(affinity_slack=0.0)
+    assert place_blocks(placement, prompt_blocks()).producer.name == favourite
+    slack0, holdings0, *_ = build_held(affinity_slack=0.0)
     holdings0.held = holdings.held
-    assert _place(slack0, _blocks()).producer.name != favourite
+    assert place_blocks(slack0, prompt_blocks()).producer.name != favourite
 
 
 def test_the_lookup_stops_at_the_first_block_nobody_holds() -> None:
-    blocks = _blocks()
+    blocks = prompt_blocks()
     held = frozenset(PrefixBlocks(PREFIX, 256, 65536).keys()[:2])
-    fresh = _blocks()
+    fresh = prompt_blocks()
     assert matched_blocks(fresh, [held, frozenset()]) == [2, 0]
     assert len(fresh.keys(0)) == 4  # blocks 0, 1 held, block 2 looked at: one batch of 4, nothing beyond
-    nobody = _blocks()
+    nobody = prompt_blocks()
     assert matched_blocks(nobody, [frozenset(), frozenset()]) == [0, 0] and len(nobody.keys(0)) == 0
     long = PrefixBlocks(PREFIX * 4, 256, 65536)  # 32 blocks, the first 8 held
     assert matched_blocks(long, [held | frozenset(long.keys(8)), frozenset()]) == [8, 0]
@@ -132,57 +82,57 @@ def test_the_lookup_stops_at_the_first_block_nobody_holds() -> None:
 
 
 def test_saturation_sends_last_only_the_producers_that_would_compute_the_prompt() -> None:
-    placement, holdings, readings, clock, _ = _build()
-    blocks = _blocks()
-    holder = _ranked(blocks)[-1]
+    placement, holdings, readings, clock, _ = build_held()
+    blocks = prompt_blocks()
+    holder = ranked(blocks)[-1]
     holdings.set(PRODUCERS.index(holder), blocks.keys())
     # A scarce KV is always nearly full: a saturated holder shares its cached blocks and stays first.
     readings.set(**{holder: Reading(read_at=clock.now, kv_usage=0.99)})
-    found = _place(placement, _blocks())
+    found = place_blocks(placement, prompt_blocks())
     assert (found.producer.name, found.choice) == (holder, "held")
     found.release()
     # A saturated producer that holds nothing of the prompt goes after the unsaturated ones.
-    other = _blocks("another tenant's prompt " * 40)
-    favourite = _ranked(other)[0]
-    found = _place(placement, other)
+    other = prompt_blocks("another tenant's prompt " * 40)
+    favourite = ranked(other)[0]
+    found = place_blocks(placement, other)
     assert found.producer.name == favourite  # unsaturated: its rank decides
     found.release()
     readings.set(**{favourite: Reading(read_at=clock.now, kv_usage=0.99)})
-    found = _place(placement, other)
+    found = place_blocks(placement, other)
     assert found.producer.name != favourite and found.choice == "rendezvous"
     found.release()
     readings.set(**{n: Reading(read_at=clock.now, kv_usage=0.99) for n in PRODUCERS})
-    found = _place(placement, _blocks())
+    found = place_blocks(placement, prompt_blocks())
     assert (found.producer.name, found.choice) == (holder, "saturated")
     clock.now += 10  # the readings went stale: saturation is no longer known
     found.release()
-    assert _place(placement, _blocks()).choice == "held"
+    assert place_blocks(placement, prompt_blocks()).choice == "held"
 
 
 def test_a_prompt_without_a_full_block_is_placed_by_the_affinity_rule_or_load() -> None:
-    placement, *_ = _build()
+    placement, *_ = build_held()
     found = placement.try_place(MODEL, frozenset(), None, False, None)
     assert found is not None and found.choice == "least_loaded" and found.predicted_chars is None
 
 
 def test_this_hosts_prefills_in_flight_count_by_their_own_uncached_characters() -> None:
-    placement, holdings, *_ = _build()
-    blocks = _blocks()
-    holder, second = _ranked(blocks)[-1], _ranked(blocks)[0]
+    placement, holdings, *_ = build_held()
+    blocks = prompt_blocks()
+    holder, second = ranked(blocks)[-1], ranked(blocks)[0]
     holdings.set(PRODUCERS.index(holder), blocks.keys(), mean=3000.0)
-    first = _place(placement, _blocks())
+    first = place_blocks(placement, prompt_blocks())
     # Held: it computes only the prompt's tail, and that much is now queued there until the leg ends.
     tail = len(blocks.text) - blocks.count * 256
     assert (first.producer.name, first.work, first.queued_chars) == (holder, tail, 0)
     assert holdings.queued[PRODUCERS.index(holder)] == tail
     # Its own queued legs are cheap hits: a second one still goes there (the fleet's mean of
     # 3,000 characters a request would have sent it away).
-    again = _place(placement, _blocks())
+    again = place_blocks(placement, prompt_blocks())
     assert (again.producer.name, again.queued_chars) == (holder, tail)
     # A real backlog there, over MISS_WEIGHT times the prompt (a miss elsewhere counts its
     # uncached characters that many times): the idle favourite now.
     backlog = int(MISS_WEIGHT * len(blocks.text)) + 1
     holdings.queued[PRODUCERS.index(holder)] = backlog
-    assert _place(placement, _blocks()).producer.name == second
+    assert place_blocks(placement, prompt_blocks()).producer.name == second
     first.release_prefill()
     assert holdings.queued[PRODUCERS.index(holder)] == backlog - tail and first.work == 0

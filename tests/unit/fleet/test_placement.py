@@ -26,31 +26,7 @@ from narwhal.shm.shared import SharedFleet
 from narwhal.shm.table import record_hash
 from narwhal.shm.worker import WorkerFleetState
 
-MODEL = "m"
-
-
-class FakeView:
-    """``out``: names out of placement; ``left``: name -> seconds of quarantine left."""
-
-    def __init__(self) -> None:
-        self.out: set[str] = set()
-        self.left: dict[str, float] = {}
-        self.calls: Counter[str] = Counter()
-
-    def admitted(self, engine: Engine) -> bool:
-        return engine.name not in self.out and engine.name not in self.left
-
-    def placeable(self, engine: Engine) -> bool:
-        self.calls["placeable"] += 1
-        return engine.name not in self.out
-
-    def any_quarantined(self) -> bool:
-        self.calls["any_quarantined"] += 1
-        return bool(self.left)
-
-    def quarantine_left(self, engine: Engine) -> float:
-        self.calls["quarantine_left"] += 1
-        return self.left.get(engine.name, 0.0)
+from tests.unit.fleet.placement_support import MODEL, FakeView  # noqa: E402
 
 
 def _settings(*engines: dict[str, Any]) -> Settings:
