@@ -4,18 +4,18 @@ rendezvous rank of the prompt's first block key, labels ``held`` / ``rendezvous`
 
 from __future__ import annotations
 
-import random
-from typing import Any
-
-from narwhal.fleet import Fleet
-from narwhal.fleet.placement import LocalInflight, Placement, Reservation
-from narwhal.fleet.placement.affinity import key_hash, rank
 from narwhal.fleet.placement.blocks import PrefixBlocks
 from narwhal.fleet.placement.held import MISS_WEIGHT, matched_blocks
-from narwhal.settings import Settings
-from narwhal.shm.holdings import Held
-from tests.unit.fleet.held_support import PREFIX, PRODUCERS, FakeHoldings, build_held, place_blocks, prompt_blocks, ranked
+from tests.unit.fleet.held_support import (
+    PREFIX,
+    PRODUCERS,
+    build_held,
+    place_blocks,
+    prompt_blocks,
+    ranked,
+)
 from tests.unit.fleet.placement_support import MODEL, Reading
+
 
 def test_nothing_held_anywhere_every_placement_agrees_on_the_rendezvous_favourite() -> None:
     blocks = prompt_blocks()

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from narwhal.errors import PlacementError
-from narwhal.fleet import Engine, Fleet
+from narwhal.fleet import Fleet
 from narwhal.fleet.placement import LocalInflight, Placement, Reservation
 from narwhal.request.slot_wait import WaitingPlacement
 from narwhal.settings import Settings
@@ -25,8 +25,7 @@ from narwhal.shm.records import EngineRecord, write_record
 from narwhal.shm.shared import SharedFleet
 from narwhal.shm.table import record_hash
 from narwhal.shm.worker import WorkerFleetState
-
-from tests.unit.fleet.placement_support import MODEL, FakeView  # noqa: E402
+from tests.unit.fleet.placement_support import MODEL, FakeView
 
 
 def _settings(*engines: dict[str, Any]) -> Settings:

@@ -11,15 +11,23 @@ import random
 import subprocess
 import sys
 from collections import Counter
-from dataclasses import dataclass
-from typing import Any
 
 from narwhal.fleet import Fleet
-from narwhal.fleet.placement import LocalInflight, Placement, Reservation
+from narwhal.fleet.placement import LocalInflight, Placement
 from narwhal.fleet.placement.affinity import key_hash, rank
 from narwhal.fleet.placement.load import fresh_loads
 from narwhal.settings import Settings
-from tests.unit.fleet.placement_support import KEY, MODEL, PRODUCERS, Clock, FakeView, Reading, Readings, build, fleet_of, place
+from tests.unit.fleet.placement_support import (
+    KEY,
+    MODEL,
+    PRODUCERS,
+    FakeView,
+    Reading,
+    build,
+    fleet_of,
+    place,
+)
+
 
 def _consumers(placement: Placement, n: int) -> Counter[str]:
     chosen: Counter[str] = Counter()
