@@ -19,11 +19,13 @@ An engine is read:
 Invariants, and why:
 
 * The loop never waits: reads are tasks, one per engine at most, each bounded by
-  :data:`READ_TIMEOUT_S`, started from the loop's pass (``tick``), which only compares.
+  :data:`READ_TIMEOUT_S`, started from the loop's pass (``tick``), which only compares, and
+  started a batch at a time (``supervisor.rounds``), so a large fleet's round delays no beat.
 * An engine that stops answering keeps the models it last answered with: whether it takes
   requests is its breaker's call, not this module's. One that never answered serves none.
-* A round is published only when something changed: every engine's record is rewritten under
-  the next models generation, then the generation is bumped (``shm.models``: workers wait for
+* A round is published only when something changed, at most once per pass of the loop (a
+  round's answers come together): every engine's record is rewritten under the next models
+  generation, then the generation is bumped (``shm.models``: workers wait for
   the records to carry it). A bound that bites (a name too long, too many names) is logged
   once per change of the answer, never per read.
 """
@@ -31,8 +33,10 @@ Invariants, and why:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 
@@ -42,6 +46,7 @@ from narwhal.fleet.breaker import State
 from narwhal.shm import models as M
 from narwhal.shm.records import RecordBusy
 from narwhal.shm.table import record_hash
+from narwhal.supervisor.rounds import spread
 
 if TYPE_CHECKING:
     from narwhal.supervisor.main import Supervisor
@@ -51,6 +56,7 @@ log = logging.getLogger("narwhal.supervisor.models")
 READ_TIMEOUT_S = 5.0  # one /v1/models read; an engine slower than this is asked again later
 RETRY_S = 1.0
 REFRESH_S = 30.0
+SPREAD_S = 0.25  # a round's reads start over this (a batch per pass of the loop), the first at once
 _OUT = frozenset({State.EJECTED, State.PROBING, State.DRAINING})
 
 Known = tuple[int, int, tuple[str, ...]]  # identity hash, status (shm.models), models
@@ -72,7 +78,8 @@ class ModelReader:
         self.control = control
         self._known: dict[str, Known] = {}  # by engine name: what was last published for it
         self._reading: set[str] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._changed = False  # an answer changed something: publish at the next pass
         self._out: dict[str, bool] = {}  # by engine name: out at the last look (readmission = out, then not)
         self._breakers_seen = -1
         self._engines_seen: list[Engine] | None = None
@@ -97,7 +104,7 @@ class ModelReader:
                 self._known[engine.name] = (ident, rec.status, rec.models)
 
     def tick(self, now: float) -> None:
-        """Start the reads due now (never awaited); publish at once when the engines changed."""
+        """Publish what changed since the last pass (answers, engines), then start the reads due now (never awaited)."""
         engines = self.sup.fleet.engines
         due = self._readmitted()
         if engines is not self._engines_seen:  # the start, or engines joined or left (discovery)
@@ -105,7 +112,7 @@ class ModelReader:
             idents = {e.name: record_hash(e.name, e.url) for e in engines}
             self._known = {n: k for n, k in self._known.items() if idents.get(n) == k[0]}
             due += [e for e in engines if e.name not in self._known]
-            self.publish()
+            self._changed = True
         if now >= self._next_refresh:
             self._next_refresh = now + REFRESH_S
             self._next_retry = now + RETRY_S
@@ -113,12 +120,21 @@ class ModelReader:
         elif now >= self._next_retry:
             self._next_retry = now + RETRY_S
             due += [e for e in engines if self._known.get(e.name, (0, M.PENDING))[1] != M.ANSWERED]
-        for engine in due:
-            if not engine.models_configured and engine.name not in self._reading:
-                self._reading.add(engine.name)
-                task = asyncio.ensure_future(self._read(engine))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+        if self._changed:
+            self._changed = False
+            self.publish()
+        due = [e for e in dict.fromkeys(due) if not e.models_configured and e.name not in self._reading]
+        if due:
+            self._reading.update(e.name for e in due)
+            self._track(spread([functools.partial(self._start, e) for e in due], SPREAD_S))
+
+    def _start(self, engine: Engine) -> None:
+        self._track(self._read(engine))
+
+    def _track(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _readmitted(self) -> list[Engine]:
         """Engines serving again after being out since the last look (only when a breaker moved)."""
@@ -153,7 +169,7 @@ class ModelReader:
         return parse_models(body) if status == 200 else None
 
     def settle(self, engine: Engine, answer: list[str] | None) -> None:
-        """Take one read's answer (None: no answer, or not a model list); publish if it changed anything."""
+        """Take one read's answer (None: no answer, or not a model list); what changed goes out at the next pass."""
         ident = record_hash(engine.name, engine.url)
         old = self._known.get(engine.name)
         if answer is None:
@@ -172,7 +188,7 @@ class ModelReader:
                 log.info("engine %s serves %s", engine.name, list(fitted.models))
         if new != old:
             self._known[engine.name] = new
-            self.publish()
+            self._changed = True
 
     def publish(self) -> None:
         """Every engine's record under the next models generation, then the bump (``shm.models``)."""
