@@ -102,6 +102,7 @@ class ModelReader:
             ident = record_hash(engine.name, engine.url)
             if rec is not None and rec.name_hash == ident and rec.status in (M.ANSWERED, M.UNANSWERED):
                 self._known[engine.name] = (ident, rec.status, rec.models)
+                self.sup.fleet.set_models(engine, frozenset(rec.models))
 
     def tick(self, now: float) -> None:
         """Publish what changed since the last pass (answers, engines), then start the reads due now (never awaited)."""
@@ -185,10 +186,10 @@ class ModelReader:
                 refusal = fitted.refusal(engine.name)
                 if refusal is not None:
                     log.warning("%s", refusal)
-                log.info("engine %s serves %s", engine.name, list(fitted.models))
         if new != old:
             self._known[engine.name] = new
             self._changed = True
+            self.sup.fleet.set_models(engine, frozenset(new[2]))  # logs the change; probes' fallback model
 
     def publish(self) -> None:
         """Every engine's record under the next models generation, then the bump (``shm.models``)."""

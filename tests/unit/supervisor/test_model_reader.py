@@ -106,6 +106,7 @@ async def test_the_start_reads_each_engine_once_and_workers_take_the_models_up(
     worker.check()
     assert models_of(worker.fleet) == {"p0": {"m-one"}, "d0": {"m-one", "lora-a"}, "c0": {"fixed"}}
     assert worker.fleet.served_models == {"m-one", "lora-a", "fixed"}
+    assert models_of(reader.sup.fleet) == models_of(worker.fleet)  # the supervisor's probes pick from them too
 
 
 async def test_an_engine_that_never_answered_is_asked_every_retry_and_one_that_stops_keeps_its_models(
