@@ -2,7 +2,8 @@
 real gunicorn with 2 workers: the supervisor reads the engine's ``/v1/models`` once at its start
 (the workers never do), both workers list what it read and refuse any other model with 404
 ``model_not_found``; an engine restarted with another model is read again as it is readmitted,
-and every worker serves the new model and refuses the old one.
+and every worker serves the new model and refuses the old one. A model name over the record's
+bound (``shm.models``) is left out with one line in the log, and refused like any other.
 
 Each worker is reached on its own keep-alive connection (``sessions_per_worker``); every wait is
 on a condition with a bound."""
@@ -19,6 +20,7 @@ import aiohttp
 import orjson
 import pytest
 
+from narwhal.shm.models import MAX_MODEL_BYTES
 from narwhal.testing.harness import FakeFleet, RouterProcess
 from tests.real_gunicorn.support import (
     TOKEN,
@@ -112,3 +114,18 @@ async def test_models_come_from_the_supervisor_and_a_restarted_engine_s_new_mode
         router.stop()
         if restarted is not None:
             restarted.stop()
+
+
+async def test_a_model_name_over_the_bound_is_left_out_logged_once_and_refused_as_no_engine_s(
+    first_fleet: FakeFleet, tmp_path: Path
+) -> None:
+    long = "org/" + "l" * MAX_MODEL_BYTES
+    first_fleet.control_request("PUT", f"/engines/{ENGINE}/faults", {"models": ["m-one", long]})
+    router = start_router(first_fleet, [{"name": ENGINE, "role": "both"}], tmp_path, server={"workers": 2})
+    try:
+        async with sessions_per_worker(router, 2) as sessions:
+            await serves_only(sessions, router, "m-one", other=long)
+        line = f"engine {ENGINE}: 1 model name(s) over {MAX_MODEL_BYTES} bytes left out ('org/{'l' * 36}...')"
+        assert router.log_text().count(line) == 1
+    finally:
+        router.stop()
