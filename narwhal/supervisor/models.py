@@ -76,6 +76,7 @@ class ModelReader:
     def __init__(self, sup: Supervisor, control: ControlGet) -> None:
         self.sup = sup
         self.control = control
+        self.session: aiohttp.ClientSession | None = None  # closed: the supervisor stopped, no read starts
         self._known: dict[str, Known] = {}  # by engine name: what was last published for it
         self._reading: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -90,7 +91,12 @@ class ModelReader:
     @classmethod
     def over(cls, sup: Supervisor, session: aiohttp.ClientSession) -> ModelReader:
         """A reader through ``session`` (the supervisor's: TLS and the engine key, ``engines.control``)."""
-        return cls(sup, ControlClient(session, sup.settings.engine, READ_TIMEOUT_S))
+        reader = cls(sup, ControlClient(session, sup.settings.engine, READ_TIMEOUT_S))
+        reader.session = session
+        return reader
+
+    def _stopped(self) -> bool:
+        return self.session is not None and self.session.closed
 
     def _restore(self) -> None:
         """Take what a previous supervisor published for the engines still known (none at first start)."""
@@ -130,6 +136,9 @@ class ModelReader:
             self._track(spread([functools.partial(self._start, e) for e in due], SPREAD_S))
 
     def _start(self, engine: Engine) -> None:
+        if self._stopped():  # a round still being spread when the supervisor stopped
+            self._reading.discard(engine.name)
+            return
         self._track(self._read(engine))
 
     def _track(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -155,6 +164,8 @@ class ModelReader:
         try:
             answer = await self._answer(engine)
         except Exception:  # a read must never take the supervisor down
+            if self._stopped():
+                return  # the session closed under it: the supervisor is stopping
             log.exception("reading the models of %s crashed", engine.name)
             answer = None
         finally:
