@@ -11,7 +11,7 @@ An engine is read:
   so nothing flaps while it reads again);
 * when it is readmitted — out (ejected, probing, draining) and then serving again — so an
   engine restarted with another model is seen as it comes back; and when it joins at run time
-  (discovery, SPEC §10), before its first probe ends;
+  (discovery, SPEC §10), as its first probe starts;
 * every :data:`RETRY_S` while it never answered (an engine down at start is picked up as it
   comes), and every engine every :data:`REFRESH_S`: a model swap that no readmission saw (an
   engine restarted between two health checks) still shows.
