@@ -1,8 +1,8 @@
 """How Narwhal reaches an engine: TLS, the engine key, and the control-plane reads.
 
 Invariant: every connection to an engine — both legs and releases (``client`` over
-``http1``), the workers' model discovery, preflight, and the supervisor's health checks,
-lifecycle validation and probes — verifies the engine with the context :func:`ssl_context`
+``http1``), preflight, and the supervisor's health checks, lifecycle validation, probes,
+load reads and model discovery — verifies the engine with the context :func:`ssl_context`
 builds from ``engine.ca_file``, sends the ``Authorization`` of :func:`auth_headers`, and
 every ``/v1/models`` and ``/version`` answer is read by :func:`parse_models` and
 :func:`parse_version`. SPEC §2 asks for the CA "on every connection to an engine".

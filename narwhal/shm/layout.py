@@ -18,6 +18,9 @@ any process: the memory goes when the last process holding it exits.
     descriptors      E ×     1024 B   seq, length, the engine's description as JSON, CRC: what a
                                        worker needs to build an engine it was never configured
                                        with (``shm.descriptors``; written with the table entry)
+    models generation           64 B   u64 bumped by the supervisor after each round of model records
+    model records    E ×     2048 B   seq, the engine's models from its /v1/models, CRC: written
+                                       only by the supervisor, read by workers (``shm.models``)
     worker slots     W × (64 B + E·8 B + E·4 B (to 8) + R·RING_ENTRY)
         slot header                    pid, requests and retries in flight, ring indices,
                                        client connections, the table epoch it mapped engines at
@@ -64,7 +67,7 @@ from dataclasses import dataclass
 from narwhal.settings import MAX_WORKERS
 
 MAGIC = 0x4E52574C  # "NRWL"
-VERSION = 5  # 2: unsent decodes; 3: records under a seqlock; 4: the engine table; 5: descriptors
+VERSION = 6  # 2: unsent decodes; 3: records under a seqlock; 4: the engine table; 5: descriptors; 6: models
 
 HEADER = struct.Struct("<IIIIIIQQQ")  # magic, version, engines, slots, ring, sup_pid, heartbeat_ns, generation, starts
 HEADER_SIZE = 64
@@ -83,6 +86,8 @@ RECORD_SIZE = 64
 LOAD_RECORD_SIZE = 64
 TABLE_ENTRY_SIZE = 32
 DESCRIPTOR_SIZE = 1024
+MODELS_HEADER_SIZE = 64  # the models generation (u64), alone on its line
+MODELS_RECORD_SIZE = 2048
 SLOT_HEADER_SIZE = 64
 # slot header: pid u32, requests in flight u32, retries in flight u32, dropped reports u32,
 #              ring write index u64 (worker), ring read index u64 (supervisor),
@@ -137,6 +142,15 @@ class Layout:
         return (HEADER_SIZE + self.engines * (RECORD_SIZE + LOAD_RECORD_SIZE + TABLE_ENTRY_SIZE)
                 + engine * DESCRIPTOR_SIZE)
 
+    @property
+    def models_generation_offset(self) -> int:
+        """Where the models generation sits (``shm.models``), after the descriptors."""
+        return HEADER_SIZE + self.engines * (RECORD_SIZE + LOAD_RECORD_SIZE + TABLE_ENTRY_SIZE + DESCRIPTOR_SIZE)
+
+    def models_offset(self, engine: int) -> int:
+        """Where engine slot ``engine``'s model record sits (``shm.models``)."""
+        return self.models_generation_offset + MODELS_HEADER_SIZE + engine * MODELS_RECORD_SIZE
+
     @functools.cached_property
     def _unsent_size(self) -> int:
         return (self.engines * 4 + 7) // 8 * 8  # slots stay 8-byte aligned for their u64 fields
@@ -148,7 +162,7 @@ class Layout:
 
     @functools.cached_property
     def _slots_base(self) -> int:
-        return HEADER_SIZE + self.engines * (RECORD_SIZE + LOAD_RECORD_SIZE + TABLE_ENTRY_SIZE + DESCRIPTOR_SIZE)
+        return self.models_offset(self.engines)
 
     def slot_offset(self, slot: int) -> int:
         """Where worker slot ``slot`` starts."""

@@ -5,8 +5,8 @@ Who writes what (one writer per field):
 * master: the header's sizes at creation, the supervisor start count (it starts every
   supervisor), the engine table and its epoch (at start and each reload, before forking:
   ``shm.table``); a dead worker's slot (``child_exit``), since its only writer is gone;
-* supervisor: engine records, generation, heartbeat, its pid, ring read indices, and the
-  slots of workers it finds dead;
+* supervisor: engine records, generation, load and model records (``shm.models``) and their
+  generations, heartbeat, its pid, ring read indices, and the slots of workers it finds dead;
 * a worker: its own slot (pid at claim, the table epoch it mapped its engines at, counts,
   ring entries, ring write index), and the slots-in-use mark when it claims past it.
 

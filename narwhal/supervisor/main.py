@@ -12,9 +12,9 @@ so a test drives the passes with a fake one (tests/unit/supervisor/test_supervis
    loop period (~20 ms) of the report that caused it; the state gauges follow at once.
 
 Less often: health checks of admitted engines, reading their load (``supervisor.load``, every
-``placement.load_interval_s``), sweeping slots of dead workers, exporting the in-flight
-gauges. A supervisor that (re)starts takes the last published records as its starting state,
-so a restart loses no ejection.
+``placement.load_interval_s``) and their models (``supervisor.models``: at start, at readmission),
+sweeping slots of dead workers, exporting the in-flight gauges. A (re)started supervisor takes
+the last published records as its starting state, so a restart loses no ejection.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ from narwhal.shm.shared import SharedFleet, alive
 from narwhal.shm.table import record_hash
 from narwhal.supervisor.holdings import HoldingsModel
 from narwhal.supervisor.load import LoadReader
+from narwhal.supervisor.models import ModelReader
 from narwhal.supervisor.probes import Prober
 from narwhal.supervisor.rounds import spread
 
@@ -86,6 +87,7 @@ class Loop:
     next_load: float = 0.0
     next_sweep: float = 0.0
     next_export: float = 0.0
+    models: ModelReader | None = None  # the engines' /v1/models (run: it reads over the session)
 
 
 class Supervisor:
@@ -123,16 +125,10 @@ class Supervisor:
             self.model = HoldingsModel(stamps, holdings.layout.keys, settings.placement.block_chars, self.fleet.engines)
 
     def _infos(self) -> list[EngineInfo]:
-        return [
-            EngineInfo(
-                name=e.name,
-                role=e.role,
-                wave=e.wave,
-                permitted_consumers=frozenset(d.name for d in e.permitted_consumers),
-                permitted_producers=frozenset(p.name for p in e.permitted_producers),
-            )
-            for e in self.fleet.engines
-        ]
+        return [EngineInfo(name=e.name, role=e.role, wave=e.wave,
+                           permitted_consumers=frozenset(d.name for d in e.permitted_consumers),
+                           permitted_producers=frozenset(p.name for p in e.permitted_producers))
+                for e in self.fleet.engines]
 
     def _map_slots(self) -> None:
         # Engine slots (shm.table): what every shared record, count and report is keyed by; the
@@ -146,6 +142,10 @@ class Supervisor:
         self._slot: dict[str, int] = {name: slot for name, slot in slots.items() if slot is not None}
         self._by_slot: dict[int, Engine] = {self._slot[e.name]: e for e in self.fleet.engines}
         self._span = max(self._slot.values(), default=-1) + 1
+
+    def slot_of(self, engine: Engine) -> int:
+        """The engine's slot in the shared table: where its records sit (``shm.table``)."""
+        return self._slot[engine.name]
 
     def set_engines(self, members: list[tuple[int, EngineSpec]], joining: set[str]) -> None:
         """Discovery: the engines become ``members`` (engine slot, entry); those named in
@@ -162,7 +162,7 @@ class Supervisor:
         now = self._clock()
         for engine in self.fleet.engines:
             try:  # no supervisor is writing now: a record its predecessor left mid-write counts if whole
-                rec = read_record(self.shared.region, self._slot[engine.name], writer_gone=True)
+                rec = read_record(self.shared.region, self.slot_of(engine), writer_gone=True)
             except RecordBusy:
                 continue
             if rec is None or rec.name_hash != record_hash(engine.name, engine.url):
@@ -187,22 +187,18 @@ class Supervisor:
         version = self.shared.generation + 1  # each record carries it: shm.worker waits for it
         for engine in self.fleet.engines:
             st = self.breakers.status(engine.name)
-            write_record(
-                self.shared.region,
-                self._slot[engine.name],
-                EngineRecord(
-                    version=version,
-                    state=int(st.state),
-                    failure_streak=st.failure_streak,
-                    ejections=st.ejections,
-                    quarantined_until=None if st.quarantined_until is None else st.quarantined_until + self._wall,
-                    last_failure_reason=st.last_failure_reason,
-                    last_failure_at=None if st.last_failure_at is None else st.last_failure_at + self._wall,
-                    name_hash=record_hash(engine.name, engine.url),
-                    flags=(RECORD_BY_OPERATOR if self.breakers.ejected_by_operator(engine.name) else 0)
-                    | (RECORD_WAITING_FOR_WAVE if self.breakers.waiting_for_wave(engine.name) else 0),
-                ),
-            )
+            write_record(self.shared.region, self.slot_of(engine), EngineRecord(
+                version=version,
+                state=int(st.state),
+                failure_streak=st.failure_streak,
+                ejections=st.ejections,
+                quarantined_until=None if st.quarantined_until is None else st.quarantined_until + self._wall,
+                last_failure_reason=st.last_failure_reason,
+                last_failure_at=None if st.last_failure_at is None else st.last_failure_at + self._wall,
+                name_hash=record_hash(engine.name, engine.url),
+                flags=(RECORD_BY_OPERATOR if self.breakers.ejected_by_operator(engine.name) else 0)
+                | (RECORD_WAITING_FOR_WAVE if self.breakers.waiting_for_wave(engine.name) else 0),
+            ))
         self.shared.bump_generation()
         self._published = self.breakers.version
         if self.model is not None:
@@ -380,6 +376,8 @@ class Supervisor:
                 loop.discovery.sweep()
         if self.breakers.version != self._published:
             self.publish()
+        if loop.models is not None:  # after the publish: a readmission is read once it is published
+            loop.models.tick(now)
         if now >= loop.next_export:
             loop.next_export = now + EXPORT_S
             self.export()
@@ -394,6 +392,7 @@ class Supervisor:
             loads = LoadReader(self.shared, PooledReader(self.settings.engine, load_every or 1.0),
                                on_capacity=None if self.model is None else self.model.set_capacity)
             loop = self.start(Prober(self.settings, self.fleet, session, self.admitted), loads)
+            loop.models = ModelReader.over(self, session)
             while True:
                 self.step(loop)
                 await asyncio.sleep(LOOP_S)

@@ -23,24 +23,21 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from narwhal import __version__, metrics
 from narwhal.engines import dialects
-from narwhal.engines.control import ControlClient, open_session
 from narwhal.engines.endpoints import BY_PATH, ENDPOINTS, Endpoint
 from narwhal.errors import NarwhalError, RequestError
-from narwhal.fleet import Fleet
 from narwhal.reasons import Reason
 from narwhal.request.admission import check_api_key
 from narwhal.request.ids import client_request_id
 from narwhal.request.router import Router, error_response
 from narwhal.settings import Settings, current_or_load
 from narwhal.shm.worker import WorkerFleetState
-from narwhal.worker import roster_follow
+from narwhal.worker import models_follow, roster_follow
 from narwhal.worker.accept import BalancedSite, ConnectionShare, take_listeners
 from narwhal.worker.admin import add_admin_routes
 from narwhal.worker.compose import compose
@@ -53,7 +50,6 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ROUTER = web.AppKey("router", Router)
 SETTINGS = web.AppKey("settings", Settings)
 _TASKS = web.AppKey("tasks", list)
-_SESSION = web.AppKey("session", aiohttp.ClientSession)  # model discovery; engine legs use EngineClient
 STATE = web.AppKey("state", object)
 _VERSION_BODY = web.AppKey("version_body", bytes)
 
@@ -207,43 +203,20 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
-DISCOVERY_TIMEOUT_S = 5.0  # one /v1/models read; an engine slower than this is asked again later
-
-
-async def discover_models(fleet: Fleet, control: ControlClient) -> None:
-    """Read ``/v1/models`` of engines without configured models (unreachable ones keep theirs)."""
-    todo = [e for e in fleet.engines if not e.models_configured]
-    found = await asyncio.gather(*(control.models(e) for e in todo))
-    for engine, models in zip(todo, found, strict=True):
-        if models is not None:
-            fleet.set_models(engine, frozenset(models))
-
-
-async def _keep_discovering(fleet: Fleet, control: ControlClient) -> None:
-    # Engines that were down at start are picked up as they come; known ones are re-read
-    # now and then so a model swap on an engine shows up. The supervisor will own this.
-    ticks = 0
-    while True:
-        await asyncio.sleep(1.0)
-        ticks += 1
-        if ticks % 30 == 0 or any(not e.models for e in fleet.engines):
-            await discover_models(fleet, control)
-
-
 async def _startup(app: web.Application) -> None:
-    """Build what the worker serves with: its fleet state, placement, router; discover models."""
+    """Build what the worker serves with: its fleet state, placement, router; the engines' models
+    as the supervisor read them (``worker.models_follow``: workers never read ``/v1/models``)."""
     settings = app[SETTINGS]
     pin = settings.engine_contract.engine_version if settings.engine_contract else ""
     metrics.publish_build_info(__version__, pin)
-    session = open_session(settings.engine)  # TLS and key as on every engine link
     fleet, state, follower, router = compose(settings)
     app[STATE] = state
     app[ROUTER] = router
     app[_SERVED].router = router
-    app[_SESSION] = session
-    control = ControlClient(session, settings.engine, DISCOVERY_TIMEOUT_S)
-    await discover_models(fleet, control)
-    app[_TASKS].append(asyncio.ensure_future(_keep_discovering(fleet, control)))
+    models = models_follow.for_worker(fleet, by_slot=follower is not None)
+    if models is not None:
+        await models.first()  # the supervisor's first read of each engine, bounded
+        app[_TASKS].append(asyncio.ensure_future(models.keep_following()))
     if follower is not None:  # engines that come and go (SPEC §10)
         app[_TASKS].append(asyncio.ensure_future(follower.keep_following()))
     app[_TASKS].append(asyncio.ensure_future(metrics.TALLY.keep_flushing()))
@@ -261,7 +234,6 @@ async def _cleanup(app: web.Application) -> None:
     await router.drain_background(timeout=settings.engine.first_token_timeout_s)
     metrics.TALLY.flush()  # the last requests' counts, before the worker exits
     await router.client.close()
-    await app[_SESSION].close()
     router.access_log.close()
     if settings.tracing.enabled:
         from narwhal.request import tracing

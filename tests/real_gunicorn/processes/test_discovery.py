@@ -91,7 +91,8 @@ async def wait_listed(router: RouterProcess, name: str, state: str, timeout: flo
 
 
 async def wait_ready_everywhere(router: RouterProcess, timeout: float = 10) -> None:
-    """Until every worker answers /ready 200 (each reads a new engine's models after taking it up)."""
+    """Until every worker answers /ready 200 (each takes a new engine's models up from the
+    supervisor's records after taking the engine up: ``worker.models_follow``)."""
     end = asyncio.get_running_loop().time() + timeout
     while asyncio.get_running_loop().time() < end:
         async with sessions_per_worker(router, WORKERS) as sessions:
@@ -307,7 +308,7 @@ async def test_a_vanished_engine_drains_its_streams_before_it_is_forgotten(fleet
     try:
         await wait_listed(router, "d1", "admitted")
         await admin(router, "POST", "/admin/engines/d0/eject")  # every decode goes to d1 now
-        # Each worker reads d1's models within a second of taking it up: until then, 503.
+        # Each worker has d1's models within 0.25 s of the supervisor's read: until then, 503.
         await wait_ready_everywhere(router)
         async with aiohttp.ClientSession() as session:
             body = completion(unique_prompt(), max_tokens=30, fake={"decode": {"token_delay_s": 0.1}})

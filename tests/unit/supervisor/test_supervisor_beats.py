@@ -55,7 +55,9 @@ async def test_beats_go_on_while_a_round_of_reads_of_a_large_fleet_runs(
         end = time.monotonic() + 20
         while reads < ENGINES and time.monotonic() < end:
             await asyncio.sleep(0.01)
-        assert reads == ENGINES  # the whole first round, ~1 s of the loop's time
+        # The whole first round, ~1 s of the loop's time: the second starts at 1 s, so on a busy
+        # host (or beside the start's other reads: the engines' models) a batch of it may be in too.
+        assert reads >= ENGINES
         after = len(beats) + 3
         while len(beats) < after and time.monotonic() < end:  # and the beats after it
             await asyncio.sleep(0.01)

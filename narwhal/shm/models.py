@@ -1,0 +1,138 @@
+"""Each engine's models in shared memory: what the supervisor read from its ``/v1/models``.
+
+SPEC §2: an engine's models come from its ``/v1/models`` at start and at every readmission.
+The supervisor reads them (``supervisor.models``) and publishes one record per engine slot
+(``shm.layout``), then bumps the models generation; workers only read (``worker.models_follow``):
+when the generation moved, never per request. One writer, the supervisor, so no lock.
+
+A record is ``seq u64 | version u64, identity hash u32, status u8, count u8, names | crc32``
+under the seqlock of ``shm.records`` (a torn or reordered copy is read again), each name a u8
+length and its UTF-8 bytes. ``version`` is the models generation it was published under: every
+round rewrites every engine's record, so a worker that sees the bump before a record (aarch64)
+reads again until the records carry it. The identity hash says whose the record is: a record
+left at a slot by an engine a reload or discovery removed is nobody's.
+
+Bounded on purpose, each bound logged by the supervisor when it bites (never silently):
+
+* a name over :data:`MAX_MODEL_BYTES` bytes of UTF-8 (vLLM's served names are repository ids
+  or paths, far shorter) is left out, the rest of the list kept;
+* at most :data:`MAX_MODELS` names, and no more than fit the 2 KiB record, kept in the
+  engine's order (vLLM lists its base model first, then LoRA adapters): the rest left out.
+
+A request for a model left out gets the same 404 ``model_not_found`` as any model no engine serves.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from narwhal.shm import layout as L
+from narwhal.shm.records import read_framed, write_framed
+
+PENDING = 0  # published before its first read ended: a worker starting waits for the read
+ANSWERED = 1  # the names are the engine's /v1/models answer
+UNANSWERED = 2  # read, and no answer yet: no models until it answers
+CONFIGURED = 3  # ``engines[].models`` set: never read; workers use their own settings
+
+MAX_MODEL_BYTES = 255  # a name's length is one byte
+MAX_MODELS = 64
+
+_HEAD = struct.Struct("<QIBB")  # version, identity hash, status, count
+BODY = L.MODELS_RECORD_SIZE - 8 - 4  # seq before, CRC after
+ROOM = BODY - _HEAD.size  # for the names, each a length byte and its bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ModelsRecord:
+    """An engine's models as the supervisor published them; ``name_hash`` says whose they are."""
+
+    version: int  # the models generation it was published under
+    name_hash: int
+    status: int  # PENDING, ANSWERED, UNANSWERED or CONFIGURED
+    models: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Fitted:
+    """An answer cut to the record's bounds: what is kept, and what was left out and why."""
+
+    models: tuple[str, ...]
+    too_long: tuple[str, ...] = ()  # names over MAX_MODEL_BYTES
+    left_out: int = 0  # names beyond MAX_MODELS or the record's room
+
+    def refusal(self, engine: str) -> str | None:
+        """The log line naming what was left out of ``engine``'s models; None when nothing was."""
+        parts = []
+        if self.too_long:
+            shown = ", ".join(repr(name[:40] + "...") for name in self.too_long[:3])
+            parts.append(f"{len(self.too_long)} model name(s) over {MAX_MODEL_BYTES} bytes left out ({shown})")
+        if self.left_out:
+            parts.append(f"{self.left_out} model(s) beyond the first {len(self.models)} left out "
+                         f"(at most {MAX_MODELS} per engine, {ROOM} bytes of names)")
+        return f"engine {engine}: " + "; ".join(parts) if parts else None
+
+
+def fit(models: Sequence[str]) -> Fitted:
+    """The names of an answer that the record holds, in the engine's order, each once."""
+    kept: list[str] = []
+    too_long: list[str] = []
+    left_out = 0
+    room = ROOM
+    for name in dict.fromkeys(models):
+        size = len(name.encode("utf-8", "surrogatepass"))
+        if size > MAX_MODEL_BYTES:
+            too_long.append(name)
+            continue
+        if len(kept) == MAX_MODELS or size + 1 > room:
+            left_out += 1
+            continue
+        kept.append(name)
+        room -= size + 1
+    return Fitted(tuple(kept), tuple(too_long), left_out)
+
+
+def encode(rec: ModelsRecord) -> bytes:
+    """The record's body, padded to :data:`BODY`; ``ValueError`` for names :func:`fit` would not keep."""
+    if fit(rec.models).models != rec.models:
+        raise ValueError("models outside the record's bounds: fit() them first")
+    raws = [m.encode("utf-8", "surrogatepass") for m in rec.models]
+    names = b"".join(len(raw).to_bytes(1, "little") + raw for raw in raws)
+    body = _HEAD.pack(rec.version, rec.name_hash, rec.status, len(rec.models)) + names
+    return body + bytes(BODY - len(body))
+
+
+def decode(body: bytes) -> ModelsRecord:
+    """The record in ``body`` (whole and CRC-checked: ``read_framed`` gave it)."""
+    version, name_hash, status, count = _HEAD.unpack_from(body)
+    at = _HEAD.size
+    names = []
+    for _ in range(count):
+        size = body[at]
+        names.append(body[at + 1 : at + 1 + size].decode("utf-8", "surrogatepass"))
+        at += 1 + size
+    return ModelsRecord(version, name_hash, status, tuple(names))
+
+
+def write_models(region: L.Region, engine: int, rec: ModelsRecord) -> None:
+    """Supervisor only: publish ``rec`` at engine slot ``engine`` under its seqlock."""
+    write_framed(region, region.layout.models_offset(engine), encode(rec))
+
+
+def read_models(region: L.Region, engine: int, *, writer_gone: bool = False) -> ModelsRecord | None:
+    """The record at engine slot ``engine``, None if none was ever written (``RecordBusy``: try later)."""
+    body = read_framed(region, region.layout.models_offset(engine), BODY, writer_gone=writer_gone)
+    return None if body is None else decode(body)
+
+
+def generation(region: L.Region) -> int:
+    """The models generation: moved by the supervisor after each round of records."""
+    return region.u64(region.layout.models_generation_offset)
+
+
+def bump_generation(region: L.Region) -> int:
+    """Supervisor only, after the round's records were written; the new generation."""
+    value = generation(region) + 1
+    region.set_u64(region.layout.models_generation_offset, value)
+    return value

@@ -1,0 +1,217 @@
+"""Model discovery, run by the supervisor alone: each engine's ``/v1/models``, into shared memory.
+
+SPEC §2: which engine serves which model is read from its ``/v1/models`` at start and at every
+readmission (``engines[].models``, when set, is taken as it is and never read). The supervisor
+reads; the workers only read the result (``shm.models``, followed by ``worker.models_follow``):
+one reader per host instead of one per worker, and every worker sees the same models.
+
+An engine is read:
+
+* at the supervisor's start (a restarted supervisor first takes what its predecessor published,
+  so nothing flaps while it reads again);
+* when it is readmitted — out (ejected, probing, draining) and then serving again — so an
+  engine restarted with another model is seen as it comes back; and when it joins at run time
+  (discovery, SPEC §10), as its first probe starts;
+* every :data:`RETRY_S` while it never answered (an engine down at start is picked up as it
+  comes), and every engine every :data:`REFRESH_S`: a model swap that no readmission saw (an
+  engine restarted between two health checks) still shows.
+
+Invariants, and why:
+
+* The loop never waits: reads are tasks, one per engine at most, each bounded by
+  :data:`READ_TIMEOUT_S`, started from the loop's pass (``tick``), which only compares, and
+  started a batch at a time (``supervisor.rounds``), so a large fleet's round delays no beat.
+* An engine that stops answering keeps the models it last answered with: whether it takes
+  requests is its breaker's call, not this module's. One that never answered serves none.
+* A round is published only when something changed, at most once per pass of the loop (a
+  round's answers come together): every engine's record is rewritten under the next models
+  generation, then the generation is bumped (``shm.models``: workers wait for
+  the records to carry it). A bound that bites (a name too long, too many names) is logged
+  once per change of the answer, never per read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, Protocol
+
+import aiohttp
+
+from narwhal.engines.control import ControlClient, ControlError, EngineRef, parse_models
+from narwhal.fleet import Engine
+from narwhal.fleet.breaker import State
+from narwhal.shm import models as M
+from narwhal.shm.records import RecordBusy
+from narwhal.shm.table import record_hash
+from narwhal.supervisor.rounds import spread
+
+if TYPE_CHECKING:
+    from narwhal.supervisor.main import Supervisor
+
+log = logging.getLogger("narwhal.supervisor.models")
+
+READ_TIMEOUT_S = 5.0  # one /v1/models read; an engine slower than this is asked again later
+RETRY_S = 1.0
+REFRESH_S = 30.0
+SPREAD_S = 0.25  # a round's reads start over this (a batch per pass of the loop), the first at once
+_OUT = frozenset({State.EJECTED, State.PROBING, State.DRAINING})
+
+Known = tuple[int, int, tuple[str, ...]]  # identity hash, status (shm.models), models
+
+
+class ControlGet(Protocol):
+    """What the reader needs of a control client (``engines.control.ControlClient``)."""
+
+    async def get(self, engine: EngineRef, path: str) -> tuple[int, bytes]:
+        """``(status, body)`` of ``GET path``; ``ControlError`` when there is no answer."""
+        ...
+
+
+class ModelReader:
+    """Reads the engines' ``/v1/models`` and publishes them; the supervisor's loop calls :meth:`tick`."""
+
+    def __init__(self, sup: Supervisor, control: ControlGet) -> None:
+        self.sup = sup
+        self.control = control
+        self.session: aiohttp.ClientSession | None = None  # closed: the supervisor stopped, no read starts
+        self._known: dict[str, Known] = {}  # by engine name: what was last published for it
+        self._reading: set[str] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._changed = False  # an answer changed something: publish at the next pass
+        self._out: dict[str, bool] = {}  # by engine name: out at the last look (readmission = out, then not)
+        self._breakers_seen = -1
+        self._engines_seen: list[Engine] | None = None
+        self._next_refresh = 0.0  # due at the first tick: the supervisor's start
+        self._next_retry = 0.0
+        self._restore()
+
+    @classmethod
+    def over(cls, sup: Supervisor, session: aiohttp.ClientSession) -> ModelReader:
+        """A reader through ``session`` (the supervisor's: TLS and the engine key, ``engines.control``)."""
+        reader = cls(sup, ControlClient(session, sup.settings.engine, READ_TIMEOUT_S))
+        reader.session = session
+        return reader
+
+    def _stopped(self) -> bool:
+        return self.session is not None and self.session.closed
+
+    def _restore(self) -> None:
+        """Take what a previous supervisor published for the engines still known (none at first start)."""
+        for engine in self.sup.fleet.engines:
+            try:  # no supervisor is writing now: a record left mid-write counts if whole
+                rec = M.read_models(self.sup.shared.region, self.sup.slot_of(engine), writer_gone=True)
+            except RecordBusy:
+                continue
+            ident = record_hash(engine.name, engine.url)
+            if rec is not None and rec.name_hash == ident and rec.status in (M.ANSWERED, M.UNANSWERED):
+                self._known[engine.name] = (ident, rec.status, rec.models)
+                self.sup.fleet.set_models(engine, frozenset(rec.models))
+
+    def tick(self, now: float) -> None:
+        """Publish what changed since the last pass (answers, engines), then start the reads due now (never awaited)."""
+        engines = self.sup.fleet.engines
+        due = self._readmitted()
+        if engines is not self._engines_seen:  # the start, or engines joined or left (discovery)
+            self._engines_seen = engines
+            idents = {e.name: record_hash(e.name, e.url) for e in engines}
+            self._known = {n: k for n, k in self._known.items() if idents.get(n) == k[0]}
+            due += [e for e in engines if e.name not in self._known]
+            self._changed = True
+        if now >= self._next_refresh:
+            self._next_refresh = now + REFRESH_S
+            self._next_retry = now + RETRY_S
+            due = list(engines)
+        elif now >= self._next_retry:
+            self._next_retry = now + RETRY_S
+            due += [e for e in engines if self._known.get(e.name, (0, M.PENDING))[1] != M.ANSWERED]
+        if self._changed:
+            self._changed = False
+            self.publish()
+        due = [e for e in dict.fromkeys(due) if not e.models_configured and e.name not in self._reading]
+        if due:
+            self._reading.update(e.name for e in due)
+            self._track(spread([functools.partial(self._start, e) for e in due], SPREAD_S))
+
+    def _start(self, engine: Engine) -> None:
+        if self._stopped():  # a round still being spread when the supervisor stopped
+            self._reading.discard(engine.name)
+            return
+        self._track(self._read(engine))
+
+    def _track(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _readmitted(self) -> list[Engine]:
+        """Engines serving again after being out since the last look (only when a breaker moved)."""
+        breakers = self.sup.breakers
+        if breakers.version == self._breakers_seen:
+            return []
+        self._breakers_seen = breakers.version
+        back = []
+        for engine in self.sup.fleet.engines:
+            out = breakers.status(engine.name).state in _OUT
+            if self._out.get(engine.name) and not out:
+                back.append(engine)
+            self._out[engine.name] = out
+        return back
+
+    async def _read(self, engine: Engine) -> None:
+        try:
+            answer = await self._answer(engine)
+        except Exception:  # a read must never take the supervisor down
+            if self._stopped():
+                return  # the session closed under it: the supervisor is stopping
+            log.exception("reading the models of %s crashed", engine.name)
+            answer = None
+        finally:
+            self._reading.discard(engine.name)
+        if self.sup.fleet.by_name.get(engine.name) is engine:  # not forgotten or replaced meanwhile
+            self.settle(engine, answer)
+
+    async def _answer(self, engine: Engine) -> list[str] | None:
+        try:
+            status, body = await self.control.get(engine, "/v1/models")
+        except ControlError:
+            return None
+        return parse_models(body) if status == 200 else None
+
+    def settle(self, engine: Engine, answer: list[str] | None) -> None:
+        """Take one read's answer (None: no answer, or not a model list); what changed goes out at the next pass."""
+        ident = record_hash(engine.name, engine.url)
+        old = self._known.get(engine.name)
+        if answer is None:
+            if old is not None:
+                return  # it keeps what it last answered with, or stays unanswered
+            log.warning("engine %s: no model list from its /v1/models: it serves no model until it answers",
+                        engine.name)
+            new: Known = (ident, M.UNANSWERED, ())
+        else:
+            fitted = M.fit(answer)
+            new = (ident, M.ANSWERED, fitted.models)
+            if new != old:
+                refusal = fitted.refusal(engine.name)
+                if refusal is not None:
+                    log.warning("%s", refusal)
+        if new != old:
+            self._known[engine.name] = new
+            self._changed = True
+            self.sup.fleet.set_models(engine, frozenset(new[2]))  # logs the change; probes' fallback model
+
+    def publish(self) -> None:
+        """Every engine's record under the next models generation, then the bump (``shm.models``)."""
+        region = self.sup.shared.region
+        version = M.generation(region) + 1
+        for engine in self.sup.fleet.engines:
+            ident = record_hash(engine.name, engine.url)
+            models: tuple[str, ...] = ()
+            if engine.models_configured:
+                status = M.CONFIGURED  # workers take engines[].models from their own settings
+            else:
+                _, status, models = self._known.get(engine.name, (ident, M.PENDING, ()))
+            M.write_models(region, self.sup.slot_of(engine), M.ModelsRecord(version, ident, status, models))
+        M.bump_generation(region)

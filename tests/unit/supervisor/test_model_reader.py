@@ -1,0 +1,195 @@
+"""Model discovery in the supervisor (``supervisor.models``), its loop's pass driven on a fake
+clock against a real shared region, and a worker's view of the result (``worker.models_follow``):
+every engine read at the start, a readmitted one again, one that never answered every retry, the
+bounds logged once, a restarted supervisor starting from what was published. The fake control
+client answers at once; the test runs the reads' tasks to their end, nothing sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterator
+
+import orjson
+import pytest
+
+from narwhal.engines.control import ControlError, EngineRef, PooledReader
+from narwhal.fleet import Engine, Fleet
+from narwhal.settings import Settings
+from narwhal.shm import models as M
+from narwhal.shm.shared import SharedFleet
+from narwhal.shm.table import record_hash
+from narwhal.supervisor.load import LoadReader
+from narwhal.supervisor.main import Supervisor
+from narwhal.supervisor.models import REFRESH_S, RETRY_S, ModelReader
+from narwhal.worker.models_follow import ModelsFollower
+
+ENGINES = [{"name": "p0", "url": "http://127.0.0.1:1", "role": "producer"},
+           {"name": "d0", "url": "http://127.0.0.1:2", "role": "consumer"},
+           {"name": "c0", "url": "http://127.0.0.1:3", "role": "consumer", "models": ["fixed"]}]
+
+
+class FakeControl:
+    """``/v1/models`` answered at once from ``answers`` (None: unreachable); every read counted."""
+
+    def __init__(self, **answers: list[str] | None) -> None:
+        self.answers = answers
+        self.reads: list[str] = []
+
+    async def get(self, engine: EngineRef, path: str) -> tuple[int, bytes]:
+        assert path == "/v1/models"
+        self.reads.append(engine.name)
+        models = self.answers.get(engine.name)
+        if models is None:
+            raise ControlError("unreachable")
+        return 200, orjson.dumps({"object": "list", "data": [{"id": m, "object": "model"} for m in models]})
+
+
+class FakeProber:
+    """The loop's prober, never asked here (no probe is due, health checks are far off)."""
+
+    async def probe(self, *args: object) -> tuple[str, str]:
+        raise AssertionError("no probe in these tests")
+
+    async def health_failure(self, engine: Engine) -> str | None:
+        return None
+
+
+@pytest.fixture
+def settings() -> Settings:
+    return Settings.model_validate({
+        "recovery": {"health_interval_s": 3600, "readmission": "health"},
+        "placement": {"load_interval_s": 0},
+        "engines": ENGINES,
+    })
+
+
+@pytest.fixture
+def shared(settings: Settings) -> Iterator[SharedFleet]:
+    region = SharedFleet.create(engines=4, slots=2)
+    region.assign_engines([(e.name, e.url) for e in settings.engines])
+    yield region
+    region.close()
+
+
+async def settle(reader: ModelReader, now: float | None = None) -> None:
+    """Run the reads a tick started to their end (the fake answers at once), then the pass
+    that publishes their answers (``now``: the clock of that pass; no read is due at it)."""
+    while reader._tasks:
+        await asyncio.gather(*reader._tasks)
+    if now is not None:
+        reader.tick(now)
+
+
+def models_of(fleet: Fleet) -> dict[str, set[str]]:
+    return {e.name: set(e.models) for e in fleet.engines}
+
+
+def follower(shared: SharedFleet, settings: Settings) -> ModelsFollower:
+    return ModelsFollower(shared, Fleet(settings), by_slot=False)
+
+
+async def test_the_start_reads_each_engine_once_and_workers_take_the_models_up(
+    shared: SharedFleet, settings: Settings
+) -> None:
+    control = FakeControl(p0=["m-one"], d0=["m-one", "lora-a"])
+    reader = ModelReader(Supervisor(shared, settings), control)
+    worker = follower(shared, settings)
+    assert worker.unread() == ["p0", "d0"]  # nothing published yet: a starting worker waits
+    now = time.monotonic()
+    reader.tick(now)
+    assert worker.unread() == ["p0", "d0"]  # published PENDING, reads under way
+    await settle(reader, now)
+    assert sorted(control.reads) == ["d0", "p0"]  # engines[].models set: never read
+    assert worker.unread() == []
+    worker.check()
+    assert models_of(worker.fleet) == {"p0": {"m-one"}, "d0": {"m-one", "lora-a"}, "c0": {"fixed"}}
+    assert worker.fleet.served_models == {"m-one", "lora-a", "fixed"}
+    assert models_of(reader.sup.fleet) == models_of(worker.fleet)  # the supervisor's probes pick from them too
+
+
+async def test_an_engine_that_never_answered_is_asked_every_retry_and_one_that_stops_keeps_its_models(
+    shared: SharedFleet, settings: Settings
+) -> None:
+    control = FakeControl(p0=["m-one"], d0=None)
+    reader, worker, now = ModelReader(Supervisor(shared, settings), control), follower(shared, settings), 1000.0
+    reader.tick(now)
+    await settle(reader, now)
+    assert worker.unread() == []  # d0 was asked: a starting worker does not wait for it any more
+    worker.check()
+    assert models_of(worker.fleet)["d0"] == set()
+    reader.tick(now + RETRY_S / 2)
+    assert len(control.reads) == 2
+    control.answers["d0"] = ["m-one"]
+    reader.tick(now + RETRY_S)
+    await settle(reader, now + RETRY_S)
+    assert control.reads[2:] == ["d0"]  # only the one that never answered
+    worker.check()
+    assert models_of(worker.fleet)["d0"] == {"m-one"}
+    control.answers["p0"] = None
+    reader.tick(now + REFRESH_S)
+    await settle(reader, now + REFRESH_S)
+    assert sorted(control.reads[3:]) == ["d0", "p0"]  # every engine, now and then
+    worker.check()
+    assert models_of(worker.fleet)["p0"] == {"m-one"}  # unreachable, it keeps what it answered
+
+
+async def test_a_readmitted_engine_is_read_again_through_the_loop_and_its_new_model_seen(
+    shared: SharedFleet, settings: Settings
+) -> None:
+    sup = Supervisor(shared, settings)
+    control = FakeControl(p0=["m-one"], d0=["m-one"])
+    loop = sup.start(FakeProber(), LoadReader(shared, PooledReader(settings.engine, 1.0)))  # type: ignore[arg-type]
+    loop.models = ModelReader(sup, control)
+    worker = follower(shared, settings)
+    sup.step(loop)
+    await settle(loop.models)
+    now = time.monotonic()
+    sup.breakers.eject("d0", now)  # out: restarted with another model meanwhile
+    control.answers["d0"] = ["m-two"]
+    sup.step(loop)
+    await settle(loop.models)
+    assert sorted(control.reads) == ["d0", "p0"]  # not read while out
+    sup.breakers.readmit("d0", now)
+    sup.step(loop)
+    await settle(loop.models)
+    sup.step(loop)  # the pass after the answer publishes it
+    assert sorted(control.reads) == ["d0", "d0", "p0"]  # the readmitted one only
+    worker.check()
+    assert models_of(worker.fleet) == {"p0": {"m-one"}, "d0": {"m-two"}, "c0": {"fixed"}}
+
+
+async def test_a_bound_that_bites_is_logged_once_per_change_of_the_answer(
+    shared: SharedFleet, settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    long = "x" * (M.MAX_MODEL_BYTES + 1)
+    control = FakeControl(p0=["m-one", long], d0=["m-one"])
+    reader, worker = ModelReader(Supervisor(shared, settings), control), follower(shared, settings)
+    caplog.set_level(logging.INFO, "narwhal.supervisor.models")
+    for now in (0.0, REFRESH_S, 2 * REFRESH_S):  # the same answer three times
+        reader.tick(now)
+        await settle(reader, now)
+    refused = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert refused == [f"engine p0: 1 model name(s) over {M.MAX_MODEL_BYTES} bytes left out ('{'x' * 40}...')"]
+    worker.check()
+    assert models_of(worker.fleet)["p0"] == {"m-one"}
+
+
+async def test_a_restarted_supervisor_starts_from_what_its_predecessor_published(
+    shared: SharedFleet, settings: Settings
+) -> None:
+    first = ModelReader(Supervisor(shared, settings), FakeControl(p0=["m-one"], d0=["m-two"]))
+    first.tick(0.0)
+    await settle(first, 0.0)
+    again = ModelReader(Supervisor(shared, settings), FakeControl())  # the engines do not answer it
+    again.tick(0.0)  # its first round is published at once, before any read ended
+    worker = follower(shared, settings)
+    assert worker.unread() == []
+    worker.check()
+    assert models_of(worker.fleet) == {"p0": {"m-one"}, "d0": {"m-two"}, "c0": {"fixed"}}
+    await settle(again, 0.0)
+    p0 = shared.engine_slot("p0", "http://127.0.0.1:1")
+    assert p0 is not None
+    assert M.read_models(shared.region, p0) == M.ModelsRecord(
+        M.generation(shared.region), record_hash("p0", "http://127.0.0.1:1"), M.ANSWERED, ("m-one",))
