@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.unit.deploy.test_deploy import ALERTS, ALERTS_TEST, DEPLOY, JOB, ROOT, _manifests
+from tests.unit.deploy.deploy_support import ALERTS, ALERTS_TEST, DEPLOY, JOB, ROOT, manifests
 
 
 def _promtool() -> str:
@@ -47,7 +47,7 @@ def test_the_rule_tests_use_the_job_both_scrape_paths_produce() -> None:
     # Static scrape config: job_name. Prometheus Operator: the value of the pod label that the
     # PodMonitor's jobLabel names (its default, "<namespace>/<name>", would match no alert).
     (job,) = yaml.safe_load((DEPLOY / "prometheus" / "scrape.yml").read_text())["scrape_configs"]
-    docs = _manifests()
+    docs = manifests()
     monitor = docs["PodMonitor"]
     pod_labels = docs["Deployment"]["spec"]["template"]["metadata"]["labels"]
     assert job["job_name"] == pod_labels[monitor["spec"]["jobLabel"]] == JOB
@@ -61,7 +61,7 @@ def test_the_rule_tests_use_the_job_both_scrape_paths_produce() -> None:
 
 
 def test_the_prometheusrule_carries_exactly_the_alert_rules() -> None:
-    rule = _manifests()["PrometheusRule"]
+    rule = manifests()["PrometheusRule"]
     assert rule["apiVersion"] == "monitoring.coreos.com/v1"
     assert rule["metadata"]["namespace"] == "llm"
     assert rule["spec"]["groups"] == yaml.safe_load(ALERTS.read_text())["groups"]

@@ -14,21 +14,12 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 
 from narwhal.settings import Settings, SettingsError, load_settings
-
-ROOT = Path(__file__).resolve().parents[3]
-DEPLOY = ROOT / "deploy"
-UNIT = DEPLOY / "systemd" / "narwhal.service"
-DASHBOARD = DEPLOY / "grafana" / "narwhal-dashboard.json"
-ALERTS = DEPLOY / "prometheus" / "alerts.yml"
-ALERTS_TEST = DEPLOY / "prometheus" / "alerts_test.yml"
-JOB = "narwhal"
-K8S = DEPLOY / "kubernetes"
+from tests.unit.deploy.deploy_support import ALERTS, DASHBOARD, DEPLOY, JOB, K8S, ROOT, UNIT, manifests
 
 # SPEC §8, plus the supervisor's restart counter the alerts need.
 SPEC_FAMILIES = [
@@ -261,7 +252,7 @@ def test_the_example_settings_load_and_have_every_section(tmp_path: Path) -> Non
 def test_production_settings_bound_quarantine_and_ejections(tmp_path: Path) -> None:
     # Issue 16: a storm of requests every engine fails on must not empty a role. The example
     # settings, the Kubernetes ConfigMap and the README's production guidance say the same.
-    configmap = _manifests()["ConfigMap"]["data"]["narwhal.toml"]
+    configmap = manifests()["ConfigMap"]["data"]["narwhal.toml"]
     for text in ((DEPLOY / "narwhal.toml").read_text(), configmap):
         recovery = _load_toml_text(text, tmp_path).recovery
         assert (recovery.failure_quarantine_s, recovery.max_ejected_fraction, recovery.max_retries) == (1.0, 0.5, 1)
@@ -318,16 +309,8 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- Kubernetes
 
 
-def _manifests() -> dict[str, dict[str, Any]]:
-    docs = {}
-    for path in sorted(K8S.glob("*.yaml")):
-        for doc in yaml.safe_load_all(path.read_text()):
-            docs[doc["kind"]] = doc
-    return docs
-
-
 def test_kubernetes_manifests_fit_together(tmp_path: Path) -> None:
-    docs = _manifests()
+    docs = manifests()
     assert sorted(docs) == [
         "ConfigMap", "Deployment", "Kustomization", "PodDisruptionBudget", "PodMonitor", "PrometheusRule", "Service",
     ]
@@ -377,7 +360,7 @@ def test_kustomize_builds() -> None:
 def test_service_links_would_stop_the_router() -> None:
     # What Kubernetes puts into every pod of the namespace for the `narwhal` Service when
     # enableServiceLinks is left on: the router refuses to start on the first of them.
-    service = _manifests()["Service"]
+    service = manifests()["Service"]
     name = service["metadata"]["name"].upper()
     links = {f"{name}_SERVICE_HOST": "10.96.0.10", f"{name}_SERVICE_PORT": str(service["spec"]["ports"][0]["port"]),
              f"{name}_PORT": "tcp://10.96.0.10:80"}

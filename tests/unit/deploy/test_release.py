@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from tests.unit.deploy.test_deploy import ROOT
+from tests.unit.deploy.deploy_support import ROOT
 
 WORKFLOW = ROOT / ".github" / "workflows" / "release.yml"
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]

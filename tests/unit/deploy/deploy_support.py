@@ -1,0 +1,27 @@
+"""Where the deploy files are, for every test of ``deploy/``: paths, the Prometheus job, the
+Kubernetes manifests by kind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[3]
+DEPLOY = ROOT / "deploy"
+UNIT = DEPLOY / "systemd" / "narwhal.service"
+DASHBOARD = DEPLOY / "grafana" / "narwhal-dashboard.json"
+ALERTS = DEPLOY / "prometheus" / "alerts.yml"
+ALERTS_TEST = DEPLOY / "prometheus" / "alerts_test.yml"
+JOB = "narwhal"
+K8S = DEPLOY / "kubernetes"
+
+
+def manifests() -> dict[str, dict[str, Any]]:
+    """Every document of ``deploy/kubernetes/*.yaml``, by its ``kind``."""
+    docs = {}
+    for path in sorted(K8S.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            docs[doc["kind"]] = doc
+    return docs
