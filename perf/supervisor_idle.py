@@ -169,7 +169,7 @@ def run_target(fleet: FakeFleet, workers: int, seconds: float, root: str | None,
 
 
 def _median(windows: list[Window], field: str) -> float:
-    return statistics.median(getattr(w, field) for w in windows)
+    return float(statistics.median(getattr(w, field) for w in windows))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,10 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     print("| engines | target | supervisor idle (ms/s) | supervisor c=1 (ms/s) | c=1 req/s | router idle (ms/s) "
           "| router c=1 (ms/s) |")
     print("|---:|---|---:|---:|---:|---:|---:|")
-    for engines, name, idle, busy in rows:
-        print(f"| {engines} | {name} | {_median(idle, 'supervisor_ms_s'):.1f} | {_median(busy, 'supervisor_ms_s'):.1f} "
-              f"| {_median(busy, 'requests_s'):.0f} | {_median(idle, 'router_ms_s'):.0f} "
-              f"| {_median(busy, 'router_ms_s'):.0f} |")
+    for engines, name, idles, busies in rows:
+        print(f"| {engines} | {name} | {_median(idles, 'supervisor_ms_s'):.1f} "
+              f"| {_median(busies, 'supervisor_ms_s'):.1f} | {_median(busies, 'requests_s'):.0f} "
+              f"| {_median(idles, 'router_ms_s'):.0f} | {_median(busies, 'router_ms_s'):.0f} |")
     return 0
 
 

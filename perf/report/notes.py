@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from perf.report import results as report
+from perf.report.figures import figure
 
 CONSUMER_BOUND_CORES = 0.85  # the fake consumer is one process: near one core, it is the limit
 PACED_SHORTFALL = 0.9  # paced direct baseline below this share of its pacing ceiling
@@ -54,7 +54,7 @@ def _floor_note(results: dict[str, Any]) -> str | None:
         ("stream_c32", "router CPU", ("router_cpu_us_per_req",), "µs/request"),
         ("nonstream_c32", "router CPU", ("router_cpu_us_per_req",), "µs/request"),
     ):
-        figures = [report.figure(results, name, t, *path) for t in ("narwhal", "aiohttp-floor", "peer")]
+        figures = [figure(results, name, t, *path) for t in ("narwhal", "aiohttp-floor", "peer")]
         if figures[0] is not None and figures[1] is not None:
             shown = [f"{v:.3f}" if unit == "ms" else f"{v:,.0f}" for v in figures if v is not None]
             peer = f", the peer {shown[2]}" if len(shown) == 3 else ""
