@@ -54,7 +54,7 @@ class LoadReader:
 
     def __init__(
         self, shared: SharedFleet, control: PooledReader | ControlClient,
-        on_reading: Callable[[int, int | None, PrefillCounters | None], None] | None = None,
+        on_reading: Callable[[int, int | None, PrefillCounters | None, float], None] | None = None,
     ) -> None:
         self.shared = shared
         self.control = control
@@ -85,7 +85,7 @@ class LoadReader:
             status, body = await self.control.get(engine, "/metrics")
             reading = parse_load(body) if status == 200 else None
             if reading is not None and self.on_reading is not None:
-                self.on_reading(engine.index, parse_capacity(body), parse_prefill(body))
+                self.on_reading(engine.index, parse_capacity(body), parse_prefill(body), time.monotonic())
             why = f"HTTP {status}" if status != 200 else "no vLLM load series in the answer"
         except ControlError as exc:
             reading, why = None, exc.reason
