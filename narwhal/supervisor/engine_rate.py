@@ -34,7 +34,9 @@ from collections import deque
 from narwhal.engines.load_metrics import PrefillCounters
 
 SAMPLE_PREFILLS = 32  # finished prefills a sample spans at least
-WINDOW = 16  # the samples the rate is the best of
+# The samples the rate is the best of: ~2,000 prefills. Shorter (16) let a fast producer whose
+# recent spans were all busy fall below the class edge (``perf.scarce_sim``: classes flapped).
+WINDOW = 64
 MIN_SAMPLES = 4  # before as many, no rate: one span may be all waits
 
 

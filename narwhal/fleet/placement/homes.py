@@ -18,16 +18,17 @@ prefill rate: each replica learns its own, from noisy round trips, and rooms tha
 replica give homes that differ by replica (measured: two replicas 0.55-0.67 cached with rooms
 scaled by it, 0.77-0.89 without). By the rate the engine reports on its ``/metrics``
 (``supervisor.engine_rate``), which every replica reads alike, relative to the fastest
-producer's, and quantized to halvings (``RATE_CLASSES``: 1, 1/2, 1/4). A class takes the ratios
-from its value down to 0.55 of it (``EDGE``), not a band centred on it: the reported rate only
-ever reads *low* (it counts the time a prefill shares the GPU or waits on it, more on a busier
-engine; ``supervisor.engine_rate`` takes its best recent span for that reason). Measured with
-``perf.scarce_sim`` (uniform, Zipf and slow variants, the ratio over time): fast producers
-0.62-1.0 (p1 to max), the half-rate one 0.31-0.45; the edges at 0.55 and 0.275 fall in those
-gaps (a half-rate producer at rest reads 0.5, inside its class), and two replicas reading a few
-prefills apart stay in one class. Finer steps (3/4) would put a fast producer made to look 15 %
-slower by its load in another class than its peers, and would change no home there: rooms hold
-whole prefixes. A producer without a reported rate yet is in class 1 (today's unscaled room).
+producer's, and quantized to halvings (``RATE_CLASSES``: 1, 1/2, 1/4): ratios from 0.65 are
+class 1, from 0.25 class 1/2, below that 1/4. The edges sit below the classes' values, not
+between them: the reported rate only ever reads *low* (it counts the time a prefill shares the
+GPU or waits on it, more on a busier engine, and a slower producer is the busier one;
+``supervisor.engine_rate`` keeps its best recent span for that reason). Measured with
+``perf.scarce_sim`` (uniform, Zipf and slow variants, the ratio over time, p1-p95): fast
+producers 0.72-1.0, the half-rate one 0.32-0.51; the edges fall in those gaps (a half-rate
+producer at rest reads 0.5, inside its class), and two replicas reading a few prefills apart
+stay in one class. Finer steps (3/4) would put a fast producer made to look 15 % slower by its
+load in another class than its peers, and would change no home there: rooms hold whole
+prefixes. A producer without a reported rate yet is in class 1 (today's unscaled room).
 
 Invariants, and why:
 
@@ -45,12 +46,12 @@ from collections.abc import Sequence
 
 from narwhal.fleet.placement.affinity import key_hash, score
 
-__all__ = ["EDGE", "FILL", "MAX_HOMES", "RATE_CLASSES", "assign", "key_hash", "rate_class", "room_blocks"]
+__all__ = ["FILL", "MAX_HOMES", "RATE_CLASSES", "assign", "key_hash", "rate_class", "room_blocks"]
 
 FILL = 0.9  # of a producer's KV capacity, what homes may take (the rest: tails, pinned blocks)
 MAX_HOMES = 4096
-RATE_CLASSES = (1.0, 0.5, 0.25)  # a producer's share of its room, by its rate relative to the fastest
-EDGE = 0.55  # a class takes the ratios down to 0.55 of its value (the last, everything below)
+# (lowest ratio to the fastest's rate, the share of its room a producer's homes take), fastest first
+RATE_CLASSES = ((0.65, 1.0), (0.25, 0.5), (0.0, 0.25))
 
 
 def rate_class(rate: float | None, fastest: float | None) -> float:
@@ -59,10 +60,7 @@ def rate_class(rate: float | None, fastest: float | None) -> float:
     if rate is None or not fastest or rate <= 0:
         return 1.0
     ratio = rate / fastest
-    for step in RATE_CLASSES:
-        if ratio >= step * EDGE:
-            return step
-    return RATE_CLASSES[-1]
+    return next(share for lowest, share in RATE_CLASSES if ratio >= lowest)
 
 
 def room_blocks(capacity_blocks: int | None, rate_share: float = 1.0) -> int:

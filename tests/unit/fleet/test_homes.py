@@ -52,7 +52,7 @@ def test_past_max_homes_the_longest_prefixes_are_homed() -> None:
 
 def test_rate_classes_are_halvings_of_the_fastest_with_edges_below_each() -> None:
     fastest = 1000.0
-    assert [homes.rate_class(r, fastest) for r in (1000, 800, 560, 540, 300, 280, 270, 10)] == [
+    assert [homes.rate_class(r, fastest) for r in (1000, 800, 650, 640, 300, 250, 240, 10)] == [
         1.0, 1.0, 1.0, 0.5, 0.5, 0.5, 0.25, 0.25]
     assert homes.rate_class(500, fastest) == 0.5  # a half-rate producer at rest: inside its class
     assert homes.rate_class(None, fastest) == homes.rate_class(400, None) == 1.0  # unknown: unscaled
