@@ -9,6 +9,14 @@ against the source; one gauge per engine index, labelled ``model_name`` and ``en
   older engines (before 0.10) call it ``vllm:gpu_cache_usage_perc``, which 0.9 still exports
   beside the new name as a deprecated copy. The new name wins when both are present.
 
+For the holdings (SPEC §3.3), :func:`parse_capacity` reads ``vllm:cache_config_info`` and
+:func:`parse_prefill` the engine's own prefill counters, as the same ``loggers.py`` declares them
+(checked against the source): the histogram ``vllm:request_prefill_time_seconds`` (its ``_sum``
+and ``_count``; a request's first token less its scheduling, observed when it finishes, the
+queue's wait being ``vllm:request_queue_time_seconds``; buckets 0.3 s to 7,680 s, too coarse to
+read) and the counters ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total``
+(tokens, incremented as the scheduler looks requests up).
+
 Invariant: :func:`parse_load` is pure and total. Whatever the body holds (another exporter's
 text, truncated text, binary garbage, ``NaN`` or ``+Inf`` samples) it returns a reading or
 None, never raises: a reading is published for placement, None leaves the last one to go
