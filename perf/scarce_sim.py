@@ -15,7 +15,10 @@ What is modelled, and what is not:
   order, one prefill lane (uncached tokens × the per-token cost), blocks in use never evicted;
 * the request path as fixed delays (``PathDelays``) standing in for HTTP and CPU, jittered so
   users do not march in step; consumers as a delay (they hold no prefix);
-* engine readings (running, waiting, KV usage, this host's legs in them) every ``load_interval_s``;
+* engine readings (running, waiting, KV usage, this host's legs in them) every ``load_interval_s``,
+  and the engine's prefill counters (``vllm:request_prefill_time_seconds``, scheduled to prefill
+  done, the lane's wait included, and the prefix cache's queries and hits) into the holdings,
+  whose engine-reported rate scales the homes' rooms; each host reads at its own moments;
 * not modelled: CPU contention (the real rows' TTFB is mostly that on 2 cores), so the figures
   here are the cached share and the time spent at the producers, not the rows' TTFB.
 
@@ -25,16 +28,16 @@ What is modelled, and what is not:
 from __future__ import annotations
 
 import argparse
+import functools
 import heapq
 import itertools
 import random
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from narwhal.engines.endpoints import BY_PATH
-from narwhal.fake_engine.prefix import PrefixCache, prompt_text, text_tokens
+from narwhal.fake_engine.prefix import prompt_text, text_tokens
 from narwhal.fleet import Fleet
 from narwhal.fleet.placement import LocalInflight, Placement, Reservation
 from narwhal.fleet.placement.blocks import PrefixBlocks
@@ -47,7 +50,6 @@ from perf.load.chat import ChatUsers, system_prompts
 from perf.load.generator import MODEL as MODEL_NAME
 from perf.load.scarce import (
     KV_BLOCKS,
-    MAX_NUM_SEQS,
     PREFILL_US_PER_TOKEN,
     PRODUCERS,
     PROMPT_CHARS,
@@ -56,6 +58,7 @@ from perf.load.scarce import (
     Variant,
     ideal_assignment,
 )
+from perf.scarce_producer import Prefill, Producer
 
 CHAT = BY_PATH["/v1/chat/completions"]
 CONSUMERS = 2
@@ -90,63 +93,6 @@ class Loop:
             self.now, _, fn = heapq.heappop(self._queue)
             fn()
         self.now = until
-
-
-@dataclass
-class Prefill:
-    """One prefill leg at a producer."""
-
-    hashes: list[int]
-    tokens: int
-    done: Callable[[int], None]  # called with the cached tokens when it is computed
-    blocks: int = 0
-
-
-class Producer:
-    """A fake producer (``fake_engine.work``): batch slots in FIFO order, one prefill lane, vLLM's block pool."""
-
-    def __init__(self, loop: Loop, s_per_token: float) -> None:
-        self.loop = loop
-        self.s_per_token = s_per_token
-        self.cache = PrefixCache(KV_BLOCKS)
-        self.running = 0
-        self.running_blocks = 0
-        self.waiting: deque[Prefill] = deque()
-        self.free_at = 0.0
-        self.queries = self.hits = self.prefills = 0
-
-    def submit(self, job: Prefill) -> None:
-        if self.running < MAX_NUM_SEQS and not self.waiting:
-            self._start(job)
-        else:
-            self.waiting.append(job)
-
-    def _start(self, job: Prefill) -> None:
-        self.running += 1
-        cache = self.cache
-        cache.acquire(job.hashes)
-        job.blocks = max(job.tokens // cache.block_size - len(job.hashes), 0)
-        self.running_blocks += job.blocks
-        cache.trim(self.running_blocks)
-        cached = cache.lookup(job.hashes, job.tokens)
-        self.queries += job.tokens
-        self.hits += cached
-        self.prefills += 1
-        now = self.loop.now
-        self.free_at = max(now, self.free_at) + self.s_per_token * (job.tokens - cached)
-        self.loop.at(self.free_at, lambda: self._finish(job, cached))
-
-    def _finish(self, job: Prefill, cached: int) -> None:
-        self.cache.insert(job.hashes, self.running_blocks)
-        self.running_blocks -= job.blocks
-        self.cache.release(job.hashes)
-        self.running -= 1
-        job.done(cached)
-        if self.waiting and self.running < MAX_NUM_SEQS:
-            self._start(self.waiting.popleft())
-
-    def kv_usage(self) -> float:
-        return min((self.cache.in_use + self.running_blocks) / KV_BLOCKS, 1.0)
 
 
 @dataclass
@@ -223,6 +169,7 @@ class Host:
             if e.can_prefill:
                 p = producers[e.index]
                 self.readings[e.index] = Reading(now, p.running, len(p.waiting), p.kv_usage(), prefills[e.index])
+                self.model.engine_read(e.index, KV_BLOCKS * 16, p.counters(), now)
         self.version += 1
         self.loop.at(now + interval, lambda: self.read_loads(producers, interval))
 
@@ -269,6 +216,7 @@ def _summary(row: str, edges: list[list[tuple[int, int, int]]], tally: Tally, du
         "ttft_ms_p99": round(1000 * ttft[int(len(ttft) * 0.99)], 1) if ttft else None,
         "rps": round(tally.requests / duration_s, 1),
         "prefills": [d[0] for d in deltas],
+        "uncached": [d[1] - d[2] for d in deltas],  # prompt tokens each producer computed
     }
 
 
@@ -280,9 +228,11 @@ def _producers_and_hosts(
     rates = variant.rates()
     producers = [Producer(loop, PREFILL_US_PER_TOKEN * 1e-6 / rates[i]) for i in range(PRODUCERS)]
     hosts = [Host(loop, settings, fleet, 2, seed * 10 + h) for h in range(2 if row == "held-2-replicas" else 1)]
-    for host in hosts:
+    interval = settings.placement.load_interval_s
+    for h, host in enumerate(hosts):
         host.supervise()
-        host.read_loads(producers, settings.placement.load_interval_s)
+        # Each host reads the engines at its own moments (a second replica a third of an interval later).
+        loop.at(h * interval / 3, functools.partial(host.read_loads, producers, interval))
     return producers, hosts
 
 
@@ -368,6 +318,12 @@ def simulate(variant: Variant, row: str, seed: int = 0, warmup_s: float = 1.0, d
     return _summary(row, _edges(loop, producers, window), tally, duration_s)
 
 
+def _slow_share(per_producer: Sequence[int]) -> float:
+    """The slow producer's (the last) figure ÷ the fast ones' mean."""
+    fast = per_producer[:-1]
+    return per_producer[-1] / (sum(fast) / len(fast)) if sum(fast) else 0.0
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m perf.scarce_sim", description=__doc__.split("\n")[0])
     parser.add_argument("--variant", default="uniform,zipf,slow")
@@ -383,10 +339,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             p50 = [r["ttft_ms_p50"] for r in runs]
             p99 = [r["ttft_ms_p99"] for r in runs]
             prefills = [sum(r["prefills"][i] for r in runs) for i in range(PRODUCERS)]
+            uncached = [sum(r["uncached"][i] for r in runs) for i in range(PRODUCERS)]
             ratio = ""
             if variant.slow:
-                fast = [prefills[i] for i in range(PRODUCERS) if i != PRODUCERS - 1]
-                ratio = f" slow/fast {prefills[-1] / (sum(fast) / len(fast)):.2f}"
+                ratio = f" slow/fast {_slow_share(prefills):.2f} (uncached tokens {_slow_share(uncached):.2f})"
             print(f"{v:8} {row:16} cached {min(share):.3f}-{max(share):.3f} ttft p50 {min(p50)}-{max(p50)} ms "
                   f"p99 {min(p99)}-{max(p99)} rps {sum(r['rps'] for r in runs) / len(runs):.0f} "
                   f"prefills {prefills}{ratio}")

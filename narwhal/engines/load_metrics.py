@@ -9,6 +9,14 @@ against the source; one gauge per engine index, labelled ``model_name`` and ``en
   older engines (before 0.10) call it ``vllm:gpu_cache_usage_perc``, which 0.9 still exports
   beside the new name as a deprecated copy. The new name wins when both are present.
 
+For the holdings (SPEC §3.3), :func:`parse_capacity` reads ``vllm:cache_config_info`` and
+:func:`parse_prefill` the engine's own prefill counters, as the same ``loggers.py`` declares them
+(checked against the source): the histogram ``vllm:request_prefill_time_seconds`` (its ``_sum``
+and ``_count``; a request's first token less its scheduling, observed when it finishes, the
+queue's wait being ``vllm:request_queue_time_seconds``; buckets 0.3 s to 7,680 s, too coarse to
+read) and the counters ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total``
+(tokens, incremented as the scheduler looks requests up).
+
 Invariant: :func:`parse_load` is pure and total. Whatever the body holds (another exporter's
 text, truncated text, binary garbage, ``NaN`` or ``+Inf`` samples) it returns a reading or
 None, never raises: a reading is published for placement, None leaves the last one to go
@@ -38,12 +46,16 @@ KV_USAGE = "vllm:kv_cache_usage_perc"
 KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"
 
 _NAMES = (RUNNING, WAITING, KV_USAGE, KV_USAGE_OLD)
-# A sample line from its start: name, optional {labels} (quoted values may hold braces and
-# escapes), value; a timestamp may follow.
-_SAMPLE = re.compile(
-    r"(vllm:(?:num_requests_running|num_requests_waiting|kv_cache_usage_perc|gpu_cache_usage_perc))"
-    r'(?:\{(?:[^"}\n]|"(?:[^"\\\n]|\\.)*")*\})?[ \t]+(\S+)'
-)
+
+
+def _sample_re(names: tuple[str, ...]) -> re.Pattern[str]:
+    """A sample line of one of ``names`` from its start: name, optional {labels} (quoted values
+    may hold braces and escapes), value; a timestamp may follow."""
+    alternatives = "|".join(re.escape(n) for n in names)
+    return re.compile(rf'({alternatives})(?:\{{(?:[^"}}\n]|"(?:[^"\\\n]|\\.)*")*\}})?[ \t]+(\S+)')
+
+
+_SAMPLE = _sample_re(_NAMES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +74,7 @@ def parse_load(text: str | bytes) -> EngineLoad | None:
     sums = {RUNNING: 0.0, WAITING: 0.0}
     kv: dict[str, list[float]] = {KV_USAGE: [], KV_USAGE_OLD: []}
     seen = False
-    for match in _samples(text):
+    for match in _samples(text, _NAMES, _SAMPLE):
         try:
             value = float(match.group(2))
         except ValueError:
@@ -85,14 +97,14 @@ def parse_load(text: str | bytes) -> EngineLoad | None:
     )
 
 
-def _samples(text: str) -> list[re.Match[str]]:
-    """The sample lines of the wanted series, wherever they are in the body."""
+def _samples(text: str, names: tuple[str, ...], pattern: re.Pattern[str]) -> list[re.Match[str]]:
+    """The sample lines of ``names`` (``pattern`` matches them), wherever they are in the body."""
     found: list[re.Match[str]] = []
-    for name in _NAMES:
+    for name in names:
         needle = "\n" + name
         pos = 0 if text.startswith(name) else text.find(needle)
         while pos >= 0:
-            match = _SAMPLE.match(text, pos + (text[pos] == "\n"))
+            match = pattern.match(text, pos + (text[pos] == "\n"))
             if match is not None and match.group(1) == name:
                 found.append(match)
             pos = text.find(needle, pos + 1)
@@ -119,3 +131,48 @@ def parse_capacity(text: str | bytes) -> int | None:
         return None
     tokens = int(found["num_gpu_blocks"]) * int(found["block_size"])
     return tokens if tokens > 0 else None
+
+
+# The engine's own prefill rate (SPEC §3.3, ``supervisor.engine_rate``): vLLM's prefill-time
+# histogram (``RequestStateStats``: first token less scheduled, observed when a request finishes;
+# the batch queue's wait is ``vllm:request_queue_time_seconds``, not this) and its prefix-cache
+# counters in tokens (counted as the scheduler looks a request up), declared in the same
+# ``loggers.py`` with the same ``model_name``/``engine`` labels.
+PREFILL_TIME_SUM = "vllm:request_prefill_time_seconds_sum"
+PREFILL_TIME_COUNT = "vllm:request_prefill_time_seconds_count"
+CACHE_QUERIES = "vllm:prefix_cache_queries_total"
+CACHE_HITS = "vllm:prefix_cache_hits_total"
+_PREFILL_NAMES = (PREFILL_TIME_SUM, PREFILL_TIME_COUNT, CACHE_QUERIES, CACHE_HITS)
+_PREFILL_SAMPLE = _sample_re(_PREFILL_NAMES)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillCounters:
+    """The engine's cumulative prefill counters at one read: seconds of prefill, prefills, and the
+    prompt tokens looked up in and found in its prefix cache (all counters: they only grow, until
+    the engine restarts)."""
+
+    prefill_s: float
+    prefills: float
+    queried_tokens: float
+    hit_tokens: float
+
+
+def parse_prefill(text: str | bytes) -> PrefillCounters | None:
+    """The prefill counters in a ``/metrics`` body, each summed over its label sets (a
+    data-parallel engine's ranks); None unless all four series are there (an engine without the
+    prefix cache's counters cannot say which tokens it computed). Pure and total, as
+    :func:`parse_load`: a sample that is not a finite number ≥ 0 is skipped."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    sums: dict[str, float] = {}
+    for match in _samples(text, _PREFILL_NAMES, _PREFILL_SAMPLE):
+        try:
+            value = float(match.group(2))
+        except ValueError:
+            continue
+        if math.isfinite(value) and value >= 0:
+            sums[match.group(1)] = sums.get(match.group(1), 0.0) + value
+    if len(sums) < len(_PREFILL_NAMES):
+        return None
+    return PrefillCounters(sums[PREFILL_TIME_SUM], sums[PREFILL_TIME_COUNT], sums[CACHE_QUERIES], sums[CACHE_HITS])

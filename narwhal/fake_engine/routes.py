@@ -115,7 +115,8 @@ def render_metrics(engine: EngineState) -> str:
     index, "0" for a single engine), labels and counters written as ``prometheus_client`` writes
     them (labels sorted; ``_total`` plus ``_created``). Running and waiting are the scheduler's
     (background load included); cache usage counts blocks in use, so cached blocks nobody uses
-    are free, as in vLLM.
+    are free, as in vLLM. The request phases' histograms (queue, prefill: ``fake_engine.histogram``)
+    follow ``fake_engine.work``'s timestamps.
     """
     label = '{engine="0",model_name="' + engine.model.replace("\\", "\\\\").replace('"', '\\"') + '"}'
     sched = engine.scheduler
@@ -147,6 +148,11 @@ def render_metrics(engine: EngineState) -> str:
         else:
             lines += [f"# HELP vllm:{name} {help_text}", f"# TYPE vllm:{name} gauge"]
             lines.append(f"vllm:{name}{label} {float(value)}")
+    inner = label[1:-1]
+    lines += engine.queue_time.lines("vllm:request_queue_time_seconds",
+                                     "Histogram of time spent in WAITING phase for request.", inner, engine.created)
+    lines += engine.prefill_time.lines("vllm:request_prefill_time_seconds",
+                                       "Histogram of time spent in PREFILL phase for request.", inner, engine.created)
     info = cache_config_info(engine) if engine.load_model.cache_config_info else ""
     return "\n".join(lines) + "\n" + info
 

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from narwhal.fake_engine.batch import Background, Scheduler
 from narwhal.fake_engine.chunks import ModelTemplates
 from narwhal.fake_engine.faults import NO_FAULTS, EngineFaults
+from narwhal.fake_engine.histogram import Histogram
 from narwhal.fake_engine.kvstore import KvStore
 from narwhal.fake_engine.prefix import PrefixCache
 
@@ -154,6 +155,9 @@ class EngineState:
         self.cache: PrefixCache | None = None
         self.prefix_queries = 0  # tokens looked up in the prefix cache (vLLM's counter unit)
         self.prefix_hits = 0  # of those, tokens found cached
+        # vLLM's request phases: queued for a batch slot, then scheduled until the prefill is done.
+        self.queue_time = Histogram()
+        self.prefill_time = Histogram()
         self.load_model = load_model
         self.set_load_model(load_model)
 

@@ -13,7 +13,9 @@ The steps, in vLLM's order:
 2. ``run`` (when generation starts: after the headers of a stream, after the consumer's KV pull):
    wait for a batch slot in FIFO order, then, unless the KV came from a producer (a decode with
    ``do_remote_prefill``), look the blocks up, spend the prefill cost of the uncached tokens on the
-   engine's prefill lane and cache the blocks; returns the cached tokens for ``usage``;
+   engine's prefill lane and cache the blocks; returns the cached tokens for ``usage``. As vLLM's
+   ``RequestStateStats``: the wait for the slot is the request's ``vllm:request_queue_time_seconds``,
+   from the slot (scheduled) to its prefill done its ``vllm:request_prefill_time_seconds``;
 3. ``end`` (always, in the handler's ``finally``): give the slot back.
 
 KV usage is vLLM's block pool (``prefix.PrefixCache``): a prompt's full blocks are hashed and
@@ -28,6 +30,7 @@ below ``generate``.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from narwhal.fake_engine.parse import ParsedRequest
@@ -60,8 +63,11 @@ class Work:
     async def run(self, engine: EngineState, req: ParsedRequest) -> int:
         """Wait for a slot, then prefill what the cache lacks; the cached prompt tokens."""
         sched = engine.scheduler
+        queued = time.monotonic()
         await sched.acquire()
         self.slot = True
+        scheduled = time.monotonic()
+        engine.queue_time.observe(scheduled - queued)
         blocks = req.prompt_tokens // engine.kv.block_size
         cache = engine.cache
         if cache is not None and self.hashes:  # a cached block is one block however many use it
@@ -72,6 +78,7 @@ class Work:
         if cache is not None:
             cache.trim(sched.running_blocks)  # this request's blocks were allocated
         if not self.computes:
+            engine.prefill_time.observe(time.monotonic() - scheduled)  # nothing to compute: its first token is now
             return 0
         cached = 0
         if cache is not None and self.hashes is not None:
@@ -83,6 +90,9 @@ class Work:
             await sched.prefill(cost)
         if cache is not None and self.hashes:
             cache.insert(self.hashes, sched.running_blocks)
+        # Scheduled until its prefill is done, the wait on the prefill lane behind the prefills
+        # booked before it included (on a GPU they share its steps), the batch queue not.
+        engine.prefill_time.observe(time.monotonic() - scheduled)
         return cached
 
     def end(self, engine: EngineState) -> None:

@@ -22,8 +22,14 @@
 
 Also learned per producer: the prefill rate (uncached characters per second of prefill, from
 prefills placed with nothing queued ahead, as a ratio of exponentially weighted means; a producer
-without one is placed at the candidates' mean) and, fleet
-wide, the mean uncached characters of a prefill (what a queued request is reckoned to cost).
+without one is placed at the rate its engine reports, below, else at the candidates' mean) and,
+fleet wide, the mean uncached characters of a prefill (what a queued request is reckoned to cost).
+
+5. *The engine's own rate* (``supervisor.engine_rate``, from every load read's ``/metrics``):
+   the same for every replica, so it is what scales the homes' rooms (``homes.rate_class``).
+   In the estimate it stands in only while the learned rate is unknown: the learned one is this
+   replica's own round trips, less the fleet's fixed cost, and the estimate need not agree across
+   replicas (homes do); the reported one reads low under load (``engine_rate`` says why).
 
 Pure apart from ``publish`` (the shared-memory write): time comes in as an argument.
 """
@@ -36,8 +42,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from narwhal.engines.load_metrics import PrefillCounters
 from narwhal.fleet.placement import homes
 from narwhal.shm.holdings import Holdings, PrefillReport
+from narwhal.supervisor.engine_rate import EngineRate
 from narwhal.supervisor.holdings_fit import Fit, Prefix
 
 ALPHA = 0.2  # weight of a new sample in the learned means
@@ -75,6 +83,7 @@ class ProducerHoldings:
     homes: dict[int, int] = field(default_factory=dict)  # first key -> blocks, its live prefixes' homes here
     learned_blocks: int | None = None  # the room its evictions showed (None: none seen)
     urgent: bool = False  # an ``under``: published at the next pass, not after PUBLISH_S
+    engine_rate: EngineRate = field(default_factory=EngineRate)  # as its /metrics say (tokens/s)
     dirty: bool = True
     published_at: float = float("-inf")
 
@@ -218,8 +227,7 @@ class HoldingsModel:
             del self.prefixes[first]
         live = [(first, e.size()) for first, e in self.prefixes.items() if e.uses >= 2]
         indices = [i for i, p in enumerate(self.producers) if p is not None]
-        rooms = [(self.names[i], homes.room_blocks(self.known_capacity(self.producers[i]))) for i in indices]  # type: ignore[arg-type]
-        chosen = homes.assign(live, rooms)
+        chosen = homes.assign(live, [(self.names[i], self.home_room(i)) for i in indices])
         sizes = dict(live)
         per: dict[int, dict[int, int]] = {i: {} for i in indices}
         for first, at in chosen.items():
@@ -230,6 +238,15 @@ class HoldingsModel:
             if mine != p.homes:
                 p.homes = mine
                 p.dirty = True
+
+    def home_room(self, engine: int) -> int:
+        """The blocks of homes producer ``engine`` takes: its known capacity's room, times its
+        engine-reported rate's class relative to the fastest producer's (``homes.rate_class``)."""
+        p = self.producers[engine]
+        assert p is not None
+        rates = [q.engine_rate.rate for q in self.producers if q is not None and q.engine_rate.rate]
+        share = homes.rate_class(p.engine_rate.rate, max(rates) if rates else None)
+        return homes.room_blocks(self.known_capacity(p), share)
 
     def _evicted(self, p: ProducerHoldings, key: int) -> None:
         """``key`` was evicted: so was every key less recently used than it (LRU)."""
@@ -304,6 +321,15 @@ class HoldingsModel:
             p.dirty = True
             self._trim(p)
 
+    def engine_read(self, engine: int, capacity_tokens: int | None, counters: PrefillCounters | None,
+                    at: float) -> None:
+        """One ``/metrics`` read of engine ``engine`` at ``at``: its capacity (``set_capacity``) and
+        its prefill counters (``engine_rate``; None: not reported, the rate as it was)."""
+        self.set_capacity(engine, capacity_tokens)
+        p = self.producers[engine] if engine < len(self.producers) else None
+        if p is not None and counters is not None:
+            p.engine_rate.observe(counters, at)
+
     def forget(self, engine: int) -> None:
         """An ejected or restarted producer: it holds nothing we know of."""
         p = self.producers[engine] if engine < len(self.producers) else None
@@ -313,6 +339,12 @@ class HoldingsModel:
     def fleet_rate(self) -> float | None:
         rates = [p.rate for p in self.producers if p is not None and p.rate is not None]
         return sum(rates) / len(rates) if rates else None
+
+    def placing_rate(self, p: ProducerHoldings) -> float | None:
+        """The rate the estimate places by (characters/s): the learned one, else the engine's own."""
+        if p.rate is not None or p.engine_rate.rate is None:
+            return p.rate
+        return p.engine_rate.rate * (p.chars_per_token or DEFAULT_CHARS_PER_TOKEN)
 
     def restore(self, holdings: Holdings) -> None:
         """Start from what a previous supervisor published (a restart loses no holdings; the
@@ -349,5 +381,5 @@ class HoldingsModel:
             p.published_hot = hot
             keys = list(reversed(p.keys))
             p.rate = self.rate_of(p)
-            holdings.publish(index, p.stamp, p.engine_id, keys, self.capacity_blocks(p), p.rate,
+            holdings.publish(index, p.stamp, p.engine_id, keys, self.capacity_blocks(p), self.placing_rate(p),
                              p.chars_per_token, p.mean_uncached or self.mean_uncached or 0.0, hot, p.homes)

@@ -8,7 +8,9 @@ HTTP/1.1 client, half its CPU per read). A reading is parsed
 with the time it was read and this host's in-flight legs on the engine at that moment that
 the engine counted among its own (``SharedFleet.engine_seen``: not a decode reserved for a
 prefill that still runs); then the load generation is bumped, so workers pick it up
-on their next placement, lock-free.
+on their next placement, lock-free. With the holdings (policy ``held``), each reading's
+capacity and prefill counters go to them too (``on_reading``: SPEC §3.3's capacity bound and the
+engine-reported prefill rate, ``supervisor.engine_rate``).
 
 Invariants, and why:
 
@@ -35,7 +37,7 @@ from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from narwhal.engines.control import ControlClient, ControlError, PooledReader
-from narwhal.engines.load_metrics import parse_capacity, parse_load
+from narwhal.engines.load_metrics import PrefillCounters, parse_capacity, parse_load, parse_prefill
 from narwhal.fleet import Engine
 from narwhal.shm.records import LoadRecord, write_load
 from narwhal.shm.shared import SharedFleet
@@ -52,11 +54,12 @@ class LoadReader:
 
     def __init__(
         self, shared: SharedFleet, control: PooledReader | ControlClient,
-        on_capacity: Callable[[int, int | None], None] | None = None,
+        on_reading: Callable[[int, int | None, PrefillCounters | None, float], None] | None = None,
     ) -> None:
         self.shared = shared
         self.control = control
-        self.on_capacity = on_capacity  # the holdings' capacity bound (SPEC §3.3), from each reading
+        # The holdings' (SPEC §3.3) share of each reading: the capacity bound, the prefill counters.
+        self.on_reading = on_reading
         self._reading: set[str] = set()
         self._failing: set[str] = set()
         self._warned_at: dict[str, float] = {}
@@ -81,8 +84,8 @@ class LoadReader:
         try:
             status, body = await self.control.get(engine, "/metrics")
             reading = parse_load(body) if status == 200 else None
-            if reading is not None and self.on_capacity is not None:
-                self.on_capacity(engine.index, parse_capacity(body))
+            if reading is not None and self.on_reading is not None:
+                self.on_reading(engine.index, parse_capacity(body), parse_prefill(body), time.monotonic())
             why = f"HTTP {status}" if status != 200 else "no vLLM load series in the answer"
         except ControlError as exc:
             reading, why = None, exc.reason

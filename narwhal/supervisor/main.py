@@ -390,7 +390,7 @@ class Supervisor:
             load_every = self.settings.placement.load_interval_s
             # Each read bounded by the interval: a round never outlives the next one's start.
             loads = LoadReader(self.shared, PooledReader(self.settings.engine, load_every or 1.0),
-                               on_capacity=None if self.model is None else self.model.set_capacity)
+                               on_reading=None if self.model is None else self.model.engine_read)
             loop = self.start(Prober(self.settings, self.fleet, session, self.admitted), loads)
             loop.models = ModelReader.over(self, session)
             while True:

@@ -9,12 +9,26 @@ prefix's traffic. So each supervisor computes the same assignment of live prefix
 from that alone: the prefixes in order of their first block key, each to the first producer in
 its rendezvous rank whose room still takes it (rendezvous hashing with bounded loads, the bound
 being KV room instead of requests). A producer's room is its KV capacity less a margin for the
-requests' own tails and the blocks running requests pin. Not scaled by the learned prefill rate:
-each replica learns its own, from noisy round trips, and rooms that differ by replica give homes
-that differ by replica (measured: two replicas 0.55-0.67 cached with rate-scaled rooms, 0.77-0.89
-without). Placement then reckons a
-prefix's home as holding it (``held.order``): every replica sends it there, learns there that it
-is held (``under``) and stops keeping a copy of its own elsewhere.
+requests' own tails and the blocks running requests pin, times its *rate class*. Placement then
+reckons a prefix's home as holding it (``held.order``): every replica sends it there, learns
+there that it is held (``under``) and stops keeping a copy of its own elsewhere.
+
+The rate class: a slower producer takes fewer homes, so less of the traffic. Not by the learned
+prefill rate: each replica learns its own, from noisy round trips, and rooms that differ by
+replica give homes that differ by replica (measured: two replicas 0.55-0.67 cached with rooms
+scaled by it, 0.77-0.89 without). By the rate the engine reports on its ``/metrics``
+(``supervisor.engine_rate``), which every replica reads alike, relative to the fastest
+producer's, and quantized to halvings (``RATE_CLASSES``: 1, 1/2, 1/4): ratios from 0.65 are
+class 1, from 0.25 class 1/2, below that 1/4. The edges sit below the classes' values, not
+between them: the reported rate only ever reads *low* (it counts the time a prefill shares the
+GPU or waits on it, more on a busier engine, and a slower producer is the busier one;
+``supervisor.engine_rate`` keeps its best recent span for that reason). Measured with
+``perf.scarce_sim`` (uniform, Zipf and slow variants, the ratio over time, p1-p95): fast
+producers 0.72-1.0, the half-rate one 0.32-0.51; the edges fall in those gaps (a half-rate
+producer at rest reads 0.5, inside its class), and two replicas reading a few prefills apart
+stay in one class. Finer steps (3/4) would put a fast producer made to look 15 % slower by its
+load in another class than its peers, and would change no home there: rooms hold whole
+prefixes. A producer without a reported rate yet is in class 1 (today's unscaled room).
 
 Invariants, and why:
 
@@ -32,15 +46,27 @@ from collections.abc import Sequence
 
 from narwhal.fleet.placement.affinity import key_hash, score
 
-__all__ = ["FILL", "MAX_HOMES", "assign", "key_hash", "room_blocks"]
+__all__ = ["FILL", "MAX_HOMES", "RATE_CLASSES", "assign", "key_hash", "rate_class", "room_blocks"]
 
 FILL = 0.9  # of a producer's KV capacity, what homes may take (the rest: tails, pinned blocks)
 MAX_HOMES = 4096
+# (lowest ratio to the fastest's rate, the share of its room a producer's homes take), fastest first
+RATE_CLASSES = ((0.65, 1.0), (0.25, 0.5), (0.0, 0.25))
 
 
-def room_blocks(capacity_blocks: int | None) -> int:
-    """The blocks of homes a producer takes: none of unknown capacity."""
-    return 0 if capacity_blocks is None else int(capacity_blocks * FILL)
+def rate_class(rate: float | None, fastest: float | None) -> float:
+    """The class of ``rate`` relative to ``fastest`` (engine-reported, tokens/s): 1 when either is
+    unknown (the room unscaled, as before any rate is reported)."""
+    if rate is None or not fastest or rate <= 0:
+        return 1.0
+    ratio = rate / fastest
+    return next(share for lowest, share in RATE_CLASSES if ratio >= lowest)
+
+
+def room_blocks(capacity_blocks: int | None, rate_share: float = 1.0) -> int:
+    """The blocks of homes a producer takes, ``rate_share`` (its rate class) of its room: none of
+    unknown capacity."""
+    return 0 if capacity_blocks is None else int(capacity_blocks * FILL * rate_share)
 
 
 def assign(prefixes: Sequence[tuple[int, int]], producers: Sequence[tuple[int, int]]) -> dict[int, int]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from narwhal.engines.load_metrics import EngineLoad, parse_load
+from narwhal.engines.load_metrics import EngineLoad, PrefillCounters, parse_load, parse_prefill
 
 # As vLLM 0.11 (V1 engine, prometheus_client) writes it, abridged: histograms, counters with
 # _total and _created, the deprecated gpu_* copies beside the new names, one label set.
@@ -131,3 +131,49 @@ def test_labels_holding_braces_quotes_and_a_timestamp() -> None:
 
 def test_a_body_that_starts_with_a_sample() -> None:
     assert parse_load("vllm:num_requests_running 3\n") == EngineLoad(running=3.0, waiting=0.0, kv_usage=None)
+
+
+# -- the prefill counters (SPEC §3.3: the engine-reported prefill rate) ----------------------
+
+PREFILL = """\
+# HELP vllm:request_prefill_time_seconds Histogram of time spent in PREFILL phase for request.
+# TYPE vllm:request_prefill_time_seconds histogram
+vllm:request_prefill_time_seconds_bucket{engine="0",le="0.3",model_name="m"} 500.0
+vllm:request_prefill_time_seconds_bucket{engine="0",le="+Inf",model_name="m"} 512.0
+vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 512.0
+vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 41.5
+# HELP vllm:request_prefill_time_seconds_created Histogram of time spent in PREFILL phase for request.
+# TYPE vllm:request_prefill_time_seconds_created gauge
+vllm:request_prefill_time_seconds_created{engine="0",model_name="m"} 1.7e9
+"""
+
+
+def test_prefill_counters_in_vllm_exposition() -> None:
+    assert parse_prefill(VLLM_0_11 + PREFILL) == PrefillCounters(41.5, 512.0, 90112.0, 81920.0)
+    assert parse_load(VLLM_0_11 + PREFILL) == parse_load(VLLM_0_11)  # the load reading is unchanged by them
+
+
+def test_prefill_counters_are_summed_over_label_sets() -> None:
+    text = PREFILL + PREFILL.replace('engine="0"', 'engine="1"') + (
+        'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 100.0\n'
+        'vllm:prefix_cache_queries_total{engine="1",model_name="m"} 50.0\n'
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 10.0\n'
+        'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 5.0\n'
+    )
+    assert parse_prefill(text) == PrefillCounters(83.0, 1024.0, 150.0, 15.0)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "",
+        b"\xff\xfe\x00\x01binary",
+        VLLM_0_11,  # no prefill histogram (an engine that does not export it)
+        PREFILL,  # no prefix cache counters (an engine run without the prefix cache's stats)
+        PREFILL.replace("_sum{", "_summary{"),  # another name with the same start
+        (VLLM_0_11 + PREFILL).replace("} 41.5", "} NaN"),  # the sum not a number: not all four
+        (VLLM_0_11 + PREFILL).replace("} 512.0\nvllm:request_prefill_time_seconds_sum", "} -1\nvllm:x"),
+    ],
+)
+def test_prefill_counters_need_all_four_finite_series(body: str | bytes) -> None:
+    assert parse_prefill(body) is None

@@ -200,6 +200,39 @@ async def test_prefill_cost_is_per_uncached_token(
     assert booked[-1] == pytest.approx(0.003)
 
 
+async def test_queue_and_prefill_times_are_vllm_histograms_split_at_scheduling(
+    aiohttp_client: ClientFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # vLLM's RequestStateStats: queued → scheduled is the queue time, scheduled → first token the
+    # prefill time. The fake's clock is the test's: arrival 10.0, its slot at 12.5, prefill done at 13.0.
+    from narwhal.engines.load_metrics import PrefillCounters, parse_prefill
+    from narwhal.fake_engine import work
+
+    clock = iter([10.0, 12.5, 13.0])
+    monkeypatch.setattr(work, "time", type("Clock", (), {"monotonic": staticmethod(lambda: next(clock))}))
+
+    async def no_wait(self: Scheduler, seconds: float) -> None:
+        pass
+
+    monkeypatch.setattr(Scheduler, "prefill", no_wait)
+    engine = cached_engine(prefill_s_per_token=0.001)
+    client = await aiohttp_client(build_engine_app(engine))
+    body = {"prompt": text_of(4) + "abcd", "max_tokens": 1, "kv_transfer_params": PREFILL_KV}
+    assert (await client.post("/v1/completions", json=body)).status == 200
+    text = await (await client.get("/metrics")).text()
+    label = 'engine="0",model_name="' + engine.model + '"'
+    for name, seconds, bucket in (("queue", 2.5, "2.5"), ("prefill", 0.5, "0.5")):
+        series = f"vllm:request_{name}_time_seconds"
+        assert f"# TYPE {series} histogram" in text
+        assert f"{series}_count{{{label}}} 1.0" in text and f"{series}_sum{{{label}}} {seconds}" in text
+        below = '0.3' if name == "prefill" else "2.0"
+        assert f'{series}_bucket{{engine="0",le="{below}",model_name="{engine.model}"}} 0.0' in text
+        assert f'{series}_bucket{{engine="0",le="{bucket}",model_name="{engine.model}"}} 1.0' in text
+        assert f'{series}_bucket{{engine="0",le="+Inf",model_name="{engine.model}"}} 1.0' in text
+    tokens = text_tokens(text_of(4) + "abcd")
+    assert parse_prefill(text) == PrefillCounters(0.5, 1.0, float(tokens), 0.0)  # what the supervisor reads
+
+
 async def test_requests_beyond_the_batch_wait_and_show_in_metrics(aiohttp_client: ClientFactory) -> None:
     engine = FakeEngine("e0", load_model=EngineModel(max_num_seqs=1))
     client = await aiohttp_client(build_engine_app(engine))

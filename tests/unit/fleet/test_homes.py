@@ -48,3 +48,25 @@ def test_past_max_homes_the_longest_prefixes_are_homed() -> None:
     many = [(key_hash(f"short {i}"), 1) for i in range(homes.MAX_HOMES)] + [(key_hash("long"), 10)]
     chosen = homes.assign(many, [(h, 10**6) for h in HASHES])
     assert len(chosen) == homes.MAX_HOMES and key_hash("long") in chosen
+
+
+def test_rate_classes_are_halvings_of_the_fastest_with_edges_below_each() -> None:
+    fastest = 1000.0
+    assert [homes.rate_class(r, fastest) for r in (1000, 800, 650, 640, 300, 250, 240, 10)] == [
+        1.0, 1.0, 1.0, 0.5, 0.5, 0.5, 0.25, 0.25]
+    assert homes.rate_class(500, fastest) == 0.5  # a half-rate producer at rest: inside its class
+    assert homes.rate_class(None, fastest) == homes.rate_class(400, None) == 1.0  # unknown: unscaled
+    assert homes.room_blocks(40, 0.5) == int(40 * homes.FILL * 0.5) and homes.room_blocks(None, 0.5) == 0
+
+
+def test_a_slower_class_takes_fewer_homes_and_every_replica_agrees() -> None:
+    prefixes = _prefixes(8)
+    replicas = []
+    # Two replicas whose reads of the engines differ a little: the same classes, the same homes.
+    for rates in ([1000.0, 980.0, 1010.0, 470.0], [990.0, 1000.0, 1005.0, 520.0]):
+        fastest = max(rates)
+        rooms = [(h, homes.room_blocks(40, homes.rate_class(r, fastest))) for h, r in zip(HASHES, rates, strict=True)]
+        replicas.append(homes.assign(prefixes if not replicas else list(reversed(prefixes)), rooms))
+    per = [sum(1 for at in replicas[0].values() if at == i) for i in range(4)]
+    assert per == [2, 2, 2, 1], per  # 36 blocks take two prefixes of 15, the slow one's 18 one
+    assert replicas[0] == replicas[1]

@@ -137,3 +137,47 @@ def test_without_a_known_capacity_an_eviction_bounds_the_holdings_to_what_outliv
     assert m.capacity_blocks(p) == 100
     m.forget(0)
     assert p.learned_blocks is None
+
+
+def _engine_rate(m: HoldingsModel, engine: int, tokens_per_s: float) -> None:
+    """Enough ``/metrics`` reads of ``engine`` for its engine-reported rate to be ``tokens_per_s``."""
+    from narwhal.engines.load_metrics import PrefillCounters
+    from narwhal.supervisor.engine_rate import MIN_SAMPLES, SAMPLE_PREFILLS
+
+    for i in range(MIN_SAMPLES + 1):
+        counters = PrefillCounters(float(i), float(i * SAMPLE_PREFILLS), i * tokens_per_s, 0.0)
+        m.engine_read(engine, 40 * 64, counters, float(i))
+
+
+def test_homes_room_is_scaled_by_the_engine_reported_rate_class() -> None:
+    m = _model()
+    m.set_capacity(0, 40 * 64)
+    m.set_capacity(1, 40 * 64)
+    full = homes.room_blocks(40)
+    assert (m.home_room(0), m.home_room(1)) == (full, full)  # no rate reported yet: unscaled
+    _engine_rate(m, 0, 2000.0)
+    assert (m.home_room(0), m.home_room(1)) == (full, full)  # the other's still unknown: unscaled
+    _engine_rate(m, 1, 900.0)
+    assert (m.home_room(0), m.home_room(1)) == (full, homes.room_blocks(40, 0.5))
+    two = [list(range(200, 215)), list(range(300, 315))]
+    assert all(rank(["p0", "p1"], prefix[0], key_hash)[0] == "p1" for prefix in two)  # both p1's first
+    at = 1.0
+    for prefix in two:  # both live
+        m.apply(_rep(prefix, cached=0, at=at, producer=1))
+        m.apply(_rep(prefix + [7], cached=15 * 64, at=at + 0.1, producer=1))
+        at += 0.2
+    m.assign_homes(at)
+    p0, p1 = m.producers[0], m.producers[1]
+    assert p0 is not None and p1 is not None
+    # p1's 18 blocks take one prefix of 15 (its full room would take both): the other goes to p0.
+    assert (p0.homes, p1.homes) == ({300: 15}, {200: 15})
+
+
+def test_the_engine_reported_rate_stands_in_for_a_learned_rate_in_the_estimate() -> None:
+    m = _model()
+    p = m.producers[1]
+    assert p is not None and m.placing_rate(p) is None
+    _engine_rate(m, 1, 900.0)
+    assert m.placing_rate(p) == 900.0 * 4  # tokens/s at 4 characters a token (until learned)
+    p.rate = 12345.0  # learned: this replica's own measure wins
+    assert m.placing_rate(p) == 12345.0

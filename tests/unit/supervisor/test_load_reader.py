@@ -108,3 +108,29 @@ async def test_a_flapping_engine_logs_once_a_minute(shared: SharedFleet, caplog:
     assert lines == ["load of flap not read (timed out after 0.1s): placement uses its in-flight counts only"]
     assert read_load(shared.region, 0) is not None  # the good reads were published all along
     reader.cancel()
+
+
+async def test_each_reading_gives_the_holdings_its_capacity_and_prefill_counters(shared: SharedFleet) -> None:
+    from narwhal.engines.load_metrics import PrefillCounters
+
+    fleet = Fleet(Settings(engines=[{"name": "p", "role": "producer", "url": "http://127.0.0.1:1"}]))
+    body = GOOD + (
+        'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100"} 1.0\n'
+        'vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 7.0\n'
+        'vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 0.5\n'
+        'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 900.0\n'
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 100.0\n'
+    )
+
+    class Answer:
+        async def get(self, engine: Any, path: str) -> tuple[int, bytes]:
+            return 200, body.encode()
+
+    seen: list[tuple[int, int | None, PrefillCounters | None]] = []
+    shared.assign_engines([(e.name, e.url) for e in fleet.engines])
+    reader = LoadReader(shared, Answer(), on_reading=lambda i, cap, counters, at: seen.append((i, cap, counters)))  # type: ignore[arg-type]
+    reader.start_round(fleet.engines)
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert seen == [(0, 1600, PrefillCounters(0.5, 7.0, 900.0, 100.0))]
+    reader.cancel()
