@@ -5,7 +5,6 @@ the fleet is)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -14,19 +13,9 @@ import pytest
 from narwhal.fleet.placement.affinity import key_hash, rank
 from narwhal.fleet.placement.blocks import PrefixBlocks
 from narwhal.testing.harness import FakeFleet, RouterProcess
-from tests.real_gunicorn.placement import holdings_support as hs
-from tests.real_gunicorn.placement.holdings_support import KV_BLOCKS, PRODUCERS
+from tests.real_gunicorn.placement.holdings import holdings_support as hs
+from tests.real_gunicorn.placement.holdings.holdings_support import KV_BLOCKS, PRODUCERS
 from tests.real_gunicorn.support import MODEL, TOKEN, engine_entry, start_router
-
-
-@pytest.fixture(scope="module")
-def hfleet() -> Iterator[FakeFleet]:
-    yield from hs.module_fleet()
-
-
-@pytest.fixture(scope="module")
-def router(hfleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
-    yield from hs.module_router(hfleet, tmp_path_factory)
 
 
 async def test_capacity_is_read_from_cache_config_info(router: RouterProcess, hfleet: FakeFleet) -> None:

@@ -4,31 +4,15 @@ what the fleet is)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 import pytest
 
 from narwhal.testing.harness import FakeFleet, RouterProcess
-from tests.real_gunicorn.placement import holdings_support as hs
-from tests.real_gunicorn.placement.holdings_support import BLOCKS, PRODUCERS
+from tests.real_gunicorn.placement.holdings import holdings_support as hs
+from tests.real_gunicorn.placement.holdings.holdings_support import BLOCKS, PRODUCERS
 from tests.real_gunicorn.support import admin, scrape, sessions_per_worker, settled, value, wait_state
-
-
-@pytest.fixture(scope="module")
-def hfleet() -> Iterator[FakeFleet]:
-    yield from hs.module_fleet()
-
-
-@pytest.fixture(scope="module")
-def router(hfleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
-    yield from hs.module_router(hfleet, tmp_path_factory)
-
-
-@pytest.fixture
-def fresh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RouterProcess, FakeFleet]]:
-    yield from hs.fresh_pair(tmp_path_factory)
 
 
 async def test_a_prefix_prefilled_through_one_worker_is_placed_on_its_producer_by_the_other(

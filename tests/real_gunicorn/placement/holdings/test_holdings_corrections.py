@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -15,24 +14,9 @@ import pytest
 
 from narwhal.fleet.placement.blocks import PrefixBlocks
 from narwhal.testing.harness import FakeFleet, RouterProcess, router_roles
-from tests.real_gunicorn.placement import holdings_support as hs
-from tests.real_gunicorn.placement.holdings_support import BLOCKS
+from tests.real_gunicorn.placement.holdings import holdings_support as hs
+from tests.real_gunicorn.placement.holdings.holdings_support import BLOCKS
 from tests.real_gunicorn.support import wait_until
-
-
-@pytest.fixture(scope="module")
-def hfleet() -> Iterator[FakeFleet]:
-    yield from hs.module_fleet()
-
-
-@pytest.fixture(scope="module")
-def router(hfleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
-    yield from hs.module_router(hfleet, tmp_path_factory)
-
-
-@pytest.fixture
-def fresh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RouterProcess, FakeFleet]]:
-    yield from hs.fresh_pair(tmp_path_factory)
 
 
 async def test_after_the_producer_evicts_the_next_prefill_is_over_and_lowers_its_holdings(

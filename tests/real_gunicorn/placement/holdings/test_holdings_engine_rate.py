@@ -20,7 +20,7 @@ import pytest
 from narwhal.fleet.placement.affinity import key_hash, rank
 from narwhal.fleet.placement.blocks import PrefixBlocks
 from narwhal.testing.harness import FakeFleet, RouterProcess
-from tests.real_gunicorn.placement import holdings_support as hs
+from tests.real_gunicorn.placement.holdings import holdings_support as hs
 from tests.real_gunicorn.support import MODEL, TOKEN, completion, engine_entry, start_router
 
 PRODUCERS = ("eslow", "efast")

@@ -1,0 +1,30 @@
+"""The holdings tests' fleet and routers (SPEC §3.3): a fleet of fakes with their KV cache models,
+the module's router over it, and a fresh pair for the tests whose choices depend on which
+producers are full, which a module's shared fleet fills as its tests go."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from narwhal.testing.harness import FakeFleet, RouterProcess
+from tests.real_gunicorn.placement.holdings import holdings_support as hs
+
+
+@pytest.fixture(scope="module")
+def hfleet() -> Iterator[FakeFleet]:
+    """The module's fleet."""
+    yield from hs.module_fleet()
+
+
+@pytest.fixture(scope="module")
+def router(hfleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
+    """The module's router over its fleet."""
+    yield from hs.module_router(hfleet, tmp_path_factory)
+
+
+@pytest.fixture
+def fresh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RouterProcess, FakeFleet]]:
+    """A fleet and router of the test's own: nothing held and nothing learned."""
+    yield from hs.fresh_pair(tmp_path_factory)
