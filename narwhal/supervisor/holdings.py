@@ -65,6 +65,9 @@ HOT_S = 2.0
 
 @dataclass
 class ProducerHoldings:
+    """What the supervisor believes one producer holds and how fast it prefills; the one copy,
+    which only the supervisor writes (the workers read what :meth:`HoldingsModel.publish` makes of it)."""
+
     stamp: int
     # Least recently used first; each key with when it was first computed there (monotonic s).
     keys: OrderedDict[int, float] = field(default_factory=OrderedDict)
@@ -88,6 +91,7 @@ class ProducerHoldings:
     published_at: float = float("-inf")
 
     def forget(self) -> None:
+        """A new engine behind the name (restarted, or ejected and back): nothing it held is held."""
         self.learned_blocks = None  # a new engine: what the old one's evictions showed is moot
         if self.keys:
             self.keys.clear()
@@ -125,7 +129,8 @@ class Named(Protocol):
     """An engine, as far as homes need it: its name."""
 
     @property
-    def name(self) -> str: ...
+    def name(self) -> str:
+        """The engine's configured name (what homes rank by)."""
 
 
 class HoldingsModel:
@@ -335,10 +340,6 @@ class HoldingsModel:
         p = self.producers[engine] if engine < len(self.producers) else None
         if p is not None:
             p.forget()
-
-    def fleet_rate(self) -> float | None:
-        rates = [p.rate for p in self.producers if p is not None and p.rate is not None]
-        return sum(rates) / len(rates) if rates else None
 
     def placing_rate(self, p: ProducerHoldings) -> float | None:
         """The rate the estimate places by (characters/s): the learned one, else the engine's own."""
