@@ -34,7 +34,9 @@ Invariants (checked on every engine a call touched):
 * a probe is scheduled (``next_probe_at``) only for an engine that is EJECTED or PROBING, was
   ejected by the breaker (not by the operator) and is not waiting for its wave;
 * an engine waiting for its wave is EJECTED and has a wave;
-* :attr:`Breakers.version` moves by one exactly when some :class:`EngineStatus` changed.
+* :attr:`Breakers.version` moves by one exactly when some :class:`EngineStatus` changed;
+  :attr:`Breakers.changes` with every change but time's: between two moves a success repeated
+  changes nothing; tick and due_probes act only from ``readmission.earliest``'s deadline on.
 
 Rules decided where the SPEC is silent:
 
@@ -71,22 +73,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from narwhal.fleet.blame import (
-    EngineInfo,
-    EngineStatus,
-    Outcome,
-    Pending,
-    ProbePlan,
-    RoleName,
-    State,
-    charges,
-    counted,
-)
-from narwhal.fleet.readmission import OUT, SERVING, BreakerRecord, Wave, probe_interval, probe_plan
+from narwhal.fleet.blame import EngineInfo, EngineStatus, Outcome, Pending, ProbePlan, RoleName, State, charges, counted
+from narwhal.fleet.readmission import OUT, SERVING, BreakerRecord, Wave, earliest, probe_interval, probe_plan
 from narwhal.settings import RecoverySettings
 
 __all__ = ["Breakers", "EngineInfo", "EngineStatus", "Outcome", "ProbePlan", "State"]
-
 
 PROBE_RESULTS = ("pass", "fail", "inconclusive")
 
@@ -94,14 +85,11 @@ PROBE_RESULTS = ("pass", "fail", "inconclusive")
 class Breakers:
     """Every engine's breaker; the supervisor is the only caller (not thread-safe)."""
 
-    def __init__(
-        self, engines: Sequence[EngineInfo], settings: RecoverySettings, *, has_contract: bool = False
-    ) -> None:
+    def __init__(self, engines: Sequence[EngineInfo], settings: RecoverySettings, *,
+                 has_contract: bool = False) -> None:
         self._settings = settings
-        if settings.readmission == "auto":
-            self._kind = "probe" if has_contract else "health"
-        else:
-            self._kind = settings.readmission
+        auto = settings.readmission == "auto"
+        self._kind = ("probe" if has_contract else "health") if auto else settings.readmission
         self._engines: dict[str, BreakerRecord] = {}
         for info in engines:
             if info.role not in ("producer", "consumer", "both"):
@@ -120,6 +108,8 @@ class Breakers:
         self._status = {name: rec.status() for name, rec in self._engines.items()}
         self._touched: set[str] = set()
         self.version = 0
+        self.changes = 0
+        self._quiet_until = float("-inf")  # before this, tick and due_probes have nothing to do
 
     # ------------------------------------------------------------------------------ reports
 
@@ -132,6 +122,7 @@ class Breakers:
             elif not outcome.local:
                 self._prefill_proven(outcome.producer)
         elif counted(outcome):
+            self.changes += 1  # an ambiguous fault is remembered without touching a status
             for c in charges(outcome, self._pending, self._is_out):
                 self._charge(c.engine, (c.role,), outcome.at, outcome.reason, c.original_producer, handoff=c.handoff)
         self._commit()
@@ -146,7 +137,9 @@ class Breakers:
     # --------------------------------------------------------------------------- the clock
 
     def tick(self, now: float) -> None:
-        """End the quarantines and wave holds that are over."""
+        """End the quarantines and wave holds that are over; before the earliest deadline, nothing to look at."""
+        if now < self._quiet_until:
+            return
         for rec in self._engines.values():
             if rec.state is State.QUARANTINED and rec.quarantined_until is not None and rec.quarantined_until <= now:
                 self._touched.add(rec.info.name)
@@ -155,9 +148,12 @@ class Breakers:
         for wave in self._waves.values():
             self._settle(wave, now)
         self._commit()
+        self._quiet_until = earliest(self._engines.values(), self._waves.values(), self._settings)
 
     def due_probes(self, now: float) -> list[ProbePlan]:
         """Plans for the ejected engines whose probe is due; they are PROBING from now on."""
+        if now < self._quiet_until:
+            return []
         plans: list[ProbePlan] = []
         for name, rec in self._engines.items():
             if rec.state is State.EJECTED and rec.next_probe_at is not None and rec.next_probe_at <= now:
@@ -165,6 +161,7 @@ class Breakers:
                 rec.state = State.PROBING
                 plans.append(probe_plan(rec, self._kind))
         self._commit()
+        self._quiet_until = earliest(self._engines.values(), self._waves.values(), self._settings)
         return plans
 
     def probe_result(self, engine: str, result: str, now: float) -> None:
@@ -191,11 +188,8 @@ class Breakers:
     # --------------------------------------------------------------------- operator actions
 
     def eject(self, engine: str, now: float, *, probe: bool = False) -> None:
-        """Take the engine out now, whatever ``max_ejected_fraction`` and waves say.
-
-        Without ``probe`` it stays out until :meth:`readmit`; with it, it is probed back like
-        a breaker ejection (an engine that failed preflight at start).
-        """
+        """Take the engine out now, whatever ``max_ejected_fraction`` and waves say: until :meth:`readmit`,
+        or, with ``probe``, probed back like a breaker ejection (an engine that failed preflight at start)."""
         rec = self._engines[engine]
         self._touched.add(engine)
         if rec.state not in OUT:
@@ -247,8 +241,7 @@ class Breakers:
             if waiting and not by_operator and wave is not None:
                 wave.hold(rec, now)
             elif not by_operator:
-                interval = 0.0 if status.state is State.PROBING else self.probe_interval(rec.ejections)
-                rec.next_probe_at = now + interval
+                rec.next_probe_at = now + (0.0 if status.state is State.PROBING else self.probe_interval(rec.ejections))
         elif status.state is not State.QUARANTINED or status.quarantined_until is None:
             rec.quarantined_until = None
             if rec.state is not State.DRAINING:
@@ -379,7 +372,14 @@ class Breakers:
         for member in wave.release(now, self._settings.wave_hold_s):
             self._readmit(member, now)
 
+    def _moved(self) -> None:
+        """Something changed other than time: the next tick looks at every engine again."""
+        self.changes += 1
+        self._quiet_until = float("-inf")
+
     def _commit(self) -> None:
+        if self._touched:
+            self._moved()
         changed = False
         for name in self._touched:
             rec = self._engines[name]

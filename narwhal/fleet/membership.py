@@ -61,6 +61,7 @@ class ChangingBreakers(Breakers):
                 waves.setdefault(rec.info.wave, Wave([], None if old is None else old.hold_since)).members.append(rec)
         self._waves = waves
         self.version += 1
+        self._moved()  # new engines, new deadlines
 
     def joining(self, engine: str) -> bool:
         """Is the engine discovered and not yet through its first checks?"""
@@ -69,6 +70,8 @@ class ChangingBreakers(Breakers):
 
     def due_probes(self, now: float) -> list[ProbePlan]:
         """The joining engines' first checks due now (one in flight each), then the breakers' own probes."""
+        if now < self._quiet_until:  # a joining engine's state or probe moves only through _moved
+            return []
         plans: list[ProbePlan] = []
         for rec in self._engines.values():
             if rec.joining and rec.state is not State.PROBING:
@@ -86,6 +89,7 @@ class ChangingBreakers(Breakers):
         if rec is not None and rec.joining and rec.state is State.PROBING:
             if result != "pass":
                 rec.next_probe_at = now + self.probe_interval(0)
+                self._moved()
                 return  # still PROBING: it never served, so it is not EJECTED
             rec.joining = False
         elif rec is not None and rec.joining:

@@ -21,6 +21,7 @@ Invariant kept here: a held member has no probe scheduled and its wave has a ``h
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from narwhal.fleet.blame import EngineInfo, EngineStatus, ProbePlan, RoleName, State
@@ -134,3 +135,12 @@ class Wave:
             self.hold_since = None
             return waiting
         return []
+
+
+def earliest(records: Iterable[BreakerRecord], waves: Iterable[Wave], settings: RecoverySettings) -> float:
+    """The first time a tick or a probe could act without a report: a quarantine's end, a
+    probe due, a wave hold's end (``inf``: none). Before it, looking at every engine finds nothing."""
+    due = [rec.quarantined_until for rec in records if rec.quarantined_until is not None]
+    due += [rec.next_probe_at for rec in records if rec.next_probe_at is not None]
+    due += [w.hold_since + settings.wave_hold_s for w in waves if w.hold_since is not None]
+    return min(due, default=float("inf"))
