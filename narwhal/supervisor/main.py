@@ -31,23 +31,12 @@ from typing import TYPE_CHECKING, Any
 from narwhal import metrics
 from narwhal.engines.control import PooledReader, open_session
 from narwhal.fleet import Engine, Fleet
-from narwhal.fleet.breaker import EngineInfo, EngineStatus, Outcome, State
+from narwhal.fleet.breaker import EngineInfo, EngineStatus, State
 from narwhal.fleet.membership import ChangingBreakers
 from narwhal.settings import EngineSpec, Settings
 from narwhal.shm import layout as L
 from narwhal.shm.holdings import Holdings, identity
 from narwhal.shm.records import (
-    FLAG_BEFORE_TOKEN,
-    FLAG_COUNTS,
-    FLAG_OK,
-    FLAG_PREFILL,
-    KIND_DRAIN,
-    KIND_EJECT,
-    KIND_LOCAL_OUTCOME,
-    KIND_OUTCOME,
-    KIND_READMIT,
-    NONE16,
-    REASONS,
     RECORD_BY_OPERATOR,
     RECORD_WAITING_FOR_WAVE,
     EngineRecord,
@@ -62,6 +51,7 @@ from narwhal.supervisor.holdings import HoldingsModel
 from narwhal.supervisor.load import LoadReader
 from narwhal.supervisor.models import ModelReader
 from narwhal.supervisor.probes import Prober
+from narwhal.supervisor.reports import RingIndexes, Successes, apply_reports
 from narwhal.supervisor.rounds import spread
 
 if TYPE_CHECKING:  # discovery is imported only when enabled (dnspython)
@@ -111,6 +101,8 @@ class Supervisor:
         self.breakers = ChangingBreakers(self._infos(), settings.recovery,
                                          has_contract=settings.engine_contract is not None)
         self._map_slots()
+        self._outcome_rings = RingIndexes(shared.layout.slot_offset(0) + L.SLOT_RING_WRITE, shared.layout.slot_size)
+        self._successes = Successes()
         self._published = -1
         self._tasks: set[asyncio.Task[Any]] = set()
         self._probing: set[str] = set()
@@ -123,6 +115,8 @@ class Supervisor:
         if holdings is not None:
             stamps = [identity(e.name, e.url) if e.can_prefill else None for e in self.fleet.engines]
             self.model = HoldingsModel(stamps, holdings.layout.keys, settings.placement.block_chars, self.fleet.engines)
+            rings = holdings.layout
+            self._prefill_rings = RingIndexes(rings.ring_offset(0), rings.ring_offset(1) - rings.ring_offset(0))
 
     def _infos(self) -> list[EngineInfo]:
         return [EngineInfo(name=e.name, role=e.role, wave=e.wave,
@@ -225,35 +219,12 @@ class Supervisor:
     # -- reports ----------------------------------------------------------------------------------
 
     def drain(self) -> None:
-        """Every ring's new reports, in completion order, into the breakers; a removed engine's are dropped."""
+        """The rings written since, their reports in completion order into the breakers (``supervisor.reports``)."""
         reports: list[Report] = []
-        for slot in range(self.shared.in_use()):
+        for slot in self._outcome_rings.written(self.shared.mm, self.shared.in_use()):
             reports.extend(self.shared.drain(slot))
-        if not reports:
-            return
-        reports.sort(key=lambda r: r.at)  # "consecutive" = in order of completion time
-        now = self._clock()
-        by_slot = self._by_slot
-        for r in reports:
-            producer, consumer = by_slot.get(r.producer), by_slot.get(r.consumer)
-            if producer is None or consumer is None:
-                continue  # an engine a reload removed, reported by a worker still running on the old list
-            if r.kind in (KIND_OUTCOME, KIND_LOCAL_OUTCOME):
-                failed_engine = None if r.failed == NONE16 else by_slot.get(r.failed)
-                failed = None if failed_engine is None else failed_engine.name
-                reason = REASONS[r.reason] if r.reason < len(REASONS) else ""
-                self.breakers.record(Outcome(
-                    producer=producer.name, consumer=consumer.name, ok=bool(r.flags & FLAG_OK), failed_engine=failed,
-                    phase=None if failed is None else ("prefill" if r.flags & FLAG_PREFILL else "decode"),
-                    reason=reason or None, counts=bool(r.flags & FLAG_COUNTS),
-                    before_first_token=bool(r.flags & FLAG_BEFORE_TOKEN), at=r.at, local=r.kind == KIND_LOCAL_OUTCOME,
-                ))
-            elif r.kind == KIND_EJECT:
-                self.breakers.eject(producer.name, now)
-            elif r.kind == KIND_READMIT:
-                self.breakers.readmit(producer.name, now)
-            elif r.kind == KIND_DRAIN:
-                self.breakers.drain(producer.name, now)
+        if reports:
+            apply_reports(reports, self._by_slot, self.breakers, self._clock(), self._successes)
 
     def drain_prefills(self) -> None:
         """The workers' completed prefills into the holdings (SPEC §3.3), then what changed
@@ -263,7 +234,8 @@ class Supervisor:
         if self.holdings is None or self.model is None:
             return
         claimed = min(self.holdings.layout.slots, self.shared.in_use())  # slots ever claimed
-        reports = [rep for slot in range(claimed) for rep in self.holdings.drain(slot)]
+        reports = [rep for slot in self._prefill_rings.written(self.holdings.mm, claimed)
+                   for rep in self.holdings.drain(slot)]
         reports.sort(key=lambda rep: rep.at)
         for rep in reports:
             result = self.model.apply(rep)
