@@ -365,6 +365,29 @@ class Supervisor:
                                on_reading=None if self.model is None else self.model.engine_read)
             loop = self.start(Prober(self.settings, self.fleet, session, self.admitted), loads)
             loop.models = ModelReader.over(self, session)
-            while True:
+            await self._passes(loop)
+
+    async def _passes(self, loop: Loop) -> None:
+        """``step`` now and then LOOP_S after each pass ends, until cancelled or a pass raises.
+        A timer callback of the event loop, not a task around ``asyncio.sleep``: a pass then costs
+        no task step, coroutine resumption or future of its own (issue 24: 11.6 → 9.8 ms/s idle)."""
+        events = asyncio.get_running_loop()
+        failed: asyncio.Future[None] = events.create_future()
+        timer: asyncio.TimerHandle | None = None
+
+        def one_pass() -> None:
+            nonlocal timer
+            try:
                 self.step(loop)
-                await asyncio.sleep(LOOP_S)
+            except Exception as exc:  # the run ends with it, as the awaited loop did
+                if not failed.done():
+                    failed.set_exception(exc)
+                return
+            timer = events.call_later(LOOP_S, one_pass)
+
+        one_pass()
+        try:
+            await failed
+        finally:
+            if timer is not None:
+                timer.cancel()
