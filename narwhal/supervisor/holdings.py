@@ -372,7 +372,7 @@ class HoldingsModel:
         for index, p in enumerate(self.producers):
             if p is None:
                 continue
-            hot = p.hot_blocks(now)
+            hot = p.hot_blocks(now) if p.hot else 0  # nothing reused lately: nothing to age (most passes)
             if hot != p.published_hot:
                 p.dirty = True  # the live count moves with time alone, as reuses age out
             if not p.dirty or (now - p.published_at < PUBLISH_S and not p.urgent):
