@@ -72,6 +72,19 @@ def test_vllm_exposition_yields_the_three_series() -> None:
     assert parse_load(VLLM_0_11.encode()) == EngineLoad(running=7.0, waiting=3.0, kv_usage=0.4231)
 
 
+def test_a_body_is_read_as_its_bytes_whatever_else_it_holds() -> None:
+    # Searched undecoded: bytes that are not UTF-8 elsewhere in the body change nothing.
+    body = b"# HELP other \xff\xfe not text\n" + VLLM_0_11.encode() + b"other_metric{a=\"\xc3\"} 1\n"
+    assert parse_load(body) == EngineLoad(running=7.0, waiting=3.0, kv_usage=0.4231)
+
+
+def test_a_longer_name_before_the_series_does_not_hide_it() -> None:
+    body = ('vllm:num_requests_running_total{engine="0"} 9.0\nvllm:num_requests_running_x 8.0\n'
+            'other 1\n' + DATA_PARALLEL)
+    reading = parse_load(body)
+    assert reading is not None and (reading.running, reading.waiting) == (10.0, 3.0)
+
+
 def test_several_label_sets_are_summed_and_kv_usage_is_their_mean() -> None:
     reading = parse_load(DATA_PARALLEL)
     assert reading is not None

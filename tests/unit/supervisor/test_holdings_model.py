@@ -133,6 +133,9 @@ def test_cache_config_info_gives_the_capacity_in_tokens() -> None:
     assert parse_capacity(body.encode()) == 32768
     assert parse_capacity('vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1.0\n') is None
     assert parse_capacity("vllm:num_requests_running 1\n") is None
+    assert parse_capacity('vllm:cache_config_info{block_size="16"} 1.0\n') is None  # no blocks said
+    assert parse_capacity('vllm:cache_config_info{block_size="16",num_gpu_blocks="20') is None  # cut short
+    assert parse_capacity('vllm:cache_config_info{block_size="0",num_gpu_blocks="2048"} 1.0\n') is None
 
 
 def test_silence_means_nothing_cached_once_the_producer_has_reported_cached_tokens() -> None:
