@@ -16,8 +16,8 @@ Invariants, and why:
 
 * The loop never waits for a read: rounds are tasks, and an engine whose last read is still
   running is skipped, so a hung ``/metrics`` costs one pending task, never a late heartbeat.
-  Nor does a round take a pass of the loop to itself: its reads start a batch at a time,
-  spread over half the interval (``supervisor.rounds``), so a large fleet's round delays the
+  Nor does a round take a pass of the loop to itself: its reads start a batch per pass of the
+  loop, over half the interval (``supervisor.rounds``), so a large fleet's round delays the
   heartbeat by one batch at most.
 * A failed, slow or unparsable read is no breaker failure (health checks and requests judge
   engines): it publishes nothing, and the last reading goes stale in the workers' eyes
@@ -42,7 +42,7 @@ from narwhal.fleet import Engine
 from narwhal.shm.records import LoadRecord, write_load
 from narwhal.shm.shared import SharedFleet
 from narwhal.shm.table import record_hash
-from narwhal.supervisor.rounds import spread
+from narwhal.supervisor.rounds import Rounds
 
 log = logging.getLogger("narwhal.supervisor.load")
 
@@ -55,22 +55,29 @@ class LoadReader:
     def __init__(
         self, shared: SharedFleet, control: PooledReader | ControlClient,
         on_reading: Callable[[int, int | None, PrefillCounters | None, float], None] | None = None,
+        rounds: Rounds | None = None,
     ) -> None:
         self.shared = shared
         self.control = control
         # The holdings' (SPEC §3.3) share of each reading: the capacity bound, the prefill counters.
         self.on_reading = on_reading
+        self.rounds = rounds  # the loop's, whose passes start a round's reads; None: all at once
         self._reading: set[str] = set()
         self._failing: set[str] = set()
         self._warned_at: dict[str, float] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def start_round(self, engines: Iterable[Engine], within_s: float = 0.0) -> None:
-        """One read per engine not still being read, started a batch at a time over
-        ``within_s`` seconds (``supervisor.rounds``); returns at once."""
+        """One read per engine not still being read, started a batch per pass of the loop over
+        ``within_s`` seconds (``supervisor.rounds``; without rounds, at once); returns at once."""
         due = [e for e in engines if e.name not in self._reading]
         self._reading.update(e.name for e in due)
-        self._track(spread([functools.partial(self._start, e) for e in due], within_s))
+        starts = [functools.partial(self._start, e) for e in due]
+        if self.rounds is not None:
+            self.rounds.spread(starts, within_s)
+            return
+        for start in starts:
+            start()
 
     def _start(self, engine: Engine) -> None:
         self._track(self._read(engine))

@@ -52,7 +52,7 @@ from narwhal.supervisor.load import LoadReader
 from narwhal.supervisor.models import ModelReader
 from narwhal.supervisor.probes import Prober
 from narwhal.supervisor.reports import RingIndexes, Successes, apply_reports
-from narwhal.supervisor.rounds import spread
+from narwhal.supervisor.rounds import Rounds
 
 if TYPE_CHECKING:  # discovery is imported only when enabled (dnspython)
     from narwhal.supervisor.discovery import Discovery
@@ -105,6 +105,7 @@ class Supervisor:
         self._successes = Successes()
         self._published = -1
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.rounds = Rounds(LOOP_S)  # health checks and load reads, a batch per pass (supervisor.rounds)
         self._probing: set[str] = set()
         self._wall = time.time() - clock()
         self.holdings = holdings
@@ -334,11 +335,12 @@ class Supervisor:
             checked = [e for e in self.fleet.engines if self.breakers.admitted(e.name, now)]
             # A batch per pass of the loop (supervisor.rounds), not the whole fleet at once.
             starts = [functools.partial(self._start_health, loop.prober, e) for e in checked]
-            self._spawn(spread(starts, min(health_every / 2, 1.0)))
+            self.rounds.spread(starts, min(health_every / 2, 1.0))
         load_every = self.settings.placement.load_interval_s
         if load_every > 0 and now >= loop.next_load:
             loop.next_load = now + load_every
             loop.loads.start_round((e for e in self.fleet.engines if self._placeable(e)), load_every / 2)
+        self.rounds.run()
         if loop.discovery is not None:
             loop.discovery.tick(now)  # a read is started, never awaited here
         if now >= loop.next_sweep:
@@ -362,7 +364,7 @@ class Supervisor:
             load_every = self.settings.placement.load_interval_s
             # Each read bounded by the interval: a round never outlives the next one's start.
             loads = LoadReader(self.shared, PooledReader(self.settings.engine, load_every or 1.0),
-                               on_reading=None if self.model is None else self.model.engine_read)
+                               on_reading=None if self.model is None else self.model.engine_read, rounds=self.rounds)
             loop = self.start(Prober(self.settings, self.fleet, session, self.admitted), loads)
             loop.models = ModelReader.over(self, session)
             await self._passes(loop)

@@ -46,7 +46,6 @@ from narwhal.fleet.breaker import State
 from narwhal.shm import models as M
 from narwhal.shm.records import RecordBusy
 from narwhal.shm.table import record_hash
-from narwhal.supervisor.rounds import spread
 
 if TYPE_CHECKING:
     from narwhal.supervisor.main import Supervisor
@@ -56,7 +55,7 @@ log = logging.getLogger("narwhal.supervisor.models")
 READ_TIMEOUT_S = 5.0  # one /v1/models read; an engine slower than this is asked again later
 RETRY_S = 1.0
 REFRESH_S = 30.0
-SPREAD_S = 0.25  # a round's reads start over this (a batch per pass of the loop), the first at once
+SPREAD_S = 0.25  # a round's reads start over this (a batch per pass of the loop), the first at the next pass
 _OUT = frozenset({State.EJECTED, State.PROBING, State.DRAINING})
 
 Known = tuple[int, int, tuple[str, ...]]  # identity hash, status (shm.models), models
@@ -133,7 +132,7 @@ class ModelReader:
         due = [e for e in dict.fromkeys(due) if not e.models_configured and e.name not in self._reading]
         if due:
             self._reading.update(e.name for e in due)
-            self._track(spread([functools.partial(self._start, e) for e in due], SPREAD_S))
+            self.sup.rounds.spread([functools.partial(self._start, e) for e in due], SPREAD_S)
 
     def _start(self, engine: Engine) -> None:
         if self._stopped():  # a round still being spread when the supervisor stopped

@@ -74,9 +74,11 @@ def shared(settings: Settings) -> Iterator[SharedFleet]:
 
 
 async def settle(reader: ModelReader, now: float | None = None) -> None:
-    """Run the reads a tick started to their end (the fake answers at once), then the pass
-    that publishes their answers (``now``: the clock of that pass; no read is due at it)."""
-    while reader._tasks:
+    """Start the reads a tick queued (the loop's passes would, ``supervisor.rounds``) and run them
+    to their end (the fake answers at once), then the pass that publishes their answers (``now``:
+    the clock of that pass; no read is due at it)."""
+    while reader.sup.rounds.under_way or reader._tasks:
+        reader.sup.rounds.run()
         await asyncio.gather(*reader._tasks)
     if now is not None:
         reader.tick(now)

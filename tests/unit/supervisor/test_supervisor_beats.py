@@ -14,7 +14,7 @@ from narwhal.engines.control import PooledReader
 from narwhal.settings import Settings
 from narwhal.shm.shared import SharedFleet
 from narwhal.supervisor.main import Supervisor
-from narwhal.supervisor.rounds import BATCH, spread
+from narwhal.supervisor.rounds import BATCH, Rounds
 
 ENGINES = 64
 READ_CPU_S = 0.015  # each read's work once answered: a large /metrics body to parse, a busy host
@@ -70,22 +70,37 @@ async def test_beats_go_on_while_a_round_of_reads_of_a_large_fleet_runs(
     assert gap < 0.5, f"longest gap between beats {gap:.3f}s"
 
 
-async def test_a_spread_round_starts_everything_a_batch_per_pass() -> None:
-    started: list[int] = []
-    passes = 0
+def _passes(rounds: Rounds, started: list[int], passes: int) -> list[list[int]]:
+    """What each of ``passes`` calls of ``rounds.run`` started (each start appends its number to ``started``)."""
+    per_pass: list[list[int]] = []
+    for _ in range(passes):
+        before = len(started)
+        rounds.run()
+        per_pass.append(started[before:])
+    return per_pass
 
-    async def count_passes() -> None:
-        nonlocal passes
-        while True:
-            passes += 1
-            await asyncio.sleep(0)
 
-    counter = asyncio.ensure_future(count_passes())
-    seen: list[tuple[int, int]] = []
-    await spread([lambda i=i: (started.append(i), seen.append((passes, i))) for i in range(3 * BATCH + 1)], 0.0)
-    counter.cancel()
+def _round(rounds: Rounds, started: list[int], numbers: range, within_s: float) -> None:
+    rounds.spread([lambda i=i: started.append(i) for i in numbers], within_s)
+
+
+def test_a_spread_round_starts_everything_a_batch_per_pass() -> None:
+    rounds, started = Rounds(0.02), []
+    _round(rounds, started, range(3 * BATCH + 1), 1.0)
+    per_pass = _passes(rounds, started, 5)
+    assert [len(p) for p in per_pass] == [BATCH, BATCH, BATCH, 1, 0]
     assert started == list(range(3 * BATCH + 1))
-    per_pass: dict[int, int] = {}
-    for at, _ in seen:
-        per_pass[at] = per_pass.get(at, 0) + 1
-    assert max(per_pass.values()) == BATCH and len(per_pass) == 4
+
+
+def test_a_round_with_more_batches_than_passes_in_its_time_starts_more_per_pass() -> None:
+    rounds, started = Rounds(0.02), []
+    _round(rounds, started, range(4 * BATCH), 0.05)  # two passes in 50 ms: four batches in two
+    assert [len(p) for p in _passes(rounds, started, 3)] == [2 * BATCH, 2 * BATCH, 0]
+
+
+def test_rounds_under_way_each_start_their_next_batch_every_pass() -> None:
+    rounds, started = Rounds(0.02), []
+    _round(rounds, started, range(2 * BATCH), 1.0)
+    _round(rounds, started, range(100, 103), 1.0)
+    per_pass = _passes(rounds, started, 3)
+    assert per_pass == [list(range(BATCH)) + [100, 101, 102], list(range(BATCH, 2 * BATCH)), []]
