@@ -261,12 +261,12 @@ class SharedFleet:
         """This host's legs on the engine that the engine itself can count: its prefills and its
         decodes less those reserved with a pair whose decode leg is not sent yet (the prefill
         still runs). What the load reader takes out of the engine's own report (SPEC §3.2)."""
-        unsent = sum(
-            self.region.u32(self.layout.unsent_offset(slot, engine))
-            for slot in range(self.in_use())
-            if self.slot_pid(slot)
-        )
-        return max(self.engine_total(engine, 0) + self.engine_total(engine, 1) - unsent, 0)
+        u32, layout, seen = self.region.u32, self.layout, 0
+        for slot in range(self.in_use()):  # one pass: each slot's owner looked at once, not thrice
+            if self.slot_pid(slot):
+                seen += (u32(layout.count_offset(slot, engine, 0)) + u32(layout.count_offset(slot, engine, 1))
+                         - u32(layout.unsent_offset(slot, engine)))
+        return max(seen, 0)
 
     def set_slot_field(self, slot: int, field: int, value: int) -> None:
         """Write a u32 of a slot's header; only that slot's worker may."""
