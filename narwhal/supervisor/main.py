@@ -105,7 +105,7 @@ class Supervisor:
         self._successes = Successes()
         self._published = -1
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.rounds = Rounds(LOOP_S)  # health checks and load reads, a batch per pass (supervisor.rounds)
+        self.rounds = Rounds(LOOP_S)  # health checks, load and model reads: a batch per pass (supervisor.rounds)
         self._probing: set[str] = set()
         self._wall = time.time() - clock()
         self.holdings = holdings
