@@ -32,10 +32,10 @@ from narwhal.shm.records import RecordBusy
 from narwhal.shm.shared import SharedFleet
 from narwhal.shm.table import LIVE, record_hash
 from narwhal.supervisor.models import READ_TIMEOUT_S
+from narwhal.worker import following
 
 log = logging.getLogger("narwhal.worker.models")
 
-FOLLOW_S = 0.25  # a change reaches the worker within this of the supervisor's publish
 START_WAIT_S = READ_TIMEOUT_S + 3.0  # the supervisor's first read, and its start beside ours
 _START_POLL_S = 0.02
 
@@ -115,10 +115,5 @@ class ModelsFollower:
         self.check()
 
     async def keep_following(self) -> None:
-        """:meth:`check` every ``FOLLOW_S``; a failing check is logged, never ends the loop."""
-        while True:
-            await asyncio.sleep(FOLLOW_S)
-            try:
-                self.check()
-            except Exception:  # never let the models stop following
-                log.exception("following the engines' models failed")
+        """:meth:`check` every ``FOLLOW_S`` until cancelled (:mod:`narwhal.worker.following`)."""
+        await following.keep_following(self.check, "the engines' models")

@@ -25,7 +25,6 @@ Invariants:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 
@@ -36,10 +35,10 @@ from narwhal.shm.local import LocalFleetState
 from narwhal.shm.shared import SharedFleet
 from narwhal.shm.table import RETIRED
 from narwhal.shm.worker import WorkerFleetState
+from narwhal.worker import following
 
 log = logging.getLogger("narwhal.worker.roster")
 
-FOLLOW_S = 0.25  # a change is taken up within this (plus the supervisor's interval)
 
 
 def members(shared: SharedFleet) -> tuple[list[tuple[int, EngineSpec]], bool, set[str]]:
@@ -126,10 +125,5 @@ class RosterFollower:
         self.state.note_epoch(max(note, 0))
 
     async def keep_following(self) -> None:
-        """:meth:`check` every ``FOLLOW_S``; a failing check is logged, never ends the loop."""
-        while True:
-            await asyncio.sleep(FOLLOW_S)
-            try:
-                self.check()
-            except Exception:  # never let the roster stop following
-                log.exception("following the engine table failed")
+        """:meth:`check` every ``FOLLOW_S`` until cancelled (:mod:`narwhal.worker.following`)."""
+        await following.keep_following(self.check, "the engine table")

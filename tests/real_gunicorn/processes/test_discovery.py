@@ -68,7 +68,7 @@ async def names(router: RouterProcess) -> dict[str, str]:
 
 async def views(router: RouterProcess) -> list[dict[str, str]]:
     """Each worker's /admin/engines, by name: a worker takes a change up within
-    ``roster_follow.FOLLOW_S`` of another, so a wait ends only when every worker shows it."""
+    ``following.FOLLOW_S`` of another, so a wait ends only when every worker shows it."""
     async with sessions_per_worker(router, WORKERS) as sessions:
         out = []
         for session in sessions.values():
