@@ -41,3 +41,12 @@ def server_context(cert: Path, key: Path) -> ssl.SSLContext:
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.load_cert_chain(str(cert), str(key))
     return ctx
+
+
+def good_and_rogue(d: Path) -> dict[str, Path]:
+    """Certificates for TLS tests under ``d``: CA ``a`` signs ``good``; CA ``b`` signs ``rogue``
+    (a server that shows a valid chain, just not one the router trusts)."""
+    ca_a, ca_b = make_ca(d, "ca-a"), make_ca(d, "ca-b")
+    good, good_key = make_server_cert(d, ca_a, "good")
+    rogue, rogue_key = make_server_cert(d, ca_b, "rogue")
+    return {"ca_a": ca_a, "ca_b": ca_b, "good": good, "good_key": good_key, "rogue": rogue, "rogue_key": rogue_key}

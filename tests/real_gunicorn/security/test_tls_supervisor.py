@@ -40,7 +40,7 @@ from tests.real_gunicorn.support import (
     wait_state,
     wait_until,
 )
-from tests.tls_certs import HAVE_OPENSSL, make_ca, make_server_cert
+from tests.tls_certs import HAVE_OPENSSL, good_and_rogue
 
 pytestmark = pytest.mark.skipif(not HAVE_OPENSSL, reason="needs the openssl command")
 
@@ -53,11 +53,7 @@ RECOVERY = {"eject_after": 2, "health_interval_s": 0.3, "readmit_interval_s": 0.
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    d = tmp_path_factory.mktemp("pki")
-    ca_a, ca_b = make_ca(d, "ca-a"), make_ca(d, "ca-b")
-    good, good_key = make_server_cert(d, ca_a, "good")
-    rogue, rogue_key = make_server_cert(d, ca_b, "rogue")
-    return {"ca_a": ca_a, "good": good, "good_key": good_key, "rogue": rogue, "rogue_key": rogue_key}
+    return good_and_rogue(tmp_path_factory.mktemp("pki"))
 
 
 def _fleet(names: list[str], cert: Path, key: Path) -> FakeFleet:

@@ -34,7 +34,7 @@ from narwhal.engines.http1 import Origin, UpstreamPool
 from narwhal.errors import EngineError
 from narwhal.fake_engine import FakeEngine
 from narwhal.settings import EngineContract, EngineSettings
-from tests.tls_certs import HAVE_OPENSSL, make_ca, make_server_cert, server_context
+from tests.tls_certs import HAVE_OPENSSL, good_and_rogue, server_context
 
 needs_openssl = pytest.mark.skipif(not HAVE_OPENSSL, reason="needs the openssl command")
 
@@ -47,11 +47,7 @@ class Ref:
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """CA ``a`` signs ``good``; CA ``b`` signs ``rogue``."""
-    d = tmp_path_factory.mktemp("pki")
-    ca_a, ca_b = make_ca(d, "ca-a"), make_ca(d, "ca-b")
-    good, good_key = make_server_cert(d, ca_a, "good")
-    rogue, rogue_key = make_server_cert(d, ca_b, "rogue")
-    return {"ca_a": ca_a, "ca_b": ca_b, "good": good, "good_key": good_key, "rogue": rogue, "rogue_key": rogue_key}
+    return good_and_rogue(tmp_path_factory.mktemp("pki"))
 
 
 async def _tls_engine(name: str, cert: Path, key: Path) -> FakeEngine:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
 
 import orjson
 import pytest
@@ -63,14 +62,6 @@ def settings() -> Settings:
         "placement": {"load_interval_s": 0},
         "engines": ENGINES,
     })
-
-
-@pytest.fixture
-def shared(settings: Settings) -> Iterator[SharedFleet]:
-    region = SharedFleet.create(engines=4, slots=2)
-    region.assign_engines([(e.name, e.url) for e in settings.engines])
-    yield region
-    region.close()
 
 
 async def settle(reader: ModelReader, now: float | None = None) -> None:

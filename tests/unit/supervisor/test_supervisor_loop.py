@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -67,14 +66,6 @@ def settings() -> Settings:
                     {"name": "d0", "url": "http://127.0.0.1:2", "role": "consumer"},
                     {"name": "d1", "url": "http://127.0.0.1:3", "role": "consumer"}],
     })
-
-
-@pytest.fixture
-def shared(settings: Settings) -> Iterator[SharedFleet]:
-    region = SharedFleet.create(engines=4, slots=2)
-    region.assign_engines([(e.name, e.url) for e in settings.engines])
-    yield region
-    region.close()
 
 
 def started(shared: SharedFleet, settings: Settings) -> tuple[Supervisor, Loop, FakeClock, FakeProber]:
