@@ -187,8 +187,12 @@ class Layout:
 
     def ring_offset(self, slot: int, index: int) -> int:
         """Where ring entry ``index`` (any index: it wraps) of a worker slot sits."""
-        return (self.slot_offset(slot) + SLOT_HEADER_SIZE + self.slot_counts_size
-                + (index % self.ring) * RING_ENTRY_SIZE)
+        return self.slot_offset(slot) + self.ring_start + (index % self.ring) * RING_ENTRY_SIZE
+
+    @functools.cached_property
+    def ring_start(self) -> int:
+        """Where a worker slot's ring starts, from the slot's start."""
+        return SLOT_HEADER_SIZE + self.slot_counts_size
 
     @property
     def size(self) -> int:
@@ -244,3 +248,4 @@ def store_u32(mm: mmap.mmap, offset: int, value: int) -> None:
 # Precompiled, for reads (a read never zeroes anything): these run several times per request.
 U32 = struct.Struct("<I")
 U64 = struct.Struct("<Q")
+RING_INDICES = struct.Struct("<QQ")  # a slot's SLOT_RING_WRITE and SLOT_RING_READ, adjacent

@@ -39,7 +39,8 @@ class SharedFleet:
         self.mm = region.mm
         n = self.layout.engines * 2
         self._counts = struct.Struct(f"<{n}I")
-        self._all_counts: dict[tuple[int, int], struct.Struct] = {}  # by engines and slots in use: totals()
+        # by engines and slots in use, for totals(): the struct and each column's slice of what it unpacks
+        self._all_counts: dict[tuple[int, int], tuple[struct.Struct, tuple[slice, ...]]] = {}
         self.table = EngineTable(region)
         # identity -> engine slot, for the engines this process uses: theirs never change while it lives
         self._engine_slots: dict[int, int] = {}
@@ -243,11 +244,15 @@ class SharedFleet:
         used = self.in_use()
         if not used:
             return [0] * width
-        fmt = self._all_counts.get((n, used))
-        if fmt is None:
-            fmt = self._all_counts[(n, used)] = _all_counts_struct(self.layout, n, used)
+        known = self._all_counts.get((n, used))
+        if known is None:
+            known = self._all_counts[(n, used)] = (_all_counts_struct(self.layout, n, used),
+                                                  tuple(slice(i, None, width) for i in range(width)))
+        fmt, columns = known
         values = fmt.unpack_from(self.mm, self.layout.counts_offset(0))
-        return [sum(values[i::width]) for i in range(width)]
+        # Each column (an engine's phase over the slots) summed by map, in C: no Python call per
+        # column on a path every placement takes.
+        return list(map(sum, map(values.__getitem__, columns)))
 
     def engine_total(self, engine: int, phase: int) -> int:
         """An engine slot's legs in flight in a phase, summed over claimed slots: the exact count a cap needs."""
@@ -293,13 +298,15 @@ class SharedFleet:
 
     def append(self, slot: int, report: Report) -> bool:
         """Worker side: add a report; False (and counted) when the ring is full."""
-        base = self.layout.slot_offset(slot)
-        write = self.region.u64(base + L.SLOT_RING_WRITE)
-        if write - self.region.u64(base + L.SLOT_RING_READ) >= self.layout.ring:
+        layout = self.layout
+        base = layout.slot_offset(slot)
+        # Both indices in one read: they are adjacent u64s (write ours, read the supervisor's).
+        write, read = L.RING_INDICES.unpack_from(self.mm, base + L.SLOT_RING_WRITE)
+        if write - read >= layout.ring:
             dropped = self.region.u32(base + L.SLOT_DROPPED)
             self.region.set_u32(base + L.SLOT_DROPPED, dropped + 1)
             return False
-        off = self.layout.ring_offset(slot, write)
+        off = base + layout.ring_start + (write % layout.ring) * L.RING_ENTRY_SIZE  # ring_offset, from base
         self.mm[off : off + ENTRY_BYTES] = pack_report(_with_seq(report, write))
         self.region.set_u64(base + L.SLOT_RING_WRITE, write + 1)
         return True
