@@ -128,11 +128,17 @@ def _ids_ok(ids: list[Any]) -> bool:
 
 
 def _block_ids_ok(ids: Any) -> bool:
-    if not isinstance(ids, list):
+    # Flat (older builds), empty (prompt shorter than a block), or one list per KV cache group;
+    # the first element says which, so the ids are checked once, in the form they have.
+    if type(ids) is not list:
         return False
-    if _ids_ok(ids):
-        return True  # flat (older builds) or empty (prompt shorter than a block)
-    return all(isinstance(group, list) and _ids_ok(group) for group in ids)
+    if not ids or type(ids[0]) is not list:
+        return _ids_ok(ids)
+    return list(map(type, ids)).count(list) == len(ids) and all(map(_ids_ok, ids))
+
+
+# The fields validation reads, in the order of the rules below.
+_CHECKED = ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port", "remote_request_id")
 
 
 def validate_descriptor(
@@ -140,21 +146,22 @@ def validate_descriptor(
 ) -> dict[str, Any]:
     """Check a NixlConnector descriptor; return it unchanged or raise :class:`InvalidHandoff`.
 
-    Strings are tested by exact type (``type(v) is str``), once per request on the request path:
-    a descriptor is decoded JSON, whose strings are never subclasses."""
-    if isinstance(descriptor, dict) and not FOREIGN_KEYS.isdisjoint(descriptor):
-        raise InvalidHandoff("connector mismatch", engine=producer)
-    if not isinstance(descriptor, dict) or type(engine_id := descriptor.get("remote_engine_id")) is not str \
-            or not engine_id:
+    A descriptor is decoded JSON, once per request on the request path: its values are tested
+    by exact type (``type(v) is str``: JSON's are never subclasses), and the fields are read
+    in one pass (``map``), not a call each."""
+    if not isinstance(descriptor, dict):
         raise InvalidHandoff("missing engine identity", engine=producer)
-    if not _block_ids_ok(descriptor.get("remote_block_ids")):
+    if not FOREIGN_KEYS.isdisjoint(descriptor):
+        raise InvalidHandoff("connector mismatch", engine=producer)
+    engine_id, block_ids, host, port, rid = map(descriptor.get, _CHECKED)
+    if type(engine_id) is not str or not engine_id:
+        raise InvalidHandoff("missing engine identity", engine=producer)
+    if not _block_ids_ok(block_ids):
         raise InvalidHandoff("malformed block IDs", engine=producer)
-    if type(host := descriptor.get("remote_host")) is not str or not host:
+    if type(host) is not str or not host:
         raise InvalidHandoff("malformed field remote_host", engine=producer)
-    port = descriptor.get("remote_port")
     if type(port) is not int or not 1 <= port <= 65535:
         raise InvalidHandoff("malformed field remote_port", engine=producer)
-    rid = descriptor.get("remote_request_id")
     if rid is not None and (type(rid) is not str or not rid):
         raise InvalidHandoff("malformed field remote_request_id", engine=producer)
     if prefill_endpoint != decode_endpoint:
