@@ -294,7 +294,7 @@ def _prefill_result(result: PrefillResult, status: int, data: bytes) -> PrefillR
         answer = orjson.loads(data)
     except orjson.JSONDecodeError:
         answer = None
-    if not isinstance(answer, dict):
+    if type(answer) is not dict:  # decoded JSON: an object is exactly a dict
         return result
     if result.crossed:
         result.descriptor = answer.get("kv_transfer_params")

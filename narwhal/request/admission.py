@@ -108,7 +108,7 @@ def trace_context(request: web.Request) -> dict[str, str]:
 async def read_body(request: web.Request, settings: Settings) -> bytes:
     """The raw body, read once: JSON, at most ``max_body_bytes``, within ``body_read_timeout_s``; else a 4xx."""
     ctype = request.headers.get("Content-Type")
-    if ctype is not None:
+    if ctype is not None and ctype != "application/json":  # what nearly every client sends, as is
         mime = ctype.split(";", 1)[0].strip().lower()
         if mime != "application/json" and not mime.endswith("+json"):
             raise RequestError(
@@ -207,7 +207,7 @@ def parse_object(raw: bytes) -> dict[str, Any]:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise _bad(f"invalid JSON body: {exc}") from None
-    if not isinstance(body, dict):
+    if type(body) is not dict:  # orjson's objects are exactly dict
         raise _bad("the request body must be a JSON object")
     body.pop("kv_transfer_params", None)
     return body
@@ -222,7 +222,7 @@ def resolve_model(body: dict[str, Any], fleet: Fleet) -> str:
         if len(served) != 1:
             raise _bad("'model' is required")
         model = next(iter(served))
-    elif not isinstance(model, str):
+    elif type(model) is not str:  # exact, as _check_fields: orjson's strings are never subclasses
         raise _bad("'model' must be a string")
     if not fleet.serves(model):
         raise RequestError(f"The model `{model}` does not exist.", reason=Reason.MODEL_NOT_FOUND)

@@ -41,14 +41,17 @@ def held_hints(
     prompt text. A prompt with a full block places by its blocks and needs no key; a shorter one
     keeps the affinity key (the affinity rule places it)."""
     local_chars = settings.local_prefill_chars
-    head = prompt_head(endpoint, body, max(settings.max_prefix_chars + 1, local_chars))
-    if head is None:
+    limit = max(settings.max_prefix_chars + 1, local_chars)
+    text = endpoint.dialect.affinity_text(body, limit)  # prompt_head, written out
+    if text is None:
         return None, False, None
-    if len(head) < local_chars:
+    head = text[:limit]
+    size = len(head)
+    if size < local_chars:
         return None, True, None
-    if len(head) >= settings.block_chars:
+    if size >= settings.block_chars:
         return None, False, PrefixBlocks(head, settings.block_chars, settings.max_prefix_chars)
-    if len(head) < settings.affinity_min_chars:
+    if size < settings.affinity_min_chars:
         return None, False, None
     return key_hash(head[: settings.affinity_chars]), False, None
 
