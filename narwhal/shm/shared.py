@@ -39,6 +39,7 @@ class SharedFleet:
         self.mm = region.mm
         n = self.layout.engines * 2
         self._counts = struct.Struct(f"<{n}I")
+        self._counts_base = self.layout.counts_offset(0)  # where totals() unpacks from, on every placement
         # by engines and slots in use, for totals(): the struct and each column's slice of what it unpacks
         self._all_counts: dict[tuple[int, int], tuple[struct.Struct, tuple[slice, ...]]] = {}
         self.table = EngineTable(region)
@@ -249,7 +250,7 @@ class SharedFleet:
             known = self._all_counts[(n, used)] = (_all_counts_struct(self.layout, n, used),
                                                   tuple(slice(i, None, width) for i in range(width)))
         fmt, columns = known
-        values = fmt.unpack_from(self.mm, self.layout.counts_offset(0))
+        values = fmt.unpack_from(self.mm, self._counts_base)
         # Each column (an engine's phase over the slots) summed by map, in C: no Python call per
         # column on a path every placement takes.
         return list(map(sum, map(values.__getitem__, columns)))

@@ -141,10 +141,12 @@ class Reservation:
         """Give back the decode slot (clearing its unsent count) when the decode ends; idempotent."""
         if self._decode_held:
             self._decode_held = False
-            self.decode_sent()  # never sent, or sent: either way no longer unsent
+            if self._unsent:  # never sent (the attempt ended first): no longer unsent either
+                self.decode_sent()
             self._placement._release(self.consumer, "decode")
 
     def release(self) -> None:
         """Give back whatever is still held, for ``finally``; idempotent."""
-        self.release_prefill()
+        if self._prefill_held:  # usually given back already, when the prefill ended
+            self.release_prefill()
         self.release_decode()
