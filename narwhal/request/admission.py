@@ -90,13 +90,13 @@ def _valid_tracestate(value: str) -> bool:
     return len(members) <= _TRACESTATE_MEMBERS and all(len(m.strip(" ")) <= _TRACESTATE_MEMBER_MAX for m in members)
 
 
-def trace_context(request: web.Request) -> dict[str, str]:
+def trace_context(request: web.Request, parent: str | None) -> dict[str, str]:
     """The client's ``traceparent`` / ``tracestate`` to send on both legs, each only when it is
     valid W3C trace context: printable ASCII within W3C's lengths (SPEC §2). An invalid one is
     dropped, not refused: tracing is the client's convenience, never a reason to fail its
-    request, and an engine must never see bytes the router cannot vouch for."""
+    request, and an engine must never see bytes the router cannot vouch for. ``parent``: the
+    ``traceparent`` header as the router read it for the access log (None: not sent), read once."""
     forward = {}
-    parent = request.headers.get("traceparent")
     if parent and len(parent) <= _TRACEPARENT_MAX and printable_ascii(parent):
         forward["traceparent"] = parent
     state = request.headers.get("tracestate")
@@ -237,13 +237,16 @@ def parse(raw: bytes, endpoint: Endpoint, fleet: Fleet) -> tuple[dict[str, Any],
 
 
 async def admit(
-    request: web.Request, endpoint: Endpoint, settings: Settings, fleet: Fleet, arrival: float
+    request: web.Request, endpoint: Endpoint, settings: Settings, fleet: Fleet, arrival: float,
+    traceparent: str | None,
 ) -> ClientRequest:
-    """Key, deadline and body checked once, before anything is placed; a ``RequestError`` (4xx) if not."""
+    """Key, deadline and body checked once, before anything is placed; a ``RequestError`` (4xx) if not.
+    ``traceparent``: the header as the router read it (:func:`trace_context`)."""
     check_api_key(request, settings.server.api_keys, x_api_key=endpoint.x_api_key)
     deadline = request_deadline(request, settings, arrival)
     raw = await read_body(request, settings)
     body, model, stream = parse(raw, endpoint, fleet)
     return ClientRequest(
-        endpoint=endpoint, body=body, model=model, stream=stream, deadline=deadline, forward=trace_context(request)
+        endpoint=endpoint, body=body, model=model, stream=stream, deadline=deadline,
+        forward=trace_context(request, traceparent),
     )

@@ -83,7 +83,7 @@ class Passthrough:
             rec.consumer = engine.name
         else:
             rec.producer = engine.name
-        forward = trace_context(request)
+        forward = trace_context(request, request.headers.get("traceparent"))
         try:
             status, data, content_type = await self.client.passthrough(
                 engine, endpoint, body, request_id=new_id(), phase=slot.phase, deadline=deadline, headers=forward

@@ -135,7 +135,7 @@ class Router:
             if endpoint.passthrough:
                 response = await self.passthrough.serve(request, path, rec, arrival, started)
             else:
-                req = await admit(request, endpoint, self.settings, self.fleet, arrival)
+                req = await admit(request, endpoint, self.settings, self.fleet, arrival, traceparent)
                 if self._held:
                     req.affinity, req.local, req.blocks = held_hints(endpoint, req.body, self.settings.placement)
                 else:

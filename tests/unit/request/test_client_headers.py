@@ -30,13 +30,18 @@ def request(**headers: str) -> Any:
     return _Request({k.replace("_", "-"): v for k, v in headers.items()})
 
 
+def forwarded(req: Any) -> dict[str, str]:
+    """``trace_context`` with the ``traceparent`` read as the router reads it, before admission."""
+    return trace_context(req, req.headers.get("traceparent"))
+
+
 @pytest.mark.parametrize(
     "value",
     [TRACEPARENT, "00-abc-def-01", "x" * 55],
     ids=["w3c", "short", "55_chars"],
 )
 def test_a_printable_ascii_traceparent_within_55_characters_is_forwarded(value: str) -> None:
-    assert trace_context(request(traceparent=value)) == {"traceparent": value}
+    assert forwarded(request(traceparent=value)) == {"traceparent": value}
 
 
 @pytest.mark.parametrize(
@@ -44,7 +49,7 @@ def test_a_printable_ascii_traceparent_within_55_characters_is_forwarded(value: 
     ids=["empty", "56_chars", "utf8", "no_encoding", "tab", "del"],
 )
 def test_any_other_traceparent_is_dropped(value: str) -> None:
-    assert trace_context(request(traceparent=value, tracestate="a=1")) == {"tracestate": "a=1"}
+    assert forwarded(request(traceparent=value, tracestate="a=1")) == {"tracestate": "a=1"}
 
 
 @pytest.mark.parametrize(
@@ -53,7 +58,7 @@ def test_any_other_traceparent_is_dropped(value: str) -> None:
     ids=["one", "two", "32_members", "longest_member", "empty_member"],
 )
 def test_a_tracestate_within_w3c_lengths_is_forwarded(value: str) -> None:
-    assert trace_context(request(tracestate=value)) == {"tracestate": value}
+    assert forwarded(request(tracestate=value)) == {"tracestate": value}
 
 
 @pytest.mark.parametrize(
@@ -62,12 +67,12 @@ def test_a_tracestate_within_w3c_lengths_is_forwarded(value: str) -> None:
     ids=["empty", "utf8", "no_encoding", "33_members", "member_too_long"],
 )
 def test_any_other_tracestate_is_dropped(value: str) -> None:
-    got = trace_context(request(traceparent=TRACEPARENT, tracestate=value))
+    got = forwarded(request(traceparent=TRACEPARENT, tracestate=value))
     assert got == {"traceparent": TRACEPARENT}
 
 
 def test_no_trace_context_forwards_nothing() -> None:
-    assert trace_context(request(x_request_id="r")) == {}
+    assert forwarded(request(x_request_id="r")) == {}
 
 
 @pytest.mark.parametrize("value", ["r", "r" * 128, "a b ~!"])
