@@ -79,6 +79,8 @@ def split_events(span: bytes) -> list[bytes]:
 
 def event_data(event: bytes) -> bytes | None:
     """The event's data (``data:`` lines joined by LF), or None for comment-only events."""
+    if event.startswith(b"data: ") and b"\n" not in event:
+        return event[6:]  # one data line, as engines send nearly every event: nothing to join
     parts: list[bytes] = []
     for line in event.split(b"\n"):
         if line.startswith(b"data:"):

@@ -115,18 +115,18 @@ async def read_body(request: web.Request, settings: Settings) -> bytes:
                 f"unsupported content type {mime!r}: send application/json", reason=Reason.UNSUPPORTED_MEDIA_TYPE
             )
     limit = settings.server.max_body_bytes
-    length = request.content_length
-    if length is not None and length > limit:
-        raise RequestError(f"request body exceeds {limit} bytes", reason=Reason.PAYLOAD_TOO_LARGE)
     try:
         content = request.content
         if content.is_eof():
             # The whole body is here: nothing to wait for, no timer, and taken in one piece
-            # (``read()`` would loop over it in chunks); the size rule is ``read()``'s own.
+            # (``read()`` would loop over it in chunks); its size says what Content-Length would.
             raw = content.read_nowait()
             if len(raw) > limit:
                 raise RequestError(f"request body exceeds {limit} bytes", reason=Reason.PAYLOAD_TOO_LARGE)
             return raw
+        length = request.content_length  # refused before waiting for a body that is too long
+        if length is not None and length > limit:
+            raise RequestError(f"request body exceeds {limit} bytes", reason=Reason.PAYLOAD_TOO_LARGE)
         async with asyncio.timeout(settings.server.body_read_timeout_s):
             return await request.read()
     except TimeoutError:
