@@ -66,10 +66,12 @@ class Passthrough:
         self.engines = WaitingEngine(placement)
 
     async def serve(
-        self, request: web.Request, endpoint: str, rec: AccessRecord, arrival: float, started: float
+        self, request: web.Request, endpoint: str, rec: AccessRecord, arrival: float, started: float,
+        traceparent: str | None,
     ) -> web.Response:
         """Admit, reserve one engine, send, relay; ``arrival`` in loop time, ``started`` in
-        ``perf_counter`` time. Raises ``NarwhalError`` for the router to answer."""
+        ``perf_counter`` time; ``traceparent`` as the router read it. Raises ``NarwhalError`` for
+        the router to answer."""
         rec.mode = MODE
         settings = self.settings
         check_api_key(request, settings.server.api_keys)
@@ -83,7 +85,7 @@ class Passthrough:
             rec.consumer = engine.name
         else:
             rec.producer = engine.name
-        forward = trace_context(request, request.headers.get("traceparent"))
+        forward = trace_context(request, traceparent)
         try:
             status, data, content_type = await self.client.passthrough(
                 engine, endpoint, body, request_id=new_id(), phase=slot.phase, deadline=deadline, headers=forward

@@ -133,7 +133,7 @@ class Router:
         try:
             response: web.StreamResponse
             if endpoint.passthrough:
-                response = await self.passthrough.serve(request, path, rec, arrival, started)
+                response = await self.passthrough.serve(request, path, rec, arrival, started, traceparent)
             else:
                 req = await admit(request, endpoint, self.settings, self.fleet, arrival, traceparent)
                 if self._held:
