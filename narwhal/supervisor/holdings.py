@@ -232,7 +232,8 @@ class HoldingsModel:
             del self.prefixes[first]
         live = [(first, e.size()) for first, e in self.prefixes.items() if e.uses >= 2]
         indices = [i for i, p in enumerate(self.producers) if p is not None]
-        chosen = homes.assign(live, [(self.names[i], self.home_room(i)) for i in indices])
+        fastest = self.fastest_engine_rate()  # once for every producer's room
+        chosen = homes.assign(live, [(self.names[i], self.home_room(i, fastest)) for i in indices])
         sizes = dict(live)
         per: dict[int, dict[int, int]] = {i: {} for i in indices}
         for first, at in chosen.items():
@@ -244,14 +245,18 @@ class HoldingsModel:
                 p.homes = mine
                 p.dirty = True
 
-    def home_room(self, engine: int) -> int:
+    def fastest_engine_rate(self) -> float | None:
+        """The highest engine-reported rate among the producers; None before any reports one."""
+        rates = [q.engine_rate.rate for q in self.producers if q is not None and q.engine_rate.rate]
+        return max(rates) if rates else None
+
+    def home_room(self, engine: int, fastest: float | None = None) -> int:
         """The blocks of homes producer ``engine`` takes: its known capacity's room, times its
-        engine-reported rate's class relative to the fastest producer's (``homes.rate_class``)."""
+        engine-reported rate's class relative to ``fastest`` (default: :meth:`fastest_engine_rate`)."""
         p = self.producers[engine]
         assert p is not None
-        rates = [q.engine_rate.rate for q in self.producers if q is not None and q.engine_rate.rate]
-        share = homes.rate_class(p.engine_rate.rate, max(rates) if rates else None)
-        return homes.room_blocks(self.known_capacity(p), share)
+        fastest = self.fastest_engine_rate() if fastest is None else fastest
+        return homes.room_blocks(self.known_capacity(p), homes.rate_class(p.engine_rate.rate, fastest))
 
     def _evicted(self, p: ProducerHoldings, key: int) -> None:
         """``key`` was evicted: so was every key less recently used than it (LRU)."""
