@@ -8,9 +8,10 @@ tokens per second of prefill = Δ(``vllm:prefix_cache_queries_total`` − ``…_
 
 How: successive reads are differenced; a *sample* spans at least ``SAMPLE_PREFILLS`` finished
 prefills (Δ``_count``), however many reads that takes, so a sample means the same span of work
-whatever the read interval or the moment each replica reads at. The rate is the ratio of the
-samples' exponentially weighted mean tokens and seconds (a ratio of means: a span of hits,
-little work in little time, weighs less than a span of misses).
+whatever the read interval or the moment each replica reads at. The rate is the best of the
+last ``WINDOW`` samples' rates: the reported rate only ever reads low (below), so the best
+recent span is the nearest to the engine's speed, and a window of them changes slowly enough
+that two replicas reading a few prefills apart agree.
 
 What it measures: a request's prefill time runs from its scheduling to its first token, so a
 prefill sharing the GPU's steps with others (or, in the fake, waiting on its prefill lane)
@@ -22,9 +23,10 @@ Invariants, and why:
 
 * Pure: counters come in as arguments, no clock.
 * A counter that went down is an engine restart (vLLM's counters start from 0 in a new
-  process): that read becomes the new baseline and the span in progress is dropped, the mean is
-  kept (a restarted engine is usually on the same GPU; the mean follows it if not).
-* No rate until one sample has been taken (``rate`` None): homes then fall back to unscaled room.
+  process): that read becomes the new baseline and the span in progress is dropped, the samples
+  are kept (a restarted engine is usually on the same GPU; the window follows it if not).
+* No rate until ``MIN_SAMPLES`` samples have been taken (``rate`` None): homes then fall back to
+  unscaled room.
 """
 
 from __future__ import annotations
