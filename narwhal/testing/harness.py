@@ -7,6 +7,7 @@ handed to gunicorn as ``fd://N``: no "find a free port, then race for it" window
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -20,6 +21,25 @@ import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+# Files written for a process's lifetime (settings files, router logs nobody named): removed when
+# the process that wrote them exits, so a test session or a perf run leaves nothing in /tmp. A
+# caller that wants one kept moves it away first (its own path is then not ours to remove).
+_SCRATCH: list[str] = []
+
+
+def _scratch_file(prefix: str, suffix: str) -> tuple[int, str]:
+    """``mkstemp`` whose file is removed at exit, if it is still there."""
+    fd, path = tempfile.mkstemp(prefix=prefix, suffix=suffix)
+    _SCRATCH.append(path)
+    return fd, path
+
+
+@atexit.register
+def _remove_scratch() -> None:
+    for path in _SCRATCH:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def _wait(predicate: Any, timeout: float, what: str, proc: subprocess.Popen[Any] | None = None) -> None:
@@ -160,7 +180,8 @@ class DeadEngine:
 
 
 def write_config(engines: Sequence[Mapping[str, Any]], sections: Mapping[str, Mapping[str, Any]] | None = None) -> str:
-    """Write a TOML settings file for the given engines; return its path."""
+    """Write a TOML settings file for the given engines; return its path (removed when this
+    process exits)."""
     lines: list[str] = []
     for section, values in (sections or {}).items():
         lines.append(f"[{section}]")
@@ -170,7 +191,7 @@ def write_config(engines: Sequence[Mapping[str, Any]], sections: Mapping[str, Ma
         lines.append("[[engines]]")
         lines += [f"{k} = {_toml(v)}" for k, v in engine.items()]
         lines.append("")
-    fd, path = tempfile.mkstemp(prefix="narwhal-", suffix=".toml")
+    fd, path = _scratch_file("narwhal-", ".toml")
     with os.fdopen(fd, "w") as f:
         f.write("\n".join(lines))
     return path
@@ -259,7 +280,7 @@ class RouterProcess:
         full_env["NARWHAL_CONFIG"] = os.path.abspath(config_path)
         full_env["NARWHAL_SERVER__BIND"] = f"fd://{sock.fileno()}"
         if log_path is None:
-            fd, log_path = tempfile.mkstemp(prefix="narwhal-router-", suffix=".log")
+            fd, log_path = _scratch_file("narwhal-router-", ".log")
             os.close(fd)
         inherit = log_path == "-"  # the caller's terminal (the demo)
         log = open(os.devnull if inherit else log_path, "ab")
