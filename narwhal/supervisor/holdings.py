@@ -233,7 +233,8 @@ class HoldingsModel:
         live = [(first, e.size()) for first, e in self.prefixes.items() if e.uses >= 2]
         indices = [i for i, p in enumerate(self.producers) if p is not None]
         fastest = self.fastest_engine_rate()  # once for every producer's room
-        chosen = homes.assign(live, [(self.names[i], self.home_room(i, fastest)) for i in indices])
+        rooms = [(self.names[i], self.kv_room(i)) for i in indices]
+        chosen = homes.assign(live, rooms, [self.home_room(i, fastest) for i in indices])
         sizes = dict(live)
         per: dict[int, dict[int, int]] = {i: {} for i in indices}
         for first, at in chosen.items():
@@ -249,6 +250,12 @@ class HoldingsModel:
         """The highest engine-reported rate among the producers; None before any reports one."""
         rates = [q.engine_rate.rate for q in self.producers if q is not None and q.engine_rate.rate]
         return max(rates) if rates else None
+
+    def kv_room(self, engine: int) -> int:
+        """The blocks of homes producer ``engine``'s KV takes whatever its rate: its known capacity's room."""
+        p = self.producers[engine]
+        assert p is not None
+        return homes.room_blocks(self.known_capacity(p))
 
     def home_room(self, engine: int, fastest: float | None = None) -> int:
         """The blocks of homes producer ``engine`` takes: its known capacity's room, times its

@@ -9,7 +9,9 @@ prefix's traffic. So each supervisor computes the same assignment of live prefix
 from that alone: the prefixes in order of their first block key, each to the first producer in
 its rendezvous rank whose room still takes it (rendezvous hashing with bounded loads, the bound
 being KV room instead of requests). A producer's room is its KV capacity less a margin for the
-requests' own tails and the blocks running requests pin, times its *rate class*. Placement then
+requests' own tails and the blocks running requests pin. Then each producer past its room times
+its *rate class* sheds homes, the last assigned first, each to the first producer in its rank
+whose class room still takes it; one no other room takes stays where the KV room put it. Placement then
 reckons a prefix's home as holding it (``held.order``): every replica sends it there, learns
 there that it is held (``under``) and stops keeping a copy of its own elsewhere.
 
@@ -30,11 +32,20 @@ stay in one class. Finer steps (3/4) would put a fast producer made to look 15 %
 load in another class than its peers, and would change no home there: rooms hold whole
 prefixes. A producer without a reported rate yet is in class 1 (today's unscaled room).
 
+Why shed rather than fill by the class rooms: filled by them, a fleet with no spare room (the
+slow variant of ``prefix_scarce``: 8 prompts, 4 producers keeping 2 each) leaves a prefix without
+a home once the slow producer's class halves, and each replica then places that one by its own
+holdings, keeping a copy each; and the class change reorders the greedy fill, moving 6 of 8 homes
+mid-run (``perf.scarce_sim``: two replicas 0.72-0.80 cached against one's 0.79-0.88). Shed, a class
+change moves only what the slower producer gives up, and only where there is room for it, and
+every replica computes the same homes whether or not it has read the rate yet (two replicas
+0.83-0.90, one 0.89-0.90).
+
 Invariants, and why:
 
 * Pure and deterministic: the same prefixes, sizes and rooms give the same homes in every
   process (the rendezvous score is :func:`affinity.score`, no salted hash, no clock).
-* A prefix no producer has room for has no home (placement falls back to the estimate alone);
+* A prefix no producer's KV room takes has no home (placement falls back to the estimate alone);
   producers of unknown capacity take no homes (nothing bounds them, and a home there would be
   affinity's hot spot again).
 * Bounded: at most ``MAX_HOMES`` prefixes, the longest first when there are more.
@@ -69,18 +80,41 @@ def room_blocks(capacity_blocks: int | None, rate_share: float = 1.0) -> int:
     return 0 if capacity_blocks is None else int(capacity_blocks * FILL * rate_share)
 
 
-def assign(prefixes: Sequence[tuple[int, int]], producers: Sequence[tuple[int, int]]) -> dict[int, int]:
-    """``prefixes``: (first block key, blocks); ``producers``: (engine name hash, room blocks).
-    Each prefix's home, as an index into ``producers``; prefixes without room are left out."""
+def assign(prefixes: Sequence[tuple[int, int]], producers: Sequence[tuple[int, int]],
+           scaled: Sequence[int] | None = None) -> dict[int, int]:
+    """``prefixes``: (first block key, blocks); ``producers``: (engine name hash, room blocks);
+    ``scaled``: per producer, its room at its rate class (default: the room). Each prefix's
+    home, as an index into ``producers``; prefixes no room takes are left out."""
     if len(prefixes) > MAX_HOMES:
         prefixes = sorted(prefixes, key=lambda p: (-p[1], p[0]))[:MAX_HOMES]
+    ordered = sorted(prefixes)
+    ranks = {key: sorted(range(len(producers)), key=lambda i: score(key, producers[i][0]), reverse=True)
+             for key, _ in ordered}
     used = [0] * len(producers)
     homes: dict[int, int] = {}
-    for key, size in sorted(prefixes):
-        ranked = sorted(range(len(producers)), key=lambda i: score(key, producers[i][0]), reverse=True)
-        for i in ranked:
+    for key, size in ordered:
+        for i in ranks[key]:
             if used[i] + size <= producers[i][1]:
                 used[i] += size
                 homes[key] = i
                 break
+    if scaled is not None:
+        _shed(ordered, ranks, homes, used, scaled)
     return homes
+
+
+def _shed(ordered: list[tuple[int, int]], ranks: dict[int, list[int]], homes: dict[int, int], used: list[int],
+          scaled: Sequence[int]) -> None:
+    """Move homes off each producer past its ``scaled`` room, the last assigned first, each to
+    the first producer in its rank whose scaled room still takes it; one no scaled room takes
+    stays (its KV has room for it there, and a home every replica computes alike beats none)."""
+    for key, size in reversed(ordered):
+        at = homes.get(key)
+        if at is None or used[at] <= scaled[at]:
+            continue
+        for i in ranks[key]:
+            if i != at and used[i] + size <= scaled[i]:
+                used[at] -= size
+                used[i] += size
+                homes[key] = i
+                break

@@ -59,14 +59,37 @@ def test_rate_classes_are_halvings_of_the_fastest_with_edges_below_each() -> Non
     assert homes.room_blocks(40, 0.5) == int(40 * homes.FILL * 0.5) and homes.room_blocks(None, 0.5) == 0
 
 
-def test_a_slower_class_takes_fewer_homes_and_every_replica_agrees() -> None:
-    prefixes = _prefixes(8)
+def _rooms(rates: list[float | None], capacity: int = 40) -> tuple[list[tuple[int, int]], list[int]]:
+    """Each producer's (name hash, KV room) and its room at its rate class, as the supervisor gives them."""
+    known = [r for r in rates if r is not None]
+    fastest = max(known) if known else None
+    kv = [(h, homes.room_blocks(capacity)) for h in HASHES]
+    return kv, [homes.room_blocks(capacity, homes.rate_class(r, fastest)) for r in rates]
+
+
+def _per(chosen: dict[int, int]) -> list[int]:
+    return [sum(1 for at in chosen.values() if at == i) for i in range(4)]
+
+
+def test_a_slower_class_sheds_homes_to_producers_with_room_and_every_replica_agrees() -> None:
+    prefixes = _prefixes(6)  # 6 prefixes of 15 on 4 rooms of 36: room to spare
     replicas = []
     # Two replicas whose reads of the engines differ a little: the same classes, the same homes.
     for rates in ([1000.0, 980.0, 1010.0, 470.0], [990.0, 1000.0, 1005.0, 520.0]):
-        fastest = max(rates)
-        rooms = [(h, homes.room_blocks(40, homes.rate_class(r, fastest))) for h, r in zip(HASHES, rates, strict=True)]
-        replicas.append(homes.assign(prefixes if not replicas else list(reversed(prefixes)), rooms))
-    per = [sum(1 for at in replicas[0].values() if at == i) for i in range(4)]
-    assert per == [2, 2, 2, 1], per  # 36 blocks take two prefixes of 15, the slow one's 18 one
-    assert replicas[0] == replicas[1]
+        kv, scaled = _rooms(list(rates))
+        replicas.append(homes.assign(prefixes if not replicas else list(reversed(prefixes)), kv, scaled))
+    assert _per(replicas[0])[3] <= 1, replicas[0]  # the slow one's 18 blocks take one prefix of 15
+    assert len(replicas[0]) == 6 and replicas[0] == replicas[1]
+    unscaled = homes.assign(prefixes, *_rooms([None] * 4))
+    moved = [k for k in unscaled if unscaled[k] != replicas[0][k]]
+    assert all(unscaled[k] == 3 for k in moved)  # only what the slow one shed moved
+
+
+def test_with_no_spare_room_a_slower_class_keeps_its_homes_so_replicas_agree_whatever_rate_they_read() -> None:
+    prefixes = _prefixes(8)  # 8 of 15 on 4 rooms of 36: every room full, none takes another
+    full = homes.assign(prefixes, *_rooms([None] * 4))  # a replica that has no rate reported yet
+    assert _per(full) == [2, 2, 2, 2]
+    slow = homes.assign(prefixes, *_rooms([1000.0, 980.0, 1010.0, 470.0]))  # one that sees p3 at half
+    assert slow == full  # no prefix left without a home, none moved: a homeless one is placed by
+    # each replica's own holdings, and the two then keep a copy each
+    assert homes.assign(prefixes, *_rooms([1000.0, 980.0, 1010.0, 200.0])) == full  # a quarter: the same

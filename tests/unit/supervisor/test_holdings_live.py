@@ -181,3 +181,27 @@ def test_the_engine_reported_rate_stands_in_for_a_learned_rate_in_the_estimate()
     assert m.placing_rate(p) == 900.0 * 4  # tokens/s at 4 characters a token (until learned)
     p.rate = 12345.0  # learned: this replica's own measure wins
     assert m.placing_rate(p) == 12345.0
+
+
+def test_a_rate_class_reported_later_moves_no_home_when_no_other_producer_has_room() -> None:
+    m = _model()
+    m.set_capacity(0, 40 * 64)
+    m.set_capacity(1, 40 * 64)
+    four = [list(range(100 * k, 100 * k + 15)) for k in range(1, 5)]  # 4 × 15 blocks in two rooms of 36
+    at = 1.0
+    for prefix in four:  # all live, reported on the test's clock
+        m.apply(_rep(prefix, cached=0, at=at))
+        m.apply(_rep(prefix + [7], cached=15 * 64, at=at + 0.1))
+        at += 0.2
+    m.assign_homes(at)
+    p0, p1 = m.producers[0], m.producers[1]
+    assert p0 is not None and p1 is not None
+    before = (dict(p0.homes), dict(p1.homes))
+    assert len(before[0]) == len(before[1]) == 2  # no rate yet: both rooms whole, two prefixes each
+    _engine_rate(m, 0, 2000.0)
+    _engine_rate(m, 1, 900.0)  # p1 reads half: its class room (18) takes one prefix of 15
+    assert m.home_room(1) == homes.room_blocks(40, 0.5)
+    m.assign_homes(at + 0.5)
+    # p0's room has no space for a third: p1 keeps both (its KV holds them), none is left without
+    # a home, and a replica that has not read the rate yet computes the same homes.
+    assert (p0.homes, p1.homes) == before
