@@ -12,9 +12,10 @@ Rows that use ``policy = "held"`` are tried and, when the router refuses that se
 (a build without the holdings table), reported "not available" with the router's one line,
 while the other rows run.
 
-Per row beside the placement figures: every producer's prefills, cached share and prefill share
-over the measured windows (its stats' counters at the window's edges), and in the slow variant
-the slow producer's prefill share ÷ a fast one's.
+Per row beside the placement figures: every producer's prefills, uncached prompt tokens, cached
+share and prefill share over the measured windows (its stats' counters at the window's edges), and
+in the slow variant the slow producer's prefills and its uncached tokens (its prefill work, what
+issue 21's target is judged by: README "Choices where the spec is silent") each ÷ a fast one's.
 """
 
 from __future__ import annotations
@@ -272,21 +273,29 @@ async def measure(s: _Scarce, scenario: Scenario, rounds: int, duration_s: float
 
 
 def producer_figures(counts: dict[str, list[int]], slow: str | None) -> dict[str, Any]:
-    """Prefills, prefill share and cached share per producer; with ``slow``, its share ÷ the fast ones' mean."""
+    """Prefills, prefill share, uncached prompt tokens and cached share per producer; with ``slow``,
+    its prefills and its uncached tokens (its prefill work) each ÷ the fast ones' mean."""
     total = sum(c[0] for c in counts.values())
     per = {
         n: {
             "prefills": c[0],
             "prefill_share": round(c[0] / total, 3) if total else None,
+            "uncached_tokens": c[1] - c[2],
             "cached_share": round(c[2] / c[1], 3) if c[1] else None,
         }
         for n, c in sorted(counts.items())
     }
-    out: dict[str, Any] = {"per_producer": per, "slow_share_ratio": None}
-    fast = [c[0] for n, c in counts.items() if n != slow]
-    if slow in counts and total and fast and sum(fast):
-        out["slow_share_ratio"] = round(counts[slow][0] / (sum(fast) / len(fast)), 3)
+    out: dict[str, Any] = {"per_producer": per, "slow_share_ratio": None, "slow_work_ratio": None}
+    if slow in counts:
+        out["slow_share_ratio"] = _slow_ratio([c[0] for n, c in counts.items() if n != slow], counts[slow][0])
+        out["slow_work_ratio"] = _slow_ratio([c[1] - c[2] for n, c in counts.items() if n != slow],
+                                             counts[slow][1] - counts[slow][2])
     return out
+
+
+def _slow_ratio(fast: list[int], slow: int) -> float | None:
+    """The slow producer's figure ÷ the fast ones' mean (None without fast ones or with their sum 0)."""
+    return round(slow / (sum(fast) / len(fast)), 3) if fast and sum(fast) else None
 
 
 def run_scarce(

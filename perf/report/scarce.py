@@ -70,9 +70,14 @@ def variant_targets(name: str, res: dict[str, Any]) -> list[Target]:
     add("held router CPU/req ÷ affinity's", cpu, f"≤ {CPU_OF_AFFINITY:g}", lambda v: v <= CPU_OF_AFFINITY,
         "held", "affinity")
     if (res.get("variant") or {}).get("slow"):
-        share = dig(rows, "held", "producers", "slow_share_ratio")
-        add("held: slow producer's prefill share ÷ a fast one's", share, f"≤ {SLOW_SHARE:g}",
+        # Prefill work (uncached prompt tokens), what a slower GPU's time goes to (README says why).
+        work = dig(rows, "held", "producers", "slow_work_ratio")
+        add("held: slow producer's prefill work (uncached tokens) ÷ a fast one's", work, f"≤ {SLOW_SHARE:g}",
             lambda v: v <= SLOW_SHARE, "held")
+        count = dig(rows, "held", "producers", "slow_share_ratio")
+        if count is not None:  # beside it, by count of prefills (not judged)
+            t, f, th, v = out[-1]
+            out[-1] = (t, f"{f} (prefills {fmt(count, 3)})", th, v)
         add("held TTFB p50 ÷ affinity's", ratio(p50, dig(rows, "affinity", "ttfb_ms", "p50")), "< 1",
             lambda v: v < 1.0, "held", "affinity")
     return out
@@ -86,8 +91,10 @@ def targets(results: dict[str, Any]) -> list[Target]:
 def _producers(s: dict[str, Any]) -> str:
     per = dig(s, "producers", "per_producer") or {}
     text = " / ".join(f"{n} {p['prefills']}" for n, p in per.items()) or "—"
-    ratio = dig(s, "producers", "slow_share_ratio")
-    return text if ratio is None else f"{text} (slow ÷ fast {fmt(ratio, 2)})"
+    count, work = dig(s, "producers", "slow_share_ratio"), dig(s, "producers", "slow_work_ratio")
+    if count is None and work is None:
+        return text
+    return f"{text} (slow ÷ fast: prefills {fmt(count, 2)}, uncached tokens {fmt(work, 2)})"
 
 
 def _row(name: str, c: int, row: str, s: dict[str, Any]) -> str:

@@ -101,20 +101,25 @@ def test_ideal_legs_prefill_on_the_assigned_producer_and_decode_on_the_users_con
 def test_producer_figures_give_shares_and_the_slow_ones_ratio() -> None:
     counts = {"p0": [30, 1000, 900], "p1": [30, 1000, 800], "p2": [30, 0, 0], "p3": [10, 100, 50]}
     fig = producer_figures(counts, "p3")
-    assert fig["per_producer"]["p0"] == {"prefills": 30, "prefill_share": 0.3, "cached_share": 0.9}
+    assert fig["per_producer"]["p0"] == {"prefills": 30, "prefill_share": 0.3, "uncached_tokens": 100,
+                                         "cached_share": 0.9}
     assert fig["per_producer"]["p2"]["cached_share"] is None
     assert fig["slow_share_ratio"] == pytest.approx(0.333)
+    assert fig["slow_work_ratio"] == pytest.approx(0.5)  # 50 uncached tokens against the fast ones' mean 100
     assert producer_figures(counts, None)["slow_share_ratio"] is None
-    assert producer_figures({n: [0, 0, 0] for n in counts}, "p3")["slow_share_ratio"] is None
+    assert producer_figures(counts, None)["slow_work_ratio"] is None
+    empty = producer_figures({n: [0, 0, 0] for n in counts}, "p3")
+    assert empty["slow_share_ratio"] is None and empty["slow_work_ratio"] is None
 
 
 def _row(
-    p50: float, share: float | None = None, cpu: float | None = 100.0, slow: float | None = None
+    p50: float, share: float | None = None, cpu: float | None = 100.0, slow: float | None = None,
+    work: float | None = None,
 ) -> dict[str, Any]:
     return {
         "rps": 100.0, "ttfb_ms": {"p50": p50, "p99": 4 * p50}, "router_ttft_ms": {"p50": p50, "p99": None},
         "cached_share": share, "router_cpu_us_per_req": cpu, "errors": {"count": 0},
-        "producers": {"per_producer": {"p0": {"prefills": 5}}, "slow_share_ratio": slow},
+        "producers": {"per_producer": {"p0": {"prefills": 5}}, "slow_share_ratio": slow, "slow_work_ratio": work},
     }
 
 
@@ -124,7 +129,7 @@ def _results(**rows: dict[str, Any]) -> dict[str, Any]:
 
 def test_the_targets_judge_held_against_the_ideal_the_peer_replicas_and_affinity() -> None:
     res = _results(
-        held=_row(30, 0.81, cpu=104, slow=0.5), affinity=_row(40, 0.45, cpu=100, slow=1.0),
+        held=_row(30, 0.81, cpu=104, slow=0.85, work=0.5), affinity=_row(40, 0.45, cpu=100, slow=1.0),
         **{"held-2-replicas": _row(31, 0.77), "peer-consistent_hash": _row(45, 0.36, cpu=70),
            "peer-cache_aware": _row(38, 0.5, cpu=70), "ideal": _row(25, 0.89, cpu=None)},
     )
@@ -135,7 +140,9 @@ def test_the_targets_judge_held_against_the_ideal_the_peer_replicas_and_affinity
     assert rows[v + "held TTFB p50 ÷ peer-cache_aware's (the peer's best)"] == ("0.789", "≤ 0.8", "PASS")
     assert rows[v + "two replicas' cached share − one's (points)"] == ("-4.0", "within ±5", "PASS")
     assert rows[v + "held router CPU/req ÷ affinity's"] == ("1.040", "≤ 1.05", "PASS")
-    assert rows[v + "held: slow producer's prefill share ÷ a fast one's"] == ("0.500", "≤ 0.6", "PASS")
+    # Judged by prefill work (uncached tokens); the count of prefills shown beside it.
+    assert rows[v + "held: slow producer's prefill work (uncached tokens) ÷ a fast one's"] == (
+        "0.500 (prefills 0.850)", "≤ 0.6", "PASS")
     assert rows[v + "held TTFB p50 ÷ affinity's"] == ("0.750", "< 1", "PASS")
     res["targets"]["held-2-replicas"]["cached_share"] = 0.75
     res["targets"]["held"]["router_cpu_us_per_req"] = 106
