@@ -53,6 +53,11 @@ class EngineRate:
         self._samples: deque[float] = deque(maxlen=WINDOW)  # the last samples' rates, oldest first
         self.rate: float | None = None  # uncached prompt tokens per second of prefill
 
+    @property
+    def counted(self) -> bool:
+        """The engine's ``/metrics`` have carried its prefill counters (a rate is coming)."""
+        return self._base is not None
+
     def observe(self, now: PrefillCounters, at: float) -> float | None:
         """One read of the engine's counters, made at ``at`` (monotonic seconds); the rate after
         it (None: not known yet)."""

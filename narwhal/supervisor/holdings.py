@@ -21,15 +21,13 @@
    ejection, drops the producer's holdings.
 
 Also learned per producer: the prefill rate (uncached characters per second of prefill, from
-prefills placed with nothing queued ahead, as a ratio of exponentially weighted means; a producer
-without one is placed at the rate its engine reports, below, else at the candidates' mean) and,
+prefills placed with nothing queued ahead, as a ratio of exponentially weighted means) and,
 fleet wide, the mean uncached characters of a prefill (what a queued request is reckoned to cost).
 
 5. *The engine's own rate* (``supervisor.engine_rate``, from every load read's ``/metrics``):
-   the same for every replica, so it is what scales the homes' rooms (``homes.rate_class``).
-   In the estimate it stands in only while the learned rate is unknown: the learned one is this
-   replica's own round trips, less the fleet's fixed cost, and the estimate need not agree across
-   replicas (homes do); the reported one reads low under load (``engine_rate`` says why).
+   the same for every replica, so it is what scales the homes' rooms (``homes.rate_class``), and
+   in the estimate a producer is placed at the learned rates' mean at its class
+   (``holdings_rate`` says why: learned rates differ by replica, classes do not).
 
 Pure apart from ``publish`` (the shared-memory write): time comes in as an argument.
 """
@@ -47,6 +45,7 @@ from narwhal.fleet.placement import homes
 from narwhal.shm.holdings import Holdings, PrefillReport
 from narwhal.supervisor.engine_rate import EngineRate
 from narwhal.supervisor.holdings_fit import Fit, Prefix
+from narwhal.supervisor.holdings_rate import placing_rates
 
 ALPHA = 0.2  # weight of a new sample in the learned means
 RATE_MIN_BLOCKS = 8
@@ -353,11 +352,13 @@ class HoldingsModel:
         if p is not None:
             p.forget()
 
-    def placing_rate(self, p: ProducerHoldings) -> float | None:
-        """The rate the estimate places by (characters/s): the learned one, else the engine's own."""
-        if p.rate is not None or p.engine_rate.rate is None:
-            return p.rate
-        return p.engine_rate.rate * (p.chars_per_token or DEFAULT_CHARS_PER_TOKEN)
+    def placing_rates(self) -> list[float | None]:
+        """Per engine index, the rate the estimate places it by (``holdings_rate``; None: a consumer)."""
+        live = [p for p in self.producers if p is not None]
+        rates = iter(placing_rates([self.rate_of(p) for p in live], [p.engine_rate.rate for p in live],
+                                   [p.engine_rate.counted for p in live],
+                                   [p.chars_per_token or DEFAULT_CHARS_PER_TOKEN for p in live]))
+        return [next(rates) if p is not None else None for p in self.producers]
 
     def restore(self, holdings: Holdings) -> None:
         """Start from what a previous supervisor published (a restart loses no holdings; the
@@ -381,6 +382,7 @@ class HoldingsModel:
         if now - self.homes_at >= PUBLISH_S:
             self.homes_at = now
             self.assign_homes(now)
+        rates = self.placing_rates()  # once per pass: each depends on every producer's
         for index, p in enumerate(self.producers):
             if p is None:
                 continue
@@ -394,5 +396,5 @@ class HoldingsModel:
             p.published_hot = hot
             keys = list(reversed(p.keys))
             p.rate = self.rate_of(p)
-            holdings.publish(index, p.stamp, p.engine_id, keys, self.capacity_blocks(p), self.placing_rate(p),
+            holdings.publish(index, p.stamp, p.engine_id, keys, self.capacity_blocks(p), rates[index],
                              p.chars_per_token, p.mean_uncached or self.mean_uncached or 0.0, hot, p.homes)

@@ -176,11 +176,11 @@ def test_homes_room_is_scaled_by_the_engine_reported_rate_class() -> None:
 def test_the_engine_reported_rate_stands_in_for_a_learned_rate_in_the_estimate() -> None:
     m = _model()
     p = m.producers[1]
-    assert p is not None and m.placing_rate(p) is None
+    assert p is not None and m.placing_rates()[1] is None
     _engine_rate(m, 1, 900.0)
-    assert m.placing_rate(p) == 900.0 * 4  # tokens/s at 4 characters a token (until learned)
+    assert m.placing_rates()[1] == 900.0 * 4  # tokens/s at 4 characters a token (until learned)
     p.rate = 12345.0  # learned: this replica's own measure wins
-    assert m.placing_rate(p) == 12345.0
+    assert m.placing_rates()[1] == 12345.0
 
 
 def test_a_rate_class_reported_later_moves_no_home_when_no_other_producer_has_room() -> None:
