@@ -10,8 +10,9 @@ live prefix. The engine's own ``/metrics`` read alike in every replica (``superv
 and in coarse classes (``homes.rate_class``) they are stable. So the relative rate is the class,
 and the scale, which only weighs queued work against a miss's, is this replica's learned rates'
 mean over the producers that report one, each taken back to class 1. Measured with
-``perf.scarce_sim`` (seeds 0-4, two replicas, cached share): Zipf 0.768-0.877 → 0.866-0.885,
-slow producer 0.829-0.897 → 0.893-0.903, uniform 0.870-0.890 → 0.882-0.893.
+``perf.scarce_sim`` (seeds 0-4, two replicas, cached share): uniform 0.870-0.890 → 0.888-0.893,
+Zipf 0.768-0.877 → 0.866-0.884, slow producer 0.829-0.897 → 0.886-0.902; each seed's within 1.5
+points of one replica's (before: as many as 12.6 below).
 
 Invariants, and why:
 
