@@ -39,13 +39,11 @@ Invariants, and why:
 from __future__ import annotations
 
 import hashlib
-import mmap
-import os
 import struct
 import zlib
 from dataclasses import dataclass
 
-from narwhal.shm.layout import U64, store_u32
+from narwhal.shm.layout import U64, Mapped, store_u32, whole_pages
 
 MAGIC = 0x4E484C44  # "NHLD"
 HEADER = struct.Struct("<IIIIIII")  # magic, version, sections, keys per section, slots, ring, keys per entry
@@ -115,8 +113,7 @@ class HoldingsLayout:
     @property
     def size(self) -> int:
         """The whole region's bytes, rounded up to whole pages."""
-        raw = self.work_offset(self.slots, 0)
-        return (raw + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+        return whole_pages(self.work_offset(self.slots, 0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,28 +147,16 @@ class PrefillReport:
     at: float = 0.0  # when it finished (time.monotonic(), one clock for the host): the merge order
 
 
-class Holdings:
+class Holdings(Mapped[HoldingsLayout]):
     """The mapped region: the supervisor publishes and drains, workers read and report."""
 
-    def __init__(self, layout: HoldingsLayout, fd: int, mm: mmap.mmap) -> None:
-        self.layout = layout
-        self.fd = fd
-        self.mm = mm
+    NAME = "narwhal-holdings"  # its own memfd, inherited across fork as the fleet region is
 
-    @classmethod
-    def create(cls, layout: HoldingsLayout) -> Holdings:
-        """A new zeroed region laid out as ``layout`` (before the fork: the workers inherit it)."""
-        fd = os.memfd_create("narwhal-holdings", 0)  # inherited across fork, as the fleet region
-        os.ftruncate(fd, layout.size)
-        mm = mmap.mmap(fd, layout.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        HEADER.pack_into(mm, 0, MAGIC, 2, layout.sections, layout.keys, layout.slots, layout.ring,
+    def write_header(self) -> None:
+        """Magic, version 2 and the layout's sizes; a new region is zeroed otherwise."""
+        layout = self.layout
+        HEADER.pack_into(self.mm, 0, MAGIC, 2, layout.sections, layout.keys, layout.slots, layout.ring,
                          layout.entry_keys)
-        return cls(layout, fd, mm)
-
-    def close(self) -> None:
-        """Unmap the region and close its file."""
-        self.mm.close()
-        os.close(self.fd)
 
     def _u64(self, offset: int) -> int:
         value: int = U64.unpack_from(self.mm, offset)[0]

@@ -63,6 +63,7 @@ import mmap
 import os
 import struct
 from dataclasses import dataclass
+from typing import Generic, Protocol, Self, TypeVar
 
 from narwhal.settings import MAX_WORKERS
 
@@ -197,31 +198,66 @@ class Layout:
     @property
     def size(self) -> int:
         """The memfd's size, whole pages: the end of the last worker slot rounded up."""
-        raw = self.slot_offset(self.slots)
-        return (raw + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+        return whole_pages(self.slot_offset(self.slots))
 
 
-class Region:
-    """The mapping and its descriptor (kept open for ``lockf``)."""
+def whole_pages(size: int) -> int:
+    """``size`` bytes rounded up to whole pages: what a memfd region is truncated to."""
+    return (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
 
-    def __init__(self, layout: Layout, fd: int, mm: mmap.mmap) -> None:
+
+class Sized(Protocol):
+    """A region's layout, as :class:`Mapped` needs it: its size in bytes, whole pages."""
+
+    @property
+    def size(self) -> int: ...
+
+
+L = TypeVar("L", bound=Sized)
+
+
+class Mapped(Generic[L]):
+    """A memfd mapped shared and writable, with its layout: the fleet region and the holdings
+    region both. Created by the master before any fork, its header written before any other
+    process can read it; the descriptor is not CLOEXEC, so every worker and the supervisor
+    inherit it, and each keeps its own open (``lockf``) until :meth:`close`."""
+
+    NAME = ""  # the memfd's name (as /proc/<pid>/fd shows it)
+
+    def __init__(self, layout: L, fd: int, mm: mmap.mmap) -> None:
         self.layout = layout
         self.fd = fd
         self.mm = mm
 
     @classmethod
-    def create(cls, layout: Layout) -> Region:
-        """A new memfd and its mapping with the header written; master only, before any fork."""
-        fd = os.memfd_create("narwhal-fleet", 0)  # inherited across fork (not CLOEXEC)
+    def create(cls, layout: L) -> Self:
+        """A new zeroed memfd of ``layout.size`` and its mapping, the header written; master only."""
+        fd = os.memfd_create(cls.NAME, 0)  # inherited across fork (not CLOEXEC)
         os.ftruncate(fd, layout.size)
         mm = mmap.mmap(fd, layout.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        HEADER.pack_into(mm, 0, MAGIC, VERSION, layout.engines, layout.slots, layout.ring, 0, 0, 0, 0)
-        return cls(layout, fd, mm)
+        region = cls(layout, fd, mm)
+        region.write_header()
+        return region
+
+    def write_header(self) -> None:
+        """The region's header, written once by :meth:`create` (its magic, version and sizes)."""
+        raise NotImplementedError
 
     def close(self) -> None:
         """Unmap and close this process's descriptor; other processes keep theirs."""
         self.mm.close()
         os.close(self.fd)
+
+
+class Region(Mapped[Layout]):
+    """The fleet region: the mapping and its descriptor (kept open for ``lockf``)."""
+
+    NAME = "narwhal-fleet"
+
+    def write_header(self) -> None:
+        """Magic, version and the layout's sizes; the rest of the header zero."""
+        layout = self.layout
+        HEADER.pack_into(self.mm, 0, MAGIC, VERSION, layout.engines, layout.slots, layout.ring, 0, 0, 0, 0)
 
     def u32(self, offset: int) -> int:
         """An aligned u32 read as one copy of its bytes."""
