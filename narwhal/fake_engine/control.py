@@ -12,26 +12,40 @@ a router is tested against. It sits above ``engine`` and below ``fleet``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import orjson
 from aiohttp import web
-from pydantic import ValidationError
 
 from narwhal.fake_engine.engine import FakeEngine
 from narwhal.fake_engine.faults import EngineFaults
 from narwhal.fake_engine.state import BackgroundLoad, EngineModel
+
+T = TypeVar("T")
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
 
 
+def _error_body(status: int, message: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": "BadRequestError", "param": None, "code": status}}
+
+
 def _error(status: int, message: str) -> web.Response:
-    return _json(
-        {"error": {"message": message, "type": "BadRequestError", "param": None, "code": status}}, status
-    )
+    return _json(_error_body(status, message), status)
+
+
+async def _body_as(request: web.Request, parse: Callable[[bytes], T], what: str) -> T:
+    """The request's body as ``parse`` reads it; a 400 ``invalid <what>: ...`` when it raises
+    ``ValueError`` (pydantic's ValidationError and orjson's JSONDecodeError are ones)."""
+    data = await request.read()
+    try:
+        return parse(data)
+    except ValueError as exc:
+        text = orjson.dumps(_error_body(400, f"invalid {what}: {exc}")).decode()
+        raise web.HTTPBadRequest(text=text, content_type="application/json") from None
 
 
 def _faults_view(engine: FakeEngine) -> dict[str, Any]:
@@ -87,11 +101,7 @@ class _Control:
 
     async def put_faults(self, request: web.Request) -> web.Response:
         engine = self.engine_of(request)
-        try:
-            faults = EngineFaults.model_validate_json(await request.read())
-        except ValidationError as exc:
-            return _error(400, f"invalid faults: {exc}")
-        engine.set_faults(faults)
+        engine.set_faults(await _body_as(request, EngineFaults.model_validate_json, "faults"))
         return _json(_faults_view(engine))
 
     async def clear_faults(self, request: web.Request) -> web.Response:
@@ -105,14 +115,14 @@ class _Control:
     async def put_model(self, request: web.Request) -> web.Response:
         """Change some of the load and cache models; keys left out keep their values."""
         engine = self.engine_of(request)
-        try:
-            changes = orjson.loads(await request.read())
+
+        def merged(data: bytes) -> EngineModel:
+            changes = orjson.loads(data)
             if not isinstance(changes, dict):
                 raise ValueError("a JSON object is required")
-            model = EngineModel.model_validate({**engine.load_model.model_dump(), **changes})
-        except (orjson.JSONDecodeError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
-            return _error(400, f"invalid model: {exc}")
-        engine.set_load_model(model)
+            return EngineModel.model_validate({**engine.load_model.model_dump(), **changes})
+
+        engine.set_load_model(await _body_as(request, merged, "model"))
         return _json(_model_view(engine))
 
     async def get_background(self, request: web.Request) -> web.Response:
@@ -120,10 +130,7 @@ class _Control:
 
     async def put_background(self, request: web.Request) -> web.Response:
         engine = self.engine_of(request)
-        try:
-            load = BackgroundLoad.model_validate_json(await request.read())
-        except ValidationError as exc:
-            return _error(400, f"invalid background load: {exc}")
+        load = await _body_as(request, BackgroundLoad.model_validate_json, "background load")
         await engine.background.set(load.requests, load.hold_s)
         return _json(_background_view(engine))
 
