@@ -1,11 +1,14 @@
 """Where the deploy files are, for every test of ``deploy/``: paths, the Prometheus job, the
-Kubernetes manifests by kind."""
+Kubernetes manifests by kind, and what ``kubectl kustomize`` builds of a folder."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -25,3 +28,13 @@ def manifests() -> dict[str, dict[str, Any]]:
         for doc in yaml.safe_load_all(path.read_text()):
             docs[doc["kind"]] = doc
     return docs
+
+
+def kustomized(folder: Path) -> list[Any]:
+    """The documents ``kubectl kustomize folder`` builds; the test is skipped without kubectl."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    proc = subprocess.run([kubectl, "kustomize", str(folder)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return list(yaml.safe_load_all(proc.stdout))

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from narwhal.settings import Settings, SettingsError, load_settings
-from tests.unit.deploy.deploy_support import ALERTS, DASHBOARD, DEPLOY, JOB, K8S, ROOT, UNIT, manifests
+from tests.unit.deploy.deploy_support import ALERTS, DASHBOARD, DEPLOY, JOB, K8S, ROOT, UNIT, kustomized, manifests
 
 # SPEC §8, plus the supervisor's restart counter the alerts need.
 SPEC_FAMILIES = [
@@ -348,12 +348,7 @@ def test_kubernetes_manifests_fit_together(tmp_path: Path) -> None:
 
 
 def test_kustomize_builds() -> None:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is not installed")
-    proc = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    kinds = sorted(doc["kind"] for doc in yaml.safe_load_all(proc.stdout))
+    kinds = sorted(doc["kind"] for doc in kustomized(K8S))
     assert kinds == ["ConfigMap", "Deployment", "PodDisruptionBudget", "PodMonitor", "PrometheusRule", "Service"]
 
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,9 +26,8 @@ from packaging.specifiers import SpecifierSet
 from narwhal.fleet import Fleet
 from narwhal.fleet.discovery import engine_name
 from narwhal.settings import EngineSpec, Settings, load_settings
+from tests.unit.deploy.deploy_support import K8S, ROOT, kustomized
 
-ROOT = Path(__file__).resolve().parents[3]
-K8S = ROOT / "deploy" / "kubernetes"
 ENGINES = K8S / "engines"
 VLLM = "0.11.0"
 
@@ -232,13 +229,7 @@ def test_each_engine_pod_has_its_gpus_side_channel_and_no_service_links(name: st
 
 
 def test_kustomize_builds_the_engines() -> None:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is not installed")
-    proc = subprocess.run([kubectl, "kustomize", str(ENGINES)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    docs = yaml.safe_load_all(proc.stdout)
-    built = sorted((d["kind"], d["metadata"]["name"], d["metadata"]["namespace"]) for d in docs)
+    built = sorted((d["kind"], d["metadata"]["name"], d["metadata"]["namespace"]) for d in kustomized(ENGINES))
     assert built == [("Service", "vllm-decode", "llm"), ("Service", "vllm-prefill", "llm"),
                      ("StatefulSet", "vllm-decode", "llm"), ("StatefulSet", "vllm-prefill", "llm")]
 

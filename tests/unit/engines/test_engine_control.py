@@ -175,6 +175,25 @@ async def _serve(handler: web.Handler) -> TestServer:
     return server
 
 
+def _ref_of(server: TestServer) -> Ref:
+    """Engine e0 at the test server's URL."""
+    return Ref("e0", str(server.make_url("")).rstrip("/"))
+
+
+async def _hung(request: web.Request) -> web.Response:
+    """An engine that answers nothing for 30 s: far past every bound under test."""
+    await asyncio.sleep(30)
+    return web.Response()
+
+
+def _closed_port() -> int:
+    """A local port nothing listens on (bound, then closed again)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
 async def test_control_reads_send_the_engine_key_and_report_statuses() -> None:
     seen: list[str | None] = []
 
@@ -187,7 +206,7 @@ async def test_control_reads_send_the_engine_key_and_report_statuses() -> None:
     try:
         async with open_session(settings) as session:
             control = ControlClient(session, settings, timeout_s=5)
-            ref = Ref("e0", str(server.make_url("")).rstrip("/"))
+            ref = _ref_of(server)
             assert await control.get(ref, "/health") == (503, b"")
             assert await control.health(ref) is False  # vLLM's dead-engine answer
             assert await control.version(ref) is None
@@ -197,18 +216,14 @@ async def test_control_reads_send_the_engine_key_and_report_statuses() -> None:
 
 
 async def test_a_hung_engine_costs_one_bounded_read() -> None:
-    async def handler(request: web.Request) -> web.Response:
-        await asyncio.sleep(30)
-        return web.Response()
-
-    server = await _serve(handler)
+    server = await _serve(_hung)
     settings = EngineSettings()
     try:
         async with open_session(settings) as session:
             control = ControlClient(session, settings, timeout_s=0.2)
             started = asyncio.get_running_loop().time()
             with pytest.raises(ControlError) as info:
-                await control.get(Ref("e0", str(server.make_url("")).rstrip("/")), "/health")
+                await control.get(_ref_of(server), "/health")
             assert info.value.reason == "timed out after 0.2s"
             assert asyncio.get_running_loop().time() - started < 5  # bounded, not 30 s
     finally:
@@ -216,9 +231,7 @@ async def test_a_hung_engine_costs_one_bounded_read() -> None:
 
 
 async def test_a_closed_port_is_unreachable() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again when the block ends: nothing listens
+    port = _closed_port()
     settings = EngineSettings()
     async with open_session(settings) as session:
         control = ControlClient(session, settings, timeout_s=5)
@@ -258,7 +271,7 @@ async def test_the_pooled_reader_sends_the_key_reports_statuses_and_reuses_its_c
     server = await _serve(handler)
     reader = PooledReader(EngineSettings(api_key="k1"), timeout_s=5)
     try:
-        ref = Ref("e0", str(server.make_url("")).rstrip("/"))
+        ref = _ref_of(server)
         assert await reader.get(ref, "/metrics") == (200, b"vllm:num_requests_running 3\n")
         assert await reader.get(ref, "/down") == (503, b"")
         assert await reader.get(ref, "/metrics") == (200, b"vllm:num_requests_running 3\n")
@@ -270,19 +283,13 @@ async def test_the_pooled_reader_sends_the_key_reports_statuses_and_reuses_its_c
 
 
 async def test_the_pooled_reader_bounds_a_hung_engine_and_names_a_closed_port() -> None:
-    async def handler(request: web.Request) -> web.Response:
-        await asyncio.sleep(30)
-        return web.Response()
-
-    server = await _serve(handler)
+    server = await _serve(_hung)
     reader = PooledReader(EngineSettings(), timeout_s=0.2)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again when the block ends: nothing listens
+    port = _closed_port()
     try:
         started = asyncio.get_running_loop().time()
         with pytest.raises(ControlError) as info:
-            await reader.get(Ref("e0", str(server.make_url("")).rstrip("/")), "/metrics")
+            await reader.get(_ref_of(server), "/metrics")
         assert info.value.reason == "timed out after 0.2s"
         assert asyncio.get_running_loop().time() - started < 5  # bounded, not 30 s
         with pytest.raises(ControlError) as info:

@@ -18,6 +18,7 @@ from narwhal.fake_engine.batch import Scheduler
 from narwhal.fake_engine.prefix import PrefixCache, prompt_text, text_tokens
 from narwhal.fake_engine.state import EngineModel
 from narwhal.testing.harness import FakeFleet
+from tests.unit.fake_engine.fe_support import wait_for
 
 ClientFactory = Callable[..., Awaitable[TestClient[Any, Any]]]
 BLOCK_CHARS = 64  # 16 tokens of 4 characters
@@ -27,14 +28,6 @@ PREFILL_KV = {"do_remote_decode": True, "do_remote_prefill": False}
 def text_of(blocks: int, tag: str = "a") -> str:
     """``blocks`` full blocks of distinct text (block i differs from block j)."""
     return "".join(f"{tag}{i:03d}".ljust(BLOCK_CHARS, ".") for i in range(blocks))
-
-
-async def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
 
 
 def metric(text: str, name: str) -> float:

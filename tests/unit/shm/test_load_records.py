@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
-
 from narwhal.fleet import Fleet
 from narwhal.settings import Settings
 from narwhal.shm.records import EngineRecord, LoadRecord, read_load, read_record, write_load, write_record
@@ -14,13 +10,6 @@ from narwhal.shm.table import record_hash
 from narwhal.shm.worker import WorkerFleetState
 
 P0, D0 = record_hash("p0", "http://127.0.0.1:1"), record_hash("d0", "http://127.0.0.1:2")
-
-
-@pytest.fixture
-def shared() -> Iterator[SharedFleet]:
-    fleet = SharedFleet.create(engines=4, slots=2, ring=8)
-    yield fleet
-    fleet.close()
 
 
 def test_load_round_trip_absence_and_no_kv(shared: SharedFleet) -> None:

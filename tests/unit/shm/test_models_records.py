@@ -3,21 +3,12 @@ its place in the region (nothing else overwritten)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from narwhal.shm import descriptors
 from narwhal.shm import models as M
 from narwhal.shm.records import LoadRecord, RecordBusy, read_load, write_load
 from narwhal.shm.shared import SharedFleet
-
-
-@pytest.fixture
-def shared() -> Iterator[SharedFleet]:
-    fleet = SharedFleet.create(engines=4, slots=2, ring=8)
-    yield fleet
-    fleet.close()
 
 
 def test_round_trip_absence_and_generation(shared: SharedFleet) -> None:

@@ -12,13 +12,6 @@ from narwhal.shm.records import KIND_OUTCOME, EngineRecord, RecordBusy, Report, 
 from narwhal.shm.shared import SharedFleet
 
 
-@pytest.fixture
-def shared() -> SharedFleet:
-    fleet = SharedFleet.create(engines=4, slots=4, ring=8)
-    yield fleet
-    fleet.close()
-
-
 def _record(n: int) -> EngineRecord:
     # Every field derives from n: a torn read mixes two n's and is caught by the test.
     return EngineRecord(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import pytest
 
@@ -14,13 +13,6 @@ from narwhal.shm.shared import SharedFleet
 from narwhal.shm.table import FREE, LIVE, RETIRED, TableFull, identity, worker_epoch
 from narwhal.shm.worker import UnmappedEngine, WorkerFleetState
 from narwhal.supervisor.main import Supervisor
-
-
-@pytest.fixture
-def shared() -> Iterator[SharedFleet]:
-    fleet = SharedFleet.create(engines=4, slots=4, ring=8)
-    yield fleet
-    fleet.close()
 
 
 def _engines(*names: str) -> list[tuple[str, str]]:
