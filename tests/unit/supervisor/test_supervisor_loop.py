@@ -94,18 +94,25 @@ def decode_failure() -> EngineError:
     return EngineError("decode failed", reason="engine_5xx", engine="d0", phase="decode")
 
 
+def charge_d0(supervisor: Supervisor, worker: WorkerFleetState, clock: FakeClock) -> Engine:
+    """d0 charged ``eject_after`` (2) times through ``worker``'s ring, the clock set to the
+    reports' time (the ejection dates from it); d0 is returned."""
+    p0, d0 = (next(e for e in supervisor.fleet.engines if e.name == n) for n in ("p0", "d0"))
+    for _ in range(2):  # the decode phase: the consumer is charged
+        worker.report(p0, d0, error=decode_failure(), failed=d0, before_first_token=True)
+    clock.now = time.monotonic()
+    return d0
+
+
 async def test_reports_eject_within_a_pass_and_a_probe_readmits_after_the_interval(
     shared: SharedFleet, settings: Settings
 ) -> None:
     supervisor, loop, clock, prober = started(shared, settings)
     worker = WorkerFleetState(shared, shared.claim_slot(os.getpid()) or 0, Fleet(settings))
-    p0, d0 = (next(e for e in supervisor.fleet.engines if e.name == n) for n in ("p0", "d0"))
     slot = shared.engine_slot("d0", "http://127.0.0.1:2")
     assert slot is not None and state_in_shared_memory(shared, slot) is State.ADMITTED
     generation = shared.generation
-    for _ in range(2):  # eject_after = 2, the decode phase: the consumer is charged
-        worker.report(p0, d0, error=decode_failure(), failed=d0, before_first_token=True)
-    clock.now = time.monotonic()  # the reports' time: the ejection dates from it
+    d0 = charge_d0(supervisor, worker, clock)
     supervisor.step(loop)
     assert state_in_shared_memory(shared, slot) is State.EJECTED
     assert shared.generation > generation  # workers re-read the records on their next request
@@ -129,10 +136,7 @@ async def test_a_failed_probe_keeps_the_engine_out_and_the_next_comes_one_interv
 ) -> None:
     supervisor, loop, clock, prober = started(shared, settings)
     worker = WorkerFleetState(shared, shared.claim_slot(os.getpid()) or 0, Fleet(settings))
-    p0, d0 = (next(e for e in supervisor.fleet.engines if e.name == n) for n in ("p0", "d0"))
-    for _ in range(2):
-        worker.report(p0, d0, error=decode_failure(), failed=d0, before_first_token=True)
-    clock.now = time.monotonic()
+    d0 = charge_d0(supervisor, worker, clock)
     supervisor.step(loop)
     prober.verdict = "fail"
     clock.now += READMIT_S + 0.5

@@ -33,6 +33,12 @@ def shared() -> Iterator[SharedFleet]:
     region.close()
 
 
+@pytest.fixture
+def follower(shared: SharedFleet, settings: Settings) -> ModelsFollower:
+    """A worker's follower of ``shared``'s models, for the engines of ``settings`` by name."""
+    return ModelsFollower(shared, Fleet(settings), by_slot=False)
+
+
 def publish(shared: SharedFleet, models: dict[tuple[str, str], tuple[str, ...]], *, bump: bool = True,
             version: int | None = None, owners: dict[tuple[str, str], tuple[str, str]] | None = None) -> None:
     """What the supervisor does: every record under the next generation, then the bump."""
@@ -51,9 +57,8 @@ def served(follower: ModelsFollower) -> dict[str, set[str]]:
 
 
 def test_models_are_taken_up_when_the_generation_moves_and_not_read_again_before(
-    shared: SharedFleet, settings: Settings
+    shared: SharedFleet, follower: ModelsFollower
 ) -> None:
-    follower = ModelsFollower(shared, Fleet(settings), by_slot=False)
     publish(shared, {P0: ("m-one",), D0: ("m-one",)})
     follower.check()
     assert served(follower) == {"p0": {"m-one"}, "d0": {"m-one"}}
@@ -67,9 +72,8 @@ def test_models_are_taken_up_when_the_generation_moves_and_not_read_again_before
 
 
 def test_a_record_that_lags_its_generation_is_read_again_at_the_next_check(
-    shared: SharedFleet, settings: Settings
+    shared: SharedFleet, follower: ModelsFollower
 ) -> None:
-    follower = ModelsFollower(shared, Fleet(settings), by_slot=False)
     publish(shared, {P0: ("m-one",), D0: ("m-one",)})
     follower.check()
     publish(shared, {P0: ("m-one",), D0: ("m-one",)}, version=1)  # the bump to 2 seen before the records
@@ -80,8 +84,7 @@ def test_a_record_that_lags_its_generation_is_read_again_at_the_next_check(
     assert served(follower)["d0"] == {"m-new"}
 
 
-def test_another_engine_s_record_at_the_slot_is_never_taken(shared: SharedFleet, settings: Settings) -> None:
-    follower = ModelsFollower(shared, Fleet(settings), by_slot=False)
+def test_another_engine_s_record_at_the_slot_is_never_taken(shared: SharedFleet, follower: ModelsFollower) -> None:
     publish(shared, {P0: ("m-one",), D0: ("m-one",)})
     follower.check()
     publish(shared, {P0: ("m-one",), D0: ("theirs",)}, owners={D0: ("d0", "http://127.0.0.1:9")})
@@ -90,9 +93,8 @@ def test_another_engine_s_record_at_the_slot_is_never_taken(shared: SharedFleet,
 
 
 async def test_the_start_waits_for_the_first_read_within_its_bound_and_says_what_it_lacks(
-    shared: SharedFleet, settings: Settings, caplog: pytest.LogCaptureFixture
+    shared: SharedFleet, follower: ModelsFollower, caplog: pytest.LogCaptureFixture
 ) -> None:
-    follower = ModelsFollower(shared, Fleet(settings), by_slot=False)
     publish(shared, {P0: ("m-one",)})  # no supervisor read d0 yet
     await follower.first(bound_s=0.05)
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
