@@ -8,12 +8,18 @@ the suite then reports the baseline as not run and carries on.
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 import tarfile
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 PACKAGE = "narwhal"
+REPO = Path(__file__).resolve().parent.parent  # this checkout: its perf/ measures every target
+T = TypeVar("T")
 
 
 class BaselineError(RuntimeError):
@@ -64,3 +70,35 @@ def targets(refs: str | None, repo: Path, *, checkout: bool = True) -> list[tupl
         dest = Path(tempfile.mkdtemp(prefix="narwhal-baseline-"))
         found.append((f"{ref} ({export(ref, repo, dest)[:10]})", str(dest)))
     return found
+
+
+def targets_or_exit(refs: str | None, prog: str, *, checkout: bool = True) -> list[tuple[str, str | None]]:
+    """:func:`targets` of this checkout, or the reason on stderr as ``prog: ...`` and exit status 2."""
+    try:
+        return targets(refs, REPO, checkout=checkout)
+    except BaselineError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def interleaved(targets: list[tuple[str, str | None]], rounds: int, measure: Callable[[str | None], T]) -> dict[
+        str, list[T]]:
+    """``measure(root)`` of every target, ``rounds`` times over, the targets interleaved within
+    each round: a drift of the host hits every target alike."""
+    figures: dict[str, list[T]] = {name: [] for name, _ in targets}
+    for _ in range(rounds):
+        for name, root in targets:
+            figures[name].append(measure(root))
+    return figures
+
+
+def child_figures(module: str, root: str | None, args: list[str], timeout: float) -> tuple[float, float]:
+    """``python -m <module> --child <args>`` in a fresh process over the ``narwhal`` at ``root``
+    (this checkout's when None): the two figures its last line prints (CPU, calls)."""
+    env = dict(os.environ)
+    if root is not None:  # `python -m` puts its working directory first on sys.path: run from root
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, str(REPO), env.get("PYTHONPATH"))))
+    out = subprocess.run([sys.executable, "-m", module, "--child", *args], env=env, capture_output=True, text=True,
+                         timeout=timeout, check=True, cwd=root or REPO)
+    cpu, calls = out.stdout.split()[-2:]
+    return float(cpu), float(calls)

@@ -185,12 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="a setting for every target, e.g. placement.load_interval_s=0 (repeatable)")
     args = parser.parse_args(argv)
-    repo = Path(__file__).resolve().parent.parent
-    try:
-        targets = baseline.targets(args.baseline, repo, checkout=not args.no_checkout)
-    except baseline.BaselineError as exc:
-        print(f"perf.supervisor_idle: {exc}", file=sys.stderr)
-        return 2
+    targets = baseline.targets_or_exit(args.baseline, "perf.supervisor_idle", checkout=not args.no_checkout)
     if not targets:
         parser.error("nothing to measure: --no-checkout needs --baseline")
     rows: list[tuple[int, str, list[Window], list[Window]]] = []

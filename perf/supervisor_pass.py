@@ -19,12 +19,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import functools
 import os
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from perf import baseline
@@ -81,14 +80,7 @@ async def _passes(engines: int, seconds: float) -> tuple[float, float]:
 
 def _measure(root: str | None, engines: int, seconds: float) -> tuple[float, float]:
     """One window in a fresh process: this checkout's ``narwhal`` or the tree at ``root``."""
-    env, repo = dict(os.environ), Path(__file__).resolve().parent.parent
-    if root is not None:  # `python -m` puts its working directory first on sys.path: run from root
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, str(repo), env.get("PYTHONPATH"))))
-    cmd = [sys.executable, "-m", "perf.supervisor_pass", "--child", str(engines), str(seconds)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=seconds + 120, check=True,
-                         cwd=root or repo)
-    cpu, calls = out.stdout.split()[-2:]
-    return float(cpu), float(calls)
+    return baseline.child_figures("perf.supervisor_pass", root, [str(engines), str(seconds)], seconds + 120)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,18 +96,11 @@ def main(argv: list[str] | None = None) -> int:
 
         print(*uvloop.run(_passes(int(args.child[0]), float(args.child[1]))))
         return 0
-    repo = Path(__file__).resolve().parent.parent
-    try:
-        targets = baseline.targets(args.baseline, repo)
-    except baseline.BaselineError as exc:
-        print(f"perf.supervisor_pass: {exc}", file=sys.stderr)
-        return 2
+    targets = baseline.targets_or_exit(args.baseline, "perf.supervisor_pass")
     print("| engines | target | loop CPU (ms/s), median | rounds | Python calls per pass |\n|---:|---|---:|---|---:|")
     for engines in [int(n) for n in args.engines.split(",") if n.strip()]:
-        figures: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in targets}
-        for _ in range(args.rounds):
-            for name, root in targets:  # interleaved: a drift of the host hits every target alike
-                figures[name].append(_measure(root, engines, args.seconds))
+        figures = baseline.interleaved(targets, args.rounds,
+                                       functools.partial(_measure, engines=engines, seconds=args.seconds))
         for name, values in figures.items():
             cpu = [v[0] for v in values]
             print(f"| {engines} | {name} | {statistics.median(cpu):.2f} | {', '.join(f'{v:.2f}' for v in cpu)} "

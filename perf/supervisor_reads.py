@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import functools
 import os
 import socket
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from perf import baseline
@@ -111,14 +111,8 @@ async def _reads(url: str, count: int) -> tuple[float, float]:
 
 
 def _measure(root: str | None, url: str, count: int) -> tuple[float, float]:
-    env, repo = dict(os.environ), Path(__file__).resolve().parent.parent
-    if root is not None:  # `python -m` puts its working directory first on sys.path: run from root
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, str(repo), env.get("PYTHONPATH"))))
-    cmd = [sys.executable, "-m", "perf.supervisor_reads", "--child", url, str(count)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=True,
-                         cwd=root or repo)
-    cpu, calls = out.stdout.split()[-2:]
-    return float(cpu), float(calls)
+    """``count`` reads of ``url`` in a fresh process: this checkout's ``narwhal`` or the tree at ``root``."""
+    return baseline.child_figures("perf.supervisor_reads", root, [url, str(count)], 300)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,23 +132,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve:
         _serve(int(args.serve[0]), _body(int(args.serve[1])))
         return 0
-    repo = Path(__file__).resolve().parent.parent
-    try:
-        targets = baseline.targets(args.baseline, repo)
-    except baseline.BaselineError as exc:
-        print(f"perf.supervisor_reads: {exc}", file=sys.stderr)
-        return 2
+    targets = baseline.targets_or_exit(args.baseline, "perf.supervisor_reads")
     print("| body | target | µs CPU per read, median | rounds | Python calls per read |\n|---|---|---:|---|---:|")
     for kib in [int(k) for k in args.body_kib.split(",") if k.strip()]:
         port = _free_port()
         server = subprocess.Popen([sys.executable, "-m", "perf.supervisor_reads", "--serve", str(port), str(kib)],
-                                  cwd=repo)
+                                  cwd=baseline.REPO)
         try:
             _wait_listening(port)
-            figures: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in targets}
-            for _ in range(args.rounds):
-                for name, root in targets:  # interleaved: a drift of the host hits every target alike
-                    figures[name].append(_measure(root, f"http://127.0.0.1:{port}", args.reads))
+            figures = baseline.interleaved(targets, args.rounds, functools.partial(
+                _measure, url=f"http://127.0.0.1:{port}", count=args.reads))
             for name, values in figures.items():
                 cpu = [v[0] for v in values]
                 print(f"| {len(_body(kib)) // 1024} KiB | {name} | {statistics.median(cpu):.1f} "

@@ -46,19 +46,15 @@ def header(meta: dict[str, Any]) -> list[str]:
 
 def targets_table(targets: list[dict[str, Any]]) -> list[str]:
     """The issue's targets, PASS/FAIL, as ``report.evaluate_targets`` judged them."""
-    lines = [
-        "",
-        "## Targets",
-        "",
+    lines = section(
+        "Targets",
         "`PD floor` = `direct-pd`: the load generator runs the prefill leg and then the decode itself — what a "
-        "router costing nothing would reach on this fleet.",
-        "",
+        "router costing nothing would reach on this fleet.\n\n"
         "`on this host`: the same promise scaled to this machine by the peer's own figures in this run "
         "(CPU and TTFB), and for paced decode against the PD floor instead of direct.",
-        "",
         "| target | narwhal | threshold | peer | PD floor | result | on this host | result here |",
         "|---|---|---|---|---|---|---|---|",
-    ]
+    )
     for t in targets:
         lines.append(
             f"| {t['target']} | {fmt(t['narwhal'], 3)} | {t['threshold']} | {fmt(t['peer'], 3)} "
@@ -70,18 +66,15 @@ def targets_table(targets: list[dict[str, Any]]) -> list[str]:
 
 def load_table(results: dict[str, Any]) -> list[str]:
     """Every target of every load scenario, one row each (always printed, even empty)."""
-    lines = [
-        "",
-        "## Load scenarios",
-        "",
+    lines = section(
+        "Load scenarios",
         "TTFB = first byte of the first token event (of the body when not streaming); "
         "CPU figures are µs per completed request; `other CPU` is host CPU not spent by this suite "
         "(noise from the shared machine).",
-        "",
         "| scenario | target | req/s | ×direct | tok/s | TTFB p50 ms | TTFB p99 ms | +TTFB p50 ms "
         "| lat p50 ms | lat p99 ms | errors | router CPU µs | engine CPU µs | client CPU µs | other CPU % |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
-    ]
+    )
     for name, res in results.items():
         if res["kind"] != "load":
             continue
@@ -110,17 +103,14 @@ def baseline_table(results: dict[str, Any], base: dict[str, Any]) -> list[str]:
     ]
     if not rows:
         return []
-    lines = [
-        "",
-        f"## This checkout against the baseline ({base.get('ref')} = {(base.get('commit') or '')[:12]})",
-        "",
+    lines = section(
+        f"This checkout against the baseline ({base.get('ref')} = {(base.get('commit') or '')[:12]})",
         "Ratios are medians of per-round ratios (the two ran back to back in every round); below 1 "
         "means this checkout uses less CPU, above 1 that it serves more requests.",
-        "",
         "| scenario | router CPU µs | baseline µs | CPU ratio | req/s ratio | TTFB p50 ms | baseline ms "
         "| per-round CPU ratios |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
-    ]
+    )
     for name, mine, theirs in rows:
         vs = mine.get("vs_baseline", {})
         lines.append(
@@ -185,13 +175,12 @@ def worker_sweep(results: dict[str, Any]) -> list[str]:
     sweep = results.get("workers")
     if not sweep:
         return []
-    lines = [
-        "",
-        f"## Worker sweep ({sweep['title']})",
-        "",
+    lines = section(
+        f"Worker sweep ({sweep['title']})",
+        None,
         "| workers | req/s | ×direct | TTFB p50 ms | TTFB p99 ms | router CPU µs | errors |",
         "|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    )
     for target, s in sweep["targets"].items():
         label = "direct" if target == "direct" else target.removeprefix("narwhal-w")
         lines.append(
@@ -212,14 +201,13 @@ def memory_table(results: dict[str, Any]) -> list[str]:
     memory = results.get("memory")
     if not memory:
         return []
-    lines = [
-        "",
-        f"## Memory ({memory['title']})",
-        "",
+    lines = section(
+        f"Memory ({memory['title']})",
+        None,
         "| target | open at peak | errors | idle RSS MiB | peak RSS MiB | RSS KiB/stream "
         "| idle PSS MiB | peak PSS MiB | PSS KiB/stream | RSS after MiB | TTFB p99 ms |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    )
     for target, m in memory["targets"].items():
         lines.append(
             f"| {target} | {m['open_at_peak']}/{m['streams']} | {m['errors']['count']} "
@@ -241,6 +229,7 @@ def closing(failed: dict[str, str], notes: list[str]) -> list[str]:
     return lines
 
 
-def section(title: str, intro: str, header: str, rule: str) -> list[str]:
-    """A ``results.md`` section's opening: its title, what its figures mean, its table's head."""
-    return ["", f"## {title}", "", intro, "", header, rule]
+def section(title: str, intro: str | None, header: str, rule: str) -> list[str]:
+    """A ``results.md`` section's opening: its title, what its figures mean (if they need it),
+    its table's head."""
+    return ["", f"## {title}", "", *((intro, "") if intro is not None else ()), header, rule]
