@@ -210,7 +210,9 @@ class Sized(Protocol):
     """A region's layout, as :class:`Mapped` needs it: its size in bytes, whole pages."""
 
     @property
-    def size(self) -> int: ...
+    def size(self) -> int:
+        """The region's bytes, whole pages."""
+        ...
 
 
 L = TypeVar("L", bound=Sized)
