@@ -6,8 +6,11 @@ and none of its prompts.
 """
 from __future__ import annotations
 
+import base64
 import uuid
 from typing import Any
+
+import pytest
 
 from narwhal.testing.harness import FakeFleet, RouterProcess
 from tests.real_gunicorn.support import (
@@ -25,6 +28,19 @@ ADMIN_TOKEN = "s3cret"
 CLIENT_KEY = "client-key-" + uuid.uuid4().hex
 MAX_BODY = 65536
 PAIR = [{"name": "p2", "role": "producer"}, {"name": "d2", "role": "consumer"}]
+
+
+def refused_credentials(secret: str, other: str) -> list[Any]:
+    """Every ``Authorization`` value that must not pass where ``secret`` is asked for, as pytest
+    params named by what is wrong: none, empty, a bare or other scheme, a wrong, longer or shorter
+    secret, Basic (plain and base64), no scheme, and ``other`` (the router's other secret)."""
+    basic = base64.b64encode(f"{secret}:{secret}".encode()).decode()
+    return [pytest.param(value, id=name) for name, value in (
+        ("missing", None), ("empty", ""), ("bearer_no_value", "Bearer"), ("bearer_space", "Bearer "),
+        ("wrong", "Bearer wrong"), ("longer", f"Bearer {secret}x"), ("prefix", f"Bearer {secret[:-1]}"),
+        ("basic_b64", f"Basic {basic}"), ("basic", f"Basic {secret}"), ("no_scheme", secret),
+        ("other_scheme", f"Token {secret}"), ("other_secret", f"Bearer {other}"),
+    )]
 
 
 def assert_router_error(reply: Reply, status: int, reason: str) -> dict[str, Any]:
