@@ -66,6 +66,13 @@ def _never_reading_client(host: str, port: int, body: bytes) -> socket.socket:
     return stuck
 
 
+def _another_is_served(router: RouterProcess, max_tokens: int = 2) -> None:
+    """Another client's short completion is answered 200 (within 10 s): the hostile one harms no one."""
+    body = orjson.dumps({"model": MODEL, "prompt": unique_prompt(), "max_tokens": max_tokens})
+    answer = http_request(router, "POST", COMPLETIONS, body, timeout=10)
+    assert answer.status == 200, answer.body
+
+
 def _log_since(router: RouterProcess, offset: int) -> str:
     with open(router.log_path, "rb") as f:
         f.seek(offset)
@@ -92,14 +99,7 @@ def test_a_client_that_never_reads_is_dropped_and_harms_no_one(hostile: RouterPr
         rss_peak = _workers_rss_kb(hostile)
         for _ in range(3):
             t0 = time.monotonic()
-            answer = http_request(
-                hostile,
-                "POST",
-                COMPLETIONS,
-                orjson.dumps({"model": MODEL, "prompt": unique_prompt(), "max_tokens": 3}),
-                timeout=10,
-            )
-            assert answer.status == 200, answer.body
+            _another_is_served(hostile, max_tokens=3)
             assert time.monotonic() - t0 < 2.0
             rss_peak = max(rss_peak, _workers_rss_kb(hostile))
 
@@ -137,10 +137,7 @@ def test_slowloris_body_gets_408_and_harms_no_one(hostile: RouterProcess) -> Non
             + b'{"model":'
         )
         # Someone else is served while the slow body dribbles (not) in.
-        answer = http_request(
-            hostile, "POST", COMPLETIONS, orjson.dumps({"model": MODEL, "prompt": "ok", "max_tokens": 2})
-        )
-        assert answer.status == 200, answer.body
+        _another_is_served(hostile)
         status, headers, body = read_raw_response(slow, timeout=8)
         elapsed = time.monotonic() - t0
     assert status == 408, body
@@ -172,14 +169,7 @@ def test_many_idle_keepalive_connections_do_not_block_new_clients(hostile: Route
         # All of them open and idle: new clients are still served, quickly.
         t0 = time.monotonic()
         assert http_request(hostile, "GET", "/health", timeout=10).status == 200
-        answer = http_request(
-            hostile,
-            "POST",
-            COMPLETIONS,
-            orjson.dumps({"model": MODEL, "prompt": unique_prompt(), "max_tokens": 2}),
-            timeout=10,
-        )
-        assert answer.status == 200, answer.body
+        _another_is_served(hostile)
         assert time.monotonic() - t0 < 5
         # And the idle ones are still usable (kept alive, not silently dropped).
         for s in conns[:: max(1, len(conns) // 20)]:
@@ -207,9 +197,6 @@ def test_a_client_that_never_reads_its_whole_answer_is_dropped_too(hostile: Rout
     stuck = _never_reading_client(host, port, body)
     try:
         wait_until(lambda: dropped_so_far() == before + 1, 20, "the non-reading client counted as gone (499)")
-        answer = http_request(
-            hostile, "POST", COMPLETIONS, orjson.dumps({"model": MODEL, "prompt": unique_prompt(), "max_tokens": 3})
-        )
-        assert answer.status == 200, answer.body  # its reservations were given back
+        _another_is_served(hostile, max_tokens=3)  # its reservations were given back
     finally:
         stuck.close()
