@@ -18,6 +18,7 @@ from narwhal.testing.harness import FakeFleet, RouterProcess
 from tests.real_gunicorn.endpoints_support import ALL, GENERATE, MESSAGES, RESPONSES, Endpoint, last_event, sse_events
 from tests.real_gunicorn.support import (
     ENGINES,
+    Reply,
     access_line,
     expected_text,
     records_anywhere,
@@ -46,6 +47,25 @@ async def _direct(fleet: FakeFleet, consumer_url: str, path: str, body: dict, re
     reply = await send(consumer_url, path, plain, headers={"X-Request-Id": request_id})
     assert reply.status == 200, reply.raw
     return reply.raw
+
+
+def _error_answer(reply: Reply, ep: Endpoint, status: int, reason: str) -> str:
+    """``reply`` is ``ep``'s HTTP error: ``status``, ``x-narwhal-error: reason`` and the body in
+    the endpoint's shape; its message is returned for the test to judge."""
+    assert reply.status == status
+    assert reply.headers["x-narwhal-error"] == reason
+    message: str = reply.json.get("error", {}).get("message")
+    assert reply.json == ep.error(status, reason, message)
+    return message
+
+
+def _terminal_error(reply: Reply, ep: Endpoint, status: int, reason: str) -> str:
+    """``reply``'s stream ends in ``ep``'s terminal error event for ``status`` and ``reason``; its
+    message is returned for the test to judge."""
+    name, data = last_event(reply)
+    message: str = (data.get("error") or {}).get("message") or data.get("message")
+    assert (name, data) == ep.terminal_error(status, reason, message)
+    return message
 
 
 def _timeless(raw: bytes) -> bytes:
@@ -116,20 +136,16 @@ async def test_close_before_the_terminal_event_after_output_ends_with_one_termin
     reply = await send(router.url, ep.path, ep.body(uuid.uuid4().hex, max_tokens=8, fake=fake))
     assert reply.status == 200
     assert ep.text(reply.raw) == expected_text(3)
-    name, data = last_event(reply)
-    message = (data.get("error") or {}).get("message") or data.get("message")
+    message = _terminal_error(reply, ep, 502, "engine_disconnect")
     assert re.fullmatch(rf"engine d\d closed the stream before {re.escape(ep.terminal)}", message)
-    assert (name, data) == ep.terminal_error(502, "engine_disconnect", message)
-    assert [e for e in sse_events(reply.raw) if e == (name, data)] == [(name, data)]
+    event = last_event(reply)
+    assert [e for e in sse_events(reply.raw) if e == event] == [event]
 
 
 @pytest.mark.parametrize("ep", ALL, ids=IDS)
 async def test_close_before_any_output_is_a_502_in_the_endpoint_shape(router: RouterProcess, ep: Endpoint) -> None:
     reply = await send(router.url, ep.path, ep.body(uuid.uuid4().hex, fake={"decode": {"close_after": 0}}))
-    assert reply.status == 502
-    assert reply.headers["x-narwhal-error"] == "engine_disconnect"
-    message = reply.json.get("error", {}).get("message")
-    assert reply.json == ep.error(502, "engine_disconnect", message)
+    _error_answer(reply, ep, 502, "engine_disconnect")
 
 
 @pytest.mark.parametrize(("code", "status"), [(503, 503), (429, 429), (400, 400), (None, 502)])
@@ -139,9 +155,7 @@ async def test_in_stream_error_before_output_is_an_http_error_with_its_status(
 ) -> None:
     fake = {"decode": {"stream_error": {"code": code, "message": "engine says no", "after": 0}}}
     reply = await send(router.url, ep.path, ep.body(uuid.uuid4().hex, fake=fake))
-    assert reply.status == status
-    assert reply.headers["x-narwhal-error"] == "engine_stream_error"
-    assert reply.json == ep.error(status, "engine_stream_error", "engine says no")
+    assert _error_answer(reply, ep, status, "engine_stream_error") == "engine says no"
 
 
 @pytest.mark.parametrize("ep", ALL, ids=IDS)
@@ -171,20 +185,13 @@ async def test_silence_between_tokens_ends_the_stream_with_a_504_event(router: R
     reply = await send(router.url, ep.path, ep.body(uuid.uuid4().hex, max_tokens=5, fake=fake))
     assert reply.status == 200
     assert ep.text(reply.raw) == expected_text(2)
-    name, data = last_event(reply)
-    message = (data.get("error") or {}).get("message") or data.get("message")
-    assert message.startswith("engine went silent between tokens")
-    assert (name, data) == ep.terminal_error(504, "decode_silence", message)
+    assert _terminal_error(reply, ep, 504, "decode_silence").startswith("engine went silent between tokens")
 
 
 @pytest.mark.parametrize("ep", ALL, ids=IDS)
 async def test_first_token_timeout_is_a_504_in_the_endpoint_shape(router: RouterProcess, ep: Endpoint) -> None:
     reply = await send(router.url, ep.path, ep.body(uuid.uuid4().hex, fake={"decode": {"delay_first_token_s": 6}}))
-    assert reply.status == 504
-    assert reply.headers["x-narwhal-error"] == "first_token_timeout"
-    message = reply.json.get("error", {}).get("message")
-    assert message.endswith("sent no token within 2.5s")
-    assert reply.json == ep.error(504, "first_token_timeout", message)
+    assert _error_answer(reply, ep, 504, "first_token_timeout").endswith("sent no token within 2.5s")
 
 
 @pytest.mark.parametrize(
