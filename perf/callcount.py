@@ -28,13 +28,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import orjson
 
 from narwhal.testing.harness import FakeFleet, RouterProcess, write_config
 from perf import baseline
+from perf.load.generator import PROMPT, system_text
+from perf.load.scenarios import LONG_SYSTEM_CHARS
 
 MODEL = "callcount-model"
 _SITECUSTOMIZE = '''
@@ -57,22 +59,47 @@ if _DIR:
 
     os.register_at_fork(after_in_child=_profile_this_child)
 '''
-# (name, concurrency, token delay): the three shapes the layout issue promised to keep.
-CASES = (("stream_c1", 1, None), ("stream_c32", 32, None), ("paced_c64", 64, 0.01))
 
 
-async def _load(url: str, count: int, concurrency: int, token_delay_s: float | None) -> None:
-    body: dict[str, Any] = {"model": MODEL, "prompt": "hello " * 20, "stream": True, "max_tokens": 16}
-    if token_delay_s is not None:
-        body["narwhal_fake"] = {"decode": {"token_delay_s": token_delay_s}}
-    data = orjson.dumps(body)
+class Case(NamedTuple):
+    """One request shape: streamed completions, or (``system_chars`` not None) streamed chats."""
+
+    name: str
+    concurrency: int
+    token_delay_s: float | None = None
+    system_chars: int | None = None  # chat: a system prompt this long (0: none) before the user's message
+
+
+# The three shapes the layout issue promised to keep (the default), and the chat pair of issue 24:
+# what a 4,000-character system prompt costs over a short chat (perf's chat_c32 and chat_long).
+CASES = (Case("stream_c1", 1), Case("stream_c32", 32), Case("paced_c64", 64, 0.01),
+         Case("chat_c32", 32, system_chars=0), Case("chat_long", 32, system_chars=LONG_SYSTEM_CHARS))
+DEFAULT_CASES = "stream_c1,stream_c32,paced_c64"
+
+
+def _body(case: Case) -> tuple[str, bytes]:
+    """The path and the bytes every request of ``case`` sends."""
+    body: dict[str, Any] = {"model": MODEL, "stream": True, "max_tokens": 16}
+    if case.system_chars is None:
+        path, body["prompt"] = "/v1/completions", "hello " * 20
+    else:
+        system = [{"role": "system", "content": system_text(case.system_chars)}] if case.system_chars else []
+        path, body["messages"] = "/v1/chat/completions", [*system, {"role": "user", "content": PROMPT}]
+    if case.token_delay_s is not None:
+        body["narwhal_fake"] = {"decode": {"token_delay_s": case.token_delay_s}}
+    return path, orjson.dumps(body)
+
+
+async def _load(url: str, count: int, case: Case) -> None:
+    path, data = _body(case)
+    concurrency = case.concurrency
     left = [count]
     async with aiohttp.ClientSession() as session:
 
         async def client() -> None:
             while left[0] > 0:
                 left[0] -= 1
-                async with session.post(url + "/v1/completions", data=data,
+                async with session.post(url + path, data=data,
                                         headers={"Content-Type": "application/json"}) as resp:
                     if resp.status != 200:
                         raise RuntimeError(f"router answered {resp.status}: {await resp.text()}")
@@ -85,7 +112,7 @@ FuncKey = tuple[str, int, str]  # (file, line, function), as pstats keys them
 
 
 def _calls(
-    run: Path, fleet: FakeFleet, root: str | None, count: int, case: tuple[str, int, float | None]
+    run: Path, fleet: FakeFleet, root: str | None, count: int, case: Case
 ) -> dict[FuncKey, int]:
     """Calls per function of the router's worker over one run of ``count`` requests."""
     out = Path(tempfile.mkdtemp(prefix="calls-", dir=run))
@@ -97,7 +124,7 @@ def _calls(
     router = RouterProcess.start(write_config(engines, sections), env=env, root=root, workers=1,
                                  log_path=str(out / "router.log"))
     try:
-        asyncio.run(_load(router.url, count, case[1], case[2]))
+        asyncio.run(_load(router.url, count, case))
     finally:
         router.stop()
     deadline = time.monotonic() + 10  # the profiles are written as the processes exit
@@ -111,21 +138,21 @@ def _calls(
     return calls
 
 
-def per_function(run: Path, fleet: FakeFleet, root: str | None, case: tuple[str, int, float | None],
+def per_function(run: Path, fleet: FakeFleet, root: str | None, case: Case,
                  small: int, large: int) -> dict[FuncKey, float]:
     """Calls per request of each function: the difference of two runs, so start-up cancels out."""
     few, many = _calls(run, fleet, root, small, case), _calls(run, fleet, root, large, case)
     return {f: (n - few.get(f, 0)) / (large - small) for f, n in many.items()}
 
 
-def per_request(run: Path, fleet: FakeFleet, root: str | None, case: tuple[str, int, float | None],
+def per_request(run: Path, fleet: FakeFleet, root: str | None, case: Case,
                 small: int, large: int) -> float:
     return sum(per_function(run, fleet, root, case, small, large).values())
 
 
-def print_top(calls: dict[FuncKey, float], top: int) -> None:
+def print_top(calls: dict[FuncKey, float], top: int, case: Case) -> None:
     """The functions that make the most calls per request, where a cut would pay."""
-    print(f"\ntop {top} functions by calls per request (this checkout, {CASES[1][0]}):")
+    print(f"\ntop {top} functions by calls per request (this checkout, {case.name}):")
     for (file, line, name), n in sorted(calls.items(), key=lambda kv: -kv[1])[:top]:
         where = file.split("site-packages/")[-1].split("/narwhal/")[-1]
         print(f"  {n:7.1f}  {name}  ({where}:{line})")
@@ -137,8 +164,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=400, help="requests per measurement (default 400)")
     parser.add_argument("--rounds", type=int, default=2, help="measurements per target (default 2)")
     parser.add_argument("--top", type=int, default=0, metavar="N",
-                        help="also list this checkout's N functions with the most calls per request (c=32)")
+                        help="also list this checkout's N functions with the most calls per request (the last case)")
+    parser.add_argument("--cases", default=DEFAULT_CASES,
+                        help=f"comma-separated, of {', '.join(c.name for c in CASES)} (default {DEFAULT_CASES})")
     args = parser.parse_args(argv)
+    by_name = {c.name: c for c in CASES}
+    unknown = [n for n in args.cases.split(",") if n not in by_name]
+    if unknown:
+        parser.error(f"unknown case(s): {', '.join(unknown)}")
+    cases = [by_name[n] for n in args.cases.split(",")]
     repo = Path(__file__).resolve().parent.parent
     run = Path(tempfile.mkdtemp(prefix="narwhal-callcount-"))
     (run / "hook").mkdir()
@@ -153,16 +187,16 @@ def main(argv: list[str] | None = None) -> int:
     print("| case | this checkout | baseline | ratio |\n|---|---:|---:|---:|")
     fleet = FakeFleet.start(["p0", "d0"], args=["--model", MODEL])
     try:
-        for case in CASES:
+        for case in cases:
             # Interleaved, as the timed suite does: a drift in the host hits both targets alike.
             figures: dict[str, list[float]] = {"head": [], "base": []}
             for _ in range(args.rounds):
                 for name, root in (("head", None), ("base", str(run / "base"))):
                     figures[name].append(per_request(run, fleet, root, case, 50, 50 + args.requests))
             ours, theirs = statistics.median(figures["head"]), statistics.median(figures["base"])
-            print(f"| {case[0]} | {ours:,.0f} | {theirs:,.0f} | {ours / theirs:.3f} |", flush=True)
+            print(f"| {case.name} | {ours:,.0f} | {theirs:,.0f} | {ours / theirs:.3f} |", flush=True)
         if args.top:
-            print_top(per_function(run, fleet, None, CASES[1], 50, 50 + args.requests), args.top)
+            print_top(per_function(run, fleet, None, cases[-1], 50, 50 + args.requests), args.top, cases[-1])
     finally:
         fleet.stop()
     return 0

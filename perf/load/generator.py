@@ -53,7 +53,7 @@ class Workload:
             return pd_endpoints.data(self.endpoint, MODEL, PROMPT, self.tokens, self.stream, self.fault)
         data: dict[str, Any] = {"model": MODEL, "max_tokens": self.tokens, "stream": self.stream}
         if self.endpoint == CHAT:
-            system = [{"role": "system", "content": _system_text(self.system_chars)}] if self.system_chars else []
+            system = [{"role": "system", "content": system_text(self.system_chars)}] if self.system_chars else []
             data["messages"] = [*system, {"role": "user", "content": PROMPT}]
         else:
             data["prompt"] = PROMPT
@@ -74,7 +74,7 @@ class Workload:
 PREFILL_KV = PREFILL_KV_PARAMS  # exactly what the router sends a producer
 
 
-def _system_text(chars: int) -> str:
+def system_text(chars: int) -> str:
     """``chars`` characters of words and punctuation, as a long system prompt reads (not one run of a letter)."""
     sentence = "You are a careful assistant; answer briefly, cite the policy, and never guess. "
     return (sentence * (chars // len(sentence) + 1))[:chars]
