@@ -23,7 +23,7 @@ from typing import Any
 
 from narwhal.engines.endpoints import Endpoint
 from narwhal.fleet.placement.affinity import key_hash
-from narwhal.fleet.placement.blocks import PrefixBlocks
+from narwhal.fleet.placement.blocks import KeyMemo, PrefixBlocks
 from narwhal.settings import PlacementSettings
 
 
@@ -35,11 +35,12 @@ def prompt_head(endpoint: Endpoint, body: dict[str, Any], limit: int) -> str | N
 
 
 def held_hints(
-    endpoint: Endpoint, body: dict[str, Any], settings: PlacementSettings
+    endpoint: Endpoint, body: dict[str, Any], settings: PlacementSettings, memo: KeyMemo | None = None
 ) -> tuple[int | None, bool, PrefixBlocks | None]:
     """Policy ``held``: (the affinity key, local decode, the prefix blocks) from one read of the
     prompt text. A prompt with a full block places by its blocks and needs no key; a shorter one
-    keeps the affinity key (the affinity rule places it)."""
+    keeps the affinity key (the affinity rule places it). ``memo``: the worker's block keys
+    already computed (the same keys, fewer hashes)."""
     local_chars = settings.local_prefill_chars
     limit = max(settings.max_prefix_chars + 1, local_chars)
     text = endpoint.dialect.affinity_text(body, limit)  # prompt_head, written out
@@ -50,7 +51,7 @@ def held_hints(
     if size < local_chars:
         return None, True, None
     if size >= settings.block_chars:
-        return None, False, PrefixBlocks(head, settings.block_chars, settings.max_prefix_chars)
+        return None, False, PrefixBlocks(head, settings.block_chars, settings.max_prefix_chars, memo)
     if size < settings.affinity_min_chars:
         return None, False, None
     return key_hash(head[: settings.affinity_chars]), False, None

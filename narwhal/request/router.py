@@ -33,6 +33,7 @@ from narwhal.engines.client import EngineClient
 from narwhal.engines.endpoints import Endpoint
 from narwhal.errors import EngineError, NarwhalError
 from narwhal.fleet import Fleet
+from narwhal.fleet.placement.blocks import MEMO_BLOCKS, KeyMemo
 from narwhal.reasons import Reason, retryable
 from narwhal.request.accesslog import AccessLog, AccessRecord
 from narwhal.request.admission import ClientRequest, admit, embed_prompt
@@ -103,6 +104,7 @@ class Router:
         self.access_log = access_log
         self._background: set[asyncio.Task[Any]] = set()
         self._held = settings.placement.placement_policy == "held"
+        self._key_memo = KeyMemo(MEMO_BLOCKS) if self._held else None  # this worker's, never shared
         self.attempts = Attempts(settings, placement, client, outcomes, self._spawn)
         self.passthrough = Passthrough(settings, fleet, placement, client, outcomes)
         self._active: set[asyncio.Task[Any] | None] = set()  # client requests being handled
@@ -137,7 +139,8 @@ class Router:
             else:
                 req = await admit(request, endpoint, self.settings, self.fleet, arrival, traceparent)
                 if self._held:
-                    req.affinity, req.local, req.blocks = held_hints(endpoint, req.body, self.settings.placement)
+                    req.affinity, req.local, req.blocks = held_hints(endpoint, req.body, self.settings.placement,
+                                                                        self._key_memo)
                 else:
                     req.affinity, req.local = placement_hints(endpoint, req.body, self.settings.placement)
                 embed_prompt(req.body, endpoint.dialect.prompt_fields)  # nothing reads the prompt after this

@@ -30,8 +30,8 @@ Invariants, and why:
 * A ring entry carries its sequence number inside its CRC, as the outcome rings do, so a stale
   entry of an earlier lap cannot pass for a new one. A full ring drops the report (the
   holdings learn a little later from the next one); the worker never blocks.
-* Reading costs one u64 per placement while nothing changed (and one unpack of every slot's
-  work counters); a section is decoded again only when its own sequence moved, into a
+* Reading costs one u64 per placement while nothing changed (and one unpack of the work
+  counters of the slots in use, ``column_sums``); a section is decoded again only when its own sequence moved, into a
   ``frozenset`` the choice tests membership in. The supervisor publishes a section at most every
   0.1 s (``supervisor.holdings``), so a worker decodes at most that often per producer.
 """
@@ -43,6 +43,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 
+from narwhal.shm.column_sums import ColumnSums
 from narwhal.shm.layout import U64, Mapped, store_u32, whole_pages
 
 MAGIC = 0x4E484C44  # "NHLD"
@@ -339,8 +340,8 @@ class WorkerHoldings(HoldingsReader):
         self._n = n = min(len(stamps), layout.sections)
         self._mine = [0] * n
         self._work_at = [layout.work_offset(slot, e) for e in range(n)]
-        # Every slot's counters in one unpack (only the first n engines of each row are summed).
-        self._all_work = struct.Struct(f"<{layout.slots * layout.sections}I")
+        # Every slot's counters summed per engine, reading only up to the highest slot in use.
+        self._all_work = ColumnSums(holdings.mm, layout.work_offset(0, 0), layout.slots, layout.sections, n)
         if slot < layout.slots:
             for at in self._work_at:  # a previous owner of the slot (dead) left its figures
                 store_u32(holdings.mm, at, 0)
@@ -354,10 +355,8 @@ class WorkerHoldings(HoldingsReader):
 
     def work(self) -> list[int]:
         """Per engine index, the uncached characters of this host's prefill legs in flight."""
-        layout = self.holdings.layout
-        values = self._all_work.unpack_from(self.holdings.mm, layout.work_offset(0, 0))
-        width = layout.sections
-        return [sum(values[e::width]) for e in range(self._n)] + [0] * (len(self.stamps) - self._n)
+        sums = self._all_work.sums()
+        return sums if self._n == len(self.stamps) else sums + [0] * (len(self.stamps) - self._n)
 
     def report_prefill(
         self, producer: int, engine_id: str | None, prompt_chars: int, prompt_tokens: int | None,
