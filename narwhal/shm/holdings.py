@@ -42,6 +42,7 @@ import hashlib
 import struct
 import zlib
 from dataclasses import dataclass
+from functools import cached_property
 
 from narwhal.shm.column_sums import ColumnSums
 from narwhal.shm.layout import U64, Mapped, store_u32, whole_pages
@@ -85,7 +86,7 @@ class HoldingsLayout:
     ring: int = 256
     entry_keys: int = 256  # block keys per report: max_prefix_chars // block_chars
 
-    @property
+    @cached_property  # read several times per request (report, work): computed once
     def section_size(self) -> int:
         """Bytes of one producer's section: its head and room for ``keys`` block keys."""
         return SECTION_HEAD + self.keys * 8
@@ -94,7 +95,7 @@ class HoldingsLayout:
         """Where producer ``engine``'s section starts."""
         return HEADER_SIZE + engine * self.section_size
 
-    @property
+    @cached_property
     def entry_size(self) -> int:
         """Bytes of one prefill report in a ring."""
         return ENTRY_HEAD + self.entry_keys * 8

@@ -115,13 +115,24 @@ def holds_first(readings: Sequence[HeldReading | None], index: int, first: int) 
 
 def matched_blocks(blocks: PrefixBlocks, sets: Sequence[frozenset[int]]) -> list[int]:
     """Per candidate, how many of the prompt's leading blocks it holds; stops at the first
-    block no candidate holds."""
+    block no candidate holds.
+
+    The walk reads the keys' list and asks for more only when it runs out (as
+    :meth:`PrefixBlocks.key` would: 4, then doubling), not one method call per block. Each run
+    is the leading run block by block, no key taken to imply the ones before it: the
+    supervisor's LRU touches a prompt's head last, so its sets are closed under prefixes, but a
+    search relying on that would save tens of ns per block, and the keys are what cost."""
     runs = [0] * len(sets)
-    count, key = blocks.count, blocks.key
+    count, keys = blocks.count, blocks.keys(0)  # the shared list, grown in place as keys are asked for
+    known = len(keys)
     for i, held in enumerate(sets):
         if held:  # keys are computed as far as the longest run asks, once each (PrefixBlocks)
             run = 0
-            while run < count and key(run) in held:
+            while run < count:
+                if run == known:
+                    known = len(blocks.keys(max(2 * run, 4)))
+                if keys[run] not in held:
+                    break
                 run += 1
             runs[i] = run
     return runs
