@@ -331,7 +331,7 @@ class WorkerHoldings(HoldingsReader):
     """A worker's side: the view placement reads, and its slot's ring it reports prefills to.
     ``report_prefill`` writes one entry and returns; nothing waits for the supervisor."""
 
-    __slots__ = ("slot", "dropped", "_mine", "_work_at", "_all_work", "_n")
+    __slots__ = ("slot", "dropped", "_mine", "_work_at", "_all_work", "_n", "_id_hashes")
 
     def __init__(self, holdings: Holdings, stamps: list[int], slot: int) -> None:
         super().__init__(holdings, stamps)
@@ -343,6 +343,7 @@ class WorkerHoldings(HoldingsReader):
         self._work_at = [layout.work_offset(slot, e) for e in range(n)]
         # Every slot's counters summed per engine, reading only up to the highest slot in use.
         self._all_work = ColumnSums(holdings.mm, layout.work_offset(0, 0), layout.slots, layout.sections, n)
+        self._id_hashes: dict[str | None, int] = {}  # engine id -> its stamp: one per engine (life)
         if slot < layout.slots:
             for at in self._work_at:  # a previous owner of the slot (dead) left its figures
                 store_u32(holdings.mm, at, 0)
@@ -366,7 +367,12 @@ class WorkerHoldings(HoldingsReader):
         """Worker side: report one completed prefill to the supervisor (a full ring drops it, counted)."""
         if producer >= len(self.stamps):
             return
-        rep = PrefillReport(producer, self.stamps[producer], engine_id_hash(engine_id), prompt_chars, prompt_tokens,
+        stamp = self._id_hashes.get(engine_id)
+        if stamp is None:  # a new engine (or a restart): hashed once, not once per prefill
+            if len(self._id_hashes) >= 64:
+                self._id_hashes.clear()
+            stamp = self._id_hashes[engine_id] = engine_id_hash(engine_id)
+        rep = PrefillReport(producer, self.stamps[producer], stamp, prompt_chars, prompt_tokens,
                             cached_tokens, duration_s, tuple(keys), int(queued_chars), at)
         if not self.holdings.report(self.slot, rep):
             self.dropped += 1
