@@ -9,6 +9,7 @@ import pytest
 from narwhal.engines import endpoints
 from narwhal.engines.endpoints import CHAT, COMPLETIONS
 from narwhal.fleet.placement.affinity import key_hash
+from narwhal.fleet.placement.blocks import MEMO_BLOCKS, KeyMemo
 from narwhal.request.affinity import held_hints, placement_hints, prompt_head
 from narwhal.settings import PlacementSettings
 
@@ -98,3 +99,13 @@ def test_held_hints_read_the_prompt_once_for_blocks_key_and_local() -> None:
     cut = held_hints(completions, {"prompt": LONG}, _settings(max_prefix_chars=512))[2]
     assert cut is not None and (cut.count, cut.cut, len(cut.text)) == (2, True, 513)
     assert held_hints(endpoints.BY_PATH["/tokenize"], {"prompt": LONG}, _settings()) == (None, False, None)
+
+
+def test_held_hints_with_the_workers_memo_give_the_same_keys() -> None:
+    memo = KeyMemo(MEMO_BLOCKS)
+    body = {"messages": [{"role": "system", "content": LONG}, {"role": "user", "content": "and now?"}]}
+    plain = held_hints(CHAT, body, _settings())[2]
+    for _ in range(2):  # the second from the memo
+        blocks = held_hints(CHAT, body, _settings(), memo)[2]
+        assert plain is not None and blocks is not None and blocks.keys() == plain.keys()
+    assert len(memo.table) == plain.count
