@@ -6,11 +6,13 @@ tokens (2,560 tokens, 10,240 characters: two 3,900-character system prompts fit,
 and 2 consumers. Each test makes prefixes of its own (a fresh tag), so their holdings are theirs. Every producer
 prefills at the same cost (10 µs an uncached token), and the router runs with
 ``affinity_slack = 3`` (``SLACK``): the rank (what these tests predict) must decide between equal
-producers that hold nothing, and a rate learned from 10 ms prefills is mostly the round trip's
-noise on a loaded box (identical fakes read 141,000–298,000 characters a second on this 2-core
-machine under two busy loops, 2.1× apart, which a slack of 0.5 let decide). A holder (nothing to
-compute) or a prefix's home still wins outright: its estimate is near zero. The tests of the
-learned rate run their own routers, with a producer 10× slower.
+producers that hold nothing. Equal producers are placed at one rate (the learned rates' mean at
+each one's engine-reported class, ``supervisor.holdings_rate``); before that, rates learned from
+10 ms prefills were mostly the round trip's noise (identical fakes read 141,000–298,000
+characters a second under two busy loops on a 2-core machine, and with a slack of 0.5 the noise
+decided 3 runs of 4). The slack keeps a class misread under such load (½: a doubled estimate)
+from deciding either. A holder (nothing to compute) or a prefix's home still wins outright: its
+estimate is near zero. The tests of the rate run their own routers, with a producer 10× slower.
 """
 
 from __future__ import annotations
