@@ -163,11 +163,7 @@ class DecodeLeg:
     )
 
     def __init__(
-        self,
-        ctx: DecodeContext,
-        result: PrefillResult,
-        consumer: EngineRef,
-        body: dict[str, Any],
+        self, ctx: DecodeContext, result: PrefillResult, consumer: EngineRef, body: dict[str, Any],
         descriptor: dict[str, Any] | None,
         *,
         stream: bool,
@@ -206,16 +202,20 @@ class DecodeLeg:
     # -- steps ------------------------------------------------------------------------------
 
     async def open(self) -> bytes | None:
-        """POST the decode and read the head (a whole answer: the body too, returned)."""
+        """POST the decode and read the head and, for a stream, its first events (a whole answer:
+        the body, returned)."""
         assert self._state is NEW, f"decode leg: open() in {self._state.name}"
         head = self._ctx.engine_headers(self._request_id, self._headers)
         with self._wire:
-            conn = self._conn = await self._ctx.post(
-                self._url, self._endpoint, head, self._payload, deadline=self._first_bound,
-            )
+            conn = self._conn = await self._ctx.post(self._url, self._endpoint, head, self._payload,
+                                                     deadline=self._first_bound)
             assert SENT in NEXT[self._state], _illegal(self._state, SENT)
             self._state = SENT
-            status = await conn.response()
+            try:  # a stream's head and first events in one wakeup, under the first token's bound
+                status = await (conn.streamed_response() if self.streaming else conn.response())
+            finally:  # not a catch: after a stream's 200 head a lost connection is a disconnect
+                if self.streaming and conn.status == 200:
+                    self._wire.terminal = self._dialect.terminal
             if status != 200:
                 raise failures.status_error(status, await conn.read_all(), self._name, "decode")
             data = None if self.streaming else await conn.read_all()
@@ -227,8 +227,7 @@ class DecodeLeg:
             self._state = ENDED
         else:
             assert AWAITING in NEXT[self._state], _illegal(self._state, AWAITING)
-            self._state = AWAITING
-            self._wire.terminal = self._dialect.terminal  # a lost connection is now a disconnect
+            self._state = AWAITING  # its wire's terminal was set with the 200 head
         return data
 
     async def next_span(self) -> bytes | Literal[Signal.END, Signal.BEHIND]:

@@ -7,7 +7,7 @@ request heads, reuse) along that seam, so the hot path reads in one place.
 Invariants, and why they hold:
 
 * every body byte is delivered exactly once and in order, either to the ``sink`` (one call per
-  socket read, see ``_relay``) or to the buffer that ``read_some`` / ``take`` empty;
+  socket read, see ``data_received``) or to the buffer that ``read_some`` / ``take`` empty;
 * no Python runs per HTTP chunk: httptools hands each chunk to ``on_body``, which is the body
   list's own C ``append`` (bound once, so the list is emptied in place, never replaced), and
   what the read brought is dealt with once, after the parser returns — the reader woken once,
@@ -102,6 +102,7 @@ class Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self._closed = False
         self._news = False  # the parser saw the head or the end during this read: wake the reader
+        self._hold_head = False  # a stream's reader waits past a 200 head for its first body bytes
         self._reset()
 
     def _reset(self) -> None:
@@ -131,8 +132,11 @@ class Connection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            if self.sink is not None and self._body:
-                self._relay()
+            sink = self.sink
+            if sink is not None and body:  # what was parsed before the fault still goes out, in order
+                data = body[0] if len(body) == 1 else b"".join(body)
+                del body[:]
+                sink(data)
             self._fail(ProtocolError(f"invalid HTTP response: {exc}"))
             self.close()
             return
@@ -140,7 +144,7 @@ class Connection(asyncio.Protocol):
         if (body[-1] if body else None) is not last:  # this read brought body: one sink call, or one wakeup
             sink = self.sink
             if sink is not None:
-                # _relay, written out (it runs once per token of a paced stream). The list holds
+                # One sink call per read (it runs once per token of a paced stream). The list holds
                 # this read's chunks only (the relay took the rest when it started); each chunk
                 # is its own object, so one chunk is first and last at once.
                 first = body[0]
@@ -194,20 +198,11 @@ class Connection(asyncio.Protocol):
         self._framed = _FRAMED.search(head, 0, end) is not None
         self._raw_head, self._head = self._head, b""  # a reference kept, not a copy
         self.headers_done = True
-        self._news = True  # data_received wakes the reader once the read is parsed
+        # data_received wakes the reader once the read is parsed; a stream's reader that waits
+        # for its first body bytes too (streamed_response) is not woken by a 200 head alone.
+        self._news = not self._hold_head or self.status != 200
 
     # on_body: the body list's append, set in __init__.
-
-    def _relay(self) -> None:
-        # One sink call per socket read, not per HTTP chunk: an engine writes every SSE event
-        # as its own chunk, and a read that holds many of them becomes one client write. The
-        # relay took what was buffered before it started (``take``), so the list holds this
-        # read's bytes only.
-        body = self._body
-        data = body[0] if len(body) == 1 else b"".join(body)
-        body.clear()
-        assert self.sink is not None
-        self.sink(data)
 
     def on_message_complete(self) -> None:
         """httptools: the response ended; a server that will not keep alive makes it unreusable."""
@@ -268,6 +263,25 @@ class Connection(asyncio.Protocol):
                 await waiter
             finally:
                 self._waiter = None
+        return self.status
+
+    async def streamed_response(self) -> int:
+        """Wait for the status and headers and, after a 200, for the first body bytes (or the
+        end, or a failure): one wakeup where :meth:`response` then a body read took two, since
+        an engine sends a stream's head at once and its first event only with the first token.
+        A 200 that fails before any body raises its error here, with ``headers_done`` set."""
+        self._hold_head = True
+        try:
+            while not (self.headers_done and (self._body or self.complete or self.status != 200)):
+                if self._error is not None:
+                    raise self._error
+                self._waiter = waiter = self._loop.create_future()
+                try:
+                    await waiter
+                finally:
+                    self._waiter = None
+        finally:
+            self._hold_head = False
         return self.status
 
     def header(self, name: str) -> str | None:

@@ -110,9 +110,15 @@ class DirectRelay:
 
     def _on_body(self, chunk: bytes) -> None:
         self._last = self._loop.time()
-        span = self._framer.feed(chunk)
-        if not span:
-            return
+        framer = self._framer
+        # SSEFramer.feed's common case written out (whole LF-framed events, nothing held back:
+        # the span is the chunk itself); it runs once per token of a paced stream.
+        if framer.buf or framer.crlf or b"\r" in chunk or not chunk.endswith(b"\n\n"):
+            span = framer.feed(chunk)
+            if not span:
+                return
+        else:
+            span = chunk
         if (b"[DONE]" in span or b'"error"' in span) if self._openai else self._may_end(span):
             self._stop(span)
         else:

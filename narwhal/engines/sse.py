@@ -28,48 +28,49 @@ _SEP = b"\n\n"
 class SSEFramer:
     """Accumulates transport chunks; ``feed`` returns the complete events received so far."""
 
-    __slots__ = ("_buf", "_crlf", "_skip_lf")
+    __slots__ = ("buf", "crlf", "_skip_lf")
 
     def __init__(self) -> None:
-        self._buf = bytearray()
-        self._crlf = False  # has this stream ever sent a CR?
+        # Public, read by the relay to take feed's common case without calling it (relay._on_body).
+        self.buf = bytearray()  # the start of an event still to come
+        self.crlf = False  # has this stream ever sent a CR?
         self._skip_lf = False  # the last chunk ended in CR: an LF opening the next one is its pair
 
     def feed(self, chunk: bytes) -> bytes:
         """Return the bytes of every event completed by ``chunk`` (possibly ``b""``)."""
-        if self._crlf or b"\r" in chunk:
+        if self.crlf or b"\r" in chunk:
             # Normalise: vLLM writes LF, other servers may write CRLF or lone CR. A CR that
             # ends a chunk ends its line at once; its LF, if it comes next, is dropped then.
-            self._crlf = True
+            self.crlf = True
             if self._skip_lf and chunk.startswith(b"\n"):
                 chunk = chunk[1:]
             self._skip_lf = chunk.endswith(b"\r")
             chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        if not self._buf:
+        if not self.buf:
             if chunk.endswith(_SEP):
                 return chunk  # the common case: whole events, no copy at all (one call)
             end = chunk.rfind(_SEP)
             if end == -1:
-                self._buf += chunk
+                self.buf += chunk
                 return b""
             end += 2
             if end == len(chunk):
                 return chunk  # the common case: whole events, no copy at all
-            self._buf += chunk[end:]
+            self.buf += chunk[end:]
             return chunk[:end]
-        self._buf += chunk
-        end = self._buf.rfind(_SEP)
+        self.buf += chunk
+        end = self.buf.rfind(_SEP)
         if end == -1:
             return b""
         end += 2
-        out = bytes(self._buf[:end])
-        del self._buf[:end]
+        out = bytes(self.buf[:end])
+        del self.buf[:end]
         return out
 
     @property
     def pending(self) -> int:
         """Bytes held back, waiting for the rest of their event."""
-        return len(self._buf)
+        return len(self.buf)
 
 
 def split_events(span: bytes) -> list[bytes]:

@@ -52,7 +52,7 @@ class FakeConn:
 
     # -- what the engine side does
     def read(self, data: bytes) -> None:
-        """One socket read's body bytes, as ``Connection._relay`` hands them on."""
+        """One socket read's body bytes, as ``Connection.data_received`` hands them on."""
         if self.sink is not None:
             self.sink(data)
         else:
@@ -279,3 +279,29 @@ async def test_a_real_short_silence_times_out_within_its_bound() -> None:
     assert relay.timed_out_at is not None
     assert started + 0.05 <= relay.timed_out_at <= loop.time()
     assert loop.time() >= relay.timed_out_at and client.spans == []
+
+
+@pytest.mark.parametrize(
+    "reads",
+    [
+        [b"data: 1\n\n", b"data: 2\n\ndata: 3\n\n", b"data: 4\n\n"],  # whole events: the chunk is the span
+        [b"data: 1\n\nda", b"ta: 2\n\n", b"data: 3\n\n"],  # held bytes: a whole-looking read still joins them
+        [b"data: 1\n", b"\n", b"data: 2\n\n"],  # a separator split over reads
+        [b"data: 1\r\n\r\n", b"data: 2\n\n"],  # a CR once: every later read is normalised too
+        [b"data: 1\r", b"\n\r\ndata: 2\r\n\r\n", b"data: 3\r\r"],  # CRLF split after its CR, lone CRs
+        [b"data: 1\n\n", b"data: 2\r\n\r\n", b"data: 3\n\n"],  # a CR first seen mid-stream
+    ],
+)
+async def test_the_relays_common_case_frames_exactly_as_the_framer(reads: list[bytes]) -> None:
+    # _on_body takes the framer's common case (whole LF events, nothing held) without calling it;
+    # every read must still become the span SSEFramer.feed would return, byte for byte.
+    framer = SSEFramer()
+    expected = [span for span in (framer.feed(read) for read in reads) if span]
+    conn, client = FakeConn(), Client()
+    task = asyncio.create_task(_relay(conn, client).run())
+    await _parked(conn)
+    for read in reads:
+        conn.read(read)
+    conn.end()
+    assert await _result(task) is Signal.HANDBACK
+    assert client.spans == expected
