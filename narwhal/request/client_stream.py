@@ -78,6 +78,7 @@ class ClientStream:
 
     __slots__ = (
         "request", "request_id", "response", "committed", "sink", "stream", "_writes", "_write_timeout_s", "dialect",
+        "_direct",
     )
 
     def __init__(
@@ -92,6 +93,7 @@ class ClientStream:
         self.stream: web.StreamResponse | None = None  # the committed SSE response (not a whole answer)
         self._writes: LazyTimeout | None = None
         self._write_timeout_s = write_timeout_s
+        self._direct = False  # the stream's head and first span went out: later spans may take the sink
 
     def relay_sink(self) -> ClientSink:
         """The sink a streamed decode hands its spans to once the stream is committed."""
@@ -128,13 +130,22 @@ class ClientStream:
     # -- writing a committed stream ---------------------------------------------------------
 
     async def write(self, data: bytes, *, eof: bool = False) -> None:
-        """Write to the committed response (``eof``: and end it); a client not reading in time is cut off."""
+        """Write to the committed response (``eof``: and end it); a client not reading in time is cut off.
+
+        Once the head and the first span went out through aiohttp, a span that does not end the
+        body goes through the relay's sink, framed alike (a dozen calls of aiohttp's writer
+        less), and only a client left behind waits, under the same bound as :meth:`drain`."""
+        if self._direct and not eof and self.sink is not None:
+            if not self.sink(data):
+                await self.drain()
+            return
         stream = self.response
         assert stream is not None
         if self._cannot_wait(len(data)):
             await (stream.write_eof(data) if eof else stream.write(data))
-            return
-        await self._bounded(self._write_timer(), stream.write_eof(data) if eof else stream.write(data))
+        else:
+            await self._bounded(self._write_timer(), stream.write_eof(data) if eof else stream.write(data))
+        self._direct = self.stream is not None
 
     def _write_timer(self) -> LazyTimeout:
         # Made when a write first has to wait: most streams never do.

@@ -38,6 +38,24 @@ async def _streamed(request: web.Request) -> web.StreamResponse:
     return stream.response
 
 
+MID = b'data: {"choices":[{"text":" m"}]}\n\n'
+
+
+async def _written(request: web.Request) -> web.StreamResponse:
+    # The head and first span through aiohttp, then caller writes (through the sink) and relayed
+    # spans interleaved, then the last span with the end of the body through aiohttp again.
+    stream = ClientStream(request, "rid-5", write_timeout_s=5.0)
+    await stream.commit_stream()
+    await stream.write(TOKEN)
+    await stream.write(MID)
+    assert stream.relay_sink()(MID + MID) is True
+    await stream.write(MID)
+    await stream.write(SPAN, eof=True)
+    stream.close()
+    assert stream.response is not None
+    return stream.response
+
+
 async def _failed(request: web.Request) -> web.StreamResponse:
     stream = ClientStream(request, "rid-2", write_timeout_s=5.0)
     await stream.commit_stream()
@@ -58,6 +76,7 @@ async def client(aiohttp_client: ClientFactory) -> TestClient[Any, Any]:
     app.router.add_get("/stream", _streamed)
     app.router.add_get("/fail", _failed)
     app.router.add_get("/whole", _whole)
+    app.router.add_get("/written", _written)
     return await aiohttp_client(app)
 
 
@@ -69,6 +88,14 @@ async def test_the_200_goes_with_the_first_token_and_relayed_spans_follow_in_ord
     assert resp.headers["Content-Type"] == "text/event-stream" and resp.headers["x-request-id"] == "rid-1"
     assert resp.headers["Cache-Control"] == "no-cache" and resp.headers["Transfer-Encoding"] == "chunked"
     assert await resp.read() == TOKEN + SPAN
+
+
+async def test_caller_writes_after_the_first_and_relayed_spans_reach_the_client_in_order_framed_alike(
+    client: TestClient[Any, Any],
+) -> None:
+    resp = await client.get("/written")
+    assert resp.status == 200 and resp.headers["Transfer-Encoding"] == "chunked"
+    assert await resp.read() == TOKEN + MID + MID + MID + MID + SPAN
 
 
 async def test_after_the_200_a_failure_is_one_terminal_error_event_without_done(client: TestClient[Any, Any]) -> None:
