@@ -246,6 +246,7 @@ class Connection(asyncio.Protocol):
             waiter.set_result(None)
 
     async def _wait(self) -> None:
+        """Wait for the next event: headers, the end, a failure, or a ``wake()``."""
         self._waiter = waiter = self._loop.create_future()
         try:
             await waiter
@@ -305,9 +306,7 @@ class Connection(asyncio.Protocol):
         """Wake whoever waits in :meth:`wait` (a relay that needs its reader)."""
         self._wake()
 
-    async def wait(self) -> None:
-        """Wait for the next event: headers, the end, a failure, or a ``wake()``."""
-        await self._wait()
+    wait = _wait  # the relay's wait, one frame (not a coroutine around _wait) per wakeup
 
     def take(self) -> list[bytes]:
         """Every body chunk buffered now, as received (for a relay taking over the body)."""
@@ -338,7 +337,11 @@ class Connection(asyncio.Protocol):
                 raise self._error
             if self.complete:
                 return b""
-            await self._wait()
+            self._waiter = waiter = self._loop.create_future()  # _wait, written out: once per read
+            try:
+                await waiter
+            finally:
+                self._waiter = None
         return self.read_now()
 
     async def read_all(self) -> bytes:
