@@ -12,14 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from perf.report.figures import figure, judged, ratio, save_plot
-from perf.report.tables import fmt, section
+from perf.report.tables import Verdict, fmt, judged_section, section
 
 NAMES = ("prefix_mix", "busy_elsewhere", "local_short")
 
 
-def targets(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+def targets(results: dict[str, Any]) -> list[Verdict]:
     """(target, figure, threshold, verdict) for the issue's placement targets."""
-    rows: list[tuple[str, str, str, str]] = []
+    rows: list[Verdict] = []
     share = figure(results, "prefix_mix", "affinity", "cached_share")
     without = figure(results, "prefix_mix", "no-affinity", "cached_share")
     rows.append(("prefix_mix: cached share with affinity", f"{fmt(share, 3)} (without: {fmt(without, 3)})",
@@ -54,33 +54,35 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+_HEAD = section(
+    "Placement scenarios",
+    "TTFB = first token as the client feels it (`first_byte_s`); router TTFT = the router's `ttft_s` "
+    "(the producer's answer: the handoff is ready); cached share = the producers' cached prompt tokens "
+    "÷ prompt tokens (their `/metrics` counters); CPU in µs per request.",
+    "| scenario | variant | req/s | TTFB p50 ms | TTFB p99 ms | router TTFT p50 ms | router TTFT p99 ms "
+    "| cached share | modes | errors | router CPU µs |",
+    "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+)
+
+
+def _rows(name: str, res: dict[str, Any]) -> list[str]:
+    """One scenario's variants, a row each."""
+    lines = []
+    for variant, s in res["targets"].items():
+        modes = ", ".join(f"{k}:{v}" for k, v in (s.get("modes") or {}).items()) or "—"
+        lines.append(
+            f"| {name} (c={res['concurrency']}) | {variant} | {fmt(s['rps'])} "
+            f"| {fmt(s['ttfb_ms']['p50'], 2)} | {fmt(s['ttfb_ms']['p99'], 2)} "
+            f"| {fmt(s['router_ttft_ms']['p50'], 2)} | {fmt(s['router_ttft_ms']['p99'], 2)} "
+            f"| {fmt(s['cached_share'], 3)} | {modes} | {s['errors']['count']} "
+            f"| {fmt(s['router_cpu_us_per_req'], 0)} |"
+        )
+    return lines
+
+
 def table(results: dict[str, Any]) -> list[str]:
     """The placement section of ``results.md``: every variant's figures, then the targets."""
-    present = [n for n in NAMES if n in results]
-    if not present:
-        return []
-    lines = section(
-        "Placement scenarios",
-        "TTFB = first token as the client feels it (`first_byte_s`); router TTFT = the router's `ttft_s` "
-        "(the producer's answer: the handoff is ready); cached share = the producers' cached prompt tokens "
-        "÷ prompt tokens (their `/metrics` counters); CPU in µs per request.",
-        "| scenario | variant | req/s | TTFB p50 ms | TTFB p99 ms | router TTFT p50 ms | router TTFT p99 ms "
-        "| cached share | modes | errors | router CPU µs |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
-    )
-    for name in present:
-        for variant, s in results[name]["targets"].items():
-            modes = ", ".join(f"{k}:{v}" for k, v in (s.get("modes") or {}).items()) or "—"
-            lines.append(
-                f"| {name} (c={results[name]['concurrency']}) | {variant} | {fmt(s['rps'])} "
-                f"| {fmt(s['ttfb_ms']['p50'], 2)} | {fmt(s['ttfb_ms']['p99'], 2)} "
-                f"| {fmt(s['router_ttft_ms']['p50'], 2)} | {fmt(s['router_ttft_ms']['p99'], 2)} "
-                f"| {fmt(s['cached_share'], 3)} | {modes} | {s['errors']['count']} "
-                f"| {fmt(s['router_cpu_us_per_req'], 0)} |"
-            )
-    lines += ["", "| placement target | figure | threshold | result |", "|---|---|---|---|"]
-    lines += [f"| {t} | {f} | {th} | {v} |" for t, f, th, v in targets(results)]
-    return lines
+    return judged_section(results, NAMES, _HEAD, _rows, "placement", targets)
 
 
 def plot(plt: Any, results: dict[str, Any], out_dir: Path) -> str | None:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from perf.report.figures import dig, judged, ratio
-from perf.report.tables import fmt, section
+from perf.report.tables import Verdict, fmt, judged_section, section
 
 NAMES = ("prefix_scarce_uniform", "prefix_scarce_zipf", "prefix_scarce_slow")
 # Issue 21's thresholds.
@@ -22,8 +22,6 @@ TTFB_OF_PEER = 0.8
 REPLICA_POINTS = 5.0
 SLOW_SHARE = 0.6
 CPU_OF_AFFINITY = 1.05
-
-Target = tuple[str, str, str, str]  # (target, figure, threshold, verdict)
 
 
 def best_peer(rows: dict[str, Any]) -> tuple[float | None, str]:
@@ -44,10 +42,10 @@ def _shown(value: float | None, res: dict[str, Any], *rows: str, digits: int = 3
     return f"— ({absent[0]} {_missing(res, absent[0])})" if absent else "—"
 
 
-def variant_targets(name: str, res: dict[str, Any]) -> list[Target]:
+def variant_targets(name: str, res: dict[str, Any]) -> list[Verdict]:
     """The targets of one variant that ran (the slow producer's two only in the slow variant)."""
     rows: dict[str, Any] = res.get("targets", {})
-    out: list[Target] = []
+    out: list[Verdict] = []
 
     def add(what: str, value: float | None, threshold: str, ok: Callable[[float], bool], *needs: str) -> None:
         digits = 1 if what.endswith("(points)") else 3
@@ -83,7 +81,7 @@ def variant_targets(name: str, res: dict[str, Any]) -> list[Target]:
     return out
 
 
-def targets(results: dict[str, Any]) -> list[Target]:
+def targets(results: dict[str, Any]) -> list[Verdict]:
     """Every variant's targets, in the order of ``NAMES``."""
     return [t for name in NAMES if name in results for t in variant_targets(name, results[name])]
 
@@ -105,27 +103,25 @@ def _row(name: str, c: int, row: str, s: dict[str, Any]) -> str:
     )
 
 
+_HEAD = section(
+    "Scarce KV (prefix_scarce)",
+    "8 shared 4,000-character system prompts, 4 producers whose KV holds 2-3 of them. TTFB = first "
+    "token as the client feels it; router TTFT = the router's `ttft_s`; cached share = the producers' "
+    "cached ÷ prompt tokens; router CPU in µs per request (all router processes); prefills per producer "
+    "over the measured windows.",
+    "| scenario | row | req/s | TTFB p50 ms | TTFB p99 ms | router TTFT p50 ms | cached share "
+    "| router CPU µs | prefills per producer | errors |",
+    "|---|---|---:|---:|---:|---:|---:|---:|---|---:|",
+)
+
+
+def _rows(name: str, res: dict[str, Any]) -> list[str]:
+    """One variant's rows that ran, then those not available and why."""
+    lines = [_row(name, res["concurrency"], row, s) for row, s in res["targets"].items()]
+    return lines + [f"| {name} (c={res['concurrency']}) | {row} | {why} |||||||| "
+                    for row, why in res.get("unavailable", {}).items()]
+
+
 def table(results: dict[str, Any]) -> list[str]:
     """The ``prefix_scarce`` section of ``results.md``: every row of every variant, then the targets."""
-    present = [n for n in NAMES if n in results]
-    if not present:
-        return []
-    lines = section(
-        "Scarce KV (prefix_scarce)",
-        "8 shared 4,000-character system prompts, 4 producers whose KV holds 2-3 of them. TTFB = first "
-        "token as the client feels it; router TTFT = the router's `ttft_s`; cached share = the producers' "
-        "cached ÷ prompt tokens; router CPU in µs per request (all router processes); prefills per producer "
-        "over the measured windows.",
-        "| scenario | row | req/s | TTFB p50 ms | TTFB p99 ms | router TTFT p50 ms | cached share "
-        "| router CPU µs | prefills per producer | errors |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|",
-    )
-    for name in present:
-        res = results[name]
-        for row, s in res["targets"].items():
-            lines.append(_row(name, res["concurrency"], row, s))
-        for row, why in res.get("unavailable", {}).items():
-            lines.append(f"| {name} (c={res['concurrency']}) | {row} | {why} |||||||| ")
-    lines += ["", "| prefix_scarce target | figure | threshold | result |", "|---|---|---|---|"]
-    lines += [f"| {t} | {f} | {th} | {v} |" for t, f, th, v in targets(results)]
-    return lines
+    return judged_section(results, NAMES, _HEAD, _rows, "prefix_scarce", targets)

@@ -9,7 +9,10 @@ grep for (the CI smoke test does): a column is renamed here or nowhere.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+Verdict = tuple[str, str, str, str]  # one judged target: (target, figure, threshold, verdict)
 
 
 def fmt(value: Any, digits: int = 1) -> str:
@@ -170,53 +173,61 @@ def profiles(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _per_target(run: dict[str, Any] | None, title: str, header: str, rule: str,
+                row: Callable[[str, dict[str, Any]], str]) -> list[str]:
+    """The section of one run over several targets (the worker sweep, memory): titled with the run's
+    own title, one row per target; no lines when it did not run."""
+    if not run:
+        return []
+    return section(f"{title} ({run['title']})", None, header, rule) + [row(t, s) for t, s in run["targets"].items()]
+
+
+def _sweep_row(target: str, s: dict[str, Any]) -> str:
+    label = "direct" if target == "direct" else target.removeprefix("narwhal-w")
+    return (
+        f"| {label} | {fmt(s['rps'])} | {fmt(s.get('vs_direct', {}).get('rps_ratio'), 3)} "
+        f"| {fmt(s['ttfb_ms']['p50'], 2)} | {fmt(s['ttfb_ms']['p99'], 2)} "
+        f"| {fmt(s['router_cpu_us_per_req'], 0)} | {s['errors']['count']} |"
+    )
+
+
 def worker_sweep(results: dict[str, Any]) -> list[str]:
     """The worker sweep and the ``server.workers`` it recommends for this host."""
     sweep = results.get("workers")
-    if not sweep:
-        return []
-    lines = section(
-        f"Worker sweep ({sweep['title']})",
-        None,
+    lines = _per_target(
+        sweep, "Worker sweep",
         "| workers | req/s | ×direct | TTFB p50 ms | TTFB p99 ms | router CPU µs | errors |",
         "|---:|---:|---:|---:|---:|---:|---:|",
+        _sweep_row,
     )
-    for target, s in sweep["targets"].items():
-        label = "direct" if target == "direct" else target.removeprefix("narwhal-w")
-        lines.append(
-            f"| {label} | {fmt(s['rps'])} | {fmt(s.get('vs_direct', {}).get('rps_ratio'), 3)} "
-            f"| {fmt(s['ttfb_ms']['p50'], 2)} | {fmt(s['ttfb_ms']['p99'], 2)} "
-            f"| {fmt(s['router_cpu_us_per_req'], 0)} | {s['errors']['count']} |"
-        )
-    lines += [
-        "",
-        f"**Recommended `server.workers` for this host: {sweep.get('recommended_workers')}** "
-        "(the smallest worker count within 5% of the best throughput)",
-    ]
+    if sweep:
+        lines += [
+            "",
+            f"**Recommended `server.workers` for this host: {sweep.get('recommended_workers')}** "
+            "(the smallest worker count within 5% of the best throughput)",
+        ]
     return lines
+
+
+def _memory_row(target: str, m: dict[str, Any]) -> str:
+    return (
+        f"| {target} | {m['open_at_peak']}/{m['streams']} | {m['errors']['count']} "
+        f"| {m['idle']['rss_kib'] / 1024:.1f} | {m['peak']['rss_kib'] / 1024:.1f} "
+        f"| {fmt(m['rss_growth_kib_per_stream'])} | {m['idle']['pss_kib'] / 1024:.1f} "
+        f"| {m['peak']['pss_kib'] / 1024:.1f} | {fmt(m['pss_growth_kib_per_stream'])} "
+        f"| {m['after']['rss_kib'] / 1024:.1f} | {fmt(m['ttfb_ms']['p99'], 1)} |"
+    )
 
 
 def memory_table(results: dict[str, Any]) -> list[str]:
     """RSS and PSS idle, at the peak of open slow streams, per stream and after."""
-    memory = results.get("memory")
-    if not memory:
-        return []
-    lines = section(
-        f"Memory ({memory['title']})",
-        None,
+    return _per_target(
+        results.get("memory"), "Memory",
         "| target | open at peak | errors | idle RSS MiB | peak RSS MiB | RSS KiB/stream "
         "| idle PSS MiB | peak PSS MiB | PSS KiB/stream | RSS after MiB | TTFB p99 ms |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        _memory_row,
     )
-    for target, m in memory["targets"].items():
-        lines.append(
-            f"| {target} | {m['open_at_peak']}/{m['streams']} | {m['errors']['count']} "
-            f"| {m['idle']['rss_kib'] / 1024:.1f} | {m['peak']['rss_kib'] / 1024:.1f} "
-            f"| {fmt(m['rss_growth_kib_per_stream'])} | {m['idle']['pss_kib'] / 1024:.1f} "
-            f"| {m['peak']['pss_kib'] / 1024:.1f} | {fmt(m['pss_growth_kib_per_stream'])} "
-            f"| {m['after']['rss_kib'] / 1024:.1f} | {fmt(m['ttfb_ms']['p99'], 1)} |"
-        )
-    return lines
 
 
 def closing(failed: dict[str, str], notes: list[str]) -> list[str]:
@@ -233,3 +244,16 @@ def section(title: str, intro: str | None, header: str, rule: str) -> list[str]:
     """A ``results.md`` section's opening: its title, what its figures mean (if they need it),
     its table's head."""
     return ["", f"## {title}", "", *((intro, "") if intro is not None else ()), header, rule]
+
+
+def judged_section(results: dict[str, Any], names: tuple[str, ...], head: list[str],
+                   rows: Callable[[str, dict[str, Any]], list[str]], what: str,
+                   verdicts: Callable[[dict[str, Any]], list[Verdict]]) -> list[str]:
+    """A section of named scenarios judged against their own targets (``perf/report/placement.py``,
+    ``scarce.py``): its head, each scenario's rows, then the verdicts; no lines when none of them ran."""
+    present = [n for n in names if n in results]
+    if not present:
+        return []
+    lines = [*head, *(line for name in present for line in rows(name, results[name]))]
+    lines += ["", f"| {what} target | figure | threshold | result |", "|---|---|---|---|"]
+    return lines + [f"| {t} | {f} | {th} | {v} |" for t, f, th, v in verdicts(results)]
