@@ -9,7 +9,7 @@ grep for (the CI smoke test does): a column is renamed here or nowhere.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 Verdict = tuple[str, str, str, str]  # one judged target: (target, figure, threshold, verdict)
@@ -49,7 +49,7 @@ def header(meta: dict[str, Any]) -> list[str]:
 
 def targets_table(targets: list[dict[str, Any]]) -> list[str]:
     """The issue's targets, PASS/FAIL, as ``report.evaluate_targets`` judged them."""
-    lines = section(
+    return section(
         "Targets",
         "`PD floor` = `direct-pd`: the load generator runs the prefill leg and then the decode itself — what a "
         "router costing nothing would reach on this fleet.\n\n"
@@ -57,14 +57,16 @@ def targets_table(targets: list[dict[str, Any]]) -> list[str]:
         "(CPU and TTFB), and for paced decode against the PD floor instead of direct.",
         "| target | narwhal | threshold | peer | PD floor | result | on this host | result here |",
         "|---|---|---|---|---|---|---|---|",
+        [_target_row(t) for t in targets],
     )
-    for t in targets:
-        lines.append(
-            f"| {t['target']} | {fmt(t['narwhal'], 3)} | {t['threshold']} | {fmt(t['peer'], 3)} "
-            f"| {fmt(t['pd_floor'], 3)} | **{t['result']}** | {t.get('host_threshold', '')} "
-            f"| **{t.get('host_result', 'n/a')}** |"
-        )
-    return lines
+
+
+def _target_row(t: dict[str, Any]) -> str:
+    return (
+        f"| {t['target']} | {fmt(t['narwhal'], 3)} | {t['threshold']} | {fmt(t['peer'], 3)} "
+        f"| {fmt(t['pd_floor'], 3)} | **{t['result']}** | {t.get('host_threshold', '')} "
+        f"| **{t.get('host_result', 'n/a')}** |"
+    )
 
 
 def load_table(results: dict[str, Any]) -> list[str]:
@@ -106,22 +108,24 @@ def baseline_table(results: dict[str, Any], base: dict[str, Any]) -> list[str]:
     ]
     if not rows:
         return []
-    lines = section(
+    return section(
         f"This checkout against the baseline ({base.get('ref')} = {(base.get('commit') or '')[:12]})",
         "Ratios are medians of per-round ratios (the two ran back to back in every round); below 1 "
         "means this checkout uses less CPU, above 1 that it serves more requests.",
         "| scenario | router CPU µs | baseline µs | CPU ratio | req/s ratio | TTFB p50 ms | baseline ms "
         "| per-round CPU ratios |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
+        [_baseline_row(name, mine, theirs) for name, mine, theirs in rows],
     )
-    for name, mine, theirs in rows:
-        vs = mine.get("vs_baseline", {})
-        lines.append(
-            f"| {name} | {fmt(mine['router_cpu_us_per_req'], 0)} | {fmt(theirs['router_cpu_us_per_req'], 0)} "
-            f"| {fmt(vs.get('cpu_ratio'), 3)} | {fmt(vs.get('rps_ratio'), 3)} | {fmt(mine['ttfb_ms']['p50'], 2)} "
-            f"| {fmt(theirs['ttfb_ms']['p50'], 2)} | {', '.join(f'{x:.3f}' for x in vs.get('cpu_ratio_rounds', []))} |"
-        )
-    return lines
+
+
+def _baseline_row(name: str, mine: dict[str, Any], theirs: dict[str, Any]) -> str:
+    vs = mine.get("vs_baseline", {})
+    return (
+        f"| {name} | {fmt(mine['router_cpu_us_per_req'], 0)} | {fmt(theirs['router_cpu_us_per_req'], 0)} "
+        f"| {fmt(vs.get('cpu_ratio'), 3)} | {fmt(vs.get('rps_ratio'), 3)} | {fmt(mine['ttfb_ms']['p50'], 2)} "
+        f"| {fmt(theirs['ttfb_ms']['p50'], 2)} | {', '.join(f'{x:.3f}' for x in vs.get('cpu_ratio_rounds', []))} |"
+    )
 
 
 def cpu_by_process_table(results: dict[str, Any]) -> list[str]:
@@ -179,7 +183,7 @@ def _per_target(run: dict[str, Any] | None, title: str, header: str, rule: str,
     own title, one row per target; no lines when it did not run."""
     if not run:
         return []
-    return section(f"{title} ({run['title']})", None, header, rule) + [row(t, s) for t, s in run["targets"].items()]
+    return section(f"{title} ({run['title']})", None, header, rule, [row(t, s) for t, s in run["targets"].items()])
 
 
 def _sweep_row(target: str, s: dict[str, Any]) -> str:
@@ -240,10 +244,10 @@ def closing(failed: dict[str, str], notes: list[str]) -> list[str]:
     return lines
 
 
-def section(title: str, intro: str | None, header: str, rule: str) -> list[str]:
-    """A ``results.md`` section's opening: its title, what its figures mean (if they need it),
-    its table's head."""
-    return ["", f"## {title}", "", *((intro, "") if intro is not None else ()), header, rule]
+def section(title: str, intro: str | None, header: str, rule: str, rows: Iterable[str] = ()) -> list[str]:
+    """A ``results.md`` section: its title, what its figures mean (if they need it), its table's
+    head, then whatever rows are already at hand (a caller may append more)."""
+    return ["", f"## {title}", "", *((intro, "") if intro is not None else ()), header, rule, *rows]
 
 
 def judged_section(results: dict[str, Any], names: tuple[str, ...], head: list[str],
