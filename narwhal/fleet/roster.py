@@ -125,10 +125,13 @@ class Fleet:
 
 def _same(a: Engine, b: Engine) -> bool:
     """The same engine, described the same (models discovered at run time aside)."""
-    return (a.name, a.url, a.role, a.connector, a.wave, a.max_inflight_prefill, a.max_inflight_decode, a.peers,
-            a.models_configured, a.models if a.models_configured else None) == (
-        b.name, b.url, b.role, b.connector, b.wave, b.max_inflight_prefill, b.max_inflight_decode, b.peers,
-        b.models_configured, b.models if b.models_configured else None)
+    return _description(a) == _description(b)
+
+
+def _description(e: Engine) -> tuple[Any, ...]:
+    """What a reload compares: the engine's configured description, not what was discovered at run time."""
+    return (e.name, e.url, e.role, e.connector, e.wave, e.max_inflight_prefill, e.max_inflight_decode, e.peers,
+            e.models_configured, e.models if e.models_configured else None)
 
 
 def _engine(index: int, spec: EngineSpec, connector: str) -> Engine:
