@@ -212,7 +212,7 @@ class DecodeLeg:
             assert SENT in NEXT[self._state], _illegal(self._state, SENT)
             self._state = SENT
             try:  # a stream's head and first events in one wakeup, under the first token's bound
-                status = await (conn.streamed_response() if self.streaming else conn.response())
+                status = await conn.response(first_body=self.streaming)
             finally:  # not a catch: after a stream's 200 head a lost connection is a disconnect
                 if self.streaming and conn.status == 200:
                     self._wire.terminal = self._dialect.terminal

@@ -199,7 +199,7 @@ class Connection(asyncio.Protocol):
         self._raw_head, self._head = self._head, b""  # a reference kept, not a copy
         self.headers_done = True
         # data_received wakes the reader once the read is parsed; a stream's reader that waits
-        # for its first body bytes too (streamed_response) is not woken by a 200 head alone.
+        # for its first body bytes too (response(first_body=True)) is not woken by a 200 head alone.
         self._news = not self._hold_head or self.status != 200
 
     # on_body: the body list's append, set in __init__.
@@ -253,29 +253,20 @@ class Connection(asyncio.Protocol):
         finally:
             self._waiter = None
 
-    async def response(self) -> int:
-        """Wait for the status line and headers; return the status."""
-        while not self.headers_done:
-            if self._error is not None:
-                raise self._error
-            # _wait, written out: this is the wait every leg resumes from.
-            self._waiter = waiter = self._loop.create_future()
-            try:
-                await waiter
-            finally:
-                self._waiter = None
-        return self.status
-
-    async def streamed_response(self) -> int:
-        """Wait for the status and headers and, after a 200, for the first body bytes (or the
-        end, or a failure): one wakeup where :meth:`response` then a body read took two, since
-        an engine sends a stream's head at once and its first event only with the first token.
-        A 200 that fails before any body raises its error here, with ``headers_done`` set."""
-        self._hold_head = True
+    async def response(self, first_body: bool = False) -> int:
+        """Wait for the status line and headers; return the status. With ``first_body``, after a
+        200 wait for the first body bytes too (or the end, or a failure): one wakeup where the
+        head then a body read took two, since an engine sends a stream's head at once and its
+        first event only with the first token. A 200 that fails before any body raises its error
+        here, with ``headers_done`` set."""
+        self._hold_head = first_body
         try:
-            while not (self.headers_done and (self._body or self.complete or self.status != 200)):
+            while not self.headers_done or (
+                first_body and self.status == 200 and not (self._body or self.complete)
+            ):
                 if self._error is not None:
                     raise self._error
+                # _wait, written out: this is the wait every leg resumes from.
                 self._waiter = waiter = self._loop.create_future()
                 try:
                     await waiter

@@ -1,4 +1,4 @@
-"""Connection.streamed_response and the decode leg's open(): a stream's 200 head and its first
+"""Connection.response(first_body=True) and the decode leg's open(): a stream's 200 head and its first
 events are awaited in one wakeup, and every way that wait ends keeps the reason it had when the
 head and the first read were two waits (first-token timeout, disconnect after the head,
 unreachable before it), against scripted raw servers."""
@@ -56,7 +56,7 @@ async def test_a_200_head_alone_does_not_wake_the_reader_its_first_events_do(poo
 
     async with serving(script) as (_srv, url):
         conn = await pool.post(url, "/v1/completions", b"", b"{}")
-        waiting = asyncio.create_task(conn.streamed_response())
+        waiting = asyncio.create_task(conn.response(first_body=True))
         await _until(lambda: conn.headers_done, "the head")
         waiter = conn._waiter
         assert waiter is not None and not waiter.done()  # the head alone woke nobody
@@ -79,7 +79,7 @@ async def test_a_head_that_is_not_200_returns_at_once(pool: UpstreamPool) -> Non
 
     async with serving(script) as (_srv, url):
         conn = await pool.post(url, "/v1/completions", b"", b"{}")
-        assert await conn.streamed_response() == 503
+        assert await conn.response(first_body=True) == 503
         assert not conn.buffered and not conn.complete
         gate.set()
         conn.close()
@@ -88,7 +88,7 @@ async def test_a_head_that_is_not_200_returns_at_once(pool: UpstreamPool) -> Non
 async def test_a_200_with_an_empty_body_returns_at_its_end(pool: UpstreamPool) -> None:
     async with serving(_answer(HEAD_200 + b"0\r\n\r\n")) as (_srv, url):
         conn = await pool.post(url, "/v1/completions", b"", b"{}")
-        assert await conn.streamed_response() == 200
+        assert await conn.response(first_body=True) == 200
         assert conn.complete and not conn.buffered
         conn.release()
 
@@ -97,7 +97,7 @@ async def test_a_200_lost_before_any_body_raises_with_the_head_read(pool: Upstre
     async with serving(_answer(HEAD_200, close=True)) as (_srv, url):
         conn = await pool.post(url, "/v1/completions", b"", b"{}")
         with pytest.raises(ConnectionLost):
-            await conn.streamed_response()
+            await conn.response(first_body=True)
         assert conn.headers_done and conn.status == 200
         conn.close()
 
