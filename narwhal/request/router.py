@@ -91,17 +91,14 @@ class Router:
     """One worker's requests: admission, attempts and retries, the HTTP error or terminal event, drain."""
 
     def __init__(self, parts: RouterParts) -> None:
-        settings, fleet, placement, client, outcomes = (parts.settings, parts.fleet, parts.placement, parts.client,
-                                                        parts.outcomes)
-        state, access_log = parts.state, parts.access_log
-        self.settings = settings
+        self.settings = settings = parts.settings
         self.recovery = settings.recovery
-        self.fleet = fleet
-        self.placement = placement
-        self.client = client
-        self.outcomes = outcomes
-        self.state = state
-        self.access_log = access_log
+        self.fleet = fleet = parts.fleet
+        self.placement = placement = parts.placement
+        self.client = client = parts.client
+        self.outcomes = outcomes = parts.outcomes
+        self.state = parts.state
+        self.access_log = parts.access_log
         self._background: set[asyncio.Task[Any]] = set()
         self._held = settings.placement.placement_policy == "held"
         self._key_memo = KeyMemo(MEMO_BLOCKS) if self._held else None  # this worker's, never shared
