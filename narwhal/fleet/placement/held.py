@@ -153,6 +153,10 @@ def order(
     host's in-flight prefill work there, in characters; ``others``: its requests not ours."""
     readings = [held[index(item)] if index(item) < len(held) else None for item in items]
     runs = matched_blocks(blocks, [_NOTHING if r is None else r.keys for r in readings])
+    if len(items) == 1:  # its estimate and rank order nothing: only its facts are asked for
+        matched = runs[0] * blocks.block_chars
+        queued = _queued(items[0], readings[0], _fleet_mean(readings, blocks), ours, others)
+        return items, [(matched, max(len(blocks.text) - matched, 0), int(queued))]
     first = blocks.key(0)
     home = [r is not None and r.homes is not None and first in r.homes for r in readings]
     estimates, facts = _estimates(items, blocks, readings, runs, home, ours, others)
@@ -174,18 +178,13 @@ def _estimates(
     prompt = len(blocks.text)
     known = [r.prefill_chars_per_s for r in readings if r is not None and r.prefill_chars_per_s]
     default_rate = sum(known) / len(known) if known else 1.0
-    means = [r.mean_uncached_chars for r in readings if r is not None and r.mean_uncached_chars > 0]
-    fleet_mean = max(means) if means else float(prompt)
+    fleet_mean = _fleet_mean(readings, blocks)
     first = blocks.key(0)
     estimates: list[float] = []
     facts: list[tuple[int, int, int]] = []
     for item, reading, run, at_home in zip(items, readings, runs, home, strict=True):
-        rate = default_rate
-        per_request = fleet_mean
-        if reading is not None:
-            rate = reading.prefill_chars_per_s or default_rate
-            per_request = reading.mean_uncached_chars or fleet_mean
-        queued = ours(item) + others(item) * per_request
+        rate = default_rate if reading is None else reading.prefill_chars_per_s or default_rate
+        queued = _queued(item, reading, fleet_mean, ours, others)
         uncached = max(prompt - run * width, 0)
         facts.append((run * width, uncached, int(queued)))
         if at_home:  # every replica sends it there: reckoned held (homes.py says why)
@@ -193,6 +192,22 @@ def _estimates(
             uncached = max(prompt - max(run, min(reading.homes[first], blocks.count)) * width, 0)
         estimates.append((queued + uncached * MISS_WEIGHT + evicted_chars(reading, uncached, width)) / rate)
     return estimates, facts
+
+
+def _fleet_mean(readings: list[HeldReading | None], blocks: PrefixBlocks) -> float:
+    """What a request not ours stands for where its producer's mean is unknown: the candidates'
+    largest mean uncached characters per prefill, else this prompt's length."""
+    means = [r.mean_uncached_chars for r in readings if r is not None and r.mean_uncached_chars > 0]
+    return max(means) if means else float(len(blocks.text))
+
+
+def _queued(
+    item: T, reading: HeldReading | None, fleet_mean: float, ours: Callable[[T], float], others: Callable[[T], float],
+) -> float:
+    """The queued prefill work ahead of a prompt there, in characters: ours, and each request
+    not ours at its producer's mean uncached characters (else the fleet's)."""
+    per_request = fleet_mean if reading is None else reading.mean_uncached_chars or fleet_mean
+    return ours(item) + others(item) * per_request
 
 
 def evicted_chars(reading: HeldReading | None, uncached: int, width: int) -> float:

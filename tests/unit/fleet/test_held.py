@@ -4,8 +4,11 @@ rendezvous rank of the prompt's first block key, labels ``held`` / ``rendezvous`
 
 from __future__ import annotations
 
+from typing import Any
+
 from narwhal.fleet.placement.blocks import PrefixBlocks
-from narwhal.fleet.placement.held import MISS_WEIGHT, matched_blocks
+from narwhal.fleet.placement.held import MISS_WEIGHT, matched_blocks, order
+from narwhal.shm.holdings import Held
 from tests.unit.fleet.held_support import (
     PREFIX,
     PRODUCERS,
@@ -136,3 +139,23 @@ def test_this_hosts_prefills_in_flight_count_by_their_own_uncached_characters() 
     assert place_blocks(placement, prompt_blocks()).producer.name == second
     first.release_prefill()
     assert holdings.queued[PRODUCERS.index(holder)] == backlog - tail and first.work == 0
+
+
+def _order_args(items: list[int], reading: Held | None, ours: float, others: float) -> tuple[Any, ...]:
+    """held.order's arguments: candidate 0 with ``reading`` and that work, candidate 1 with nothing."""
+    return (items, prompt_blocks(), [reading, None], lambda i: i, lambda i: 17 + i,
+            lambda i: ours if i == 0 else 0.0, lambda i: others if i == 0 else 0.0, 0.1)
+
+
+def test_a_lone_candidate_gets_the_facts_it_would_get_beside_one_with_no_holdings() -> None:
+    # One candidate skips its estimate and rank (they order nothing); what it records must not move:
+    # beside a candidate with no reading (which changes neither the fleet's mean nor this one's facts).
+    blocks = prompt_blocks()
+    holder = Held(frozenset(blocks.keys()[:3]), 3, None, 4.0, 1e5, 700.0, 1)
+    for reading in (holder, Held(frozenset(), 0, 8, None, None, 0.0, 1), None):
+        for ours, others in ((0.0, 0.0), (1234.5, 3.0)):
+            alone, facts = order(*_order_args([0], reading, ours, others))
+            both, pair_facts = order(*_order_args([0, 1], reading, ours, others))
+            assert alone == [0] and facts == [pair_facts[both.index(0)]]
+    matched = 3 * 256
+    assert order(*_order_args([0], holder, 10.0, 2.0))[1] == [(matched, len(blocks.text) - matched, 1410)]
