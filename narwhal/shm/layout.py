@@ -62,6 +62,7 @@ import functools
 import mmap
 import os
 import struct
+import sys
 from dataclasses import dataclass
 from typing import Generic, Protocol, Self, TypeVar
 
@@ -255,6 +256,7 @@ class Region(Mapped[Layout]):
     """The fleet region: the mapping and its descriptor (kept open for ``lockf``)."""
 
     NAME = "narwhal-fleet"
+    _words: memoryview | _SlicedWords | None = None  # made by words(), released by close()
 
     def write_header(self) -> None:
         """Magic, version and the layout's sizes; the rest of the header zero."""
@@ -276,6 +278,41 @@ class Region(Mapped[Layout]):
     def set_u64(self, offset: int, value: int) -> None:
         """An aligned u64 written as one copy, never ``pack_into`` (it zeroes first); only the field's writer."""
         self.mm[offset : offset + 8] = value.to_bytes(8, "little")
+
+    def words(self) -> U32Words:
+        """The region as aligned u32 words (index: byte offset // 4), kept until :meth:`close`.
+        ``words[i] = value`` is one copy of the four bytes and no Python call at all, where
+        :func:`store_u32` is two: the worker's per-request stores use it."""
+        if self._words is None:
+            self._words = memoryview(self.mm).cast("I") if sys.byteorder == "little" else _SlicedWords(self.mm)
+        return self._words
+
+    def close(self) -> None:
+        """Release the word view (a live export would make ``mmap.close`` refuse), then unmap."""
+        if isinstance(self._words, memoryview):
+            self._words.release()
+        self._words = None
+        super().close()
+
+
+class U32Words(Protocol):
+    """Aligned little-endian u32 words of a region, each written as one copy of its bytes."""
+
+    def __setitem__(self, index: int, value: int) -> None:
+        """Word ``index`` (byte offset // 4) becomes ``value``."""
+        ...
+
+
+class _SlicedWords:
+    """:class:`U32Words` on a big-endian host, where a native ``"I"`` view would store the
+    bytes reversed: :func:`store_u32` per word."""
+
+    def __init__(self, mm: mmap.mmap) -> None:
+        self.mm = mm
+
+    def __setitem__(self, index: int, value: int) -> None:
+        """Word ``index`` becomes ``value``, little-endian, one copy."""
+        store_u32(self.mm, index * 4, value)
 
 
 def store_u32(mm: mmap.mmap, offset: int, value: int) -> None:
