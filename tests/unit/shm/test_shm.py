@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from narwhal.shm import layout as L
 from narwhal.shm.records import KIND_OUTCOME, EngineRecord, RecordBusy, Report, read_record, write_record
 from narwhal.shm.shared import SharedFleet
 
@@ -262,3 +263,13 @@ def test_a_sweep_never_clears_a_slot_a_new_worker_just_claimed(shared: SharedFle
     shared.set_count(slot, 0, 0, 1)
     assert not shared.release(slot, pid)  # under the claim lock, the pid is checked again
     assert shared.slot_pid(slot) == os.getpid() and shared.totals()[0] == 1
+
+
+def test_a_word_store_writes_the_four_little_endian_bytes_a_slice_store_would(shared: SharedFleet) -> None:
+    at = shared.layout.count_offset(0, 1, 1)
+    shared.region.words()[at // 4] = 0x01020304
+    assert bytes(shared.mm[at : at + 4]) == (0x01020304).to_bytes(4, "little")
+    fallback = L._SlicedWords(shared.mm)  # what a big-endian host gets
+    fallback[at // 4] = 0xA0B0C0D0
+    assert bytes(shared.mm[at : at + 4]) == (0xA0B0C0D0).to_bytes(4, "little")
+    assert shared.region.u32(at) == 0xA0B0C0D0
