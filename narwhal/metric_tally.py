@@ -82,18 +82,6 @@ class Tally:
         pending.buckets[bisect.bisect_left(pending.bounds, value)] += 1
         pending.total += value
 
-    def observe_all(self, *samples: tuple[_Pending, float | None]) -> None:
-        """Several histograms' samples in one call, each as :meth:`observe` takes it; a None value is skipped.
-        The request path observes its first-output histograms with it: one call, not one each."""
-        for pending, value in samples:
-            if value is None:
-                continue
-            if pending.direct:
-                pending.hist.observe(value)
-                continue
-            pending.buckets[bisect.bisect_left(pending.bounds, value)] += 1
-            pending.total += value
-
     def flush(self) -> None:
         """Write everything pending into prometheus_client's series."""
         counts, self.counts = self.counts, defaultdict(float)

@@ -58,11 +58,12 @@ from narwhal.settings import Settings
 def _observe_start(ttft_s: float | None, first_byte_s: float | None, handoff_age: float | None) -> None:
     # Observed once the first output is on its way to the client (or the attempt ended), not
     # on the way to it: the histograms' timing does not matter, the first token's does.
-    # One call for the three (a None is not observed: a local decode had no handoff).
-    metrics.TALLY.observe_all(
-        (metrics.TTFT_SAMPLES, ttft_s), (metrics.HANDOFF_AGE_SAMPLES, handoff_age),
-        (metrics.FIRST_BYTE_SAMPLES, first_byte_s),
-    )
+    if ttft_s is not None:
+        metrics.TALLY.observe(metrics.TTFT_SAMPLES, ttft_s)
+    if handoff_age is not None:  # a local decode had no handoff
+        metrics.TALLY.observe(metrics.HANDOFF_AGE_SAMPLES, handoff_age)
+    if first_byte_s is not None:
+        metrics.TALLY.observe(metrics.FIRST_BYTE_SAMPLES, first_byte_s)
 
 
 async def _stream(
