@@ -79,19 +79,3 @@ async def test_the_flush_loop_writes_within_its_period(monkeypatch: pytest.Monke
     finally:
         task.cancel()
 
-
-def test_observe_all_lands_each_sample_where_observe_would_and_skips_none() -> None:
-    one, many = CollectorRegistry(), CollectorRegistry()
-    names = ("a_seconds", "b_seconds", "c_seconds")
-    singles = [Histogram(n, n, buckets=BOUNDS, registry=one) for n in names]
-    batched = [Histogram(n, n, buckets=BOUNDS, registry=many) for n in names]
-    tally = Tally()
-    pendings = [tally.histogram(h) for h in batched]
-    for i, value in enumerate(SAMPLES):
-        skipped = i % 3  # each histogram misses some samples (a None)
-        for k, hist in enumerate(singles):
-            if k != skipped:
-                hist.observe(value)
-        tally.observe_all(*((p, None if k == skipped else value) for k, p in enumerate(pendings)))
-    tally.flush()
-    assert _exposition(one) == _exposition(many)
