@@ -263,12 +263,23 @@ def http_request(
             conn.putheader(name, value)
         if body is not None:
             conn.putheader("Content-Length", str(len(body)))
-        conn.endheaders(body)
-        resp = conn.getresponse()
-        data = resp.read()
-        return Answer(resp.status, {k.lower(): v for k, v in resp.getheaders()}, data)
+        try:
+            conn.endheaders(body)
+        except (BrokenPipeError, ConnectionResetError) as cut:
+            # The router may answer (431: headers too large) and close before the body is sent;
+            # its answer is still there to read, as curl reads it. No answer: the send's error.
+            try:
+                return _answer(conn.getresponse())
+            except (OSError, http.client.HTTPException):
+                raise cut from None
+        return _answer(conn.getresponse())
     finally:
         conn.close()
+
+
+def _answer(resp: http.client.HTTPResponse) -> Answer:
+    data = resp.read()
+    return Answer(resp.status, {k.lower(): v for k, v in resp.getheaders()}, data)
 
 
 def assert_openai_error(status: int, headers: dict[str, str], body: bytes) -> dict[str, Any]:
