@@ -73,17 +73,26 @@ def access_line(router: RouterProcess, request_id: str, timeout: float = 5.0) ->
     path = access_log_of(router)
 
     def find() -> dict[str, Any] | None:
-        with open(path, "rb") as f:
-            for raw in f:
-                entry = orjson.loads(raw)
-                if entry["request_id"] == request_id:
-                    return dict(entry)
+        for entry in complete_lines(path):
+            if entry["request_id"] == request_id:
+                return dict(entry)
         return None
 
     wait_until(lambda: find() is not None, timeout, f"the access log line of {request_id}")
     found = find()
     assert found is not None
     return found
+
+
+def complete_lines(path: str) -> list[Any]:
+    """The JSON lines a log file holds so far, parsed, but only those already ended by a newline.
+
+    A reader racing a writer sees a line the kernel is still copying in (Linux page-cache reads
+    are not atomic against an ``O_APPEND`` write): the last line without its newline is not
+    written yet, so it is left for the next read rather than failing to parse."""
+    with open(path, "rb") as f:
+        data = f.read()
+    return [orjson.loads(raw) for raw in data.split(b"\n")[:-1] if raw.strip()]
 
 
 def wait_until(predicate: Any, timeout: float, what: str) -> None:
