@@ -43,9 +43,11 @@ import struct
 import zlib
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 from narwhal.shm.column_sums import ColumnSums
-from narwhal.shm.layout import U64, Mapped, store_u32, whole_pages
+from narwhal.shm.layout import RING_INDICES as _RING_INDICES
+from narwhal.shm.layout import U32, U64, Mapped, store_u32, whole_pages
 
 MAGIC = 0x4E484C44  # "NHLD"
 HEADER = struct.Struct("<IIIIIII")  # magic, version, sections, keys per section, slots, ring, keys per entry
@@ -133,9 +135,11 @@ class Held:
     homes: dict[int, int] | None = None  # first block key -> blocks: the live prefixes homed here
 
 
-@dataclass(frozen=True, slots=True)
-class PrefillReport:
-    """A completed prefill, as a worker reports it (SPEC §3.3, source 1 and 2)."""
+class PrefillReport(NamedTuple):
+    """A completed prefill, as a worker reports it (SPEC §3.3, source 1 and 2). A named tuple,
+    not a frozen dataclass: one is made per request on each side of the ring, and a frozen
+    dataclass's ``__init__`` sets each of its ten fields through ``object.__setattr__``
+    (timeit on 3.11: ~1.5 µs against ~0.3 µs; the supervisor decodes every worker's)."""
 
     producer: int
     identity: int
@@ -245,32 +249,36 @@ class Holdings(Mapped[HoldingsLayout]):
 
     def report(self, slot: int, rep: PrefillReport) -> bool:
         """Worker side: one completed prefill into its ring; False when the ring is full."""
-        if slot >= self.layout.slots:
+        layout = self.layout
+        if slot >= layout.slots:
             return False
-        base = self.layout.ring_offset(slot)
-        write = self._u64(base)
-        if write - self._u64(base + 8) >= self.layout.ring:
+        mm = self.mm
+        base = layout.ring_offset(slot)
+        write, read = _RING_INDICES.unpack_from(mm, base)  # both in one read: one call per report
+        if write - read >= layout.ring:
             return False
-        keys = rep.keys[: self.layout.entry_keys]
+        keys = rep.keys[: layout.entry_keys]
         head = _ENTRY.pack(write, rep.producer, len(keys), rep.identity, rep.prompt_chars,
                            NONE32 if rep.prompt_tokens is None else rep.prompt_tokens,
                            NONE32 if rep.cached_tokens is None else rep.cached_tokens, rep.duration_s, rep.engine_id,
                            min(max(rep.queued_chars, 0), NONE32 - 1), rep.at)
         body = struct.pack(f"<{len(keys)}Q", *keys)
-        off = self.layout.entry_offset(slot, write)
-        self.mm[off : off + _ENTRY.size] = head
-        store_u32(self.mm, off + _ENTRY.size, zlib.crc32(body, zlib.crc32(head)))
-        self.mm[off + ENTRY_HEAD : off + ENTRY_HEAD + len(body)] = body
-        self._set_u64(base, write + 1)
+        off = base + RING_HEAD + (write % layout.ring) * layout.entry_size  # layout.entry_offset, inline
+        mm[off : off + _ENTRY.size] = head
+        store_u32(mm, off + _ENTRY.size, zlib.crc32(body, zlib.crc32(head)))
+        mm[off + ENTRY_HEAD : off + ENTRY_HEAD + len(body)] = body
+        mm[base : base + 8] = (write + 1).to_bytes(8, "little")  # published last: the entry is whole
         return True
 
     def drain(self, slot: int) -> list[PrefillReport]:
         """Supervisor side: every complete report of the slot since the last drain."""
-        base = self.layout.ring_offset(slot)
-        read, write = self._u64(base + 8), self._u64(base)
+        layout = self.layout
+        base = layout.ring_offset(slot)
+        write, read = _RING_INDICES.unpack_from(self.mm, base)
+        entries = base + RING_HEAD
         out: list[PrefillReport] = []
         while read < write:
-            rep = self._entry(slot, read)
+            rep = self._entry(entries + (read % layout.ring) * layout.entry_size, read)
             if rep is None:
                 break  # not fully visible yet: next time
             out.append(rep)
@@ -285,15 +293,15 @@ class Holdings(Mapped[HoldingsLayout]):
         for engine in range(self.layout.sections):
             store_u32(self.mm, self.layout.work_offset(slot, engine), 0)
 
-    def _entry(self, slot: int, index: int) -> PrefillReport | None:
-        off = self.layout.entry_offset(slot, index)
-        head = self.mm[off : off + _ENTRY.size]
+    def _entry(self, off: int, index: int) -> PrefillReport | None:
+        """Report number ``index``, at ``off``: None unless whole (its sequence and CRC agree)."""
+        mm = self.mm
+        head = mm[off : off + _ENTRY.size]
         seq, producer, nkeys, ident, chars, tokens, cached, duration, engine_id, queued, at = _ENTRY.unpack(head)
         if seq != index or nkeys > self.layout.entry_keys:
             return None
-        body = self.mm[off + ENTRY_HEAD : off + ENTRY_HEAD + nkeys * 8]
-        crc = int.from_bytes(self.mm[off + _ENTRY.size : off + _ENTRY.size + 4], "little")
-        if zlib.crc32(body, zlib.crc32(head)) != crc:
+        body = mm[off + ENTRY_HEAD : off + ENTRY_HEAD + nkeys * 8]
+        if zlib.crc32(body, zlib.crc32(head)) != U32.unpack_from(mm, off + _ENTRY.size)[0]:
             return None
         return PrefillReport(producer, ident, engine_id, chars, None if tokens == NONE32 else tokens,
                              None if cached == NONE32 else cached, duration, struct.unpack(f"<{nkeys}Q", body),
