@@ -43,6 +43,7 @@ import math
 import struct
 import zlib
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from narwhal.reasons import RING_CODE, RING_NAMES
 from narwhal.shm.layout import Region
@@ -223,9 +224,10 @@ _ENTRY_CRC = _CRC
 ENTRY_BYTES = _ENTRY.size + 4
 
 
-@dataclass(frozen=True, slots=True)
-class Report:
-    """One ring entry: an outcome or an operator command, engines by engine slot."""
+class Report(NamedTuple):
+    """One ring entry: an outcome or an operator command, engines by engine slot. A named tuple,
+    not a frozen dataclass: every request makes one in its worker and one in the supervisor,
+    and a frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``."""
 
     seq: int
     at: float
@@ -237,10 +239,11 @@ class Report:
     kind: int
 
 
-def pack_report(report: Report) -> bytes:
-    """The entry's bytes, its CRC over the payload and ``seq`` (the ring index it goes to)."""
+def pack_report(report: Report, seq: int) -> bytes:
+    """The entry's bytes for ring index ``seq`` (whatever ``report.seq`` says), its CRC over the
+    payload and ``seq``."""
     payload = _ENTRY.pack(
-        report.seq, report.at, report.producer, report.consumer, report.failed, report.reason,
+        seq, report.at, report.producer, report.consumer, report.failed, report.reason,
         report.flags | (report.kind << 4),
     )
     return payload + _ENTRY_CRC.pack(zlib.crc32(payload))

@@ -308,7 +308,7 @@ class SharedFleet:
             self.region.set_u32(base + L.SLOT_DROPPED, dropped + 1)
             return False
         off = base + layout.ring_start + (write % layout.ring) * L.RING_ENTRY_SIZE  # ring_offset, from base
-        self.mm[off : off + ENTRY_BYTES] = pack_report(_with_seq(report, write))
+        self.mm[off : off + ENTRY_BYTES] = pack_report(report, write)
         self.region.set_u64(base + L.SLOT_RING_WRITE, write + 1)
         return True
 
@@ -335,11 +335,6 @@ def _all_counts_struct(layout: L.Layout, engines: int, slots: int) -> struct.Str
     row = f"{width}I"
     gap = f"{layout.slot_size - width * 4}x"
     return struct.Struct("<" + (row + gap) * (slots - 1) + row)
-
-
-def _with_seq(report: Report, seq: int) -> Report:
-    return Report(seq, report.at, report.producer, report.consumer, report.failed, report.reason, report.flags,
-                  report.kind)
 
 
 def _alive(pid: int) -> bool:
