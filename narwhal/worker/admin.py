@@ -17,6 +17,7 @@ import asyncio
 import hmac
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -32,6 +33,7 @@ from narwhal.request.router import Router
 from narwhal.shm.local import LocalFleetState
 from narwhal.shm.records import KIND_DRAIN, KIND_EJECT, KIND_READMIT, LoadRecord
 from narwhal.shm.worker import WorkerFleetState
+from narwhal.worker.guard import Handler
 
 STATE_NAMES = tuple(state.name.lower() for state in State)  # index = the state's gauge value
 # action -> (the command for the supervisor, the state that shows it took effect)
@@ -128,8 +130,12 @@ def _load_view(reading: LoadRecord | None) -> dict[str, Any] | None:
     }
 
 
-def add_admin_routes(app: web.Application, token: str, router_key: Any, state_key: Any) -> None:
-    """``/admin/engines`` and its eject/readmit/drain actions, every one behind the admin token."""
+def add_admin_routes(
+    app: web.Application, token: str, router_key: Any, state_key: Any,
+    wrap: Callable[[Handler], Handler],
+) -> None:
+    """``/admin/engines`` and its eject/readmit/drain actions, every one behind the admin token;
+    each handler registered through ``wrap`` (the app's error shaping, ``worker.guard``)."""
     expected = token.encode()
 
     def authorize(request: web.Request) -> None:
@@ -168,5 +174,5 @@ def add_admin_routes(app: web.Application, token: str, router_key: Any, state_ke
             state.out.add(engine.index)
         return json({**engine_view(router, state, engine), "workers": workers_view(state)})
 
-    app.router.add_get("/admin/engines", list_engines)
-    app.router.add_post(r"/admin/engines/{name}/{action:eject|readmit|drain}", act)
+    app.router.add_get("/admin/engines", wrap(list_engines))
+    app.router.add_post(r"/admin/engines/{name}/{action:eject|readmit|drain}", wrap(act))

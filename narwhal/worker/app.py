@@ -8,44 +8,37 @@ production. Narwhal turns it on explicitly, everywhere.
 
 Every POST route is one entry of ``narwhal.engines.endpoints``; its handler reads the worker's
 router from a cell the startup hook fills and hands it the endpoint itself, and the error
-middleware has the header limit bound when the app is built: no ``request.app[...]`` lookup on
-a request (four calls each, ``python -m perf.callcount``).
+shaping (``narwhal.worker.guard``: each route's own wrapper, not a middleware) has the header
+limit bound when the app is built: no ``request.app[...]`` lookup on a request (four calls each,
+``python -m perf.callcount``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
-import itertools
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
 from aiohttp import web
-from aiohttp.typedefs import Middleware
 
 from narwhal import __version__, metrics
-from narwhal.engines import dialects
-from narwhal.engines.endpoints import BY_PATH, ENDPOINTS, Endpoint
-from narwhal.errors import NarwhalError, RequestError
-from narwhal.reasons import Reason
+from narwhal.engines.endpoints import ENDPOINTS
 from narwhal.request.admission import check_api_key
-from narwhal.request.ids import client_request_id
-from narwhal.request.router import Router, error_response
+from narwhal.request.router import Router
 from narwhal.settings import Settings, current_or_load
 from narwhal.shm.worker import WorkerFleetState
 from narwhal.worker import models_follow, roster_follow
 from narwhal.worker.accept import BalancedSite, ConnectionShare, take_listeners
 from narwhal.worker.admin import add_admin_routes
 from narwhal.worker.compose import compose
+from narwhal.worker.guard import Guard
 from narwhal.worker.server import make_app_runner
 
 log = logging.getLogger("narwhal.worker.app")
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 ROUTER = web.AppKey("router", Router)
 SETTINGS = web.AppKey("settings", Settings)
@@ -84,66 +77,6 @@ def _json(data: Any, status: int = 200, **headers: str) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json", headers=headers)
 
 
-# aiohttp's own refusals (no route, wrong method, body too large) as the router's reasons.
-_HTTP_REASONS = {404: Reason.NOT_FOUND, 405: Reason.METHOD_NOT_ALLOWED, 413: Reason.PAYLOAD_TOO_LARGE}
-
-
-def _errors(
-    max_header_bytes: int, served: _Served | None = None, routed: dict[Handler, Endpoint] | None = None
-) -> Middleware:
-    """Every error in the endpoint's shape (OpenAI's, Anthropic's on /v1/messages) with
-    x-request-id; never a traceback. The header limit is bound here, once per app, rather
-    than read from the app's settings on every request. An endpoint's route (``routed``: its
-    handler -> the endpoint) is served by calling the router here: the route's own coroutine
-    would be one more frame to resume on every wakeup of the request (~4 per stream)."""
-    endpoints = {} if routed is None else routed  # the same dict: build_app fills it after this
-
-    @web.middleware
-    async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-        try:
-            _check_header_size(request, max_header_bytes)
-            endpoint = endpoints.get(handler)
-            if endpoint is None:
-                response = await handler(request)
-            else:  # what the route would do (_route), one frame fewer
-                router = None if served is None else served.router
-                assert router is not None  # routes run only after the startup hooks
-                response = await router.handle(request, endpoint)
-        except NarwhalError as exc:
-            return error_response(exc, client_request_id(request), _shape(request))
-        except web.HTTPException as exc:
-            if exc.status < 400:
-                raise
-            reason = _HTTP_REASONS.get(exc.status, Reason.BAD_REQUEST)
-            refused = RequestError(exc.reason if exc.status != 404 else "not found", reason=reason, status=exc.status)
-            return error_response(refused, client_request_id(request), _shape(request))
-        except (asyncio.CancelledError, ConnectionError):
-            raise
-        except Exception:
-            log.exception("unhandled error on %s %s", request.method, request.path)
-            error = NarwhalError("internal error", reason=Reason.INTERNAL_ERROR)
-            return error_response(error, client_request_id(request), _shape(request))
-        if "x-request-id" not in response.headers and not response.prepared:
-            response.headers["x-request-id"] = client_request_id(request)
-        return response
-
-    return errors
-
-
-def _shape(request: web.Request) -> dialects.Dialect | None:
-    """The endpoint's error shape, whatever refused the request: Anthropic's on /v1/messages
-    (SPEC §2.1), OpenAI's everywhere else."""
-    endpoint = BY_PATH.get(request.path)
-    return None if endpoint is None else endpoint.dialect
-
-
-def _check_header_size(request: web.Request, limit: int) -> None:
-    raw = request.raw_headers  # each line is "name: value\r\n": 4 bytes beside the two
-    size = len(request.raw_path) + 4 * len(raw) + sum(map(len, itertools.chain.from_iterable(raw)))
-    if size > limit:
-        raise RequestError(f"request headers exceed {limit} bytes", reason=Reason.HEADER_TOO_LARGE)
-
-
 class _Served:
     """The worker's router, once ``_startup`` built it: the routes read it from here, one
     attribute, instead of ``request.app[ROUTER]`` (two calls) on every request."""
@@ -155,18 +88,6 @@ class _Served:
 
 
 _SERVED = web.AppKey("served", _Served)
-
-
-def _route(endpoint: Endpoint, served: _Served) -> Handler:
-    """The handler of one registered endpoint (``narwhal.engines.endpoints``), P/D or
-    passthrough alike: the router gets the endpoint itself, resolved here once."""
-
-    async def route(request: web.Request) -> web.StreamResponse:
-        router = served.router
-        assert router is not None  # routes run only after the startup hooks
-        return await router.handle(request, endpoint)
-
-    return route
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -266,26 +187,20 @@ async def _shutdown(app: web.Application) -> None:
 def build_app(settings: Settings) -> web.Application:
     """The worker's aiohttp app: a route per ``ENDPOINTS`` entry, the control routes, the lifecycle."""
     served = _Served()
-    routed: dict[Handler, Endpoint] = {}
-    app = web.Application(
-        middlewares=[_errors(settings.server.max_header_bytes, served, routed)],
-        client_max_size=settings.server.max_body_bytes,
-    )
+    guard = Guard(settings.server.max_header_bytes)  # every route's errors in shape (guard says why: no middleware)
+    app = web.Application(client_max_size=settings.server.max_body_bytes)
     app[SETTINGS] = settings
     app[_TASKS] = []
     app[_VERSION_BODY] = orjson.dumps(version_document(settings))
     app[_SERVED] = served
     for endpoint in ENDPOINTS:  # every POST route, P/D and passthrough (SPEC §2.1)
-        route = _route(endpoint, served)
-        routed[route] = endpoint  # served by the errors middleware itself (_errors says why)
-        app.router.add_post(endpoint.path, route)
-    app.router.add_get("/v1/models", _models)
-    app.router.add_get("/health", _health)
-    app.router.add_get("/ready", _ready)
-    app.router.add_get("/version", _version)
-    app.router.add_get("/metrics", _metrics)
+        app.router.add_post(endpoint.path, guard.route(endpoint, served))
+    for path, handler in (("/v1/models", _models), ("/health", _health), ("/ready", _ready),
+                          ("/version", _version), ("/metrics", _metrics)):
+        app.router.add_get(path, guard.wrap(handler))
     if settings.server.admin_token:
-        add_admin_routes(app, settings.server.admin_token, ROUTER, STATE)
+        add_admin_routes(app, settings.server.admin_token, ROUTER, STATE, guard.wrap)
+    guard.refuse_unrouted(app)  # last: it matches every path
 
     app.on_startup.append(_startup)
     app.on_shutdown.append(_shutdown)
@@ -300,7 +215,7 @@ MAX_HEADER_FIELDS = 128
 def make_runner(settings: Settings) -> web.AppRunner:
     """The app's runner with the settings' timeouts, on gunicorn's sockets when there are some."""
     # The parser's own limits sit above server.max_header_bytes so that the size check in
-    # the middleware, which answers 431 in the OpenAI shape, is the one that decides.
+    # the route's guard (narwhal.worker.guard), which answers 431 in the OpenAI shape, is the one that decides.
     parser_limit = settings.server.max_header_bytes * 2
     app = build_app(settings)
 

@@ -1,9 +1,10 @@
-"""The front's error middleware in-process (``front.app._errors``): every refusal in the endpoint's
+"""The app's error shaping in-process (``worker.guard.Guard``: each route's wrapper and the resource
+that takes what no route does, not a middleware): every refusal in the endpoint's
 error shape (SPEC §2.1: OpenAI's, Anthropic's on ``/v1/messages``) with ``x-narwhal-error`` and
 an ``x-request-id``; aiohttp's own refusals (404, 405, 413) as the router's reasons; an
 unhandled exception a 500 ``internal_error`` that says nothing of the traceback; the header
 limit a 431. The same behaviours through real gunicorn are in tests/real_gunicorn/security/ and
-tests/real_gunicorn/faults/; here each is pinned against the middleware alone."""
+tests/real_gunicorn/faults/; here each is pinned against the guard alone."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from aiohttp.test_utils import TestClient
 
 from narwhal.errors import RequestError
 from narwhal.reasons import Reason
-from narwhal.worker.app import _errors
+from narwhal.settings import Settings
+from narwhal.worker.app import build_app
+from narwhal.worker.guard import Guard
 
 ClientFactory = Callable[..., Awaitable[TestClient[Any, Any]]]
 HEADER_LIMIT = 2048
@@ -47,11 +50,13 @@ async def _redirect(request: web.Request) -> web.Response:
 
 @pytest.fixture
 async def client(aiohttp_client: ClientFactory) -> TestClient[Any, Any]:
-    app = web.Application(middlewares=[_errors(HEADER_LIMIT)], client_max_size=BODY_LIMIT)
+    app = web.Application(client_max_size=BODY_LIMIT)
+    guard = Guard(HEADER_LIMIT)
     for path, handler in (("/v1/completions", _refuse), ("/v1/messages", _refuse), ("/v1/chat/completions", _crash),
                           ("/v1/responses", _read_body), ("/tokenize", _ok)):
-        app.router.add_post(path, handler)
-    app.router.add_get("/moved", _redirect)
+        app.router.add_post(path, guard.wrap(handler))
+    app.router.add_get("/moved", guard.wrap(_redirect))
+    guard.refuse_unrouted(app)
     return await aiohttp_client(app)
 
 
@@ -135,3 +140,35 @@ async def test_a_redirect_is_not_an_error(client: TestClient[Any, Any]) -> None:
     resp = await client.get("/moved", allow_redirects=False)
     assert resp.status == 302 and resp.headers["Location"] == "/elsewhere"
     assert "x-narwhal-error" not in resp.headers
+
+
+@pytest.mark.parametrize(("method", "path", "status"), [
+    ("POST", "/v1/messages/more", 404),  # under a route's path, not its path: OpenAI's shape
+    ("DELETE", "/moved", 405),
+    ("HEAD", "/v1/completions", 405),
+    ("OPTIONS", "/", 404),
+])
+async def test_what_no_route_takes_is_refused_in_openai_shape(
+    client: TestClient[Any, Any], method: str, path: str, status: int
+) -> None:
+    resp = await client.request(method, path)
+    assert resp.status == status
+    reason = {404: "not_found", 405: "method_not_allowed"}[status]
+    assert resp.headers["x-narwhal-error"] == reason and resp.headers["x-request-id"]
+    if method != "HEAD":
+        assert await resp.json() == _openai(status, reason, {404: "not found", 405: "Method Not Allowed"}[status])
+
+
+async def test_headers_over_the_limit_are_a_431_on_a_path_no_route_takes(client: TestClient[Any, Any]) -> None:
+    resp = await client.get("/nowhere", headers={"x-padding": "a" * HEADER_LIMIT})
+    assert resp.status == 431
+    assert resp.headers["x-narwhal-error"] == "header_too_large"
+
+
+def test_the_workers_app_runs_no_middleware() -> None:
+    """aiohttp's middleware machinery (its own frame beside each middleware's) stays off every
+    request: the routes shape their own errors."""
+    app = build_app(Settings())
+    assert tuple(app.middlewares) == ()
+    routes = {(r.method, r.resource.canonical) for r in app.router.routes() if r.resource is not None}
+    assert ("POST", "/v1/completions") in routes and ("*", "/") in routes  # the catch-all is registered

@@ -1,0 +1,151 @@
+"""Every route's errors in the endpoint's shape, by the route's own handler rather than a middleware.
+
+Invariant: whatever refuses a request (the router, aiohttp's 404/405/413, the header limit's 431,
+an unhandled exception's 500) answers in the endpoint's error shape (OpenAI's, Anthropic's on
+``/v1/messages``; SPEC §2.1) with ``x-narwhal-error`` and an ``x-request-id``, never a traceback.
+
+Why not an aiohttp middleware: aiohttp runs middlewares for the whole application, and an app with
+one also gets aiohttp's own ``_fix_request_current_app`` frame on every request: about seven Python
+calls per request beside the middleware's, and one more coroutine frame to resume on every wakeup
+of a request's task (``python -m perf.callcount``). So each route's handler is wrapped
+(:meth:`Guard.wrap`, :meth:`Guard.route` for the P/D and passthrough endpoints, which call the
+router in the same frame), and a resource matching every path, registered last
+(:meth:`Guard.refuse_unrouted`), answers what no route takes: aiohttp's own 404/405, in shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+from aiohttp import web
+
+from narwhal.engines import dialects
+from narwhal.engines.endpoints import BY_PATH, Endpoint
+from narwhal.errors import NarwhalError, RequestError
+from narwhal.reasons import Reason
+from narwhal.request.ids import client_request_id
+from narwhal.request.router import Router, error_response
+
+log = logging.getLogger("narwhal.worker.app")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# aiohttp's own refusals (no route, wrong method, body too large) as the router's reasons.
+_HTTP_REASONS = {404: Reason.NOT_FOUND, 405: Reason.METHOD_NOT_ALLOWED, 413: Reason.PAYLOAD_TOO_LARGE}
+
+
+class Served(Protocol):
+    """Where the worker's router is once the startup hook built it (``None`` before)."""
+
+    router: Router | None
+
+
+def _shape(request: web.Request) -> dialects.Dialect | None:
+    """The endpoint's error shape, whatever refused the request: Anthropic's on /v1/messages
+    (SPEC §2.1), OpenAI's everywhere else."""
+    endpoint = BY_PATH.get(request.path)
+    return None if endpoint is None else endpoint.dialect
+
+
+def _check_header_size(request: web.Request, limit: int) -> None:
+    raw = request.raw_headers  # each line is "name: value\r\n": 4 bytes beside the two
+    size = len(request.raw_path) + 4 * len(raw) + sum(map(len, itertools.chain.from_iterable(raw)))
+    if size > limit:
+        raise RequestError(f"request headers exceed {limit} bytes", reason=Reason.HEADER_TOO_LARGE)
+
+
+def _refusal(request: web.Request, exc: Exception) -> web.StreamResponse:
+    """The answer to ``exc``, raised by a route (never a cancellation or a lost connection)."""
+    if isinstance(exc, NarwhalError):
+        return error_response(exc, client_request_id(request), _shape(request))
+    if isinstance(exc, web.HTTPException):
+        if exc.status < 400:
+            raise exc
+        reason = _HTTP_REASONS.get(exc.status, Reason.BAD_REQUEST)
+        refused = RequestError(exc.reason if exc.status != 404 else "not found", reason=reason, status=exc.status)
+        return error_response(refused, client_request_id(request), _shape(request))
+    log.error("unhandled error on %s %s", request.method, request.path, exc_info=exc)
+    error = NarwhalError("internal error", reason=Reason.INTERNAL_ERROR)
+    return error_response(error, client_request_id(request), _shape(request))
+
+
+class _Everything(web.PlainResource):
+    """Matches every path; registered last, it is reached only by what no other resource took."""
+
+    def __init__(self) -> None:
+        super().__init__("/")
+
+    def _match(self, path: str) -> dict[str, str] | None:
+        return {}
+
+    def raw_match(self, path: str) -> bool:
+        return False  # never the resource a later add_route reuses
+
+
+class Guard:
+    """The error shaping of one app, with its header limit bound once, not read per request."""
+
+    __slots__ = ("max_header_bytes",)
+
+    def __init__(self, max_header_bytes: int) -> None:
+        self.max_header_bytes = max_header_bytes
+
+    def wrap(self, handler: Handler) -> Handler:
+        """``handler`` with every error it raises (and the header limit) answered in shape."""
+        limit = self.max_header_bytes
+
+        async def guarded(request: web.Request) -> web.StreamResponse:
+            try:
+                _check_header_size(request, limit)
+                response = await handler(request)
+            except (asyncio.CancelledError, ConnectionError):
+                raise
+            except Exception as exc:
+                return _refusal(request, exc)
+            if "x-request-id" not in response.headers and not response.prepared:
+                response.headers["x-request-id"] = client_request_id(request)
+            return response
+
+        return guarded
+
+    def route(self, endpoint: Endpoint, served: Served) -> Handler:
+        """The handler of one registered endpoint (``narwhal.engines.endpoints``), P/D or
+        passthrough alike: :meth:`wrap` and the router's call in one frame, the endpoint resolved
+        here once (a frame fewer to resume on every wakeup of the request)."""
+        limit = self.max_header_bytes
+
+        async def route(request: web.Request) -> web.StreamResponse:
+            try:
+                _check_header_size(request, limit)
+                router = served.router
+                assert router is not None  # routes run only after the startup hooks
+                response = await router.handle(request, endpoint)
+            except (asyncio.CancelledError, ConnectionError):
+                raise
+            except Exception as exc:
+                return _refusal(request, exc)
+            if "x-request-id" not in response.headers and not response.prepared:
+                response.headers["x-request-id"] = client_request_id(request)
+            return response
+
+        return route
+
+    def refuse_unrouted(self, app: web.Application) -> None:
+        """After every route: what none of them takes is aiohttp's 404 or 405, in shape."""
+        everything = _Everything()
+
+        async def unrouted(request: web.Request) -> web.StreamResponse:
+            allowed: set[str] = set()  # the methods other resources take on this path, as aiohttp finds them
+            for resource in app.router.resources():
+                if resource is not everything:
+                    allowed |= (await resource.resolve(request))[1]
+            if allowed:
+                raise web.HTTPMethodNotAllowed(request.method, allowed)
+            raise web.HTTPNotFound()
+
+        everything.add_route("*", self.wrap(unrouted))
+        app.router.register_resource(everything)
