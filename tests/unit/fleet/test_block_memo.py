@@ -106,3 +106,27 @@ def test_the_memo_stays_within_its_capacity_and_starts_over_when_full(hashes: _C
     assert hashes.calls == calls  # the prompt in use is held
     PrefixBlocks(SYSTEM, 256, 65536, memo).keys()
     assert hashes.calls == calls + 15  # the one before was let go
+
+
+def test_a_repeated_batch_is_read_from_the_runs_in_one_lookup(hashes: _CountingBlake) -> None:
+    memo = KeyMemo(4096)
+    text = SYSTEM + "\nuser\nhello"
+    warm = PrefixBlocks(text, 256, 65536, memo)
+    warm.key(0)
+    warm.keys()
+    assert set(memo.runs) == {(-1, text[:1024]), (warm.keys()[3], text[1024:3840])}  # the two batches
+    memo.table.clear()  # the runs alone now: no block lookup can answer
+    expected = _plain(text)
+    calls = hashes.calls
+    again = PrefixBlocks(text, 256, 65536, memo)
+    assert again.key(0) == expected[0] and again.keys() == expected
+    assert hashes.calls == calls and memo.table == {}
+
+
+def test_the_runs_stay_within_the_capacity_too() -> None:
+    memo = KeyMemo(20)
+    for prefix in ("a", "b", "c"):
+        text = prefix + SYSTEM
+        assert PrefixBlocks(text, 256, 65536, memo).keys() == _plain(text)
+        assert memo.run_blocks == sum(map(len, memo.runs.values())) <= 20
+    assert list(memo.runs) == [(-1, "c" + SYSTEM[:3839])]  # the last prompt's one batch of 15
