@@ -59,3 +59,12 @@ def test_random_tables_sum_as_a_whole_read_does() -> None:
         assert sums.sums() == _whole(mm, 2)
     _set(mm, ROWS - 1, 0, 3)  # the last row
     assert sums.sums() == _whole(mm, 2) and sums.rows_in_use() == ROWS
+
+
+def test_one_byte_set_at_the_tables_very_end_is_seen_past_the_mark() -> None:
+    mm = _table()
+    sums = ColumnSums(mm, OFFSET, ROWS, COLUMNS, COLUMNS)
+    _set(mm, 0, 0, 1)
+    assert sums.sums() == [1, 0, 0] and sums.rows_in_use() == 1
+    _set(mm, ROWS - 1, COLUMNS - 1, 1 << 24)  # only the table's last byte is not zero
+    assert sums.sums() == [1, 0, 1 << 24] and sums.rows_in_use() == ROWS
