@@ -73,19 +73,6 @@ def _refusal(request: web.Request, exc: Exception) -> web.StreamResponse:
     return error_response(error, client_request_id(request), _shape(request))
 
 
-class _Everything(web.PlainResource):
-    """Matches every path; registered last, it is reached only by what no other resource took."""
-
-    def __init__(self) -> None:
-        super().__init__("/")
-
-    def _match(self, path: str) -> dict[str, str] | None:
-        return {}
-
-    def raw_match(self, path: str) -> bool:
-        return False  # never the resource a later add_route reuses
-
-
 class Guard:
     """The error shaping of one app, with its header limit bound once, not read per request."""
 
@@ -135,8 +122,10 @@ class Guard:
         return route
 
     def refuse_unrouted(self, app: web.Application) -> None:
-        """After every route: what none of them takes is aiohttp's 404 or 405, in shape."""
-        everything = _Everything()
+        """After every route: what none of them takes is aiohttp's 404 or 405, in shape. A route
+        of every method on every path (aiohttp's public dynamic resource), registered last: the
+        dispatcher reaches it only when no earlier resource took both the path and the method."""
+        everything = app.router.add_resource("/{unrouted:.*}")
 
         async def unrouted(request: web.Request) -> web.StreamResponse:
             allowed: set[str] = set()  # the methods other resources take on this path, as aiohttp finds them
@@ -148,4 +137,3 @@ class Guard:
             raise web.HTTPNotFound()
 
         everything.add_route("*", self.wrap(unrouted))
-        app.router.register_resource(everything)
