@@ -96,15 +96,35 @@ async def test_sighup_reloads_settings_without_dropping_a_stream(fleet: FakeFlee
                              headers={"Authorization": "Bearer k1"})
         assert allowed.status == 200
         # A broken file on the next reload keeps the running settings (and the router).
+        reloaded = workers_of(router)
         with open(config, "a") as f:
             f.write("\n[bogus]\nx = 1\n")
         os.kill(router.proc.pid, signal.SIGHUP)
         wait_until(lambda: "reload refused" in router.log_text(), 10, "the refused reload logged")
+        # gunicorn still replaces the workers: the new ones must run on the kept settings. Waiting
+        # until both serve also keeps the stop below off workers still booting (a SIGTERM then
+        # can hold the stop for the whole graceful timeout: this test once took 37 s).
+        wait_until(lambda: len(_serving(router, reloaded)) == len(reloaded), 15, "the refused reload's workers serve")
+        assert (await send(router.url, "/v1/completions", completion(unique_prompt()))).status == 401
         assert (await send(router.url, "/v1/completions", completion(unique_prompt()),
                            headers={"Authorization": "Bearer k1"})).status == 200
     finally:
         router.stop()
         os.unlink(config)
+
+
+def _serving(router: RouterProcess, replaced: set[int], tries: int = 8) -> set[int]:
+    """The live workers not in ``replaced`` that answered ``/health`` (each try a new connection)."""
+    live = workers_of(router)
+    new = live - replaced
+    if replaced & live or len(new) != len(replaced):
+        return set()
+    seen: set[int] = set()
+    for _ in range(tries):
+        status, body = http_get(router.url + "/health")
+        if status == 200:
+            seen.add(orjson.loads(body)["worker"])
+    return seen & new
 
 
 def _sample(text: str, pattern: str) -> float:

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from narwhal.testing.harness import FakeFleet, RouterProcess, children_of, http_get, process_title, router_roles
+from tests.real_gunicorn.fixtures import router_fixture
 from tests.real_gunicorn.support import (
     TOKEN,
     admin,
@@ -39,15 +40,23 @@ ENGINES = [{"name": "p2", "role": "producer"}, {"name": "d2", "role": "consumer"
 EJECT_AFTER = 2
 
 
+SECTIONS: dict[str, Any] = {
+    "server": {"workers": 2, "admin_token": TOKEN},
+    "recovery": {"eject_after": EJECT_AFTER, "readmit_interval_s": 60, "readmit_interval_max_s": 60},
+}
+
+
 @pytest.fixture
 def router(fleet: FakeFleet, tmp_path: Any) -> Iterator[RouterProcess]:
-    proc = start_router(
-        fleet, [dict(e) for e in ENGINES], tmp_path,
-        server={"workers": 2, "admin_token": TOKEN},
-        recovery={"eject_after": EJECT_AFTER, "readmit_interval_s": 60, "readmit_interval_max_s": 60},
-    )
+    """A router of the test's own: the tests that kill, wedge or stop its processes."""
+    proc = start_router(fleet, [dict(e) for e in ENGINES], tmp_path, **SECTIONS)
     yield proc
     proc.stop()
+
+
+# The same router, once for the tests that leave it as they found it (they only read its
+# processes' titles, or eject an engine and readmit it): one start and stop fewer.
+calm_router = router_fixture(ENGINES, "p2 → d2, as ``router``: shared by the tests that change nothing.", **SECTIONS)
 
 
 def _supervisor(router: RouterProcess) -> int | None:
@@ -135,7 +144,8 @@ async def test_a_wedged_supervisor_is_replaced_and_said_so_in_json_like_every_ot
     assert entry["message"] == f"supervisor {old} stopped beating; restarting it"
 
 
-def test_every_process_names_its_role(router: RouterProcess) -> None:
+def test_every_process_names_its_role(calm_router: RouterProcess) -> None:
+    router = calm_router
     master = router.proc.pid
     wait_until(lambda: _supervisor(router) is not None, 5, "the supervisor titled")
     roles = router_roles(master)
@@ -145,7 +155,8 @@ def test_every_process_names_its_role(router: RouterProcess) -> None:
     assert roles["other"] == []
 
 
-async def test_the_engine_state_gauge_follows_an_ejection_within_half_a_second(router: RouterProcess) -> None:
+async def test_the_engine_state_gauge_follows_an_ejection_within_half_a_second(calm_router: RouterProcess) -> None:
+    router = calm_router
     sample = 'narwhal_engine_state{engine="d2",role="consumer"} %s'
     assert sample % "0.0" in http_get(router.url + "/metrics")[1].decode()
     await admin(router, "POST", "/admin/engines/d2/eject")
