@@ -220,6 +220,32 @@ def on_starting(server: Any) -> None:
     keeper.start()
     _KEEPER[:] = [keeper]
     _watch_from_the_main_loop(server, keeper)
+    _hold_stop_signals_across_fork(server)
+
+
+# The signals by which the master stops its workers (gunicorn's kill_workers).
+_STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGQUIT, signal.SIGINT})
+
+
+def _hold_stop_signals_across_fork(server: Any) -> None:
+    """A worker is forked with the master's signal handlers and keeps them until aiohttp
+    replaces them; its loop's handlers then only fire once the loop runs (uvloop learns of a
+    signal through its self-pipe, opened when it starts running). A stop signal in between
+    (a stop right after a fork: TTIN, a reload, a replaced worker) was lost, and the master,
+    which signals once, waited out the whole graceful timeout before killing the worker.
+    So the master forks with the stop signals blocked: it takes its own as soon as the fork
+    returns, and the worker's stay pending until its loop runs (``post_worker_init``)."""
+    spawn_worker, master = server.spawn_worker, os.getpid()
+
+    def spawn_worker_holding_stop_signals() -> Any:
+        signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            return spawn_worker()
+        finally:
+            if os.getpid() == master:  # the worker leaves spawn_worker by SystemExit, still blocked
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+
+    server.spawn_worker = spawn_worker_holding_stop_signals
 
 
 def create_holdings(settings: Settings, slots: int) -> Any:
@@ -285,6 +311,7 @@ def post_worker_init(worker: Any) -> None:
     to stopping, up to a second later)."""
     loop = getattr(worker, "loop", None)
     if loop is None:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # a worker of another class: its handlers are set
         return
     from narwhal.worker import accept, app
 
@@ -306,6 +333,10 @@ def post_worker_init(worker: Any) -> None:
         loop.call_later(ACCEPTED_GRACE_S, _wake, worker)
 
     loop.add_signal_handler(signal.SIGTERM, on_term)
+    # The stop signals the master blocked across the fork (_hold_stop_signals_across_fork): taken
+    # once the loop runs, so one sent while the worker booted reaches on_term (or aiohttp's
+    # handlers) and the worker stops as soon as it is up, instead of serving on.
+    loop.call_soon(signal.pthread_sigmask, signal.SIG_UNBLOCK, _STOP_SIGNALS)
 
 
 # After SIGTERM, how long a worker still reads requests on connections it accepted just before

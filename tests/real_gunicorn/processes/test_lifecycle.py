@@ -101,9 +101,7 @@ async def test_sighup_reloads_settings_without_dropping_a_stream(fleet: FakeFlee
             f.write("\n[bogus]\nx = 1\n")
         os.kill(router.proc.pid, signal.SIGHUP)
         wait_until(lambda: "reload refused" in router.log_text(), 10, "the refused reload logged")
-        # gunicorn still replaces the workers: the new ones must run on the kept settings. Waiting
-        # until both serve also keeps the stop below off workers still booting (a SIGTERM then
-        # can hold the stop for the whole graceful timeout: this test once took 37 s).
+        # gunicorn still replaces the workers: the new ones must run on the kept settings.
         wait_until(lambda: len(_serving(router, reloaded)) == len(reloaded), 15, "the refused reload's workers serve")
         assert (await send(router.url, "/v1/completions", completion(unique_prompt()))).status == 401
         assert (await send(router.url, "/v1/completions", completion(unique_prompt()),
@@ -111,6 +109,34 @@ async def test_sighup_reloads_settings_without_dropping_a_stream(fleet: FakeFlee
     finally:
         router.stop()
         os.unlink(config)
+
+
+async def test_sigterm_while_a_worker_boots_stops_the_router_without_the_graceful_timeout(
+    fleet: FakeFleet, tmp_path: Any
+) -> None:
+    """SIGTTIN, then SIGTERM as soon as the master has forked the new worker: the worker is
+    signalled while it still boots (gunicorn's fork, then aiohttp's and the app's imports, before
+    its loop runs). The signal used to be lost there, and the master waited out the graceful
+    timeout (60 s here) before killing the worker."""
+    router = start_router(fleet, engines(fleet), tmp_path, server={"workers": 1, "graceful_timeout_s": 60},
+                          log={"level": "info", "access_log": ""})
+    try:
+        first = workers_of(router)
+        before = set(children_of(router.proc.pid))
+        # Not both at once: pending together, CPython runs the handlers by signal number, SIGTERM first.
+        os.kill(router.proc.pid, signal.SIGTTIN)
+        end = time.monotonic() + 10
+        while not set(children_of(router.proc.pid)) - before:  # polled tightly: the boot lasts a fraction of a second
+            assert time.monotonic() < end, "the master forked no worker for SIGTTIN"
+            time.sleep(0.001)
+        os.kill(router.proc.pid, signal.SIGTERM)
+        assert router.proc.wait(20) == 0
+        log = router.log_text()
+        booted = set(re.findall(r"Booting worker with pid: (\d+)", log))
+        assert len(booted) == 2 and {str(pid) for pid in first} < booted
+        assert set(re.findall(r"Worker exiting \(pid: (\d+)\)", log)) == booted
+    finally:
+        router.stop()
 
 
 def _serving(router: RouterProcess, replaced: set[int], tries: int = 8) -> set[int]:
