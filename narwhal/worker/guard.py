@@ -101,25 +101,16 @@ class Guard:
 
     def route(self, endpoint: Endpoint, served: Served) -> Handler:
         """The handler of one registered endpoint (``narwhal.engines.endpoints``), P/D or
-        passthrough alike: :meth:`wrap` and the router's call in one frame, the endpoint resolved
-        here once (a frame fewer to resume on every wakeup of the request)."""
-        limit = self.max_header_bytes
+        passthrough alike, the endpoint resolved here once. ``call`` returns the router's
+        coroutine without awaiting it: :meth:`wrap`'s frame awaits it, so a request's task
+        resumes through no frame of its own on every wakeup (one plain call per request)."""
 
-        async def route(request: web.Request) -> web.StreamResponse:
-            try:
-                _check_header_size(request, limit)
-                router = served.router
-                assert router is not None  # routes run only after the startup hooks
-                response = await router.handle(request, endpoint)
-            except (asyncio.CancelledError, ConnectionError):
-                raise
-            except Exception as exc:
-                return _refusal(request, exc)
-            if "x-request-id" not in response.headers and not response.prepared:
-                response.headers["x-request-id"] = client_request_id(request)
-            return response
+        def call(request: web.Request) -> Awaitable[web.StreamResponse]:
+            router = served.router
+            assert router is not None  # routes run only after the startup hooks
+            return router.handle(request, endpoint)
 
-        return route
+        return self.wrap(call)
 
     def refuse_unrouted(self, app: web.Application) -> None:
         """After every route: what none of them takes is aiohttp's 404 or 405, in shape. A route
