@@ -46,8 +46,7 @@ from functools import cached_property
 from typing import NamedTuple
 
 from narwhal.shm.column_sums import ColumnSums
-from narwhal.shm.layout import RING_INDICES as _RING_INDICES
-from narwhal.shm.layout import U32, U64, Mapped, store_u32, whole_pages
+from narwhal.shm.layout import RING_INDICES, U32, U64, Mapped, store_u32, whole_pages
 
 MAGIC = 0x4E484C44  # "NHLD"
 HEADER = struct.Struct("<IIIIIII")  # magic, version, sections, keys per section, slots, ring, keys per entry
@@ -106,9 +105,10 @@ class HoldingsLayout:
         """Where worker slot ``slot``'s report ring (its indices, then its entries) starts."""
         return HEADER_SIZE + self.sections * self.section_size + slot * (RING_HEAD + self.ring * self.entry_size)
 
-    def entry_offset(self, slot: int, index: int) -> int:
-        """Where report number ``index`` of ``slot``'s ring lies (the ring wraps)."""
-        return self.ring_offset(slot) + RING_HEAD + (index % self.ring) * self.entry_size
+    def entry_offset(self, ring: int, index: int) -> int:
+        """Where report number ``index`` lies in the ring starting at ``ring`` (a
+        :meth:`ring_offset`, which the caller has already: the ring wraps)."""
+        return ring + RING_HEAD + (index % self.ring) * self.entry_size
 
     def work_offset(self, slot: int, engine: int) -> int:
         """Where ``slot``'s count of queued prefill characters on ``engine`` lies (one writer: that slot)."""
@@ -254,7 +254,7 @@ class Holdings(Mapped[HoldingsLayout]):
             return False
         mm = self.mm
         base = layout.ring_offset(slot)
-        write, read = _RING_INDICES.unpack_from(mm, base)  # both in one read: one call per report
+        write, read = RING_INDICES.unpack_from(mm, base)  # both in one read: one call per report
         if write - read >= layout.ring:
             return False
         keys = rep.keys[: layout.entry_keys]
@@ -263,22 +263,21 @@ class Holdings(Mapped[HoldingsLayout]):
                            NONE32 if rep.cached_tokens is None else rep.cached_tokens, rep.duration_s, rep.engine_id,
                            min(max(rep.queued_chars, 0), NONE32 - 1), rep.at)
         body = struct.pack(f"<{len(keys)}Q", *keys)
-        off = base + RING_HEAD + (write % layout.ring) * layout.entry_size  # layout.entry_offset, inline
+        off = layout.entry_offset(base, write)
         mm[off : off + _ENTRY.size] = head
         store_u32(mm, off + _ENTRY.size, zlib.crc32(body, zlib.crc32(head)))
         mm[off + ENTRY_HEAD : off + ENTRY_HEAD + len(body)] = body
-        mm[base : base + 8] = (write + 1).to_bytes(8, "little")  # published last: the entry is whole
+        self._set_u64(base, write + 1)  # published last: the entry is whole
         return True
 
     def drain(self, slot: int) -> list[PrefillReport]:
         """Supervisor side: every complete report of the slot since the last drain."""
         layout = self.layout
         base = layout.ring_offset(slot)
-        write, read = _RING_INDICES.unpack_from(self.mm, base)
-        entries = base + RING_HEAD
+        write, read = RING_INDICES.unpack_from(self.mm, base)
         out: list[PrefillReport] = []
         while read < write:
-            rep = self._entry(entries + (read % layout.ring) * layout.entry_size, read)
+            rep = self._entry(layout.entry_offset(base, read), read)
             if rep is None:
                 break  # not fully visible yet: next time
             out.append(rep)
