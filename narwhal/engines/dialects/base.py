@@ -95,8 +95,15 @@ def status_of_code(code: Any) -> int | None:
     return code if is_int(code) and 400 <= code <= 599 else None
 
 
+_INHERITED: Any = object()  # a class keyword left out: the parent dialect's value stands
+
+
 class Dialect:
-    """The OpenAI-shaped defaults; each endpoint overrides what differs."""
+    """The OpenAI-shaped defaults; each endpoint overrides what differs.
+
+    An endpoint's dialect declares what it is in its class line, ``class Chat(Completions,
+    endpoint=CHAT, prompt_fields=("messages",))``: the endpoint and its prompt fields are required
+    there, so a dialect without them fails at import, not on its first request."""
 
     __slots__ = ()
 
@@ -106,6 +113,17 @@ class Dialect:
     prompt_fields: tuple[str, ...] = ()
     terminal = "[DONE]"  # the bare terminal event name, for the done_before_token detail
     terminal_bytes: bytes | None = DONE_EVENT  # what the terminal event is relayed as; None: as received
+
+    def __init_subclass__(cls, *, endpoint: str, prompt_fields: tuple[str, ...], terminal: str = _INHERITED,
+                          terminal_bytes: bytes | None = _INHERITED, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not endpoint or not prompt_fields:
+            raise TypeError(f"dialect {cls.__name__}: an endpoint and its prompt fields are required")
+        cls.endpoint, cls.prompt_fields = endpoint, prompt_fields
+        if terminal is not _INHERITED:
+            cls.terminal = terminal
+        if terminal_bytes is not _INHERITED:
+            cls.terminal_bytes = terminal_bytes
 
     # -- admission ----------------------------------------------------------------------------
 

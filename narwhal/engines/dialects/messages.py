@@ -55,14 +55,11 @@ def anthropic_type(status: int) -> str:
     return "api_error" if status >= 500 else "invalid_request_error"
 
 
-class Messages(Dialect):
+class Messages(Dialect, endpoint=MESSAGES, prompt_fields=("system", "messages"), terminal="message_stop",
+               terminal_bytes=None):
     """``/v1/messages``: Anthropic's events, ``message_stop`` terminal, errors in Anthropic's shape."""
 
     __slots__ = ()
-    endpoint = MESSAGES
-    prompt_fields = ("system", "messages")
-    terminal = "message_stop"
-    terminal_bytes = None
 
     def check(self, body: dict[str, Any]) -> None:
         """``messages`` a list of objects and ``max_tokens`` present, as Anthropic requires."""

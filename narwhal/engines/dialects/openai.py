@@ -38,12 +38,10 @@ def _ids_text(ids: list[Any], limit: int) -> str:
 
 
 
-class Completions(Dialect):
+class Completions(Dialect, endpoint=COMPLETIONS, prompt_fields=("prompt",)):
     """Completions and chat: the rules of SPEC §3–§4 as ``engines.sse`` and ``connector`` hold them."""
 
     __slots__ = ()
-    endpoint = COMPLETIONS
-    prompt_fields = ("prompt",)
 
     def check(self, body: dict[str, Any]) -> None:
         """``prompt`` present: a string, strings, token ids or lists of ids."""
@@ -85,12 +83,10 @@ class Completions(Dialect):
         return len(span) if sse.ends_with_done(span) else -1
 
 
-class Chat(Completions):
+class Chat(Completions, endpoint=CHAT, prompt_fields=("messages",)):
     """``/v1/chat/completions``: completions' stream rules, the prompt in ``messages``."""
 
     __slots__ = ()
-    endpoint = CHAT
-    prompt_fields = ("messages",)
 
     def check(self, body: dict[str, Any]) -> None:
         """``messages`` a list of objects, checked without a Python step per message."""
@@ -121,12 +117,10 @@ class Chat(Completions):
 _PREFILL_SAMPLING_DROPPED = ("min_tokens", "stop", "stop_token_ids")
 
 
-class Generate(Completions):
+class Generate(Completions, endpoint=GENERATE, prompt_fields=("token_ids",)):
     """``/inference/v1/generate``: the prefill rewrite lives inside ``sampling_params``."""
 
     __slots__ = ()
-    endpoint = GENERATE
-    prompt_fields = ("token_ids",)
 
     def check(self, body: dict[str, Any]) -> None:
         """Non-empty ``token_ids``, a ``sampling_params`` object, and ``n`` at most 1 (one stream to relay)."""

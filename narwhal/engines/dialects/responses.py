@@ -51,14 +51,11 @@ def _one_token(body: dict[str, Any], request_id: str) -> dict[str, Any]:
     return out
 
 
-class Responses(Dialect):
+class Responses(Dialect, endpoint=RESPONSES, prompt_fields=("instructions", "input"), terminal="response.completed",
+                terminal_bytes=None):
     """``/v1/responses``: named events, ``response.completed`` terminal, the body's ``request_id`` as id."""
 
     __slots__ = ()
-    endpoint = RESPONSES
-    prompt_fields = ("instructions", "input")
-    terminal = "response.completed"
-    terminal_bytes = None
 
     def check(self, body: dict[str, Any]) -> None:
         """Refuse what two legs cannot honour (a stored previous response, background) and bad types."""

@@ -160,3 +160,20 @@ def test_affinity_texts() -> None:
     assert MSG.affinity_text(body, 1024) == "sys\nuser: hey"
     assert GEN.affinity_text({"token_ids": [1, 22, 333]}, 1024) == "1 22 333"
     assert len(GEN.affinity_text({"token_ids": list(range(10_000))}, 100)) >= 100
+
+
+def test_a_dialect_declares_its_endpoint_and_prompt_fields_in_its_class_line() -> None:
+    """What a subclass leaves out it inherits; without an endpoint it fails when it is defined."""
+    from narwhal.engines.dialects.base import Dialect
+
+    class Echo(Dialect, endpoint="/v1/echo", prompt_fields=("text",), terminal="echo.done"):
+        __slots__ = ()
+
+    class Louder(Echo, endpoint="/v1/louder", prompt_fields=("text",)):
+        __slots__ = ()
+
+    assert (Louder.endpoint, Louder.terminal, Louder.terminal_bytes) == ("/v1/louder", "echo.done", DONE_EVENT)
+    assert (MSG.terminal, MSG.terminal_bytes, CHAT.prompt_fields) == ("message_stop", None, ("messages",))
+    with pytest.raises(TypeError, match="dialect Nameless: an endpoint and its prompt fields are required"):
+        class Nameless(Dialect, endpoint="", prompt_fields=("text",)):
+            __slots__ = ()
