@@ -155,7 +155,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--count", type=int, default=None, help="run N engines named e0..eN-1")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument(
-        "--port", type=int, default=0, help="base port: engine i listens on port+i (0 = ephemeral)"
+        "--port", type=int, default=0, dest="base_port", help="base port: engine i listens on port+i (0 = ephemeral)"
     )
     p.add_argument("--control-port", type=int, default=0)
     p.add_argument("--model", default="fake-model")
@@ -163,7 +163,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lease-s", type=float, default=30.0, help="KV block lease of a prefill (seconds)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument(
-        "--tokens", type=int, default=16, help="tokens generated when a request sets no max_tokens"
+        "--tokens", type=int, default=16, dest="default_tokens",
+        help="tokens generated when a request sets no max_tokens",
     )
     p.add_argument("--token-delay-s", type=float, default=0.0)
     p.add_argument("--coalesce", action="store_true", help="write a zero-delay stream in one write")
@@ -260,6 +261,12 @@ def _models(args: argparse.Namespace, names: Sequence[str]) -> tuple[EngineModel
     return base, own
 
 
+# The flags whose destination is a ``run_fleet`` keyword of the same name (the fleet's own, then
+# what goes to every ``FakeEngine``), passed as parsed.
+_RUN_FLEET_OPTIONS = ("host", "base_port", "control_port", "ready_file", "model", "version", "lease_s", "block_size",
+                      "default_tokens", "token_delay_s", "coalesce", "flat_block_ids", "records_max")
+
+
 def main(argv: list[str] | None = None) -> int:
     """``narwhal fake-engine``: check the arguments (2 and one line if wrong), serve until a signal; 0 then."""
     args = _parser().parse_args(argv)
@@ -287,26 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(orjson.dumps(document).decode() + "\n")
         sys.stdout.flush()
 
-    fleet = run_fleet(
-        names,
-        host=args.host,
-        base_port=args.port,
-        control_port=args.control_port,
-        ready_file=args.ready_file,
-        on_ready=announce,
-        model=args.model,
-        version=args.version,
-        lease_s=args.lease_s,
-        block_size=args.block_size,
-        default_tokens=args.tokens,
-        token_delay_s=args.token_delay_s,
-        coalesce=args.coalesce,
-        flat_block_ids=args.flat_block_ids,
-        records_max=args.records_max,
-        ssl_context=tls,
-        load_model=load_model,
-        models=own_models,
-    )
+    options = {option: getattr(args, option) for option in _RUN_FLEET_OPTIONS}
+    fleet = run_fleet(names, on_ready=announce, ssl_context=tls, load_model=load_model, models=own_models, **options)
     try:
         import uvloop
 
