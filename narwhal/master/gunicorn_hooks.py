@@ -267,7 +267,7 @@ def _watch_from_the_main_loop(server: Any, keeper: Any) -> None:
     """gunicorn has no periodic master hook; its main loop calls ``manage_workers`` at least
     once a second and after every signal (SIGCHLD included), and a reload's wait for the old
     workers calls ``reap_workers``: the keeper's check rides on both
-    (see ``narwhal.supervisor.process``)."""
+    (see ``narwhal.supervisor.process``). ``stop``, the master's way out, ends the restarts."""
     manage_workers, reap_workers = server.manage_workers, server.reap_workers
 
     def manage_workers_and_supervisor() -> None:
@@ -284,6 +284,18 @@ def _watch_from_the_main_loop(server: Any, keeper: Any) -> None:
 
     server.manage_workers = manage_workers_and_supervisor
     server.reap_workers = reap_workers_and_supervisor
+    stop = server.stop
+
+    def stop_restarting_then_stop(graceful: bool = True) -> None:
+        # Arbiter.stop is the master's way out (SIGTERM, SIGINT, SIGQUIT, a crash) and calls
+        # reap_workers while the workers drain. A supervisor that signal also reached (systemd's
+        # default KillMode=control-group signals every process of the unit) must not be forked
+        # again from there, to log engine discovery after "Shutting down"; one the signal did not
+        # reach keeps serving the draining workers until on_exit stops it.
+        keeper.stopping = True
+        stop(graceful)
+
+    server.stop = stop_restarting_then_stop
 
 
 def on_reload(server: Any) -> None:

@@ -58,7 +58,7 @@ class SupervisorKeeper:
         self._pidfd = -1
         self.started_at = 0.0
         self._term_sent_at: float | None = None
-        self.stopping = False
+        self.stopping = False  # the master is on its way out: nothing is restarted or killed from check()
 
     # -- the master's calls ----------------------------------------------------------------
 

@@ -13,7 +13,7 @@ import aiohttp
 import orjson
 import pytest
 
-from narwhal.testing.harness import FakeFleet, RouterProcess, children_of, http_get, write_config
+from narwhal.testing.harness import FakeFleet, RouterProcess, children_of, http_get, router_roles, write_config
 from tests.real_gunicorn.support import (
     TIMEOUTS,
     Reply,
@@ -196,5 +196,29 @@ async def test_worker_recycling_keeps_counts_and_shared_state_right(fleet: FakeF
 
         idle = [{"prefill": 0, "decode": 0}] * len(inflight())
         assert settled(inflight, idle) == idle
+    finally:
+        router.stop()
+
+
+async def test_sigterm_to_the_whole_process_group_starts_no_supervisor_on_the_way_out(
+    fleet: FakeFleet, tmp_path: Any
+) -> None:
+    """systemd's default ``KillMode=control-group`` signals every process of the unit at once: the
+    supervisor exits on its own SIGTERM while the master drains its workers. The master used to
+    fork a new supervisor from that drain, which ran engine discovery after "Shutting down"."""
+    router = start_router(fleet, engines(fleet), tmp_path, log={"level": "info", "access_log": ""})
+    try:
+        wait_until(lambda: len(router_roles(router.proc.pid)["supervisor"]) == 1, 10, "the supervisor titled")
+        seen = set(router_roles(router.proc.pid)["supervisor"])
+        first = set(seen)
+        os.killpg(router.proc.pid, signal.SIGTERM)
+        end = time.monotonic() + 20
+        # Polled tightly: a supervisor forked in the drain lives until on_exit, a few tenths of a second.
+        while router.proc.poll() is None:
+            assert time.monotonic() < end, "the router did not exit within 20 s"
+            seen |= set(router_roles(router.proc.pid)["supervisor"])
+            time.sleep(0.002)
+        assert router.proc.returncode == 0
+        assert seen == first
     finally:
         router.stop()
