@@ -342,18 +342,13 @@ def post_worker_init(worker: Any) -> None:
         # Woken ACCEPTED_GRACE_S after it instead: the listener is already closed, so that is
         # the time a connection accepted just before has to send its request before aiohttp
         # closes the idle ones (no longer sometimes none), and no stop waits the rest of the second.
-        loop.call_later(ACCEPTED_GRACE_S, _wake, worker)
+        loop.call_later(accept.ACCEPTED_GRACE_S, _wake, worker)
 
     loop.add_signal_handler(signal.SIGTERM, on_term)
     # The stop signals the master blocked across the fork (_hold_stop_signals_across_fork): taken
     # once the loop runs, so one sent while the worker booted reaches on_term (or aiohttp's
     # handlers) and the worker stops as soon as it is up, instead of serving on.
     loop.call_soon(signal.pthread_sigmask, signal.SIG_UNBLOCK, _STOP_SIGNALS)
-
-
-# After SIGTERM, how long a worker still reads requests on connections it accepted just before
-# (a client sends its request within a round trip of connecting).
-ACCEPTED_GRACE_S = 0.25
 
 
 def _wake(worker: Any) -> None:

@@ -31,6 +31,10 @@ LEAD = 2  # a worker this many connections ahead of the least loaded one slows d
 PAUSE_S = 0.0005  # per connection of lead: between two accepts of a worker that is ahead
 MAX_PAUSE_S = 0.002  # so a stuck worker costs the others at most this per accept
 _ERROR_PAUSE_S = 0.1  # after an accept failure (e.g. out of file descriptors)
+# A stopping worker still reads requests this long on connections it accepted just before
+# (a client sends its request within a round trip of connecting): SIGTERM's wake waits it out
+# (``narwhal.master.gunicorn_hooks``), and so does a site's stop (a ``max_requests`` retirement).
+ACCEPTED_GRACE_S = 0.25
 
 # The gunicorn worker's listening sockets, taken over in ``post_worker_init`` (before the app
 # is built) so that aiohttp's worker starts no SockSite of its own; empty outside gunicorn.
@@ -64,7 +68,8 @@ def pause_after(mine: int, least_other: int | None) -> float:
 class BalancedSite(web.BaseSite):
     """A listening socket this worker accepts from itself, one connection at a time."""
 
-    __slots__ = ("_sock", "_name", "_share", "_loop", "_reading", "_resume", "_pending", "_handler")
+    __slots__ = ("_sock", "_name", "_share", "_loop", "_reading", "_resume", "_connecting", "_accepted_at",
+                 "_handler")
 
     def __init__(self, runner: web.BaseRunner, sock: socket.socket, share: ConnectionShare | None) -> None:
         super().__init__(runner)
@@ -80,7 +85,8 @@ class BalancedSite(web.BaseSite):
         self._resume: asyncio.TimerHandle | None = None
         # Accepted, and not yet known to have made its connection: counted beside the server's
         # connections until the connect task is done, so for a moment twice (it errs on pausing).
-        self._pending = 0
+        self._connecting: set[asyncio.Future[Any]] = set()
+        self._accepted_at = float("-inf")  # loop time of the last accept
         self._handler: web.Server | None = None
 
     @property
@@ -97,9 +103,26 @@ class BalancedSite(web.BaseSite):
         self._publish()
         self._read()
 
+    @property
+    def connecting(self) -> int:
+        """Connections accepted whose connection is still being made."""
+        return len(self._connecting)
+
     async def stop(self) -> None:
-        """Accept no more, then stop as any aiohttp site."""
+        """Accept no more; give what was accepted in the last ``ACCEPTED_GRACE_S`` its
+        connection and the rest of that time to send its request; then stop as any aiohttp site.
+
+        Without the wait a worker retiring at ``max_requests`` (its loop ends at once, with no
+        SIGTERM's grace) lost a connection it had just accepted: aiohttp's stop closed it before
+        its request, or, still being made, did not know it, and it waited out the graceful
+        timeout for a request aiohttp's ``data_received`` drops once the server is closing."""
         self.stop_accepting()
+        if self._connecting:
+            await asyncio.wait(set(self._connecting))
+        if self._loop is not None:
+            rest = self._accepted_at + ACCEPTED_GRACE_S - self._loop.time()
+            if rest > 0:
+                await asyncio.sleep(rest)
         await super().stop()
 
     def stop_accepting(self) -> None:
@@ -143,16 +166,17 @@ class BalancedSite(web.BaseSite):
         conn.setblocking(False)
         if conn.family != socket.AF_UNIX:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._pending += 1
         assert self._loop is not None and self._handler is not None
+        self._accepted_at = self._loop.time()
         made = asyncio.ensure_future(self._loop.connect_accepted_socket(self._handler, conn))
+        self._connecting.add(made)
         made.add_done_callback(lambda task: self._made(task, conn))
         pause = self._publish()
         if pause:
             self._pause(pause)
 
     def _made(self, task: asyncio.Future[Any], conn: socket.socket) -> None:
-        self._pending -= 1
+        self._connecting.discard(task)
         if task.cancelled() or task.exception() is not None:
             conn.close()
 
@@ -161,6 +185,6 @@ class BalancedSite(web.BaseSite):
         share = self._share
         if share is None or self._handler is None:
             return 0.0
-        mine = len(self._handler.connections) + self._pending
+        mine = len(self._handler.connections) + len(self._connecting)
         share.publish(mine)
         return pause_after(mine, share.least_other())

@@ -164,22 +164,27 @@ async def test_worker_recycling_keeps_counts_and_shared_state_right(fleet: FakeF
                           server={"workers": 2, "admin_token": "t"}, log={"level": "info", "access_log": ""})
     try:
         first = workers_of(router)
-        # Keep the traffic coming until both original workers were recycled (gunicorn checks
-        # max_requests once a second per worker, and accepts may favour one worker).
-        n = 0
-        end = time.monotonic() + 60
-        while len(workers_of(router) - first) < 2 or first & workers_of(router):
-            assert time.monotonic() < end, "workers were not recycled"
+
+        async def served() -> int:
             try:
                 reply = await send(router.url, "/v1/completions", completion(unique_prompt()))
             except aiohttp.ClientConnectionError:
                 # A connection accepted by a worker in the instant it retires (max_requests) can
                 # be closed before its request is read: never handled, so never counted either.
-                continue
+                return 0
             assert reply.status == 200
-            n += 1
-            if n % 10 == 0:
-                await asyncio.sleep(0.2)
+            return 1
+
+        # Keep the traffic coming until both original workers were recycled (gunicorn checks
+        # max_requests once a second per worker), in batches of concurrent requests so that
+        # connections arrive while a worker retires: one it had just accepted used to wait out
+        # the graceful timeout (28.5 s) and be dropped (tests/unit/worker/test_accept_stop.py).
+        n = 0
+        end = time.monotonic() + 60
+        while len(workers_of(router) - first) < 2 or first & workers_of(router):
+            assert time.monotonic() < end, "workers were not recycled"
+            n += sum(await asyncio.gather(*(served() for _ in range(6))))
+            await asyncio.sleep(0.1)
 
         def counts() -> tuple[float, float]:
             text = http_get(router.url + "/metrics")[1].decode()
