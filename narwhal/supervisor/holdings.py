@@ -45,6 +45,7 @@ from narwhal.fleet.placement import homes
 from narwhal.shm.holdings import Holdings, PrefillReport
 from narwhal.supervisor.engine_rate import EngineRate
 from narwhal.supervisor.holdings_fit import Fit, Prefix
+from narwhal.supervisor.holdings_lru import drop, hot_count, leading, reused, touch
 from narwhal.supervisor.holdings_rate import placing_rates
 
 ALPHA = 0.2  # weight of a new sample in the learned means
@@ -81,6 +82,12 @@ class ProducerHoldings:
     # The keys reused (a prefill hit them, by its report) within HOT_S, least recently reused
     # first, with when: the live part of ``keys`` (a subset: a key that goes goes from both).
     hot: OrderedDict[int, float] = field(default_factory=OrderedDict)
+    # The last prompt touched and the last run reused, kept whole (``holdings_lru`` says why).
+    head: tuple[int, ...] = ()
+    hot_head: tuple[int, ...] = ()
+    hot_head_at: float = 0.0
+    hot_head_since: float | None = None
+    hot_stale: bool = False
     published_hot: int = 0
     homes: dict[int, int] = field(default_factory=dict)  # first key -> blocks, its live prefixes' homes here
     learned_blocks: int | None = None  # the room its evictions showed (None: none seen)
@@ -93,35 +100,18 @@ class ProducerHoldings:
         """A new engine behind the name (restarted, or ejected and back): nothing it held is held."""
         self.learned_blocks = None  # a new engine: what the old one's evictions showed is moot
         if self.keys:
+            drop(self)
             self.keys.clear()
             self.hot.clear()
             self.dirty = True
 
     def hot_blocks(self, now: float) -> int:
         """Keys reused within ``HOT_S`` of ``now`` (older ones stop counting as live)."""
-        hot = self.hot
-        while hot:
-            key, at = next(iter(hot.items()))
-            if at >= now - HOT_S:
-                break
-            del hot[key]
-        return len(hot)
+        return hot_count(self, now - HOT_S)
 
 
 def _ewma(old: float | None, sample: float) -> float:
     return sample if old is None else old + ALPHA * (sample - old)
-
-
-def _leading(keys: Sequence[int], held: OrderedDict[int, float], started: float) -> int:
-    """The leading blocks held when a prefill started: one computed by a prefill that finished
-    later was still being computed then, and vLLM (like the fake) hits only finished blocks."""
-    n = 0
-    for key in keys:
-        at = held.get(key)
-        if at is None or at > started:
-            break
-        n += 1
-    return n
 
 
 class Named(Protocol):
@@ -159,9 +149,9 @@ class HoldingsModel:
             if p.engine_id:
                 p.forget()  # restarted: a new engine holds nothing of the old one's
             p.engine_id = rep.engine_id
-        keys = rep.keys
+        keys = tuple(rep.keys)  # a report's own tuple (no copy): compared with the last whole
         started = rep.at - rep.duration_s if rep.at else math.inf
-        predicted = _leading(keys, p.keys, started)
+        predicted = leading(p, keys, started)
         if rep.prompt_chars and rep.prompt_tokens:
             p.chars_per_token = _ewma(p.chars_per_token, rep.prompt_chars / rep.prompt_tokens)
         result = None
@@ -188,21 +178,12 @@ class HoldingsModel:
             elif result == "under":
                 p.urgent = True  # another replica's prefix: every worker should know it now
         self._learn_rate(p, rep, cached_chars)
-        held = p.keys
-        # The producer computed or reused every block: now the most recent, the prompt's head the
-        # most recent of all (vLLM frees a request's blocks tail first, so its tail goes first).
         at = rep.at
-        for key in reversed(keys):
-            if key in held:
-                held.move_to_end(key)  # it keeps its first time: it was there all along
-            else:
-                held[key] = at
+        touch(p, keys, at)  # the producer computed or reused every block: now the most recent
         if keys:
             self._used(keys[0], hits, len(keys), at)
-        hot = p.hot
-        for key in keys[:hits]:  # reused: live (those the producer said it held, ours or not)
-            hot[key] = at
-            hot.move_to_end(key)
+        if hits:  # reused: live (those the producer said it held, ours or not)
+            reused(p, keys[:hits], at)
         self._trim(p)
         p.dirty = True
         return result
@@ -268,6 +249,7 @@ class HoldingsModel:
         """``key`` was evicted: so was every key less recently used than it (LRU)."""
         if key not in p.keys:
             return
+        drop(p)
         for old in list(p.keys):
             del p.keys[old]
             p.hot.pop(old, None)
@@ -324,6 +306,8 @@ class HoldingsModel:
         if capacity is not None:
             bound = min(bound, capacity)
         held = p.keys
+        if len(held) > bound:
+            drop(p)
         while len(held) > bound:  # a full table forgets its oldest keys, as the LRU would
             old, _ = held.popitem(last=False)
             p.hot.pop(old, None)
@@ -368,6 +352,7 @@ class HoldingsModel:
             if p is None or held is None:
                 continue
             order = holdings.read_keys(index, p.stamp) or []
+            drop(p)
             p.keys = OrderedDict((key, 0.0) for key in reversed(order))
             p.engine_id, p.rate, p.chars_per_token = held.engine_id, held.prefill_chars_per_s, held.chars_per_token
             if p.rate is not None:
