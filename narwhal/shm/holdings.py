@@ -265,7 +265,7 @@ class Holdings(Mapped[HoldingsLayout]):
         body = struct.pack(f"<{len(keys)}Q", *keys)
         off = layout.entry_offset(base, write)
         mm[off : off + _ENTRY.size] = head
-        store_u32(mm, off + _ENTRY.size, zlib.crc32(body, zlib.crc32(head)))
+        self.words()[(off + _ENTRY.size) >> 2] = zlib.crc32(body, zlib.crc32(head))  # entries start 8-aligned
         mm[off + ENTRY_HEAD : off + ENTRY_HEAD + len(body)] = body
         self._set_u64(base, write + 1)  # published last: the entry is whole
         return True
@@ -338,7 +338,7 @@ class WorkerHoldings(HoldingsReader):
     """A worker's side: the view placement reads, and its slot's ring it reports prefills to.
     ``report_prefill`` writes one entry and returns; nothing waits for the supervisor."""
 
-    __slots__ = ("slot", "dropped", "_mine", "_work_at", "_all_work", "_n", "_id_hashes")
+    __slots__ = ("slot", "dropped", "_mine", "_work_at", "_all_work", "_n", "_id_hashes", "_words")
 
     def __init__(self, holdings: Holdings, stamps: list[int], slot: int) -> None:
         super().__init__(holdings, stamps)
@@ -347,20 +347,21 @@ class WorkerHoldings(HoldingsReader):
         layout = holdings.layout
         self._n = n = min(len(stamps), layout.sections)
         self._mine = [0] * n
-        self._work_at = [layout.work_offset(slot, e) for e in range(n)]
+        self._work_at = [layout.work_offset(slot, e) >> 2 for e in range(n)]  # word indices (u32s, aligned)
+        self._words = holdings.words()  # a store is one copy, no call (twice per held placement)
         # Every slot's counters summed per engine, reading only up to the highest slot in use.
         self._all_work = ColumnSums(holdings.mm, layout.work_offset(0, 0), layout.slots, layout.sections, n)
         self._id_hashes: dict[str | None, int] = {}  # engine id -> its stamp: one per engine (life)
         if slot < layout.slots:
             for at in self._work_at:  # a previous owner of the slot (dead) left its figures
-                store_u32(holdings.mm, at, 0)
+                self._words[at] = 0
 
     def add_work(self, engine: int, chars: int) -> None:
         """This worker's prefill legs in flight on ``engine`` gained (or, negative, lost)
         ``chars`` uncached characters: one store, no lock."""
         if engine < self._n and self.slot < self.holdings.layout.slots:
             self._mine[engine] = value = max(self._mine[engine] + chars, 0)
-            store_u32(self.holdings.mm, self._work_at[engine], min(value, NONE32))
+            self._words[self._work_at[engine]] = min(value, NONE32)
 
     def work(self) -> list[int]:
         """Per engine index, the uncached characters of this host's prefill legs in flight."""

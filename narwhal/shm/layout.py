@@ -226,6 +226,7 @@ class Mapped(Generic[L]):
     inherit it, and each keeps its own open (``lockf``) until :meth:`close`."""
 
     NAME = ""  # the memfd's name (as /proc/<pid>/fd shows it)
+    _words: memoryview | _SlicedWords | None = None  # made by words(), released by close()
 
     def __init__(self, layout: L, fd: int, mm: mmap.mmap) -> None:
         self.layout = layout
@@ -246,8 +247,20 @@ class Mapped(Generic[L]):
         """The region's header, written once by :meth:`create` (its magic, version and sizes)."""
         raise NotImplementedError
 
+    def words(self) -> U32Words:
+        """The region as aligned u32 words (index: byte offset // 4), kept until :meth:`close`.
+        ``words[i] = value`` is one copy of the four bytes and no Python call at all, where
+        :func:`store_u32` is two: the worker's per-request stores use it."""
+        if self._words is None:
+            self._words = memoryview(self.mm).cast("I") if sys.byteorder == "little" else _SlicedWords(self.mm)
+        return self._words
+
     def close(self) -> None:
-        """Unmap and close this process's descriptor; other processes keep theirs."""
+        """Release the word view (a live export would make ``mmap.close`` refuse), then unmap
+        and close this process's descriptor; other processes keep theirs."""
+        if isinstance(self._words, memoryview):
+            self._words.release()
+        self._words = None
         self.mm.close()
         os.close(self.fd)
 
@@ -256,7 +269,6 @@ class Region(Mapped[Layout]):
     """The fleet region: the mapping and its descriptor (kept open for ``lockf``)."""
 
     NAME = "narwhal-fleet"
-    _words: memoryview | _SlicedWords | None = None  # made by words(), released by close()
 
     def write_header(self) -> None:
         """Magic, version and the layout's sizes; the rest of the header zero."""
@@ -278,21 +290,6 @@ class Region(Mapped[Layout]):
     def set_u64(self, offset: int, value: int) -> None:
         """An aligned u64 written as one copy, never ``pack_into`` (it zeroes first); only the field's writer."""
         self.mm[offset : offset + 8] = value.to_bytes(8, "little")
-
-    def words(self) -> U32Words:
-        """The region as aligned u32 words (index: byte offset // 4), kept until :meth:`close`.
-        ``words[i] = value`` is one copy of the four bytes and no Python call at all, where
-        :func:`store_u32` is two: the worker's per-request stores use it."""
-        if self._words is None:
-            self._words = memoryview(self.mm).cast("I") if sys.byteorder == "little" else _SlicedWords(self.mm)
-        return self._words
-
-    def close(self) -> None:
-        """Release the word view (a live export would make ``mmap.close`` refuse), then unmap."""
-        if isinstance(self._words, memoryview):
-            self._words.release()
-        self._words = None
-        super().close()
 
 
 class U32Words(Protocol):
