@@ -75,14 +75,14 @@ def _utf8_blocks(chunk: str, width: int) -> list[bytes]:
 class PrefixBlocks:
     """The block keys of one prompt, computed lazily, at most once each."""
 
-    __slots__ = ("text", "block_chars", "count", "cut", "_keys", "_salt", "_memo")
+    __slots__ = ("text", "block_chars", "count", "cut", "computed", "_salt", "_memo")
 
     def __init__(self, text: str, block_chars: int, max_chars: int, memo: KeyMemo | None = None) -> None:
         self.text = text
         self.block_chars = block_chars
         self.count = min(len(text), max_chars) // block_chars  # full blocks that get a key
         self.cut = len(text) > max_chars  # the text goes on past what is keyed
-        self._keys: list[int] = []
+        self.computed: list[int] = []  # the keys so far, in order: grown in place, read by the lookup
         self._salt = _NO_SALT  # the last digest, without a memo (with one, the last key says it)
         self._memo = memo
 
@@ -92,7 +92,7 @@ class PrefixBlocks:
         Keys are computed a few at a time, doubling (4, 8, 16 …): a lookup walking a held prefix
         block by block pays one slice and encode per batch, not per block, and computes at most
         twice the keys it looks at (at least 4: a few µs for a prompt nobody holds)."""
-        keys = self._keys
+        keys = self.computed
         if k < len(keys):
             return keys[k]
         self._extend(min(self.count, max(k + 1, 2 * len(keys), 4)))
@@ -101,10 +101,10 @@ class PrefixBlocks:
     def keys(self, n: int | None = None) -> list[int]:
         """The first ``n`` keys (all ``count`` of them by default); the list is shared, not copied."""
         self._extend(self.count if n is None else min(n, self.count))
-        return self._keys
+        return self.computed
 
     def _extend(self, n: int) -> None:
-        keys, width = self._keys, self.block_chars
+        keys, width = self.computed, self.block_chars
         first = len(keys)
         if n <= first:
             return
@@ -133,7 +133,7 @@ class PrefixBlocks:
         block's UTF-8, the previous digest) and stored. Past a miss each probe starts from a key
         just computed, so it is all but never stored: not looked up (a hit missed costs a hash,
         never a key)."""
-        keys, width = self._keys, self.block_chars
+        keys, width = self.computed, self.block_chars
         first = len(keys)
         chunk = self.text[first * width : n * width]
         start = prev = keys[-1] if keys else _FIRST

@@ -123,7 +123,7 @@ def matched_blocks(blocks: PrefixBlocks, sets: Sequence[frozenset[int]]) -> list
     supervisor's LRU touches a prompt's head last, so its sets are closed under prefixes, but a
     search relying on that would save tens of ns per block, and the keys are what cost."""
     runs = [0] * len(sets)
-    count, keys = blocks.count, blocks.keys(0)  # the shared list, grown in place as keys are asked for
+    count, keys = blocks.count, blocks.computed  # the shared list, grown in place as keys are asked for
     known = len(keys)
     for i, held in enumerate(sets):
         if held:  # keys are computed as far as the longest run asks, once each (PrefixBlocks)
