@@ -323,7 +323,7 @@ class HoldingsReader:
     def current(self) -> list[Held | None]:
         """Each producer's holdings as last published, re-read only when the generation moved."""
         holdings = self.holdings
-        generation = holdings.generation
+        generation = U64.unpack_from(holdings.mm, GENERATION_OFFSET)[0]  # Holdings.generation, one call not three
         if generation != self._generation:
             self._generation = generation  # read first: a publish after this bumps it again
             for i, stamp in enumerate(self.stamps):

@@ -151,7 +151,8 @@ def order(
     """``items`` in the order to try them, and for each (same order) the characters it matched,
     the prompt's characters it would compute, and the queued work ahead of them. ``ours``: this
     host's in-flight prefill work there, in characters; ``others``: its requests not ours."""
-    readings = [held[index(item)] if index(item) < len(held) else None for item in items]
+    size = len(held)
+    readings = [held[i] if (i := index(item)) < size else None for item in items]
     runs = matched_blocks(blocks, [_NOTHING if r is None else r.keys for r in readings])
     if len(items) == 1:  # its estimate and rank order nothing: only its facts are asked for
         matched = runs[0] * blocks.block_chars
