@@ -238,10 +238,12 @@ class Supervisor:
         reports = [rep for slot in self._prefill_rings.written(self.holdings.mm, claimed)
                    for rep in self.holdings.drain(slot)]
         reports.sort(key=lambda rep: rep.at)
-        for rep in reports:
-            result = self.model.apply(rep)
-            if result is not None:
-                self._predictions[result].inc()
+        apply = self.model.apply
+        judged = [result for result in map(apply, reports) if result is not None]
+        for result, counter in self._predictions.items():  # one inc per result a drain, not per prefill
+            count = judged.count(result)
+            if count:
+                counter.inc(count)
         self.model.publish(self.holdings, self._clock())
 
     def sweep(self) -> None:
