@@ -39,7 +39,7 @@ async def test_a_connection_accepted_as_the_site_stops_gets_its_answer() -> None
             while not site.connecting:  # accepted, its connection not made yet
                 await asyncio.sleep(0)
         stop = asyncio.ensure_future(runner.cleanup())  # max_requests: the worker's loop ends
-        await asyncio.sleep(0.05)  # the client's request follows its connect by a round trip
+        await asyncio.sleep(0)  # the stop under way: the client sends its request
         writer.write(REQUEST)
         async with asyncio.timeout(5):  # not the 28.5 s of the graceful timeout
             answer = await reader.read()
