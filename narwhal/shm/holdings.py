@@ -41,6 +41,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
@@ -58,7 +59,8 @@ _SECTION = struct.Struct("<IIIIQdddII")  # identity, count, capacity, crc, engin
 RING_HEAD = 16
 _ENTRY = struct.Struct("<QHHIIIIdQId")  # seq, producer, nkeys, identity, chars, tokens, cached, duration,
 #                                          engine id, queued chars, finished at (monotonic)
-ENTRY_HEAD = 64  # _ENTRY (60 B) + crc u32
+ENTRY_HEAD = 64  # _ENTRY (56 B) + crc u32, padded to 8
+_ENTRY_PAD = ENTRY_HEAD - _ENTRY.size - 4
 NONE32 = 0xFFFFFFFF
 _TRIES = 16
 
@@ -249,25 +251,35 @@ class Holdings(Mapped[HoldingsLayout]):
 
     def report(self, slot: int, rep: PrefillReport) -> bool:
         """Worker side: one completed prefill into its ring; False when the ring is full."""
+        return self.write_report(slot, *rep)
+
+    def write_report(
+        self, slot: int, producer: int, ident: int, engine_id: int, chars: int, tokens: int | None,
+        cached: int | None, duration_s: float, keys: Sequence[int], queued_chars: int = 0, at: float = 0.0,
+    ) -> bool:
+        """:meth:`report` from its fields (once per request): the entry packed in one call into the
+        ring, no report tuple, no layout offset calls; the same bytes (``_ENTRY``, CRC at 56, keys at 64)."""
         layout = self.layout
         if slot >= layout.slots:
             return False
         mm = self.mm
-        base = layout.ring_offset(slot)
+        entry = layout.entry_size
+        base = HEADER_SIZE + layout.sections * layout.section_size + slot * (RING_HEAD + layout.ring * entry)
         write, read = RING_INDICES.unpack_from(mm, base)  # both in one read: one call per report
         if write - read >= layout.ring:
             return False
-        keys = rep.keys[: layout.entry_keys]
-        head = _ENTRY.pack(write, rep.producer, len(keys), rep.identity, rep.prompt_chars,
-                           NONE32 if rep.prompt_tokens is None else rep.prompt_tokens,
-                           NONE32 if rep.cached_tokens is None else rep.cached_tokens, rep.duration_s, rep.engine_id,
-                           min(max(rep.queued_chars, 0), NONE32 - 1), rep.at)
-        body = struct.pack(f"<{len(keys)}Q", *keys)
-        off = layout.entry_offset(base, write)
-        mm[off : off + _ENTRY.size] = head
-        self.words()[(off + _ENTRY.size) >> 2] = zlib.crc32(body, zlib.crc32(head))  # entries start 8-aligned
-        mm[off + ENTRY_HEAD : off + ENTRY_HEAD + len(body)] = body
-        self._set_u64(base, write + 1)  # published last: the entry is whole
+        n = len(keys)
+        if n > layout.entry_keys:
+            keys, n = keys[: layout.entry_keys], layout.entry_keys
+        queued_chars = 0 if queued_chars < 0 else queued_chars if queued_chars < NONE32 else NONE32 - 1
+        off = base + RING_HEAD + (write % layout.ring) * entry
+        # pack_into zeroes the entry first: harmless, nothing reads it before the index moves
+        struct.pack_into(f"<QHHIIIIdQIdI{_ENTRY_PAD}x{n}Q", mm, off, write, producer, n, ident, chars,
+                         NONE32 if tokens is None else tokens, NONE32 if cached is None else cached, duration_s,
+                         engine_id, queued_chars, at, 0, *keys)
+        self.words()[(off + _ENTRY.size) >> 2] = zlib.crc32(  # entries start 8-aligned
+            mm[off + ENTRY_HEAD : off + ENTRY_HEAD + 8 * n], zlib.crc32(mm[off : off + _ENTRY.size]))
+        mm[base : base + 8] = (write + 1).to_bytes(8, "little")  # published last: the entry is whole
         return True
 
     def drain(self, slot: int) -> list[PrefillReport]:
@@ -360,8 +372,11 @@ class WorkerHoldings(HoldingsReader):
         """This worker's prefill legs in flight on ``engine`` gained (or, negative, lost)
         ``chars`` uncached characters: one store, no lock."""
         if engine < self._n and self.slot < self.holdings.layout.slots:
-            self._mine[engine] = value = max(self._mine[engine] + chars, 0)
-            self._words[self._work_at[engine]] = min(value, NONE32)
+            value = self._mine[engine] + chars
+            if value < 0:  # clamps written out, not max()/min(): twice per held placement
+                value = 0
+            self._mine[engine] = value
+            self._words[self._work_at[engine]] = value if value < NONE32 else NONE32
 
     def work(self) -> list[int]:
         """Per engine index, the uncached characters of this host's prefill legs in flight."""
@@ -380,7 +395,6 @@ class WorkerHoldings(HoldingsReader):
             if len(self._id_hashes) >= 64:
                 self._id_hashes.clear()
             stamp = self._id_hashes[engine_id] = engine_id_hash(engine_id)
-        rep = PrefillReport(producer, self.stamps[producer], stamp, prompt_chars, prompt_tokens,
-                            cached_tokens, duration_s, tuple(keys), int(queued_chars), at)
-        if not self.holdings.report(self.slot, rep):
+        if not self.holdings.write_report(self.slot, producer, self.stamps[producer], stamp, prompt_chars,
+                                          prompt_tokens, cached_tokens, duration_s, keys, int(queued_chars), at):
             self.dropped += 1

@@ -99,9 +99,20 @@ class PrefixBlocks:
         return keys[k]
 
     def keys(self, n: int | None = None) -> list[int]:
-        """The first ``n`` keys (all ``count`` of them by default); the list is shared, not copied."""
-        self._extend(self.count if n is None else min(n, self.count))
-        return self.computed
+        """The first ``n`` keys (all ``count`` of them by default, exactly ``min(n, count)`` of
+        them computed on return); the list is shared, not copied. The lookup calls it once per
+        batch: the bounds are tests, not ``min`` calls, and the memo's path is taken from here."""
+        count = self.count
+        if n is None or n > count:
+            n = count
+        keys = self.computed
+        first = len(keys)
+        if n > first:
+            if self._memo is not None:
+                self._extend_memo(n, self._memo, first)
+            else:
+                self._extend(n)
+        return keys
 
     def _extend(self, n: int) -> None:
         keys, width = self.computed, self.block_chars
@@ -109,7 +120,7 @@ class PrefixBlocks:
         if n <= first:
             return
         if self._memo is not None:
-            self._extend_memo(n, self._memo)
+            self._extend_memo(n, self._memo, first)
             return
         chunk = self.text[first * width : n * width]
         salt = self._salt
@@ -126,15 +137,14 @@ class PrefixBlocks:
                 keys.append(from_bytes(salt, "little"))
         self._salt = salt
 
-    def _extend_memo(self, n: int, memo: KeyMemo) -> None:
+    def _extend_memo(self, n: int, memo: KeyMemo, first: int) -> None:
         """:meth:`_extend` through the memo: the batch's keys at once when this batch of text
         after this key was seen before (``KeyMemo.runs``); else each block's key looked up until
         the first miss, hashed from there (the same bytes and salt as without the memo: the
         block's UTF-8, the previous digest) and stored. Past a miss each probe starts from a key
         just computed, so it is all but never stored: not looked up (a hit missed costs a hash,
         never a key)."""
-        keys, width = self.computed, self.block_chars
-        first = len(keys)
+        keys, width = self.computed, self.block_chars  # ``first``: len(keys), which the caller has
         chunk = self.text[first * width : n * width]
         start = prev = keys[-1] if keys else _FIRST
         run = memo.runs.get((prev, chunk))

@@ -126,11 +126,14 @@ def matched_blocks(blocks: PrefixBlocks, sets: Sequence[frozenset[int]]) -> list
     count, keys = blocks.count, blocks.computed  # the shared list, grown in place as keys are asked for
     known = len(keys)
     for i, held in enumerate(sets):
-        if held:  # keys are computed as far as the longest run asks, once each (PrefixBlocks)
-            run = 0
+        if held:
+            run = 0  # keys are computed as far as the longest run asks, once each (PrefixBlocks)
             while run < count:
-                if run == known:
-                    known = len(blocks.keys(max(2 * run, 4)))
+                if run == known:  # the next batch: keys(n) computes exactly min(n, count), no len() asked
+                    known = 2 * run if run > 2 else 4
+                    if known > count:
+                        known = count
+                    blocks.keys(known)
                 if keys[run] not in held:
                     break
                 run += 1
@@ -155,9 +158,13 @@ def order(
     readings = [held[i] if (i := index(item)) < size else None for item in items]
     runs = matched_blocks(blocks, [_NOTHING if r is None else r.keys for r in readings])
     if len(items) == 1:  # its estimate and rank order nothing: only its facts are asked for
+        item, reading = items[0], readings[0]
         matched = runs[0] * blocks.block_chars
-        queued = _queued(items[0], readings[0], _fleet_mean(readings, blocks), ours, others)
-        return items, [(matched, max(len(blocks.text) - matched, 0), int(queued))]
+        # _queued, written out: the fleet's mean is asked for only when this producer has none
+        per_request = reading.mean_uncached_chars if reading is not None else 0.0
+        queued = ours(item) + others(item) * (per_request or _fleet_mean(readings, blocks))
+        uncached = len(blocks.text) - matched
+        return items, [(matched, uncached if uncached > 0 else 0, int(queued))]
     first = blocks.key(0)
     home = [r is not None and r.homes is not None and first in r.homes for r in readings]
     estimates, facts = _estimates(items, blocks, readings, runs, home, ours, others)
