@@ -258,13 +258,12 @@ class Holdings(Mapped[HoldingsLayout]):
         cached: int | None, duration_s: float, keys: Sequence[int], queued_chars: int = 0, at: float = 0.0,
     ) -> bool:
         """:meth:`report` from its fields (once per request): the entry packed in one call into the
-        ring, no report tuple, no layout offset calls; the same bytes (``_ENTRY``, CRC at 56, keys at 64)."""
+        ring, no report tuple; the same bytes (``_ENTRY``, CRC at 56, keys at 64)."""
         layout = self.layout
         if slot >= layout.slots:
             return False
         mm = self.mm
-        entry = layout.entry_size
-        base = HEADER_SIZE + layout.sections * layout.section_size + slot * (RING_HEAD + layout.ring * entry)
+        base = layout.ring_offset(slot)
         write, read = RING_INDICES.unpack_from(mm, base)  # both in one read: one call per report
         if write - read >= layout.ring:
             return False
@@ -272,14 +271,14 @@ class Holdings(Mapped[HoldingsLayout]):
         if n > layout.entry_keys:
             keys, n = keys[: layout.entry_keys], layout.entry_keys
         queued_chars = 0 if queued_chars < 0 else queued_chars if queued_chars < NONE32 else NONE32 - 1
-        off = base + RING_HEAD + (write % layout.ring) * entry
+        off = layout.entry_offset(base, write)  # the layout's formula, the one drain reads by
         # pack_into zeroes the entry first: harmless, nothing reads it before the index moves
         struct.pack_into(f"<QHHIIIIdQIdI{_ENTRY_PAD}x{n}Q", mm, off, write, producer, n, ident, chars,
                          NONE32 if tokens is None else tokens, NONE32 if cached is None else cached, duration_s,
                          engine_id, queued_chars, at, 0, *keys)
         self.words()[(off + _ENTRY.size) >> 2] = zlib.crc32(  # entries start 8-aligned
             mm[off + ENTRY_HEAD : off + ENTRY_HEAD + 8 * n], zlib.crc32(mm[off : off + _ENTRY.size]))
-        mm[base : base + 8] = (write + 1).to_bytes(8, "little")  # published last: the entry is whole
+        self._set_u64(base, write + 1)  # published last: the entry is whole
         return True
 
     def drain(self, slot: int) -> list[PrefillReport]:
