@@ -166,6 +166,9 @@ class VersionPin:
 # ---------------------------------------------------------------------- the client
 
 
+UNREACHABLE = "unreachable"  # a ControlError's reason when no connection was made (SPEC §6's unreachable)
+
+
 class ControlError(Exception):
     """A control read got no HTTP answer; ``reason`` says why in a few words."""
 
@@ -198,7 +201,7 @@ class ControlClient:
         except TimeoutError:
             raise ControlError(f"timed out after {self.timeout_s:g}s") from None
         except (aiohttp.ClientError, OSError):  # a refused certificate is a ClientError too
-            raise ControlError("unreachable") from None
+            raise ControlError(UNREACHABLE) from None
 
     async def _answer(self, engine: EngineRef, path: str) -> bytes | None:
         try:
@@ -253,7 +256,7 @@ class PooledReader:
             if isinstance(exc, TimeoutError):
                 raise ControlError(f"timed out after {self.timeout_s:g}s") from None
             if isinstance(exc, UpstreamError | OSError):
-                raise ControlError("unreachable") from None
+                raise ControlError(UNREACHABLE) from None
             raise
         conn.release()
         return status, body

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from narwhal.fleet.placement import PhaseName, Placement
 from narwhal.fleet.roster import Engine
@@ -51,18 +52,18 @@ def choose(
     prefills: Sequence[int],
     decodes: Sequence[int],
     rng: random.Random,
-    rank: Callable[[Engine], float] | None = None,
+    rank: Callable[[Engine], Any] | None = None,
     extra: Sequence[float] | None = None,
 ) -> list[Engine]:
     """The engines to try, best first: usable ones with room, consumers before producers, each
-    tier by ``rank`` (quarantine left, when given) then in-flight count of its phase, ties at
+    tier by ``rank`` (unreachable, then quarantine left, when given) then in-flight count of its phase, ties at
     random. Pure: counts are indexed by ``Engine.index``."""
     ordered: list[Engine] = []
     for consumers in (True, False):
         tier = [e for e in engines if e.can_decode is consumers and usable(e) and _has_room(e, prefills, decodes)]
         rng.shuffle(tier)  # random tie-break under the stable sort
 
-        def load(e: Engine) -> tuple[float, float]:
+        def load(e: Engine) -> tuple[Any, float]:
             held = decodes[e.index] if e.can_decode else prefills[e.index]
             return (rank(e) if rank is not None else 0.0, held + (extra[e.index] if extra is not None else 0.0))
 
@@ -116,9 +117,9 @@ class SingleEngine:
         loads = placement.current_loads()
         extra = None if loads is None else loads.extra
         order = choose(engines, view.admitted, prefills, decodes, self._rng, extra=extra)
-        if not order and view.any_quarantined():
-            left = {e.index: view.quarantine_left(e) for e in engines}
-            order = choose(engines, view.placeable, prefills, decodes, self._rng, lambda e: left[e.index], extra)
+        if not order and view.any_avoided():  # quarantined, then unreachable ones last (SPEC §5, §6)
+            rank = {e.index: (view.unreachable(e), view.quarantine_left(e)) for e in engines}
+            order = choose(engines, view.placeable, prefills, decodes, self._rng, lambda e: rank[e.index], extra)
         for engine in order:
             phase = serving_phase(engine)
             cap = engine.max_inflight_decode if phase == "decode" else engine.max_inflight_prefill

@@ -160,6 +160,8 @@ class FleetView(Protocol):
     published QUARANTINED state or this worker's own quarantine after a failure it saw — is
     soft: placement steers around it while other engines can take the request, and uses it
     when none can, since a fault that follows requests quarantines every engine in turn.
+    *Unreachable* (its last connection attempt failed) is a third, independent fact: such an
+    engine is avoided like a quarantined one and comes last when placement falls back.
     """
 
     def admitted(self, engine: Engine) -> bool:
@@ -170,12 +172,22 @@ class FleetView(Protocol):
         """Not out; quarantined or not."""
         ...
 
-    def any_quarantined(self) -> bool:
-        """Might some engine be quarantined now? Cheap; False means :meth:`admitted` and
-        :meth:`placeable` agree on every engine (a stale True only costs a second look)."""
+    def any_avoided(self) -> bool:
+        """Might some engine be quarantined or unreachable now? Cheap; False means :meth:`admitted`
+        and :meth:`placeable` agree on every engine (a stale True only costs a second look)."""
         ...
 
     def quarantine_left(self, engine: Engine) -> float:
         """Seconds until the engine's quarantine ends (the later of the local and the
         published one); 0.0 when it is not quarantined."""
+        ...
+
+    def unreachable(self, engine: Engine) -> bool:
+        """Did the engine's last connection attempt fail (SPEC §6, round 4)? Published by the
+        supervisor, or seen by this worker a moment ago."""
+        ...
+
+    def ejected_by_breaker(self, engine: Engine) -> bool:
+        """Out because its breaker ejected it (not by an operator, not draining): a last resort
+        when every placeable engine of its role is unreachable (``fleet.placement.fallback``)."""
         ...

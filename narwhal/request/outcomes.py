@@ -3,7 +3,8 @@
 Workers report; the supervisor merges the reports into failure streaks in order of
 completion time and applies the blame rules of SPEC §6 (so an ambiguous crossed-decode fault
 is not charged here). What a worker does at once, without waiting for the supervisor, is
-quarantine an engine a failure is unambiguously charged to (SPEC §5).
+quarantine an engine a failure is unambiguously charged to (SPEC §5), and avoid an engine it
+could not connect to (SPEC §6: unreachable, whoever the fault is charged to).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from narwhal.engines.connector import PrefillResult
 from narwhal.errors import EngineError
 from narwhal.fleet import Engine, Fleet
 from narwhal.fleet.placement.blocks import PrefixBlocks
+from narwhal.reasons import Reason
 
 
 class Reporter(Protocol):
@@ -34,6 +36,9 @@ class Reporter(Protocol):
 
     def quarantine(self, engine: Engine, seconds: float) -> None:
         """Keep ``engine`` out of placement for ``seconds`` now, not waiting for the supervisor (SPEC §5)."""
+
+    def mark_unreachable(self, engine: Engine) -> None:
+        """A connection to ``engine`` just failed: placement avoids it now, not waiting for the supervisor (SPEC §6)."""
 
 
 class PrefillSink(Protocol):
@@ -85,6 +90,8 @@ class Outcomes:
             metrics.ENGINE_FAILURES.labels(error.engine, error.phase, error.reason).inc()
         self.reporter.report(producer, consumer, error=error, failed=failed, before_first_token=before_first_token,
                              local=local)
+        if failed is not None and error.reason == Reason.ENGINE_UNREACHABLE:
+            self.reporter.mark_unreachable(failed)  # a fact of the wire, whoever is blamed
         if not error.counts or failed is None or self.quarantine_s <= 0:
             return
         ambiguous = error.phase == "decode" and before_first_token and producer is not consumer

@@ -20,7 +20,7 @@ class Quarantine(dict[int, float]):
     Shared by :class:`LocalFleetState` and the worker's view (``shm.worker``), which both put an
     engine here the moment a failure is charged to it, before any supervisor hears of it. A
     dict, so the hot path's ``if table:`` stays a C-level check; entries go lazily, when
-    :meth:`holds` finds them over (until then ``any_quarantined`` may say yes once too often,
+    :meth:`holds` finds them over (until then ``any_avoided`` may say yes once too often,
     which costs placement a second look and nothing else).
     """
 
@@ -44,6 +44,12 @@ class Quarantine(dict[int, float]):
         self[index] = time.monotonic() + seconds
 
 
+# How long a worker avoids an engine it just failed to connect to, on its own word: the
+# supervisor publishes the fleet's view within a loop (~20 ms) and a control read or a success
+# clears it there; this only bridges that gap, and lapses so a stale mark never outlives it.
+UNREACHABLE_HOLD_S = 1.0
+
+
 class LocalFleetState(LocalInflight):
     """``FleetView``, counts and retry budget for one process alone: no supervisor, no other worker."""
 
@@ -52,12 +58,15 @@ class LocalFleetState(LocalInflight):
         self.fleet = fleet
         self.out: set[int] = set()  # engines taken out by an operator action
         self._quarantine = Quarantine()
+        self._unreachable = Quarantine()  # engines this process failed to connect to, a moment ago
         self._requests = 0
         self._retries = 0
 
     def admitted(self, engine: Engine) -> bool:
         """Neither taken out by an operator nor quarantined (``FleetView``)."""
         if engine.index in self.out:
+            return False
+        if self._unreachable and self._unreachable.holds(engine.index):
             return False
         return not (self._quarantine and self._quarantine.holds(engine.index))
 
@@ -66,9 +75,21 @@ class LocalFleetState(LocalInflight):
         """Not taken out by an operator (``FleetView``)."""
         return engine.index not in self.out
 
-    def any_quarantined(self) -> bool:
-        """Might some engine be quarantined (``FleetView``)?"""
-        return bool(self._quarantine)  # expired entries go lazily: one costs a second look, no more
+    def any_avoided(self) -> bool:
+        """Might some engine be quarantined or unreachable (``FleetView``)?"""
+        return bool(self._quarantine) or bool(self._unreachable)  # expired entries go lazily
+
+    def unreachable(self, engine: Engine) -> bool:
+        """Did this process fail to connect to the engine a moment ago (``FleetView``)?"""
+        return bool(self._unreachable) and self._unreachable.holds(engine.index)
+
+    def ejected_by_breaker(self, engine: Engine) -> bool:
+        """No breaker runs in one process alone: never (``FleetView``)."""
+        return False
+
+    def mark_unreachable(self, engine: Engine) -> None:
+        """A connection to ``engine`` failed here: avoided for :data:`UNREACHABLE_HOLD_S`."""
+        self._unreachable.add(engine.index, UNREACHABLE_HOLD_S)
 
     def quarantine_left(self, engine: Engine) -> float:
         """Seconds left of the engine's quarantine (``FleetView``)."""

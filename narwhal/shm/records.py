@@ -124,11 +124,12 @@ class EngineRecord:
     last_failure_reason: str | None
     last_failure_at: float | None  # Unix seconds
     name_hash: int
-    flags: int = 0  # RECORD_BY_OPERATOR | RECORD_WAITING_FOR_WAVE: what a restarted supervisor needs
+    flags: int = 0  # RECORD_BY_OPERATOR | RECORD_WAITING_FOR_WAVE | RECORD_UNREACHABLE
 
 
 RECORD_BY_OPERATOR = 1
 RECORD_WAITING_FOR_WAVE = 2
+RECORD_UNREACHABLE = 4  # its last connection attempt failed (fleet.reachability, SPEC §6)
 
 
 def _opt(value: float) -> float | None:

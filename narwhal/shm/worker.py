@@ -29,7 +29,7 @@ import time
 from narwhal.errors import EngineError
 from narwhal.fleet import Engine, Fleet
 from narwhal.shm import layout as L
-from narwhal.shm.local import Quarantine
+from narwhal.shm.local import UNREACHABLE_HOLD_S, Quarantine
 from narwhal.shm.records import (
     FLAG_BEFORE_TOKEN,
     FLAG_COUNTS,
@@ -39,6 +39,8 @@ from narwhal.shm.records import (
     KIND_OUTCOME,
     NONE16,
     REASON_CODE,
+    RECORD_BY_OPERATOR,
+    RECORD_UNREACHABLE,
     EngineRecord,
     LoadRecord,
     RecordBusy,
@@ -51,6 +53,7 @@ from narwhal.shm.table import LIVE, record_hash, worker_epoch
 
 ADMITTED_STATES = frozenset({0, 5})  # admitted, degraded
 QUARANTINED = 1
+BREAKER_OUT_STATES = frozenset({2, 3})  # ejected, probing: the breaker's (draining is the operator's)
 PLACEABLE_STATES = ADMITTED_STATES | {QUARANTINED}  # quarantine is soft (SPEC §5); 2-4 are out
 _PHASE = {"prefill": 0, "decode": 1}
 
@@ -85,7 +88,7 @@ class WorkerFleetState:
         self._joining: set[int] = set()  # engines taken up at run time whose record is not read yet
         self._generation = -1
         self._records: list[EngineRecord | None] = [None] * size
-        self._published_quarantine = False  # some record of this generation is QUARANTINED
+        self._published_avoided = False  # some record of this generation is QUARANTINED or unreachable
         self._loads: list[LoadRecord | None] = [None] * size
         self._load_seen = 0  # the load generation load_version last saw
         self._load_behind = False  # the readings taken for it were older (see load_version)
@@ -94,6 +97,7 @@ class WorkerFleetState:
         for e in fleet.engines:
             self._hashes[e.index] = record_hash(e.name, e.url)
         self._quarantine = Quarantine()  # local, at once
+        self._unreachable = Quarantine()  # engines this worker just failed to connect to (shm.local)
         self._requests = 0
         self._retries = 0
         # This slot's fields at fixed offsets, written several times per request: one
@@ -123,6 +127,7 @@ class WorkerFleetState:
         for e in removed:
             self._records[e.index] = self._loads[e.index] = None
             self._quarantine.pop(e.index, None)
+            self._unreachable.pop(e.index, None)
         for e in added:
             self._records[e.index] = self._loads[e.index] = None
             self._hashes[e.index] = record_hash(e.name, e.url)
@@ -163,7 +168,8 @@ class WorkerFleetState:
                     self._joining.discard(engine.index)
                 fresh[engine.index] = rec
             self._records = fresh
-            self._published_quarantine = any(r is not None and r.state == QUARANTINED for r in fresh)
+            self._published_avoided = any(
+                r is not None and (r.state == QUARANTINED or r.flags & RECORD_UNREACHABLE) for r in fresh)
             if complete:
                 self._generation = generation
         return self._records
@@ -174,7 +180,9 @@ class WorkerFleetState:
         if rec is None:
             if engine.index in self._joining:
                 return False
-        elif rec.state not in ADMITTED_STATES:
+        elif rec.state not in ADMITTED_STATES or rec.flags & RECORD_UNREACHABLE:
+            return False
+        if self._unreachable and self._unreachable.holds(engine.index):
             return False
         return not (self._quarantine and self._quarantine.holds(engine.index))
 
@@ -185,12 +193,30 @@ class WorkerFleetState:
             return engine.index not in self._joining  # a discovered engine: not before the supervisor spoke
         return rec.state in PLACEABLE_STATES
 
-    def any_quarantined(self) -> bool:
-        """Might some engine be quarantined, published or local (``FleetView``)? A stale True costs a second pass."""
+    def any_avoided(self) -> bool:
+        """Might some engine be quarantined or unreachable, published or local (``FleetView``)?
+        A stale True costs a second pass."""
         # Local entries are dropped lazily (admitted() deletes expired ones): a stale entry
         # here only costs placement a second pass that finds what the first did.
         self.records()
-        return self._published_quarantine or bool(self._quarantine)
+        return self._published_avoided or bool(self._quarantine) or bool(self._unreachable)
+
+    def unreachable(self, engine: Engine) -> bool:
+        """Published unreachable, or this worker failed to connect a moment ago (``FleetView``)."""
+        rec = self.records()[engine.index]
+        if rec is not None and rec.flags & RECORD_UNREACHABLE:
+            return True
+        return bool(self._unreachable) and self._unreachable.holds(engine.index)
+
+    def ejected_by_breaker(self, engine: Engine) -> bool:
+        """Ejected or probing by its breaker, not by an operator (``FleetView``)."""
+        rec = self.records()[engine.index]
+        return rec is not None and rec.state in BREAKER_OUT_STATES and not rec.flags & RECORD_BY_OPERATOR
+
+    def mark_unreachable(self, engine: Engine) -> None:
+        """A connection to ``engine`` failed in this worker: avoided at once, until the
+        supervisor's word replaces this one (``shm.local.UNREACHABLE_HOLD_S``)."""
+        self._unreachable.add(engine.index, UNREACHABLE_HOLD_S)
 
     def quarantine_left(self, engine: Engine) -> float:
         """Seconds left of the later of this worker's and the published quarantine (``FleetView``)."""
@@ -345,6 +371,9 @@ class WorkerFleetState:
         local decode's under its own kind."""
         if error is None:
             flags, reason = FLAG_OK, 0
+            if self._unreachable:  # a connection worked: this worker's mark is void
+                self._unreachable.pop(producer.index, None)
+                self._unreachable.pop(consumer.index, None)
         else:
             flags = (FLAG_COUNTS if error.counts else 0) | (FLAG_BEFORE_TOKEN if before_first_token else 0)
             flags |= FLAG_PREFILL if error.phase == "prefill" else 0

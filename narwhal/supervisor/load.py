@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
-from narwhal.engines.control import ControlClient, ControlError, PooledReader
+from narwhal.engines.control import UNREACHABLE, ControlClient, ControlError, PooledReader
 from narwhal.engines.load_metrics import PrefillCounters, parse_capacity, parse_load, parse_prefill
 from narwhal.fleet import Engine
 from narwhal.shm.records import LoadRecord, write_load
@@ -56,12 +56,14 @@ class LoadReader:
         self, shared: SharedFleet, control: PooledReader | ControlClient,
         on_reading: Callable[[int, int | None, PrefillCounters | None, float], None] | None = None,
         rounds: Rounds | None = None,
+        on_connect: Callable[[Engine, bool, bool], None] | None = None,
     ) -> None:
         self.shared = shared
         self.control = control
         # The holdings' (SPEC §3.3) share of each reading: the capacity bound, the prefill counters.
         self.on_reading = on_reading
         self.rounds = rounds  # the loop's, whose passes start a round's reads; None: all at once
+        self.on_connect = on_connect  # (engine, answered, refused): each read's word on reachability (SPEC §6)
         self._reading: set[str] = set()
         self._failing: set[str] = set()
         self._warned_at: dict[str, float] = {}
@@ -88,19 +90,24 @@ class LoadReader:
         task.add_done_callback(self._tasks.discard)
 
     async def _read(self, engine: Engine) -> None:
+        answered = refused = False
         try:
             status, body = await self.control.get(engine, "/metrics")
+            answered = True
             reading = parse_load(body) if status == 200 else None
             if reading is not None and self.on_reading is not None:
                 self.on_reading(engine.index, parse_capacity(body), parse_prefill(body), time.monotonic())
             why = f"HTTP {status}" if status != 200 else "no vLLM load series in the answer"
         except ControlError as exc:
             reading, why = None, exc.reason
+            refused = exc.reason == UNREACHABLE
         except Exception:  # a read must never take the supervisor down
             log.exception("load read of %s crashed", engine.name)
             reading, why = None, "crashed"
         finally:
             self._reading.discard(engine.name)
+        if self.on_connect is not None:
+            self.on_connect(engine, answered, refused)
         if reading is None:
             if engine.name not in self._failing:
                 self._failing.add(engine.name)

@@ -29,15 +29,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from narwhal import metrics
-from narwhal.engines.control import PooledReader, open_session
+from narwhal.engines.control import UNREACHABLE, PooledReader, open_session
 from narwhal.fleet import Engine, Fleet
 from narwhal.fleet.breaker import EngineInfo, EngineStatus, State
 from narwhal.fleet.membership import ChangingBreakers
+from narwhal.fleet.reachability import Reachability
 from narwhal.settings import EngineSpec, Settings
 from narwhal.shm import layout as L
 from narwhal.shm.holdings import Holdings, identity
 from narwhal.shm.records import (
     RECORD_BY_OPERATOR,
+    RECORD_UNREACHABLE,
     RECORD_WAITING_FOR_WAVE,
     EngineRecord,
     RecordBusy,
@@ -53,6 +55,7 @@ from narwhal.supervisor.models import ModelReader
 from narwhal.supervisor.probes import Prober
 from narwhal.supervisor.reports import RingIndexes, Successes, apply_reports
 from narwhal.supervisor.rounds import Rounds
+from narwhal.supervisor.transitions import log_transitions
 
 if TYPE_CHECKING:  # discovery is imported only when enabled (dnspython)
     from narwhal.supervisor.discovery import Discovery
@@ -100,10 +103,12 @@ class Supervisor:
         self.specs = {spec.name: spec for _, spec in members}
         self.breakers = ChangingBreakers(self._infos(), settings.recovery,
                                          has_contract=settings.engine_contract is not None)
+        self.reach = Reachability()  # whose last connection attempt failed (SPEC §6): published as a flag
         self._map_slots()
         self._outcome_rings = RingIndexes(shared.layout.slot_offset(0) + L.SLOT_RING_WRITE, shared.layout.slot_size)
         self._successes = Successes()
-        self._published = -1
+        self._published = (-1, -1)  # the (breakers, reachability) versions last published
+        self._states: dict[str, State] = {}  # each engine's state as last published, for the transition lines
         self._tasks: set[asyncio.Task[Any]] = set()
         self.rounds = Rounds(LOOP_S)  # health checks, load and model reads: a batch per pass (supervisor.rounds)
         self._probing: set[str] = set()
@@ -176,6 +181,10 @@ class Supervisor:
                 by_operator=bool(rec.flags & RECORD_BY_OPERATOR),
                 waiting=bool(rec.flags & RECORD_WAITING_FOR_WAVE),
             )
+            self._states[engine.name] = State(rec.state)
+            if rec.flags & RECORD_UNREACHABLE:
+                self.reach.saw(engine.name, False)
+        self.reach.take_changes()  # taken over, not news
 
     def publish(self) -> None:
         """Every engine's record under the next generation, then the bump: workers re-read once they see it."""
@@ -192,10 +201,12 @@ class Supervisor:
                 last_failure_at=None if st.last_failure_at is None else st.last_failure_at + self._wall,
                 name_hash=record_hash(engine.name, engine.url),
                 flags=(RECORD_BY_OPERATOR if self.breakers.ejected_by_operator(engine.name) else 0)
-                | (RECORD_WAITING_FOR_WAVE if self.breakers.waiting_for_wave(engine.name) else 0),
+                | (RECORD_WAITING_FOR_WAVE if self.breakers.waiting_for_wave(engine.name) else 0)
+                | (RECORD_UNREACHABLE if self.reach.unreachable(engine.name) else 0),
             ))
         self.shared.bump_generation()
-        self._published = self.breakers.version
+        self._published = (self.breakers.version, self.reach.version)
+        log_transitions(self.fleet.engines, self.breakers, self.reach, self._states, self.settings.recovery)
         if self.model is not None:
             for engine in self.fleet.engines:  # an ejected producer's cache is not to be counted on
                 if self.breakers.status(engine.name).state == State.EJECTED:
@@ -225,7 +236,7 @@ class Supervisor:
         for slot in self._outcome_rings.written(self.shared.mm, self.shared.in_use()):
             reports.extend(self.shared.drain(slot))
         if reports:
-            apply_reports(reports, self._by_slot, self.breakers, self._clock(), self._successes)
+            apply_reports(reports, self._by_slot, self.breakers, self._clock(), self._successes, self.reach)
 
     def drain_prefills(self) -> None:
         """The workers' completed prefills into the holdings (SPEC §3.3), then what changed
@@ -272,6 +283,12 @@ class Supervisor:
 
     # -- checks -----------------------------------------------------------------------------------
 
+    def connected(self, engine: Engine, answered: bool, refused: bool) -> None:
+        """A control read's word on reaching ``engine`` (``fleet.reachability``): an answer says
+        reachable, no connection unreachable, a timeout nothing."""
+        if answered or refused:
+            self.reach.saw(engine.name, answered)
+
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
@@ -299,6 +316,8 @@ class Supervisor:
     async def _health(self, prober: Prober, engine: Engine) -> None:
         sent_at = self._clock()
         failure = await prober.health_failure(engine)
+        if engine.name in self.fleet.by_name:
+            self.connected(engine, failure is None or failure.startswith("HTTP "), failure == UNREACHABLE)
         if failure is not None and engine.name in self.fleet.by_name:  # not forgotten meanwhile (discovery)
             log.warning("health check of %s: fail: %s", engine.name, failure)
             now = self._clock()
@@ -350,7 +369,7 @@ class Supervisor:
             self.sweep()
             if loop.discovery is not None:
                 loop.discovery.sweep()
-        if self.breakers.version != self._published:
+        if (self.breakers.version, self.reach.version) != self._published:
             self.publish()
         if loop.models is not None:  # after the publish: a readmission is read once it is published
             loop.models.tick(now)
@@ -366,7 +385,8 @@ class Supervisor:
             load_every = self.settings.placement.load_interval_s
             # Each read bounded by the interval: a round never outlives the next one's start.
             loads = LoadReader(self.shared, PooledReader(self.settings.engine, load_every or 1.0),
-                               on_reading=None if self.model is None else self.model.engine_read, rounds=self.rounds)
+                               on_reading=None if self.model is None else self.model.engine_read, rounds=self.rounds,
+                               on_connect=self.connected)
             loop = self.start(Prober(self.settings, self.fleet, session, self.admitted), loads)
             loop.models = ModelReader.over(self, session)
             await self._passes(loop)

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 
 from narwhal.fleet import Engine
 from narwhal.fleet.breaker import Breakers, Outcome
+from narwhal.fleet.reachability import Reachability
 from narwhal.shm.records import (
     FLAG_BEFORE_TOKEN,
     FLAG_COUNTS,
@@ -83,10 +84,11 @@ class Successes:
 
 
 def apply_reports(reports: Sequence[Report], by_slot: Mapping[int, Engine], breakers: Breakers, now: float,
-                  successes: Successes | None = None) -> None:
-    """Reports (sorted here by completion time: "consecutive" is that order) into the breakers;
-    one naming an engine not in ``by_slot`` (a reload removed it) is dropped; with ``successes``,
-    a repeated success is skipped (the module's text)."""
+                  successes: Successes | None = None, reach: Reachability | None = None) -> None:
+    """Reports (sorted here by completion time: "consecutive" is that order) into the breakers
+    and, with ``reach``, what each says of reaching its engines (before any skip: a repeated
+    success still says the engine answered); one naming an engine not in ``by_slot`` (a reload
+    removed it) is dropped; with ``successes``, a repeated success is skipped (the module's text)."""
     for r in sorted(reports, key=lambda r: r.at):
         producer, consumer = by_slot.get(r.producer), by_slot.get(r.consumer)
         if producer is None or consumer is None:
@@ -94,17 +96,20 @@ def apply_reports(reports: Sequence[Report], by_slot: Mapping[int, Engine], brea
         if r.kind in (KIND_OUTCOME, KIND_LOCAL_OUTCOME):
             ok = bool(r.flags & FLAG_OK)
             key = (r.kind, r.producer, r.consumer)
-            if ok and successes is not None and successes.repeated(breakers, key):
-                continue
             failed_engine = None if r.failed == NONE16 else by_slot.get(r.failed)
             failed = None if failed_engine is None else failed_engine.name
             reason = REASONS[r.reason] if r.reason < len(REASONS) else ""
-            breakers.record(Outcome(
+            if reach is not None:
+                reach.reported(producer.name, consumer.name, ok, failed, reason)
+            if ok and successes is not None and successes.repeated(breakers, key):
+                continue
+            outcome = Outcome(
                 producer=producer.name, consumer=consumer.name, ok=ok, failed_engine=failed,
                 phase=None if failed is None else ("prefill" if r.flags & FLAG_PREFILL else "decode"),
                 reason=reason or None, counts=bool(r.flags & FLAG_COUNTS),
                 before_first_token=bool(r.flags & FLAG_BEFORE_TOKEN), at=r.at, local=r.kind == KIND_LOCAL_OUTCOME,
-            ))
+            )
+            breakers.record(outcome)
             if ok and successes is not None:
                 successes.applied(breakers, key)
         elif r.kind == KIND_EJECT:

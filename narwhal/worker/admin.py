@@ -55,6 +55,7 @@ def engine_view(router: Router, state: WorkerFleetState | LocalFleetState, engin
         "failure_streak": 0,
         "ejections": 0,
         "quarantined_until": None,
+        "unreachable": state.unreachable(engine),  # its last connection attempt failed (SPEC §6)
         "inflight": {"prefill": totals_p[engine.index], "decode": totals_d[engine.index]},
         "last_failure": None,
         "load": None,

@@ -1,8 +1,12 @@
-"""The house's sizes (ARCHITECTURE.md): a module at most 400 lines, a function at most 60, in
-narwhal/, perf/ and tests/. Why a test: a module one can read in one sitting and a function one
-can hold in one's head are what let the next person change them; past those sizes they only
-grow. ``OVER_FOR_NOW`` names what is still over while it is being split; it may only shrink (a
-listed place back under its limit fails the second test, so the list cannot go stale)."""
+"""The house's sizes (ARCHITECTURE.md), a backstop: a module at most 600 lines, a function at
+most 80, in narwhal/, perf/ and tests/. The house *aims* at about 300 and 40 by splitting along
+concepts; this test only catches what has plainly outgrown that. Why a backstop and not the
+aim: a cap at the aim made modules pile up exactly at it, and commits cut docstrings and blank
+lines to fit (issue 39), which is the opposite of what the sizes are for. Why a test at all: a
+module one can read in one sitting and a function one can hold in one's head are what let the
+next person change them; past those sizes they only grow. ``OVER_FOR_NOW`` names what is
+still over while it is being split; it may only shrink (a listed place back under its limit
+fails the second test, so the list cannot go stale)."""
 
 from __future__ import annotations
 
@@ -10,8 +14,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-MODULE_LINES = 400
-FUNCTION_LINES = 60
+MODULE_LINES = 600
+FUNCTION_LINES = 80
 
 # Every place over its limit is split now; a new exception would be named here with its reason.
 OVER_FOR_NOW: set[str] = set()
@@ -33,7 +37,7 @@ def _over() -> set[str]:
     return found
 
 
-def test_no_module_over_400_lines_and_no_function_over_60() -> None:
+def test_no_module_over_600_lines_and_no_function_over_80() -> None:
     assert sorted(_over() - OVER_FOR_NOW) == []
 
 

@@ -11,9 +11,13 @@ Invariants, and why:
   steers traffic away; it must never empty a role, because a fault that follows requests (a
   prompt every engine fails on) quarantines every engine in turn, and treating quarantine as
   ejection would then answer clean requests 503 ``no_engine`` on a healthy fleet (issue 16).
+* An *unreachable* engine (its last connection attempt failed, SPEC §6) is never in the first
+  pass either, and comes last in the second, after ejected engines that are reachable, which
+  themselves join only when every placeable engine of their role is unreachable
+  (:mod:`.fallback`): being unreachable outweighs load and breaker state.
 * The normal path — nothing quarantined — is one pass over the candidates asking
   :meth:`FleetView.admitted`, no lock, no IPC. The second pass runs only when the first found
-  nothing and the view says some engine may be quarantined.
+  nothing and the view says some engine may be avoided (quarantined or unreachable).
 * The choice itself is pure (no I/O): counts come through :class:`InflightCounts`, engine
   reports through a :class:`LoadSource`, the clock and the randomness are injected.
 
@@ -40,6 +44,7 @@ from typing import Any
 from narwhal.fleet import Engine, Fleet, FleetView
 from narwhal.fleet.placement import affinity, held, least_loaded
 from narwhal.fleet.placement.blocks import PrefixBlocks
+from narwhal.fleet.placement.fallback import Fallback, fallback
 from narwhal.fleet.placement.load import LoadCache, Loads, LoadSource
 from narwhal.fleet.placement.reservation import InflightCounts, PhaseName, Reservation
 from narwhal.settings import PlacementSettings
@@ -105,16 +110,18 @@ class Placement:
         loads = self.current_loads()
         pick = self._pick_local if local else self._pick
         found = pick(model, avoid, None, key, loads, blocks)
-        if found is None and self.view.any_quarantined():
-            found = pick(model, avoid, self._quarantine_rank(), None, loads, None)
+        if found is None and self.view.any_avoided():
+            producers = () if local else [p for p, _ in self._candidates(model)]
+            second = fallback(self.view, self.fleet, producers, self._consumers(model))
+            found = pick(model, avoid, second, None, loads, None)
         return found
 
     def _pick(
-        self, model: str, avoid: frozenset[str], rank: Callable[[Engine], float] | None, key: int | None,
+        self, model: str, avoid: frozenset[str], second: Fallback | None, key: int | None,
         loads: Loads | None, blocks: PrefixBlocks | None = None,
     ) -> Reservation | None:
-        """One pass. The first (``rank`` None): engines admitted, by affinity or load. The
-        second: engines placeable, by quarantine left (``rank``), then load."""
+        """One pass. The first (``second`` None): engines admitted, by affinity or load. The
+        second: the engines :mod:`.fallback` allows, by its rank, then load."""
         inflight = self.inflight
         # One read of the (fleet-wide) counts per placement, not one per comparison.
         prefills, decodes = inflight.both_totals()
@@ -125,15 +132,17 @@ class Placement:
         else:
             prefill_load = lambda c: prefills[c[0].index]  # noqa: E731
             decode_load = lambda e: decodes[e.index]  # noqa: E731
-        usable = self.view.admitted if rank is None else self.view.placeable
-        if rank is not None:
+        usable_p: Callable[[Engine], bool] = self.view.admitted
+        usable_d: Callable[[Engine], bool] = usable_p
+        if second is not None:
+            usable_p, usable_d, rank = second
             by_rank_p, by_rank_d = prefill_load, decode_load
             prefill_load = lambda c: (rank(c[0]), by_rank_p(c))  # noqa: E731
             decode_load = lambda e: (rank(e), by_rank_d(e))  # noqa: E731
         candidates = [
             (p, consumers)
             for p, consumers in self._candidates(model)
-            if (not avoid or p.name not in avoid) and usable(p)
+            if (not avoid or p.name not in avoid) and usable_p(p)
         ]
         ordered, choice_of = self._order(candidates, prefill_load, key, loads, blocks)
         for position, (p, serving) in enumerate(ordered):
@@ -142,7 +151,7 @@ class Placement:
             consumers = [
                 d
                 for d in serving
-                if (not avoid or d.name not in avoid) and usable(d)
+                if (not avoid or d.name not in avoid) and usable_d(d)
                 and (d.max_inflight_decode is None or decodes[d.index] < d.max_inflight_decode)
             ]
             if not consumers:
@@ -247,12 +256,13 @@ class Placement:
         return ordered, choice
 
     def _pick_local(
-        self, model: str, avoid: frozenset[str], rank: Callable[[Engine], float] | None, key: int | None,
+        self, model: str, avoid: frozenset[str], second: Fallback | None, key: int | None,
         loads: Loads | None, blocks: PrefixBlocks | None = None,
     ) -> Reservation | None:
         """A consumer alone, for a local decode (SPEC §3.2): least loaded, saturated last."""
         decodes = self.inflight.totals("decode")
-        usable = self.view.admitted if rank is None else self.view.placeable
+        usable = self.view.admitted if second is None else second.consumer_ok
+        rank = None if second is None else second.rank
         extra = loads.extra if loads is not None else None
         consumers = [
             d for d in self._consumers(model)
@@ -268,13 +278,6 @@ class Placement:
             if self.inflight.try_reserve(d, "decode", d.max_inflight_decode):
                 return Reservation(self, d, d, "local", local=True)
         return None
-
-    def _quarantine_rank(self) -> Callable[[Engine], float]:
-        """Seconds of quarantine left per engine, read once per pass. Not quarantined is 0.0,
-        so such an engine sorts before every quarantined one (and ties one whose quarantine
-        is just ending, which then is as good as over)."""
-        left = self.fleet.by_index(self.view.quarantine_left)
-        return lambda e: left[e.index]
 
     def _refresh(self) -> None:
         if self._version != self.fleet.version:
@@ -323,14 +326,19 @@ class Placement:
 
     def release_consumers(self, producer: Engine, chosen: Engine, model: str, *, chosen_first: bool) -> list[Engine]:
         """Where an undecoded handoff of ``producer`` may be released, in order (SPEC §3 step 8):
-        the chosen consumer, then the producer's other permitted consumers that serve ``model``
-        and are not out, admitted before quarantined; the chosen one last instead when it was
-        just found unreachable. A permitted consumer shares the producer's connector, so any of
-        them can pull the blocks. Nothing is reserved (``narwhal.request.attempt`` says why)."""
+        the chosen consumer, then the producer's other permitted consumers that serve ``model``:
+        admitted, then quarantined, then ejected by their breaker (a release is one tiny
+        non-streaming decode: a consumer ejected for stream faults may still free the blocks,
+        and stranding them pins the producer's KV for its whole lease), unreachable ones last;
+        the chosen one last instead when it was just found unreachable. A permitted consumer
+        shares the producer's connector, so any of them can pull the blocks. Nothing is
+        reserved (``narwhal.request.attempt`` says why)."""
         view = self.view
         others = [d for d in producer.permitted_consumers
-                  if d is not chosen and d is not producer and model in d.models and view.placeable(d)]
-        others.sort(key=lambda d: not view.admitted(d))  # stable: configuration order within each
+                  if d is not chosen and d is not producer and model in d.models
+                  and (view.placeable(d) or view.ejected_by_breaker(d))]
+        # stable: configuration order within each tier
+        others.sort(key=lambda d: (view.unreachable(d), not view.placeable(d), not view.admitted(d)))
         return [chosen, *others] if chosen_first else [*others, chosen]
 
     def _servable(self, model: str, local: bool) -> bool:

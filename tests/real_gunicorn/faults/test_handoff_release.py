@@ -5,6 +5,9 @@ freed now, not at its lease (issue 25 item 2).
 
 A fleet of its own (``rp0`` → ``rd0``) and a consumer nothing answers at (``rdx``, a
 :class:`DeadEngine` on 127.0.0.1: refusing for one router, a connect that hangs for the other).
+A refusing consumer is placed only until it is known unreachable (SPEC §6, round 4: then it comes
+last): that router reads no load and checks no health, so the first refusal is the first word on
+it, and the test sends until a request meets it.
 ``rd0`` serves background load (another replica's requests, which only its ``/metrics`` shows),
 so least-loaded placement puts every decode on ``rdx``, deterministically; the release then
 finds ``rd0``. Counter deltas are read from baselines at rest, then once at rest again.
@@ -53,6 +56,8 @@ def rel_fleet() -> Iterator[FakeFleet]:
 
 @contextlib.contextmanager
 def _router(fleet: FakeFleet, tmp: Any, *, refusing: bool) -> Iterator[RouterProcess]:
+    # Refusing: no control read may find rdx unreachable before a request does (the module's text).
+    quiet = {"load_interval_s": 0} if refusing else {"load_interval_s": 0.1}
     dead = DeadEngine(refusing=refusing)
     engines: list[dict[str, Any]] = [
         {"name": PRODUCER, "role": "producer"},
@@ -62,7 +67,8 @@ def _router(fleet: FakeFleet, tmp: Any, *, refusing: bool) -> Iterator[RouterPro
     ]
     try:
         proc = start_router(fleet, engines, tmp, server={"workers": 2, "admin_token": TOKEN},
-                            engine={"first_token_timeout_s": FIRST_TOKEN_S}, placement={"load_interval_s": 0.1})
+                            engine={"first_token_timeout_s": FIRST_TOKEN_S}, placement=quiet,
+                            recovery={"health_interval_s": 600})
         try:
             yield proc
         finally:
@@ -118,8 +124,23 @@ async def _released_through_the_other_consumer(
 
 
 async def test_a_consumer_that_refuses_the_connection(refusing: RouterProcess, rel_fleet: FakeFleet) -> None:
-    await _released_through_the_other_consumer(
-        refusing, rel_fleet, completion(unique_prompt()), 502, "engine_unreachable")
+    before = at_rest(refusing, *COUNTERS)
+    refused = []
+    for _ in range(20):  # in-flight counts tie: random between rd0 and rdx until rdx refuses once
+        body = completion(unique_prompt())
+        reply = await send(refusing.url, "/v1/completions", body)
+        if reply.status != 200:
+            assert (reply.status, error_of(reply)["type"]) == (502, "engine_unreachable"), reply.raw
+            refused.append(body["prompt"])
+    assert 1 <= len(refused) <= 2, "a known-unreachable consumer was placed again"  # at most one per worker
+    for prompt in refused:  # each refused handoff: one non-streaming, one-token decode on rd0
+        wait_until(lambda p=prompt: len(records(rel_fleet, GOOD, p)) == 1, 10, "the release reached rd0")
+        (release,) = records(rel_fleet, GOOD, prompt)
+        assert (release["body"]["stream"], release["body"]["max_tokens"]) == (False, 1)
+    wait_until(lambda: rel_fleet.stats(PRODUCER)["held_requests"] == 0, 10, "rp0's handoffs freed")
+    after = at_rest(refusing, *COUNTERS)
+    assert tuple(value(after, name) - value(before, name) for name in COUNTERS) == (len(refused), 0.0)
+    assert (await engine_entry(refusing, DEAD))["unreachable"] is True
 
 
 async def test_a_connect_that_outlasts_the_first_token_timeout(hanging: RouterProcess, rel_fleet: FakeFleet) -> None:

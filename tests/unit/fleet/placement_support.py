@@ -17,23 +17,32 @@ MODEL = "m"
 
 
 class FakeView:
-    """``out``: names out of placement; ``left``: name -> seconds of quarantine left."""
+    """``out``: names out of placement; ``left``: name -> seconds of quarantine left;
+    ``down``: names unreachable; ``ejected``: names out by their breaker (a subset of ``out``)."""
 
     def __init__(self) -> None:
         self.out: set[str] = set()
         self.left: dict[str, float] = {}
+        self.down: set[str] = set()
+        self.ejected: set[str] = set()
         self.calls: Counter[str] = Counter()
 
     def admitted(self, engine: Engine) -> bool:
-        return engine.name not in self.out and engine.name not in self.left
+        return engine.name not in self.out and engine.name not in self.left and engine.name not in self.down
+
+    def unreachable(self, engine: Engine) -> bool:
+        return engine.name in self.down
+
+    def ejected_by_breaker(self, engine: Engine) -> bool:
+        return engine.name in self.ejected
 
     def placeable(self, engine: Engine) -> bool:
         self.calls["placeable"] += 1
         return engine.name not in self.out
 
-    def any_quarantined(self) -> bool:
-        self.calls["any_quarantined"] += 1
-        return bool(self.left)
+    def any_avoided(self) -> bool:
+        self.calls["any_avoided"] += 1
+        return bool(self.left) or bool(self.down)
 
     def quarantine_left(self, engine: Engine) -> float:
         self.calls["quarantine_left"] += 1

@@ -180,10 +180,10 @@ def test_the_shared_memory_view_keeps_published_and_local_quarantine_soft() -> N
         shared.assign_engines([(e.name, e.url) for e in fleet.engines])
         view = WorkerFleetState(shared, 0, fleet)
         p0, d0, d1 = (fleet.by_name[n] for n in ("p0", "d0", "d1"))
-        assert not view.any_quarantined() and view.quarantine_left(d0) == 0.0
+        assert not view.any_avoided() and view.quarantine_left(d0) == 0.0
         _publish(shared, fleet, "d0", 1, time.time() + 20)  # QUARANTINED by the supervisor
         _publish(shared, fleet, "p0", 2, None)  # EJECTED
-        assert view.any_quarantined()
+        assert view.any_avoided()
         assert (view.admitted(d0), view.placeable(d0)) == (False, True)
         assert (view.admitted(p0), view.placeable(p0)) == (False, False)
         assert 19 < view.quarantine_left(d0) <= 20
@@ -202,14 +202,14 @@ def test_the_local_view_keeps_quarantine_soft_and_forgets_it_once_over() -> None
     d0, d1 = fleet.by_name["d0"], fleet.by_name["d1"]
     view.out.add(d1.index)
     view.quarantine(d0, 0.05)
-    assert (view.admitted(d0), view.placeable(d0), view.any_quarantined()) == (False, True, True)
+    assert (view.admitted(d0), view.placeable(d0), view.any_avoided()) == (False, True, True)
     assert 0 < view.quarantine_left(d0) <= 0.05
     assert not view.placeable(d1)
     deadline = time.monotonic() + 2
     while not view.admitted(d0):
         assert time.monotonic() < deadline, "the quarantine never ended"
         time.sleep(0.01)
-    assert not view.any_quarantined() and view.quarantine_left(d0) == 0.0
+    assert not view.any_avoided() and view.quarantine_left(d0) == 0.0
 
 
 def test_a_pairs_decode_slot_is_unseen_by_its_consumer_until_the_leg_is_sent() -> None:

@@ -123,12 +123,12 @@ def test_a_charged_prefill_failure_is_reported_counted_and_quarantines_the_produ
     # In this worker, before any supervisor hears of it: p0 is quarantined, nobody else.
     assert _admitted(state, fleet) == {"p0": False, "d0": True, "b0": True}
     assert state.quarantine_left(p0) == QUARANTINE_S
-    assert state.any_quarantined()
+    assert state.any_avoided()
     clock.now = T0 + QUARANTINE_S - 0.001
     assert not state.admitted(p0) and state.quarantine_left(p0) == pytest.approx(0.001)
     clock.now = T0 + QUARANTINE_S
     assert state.admitted(p0) and state.quarantine_left(p0) == 0.0
-    assert not state.any_quarantined()  # the expired entry went when admitted() found it over
+    assert not state.any_avoided()  # the expired entry went when admitted() found it over
 
 
 def test_an_uncounted_failure_is_reported_uncounted_and_quarantines_nothing(
@@ -142,7 +142,7 @@ def test_an_uncounted_failure_is_reported_uncounted_and_quarantines_nothing(
     assert _drained(state) == [(0, 1, 1, 11, FLAG_BEFORE_TOKEN, T0)]
     assert _failures("d0", "decode", "engine_client_error") == before
     assert _admitted(state, fleet) == {"p0": True, "d0": True, "b0": True}
-    assert not state.any_quarantined()
+    assert not state.any_avoided()
 
 
 # One failure each (SPEC §5, §6): the pair, the failing leg (engine, phase, reason, whether it

@@ -176,3 +176,41 @@ def test_every_pass_beats_with_the_supervisors_pid(shared: SharedFleet, settings
     supervisor.step(loop)
     assert shared.supervisor_pid == os.getpid() and shared.heartbeat_age_s < 5
 
+
+
+async def test_a_refused_connection_is_published_unreachable_logged_and_cleared_by_an_answer(
+    shared: SharedFleet, settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    supervisor, loop, clock, prober = started(shared, settings)
+    worker = WorkerFleetState(shared, shared.claim_slot(os.getpid()) or 0, Fleet(settings))
+    p0, d1 = (next(e for e in supervisor.fleet.engines if e.name == n) for n in ("p0", "d1"))
+    refused = EngineError("engine d1 is unreachable (decode)", reason="engine_unreachable", engine="d1", phase="decode")
+    caplog.set_level("INFO", logger="narwhal.supervisor.breakers")
+    worker.report(p0, d1, error=refused, failed=d1, before_first_token=True)
+    supervisor.step(loop)
+    assert worker.unreachable(d1) and not worker.admitted(d1)
+    assert worker.placeable(d1)  # still placeable: last resort, never removed
+    assert "engine d1: unreachable (its last connection attempt failed)" in caplog.text
+    supervisor.connected(d1, answered=True, refused=False)  # a /metrics or /health answer
+    supervisor.step(loop)
+    assert not worker.unreachable(d1) and worker.admitted(d1)
+    assert "engine d1: reachable again" in caplog.text
+
+
+async def test_every_breaker_transition_is_one_log_line_with_its_engine_state_and_why(
+    shared: SharedFleet, settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    supervisor, loop, clock, prober = started(shared, settings)
+    worker = WorkerFleetState(shared, shared.claim_slot(os.getpid()) or 0, Fleet(settings))
+    caplog.set_level("INFO", logger="narwhal.supervisor.breakers")
+    charge_d0(supervisor, worker, clock)
+    supervisor.step(loop)
+    lines = [r.getMessage() for r in caplog.records if r.name == "narwhal.supervisor.breakers"]
+    assert lines == ["engine d0 (consumer): admitted -> ejected: 2 failure(s) in a row, last engine_5xx; ejection 1"]
+    clock.now += READMIT_S + 0.5
+    supervisor.step(loop)
+    await settle(supervisor)
+    supervisor.step(loop)
+    lines = [r.getMessage() for r in caplog.records if r.name == "narwhal.supervisor.breakers"]
+    assert lines[1:] == ["engine d0 (consumer): ejected -> probing: readmission probe under way",
+                         "engine d0 (consumer): probing -> admitted: streak cleared"]

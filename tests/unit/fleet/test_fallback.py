@@ -1,0 +1,84 @@
+"""Placement's second look (SPEC §5, §6 round 4): unreachable engines last, after ejected ones
+that are reachable, which join only in a role's panic (``narwhal.fleet.placement.fallback``)."""
+
+from __future__ import annotations
+
+from narwhal.fleet.reachability import Reachability
+from tests.unit.fleet.placement_support import MODEL, fleet_of, place
+
+
+def _eject(view, name: str) -> None:  # type: ignore[no-untyped-def]
+    view.out.add(name)
+    view.ejected.add(name)
+
+
+def test_a_dead_consumer_does_not_take_traffic_while_an_ejected_reachable_one_is_held_out_by_the_cap() -> None:
+    # issue 40's minimal case: d0 ejected for stream faults (reachable), d1 killed (kept in by the cap)
+    placement, _, _, _, view = fleet_of(producers=1, consumers=2)
+    _eject(view, "d0")
+    view.down.add("d1")
+    for _ in range(20):
+        resv = place(placement)
+        assert resv.consumer.name == "d0"
+        resv.release()
+
+
+def test_an_unreachable_consumer_is_avoided_while_an_admitted_one_can_take_the_request() -> None:
+    placement, _, _, inflight, view = fleet_of(producers=1, consumers=2)
+    view.down.add("d0")
+    for _ in range(5):  # d1 gets busier, d0 stays idle: unreachable outweighs load
+        assert place(placement).consumer.name == "d1"
+
+
+def test_ejected_engines_are_not_used_when_a_reachable_placeable_engine_of_the_role_exists() -> None:
+    placement, _, _, _, view = fleet_of(producers=1, consumers=3)
+    _eject(view, "d0")
+    view.down.add("d1")
+    view.left["d2"] = 5.0  # quarantined but reachable: tier 0 beats the ejected d0
+    assert place(placement).consumer.name == "d2"
+
+
+def test_operator_ejected_and_draining_engines_never_join_the_fallback() -> None:
+    placement, _, _, _, view = fleet_of(producers=1, consumers=2)
+    view.out.add("d0")  # out by hand: not in view.ejected
+    view.down.add("d1")
+    assert place(placement).consumer.name == "d1"  # the dead one, as a last resort
+
+
+def test_with_every_consumer_out_the_model_has_no_pair() -> None:
+    placement, _, _, _, view = fleet_of(producers=1, consumers=2)
+    _eject(view, "d0")
+    _eject(view, "d1")
+    assert placement.try_place(MODEL) is None
+
+
+def test_an_unreachable_producer_comes_after_an_ejected_reachable_producer() -> None:
+    placement, _, _, _, view = fleet_of(producers=2, consumers=1)
+    _eject(view, "p0")
+    view.down.add("p1")
+    assert place(placement).producer.name == "p0"
+
+
+def test_a_local_decode_falls_back_the_same_way() -> None:
+    placement, _, _, _, view = fleet_of(producers=1, consumers=2)
+    _eject(view, "d0")
+    view.down.add("d1")
+    found = placement.try_place(MODEL, local=True)
+    assert found is not None and found.consumer.name == "d0"
+
+
+def test_reachability_follows_the_last_word_and_counts_each_change_once() -> None:
+    reach = Reachability()
+    reach.reported("p0", "d1", False, "d1", "engine_unreachable")
+    assert reach.unreachable("d1") and reach.version == 1
+    reach.reported("p0", "d1", False, "d1", "engine_unreachable")
+    assert reach.version == 1  # no change, no new version
+    reach.reported("p0", "d0", True, None, None)
+    assert reach.unreachable("d1")  # a success elsewhere says nothing of d1
+    reach.reported("p0", "d1", False, "d1", "stream_stalled")  # a fault after a connection
+    assert not reach.unreachable("d1") and reach.version == 2
+    reach.saw("d0", False)
+    reach.reported("p0", "d0", True, None, None)
+    assert not reach.unreachable("d0")
+    assert reach.take_changes() == [("d1", False), ("d1", True), ("d0", False), ("d0", True)]
+    assert reach.take_changes() == []
