@@ -83,6 +83,7 @@ class EngineError(NarwhalError):
 
     counts = True
     pair: tuple[str, str] | None = None
+    connect_failed = False  # no connection could be made: the engine is unreachable (SPEC §6)
 
     def __init__(
         self,

@@ -94,8 +94,23 @@ class EngineSettings(_Section):
 
 
 class HandoffSettings(_Section):
-    """``[handoff]``: how old a prefill's KV handoff may be when its decode is sent."""
-    max_age_s: PositiveFloat = 40
+    """``[handoff]``: how old a prefill's KV handoff may be when its decode or release is sent.
+
+    ``lease_s`` states the producers' KV lease (vLLM's ``kv_lease_duration``, default 30 s):
+    past it vLLM frees a finished prefill's blocks, and a late reader takes whatever they hold
+    by then (SPEC §11). So ``max_age_s`` must stay below it; the margin is the time a decode or
+    release needs to reach the consumer."""
+    max_age_s: PositiveFloat = 20
+    lease_s: PositiveFloat = 30
+
+    @model_validator(mode="after")
+    def _below_the_lease(self) -> HandoffSettings:
+        if self.max_age_s >= self.lease_s:
+            raise ValueError(
+                f"handoff.max_age_s ({self.max_age_s:g}) must be below handoff.lease_s ({self.lease_s:g}): "
+                "a handoff decoded or released after the producers' KV lease reads blocks that may "
+                "already hold another request's KV")
+        return self
 
 
 class PlacementSettings(_Section):

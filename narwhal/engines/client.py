@@ -31,11 +31,13 @@ from narwhal.engines.relay import Signal
 from narwhal.errors import EngineError, Phase
 from narwhal.settings import EngineSettings
 
-ReleaseOutcome = Literal["released", "failed", "unreachable"]
+ReleaseOutcome = Literal["released", "failed", "unreachable", "expired"]
 """What became of a release: ``released``, the consumer answered 200 (it pulled the blocks);
 ``failed``, it was sent and the consumer failed or went silent (it had the handoff: another
 consumer must not pull it too), or there was no descriptor; ``unreachable``, nothing was sent
-(connecting failed or ran out of time), so another consumer may still take it."""
+(connecting failed or ran out of time), so another consumer may still take it; ``expired``,
+nothing was sent because the handoff reached ``handoff.max_age_s`` (SPEC §11: the producer's
+lease may be over and its blocks someone else's), so nobody may take it."""
 
 
 class EngineClient:
@@ -204,18 +206,28 @@ class EngineClient:
         body: dict[str, Any],
         *,
         headers: Mapping[str, str] | None = None,
+        max_age_s: float | None = None,
     ) -> ReleaseOutcome:
         """Hand an undecoded descriptor to ``consumer`` as a one-token decode, so vLLM frees
         the producer's KV blocks now instead of at its lease or abort timeout.
 
         Bounded by ``first_token_timeout_s``; the answer is discarded. The descriptor is sent as
-        it is: a caller on the request path validates it first. See :data:`ReleaseOutcome`.
+        it is: a caller on the request path validates it first. With ``max_age_s`` (SPEC §3 step
+        8, §11), only a handoff younger than that is sent, and its request must be on its way
+        before that age: a later read could take blocks the producer already gave to another
+        request. See :data:`ReleaseOutcome`.
         """
         if result.descriptor is None:
             return "failed"
-        payload = orjson.dumps(result.endpoint.dialect.release_body(body, result.request_id, result.descriptor))
+        now = asyncio.get_running_loop().time()
         seconds = self.settings.first_token_timeout_s
-        bound = failures.leg_bound(asyncio.get_running_loop().time(), seconds, None)
+        bound = failures.leg_bound(now, seconds, None)
+        if max_age_s is not None:
+            left = max_age_s - result.age()
+            if left <= 0:
+                return "expired"
+            bound = min(bound, now + left)  # the request must reach the consumer within the lease
+        payload = orjson.dumps(result.endpoint.dialect.release_body(body, result.request_id, result.descriptor))
         head = self.engine_headers(result.request_id, headers)
         # What a release makes of a wire failure is where it happened, not its reason.
         wire = failures.WireFailures(consumer.name, "decode", None, Wait.FIRST_TOKEN, seconds, bound)

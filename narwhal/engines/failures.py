@@ -119,7 +119,9 @@ def transport_error(exc: UpstreamError, name: str, phase: Phase) -> EngineError:
         message = f"engine {name} is unreachable ({phase})"
     else:
         message = f"engine {name} closed the connection before a response ({phase})"
-    return EngineError(message, reason=Reason.ENGINE_UNREACHABLE, engine=name, phase=phase)
+    error = EngineError(message, reason=Reason.ENGINE_UNREACHABLE, engine=name, phase=phase)
+    error.connect_failed = isinstance(exc, ConnectFailed)  # refused: unreachable; lost: it was reached
+    return error
 
 
 def engine_message(data: bytes) -> str:

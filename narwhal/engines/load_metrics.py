@@ -138,31 +138,60 @@ _CONFIG = CACHE_CONFIG.encode() + b"{"
 
 
 def parse_capacity(text: str | bytes) -> int | None:
-    """The KV capacity in tokens, ``num_gpu_blocks`` × ``block_size`` of ``vllm:cache_config_info``
-    (SPEC §3.3; vLLM's info gauge, its CacheConfig as labels); None when absent or not numbers
-    (``num_gpu_blocks`` is ``None`` before the engine profiled its memory). Pure and total."""
+    """The KV capacity in tokens from ``vllm:cache_config_info`` (SPEC §3.3 source 3, §11), or
+    None when unknown. Pure and total: whatever an engine sends, a number or None.
+
+    One series per data-parallel engine (label ``engine``); labels are read by their whole
+    names (0.33 has five more that end in ``block_size``, one of them ``hash_block_size="None"``).
+    The ``kv_cache_size_tokens`` label summed over the series when every series has it as a
+    positive integer (it is per engine, and right for hybrid models); otherwise
+    ``num_gpu_blocks`` (already the total over data-parallel engines) × ``block_size`` of any
+    one series. A value that is not a positive integer of at most :data:`_MAX_DIGITS` digits is
+    unknown (``num_gpu_blocks`` is ``None`` before the engine profiled its memory)."""
     body = text.encode() if isinstance(text, str) else text
-    pos = 0 if body.startswith(_CONFIG) else body.find(b"\n" + _CONFIG)
-    if pos < 0:
+    series = [_labels(line) for line in _config_lines(body)]
+    if not series:
         return None
-    end = body.find(b"\n", pos + 1)
-    line = body[pos : end if end >= 0 else len(body)]
-    blocks, size = _label_int(line, b'num_gpu_blocks="'), _label_int(line, b'block_size="')
-    if blocks is None or size is None:
-        return None
-    tokens = blocks * size
-    return tokens if tokens > 0 else None
+    sizes = [_positive(labels.get(b"kv_cache_size_tokens")) for labels in series]
+    if all(size is not None for size in sizes):
+        return sum(size for size in sizes if size is not None)
+    for labels in series:
+        blocks, size = _positive(labels.get(b"num_gpu_blocks")), _positive(labels.get(b"block_size"))
+        if blocks is not None and size is not None:
+            return blocks * size
+    return None
 
 
-def _label_int(line: bytes, opening: bytes) -> int | None:
-    """The label's value (the last one so named on the line) when it is a whole number."""
-    at = line.rfind(opening)
-    if at < 0:
+_MAX_DIGITS = 15  # a capacity of 10^15 tokens is beyond any engine; longer digit runs are not numbers
+_LABEL = re.compile(rb'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\\n]|\\.)*)"')
+
+
+def _config_lines(body: bytes) -> list[bytes]:
+    """Every ``vllm:cache_config_info{...}`` sample line of the exposition."""
+    lines = []
+    at = 0 if body.startswith(_CONFIG) else body.find(b"\n" + _CONFIG)
+    while at >= 0:
+        end = body.find(b"\n", at + 1)
+        lines.append(body[at : end if end >= 0 else len(body)])
+        at = body.find(b"\n" + _CONFIG, at + 1) if end >= 0 else -1
+    return lines
+
+
+def _labels(line: bytes) -> dict[bytes, bytes]:
+    """A sample line's labels by their whole names (the first of a repeated name wins)."""
+    start, end = line.find(b"{"), line.rfind(b"}")
+    found: dict[bytes, bytes] = {}
+    for match in _LABEL.finditer(line, start + 1, end if end > start else len(line)):
+        found.setdefault(match.group(1), match.group(2))
+    return found
+
+
+def _positive(value: bytes | None) -> int | None:
+    """A label value that is a positive whole number of at most :data:`_MAX_DIGITS` digits, else None."""
+    if value is None or not value.isdigit() or len(value) > _MAX_DIGITS:
         return None
-    start = at + len(opening)
-    end = line.find(b'"', start)
-    value = line[start:end] if end >= 0 else b""
-    return int(value) if value.isdigit() else None
+    number = int(value)
+    return number if number > 0 else None
 
 
 # The engine's own prefill rate (SPEC §3.3, ``supervisor.engine_rate``): vLLM's prefill-time

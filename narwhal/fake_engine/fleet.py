@@ -30,6 +30,7 @@ from pydantic import ValidationError
 
 from narwhal.fake_engine.control import build_control_app
 from narwhal.fake_engine.engine import FakeEngine
+from narwhal.fake_engine.release import DEFAULT_VERSION
 from narwhal.fake_engine.state import EngineModel
 
 CLOSE_TIMEOUT_S = 10.0
@@ -159,7 +160,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--control-port", type=int, default=0)
     p.add_argument("--model", default="fake-model")
-    p.add_argument("--version", default="0.11.0", help="vLLM version reported by /version")
+    p.add_argument("--vllm-version", "--version", dest="version", default=DEFAULT_VERSION,
+                   help="the vLLM release imitated (its /version, descriptor, metrics labels; fake_engine.release)")
+    p.add_argument("--transfer-mode", choices=("pull", "push"), default="pull",
+                   help="NIXL transfer mode in descriptors; decodes across modes fail their handshake")
+    p.add_argument("--enable-scale-out", action="store_true",
+                   help="serve /inference/v1/generate (a current release answers 403 without it)")
     p.add_argument("--lease-s", type=float, default=30.0, help="KV block lease of a prefill (seconds)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument(
@@ -264,7 +270,8 @@ def _models(args: argparse.Namespace, names: Sequence[str]) -> tuple[EngineModel
 # The flags whose destination is a ``run_fleet`` keyword of the same name (the fleet's own, then
 # what goes to every ``FakeEngine``), passed as parsed.
 _RUN_FLEET_OPTIONS = ("host", "base_port", "control_port", "ready_file", "model", "version", "lease_s", "block_size",
-                      "default_tokens", "token_delay_s", "coalesce", "flat_block_ids", "records_max")
+                      "default_tokens", "token_delay_s", "coalesce", "flat_block_ids", "records_max",
+                      "transfer_mode", "enable_scale_out")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,9 +15,10 @@ Order of events in one request, chosen to match what a router observes from vLLM
    producer prefill holds its blocks and returns the descriptor in ``kv_transfer_params`` (a
    Responses ``failed`` fault: a 200 Response with ``"status": "failed"``, holding nothing).
 
-A decode whose descriptor was never pulled (aborted while queued, rejected by a ``status`` fault or
-by validation) tells the producer to free the blocks, as vLLM does for aborts before scheduling and
-for rejected requests; a ``reset`` does not (a crashed engine notifies no one).
+A decode whose descriptor was never pulled tells the producer to free the blocks when aborted while
+queued, as vLLM does for aborts before scheduling; when rejected (a ``status`` fault, or
+validation) only on a release that frees refused handoffs (0.21.0 on, ``fake_engine.release``: 0.11
+leaves them to the producer's timeout); a ``reset`` never does (a crashed engine notifies no one).
 
 Invariant: each request's record gets exactly one outcome (``_State.done``) and a decode reads its
 descriptor at most once (``pulled`` is set before the pull starts), whichever ``await`` an abort
@@ -94,7 +95,7 @@ async def handle_completion(engine: EngineState, request: web.Request, kind: str
         phase = detect_phase(body) if isinstance(body, dict) else "decode"
         engine.count_request(phase)
         rec = engine.record(phase, request.path, headers, body)
-        if isinstance(body, dict):
+        if isinstance(body, dict) and engine.release.frees_refused:  # fake_engine.release: from 0.21.0
             _release_unpulled(engine, body.get("kv_transfer_params"))
         resp = error_response(err.status, err.message, err_type=err.err_type, param=err.param)
         return _fail(rec, resp)
@@ -186,7 +187,7 @@ async def _before_work(
         state.finish(engine, "error", spec.status)
         if _wants_pull(req):
             state.pulled = True
-            _release_unpulled(engine, req.kv_params)
+            _refused(engine, request, req)
         return resp
     return None
 
@@ -216,13 +217,32 @@ def _frames(request: web.Request, engine: EngineState, req: ParsedRequest) -> St
     return frames_for(req.kind, engine.templates(req.model), rid, int(time.time()), req.max_tokens)
 
 
-async def _pull_for(engine: EngineState, req: ParsedRequest, state: _State) -> bool:
+async def _pull_for(engine: EngineState, request: web.Request, req: ParsedRequest, state: _State) -> bool:
     """The consumer's KV pull when the request is a decode with a descriptor; False: it failed."""
     if not _wants_pull(req):
         return True
     assert req.kv_params is not None
     state.pulled = True  # set first: an abort mid-pull must not trigger a second read
-    return await kv.consumer_pull(engine, req.kv_params)
+    return await kv.consumer_pull(engine, _pull_params(request, engine, req))
+
+
+def _pull_params(request: web.Request, engine: EngineState, req: ParsedRequest) -> dict[str, Any]:
+    """The descriptor to pull by. A 0.11 descriptor names no ``remote_request_id``: that release's
+    consumer notifies the producer under its *own* request id, which matches the producer's only
+    because a router sends both legs the same ``X-Request-Id`` (VLLM-PROTOCOL.md A.3)."""
+    params = req.kv_params
+    assert params is not None
+    if "remote_request_id" in params:
+        return params
+    return {**params, "remote_request_id": _response_id(request, engine, req) + "-0"}
+
+
+def _refused(engine: EngineState, request: web.Request, req: ParsedRequest) -> None:
+    """The serving layer refused a decode (4xx, or an error answer before the engine took it):
+    0.21.0 and later tell the producer to free the handoff's blocks
+    (``_with_kv_transfer_rejection_cleanup``); 0.11 does not, and they wait for its timeout."""
+    if engine.release.frees_refused and _wants_pull(req):
+        _release_unpulled(engine, _pull_params(request, engine, req))
 
 
 async def _stream(
@@ -233,7 +253,7 @@ async def _stream(
 
     out = Emitter(request, state, engine.coalesce)
     await out.start()
-    if not await _pull_for(engine, req, state):
+    if not await _pull_for(engine, request, req, state):
         await out.emit(frames.error(500, KV_FAILED, False))
         return _stream_end(engine, state, await out.finish(), "error")
 
@@ -306,7 +326,7 @@ def _stream_end(
 async def _plain(
     engine: EngineState, request: web.Request, req: ParsedRequest, spec: FaultSpec, state: _State
 ) -> web.StreamResponse:
-    if not await _pull_for(engine, req, state):
+    if not await _pull_for(engine, request, req, state):
         state.finish(engine, "error", 500)
         return _http_error(req, 500, KV_FAILED, False)
     cached = await state.work.run(engine, req)
@@ -348,7 +368,7 @@ async def _plain(
     else:
         body = frames_for(req.kind, engine.templates(req.model), rid, int(time.time()), req.max_tokens).body(
             text, finish, req.prompt_tokens, n, cached)
-    descriptor = kv.producer_descriptor(engine, req.kv_params, rid, req.prompt_tokens, spec.descriptor)
+    descriptor = kv.producer_descriptor(engine, req.kv_params, rid, req.prompt_tokens, spec.descriptor, cached or 0)
     if descriptor is kv.MISSING or (descriptor is None and req.kind == "messages"):
         body.pop("kv_transfer_params", None)  # Messages are dumped with exclude_none: absent, not null
     else:

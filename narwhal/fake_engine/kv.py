@@ -27,15 +27,18 @@ from typing import Any
 
 import aiohttp
 
+from narwhal.fake_engine import release
 from narwhal.fake_engine.state import EngineState, lookup
 
 MISSING: Any = object()
 
 
 def producer_descriptor(
-    engine: EngineState, params: dict[str, Any] | None, rid: str, prompt_tokens: int, fault: str | None
+    engine: EngineState, params: dict[str, Any] | None, rid: str, prompt_tokens: int, fault: str | None,
+    cached_tokens: int = 0,
 ) -> Any:
-    """The producer's handoff (VLLM-PROTOCOL.md A.2, newest key set), corrupted on demand.
+    """The producer's handoff in the key set of the engine's release (``fake_engine.release``,
+    VLLM-PROTOCOL.md A.2 and §D), corrupted on demand.
 
     Allocates and holds the blocks when a usable descriptor is returned; ``MISSING`` means "omit
     the key". A corrupted descriptor holds nothing: no consumer could ever read or free it, so a
@@ -62,12 +65,21 @@ def producer_descriptor(
         "remote_host": engine.advertise_host,
         "remote_port": engine.port,
         "tp_size": engine.load_model.tensor_parallel_size,
-        "dcp_size": 1,
-        "pp_size": 1,
-        "remote_num_tokens": prompt_tokens,
-        "remote_blocks_expiry_time": None,
-        "transfer_mode": "pull",
     }
+    if engine.release.current:  # nixl/pull_scheduler.py request_finished, then the scheduler's key
+        desc.update({
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": prompt_tokens,
+            "remote_blocks_expiry_time": None,
+            "remote_registration_generation": 1,
+            "transfer_mode": engine.transfer_mode,
+            "remote_prefill_cached_tokens": cached_tokens,
+        })
+        if engine.transfer_mode == "push":  # push_scheduler: neither of these (VLLM-PROTOCOL §D)
+            del desc["remote_blocks_expiry_time"], desc["remote_registration_generation"]
+    else:  # 0.11's seven keys: its scheduler knew no request id of its own to hand over
+        del desc["remote_request_id"]
     if fault == "no_engine_id":
         del desc["remote_engine_id"]
     elif fault == "bad_blocks":
@@ -109,6 +121,10 @@ async def pull(consumer: EngineState, params: dict[str, Any]) -> bool:
     engine_id, request_id, host, port = target
     producer = lookup(engine_id) if consumer.local_kv else None
     if producer is not None:
+        if not release.compatible(producer.base_version, producer.transfer_mode,
+                                  consumer.base_version, consumer.transfer_mode):
+            consumer.incompatible_decodes += 1  # the NIXL handshake's compatibility hash differs
+            return False
         if not producer.serving or producer.faults.kv_read_fails:
             return False
         producer.kv.release(request_id)
@@ -120,6 +136,8 @@ def tp_refused(consumer: EngineState, params: dict[str, Any]) -> bool:
     """vLLM 0.11's NIXL handshake: a consumer whose TP is not a multiple of the producer's
     ``tp_size`` fails it (``Decode TP cannot be smaller than prefill TP`` in the consumer's log
     only). The decode then fails like any failed pull: the answer says nothing about TP."""
+    if not consumer.release.tp_multiple_rule:
+        return False  # later releases accept heterogeneous TP (nixl/base_worker.py)
     producer_tp = params.get("tp_size")
     if not isinstance(producer_tp, int) or isinstance(producer_tp, bool) or producer_tp < 1:
         return False

@@ -29,6 +29,12 @@ GENERATING_ROUTES = {
 }
 
 
+# vLLM 0.33's answer on /inference/v1/generate without --enable-scale-out (create_error_response).
+SCALE_OUT_DISABLED = {"error": {
+    "message": "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them.",
+    "type": "PermissionDeniedError", "param": None, "code": 403}}
+
+
 def json_response(data: object, status: int = 200) -> web.Response:
     """A JSON body with ``status``."""
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
@@ -38,6 +44,8 @@ def add_routes(app: web.Application, engine: EngineState) -> None:
     """Every route of one engine: the generating ones, vLLM's control routes and the fake's ``/fake/*``."""
     def generating(kind: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def route(request: web.Request) -> web.StreamResponse:
+            if kind == "generate" and engine.release.generate_needs_scale_out and not engine.enable_scale_out:
+                return json_response(SCALE_OUT_DISABLED, status=403)  # scale_out/factories.py
             return await handle_completion(engine, request, kind)
 
         return route
@@ -159,34 +167,52 @@ def render_metrics(engine: EngineState) -> str:
 
 def cache_config_info(engine: EngineState) -> str:
     """vLLM's ``vllm:cache_config_info``: an info gauge (1.0) labelled with its CacheConfig fields
-    (``CacheConfig.metrics_info()``, every value as ``str()`` writes it) and the engine index.
+    (``CacheConfig.metrics_info()``: ``__dict__`` in declaration order, every value as ``str()``
+    writes it, then ``engine``), one series per data-parallel engine (the fake has one).
 
     ``num_gpu_blocks`` is the fake's ``kv_blocks``, ``block_size`` its block size, and
-    ``enable_prefix_caching`` its prefix cache; the rest are vLLM 0.11's defaults.
+    ``enable_prefix_caching`` its prefix cache; the rest are the release's defaults, in its order
+    (``vllm/config/cache.py`` of 0.11.0 and of 0.33.0). 0.33 adds labels that end in
+    ``block_size`` (``hash_block_size`` reads ``"None"``: the API server never sets it) and
+    ``kv_cache_size_tokens``, the capacity in tokens of this engine.
     """
-    fields = {
-        "block_size": str(engine.kv.block_size),
-        "cache_dtype": "auto",
-        "calculate_kv_scales": "False",
-        "cpu_offload_gb": "0",
-        "enable_prefix_caching": str(engine.load_model.prefix_cache),
-        "engine": "0",
-        "gpu_memory_utilization": "0.9",
-        "is_attention_free": "False",
-        "kv_sharing_fast_prefill": "False",
-        "mamba_cache_dtype": "auto",
-        "mamba_ssm_cache_dtype": "auto",
-        "num_cpu_blocks": "None",
-        "num_gpu_blocks": str(engine.load_model.kv_blocks),
-        "num_gpu_blocks_override": "None",
-        "prefix_caching_hash_algo": "sha256",
-        "sliding_window": "None",
-        "swap_space": "4",
-        "swap_space_bytes": "4294967296",
-    }
+    block, blocks = str(engine.kv.block_size), engine.load_model.kv_blocks
+    prefix = str(engine.load_model.prefix_cache)
+    fields = _fields_033(block, blocks, prefix) if engine.release.current else _fields_011(block, blocks, prefix)
+    fields["engine"] = "0"
     labels = ",".join(f'{key}="{value}"' for key, value in fields.items())
     return (
         "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
         "# TYPE vllm:cache_config_info gauge\n"
         f"vllm:cache_config_info{{{labels}}} 1.0\n"
     )
+
+
+def _fields_011(block: str, blocks: int, prefix: str) -> dict[str, str]:
+    return {
+        "block_size": block, "gpu_memory_utilization": "0.9", "swap_space": "4", "cache_dtype": "auto",
+        "is_attention_free": "False", "num_gpu_blocks_override": "None", "sliding_window": "None",
+        "enable_prefix_caching": prefix, "prefix_caching_hash_algo": "sha256", "cpu_offload_gb": "0",
+        "calculate_kv_scales": "False", "kv_sharing_fast_prefill": "False", "mamba_cache_dtype": "auto",
+        "mamba_ssm_cache_dtype": "auto", "num_gpu_blocks": str(blocks), "num_cpu_blocks": "None",
+        "swap_space_bytes": "4294967296",
+    }
+
+
+def _fields_033(block: str, blocks: int, prefix: str) -> dict[str, str]:
+    return {
+        "block_size": block, "user_specified_block_size": "False", "kv_cache_layout": "NHD",
+        "prefix_match_unit": "None", "gpu_memory_utilization": "0.92", "cache_dtype": "auto",
+        "is_attention_free": "False", "num_gpu_blocks_override": "None", "sliding_window": "None",
+        "enable_prefix_caching": prefix, "prefix_caching_hash_algo": "sha256",
+        "prefix_cache_retention_interval": "0", "kv_cache_dtype_skip_layers": "[]",
+        "mamba_page_size_padded": "None", "skip_page_size_padded": "None", "mamba_block_size": "None",
+        "mamba_cache_dtype": "auto", "mamba_ssm_cache_dtype": "auto", "mamba_cache_mode": "none",
+        "enable_mamba_shared_prefix_checkpoint": "False", "replayssm_buffer_len": "16", "use_replayssm": "False",
+        "use_kda_recoverssm": "False", "num_gpu_blocks": str(blocks), "num_cpu_blocks": "None",
+        "simple_cpu_offload_num_blocks": "None", "effective_attention_block_size": block,
+        "kv_cache_size_tokens": str(blocks * int(block)), "kv_cache_max_concurrency": "None",
+        "hash_block_size": "None", "cache_hit_alignment_tokens": "None", "kv_sharing_fast_prefill": "False",
+        "swa_bounded_replay": "True", "kv_cache_memory_bytes": "None", "kv_offloading_size": "None",
+        "kv_offloading_backend": "native", "_block_size_resolved": "True",
+    }

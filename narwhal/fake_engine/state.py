@@ -34,6 +34,7 @@ from narwhal.fake_engine.faults import NO_FAULTS, EngineFaults
 from narwhal.fake_engine.histogram import Histogram
 from narwhal.fake_engine.kvstore import KvStore
 from narwhal.fake_engine.prefix import PrefixCache
+from narwhal.fake_engine.release import DEFAULT_VERSION, release_of
 
 # Process-local side channel: engine_id -> engine. Weak, so engines dropped by tests vanish.
 _REGISTRY: weakref.WeakValueDictionary[str, EngineState] = weakref.WeakValueDictionary()
@@ -94,13 +95,15 @@ class EngineState:
         name: str = "e0",
         *,
         model: str = "fake-model",
-        version: str = "0.11.0",
+        version: str = DEFAULT_VERSION,
         lease_s: float = 30.0,
         block_size: int = 16,
         default_tokens: int = 16,
         token_delay_s: float = 0.0,
         coalesce: bool = False,
         flat_block_ids: bool = False,
+        transfer_mode: str = "pull",
+        enable_scale_out: bool = False,
         advertise_host: str = "127.0.0.1",
         max_model_len: int = 8192,
         local_kv: bool = True,
@@ -112,10 +115,13 @@ class EngineState:
         self.engine_id = str(uuid.uuid4())
         self.model = model
         self.base_version = version
+        self.release = release_of(version)  # what this vLLM release does (fake_engine.release)
+        self.transfer_mode = transfer_mode  # NIXL's pull or push: part of the compatibility hash
+        self.enable_scale_out = enable_scale_out  # /inference/v1/generate served on a current release
         self.default_tokens = default_tokens
         self.token_delay_s = token_delay_s
         self.coalesce = coalesce
-        self.flat_block_ids = flat_block_ids
+        self.flat_block_ids = flat_block_ids or not self.release.nested_block_ids
         self.advertise_host = advertise_host
         self.max_model_len = max_model_len
         # False forces consumers to use the HTTP side channel even for producers in this process.
@@ -135,6 +141,7 @@ class EngineState:
         self.completed_requests = 0
         self.kv_pulls = 0
         self.kv_pull_failures = 0
+        self.incompatible_decodes = 0  # decodes whose producer runs another version or transfer mode
         # GETs of /health, /version and /v1/models answered: lets a test wait for N health
         # checks (or a lifecycle validation) instead of sleeping and hoping they happened.
         self.control_reads = {"health": 0, "version": 0, "models": 0, "metrics": 0}
@@ -286,6 +293,10 @@ class EngineState:
             },
             "kv_reads": store.kv_reads,
             "late_reads": store.late_reads,
+            "expired_reads": store.late_reads,  # SPEC §11's name: reads of a handoff whose lease ran out
+            "incompatible_decodes": self.incompatible_decodes,
+            "version": self.base_version,
+            "transfer_mode": self.transfer_mode,
             "expired_blocks": store.expired_blocks,
             "expired_requests": store.expired_requests,
             "kv_pulls": self.kv_pulls,

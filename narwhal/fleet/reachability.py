@@ -9,9 +9,9 @@ ejected for stream faults but reachable, was held out by the cap (issue 40).
 
 Evidence, in the order the supervisor sees it (the last word wins):
 
-* a request leg that ended ``engine_unreachable`` (refused, or lost before the response head)
-  says unreachable; any other report naming the engine (a success, a 5xx, a stream fault) says
-  a connection was made;
+* a request leg that could not connect (``engine_unreachable`` with no connection made: the
+  report's connect flag) says unreachable; any other report naming the engine (a success, a 5xx,
+  a connection lost before the response head, a stream fault) says a connection was made;
 * the supervisor's own control reads (``/health``, ``/metrics``): no connection says
   unreachable, any HTTP answer says reachable; a read that timed out says nothing (a busy
   engine's ``/metrics`` can answer after its short bound);
@@ -23,10 +23,6 @@ reports change nothing in its breaker, yet its reachability still moves. Nothing
 """
 
 from __future__ import annotations
-
-from narwhal.reasons import Reason
-
-UNREACHABLE_REASON = Reason.ENGINE_UNREACHABLE.value
 
 
 class Reachability:
@@ -52,14 +48,15 @@ class Reachability:
         self.version += 1
         self.changed.append((engine, reachable))
 
-    def reported(self, producer: str, consumer: str, ok: bool, failed: str | None, reason: str | None) -> None:
-        """What one worker report says of the engines it names (the module's text)."""
+    def reported(self, producer: str, consumer: str, ok: bool, failed: str | None, refused: bool) -> None:
+        """What one worker report says of the engines it names (the module's text): ``refused``,
+        no connection could be made to ``failed``."""
         if ok:
             if self._down:  # the usual case, nobody down: no set work per success
                 self.saw(consumer, True)
                 self.saw(producer, True)
         elif failed is not None:
-            self.saw(failed, reason != UNREACHABLE_REASON)
+            self.saw(failed, not refused)
 
     def forget(self, engine: str) -> None:
         """The engine left the fleet (discovery): nothing is remembered of it."""

@@ -260,7 +260,7 @@ class _Preflight:
             permitted = [d for d in self.fleet.engines if d.can_decode and d.connector == p.connector
                          and by_name[d.name].ok]
         if permitted:  # else nothing can free it now: the producer's lease will
-            await self.client.release(handoff, permitted[0], body)
+            await self.client.release(handoff, permitted[0], body, max_age_s=self.settings.handoff.max_age_s)
 
     async def _pair(self, p: Engine, d: Engine, by_name: dict[str, EngineResult]) -> PairResult:
         result = PairResult(p.name, d.name)

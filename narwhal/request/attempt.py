@@ -224,15 +224,15 @@ class Attempts:
     ) -> dict[str, Any] | None:
         """SPEC §3 step 5 (none for a same-worker or local decode) and step 6's age rule: the
         descriptor the decode carries. A rejected one is sent nowhere (counted abandoned: a
-        malformed one could crash a consumer), an expired one is released. ``rec``: the
+        malformed one could crash a consumer), and so is an expired one (SPEC §11). ``rec``: the
         attempt's, for a traced subclass."""
         try:
             return checked_handoff(result, result.endpoint, self.settings.handoff.max_age_s)
         except NarwhalError as exc:
-            if exc.reason == Reason.INVALID_HANDOFF:
-                metrics.HANDOFFS_ABANDONED.inc()  # sent nowhere: no consumer could use it
-            elif exc.reason == Reason.HANDOFF_EXPIRED:
-                self._release_later(result, req, resv)
+            if exc.reason in (Reason.INVALID_HANDOFF, Reason.HANDOFF_EXPIRED):
+                # Sent nowhere: no consumer could use a malformed one, and an expired one's blocks
+                # may belong to another request by now (SPEC §11, the lease).
+                metrics.HANDOFFS_ABANDONED.inc()
             _observe_start(ttft_s, None, None if resv.local else result.age())
             raise
 
@@ -309,7 +309,8 @@ class Attempts:
             return
         outcome = "unreachable"
         for consumer in consumers:
-            outcome = await self.client.release(result, consumer, req.body, headers=req.forward)
+            outcome = await self.client.release(result, consumer, req.body, headers=req.forward,
+                                                max_age_s=self.settings.handoff.max_age_s)
             if outcome != "unreachable":
                 break
         (metrics.HANDOFFS_RELEASED if outcome == "released" else metrics.HANDOFFS_ABANDONED).inc()

@@ -16,7 +16,6 @@ from narwhal.engines.connector import PrefillResult
 from narwhal.errors import EngineError
 from narwhal.fleet import Engine, Fleet
 from narwhal.fleet.placement.blocks import PrefixBlocks
-from narwhal.reasons import Reason
 
 
 class Reporter(Protocol):
@@ -90,7 +89,7 @@ class Outcomes:
             metrics.ENGINE_FAILURES.labels(error.engine, error.phase, error.reason).inc()
         self.reporter.report(producer, consumer, error=error, failed=failed, before_first_token=before_first_token,
                              local=local)
-        if failed is not None and error.reason == Reason.ENGINE_UNREACHABLE:
+        if failed is not None and error.connect_failed:
             self.reporter.mark_unreachable(failed)  # a fact of the wire, whoever is blamed
         if not error.counts or failed is None or self.quarantine_s <= 0:
             return

@@ -195,7 +195,10 @@ class Holdings(Mapped[HoldingsLayout]):
         seq = self._u64(off)
         self._set_u64(off, seq | 1)  # odd: being written
         body = struct.pack(f"<{len(keys) + 2 * len(pairs)}Q", *keys, *(v for pair in pairs for v in pair))
-        head = _SECTION.pack(stamp, len(keys), NONE32 if capacity_blocks is None else capacity_blocks, 0,
+        # A capacity the u32 cannot hold (an engine reporting 2^32 blocks or more, issue 40 item 2)
+        # is stored as the largest one it can: far beyond any section's room, so no bound at all.
+        capacity = NONE32 if capacity_blocks is None else min(max(capacity_blocks, 0), NONE32 - 1)
+        head = _SECTION.pack(stamp, len(keys), capacity, 0,
                              engine_id, prefill_chars_per_s or 0.0, chars_per_token or 0.0, mean_uncached_chars,
                              min(hot_blocks, len(keys)), len(pairs))
         crc = zlib.crc32(body, zlib.crc32(head))

@@ -219,6 +219,7 @@ FLAG_OK = 1
 FLAG_COUNTS = 2
 FLAG_BEFORE_TOKEN = 4
 FLAG_PREFILL = 8  # the failed leg was the prefill (else decode)
+FLAG_CONNECT = 16  # no connection could be made to the failed engine (stored as the byte's top bit)
 
 _ENTRY = struct.Struct("<QdHHHBBxxxx")  # seq, at (monotonic), producer, consumer, failed, reason, flags, kind
 _ENTRY_CRC = _CRC
@@ -245,7 +246,7 @@ def pack_report(report: Report, seq: int) -> bytes:
     payload and ``seq``."""
     payload = _ENTRY.pack(
         seq, report.at, report.producer, report.consumer, report.failed, report.reason,
-        report.flags | (report.kind << 4),
+        (report.flags & 0x0F) | (0x80 if report.flags & FLAG_CONNECT else 0) | (report.kind << 4),
     )
     return payload + _ENTRY_CRC.pack(zlib.crc32(payload))
 
@@ -258,4 +259,5 @@ def unpack_report(raw: bytes, expected_seq: int) -> Report | None:
     seq, at, producer, consumer, failed, reason, flags = _ENTRY.unpack(payload)
     if seq != expected_seq:
         return None
-    return Report(seq, at, producer, consumer, failed, reason, flags & 0x0F, flags >> 4)
+    connect = FLAG_CONNECT if flags & 0x80 else 0
+    return Report(seq, at, producer, consumer, failed, reason, (flags & 0x0F) | connect, (flags >> 4) & 0x07)

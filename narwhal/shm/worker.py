@@ -32,6 +32,7 @@ from narwhal.shm import layout as L
 from narwhal.shm.local import UNREACHABLE_HOLD_S, Quarantine
 from narwhal.shm.records import (
     FLAG_BEFORE_TOKEN,
+    FLAG_CONNECT,
     FLAG_COUNTS,
     FLAG_OK,
     FLAG_PREFILL,
@@ -377,6 +378,7 @@ class WorkerFleetState:
         else:
             flags = (FLAG_COUNTS if error.counts else 0) | (FLAG_BEFORE_TOKEN if before_first_token else 0)
             flags |= FLAG_PREFILL if error.phase == "prefill" else 0
+            flags |= FLAG_CONNECT if error.connect_failed else 0
             reason = REASON_CODE.get(error.reason, 0)
         self.shared.append(
             self.slot,

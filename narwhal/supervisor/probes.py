@@ -142,7 +142,8 @@ class Prober:
         except EngineError as exc:
             return exc.message
         if consumers:  # give the handoff back: the producer frees its blocks now
-            await self.client.release(result, consumers[0], self._body(model))
+            await self.client.release(result, consumers[0], self._body(model),
+                                      max_age_s=self.settings.handoff.max_age_s)
         return ""
 
     async def _consumer_probe(self, engine: Engine, model: str, original: str | None) -> Verdict:

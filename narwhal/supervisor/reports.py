@@ -26,6 +26,7 @@ from narwhal.fleet.breaker import Breakers, Outcome
 from narwhal.fleet.reachability import Reachability
 from narwhal.shm.records import (
     FLAG_BEFORE_TOKEN,
+    FLAG_CONNECT,
     FLAG_COUNTS,
     FLAG_OK,
     FLAG_PREFILL,
@@ -100,7 +101,7 @@ def apply_reports(reports: Sequence[Report], by_slot: Mapping[int, Engine], brea
             failed = None if failed_engine is None else failed_engine.name
             reason = REASONS[r.reason] if r.reason < len(REASONS) else ""
             if reach is not None:
-                reach.reported(producer.name, consumer.name, ok, failed, reason)
+                reach.reported(producer.name, consumer.name, ok, failed, bool(r.flags & FLAG_CONNECT))
             if ok and successes is not None and successes.repeated(breakers, key):
                 continue
             outcome = Outcome(

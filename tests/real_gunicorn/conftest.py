@@ -28,7 +28,8 @@ from tests.real_gunicorn.support import (
 
 @pytest.fixture(scope="session")
 def fleet() -> Iterator[FakeFleet]:
-    fleet = FakeFleet.start(ENGINES, args=["--model", MODEL, "--lease-s", str(LEASE_S), "--block-size", "4"])
+    fleet = FakeFleet.start(ENGINES, args=["--model", MODEL, "--lease-s", str(LEASE_S), "--block-size", "4",
+                                          "--enable-scale-out"])
     yield fleet
     fleet.stop()
 

@@ -30,7 +30,7 @@ def test_defaults_without_file_or_env() -> None:
     assert s.engine.prefill_timeout_s == 30
     assert s.engine.first_token_timeout_s == 30
     assert s.engine.decode_read_timeout_s == 20
-    assert s.handoff.max_age_s == 40
+    assert (s.handoff.max_age_s, s.handoff.lease_s) == (20, 30)
     assert s.placement.max_queue == 1024
     assert s.recovery.max_retries == 0
     assert s.recovery.retry_budget_ratio == 0.2
@@ -171,6 +171,18 @@ def test_a_misshapen_or_misspelt_setting_says_what_was_meant(tmp_path: Path, tom
     assert error_of(tmp_path, toml) == message
 
 
+def test_the_start_refuses_a_handoff_age_at_the_lease_with_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "narwhal.toml"
+    path.write_text("[handoff]\nmax_age_s = 30\nlease_s = 30\n")
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("NARWHAL_")}
+    proc = subprocess.run([sys.executable, "-m", "narwhal", "serve", "--config", str(path)], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("narwhal: invalid settings: handoff: handoff.max_age_s (30) must be below "
+                                  "handoff.lease_s (30)"), proc.stderr
+
+
 def test_the_start_refuses_a_misshapen_table_with_one_line(tmp_path: Path) -> None:
     path = tmp_path / "narwhal.toml"
     path.write_text("[engines]\n" + ENGINE)
@@ -302,8 +314,8 @@ def test_engine_url_trailing_slash_is_stripped(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("toml", "environ"),
     [
-        ("[handoff]\nmax_age_s = 30\n", {}),  # equal to the default prefill_timeout_s
-        ("[engine]\nprefill_timeout_s = 50\n", {}),  # above the default max_age_s (40)
+        ("[handoff]\nmax_age_s = 30\nlease_s = 60\n", {}),  # equal to the default prefill_timeout_s
+        ("[engine]\nprefill_timeout_s = 50\n", {}),  # above the default max_age_s (20)
         ("", {"NARWHAL_ENGINE__PREFILL_TIMEOUT_S": "45"}),
     ],
 )

@@ -193,28 +193,6 @@ async def test_invalid_descriptor_is_a_502_and_is_sent_nowhere(
     assert records_anywhere(fleet, prompt, CONSUMERS) == {}
 
 
-async def test_handoff_older_than_max_age_is_not_decoded_but_released(
-    solo_router: RouterProcess, fleet: FakeFleet
-) -> None:
-    prompt = unique_prompt()
-    before = fleet.stats("p2")["expired_blocks"]
-    # The prefill answers after 0.9 s: the handoff is older than handoff.max_age_s = 0.6.
-    reply = await send(
-        solo_router.url, "/v1/completions", completion(prompt, fake={"prefill": {"delay_headers_s": 0.9}})
-    )
-    assert reply.status == 504
-    assert error_of(reply)["type"] == "handoff_expired"
-    assert reply.headers["x-narwhal-error"] == "handoff_expired"
-    # Released: a one-token, non-streaming decode carrying the descriptor, and P frees its blocks.
-    wait_until(lambda: len(records(fleet, "d2", prompt)) == 1, 5, "release decode on d2")
-    release = records(fleet, "d2", prompt)[0]["body"]
-    assert release["stream"] is False and release["max_tokens"] == 1
-    assert "stream_options" not in release
-    assert release["kv_transfer_params"]["remote_engine_id"] == fleet.stats("p2")["engine_id"]
-    wait_until(lambda: fleet.stats("p2")["held_blocks"] == 0, 5, "p2 blocks freed")
-    assert fleet.stats("p2")["expired_blocks"] == before
-
-
 async def test_client_gone_during_prefill_releases_the_handoff(solo_router: RouterProcess, fleet: FakeFleet) -> None:
     prompt = unique_prompt()
     before = fleet.stats("p2")["expired_blocks"]

@@ -242,7 +242,7 @@ async def test_a_consumer_is_probed_with_a_handoff_from_its_original_producer(
         server={"workers": 2, "admin_token": TOKEN},
         recovery={"eject_after": 2, "readmit_interval_s": 0.4, "readmit_interval_max_s": 0.4,
                   "health_interval_s": 30},
-        engine_contract={"model": "fake-model", "engine_version": "0.11.0"},
+        engine_contract={"model": "fake-model", "engine_version": "0.33.0"},
     )
     try:
         await admin(router, "POST", "/admin/engines/sd1/drain")

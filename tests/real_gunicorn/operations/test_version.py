@@ -20,7 +20,7 @@ from narwhal.worker.app import version_document
 from tests.real_gunicorn.support import start_router
 
 VERSION = metadata.version("narwhal-router")
-PIN = ">=0.11,<0.12"
+PIN = ">=0.33,<0.34"
 
 
 @pytest.fixture(scope="module")

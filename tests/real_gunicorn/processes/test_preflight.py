@@ -1,4 +1,5 @@
-"""``narwhal preflight`` through the real CLI against a fake fleet (SPEC §6 "Preflight").
+"""``narwhal preflight`` through the real CLI against a fake fleet (SPEC §6 "Preflight"), one that
+imitates vLLM 0.11.0: its TP rule and the version it is pinned to.
 
 The fleet is this module's own (``pf-*`` names), so injected faults never disturb the other
 modules' routers. Blocks are one token each, so every probe's handoff really holds KV blocks: a
@@ -38,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[3]
 FOUR = [("pf-p0", "producer"), ("pf-p1", "producer"), ("pf-d0", "consumer"), ("pf-d1", "consumer")]
 PAIRS = ["pf-p0 -> pf-d0", "pf-p0 -> pf-d1", "pf-p1 -> pf-d0", "pf-p1 -> pf-d1"]
 CONTRACT = {"model": MODEL, "engine_version": "0.11.0", "kv_connector": "NixlConnector"}
-FLEET_ARGS = ["--model", MODEL, "--lease-s", str(LEASE_S), "--block-size", "1"]
+FLEET_ARGS = ["--vllm-version", "0.11.0", "--model", MODEL, "--lease-s", str(LEASE_S), "--block-size", "1"]
 
 
 @pytest.fixture(scope="module")

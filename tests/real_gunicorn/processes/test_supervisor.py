@@ -45,7 +45,7 @@ sup_router = router_fixture(
     "with a contract, readmission is lifecycle validation plus an inference probe.",
     server={"workers": 3, "admin_token": TOKEN},
     recovery={"eject_after": 3, "readmit_interval_s": 0.5, "readmit_interval_max_s": 1, "health_interval_s": 0.5},
-    engine_contract={"model": "fake-model", "engine_version": "0.11.0", "kv_connector": "NixlConnector"},
+    engine_contract={"model": "fake-model", "engine_version": "0.33.0", "kv_connector": "NixlConnector"},
 )
 
 
@@ -205,7 +205,7 @@ def preflight_router(fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory)
             server={"workers": 2, "admin_token": TOKEN},
             preflight={"on_start": True},
             recovery={"readmit_interval_s": 60, "readmit_interval_max_s": 60},
-            engine_contract={"model": "fake-model", "engine_version": ">=0.11,<0.12"},
+            engine_contract={"model": "fake-model", "engine_version": ">=0.33,<0.34"},
         )
     finally:
         fleet.control_request("DELETE", "/engines/sp1/faults")
@@ -224,4 +224,4 @@ async def test_an_engine_failing_preflight_at_start_starts_ejected(
     for prompt in prompts:
         assert (await send(preflight_router.url, "/v1/completions", completion(prompt))).status == 200
     assert all(not records(fleet, "sp1", p) for p in prompts)
-    assert "version 0.10.0 does not match >=0.11,<0.12" in preflight_router.log_text()
+    assert "version 0.10.0 does not match >=0.33,<0.34" in preflight_router.log_text()

@@ -47,7 +47,7 @@ pytestmark = pytest.mark.skipif(not HAVE_OPENSSL, reason="needs the openssl comm
 TRUSTED = ["hp0", "hd0"]
 ROGUE = "hx0"
 ROOT = Path(__file__).resolve().parents[3]
-CONTRACT = {"model": MODEL, "engine_version": ">=0.11,<0.12", "kv_connector": "NixlConnector"}
+CONTRACT = {"model": MODEL, "engine_version": ">=0.33,<0.34", "kv_connector": "NixlConnector"}
 RECOVERY = {"eject_after": 2, "health_interval_s": 0.3, "readmit_interval_s": 0.5, "readmit_interval_max_s": 1}
 
 

@@ -1,13 +1,13 @@
-"""The engine recipes start exactly the fleet the settings name, with flags vLLM 0.11.0 has.
+"""The engine recipes start exactly the fleet the settings name, with flags vLLM 0.33.0 has.
 
 Why: a ``vllm serve`` line that disagrees with ``deploy/narwhal.toml`` or the Kubernetes
 ConfigMap (another port, two engines on one side-channel port, a TP size without the GPUs for
 it, a consumer whose TP is no multiple of its producers', another connector) fails only on GPU
 hosts, at the first KV transfer. These tests read every recipe — each README ``sh`` block with
 ``vllm serve`` lines, and ``deploy/kubernetes/engines/`` — check it against its settings, and
-check every flag and variable against the ones read in vLLM 0.11.0's sources (the version the
-settings pin): ``vllm/engine/arg_utils.py``, ``vllm/entrypoints/openai/cli_args.py``,
-``vllm/config/kv_transfer.py``, ``vllm/envs.py`` and ``.../kv_connector/v1/nixl_connector.py``.
+check every flag and variable against the ones read in vLLM 0.33.0's sources (the version the
+settings pin): ``vllm/engine/arg_utils.py``, ``vllm/entrypoints/common/cli_args.py``,
+``vllm/config/kv_transfer.py``, ``vllm/envs.py`` and ``.../kv_connector/v1/nixl/base_scheduler.py``.
 """
 
 from __future__ import annotations
@@ -21,23 +21,27 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
-from packaging.specifiers import SpecifierSet
 
+from narwhal.engines.control import VersionPin
 from narwhal.fleet import Fleet
 from narwhal.fleet.discovery import engine_name
 from narwhal.settings import EngineSpec, Settings, load_settings
 from tests.unit.deploy.deploy_support import K8S, ROOT, kustomized
 
 ENGINES = K8S / "engines"
-VLLM = "0.11.0"
+VLLM = "0.33.0"
 
-# Read in vLLM 0.11.0: arg_utils.py (--tensor-parallel-size, --max-num-seqs, --enable-prefix-caching,
-# --kv-transfer-config) and cli_args.py (--port, --enable-prompt-tokens-details).
+# Read in vLLM 0.33.0: arg_utils.py (--tensor-parallel-size, --max-num-seqs, --enable-prefix-caching,
+# --kv-transfer-config) and entrypoints/common/cli_args.py (--port, --enable-prompt-tokens-details,
+# --enable-scale-out).
 VERIFIED_FLAGS = {
     "--port", "--tensor-parallel-size", "--max-num-seqs", "--enable-prefix-caching",
-    "--enable-prompt-tokens-details", "--kv-transfer-config",
+    "--enable-prompt-tokens-details", "--kv-transfer-config", "--enable-scale-out",
 }
-BOOLEAN_FLAGS = {"--enable-prefix-caching", "--enable-prompt-tokens-details"}
+BOOLEAN_FLAGS = {"--enable-prefix-caching", "--enable-prompt-tokens-details", "--enable-scale-out"}
+# KVTransferConfig.kv_load_failure_policy ("fail" | "recompute"), and the lease NIXL's scheduler reads
+# from kv_connector_extra_config (nixl/base_scheduler.py, default 30 s): it must equal handoff.lease_s.
+KV_EXTRA_KEYS = {"kv_load_failure_policy", "kv_connector_extra_config"}
 # envs.py and nixl_connector.py (VLLM_NIXL_*); UCX_NET_DEVICES is UCX's, from vLLM's 0.11.0 guide.
 VERIFIED_ENV = {"CUDA_VISIBLE_DEVICES", "VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT", "UCX_NET_DEVICES"}
 KV_ROLES = {"kv_producer", "kv_consumer", "kv_both"}  # config/kv_transfer.py, KVRole
@@ -112,7 +116,11 @@ def _check_engine_flags(command: Command, settings: Settings, consumer_streams: 
     assert set(command.flags) <= VERIFIED_FLAGS
     assert command.model == contract.model
     kv = json.loads(command.flag("--kv-transfer-config"))
-    assert kv == {"kv_connector": contract.kv_connector, "kv_role": "kv_both"} and kv["kv_role"] in KV_ROLES
+    assert {k: kv[k] for k in ("kv_connector", "kv_role")} == {"kv_connector": contract.kv_connector,
+                                                              "kv_role": "kv_both"} and kv["kv_role"] in KV_ROLES
+    assert set(kv) - {"kv_connector", "kv_role"} <= KV_EXTRA_KEYS
+    assert kv["kv_load_failure_policy"] in ("fail", "recompute")
+    assert kv["kv_connector_extra_config"]["kv_lease_duration"] == settings.handoff.lease_s
     assert command.flags["--enable-prefix-caching"] is None and command.flags["--enable-prompt-tokens-details"] is None
     if consumer_streams is not None:
         assert int(command.flag("--max-num-seqs")) >= consumer_streams
@@ -154,7 +162,8 @@ def test_the_pinned_engine_version_is_the_one_the_recipes_were_checked_against(t
     config = yaml.safe_load((K8S / "configmap.yaml").read_text())["data"]["narwhal.toml"]
     for text in ((ROOT / "deploy" / "narwhal.toml").read_text(), config):
         contract = _settings(text, tmp_path).engine_contract
-        assert contract is not None and SpecifierSet(contract.engine_version).contains(VLLM)
+        assert contract is not None and VersionPin.of(contract) is not None
+        assert VersionPin(contract.engine_version).matches(VLLM)  # exact or a range, as the router reads it
     assert f"checked against **vLLM {VLLM}**" in (ROOT / "README.md").read_text()
 
 

@@ -105,7 +105,7 @@ async def test_control_reads_reach_an_engine_the_configured_ca_signed(
 ) -> None:
     ref = _ref(good)
     assert await trusting_a.health(ref) is True
-    assert await trusting_a.version(ref) == "0.11.0"
+    assert await trusting_a.version(ref) == "0.33.0"
     assert await trusting_a.models(ref) == ["fake-model"]
     assert good.control_reads == {"health": 1, "version": 1, "models": 1, "metrics": 0}
 

@@ -13,8 +13,8 @@ from tests.unit.fake_engine.fe_support import ClientFactory
 
 @pytest.fixture
 def engine() -> FakeEngine:
-    """A fake engine named e0 with every model off."""
-    return FakeEngine("e0")
+    """A fake engine named e0 (the default release, 0.33.0, serving generate) with every model off."""
+    return FakeEngine("e0", enable_scale_out=True)
 
 
 @pytest.fixture

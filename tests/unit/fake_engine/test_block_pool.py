@@ -83,7 +83,7 @@ def test_prompt_text_of_every_endpoint() -> None:
 
 
 def cached_engine(**model: Any) -> FakeEngine:
-    return FakeEngine("e0", load_model=EngineModel(prefix_cache=True, **model))
+    return FakeEngine("e0", load_model=EngineModel(prefix_cache=True, **model), enable_scale_out=True)
 
 
 async def test_a_running_prefix_survives_a_flood_of_others(aiohttp_client: ClientFactory) -> None:
@@ -109,8 +109,13 @@ async def test_cache_config_info_carries_vllms_labels(aiohttp_client: ClientFact
     line = next(ln for ln in text.splitlines() if ln.startswith("vllm:cache_config_info{"))
     assert line.endswith("} 1.0")
     for label in ('block_size="16"', 'num_gpu_blocks="640"', 'enable_prefix_caching="True"', 'engine="0"',
-                  'cache_dtype="auto"', 'gpu_memory_utilization="0.9"', 'num_gpu_blocks_override="None"'):
+                  'cache_dtype="auto"', 'gpu_memory_utilization="0.92"', 'num_gpu_blocks_override="None"',
+                  'kv_cache_size_tokens="10240"', 'hash_block_size="None"'):
         assert label in line
+    # 0.33's order (vllm/config/cache.py): block_size first, engine last, the new labels between
+    names = [part.split("=")[0] for part in line[line.index("{") + 1 : line.index("}")].split(",")]
+    assert names[0] == "block_size" and names[-1] == "engine"
+    assert names.index("num_gpu_blocks") < names.index("kv_cache_size_tokens") < names.index("hash_block_size")
     engine.set_load_model(EngineModel(prefix_cache=False, kv_blocks=100))
     line = next(ln for ln in (await (await client.get("/metrics")).text()).splitlines()
                 if ln.startswith("vllm:cache_config_info{"))

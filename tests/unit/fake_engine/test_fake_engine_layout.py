@@ -22,8 +22,8 @@ from pathlib import Path
 
 PACKAGE = "narwhal.fake_engine"
 ROOT = Path(__file__).resolve().parents[3] / "narwhal" / "fake_engine"
-MAX_MODULE_LINES = 400
-MAX_FUNCTION_LINES = 60
+MAX_MODULE_LINES = 600  # the house's backstop (tests/unit/test_house_sizes.py)
+MAX_FUNCTION_LINES = 80
 
 
 def module_files(root: Path = ROOT, package: str = PACKAGE) -> dict[str, Path]:

@@ -131,7 +131,7 @@ async def test_validation_errors_like_vllm(client: TestClient[Any, Any], engine:
 async def test_operational_routes(client: TestClient[Any, Any], engine: FakeEngine) -> None:
     resp = await client.get("/health")
     assert resp.status == 200 and await resp.read() == b""
-    assert await (await client.get("/version")).json() == {"version": "0.11.0"}
+    assert await (await client.get("/version")).json() == {"version": "0.33.0"}
     models = await (await client.get("/v1/models")).json()
     assert models["object"] == "list"
     entry = models["data"][0]
@@ -174,7 +174,9 @@ async def test_prefill_descriptor_and_held_blocks(client: TestClient[Any, Any], 
         "pp_size": 1,
         "remote_num_tokens": 40,
         "remote_blocks_expiry_time": None,
+        "remote_registration_generation": 1,
         "transfer_mode": "pull",
+        "remote_prefill_cached_tokens": 0,
     }
     # A short prompt: an empty block list, still a held entry; a reused request id stays unique.
     resp = await client.post("/v1/completions", json=prefill_body(5), headers={"X-Request-Id": "r1"})

@@ -69,16 +69,16 @@ def test_a_local_decode_falls_back_the_same_way() -> None:
 
 def test_reachability_follows_the_last_word_and_counts_each_change_once() -> None:
     reach = Reachability()
-    reach.reported("p0", "d1", False, "d1", "engine_unreachable")
+    reach.reported("p0", "d1", False, "d1", True)
     assert reach.unreachable("d1") and reach.version == 1
-    reach.reported("p0", "d1", False, "d1", "engine_unreachable")
+    reach.reported("p0", "d1", False, "d1", True)
     assert reach.version == 1  # no change, no new version
-    reach.reported("p0", "d0", True, None, None)
+    reach.reported("p0", "d0", True, None, False)
     assert reach.unreachable("d1")  # a success elsewhere says nothing of d1
-    reach.reported("p0", "d1", False, "d1", "stream_stalled")  # a fault after a connection
+    reach.reported("p0", "d1", False, "d1", False)  # a fault after a connection
     assert not reach.unreachable("d1") and reach.version == 2
     reach.saw("d0", False)
-    reach.reported("p0", "d0", True, None, None)
+    reach.reported("p0", "d0", True, None, False)
     assert not reach.unreachable("d0")
     assert reach.take_changes() == [("d1", False), ("d1", True), ("d0", False), ("d0", True)]
     assert reach.take_changes() == []

@@ -193,15 +193,15 @@ async def test_a_failure_before_the_first_token_is_reported_as_such_and_releases
     assert _held(state) == ([0, 0], [0, 0]) and spawned == []  # the consumer had the handoff
 
 
-async def test_an_expired_handoff_is_released_to_the_consumer_and_no_leg_is_built() -> None:
-    engines = Engines(age_s=10_000.0)  # older than handoff.max_age_s
+async def test_an_expired_handoff_is_sent_nowhere_and_counted_abandoned() -> None:
+    engines = Engines(age_s=10_000.0)  # older than handoff.max_age_s: the lease may be over (SPEC §11)
     attempts, state, reports, spawned = _setup(engines)
+    before = _handoff_counts()
     with pytest.raises(EngineError) as failed:
         await attempts.run(Client(), _request(), AccessRecord(request_id="c", endpoint="e"), 0.0, frozenset())  # type: ignore[arg-type]
     assert failed.value.reason == "handoff_expired" and not failed.value.counts and engines.legs == 0
-    assert len(spawned) == 1
-    await spawned[0]
-    assert engines.releases == ["d0"] and _held(state) == ([0, 0], [0, 0])
+    assert spawned == [] and engines.releases == [] and _held(state) == ([0, 0], [0, 0])
+    assert _delta(before) == (0, 1)
 
 
 async def test_an_invalid_handoff_is_sent_nowhere_and_counted_abandoned() -> None:

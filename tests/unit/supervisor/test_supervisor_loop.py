@@ -185,6 +185,7 @@ async def test_a_refused_connection_is_published_unreachable_logged_and_cleared_
     worker = WorkerFleetState(shared, shared.claim_slot(os.getpid()) or 0, Fleet(settings))
     p0, d1 = (next(e for e in supervisor.fleet.engines if e.name == n) for n in ("p0", "d1"))
     refused = EngineError("engine d1 is unreachable (decode)", reason="engine_unreachable", engine="d1", phase="decode")
+    refused.connect_failed = True
     caplog.set_level("INFO", logger="narwhal.supervisor.breakers")
     worker.report(p0, d1, error=refused, failed=d1, before_first_token=True)
     supervisor.step(loop)

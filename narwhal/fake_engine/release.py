@@ -1,0 +1,74 @@
+"""What differs between the vLLM releases the fake imitates (SPEC §11, VLLM-PROTOCOL.md §D).
+
+One profile per imitated release, chosen by ``--vllm-version`` (default ``0.33.0``). Every shape
+here comes from the release's own sources, never from what the router accepts:
+
+=====================  ===========================================  ==================================
+behaviour              0.11 (``nixl_connector.py``)                 0.33 (``nixl/``)
+=====================  ===========================================  ==================================
+descriptor keys        seven: no ``remote_request_id`` …            fourteen, and the scheduler's
+                                                                    ``remote_prefill_cached_tokens``
+``remote_block_ids``   a flat list                                  one list per KV cache group
+a refused decode       nothing tells the producer: blocks wait      ``_with_kv_transfer_rejection_
+                       for its timeout                              cleanup`` frees them (from 0.21.0)
+heterogeneous TP       refused unless D's TP is a multiple of P's   accepted
+``/inference/v1/       served                                       403 without ``--enable-scale-out``
+generate``
+``cache_config_info``  0.11's CacheConfig fields, in their order    0.33's, in theirs (four more
+                                                                    labels ending in ``block_size``)
+=====================  ===========================================  ==================================
+
+Releases in between take the nearest rule the sources above date: the refusal cleanup is in
+every release from 0.21.0 on (vllm PR #41269; 0.20.2 lacks it, 0.21.0 has it, read from the
+wheels), the rest follows 0.33 from 0.12 on. The compatibility hash (``nixl/metadata.py``)
+includes the exact version string and the transfer mode in every release: a decode across
+either fails its handshake (:func:`compatible`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from packaging.version import InvalidVersion, Version
+
+DEFAULT_VERSION = "0.33.0"
+FIRST_REJECTION_CLEANUP = Version("0.21.0")
+_CURRENT = Version("0.12.0")
+
+
+@dataclass(frozen=True)
+class Release:
+    """The behaviours of one imitated vLLM release (the module's table)."""
+
+    version: str
+    current: bool  # 0.12 and later: the 0.33 column, but for the refusal cleanup
+    frees_refused: bool  # a decode refused by the serving layer frees the producer's blocks
+
+    @property
+    def nested_block_ids(self) -> bool:
+        """``remote_block_ids`` as one list per KV cache group."""
+        return self.current
+
+    @property
+    def tp_multiple_rule(self) -> bool:
+        """0.11's handshake: the consumer's TP must be a multiple of the producer's."""
+        return not self.current
+
+    @property
+    def generate_needs_scale_out(self) -> bool:
+        """``/inference/v1/generate`` answers 403 unless the engine runs ``--enable-scale-out``."""
+        return self.current
+
+
+def release_of(version: str) -> Release:
+    """The profile of ``version``; one that does not parse is imitated as the newest."""
+    try:
+        parsed = Version(version)
+    except InvalidVersion:
+        parsed = Version(DEFAULT_VERSION)
+    return Release(version, parsed >= _CURRENT, parsed >= FIRST_REJECTION_CLEANUP)
+
+
+def compatible(producer_version: str, producer_mode: str, consumer_version: str, consumer_mode: str) -> bool:
+    """NIXL's handshake: the compatibility hash holds the exact version and the transfer mode."""
+    return producer_version == consumer_version and producer_mode == consumer_mode
