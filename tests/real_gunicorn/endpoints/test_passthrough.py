@@ -275,15 +275,23 @@ async def test_engine_faults_map_to_502_504_and_eject_after_three(solo: RouterPr
         await wait_state(solo, "d2", "admitted")
 
 
-async def test_a_refusing_engine_is_unreachable_and_ejected(solo: RouterProcess, fleet: FakeFleet) -> None:
+async def test_a_refusing_engine_is_unreachable_and_placed_last(solo: RouterProcess, fleet: FakeFleet) -> None:
     fleet.control_request("POST", "/engines/d2/stop")
     try:
+        # SPEC §6 (round 4): once d2 refused a connection it is unreachable and comes last, so the
+        # producer takes the next requests instead of d2 answering every one 502.
+        reply, _ = await _tokenize(solo)
+        assert (reply.status, reply.headers["x-narwhal-error"]) == (502, "engine_unreachable"), reply.raw
+        assert error_of(reply)["message"] == "engine d2 is unreachable (decode)"
+        for _ in range(100):  # published fleet-wide within a supervisor loop (~20 ms)
+            if (await engine_entry(solo, "d2"))["unreachable"]:
+                break
+            await asyncio.sleep(0.02)
         for _ in range(3):
-            reply, _ = await _tokenize(solo)
-            assert (reply.status, reply.headers["x-narwhal-error"]) == (502, "engine_unreachable"), reply.raw
-            assert error_of(reply)["message"] == "engine d2 is unreachable (decode)"
-        entry = await wait_state(solo, "d2", "ejected", timeout=5)
-        assert entry["last_failure"]["reason"] == "engine_unreachable"
+            reply, tag = await _tokenize(solo)
+            assert reply.status == 200 and list(served(fleet, tag, SOLO)) == ["p1"], reply.raw
+        entry = await engine_entry(solo, "d2")
+        assert entry["unreachable"] is True and entry["last_failure"]["reason"] == "engine_unreachable"
     finally:
         fleet.control_request("POST", "/engines/d2/start")
         await admin(solo, "POST", "/admin/engines/d2/readmit")
