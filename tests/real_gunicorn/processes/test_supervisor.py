@@ -69,7 +69,7 @@ async def test_admin_api_needs_the_token(sup_router: RouterProcess) -> None:
     assert names == PRODUCERS + CONSUMERS
     entry = body["engines"][0]
     assert set(entry) == {"name", "url", "role", "wave", "models", "state", "failure_streak", "ejections",
-                          "quarantined_until", "inflight", "last_failure", "load", "holdings"}
+                          "unreachable", "quarantined_until", "inflight", "last_failure", "load", "holdings"}
     assert entry["models"] == ["fake-model"] and entry["wave"] is None and entry["last_failure"] is None
 
 
