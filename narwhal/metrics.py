@@ -109,6 +109,12 @@ HOLDINGS_PREDICTIONS = Counter(
 )
 
 # Written by the supervisor (the only process that knows breaker state).
+ENGINE_INFO = Gauge(
+    "narwhal_engine_info",
+    "1 for each engine with the vLLM version its /version reports (SPEC §11); 0 for a version it no longer runs",
+    ["engine", "role", "version"],
+    multiprocess_mode="livemax",
+)
 ENGINE_STATE = Gauge(
     "narwhal_engine_state",
     "Breaker state: 0 admitted, 1 quarantined, 2 ejected, 3 probing, 4 draining, 5 degraded",

@@ -260,6 +260,7 @@ class EngineSpec(_Section):
     kv_connector: str | None = None
     kv_peers: list[str] | None = None
     models: list[str] | None = None
+    transfer_mode: Literal["pull", "push"] = "pull"  # NIXL's; a pair needs the same (SPEC §11)
 
     @field_validator("url")
     @classmethod

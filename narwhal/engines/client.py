@@ -313,4 +313,18 @@ def _prefill_result(result: PrefillResult, status: int, data: bytes) -> PrefillR
     # Each endpoint reports the prompt's cached part in its own usage field.
     usage = dialect.prompt_usage(answer.get("usage"))
     result.prompt_tokens, result.cached_tokens = usage
+    if type(result.descriptor) is dict:  # vLLM 0.33 says it in the handoff too (SPEC §11)
+        _from_descriptor(result, result.descriptor)
     return result
+
+
+def _from_descriptor(result: PrefillResult, descriptor: dict[str, Any]) -> None:
+    """The producer's cache hits (``remote_prefill_cached_tokens``, whenever present) and the
+    prompt's tokens (``remote_num_tokens``, where usage said none) from a 0.33 descriptor: a
+    holdings source without ``--enable-prompt-tokens-details`` (SPEC §11, §3.3 source 2). Not a
+    whole number in range: unknown, the usage's word stands."""
+    cached, tokens = descriptor.get("remote_prefill_cached_tokens"), descriptor.get("remote_num_tokens")
+    if type(cached) is int and 0 <= cached < 1 << 32:
+        result.cached_tokens = cached
+    if result.prompt_tokens is None and type(tokens) is int and 0 < tokens < 1 << 32:
+        result.prompt_tokens = tokens

@@ -60,9 +60,9 @@ def _release_unpulled(engine: EngineState, params: Any) -> None:
         engine.spawn(kv.pull(engine, params))
 
 
-def _parse(body: Any, kind: str, models: list[str]) -> ParsedRequest:
+def _parse(body: Any, kind: str, models: list[str], max_model_len: int) -> ParsedRequest:
     if kind in ("chat", "completions"):
-        return parse_request(body, kind == "chat", models)
+        return parse_request(body, kind == "chat", models, max_model_len)
     return parse_endpoint_request(body, kind, models)
 
 
@@ -90,7 +90,7 @@ async def handle_completion(engine: EngineState, request: web.Request, kind: str
         rec = engine.record("decode", request.path, headers, None)
         return _fail(rec, error_response(400, f"JSON decode error: {exc}"))
     try:
-        req = _parse(body, kind, engine.models)
+        req = _parse(body, kind, engine.models, engine.max_model_len)
     except RequestError as err:
         phase = detect_phase(body) if isinstance(body, dict) else "decode"
         engine.count_request(phase)

@@ -138,7 +138,7 @@ def resolve_model(body: dict[str, Any], models: list[str]) -> str:
     return str(model)
 
 
-def parse_request(body: Any, chat: bool, models: list[str]) -> ParsedRequest:
+def parse_request(body: Any, chat: bool, models: list[str], max_model_len: int = 8192) -> ParsedRequest:
     """Validate like vLLM; raise ``RequestError`` with the status vLLM would answer."""
     if not isinstance(body, dict):
         raise RequestError(400, "The request body must be a JSON object.")
@@ -169,6 +169,12 @@ def parse_request(body: Any, chat: bool, models: list[str]) -> ParsedRequest:
             400, f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}."
         )
 
+    prompt_tokens = count_prompt_tokens(body, chat)
+    if max_tokens is not None and prompt_tokens + max_tokens > max_model_len:
+        # vLLM's serving layer (_validate_input): the context cannot hold the request.
+        raise RequestError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
+                           f"maximum context length is {max_model_len} tokens and your request has {prompt_tokens} "
+                           f"input tokens ({max_tokens} > {max_model_len} - {prompt_tokens}).")
     kv = body.get("kv_transfer_params")
     return ParsedRequest(
         chat=chat,
@@ -177,7 +183,7 @@ def parse_request(body: Any, chat: bool, models: list[str]) -> ParsedRequest:
         stream=stream,
         include_usage=isinstance(stream_options, dict) and stream_options.get("include_usage") is True,
         max_tokens=max_tokens,
-        prompt_tokens=count_prompt_tokens(body, chat),
+        prompt_tokens=prompt_tokens,
         kv_params=kv if isinstance(kv, dict) else None,
         faults=faults,
         kind="chat" if chat else "completions",

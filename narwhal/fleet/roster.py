@@ -36,6 +36,8 @@ class Engine:
     peers: frozenset[str] | None  # the consumers a producer may hand off to; None: any
     models: frozenset[str] = frozenset()
     models_configured: bool = False
+    transfer_mode: str = "pull"  # engines[].transfer_mode: NIXL pull or push (SPEC §11)
+    version: str | None = None  # the engine's /version as the supervisor read it; None: not yet
     permitted_consumers: tuple[Engine, ...] = ()
     permitted_producers: tuple[Engine, ...] = field(default=())
 
@@ -109,6 +111,15 @@ class Fleet:
         engine.models = models
         self._refresh_served()
 
+    def set_version(self, engine: Engine, version: str | None) -> None:
+        """The vLLM version ``engine`` reports (``/version``); placement's pairs move with ``version``
+        (SPEC §11: only engines of one version hand off)."""
+        if engine.version != version:
+            if version is not None:
+                log.info("engine %s runs vLLM %s", engine.name, version)
+            engine.version = version
+            self.version += 1
+
     def _refresh_served(self) -> None:
         self.version += 1
         self._served = frozenset(m for e in self.engines for m in e.models)
@@ -131,7 +142,7 @@ def _same(a: Engine, b: Engine) -> bool:
 def _description(e: Engine) -> tuple[Any, ...]:
     """What a reload compares: the engine's configured description, not what was discovered at run time."""
     return (e.name, e.url, e.role, e.connector, e.wave, e.max_inflight_prefill, e.max_inflight_decode, e.peers,
-            e.models_configured, e.models if e.models_configured else None)
+            e.models_configured, e.models if e.models_configured else None, e.transfer_mode)
 
 
 def _engine(index: int, spec: EngineSpec, connector: str) -> Engine:
@@ -149,6 +160,7 @@ def _engine(index: int, spec: EngineSpec, connector: str) -> Engine:
         peers=frozenset(spec.kv_peers) if spec.kv_peers is not None else None,
         models=frozenset(spec.models or ()),
         models_configured=spec.models is not None,
+        transfer_mode=spec.transfer_mode,
     )
 
 

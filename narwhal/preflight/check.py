@@ -49,7 +49,7 @@ from narwhal.engines.connector import (
 )
 from narwhal.engines.control import ControlClient, ControlError, VersionPin, open_session, parse_models, parse_version
 from narwhal.errors import DeadlineExceeded, NarwhalError
-from narwhal.fleet import Engine, Fleet
+from narwhal.fleet import Engine, Fleet, compat
 from narwhal.preflight.report import (
     FAIL,
     OK,
@@ -283,7 +283,8 @@ class _Preflight:
             except NarwhalError as exc:
                 result.verdict, result.reason = FAIL, f"transfer failed: {exc.message}"
             result.latency_ms = _ms_since(started)
-        if result.verdict == FAIL and p is not d:
+        if result.verdict == FAIL and p is not d and compat.tp_multiple_rule(by_name[d.name].version):
+            # 0.11's rule only (SPEC §11): later releases accept heterogeneous TP
             result.reason += _tp_cause(p.name, self.tp.get(p.name), d.name, self.tp.get(d.name))
         return result
 

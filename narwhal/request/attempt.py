@@ -30,6 +30,7 @@ the outcome (``narwhal.request.outcomes``).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
@@ -41,8 +42,8 @@ from narwhal.engines.client import EngineClient
 from narwhal.engines.connector import InvalidHandoff, PrefillResult, validate_descriptor
 from narwhal.engines.decode import DecodeLeg, checked_handoff
 from narwhal.engines.relay import Signal, Sink
-from narwhal.errors import EngineError, NarwhalError
-from narwhal.fleet import Engine
+from narwhal.errors import EngineClientError, EngineError, NarwhalError
+from narwhal.fleet import Engine, compat
 from narwhal.fleet.placement import Reservation
 from narwhal.reasons import Reason
 from narwhal.request.accesslog import AccessRecord
@@ -53,6 +54,8 @@ from narwhal.request.outcomes import Outcomes
 from narwhal.request.slot_wait import WaitingPlacement as Placement
 from narwhal.request.usage import UsageTap, completion_tokens, wants_usage
 from narwhal.settings import Settings
+
+log = logging.getLogger("narwhal.request.attempt")
 
 
 def _observe_start(ttft_s: float | None, first_byte_s: float | None, handoff_age: float | None) -> None:
@@ -227,7 +230,11 @@ class Attempts:
         malformed one could crash a consumer), and so is an expired one (SPEC §11). ``rec``: the
         attempt's, for a traced subclass."""
         try:
-            return checked_handoff(result, result.endpoint, self.settings.handoff.max_age_s)
+            descriptor = checked_handoff(result, result.endpoint, self.settings.handoff.max_age_s)
+            if descriptor is not None and descriptor.get("transfer_mode", resv.producer.transfer_mode) \
+                    != resv.producer.transfer_mode:
+                _mode_disagrees(resv.producer, descriptor.get("transfer_mode"))
+            return descriptor
         except NarwhalError as exc:
             if exc.reason in (Reason.INVALID_HANDOFF, Reason.HANDOFF_EXPIRED):
                 # Sent nowhere: no consumer could use a malformed one, and an expired one's blocks
@@ -278,6 +285,8 @@ class Attempts:
                 # An engine fault (refused, first-token timeout) says it is unreachable: try it
                 # last; the request's deadline says nothing about it.
                 self._release_later(result, req, resv, chosen_first=not isinstance(exc, EngineError))
+            elif refused_undecoded(exc, resv.consumer):
+                self._release_later(result, req, resv)  # the same consumer first: a release is one token
             raise
         except (asyncio.CancelledError, ConnectionError):
             if not client.committed and result.descriptor is not None:
@@ -293,6 +302,7 @@ class Attempts:
     def _release_later(
         self, result: PrefillResult, req: ClientRequest, resv: Reservation, *, chosen_first: bool = True
     ) -> None:
+        """Release the handoff in the background, unless nobody could read it (same-worker, none)."""
         if result.descriptor is not None and result.crossed:
             consumers = self.placement.release_consumers(resv.producer, resv.consumer, req.model,
                                                          chosen_first=chosen_first)
@@ -327,3 +337,23 @@ class Attempts:
         if result.crossed:
             await self._release(result, req, self.placement.release_consumers(
                 resv.producer, resv.consumer, req.model, chosen_first=True))
+
+
+def refused_undecoded(exc: NarwhalError, consumer: Engine) -> bool:
+    """The consumer refused the decode with a 4xx and its vLLM leaves the producer's blocks pinned
+    (SPEC §11 "a consumer's refusal": before 0.21.0, or an unknown version), so Narwhal releases
+    the handoff itself; a consumer that frees it needs no second word."""
+    return (isinstance(exc, EngineClientError) and exc.engine == consumer.name and exc.phase == "decode"
+            and not compat.frees_refused_decode(consumer.version))
+
+
+_MODE_WARNED: set[str] = set()  # producers whose descriptor's transfer mode this worker warned about
+
+
+def _mode_disagrees(producer: Engine, said: Any) -> None:
+    """SPEC §11: a producer's descriptor names another transfer mode than its setting: a warning,
+    once per engine (per worker): the pairs are chosen by the setting, so fix one or the other."""
+    if producer.name not in _MODE_WARNED:
+        _MODE_WARNED.add(producer.name)
+        log.warning("engine %s: its handoffs say transfer_mode %r, its engines[].transfer_mode is %r: pairs "
+                    "are chosen by the setting", producer.name, said, producer.transfer_mode)

@@ -98,8 +98,9 @@ class WaitingPlacement(Placement):
         retry_after = self.settings.retry_after_s
         self.queue.refuse_if_full(self.settings.max_queue, retry_after)
         if not self._servable(model, local):
+            why = None if local else self.incompatibility(model)
             raise PlacementError(
-                f"no engine available for model {model!r}: every engine serving it is out",
+                f"no engine available for model {model!r}: {why or 'every engine serving it is out'}",
                 retry_after_s=retry_after,
             )
         give_up = min(loop.time() + self.settings.queue_timeout_s, deadline)

@@ -5,12 +5,15 @@ The supervisor reads them (``supervisor.models``) and publishes one record per e
 (``shm.layout``), then bumps the models generation; workers only read (``worker.models_follow``):
 when the generation moved, never per request. One writer, the supervisor, so no lock.
 
-A record is ``seq u64 | version u64, identity hash u32, status u8, count u8, names | crc32``
-under the seqlock of ``shm.records`` (a torn or reordered copy is read again), each name a u8
-length and its UTF-8 bytes. ``version`` is the models generation it was published under: every
-round rewrites every engine's record, so a worker that sees the bump before a record (aarch64)
-reads again until the records carry it. The identity hash says whose the record is: a record
-left at a slot by an engine a reload or discovery removed is nobody's.
+A record is ``seq u64 | version u64, identity hash u32, status u8, count u8, engine version length
+u8, engine version, names | crc32`` under the seqlock of ``shm.records`` (a torn or reordered copy
+is read again), each name a u8 length and its UTF-8 bytes. The engine version is the engine's
+``/version`` (SPEC §11: which engines may pair), read with its models, at most
+:data:`MAX_VERSION_BYTES` bytes (a longer answer is no version). ``version`` is the models
+generation it was published under: every round rewrites every engine's record, so a worker that
+sees the bump before a record (aarch64) reads again until the records carry it. The identity hash
+says whose the record is: a record left at a slot by an engine a reload or discovery removed is
+nobody's.
 
 Bounded on purpose, each bound logged by the supervisor when it bites (never silently):
 
@@ -38,10 +41,11 @@ CONFIGURED = 3  # ``engines[].models`` set: never read; workers use their own se
 
 MAX_MODEL_BYTES = 255  # a name's length is one byte
 MAX_MODELS = 64
+MAX_VERSION_BYTES = 63  # "0.33.0+cu126.abcdef" fits many times over
 
-_HEAD = struct.Struct("<QIBB")  # version, identity hash, status, count
+_HEAD = struct.Struct("<QIBBB")  # version, identity hash, status, count, engine version length
 BODY = L.MODELS_RECORD_SIZE - 8 - 4  # seq before, CRC after
-ROOM = BODY - _HEAD.size  # for the names, each a length byte and its bytes
+ROOM = BODY - _HEAD.size - MAX_VERSION_BYTES  # for the names, each a length byte and its bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +56,7 @@ class ModelsRecord:
     name_hash: int
     status: int  # PENDING, ANSWERED, UNANSWERED or CONFIGURED
     models: tuple[str, ...]
+    engine_version: str | None = None  # the engine's /version; None: not read (yet)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,20 +104,36 @@ def encode(rec: ModelsRecord) -> bytes:
         raise ValueError("models outside the record's bounds: fit() them first")
     raws = [m.encode("utf-8", "surrogatepass") for m in rec.models]
     names = b"".join(len(raw).to_bytes(1, "little") + raw for raw in raws)
-    body = _HEAD.pack(rec.version, rec.name_hash, rec.status, len(rec.models)) + names
+    engine_version = fit_version(rec.engine_version)
+    raw_version = b"" if engine_version is None else engine_version.encode()
+    body = _HEAD.pack(rec.version, rec.name_hash, rec.status, len(rec.models),
+                      len(raw_version) if engine_version is not None else 0xFF) + raw_version + names
     return body + bytes(BODY - len(body))
 
 
 def decode(body: bytes) -> ModelsRecord:
     """The record in ``body`` (whole and CRC-checked: ``read_framed`` gave it)."""
-    version, name_hash, status, count = _HEAD.unpack_from(body)
+    version, name_hash, status, count, version_len = _HEAD.unpack_from(body)
     at = _HEAD.size
+    engine_version = None
+    if version_len != 0xFF:
+        engine_version = body[at : at + version_len].decode("ascii", "replace")
+        at += version_len
     names = []
     for _ in range(count):
         size = body[at]
         names.append(body[at + 1 : at + 1 + size].decode("utf-8", "surrogatepass"))
         at += 1 + size
-    return ModelsRecord(version, name_hash, status, tuple(names))
+    return ModelsRecord(version, name_hash, status, tuple(names), engine_version)
+
+
+def fit_version(version: str | None) -> str | None:
+    """A version the record holds: printable ASCII of at most :data:`MAX_VERSION_BYTES` bytes, else None."""
+    if version is None or not version or len(version) > MAX_VERSION_BYTES:
+        return None
+    if not version.isascii() or not version.isprintable():
+        return None
+    return version
 
 
 def write_models(region: L.Region, engine: int, rec: ModelsRecord) -> None:

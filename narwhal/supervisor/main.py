@@ -62,7 +62,9 @@ if TYPE_CHECKING:  # discovery is imported only when enabled (dnspython)
 
 log = logging.getLogger("narwhal.supervisor")
 
-_LOAD_READ_STATES = frozenset({State.ADMITTED, State.DEGRADED, State.QUARANTINED})
+# Draining engines too: their load shows, and a drained engine restarted for an upgrade is seen
+# refusing and answering again, so its new version is read before an operator readmits it.
+_LOAD_READ_STATES = frozenset({State.ADMITTED, State.DEGRADED, State.QUARANTINED, State.DRAINING})
 LOOP_S = 0.02  # ejections reach every worker within one loop: ~20 ms, against SPEC's 100 ms
 SWEEP_S = 0.25
 EXPORT_S = 1.0
@@ -104,6 +106,7 @@ class Supervisor:
         self.breakers = ChangingBreakers(self._infos(), settings.recovery,
                                          has_contract=settings.engine_contract is not None)
         self.reach = Reachability()  # whose last connection attempt failed (SPEC §6): published as a flag
+        self.models: ModelReader | None = None  # set by run(): the engines' /version and /v1/models
         self._map_slots()
         self._outcome_rings = RingIndexes(shared.layout.slot_offset(0) + L.SLOT_RING_WRITE, shared.layout.slot_size)
         self._successes = Successes()
@@ -285,9 +288,18 @@ class Supervisor:
 
     def connected(self, engine: Engine, answered: bool, refused: bool) -> None:
         """A control read's word on reaching ``engine`` (``fleet.reachability``): an answer says
-        reachable, no connection unreachable, a timeout nothing."""
-        if answered or refused:
-            self.reach.saw(engine.name, answered)
+        reachable, no connection unreachable, a timeout nothing. An engine that answers again
+        after refusing connections may be a new process — a rolling upgrade's next release — so
+        it stays unreachable until its ``/version`` (and models) are read again
+        (``supervisor.models``): placing it on its old version would pair it with engines it can
+        no longer hand off to (SPEC §11)."""
+        if refused:
+            self.reach.saw(engine.name, False)
+        elif answered:
+            if self.reach.unreachable(engine.name) and self.models is not None:
+                self.models.reread(engine)  # clears it once /version answers
+            else:
+                self.reach.saw(engine.name, True)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -388,7 +400,7 @@ class Supervisor:
                                on_reading=None if self.model is None else self.model.engine_read, rounds=self.rounds,
                                on_connect=self.connected)
             loop = self.start(Prober(self.settings, self.fleet, session, self.admitted), loads)
-            loop.models = ModelReader.over(self, session)
+            loop.models = self.models = ModelReader.over(self, session)
             await self._passes(loop)
 
     async def _passes(self, loop: Loop) -> None:

@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 
-from narwhal.engines.control import ControlClient, ControlError, EngineRef, parse_models
+from narwhal import metrics
+from narwhal.engines.control import ControlClient, ControlError, EngineRef, parse_models, parse_version
 from narwhal.fleet import Engine
 from narwhal.fleet.breaker import State
 from narwhal.shm import models as M
@@ -55,6 +56,9 @@ log = logging.getLogger("narwhal.supervisor.models")
 READ_TIMEOUT_S = 5.0  # one /v1/models read; an engine slower than this is asked again later
 RETRY_S = 1.0
 REFRESH_S = 30.0
+# A re-read version reaches every worker within this: two of their checks (worker.following's
+# FOLLOW_S, 0.25 s; tests/unit/supervisor/test_model_reader.py holds the two together).
+CLEAR_AFTER_S = 0.6
 SPREAD_S = 0.25  # a round's reads start over this (a batch per pass of the loop), the first at the next pass
 _OUT = frozenset({State.EJECTED, State.PROBING, State.DRAINING})
 
@@ -77,6 +81,10 @@ class ModelReader:
         self.control = control
         self.session: aiohttp.ClientSession | None = None  # closed: the supervisor stopped, no read starts
         self._known: dict[str, Known] = {}  # by engine name: what was last published for it
+        self._versions: dict[str, str] = {}  # by engine name: its /version as last read (SPEC §11)
+        self._recheck: set[str] = set()  # answering again after refusing: reachable once /version is read
+        self._rechecked: set[str] = set()  # read: reachable after CLEAR_AFTER_S (tick)
+        self._clear_at: dict[str, float] = {}
         self._reading: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._changed = False  # an answer changed something: publish at the next pass
@@ -108,6 +116,9 @@ class ModelReader:
             if rec is not None and rec.name_hash == ident and rec.status in (M.ANSWERED, M.UNANSWERED):
                 self._known[engine.name] = (ident, rec.status, rec.models)
                 self.sup.fleet.set_models(engine, frozenset(rec.models))
+            if rec is not None and rec.name_hash == ident and rec.engine_version is not None:
+                self._versions[engine.name] = rec.engine_version
+                self._set_version(engine, rec.engine_version)
 
     def tick(self, now: float) -> None:
         """Publish what changed since the last pass (answers, engines), then start the reads due now (never awaited)."""
@@ -117,7 +128,8 @@ class ModelReader:
             self._engines_seen = engines
             idents = {e.name: record_hash(e.name, e.url) for e in engines}
             self._known = {n: k for n, k in self._known.items() if idents.get(n) == k[0]}
-            due += [e for e in engines if e.name not in self._known]
+            self._versions = {n: v for n, v in self._versions.items() if n in idents}
+            due += [e for e in engines if e.name not in self._known or e.name not in self._versions]
             self._changed = True
         if now >= self._next_refresh:
             self._next_refresh = now + REFRESH_S
@@ -125,14 +137,29 @@ class ModelReader:
             due = list(engines)
         elif now >= self._next_retry:
             self._next_retry = now + RETRY_S
-            due += [e for e in engines if self._known.get(e.name, (0, M.PENDING))[1] != M.ANSWERED]
+            due += [e for e in engines if self._known.get(e.name, (0, M.PENDING))[1] != M.ANSWERED
+                    or e.name not in self._versions]
         if self._changed:
             self._changed = False
             self.publish()
-        due = [e for e in dict.fromkeys(due) if not e.models_configured and e.name not in self._reading]
+        self._clear_rechecked(now)
+        due = [e for e in dict.fromkeys(due) if e.name not in self._reading
+               and not (e.models_configured and e.name in self._versions)]
         if due:
             self._reading.update(e.name for e in due)
             self.sup.rounds.spread([functools.partial(self._start, e) for e in due], SPREAD_S)
+
+    def _clear_rechecked(self, now: float) -> None:
+        """Engines whose version was read again count as reachable once the workers, who follow
+        the models generation every 0.25 s, have had time to take the version up: until then a
+        worker could pair them by the version they ran before (SPEC §11)."""
+        for name in self._rechecked:
+            self._clear_at.setdefault(name, now + CLEAR_AFTER_S)
+        self._rechecked.clear()
+        for name, at in list(self._clear_at.items()):
+            if at <= now:
+                del self._clear_at[name]
+                self.sup.reach.saw(name, True)
 
     def _start(self, engine: Engine) -> None:
         if self._stopped():  # a round still being spread when the supervisor stopped
@@ -160,8 +187,10 @@ class ModelReader:
         return back
 
     async def _read(self, engine: Engine) -> None:
+        version: str | None = None
         try:
-            answer = await self._answer(engine)
+            version = await self._version(engine)
+            answer = None if engine.models_configured else await self._answer(engine)
         except Exception:  # a read must never take the supervisor down
             if self._stopped():
                 return  # the session closed under it: the supervisor is stopping
@@ -170,7 +199,43 @@ class ModelReader:
         finally:
             self._reading.discard(engine.name)
         if self.sup.fleet.by_name.get(engine.name) is engine:  # not forgotten or replaced meanwhile
-            self.settle(engine, answer)
+            self.settle_version(engine, version)
+            if not engine.models_configured:
+                self.settle(engine, answer)
+
+    async def _version(self, engine: Engine) -> str | None:
+        try:
+            status, body = await self.control.get(engine, "/version")
+        except ControlError:
+            return None
+        return M.fit_version(parse_version(body)) if status == 200 else None
+
+    def reread(self, engine: Engine) -> None:
+        """Read ``engine``'s ``/version`` and models again now (it answers again after refusing
+        connections: maybe a new process); it counts as reachable once ``/version`` answered."""
+        self._recheck.add(engine.name)
+        if engine.name not in self._reading and not self._stopped():
+            self._reading.add(engine.name)
+            self._start(engine)
+
+    def settle_version(self, engine: Engine, version: str | None) -> None:
+        """One read's ``/version`` (None: no answer: the last one stands); a change is published."""
+        if version is not None and engine.name in self._recheck:
+            self._recheck.discard(engine.name)
+            self._rechecked.add(engine.name)  # reachable once the workers follow the new version (tick)
+        if version is None or self._versions.get(engine.name) == version:
+            return
+        self._versions[engine.name] = version
+        self._changed = True
+        self._set_version(engine, version)
+
+    def _set_version(self, engine: Engine, version: str) -> None:
+        old = engine.version
+        self.sup.fleet.set_version(engine, version)
+        if old is not None and old != version:
+            # A multiprocess series cannot be removed (its file keeps it): the old version reads 0.
+            metrics.ENGINE_INFO.labels(engine.name, engine.role, old).set(0)
+        metrics.ENGINE_INFO.labels(engine.name, engine.role, version).set(1)
 
     async def _answer(self, engine: Engine) -> list[str] | None:
         try:
@@ -212,5 +277,6 @@ class ModelReader:
                 status = M.CONFIGURED  # workers take engines[].models from their own settings
             else:
                 _, status, models = self._known.get(engine.name, (ident, M.PENDING, ()))
-            M.write_models(region, self.sup.slot_of(engine), M.ModelsRecord(version, ident, status, models))
+            M.write_models(region, self.sup.slot_of(engine),
+                           M.ModelsRecord(version, ident, status, models, self._versions.get(engine.name)))
         M.bump_generation(region)

@@ -51,6 +51,8 @@ def engine_view(router: Router, state: WorkerFleetState | LocalFleetState, engin
         "role": engine.role,
         "wave": engine.wave,
         "models": sorted(engine.models),
+        "version": engine.version,  # its /version as the supervisor read it (SPEC §11); null: not yet
+        "transfer_mode": engine.transfer_mode,
         "state": "admitted",
         "failure_streak": 0,
         "ejections": 0,

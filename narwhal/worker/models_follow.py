@@ -60,12 +60,12 @@ class ModelsFollower:
         return engine.index if self._by_slot else self.shared.engine_slot(engine.name, engine.url)
 
     def _records(self) -> tuple[list[tuple[Engine, int, M.ModelsRecord | None]], bool]:
-        """Each engine's record (engines[].models ones aside), and whether all were readable."""
+        """Each engine's record (an engines[].models one too: its version), and whether all were readable."""
         out: list[tuple[Engine, int, M.ModelsRecord | None]] = []
         whole = True
         for engine in self.fleet.engines:
             slot = self._slot(engine)
-            if engine.models_configured or slot is None:
+            if slot is None:
                 continue
             try:
                 out.append((engine, slot, M.read_models(self.shared.region, slot)))
@@ -89,11 +89,13 @@ class ModelsFollower:
                 models: frozenset[str] = frozenset()
             elif rec.name_hash == record_hash(engine.name, engine.url):
                 models = frozenset(rec.models)
+                if rec.engine_version is not None:  # SPEC §11: which engines may pair
+                    self.fleet.set_version(engine, rec.engine_version)
             elif behind:
                 continue  # another engine's record, not rewritten for this one yet: keep what it had
             else:
                 models = frozenset()  # the supervisor publishes no record for this engine
-            if models != engine.models:
+            if models != engine.models and not engine.models_configured:
                 self.fleet.set_models(engine, models)
         if complete:
             self._seen, self._engines = generation, engines
@@ -101,8 +103,8 @@ class ModelsFollower:
     def unread(self) -> list[str]:
         """The engines whose first read by the supervisor has not ended yet."""
         found, _ = self._records()
-        return [engine.name for engine, _, rec in found
-                if rec is None or rec.status == M.PENDING or rec.name_hash != record_hash(engine.name, engine.url)]
+        return [engine.name for engine, _, rec in found if not engine.models_configured and (
+                rec is None or rec.status == M.PENDING or rec.name_hash != record_hash(engine.name, engine.url))]
 
     async def first(self, bound_s: float = START_WAIT_S) -> None:
         """Wait (bounded) until the supervisor has read every engine once, then take the models up."""

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from narwhal.fleet import Engine, Fleet, FleetView
+from narwhal.fleet import Engine, Fleet, FleetView, compat
 from narwhal.fleet.placement import affinity, held, least_loaded
 from narwhal.fleet.placement.blocks import PrefixBlocks
 from narwhal.fleet.placement.fallback import Fallback, fallback
@@ -291,9 +291,9 @@ class Placement:
         until an engine's models change, so built once per model rather than per request."""
         self._refresh()
         found = self._by_model.get(model)
-        if found is None:
+        if found is None:  # the compatible pairs only (SPEC §11: versions and transfer modes)
             found = tuple(
-                (p, tuple(d for d in p.permitted_consumers if model in d.models))
+                (p, tuple(d for d in p.permitted_consumers if model in d.models and compat.compatible(p, d)))
                 for p in self.fleet.engines
                 if p.can_prefill and model in p.models
             )
@@ -318,11 +318,21 @@ class Placement:
         this) stays true, and a request waits for a reservation rather than being refused at
         once. Only engines that are out (ejected, probing, draining) make a model unservable."""
         placeable = self.view.placeable
-        for p in self.fleet.engines:
-            if p.can_prefill and model in p.models and placeable(p):
-                if any(model in d.models and placeable(d) for d in p.permitted_consumers):
-                    return True
+        for p, consumers in self._candidates(model):
+            if placeable(p) and any(placeable(d) for d in consumers):
+                return True
         return False
+
+    def incompatibility(self, model: str) -> str | None:
+        """Why ``model`` has no pair when only versions or transfer modes keep its engines apart
+        (SPEC §11: the 503's detail), else None."""
+        reasons = sorted({compat.why_incompatible(p, d)
+                          for p in self.fleet.engines if p.can_prefill and model in p.models
+                          for d in p.permitted_consumers if model in d.models and not compat.compatible(p, d)})
+        if not reasons or any(consumers for _, consumers in self._candidates(model)):
+            return None
+        return ("no consumer compatible with a producer: NIXL hands off only between engines of one vLLM "
+                "version and transfer mode (" + "; ".join(reasons) + ")")
 
     def release_consumers(self, producer: Engine, chosen: Engine, model: str, *, chosen_first: bool) -> list[Engine]:
         """Where an undecoded handoff of ``producer`` may be released, in order (SPEC §3 step 8):

@@ -15,7 +15,7 @@ from prometheus_client import REGISTRY
 from narwhal.engines import endpoints
 from narwhal.engines.connector import PrefillResult
 from narwhal.engines.relay import Signal
-from narwhal.errors import DeadlineExceeded, EngineError, NarwhalError
+from narwhal.errors import DeadlineExceeded, EngineClientError, EngineError, NarwhalError
 from narwhal.fleet import Engine, Fleet
 from narwhal.request.accesslog import AccessRecord
 from narwhal.request.admission import ClientRequest
@@ -395,3 +395,26 @@ async def test_an_abandoned_prefill_releases_its_handoff_to_the_chosen_consumer_
     rest = engines.prefill(resv.producer, endpoints.COMPLETIONS, {})
     await attempts._finish_abandoned_prefill(rest, _request(), resv)
     assert engines.releases == [resv.consumer.name] and held_during == [([0, 0, 0], [0, 0, 0])]
+
+
+async def _refused_by_the_consumer(version: str | None) -> tuple[Engines, list[Any]]:
+    """A decode the consumer (of ``version``) answers 400 before any output (SPEC §11 "a consumer's refusal")."""
+    refusal = EngineClientError("max_tokens is too large", engine="d0", phase="decode", status=400)
+    engines = Engines(leg=Leg([], fail_at=refusal))
+    attempts, state, _, spawned = _setup(engines)
+    attempts.placement.fleet.set_version(attempts.placement.fleet.by_name["d0"], version)
+    with pytest.raises(EngineClientError):
+        await attempts.run(Client(), _request(), AccessRecord(request_id="c", endpoint="e"), 0.0, frozenset())  # type: ignore[arg-type]
+    for task in spawned:
+        await task
+    assert _held(state) == ([0, 0], [0, 0])
+    return engines, spawned
+
+
+async def test_a_refused_decode_is_released_unless_the_consumers_vllm_frees_it_itself() -> None:
+    for version in ("0.11.0", "0.20.2", None):  # no cleanup in these releases, or not known
+        engines, spawned = await _refused_by_the_consumer(version)
+        assert len(spawned) == 1 and engines.releases == ["d0"], version
+    for version in ("0.21.0", "0.33.0"):  # _with_kv_transfer_rejection_cleanup frees it
+        engines, spawned = await _refused_by_the_consumer(version)
+        assert spawned == [] and engines.releases == [], version

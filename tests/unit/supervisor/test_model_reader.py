@@ -29,14 +29,24 @@ ENGINES = [{"name": "p0", "url": "http://127.0.0.1:1", "role": "producer"},
            {"name": "c0", "url": "http://127.0.0.1:3", "role": "consumer", "models": ["fixed"]}]
 
 
+VERSION = "0.33.0"
+
+
 class FakeControl:
-    """``/v1/models`` answered at once from ``answers`` (None: unreachable); every read counted."""
+    """``/v1/models`` answered at once from ``answers`` (None: unreachable); every read counted.
+    ``/version`` (read with them, SPEC §11) answers ``VERSION``, for engines[].models ones too."""
 
     def __init__(self, **answers: list[str] | None) -> None:
         self.answers = answers
         self.reads: list[str] = []
+        self.version_reads: list[str] = []
 
     async def get(self, engine: EngineRef, path: str) -> tuple[int, bytes]:
+        if path == "/version":
+            self.version_reads.append(engine.name)
+            if engine.name in self.answers and self.answers[engine.name] is None:
+                raise ControlError("unreachable")
+            return 200, orjson.dumps({"version": VERSION})
         assert path == "/v1/models"
         self.reads.append(engine.name)
         models = self.answers.get(engine.name)
@@ -100,6 +110,9 @@ async def test_the_start_reads_each_engine_once_and_workers_take_the_models_up(
     assert models_of(worker.fleet) == {"p0": {"m-one"}, "d0": {"m-one", "lora-a"}, "c0": {"fixed"}}
     assert worker.fleet.served_models == {"m-one", "lora-a", "fixed"}
     assert models_of(reader.sup.fleet) == models_of(worker.fleet)  # the supervisor's probes pick from them too
+    # Every engine's /version, an engines[].models one's too: published with the models.
+    assert sorted(control.version_reads) == ["c0", "d0", "p0"]
+    assert {e.name: e.version for e in worker.fleet.engines} == {"p0": VERSION, "d0": VERSION, "c0": VERSION}
 
 
 async def test_an_engine_that_never_answered_is_asked_every_retry_and_one_that_stops_keeps_its_models(
@@ -185,4 +198,11 @@ async def test_a_restarted_supervisor_starts_from_what_its_predecessor_published
     p0 = shared.engine_slot("p0", "http://127.0.0.1:1")
     assert p0 is not None
     assert M.read_models(shared.region, p0) == M.ModelsRecord(
-        M.generation(shared.region), record_hash("p0", "http://127.0.0.1:1"), M.ANSWERED, ("m-one",))
+        M.generation(shared.region), record_hash("p0", "http://127.0.0.1:1"), M.ANSWERED, ("m-one",), VERSION)
+
+
+def test_a_reread_version_is_followed_by_every_worker_before_its_engine_counts_as_reachable() -> None:
+    from narwhal.supervisor.models import CLEAR_AFTER_S
+    from narwhal.worker.following import FOLLOW_S
+
+    assert CLEAR_AFTER_S > 2 * FOLLOW_S

@@ -1,0 +1,75 @@
+"""What Narwhal must know of an engine's vLLM release (SPEC §11): pure rules, no I/O.
+
+* **Compatible pairs.** NIXL's handshake compares a compatibility hash that includes the exact
+  vLLM version string and the transfer mode (``nixl/metadata.py``
+  ``compute_nixl_compatibility_hash``): a producer and a consumer of different versions (a
+  rolling upgrade) or modes cannot hand off, and every such handoff fails as a failed KV load
+  that the breakers would blame on a healthy engine. So a pair is placed only when both modes
+  agree and both versions are equal, or when either version is not known yet (an engine whose
+  ``/version`` has not been read: refusing it would empty a fleet at start).
+* **Who frees a refused decode.** From 0.21.0 on, vLLM's serving layer tells the producer to
+  free a handoff whose decode it refused (``_with_kv_transfer_rejection_cleanup``; absent from
+  0.20.2, present in 0.21.0, read from both wheels). Before it, the blocks stay pinned until the
+  producer's timeout, so Narwhal releases them itself. An unknown version is released: a
+  redundant release costs one "Potentially invalid KV blocks" log line on the producer, a missing
+  one pins a prompt's KV for the whole lease.
+* **0.11's TP rule.** The consumer's TP must be a multiple of the producer's on 0.11.x only;
+  later releases accept heterogeneous TP.
+
+Why a module of its own: these are facts about vLLM releases that placement (the pair filter, a
+future policy's filter), the request path (releases) and preflight (TP hints) all ask; one place
+keeps them one answer.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Protocol
+
+from packaging.version import InvalidVersion, Version
+
+FIRST_REFUSAL_CLEANUP = Version("0.21.0")
+TRANSFER_MODES = ("pull", "push")
+
+
+class Described(Protocol):
+    """What the rules read of an engine (``fleet.roster.Engine`` has both)."""
+
+    version: str | None  # the engine's /version; None: not read yet
+    transfer_mode: str
+
+
+def compatible(producer: Described, consumer: Described) -> bool:
+    """May ``producer`` hand off to ``consumer`` (the module's text)? An engine with itself always may."""
+    if producer is consumer:
+        return True
+    if producer.transfer_mode != consumer.transfer_mode:
+        return False
+    return producer.version is None or consumer.version is None or producer.version == consumer.version
+
+
+def why_incompatible(producer: Described, consumer: Described) -> str:
+    """A few words on why :func:`compatible` said no (for a 503's detail and the log)."""
+    if producer.transfer_mode != consumer.transfer_mode:
+        return f"transfer modes {producer.transfer_mode} and {consumer.transfer_mode}"
+    return f"vLLM {producer.version} and {consumer.version}"
+
+
+@lru_cache(maxsize=64)
+def _parsed(version: str) -> Version | None:
+    try:
+        return Version(version)
+    except InvalidVersion:
+        return None
+
+
+def frees_refused_decode(version: str | None) -> bool:
+    """Does a consumer of this vLLM version free a handoff whose decode it refused (4xx) itself?"""
+    parsed = None if version is None else _parsed(version)
+    return parsed is not None and parsed >= FIRST_REFUSAL_CLEANUP
+
+
+def tp_multiple_rule(version: str | None) -> bool:
+    """Does 0.11's "consumer TP a multiple of the producer's" rule apply (0.11.x only)?"""
+    parsed = None if version is None else _parsed(version)
+    return parsed is not None and parsed.release[:2] == (0, 11)

@@ -1,0 +1,109 @@
+"""SPEC §11 through real gunicorn on a fleet of each vLLM release the fake imitates (0.11.0 and
+0.33.0): every P/D endpoint's happy path with the descriptor passed through byte for byte, a
+consumer's refusal released exactly when that release leaves the blocks pinned, and (0.33) the
+holdings learning from ``remote_prefill_cached_tokens`` with the usage details off. One fixture,
+parametrized over the releases: the tests are written once."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from narwhal.testing.harness import FakeFleet, RouterProcess
+from tests.real_gunicorn.endpoints_support import ALL, Endpoint
+from tests.real_gunicorn.support import (
+    MODEL,
+    TOKEN,
+    admin,
+    at_rest,
+    chat,
+    completion,
+    records,
+    send,
+    start_router,
+    unique_prompt,
+    value,
+    wait_until,
+)
+
+RELEASES = ["0.11.0", "0.33.0"]
+COUNTERS = ("narwhal_handoffs_released_total", "narwhal_handoffs_abandoned_total")
+
+
+@pytest.fixture(scope="module", params=RELEASES)
+def release(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
+        tuple[str, FakeFleet, RouterProcess]]:
+    version = request.param
+    fleet = FakeFleet.start(["vp0", "vd0"], args=["--vllm-version", version, "--model", MODEL, "--lease-s", "60",
+                                                  "--block-size", "4", "--enable-scale-out", "--prefix-cache"])
+    try:
+        engines = [{"name": "vp0", "role": "producer"}, {"name": "vd0", "role": "consumer"}]
+        router = start_router(fleet, engines, tmp_path_factory.mktemp(f"v{version}"),
+                              server={"workers": 2, "admin_token": TOKEN})
+        try:
+            yield version, fleet, router
+        finally:
+            router.stop()
+    finally:
+        fleet.stop()
+
+
+def _bodies(tag: str) -> list[tuple[str, dict[str, Any]]]:
+    out: list[tuple[str, dict[str, Any]]] = [("/v1/completions", completion(tag)), ("/v1/chat/completions", chat(tag))]
+    out += [(e.path, Endpoint.body(e, tag)) for e in ALL]
+    return out
+
+
+async def test_every_endpoint_decodes_the_producers_descriptor_unchanged(
+    release: tuple[str, FakeFleet, RouterProcess]
+) -> None:
+    version, fleet, router = release
+    for path, body in _bodies(unique_prompt()):
+        reply = await send(router.url, path, body)
+        assert reply.status == 200, (version, path, reply.raw)
+    # Every decode carried exactly what its prefill answered (SPEC §3 step 5: opaque keys kept).
+    decodes = [r for r in fleet.control_request("GET", "/engines/vd0/requests")["requests"]
+               if r["body"].get("kv_transfer_params", {}).get("do_remote_prefill")]
+    assert len(decodes) >= len(_bodies("x"))
+    for rec in decodes[-len(_bodies("x")):]:
+        desc = rec["body"]["kv_transfer_params"]
+        blocks = desc["remote_block_ids"]
+        if version == "0.11.0":
+            assert "remote_request_id" not in desc and all(type(b) is int for b in blocks)
+        else:
+            assert desc["transfer_mode"] == "pull" and "remote_prefill_cached_tokens" in desc
+            assert all(type(group) is list for group in blocks)
+    wait_until(lambda: fleet.stats("vp0")["held_blocks"] == 0, 10, "every handoff read")
+    assert fleet.stats("vd0")["incompatible_decodes"] == 0 and fleet.stats("vp0")["expired_reads"] == 0
+
+
+async def test_a_consumers_refusal_is_released_only_where_vllm_leaves_the_blocks_pinned(
+    release: tuple[str, FakeFleet, RouterProcess]
+) -> None:
+    version, fleet, router = release
+    prompt = unique_prompt()
+    before = at_rest(router, *COUNTERS)
+    reply = await send(router.url, "/v1/completions", completion(prompt, max_tokens=9000))  # beyond the context
+    assert reply.status == 400, reply.raw
+    wait_until(lambda: fleet.stats("vp0")["held_requests"] == 0, 10, "the refused handoff freed")
+    after = at_rest(router, *COUNTERS)
+    released = value(after, COUNTERS[0]) - value(before, COUNTERS[0])
+    decodes = records(fleet, "vd0", prompt)
+    if version == "0.11.0":  # no cleanup in vLLM before 0.21.0: Narwhal's release frees them
+        assert released == 1.0 and len(decodes) == 2
+        assert (decodes[1]["body"]["stream"], decodes[1]["body"]["max_tokens"]) == (False, 1)
+    else:  # the consumer's serving layer freed them itself: no second word
+        assert released == 0.0 and len(decodes) == 1
+
+
+async def test_the_admin_api_shows_each_engines_version_and_transfer_mode(
+    release: tuple[str, FakeFleet, RouterProcess]
+) -> None:
+    version, _, router = release
+    engines = {e["name"]: e for e in (await admin(router))["engines"]}
+    assert {n: (e["version"], e["transfer_mode"]) for n, e in engines.items()} == {
+        "vp0": (version, "pull"), "vd0": (version, "pull")}
+    metrics = at_rest(router, "narwhal_engine_info")
+    assert value(metrics, "narwhal_engine_info", engine="vp0", role="producer", version=version) == 1.0
