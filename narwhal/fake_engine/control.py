@@ -147,7 +147,7 @@ class _Control:
     async def start(self, request: web.Request) -> web.Response:
         engine = self.engine_of(request)
         if request.query.get("restart"):  # ?restart=1: a new process, not the same one listening again
-            engine.restarted()
+            engine.restarted(request.query.get("version"))  # &version=V: a new release (an upgrade)
         try:
             await engine.start(engine.listen_host)
         except OSError as exc:

@@ -168,6 +168,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="serve /inference/v1/generate (a current release answers 403 without it)")
     p.add_argument("--lease-s", type=float, default=30.0, help="KV block lease of a prefill (seconds)")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=8192,
+                   help="context length: a request whose prompt and max_tokens exceed it gets vLLM's 400")
     p.add_argument(
         "--tokens", type=int, default=16, dest="default_tokens",
         help="tokens generated when a request sets no max_tokens",
@@ -271,7 +273,7 @@ def _models(args: argparse.Namespace, names: Sequence[str]) -> tuple[EngineModel
 # what goes to every ``FakeEngine``), passed as parsed.
 _RUN_FLEET_OPTIONS = ("host", "base_port", "control_port", "ready_file", "model", "version", "lease_s", "block_size",
                       "default_tokens", "token_delay_s", "coalesce", "flat_block_ids", "records_max",
-                      "transfer_mode", "enable_scale_out")
+                      "transfer_mode", "enable_scale_out", "max_model_len")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -121,8 +121,9 @@ async def pull(consumer: EngineState, params: dict[str, Any]) -> bool:
     engine_id, request_id, host, port = target
     producer = lookup(engine_id) if consumer.local_kv else None
     if producer is not None:
-        if not release.compatible(producer.version, producer.transfer_mode,  # a "version" fault: an upgrade
-                                  consumer.version, consumer.transfer_mode):
+        # The releases the processes run (a "version" fault only changes what /version says).
+        if not release.compatible(producer.base_version, producer.transfer_mode,
+                                  consumer.base_version, consumer.transfer_mode):
             consumer.incompatible_decodes += 1  # the NIXL handshake's compatibility hash differs
             return False
         if not producer.serving or producer.faults.kv_read_fails:

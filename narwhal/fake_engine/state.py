@@ -195,8 +195,14 @@ class EngineState:
         """Back to no faults at all."""
         self.faults = NO_FAULTS
 
-    def restarted(self) -> None:
-        """As a vLLM process started again: a new engine id, an empty prefix cache."""
+    def restarted(self, version: str | None = None) -> None:
+        """As a vLLM process started again: a new engine id, an empty prefix cache; with
+        ``version``, a process of that release (a rolling upgrade's step: its /version, its shapes
+        and the compatibility its handoffs are judged by)."""
+        if version:
+            self.base_version = version
+            self.release = release_of(version)
+            self.flat_block_ids = not self.release.nested_block_ids
         unregister(self)
         self.engine_id = str(uuid.uuid4())
         register(self)

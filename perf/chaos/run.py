@@ -108,6 +108,7 @@ class Chaos:
             "engine": {"prefill_timeout_s": PREFILL_TIMEOUT_S, "first_token_timeout_s": FIRST_TOKEN_TIMEOUT_S,
                        "decode_read_timeout_s": DECODE_READ_TIMEOUT_S},
             "placement": {"queue_timeout_s": 3},
+            "handoff": {"lease_s": LEASE_S},  # the fakes' (--lease-s): max_age_s stays its default below it
             "preflight": {"on_start": False},
             "log": {"level": "warning", "access_log": os.path.join(out, "access.log")},
             "recovery": {"max_retries": 1, "eject_after": 3, "readmit_interval_s": 0.25,

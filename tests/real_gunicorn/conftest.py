@@ -29,7 +29,7 @@ from tests.real_gunicorn.support import (
 @pytest.fixture(scope="session")
 def fleet() -> Iterator[FakeFleet]:
     fleet = FakeFleet.start(ENGINES, args=["--model", MODEL, "--lease-s", str(LEASE_S), "--block-size", "4",
-                                          "--enable-scale-out"])
+                                          "--enable-scale-out", "--max-model-len", "1048576"])
     yield fleet
     fleet.stop()
 

@@ -75,7 +75,7 @@ async def test_cached_tokens_of_each_endpoint_reach_the_access_log_and_the_count
     first, second = lines
     assert (first["prompt_tokens"], first["cached_tokens"]) == (
         text_tokens(prompt_text(bodies[0], chat=False, kind=path.rsplit("/", 1)[1])),
-        0 if path == "/v1/responses" else None,  # responses always say 0; messages leave the key out
+        0,  # responses' usage says 0; messages leave the key out, and 0.33's descriptor says 0 (SPEC §11)
     )
     assert (second["prompt_tokens"], second["cached_tokens"]) == (prompt_tokens, cached_tokens)
     expected = {"cached": float(cached_tokens),

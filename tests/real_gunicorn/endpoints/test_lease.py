@@ -25,7 +25,8 @@ from tests.real_gunicorn.support import (
 )
 
 LEASE_S = 2.0
-COUNTERS = ("narwhal_handoffs_released_total", "narwhal_handoffs_abandoned_total")
+COUNTERS = ("narwhal_handoffs_released_total", "narwhal_handoffs_abandoned_total", "narwhal_attempts_total",
+            "narwhal_engine_failures_total")
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,11 @@ async def test_a_handoff_past_max_age_is_sent_nowhere_and_never_read_late(
     assert (reply.status, error_of(reply)["type"]) == (504, "handoff_expired"), reply.raw
     assert reply.headers["x-narwhal-error"] == "handoff_expired"
     after = at_rest(leased, *COUNTERS)
-    assert tuple(value(after, n) - value(before, n) for n in COUNTERS) == (0.0, 1.0)
+    assert tuple(value(after, n) - value(before, n) for n in COUNTERS[:2]) == (0.0, 1.0)
+    outcome = {"outcome": "handoff_expired"}
+    assert value(after, COUNTERS[2], **outcome) - value(before, COUNTERS[2], **outcome) == 1.0
+    # handoff_expired is nobody's fault: no engine failure
+    assert value(after, COUNTERS[3], engine="lp0", phase="prefill", reason="handoff_expired") == 0.0
     # The producer frees the blocks at its lease; nobody read them, before or after.
     wait_until(lambda: lease_fleet.stats("lp0")["held_blocks"] == 0, LEASE_S + 5, "lp0's lease ran out")
     assert lease_fleet.stats("lp0")["expired_requests"] == expired + 1

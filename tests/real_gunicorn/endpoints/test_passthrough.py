@@ -107,7 +107,8 @@ async def test_the_answer_is_relayed_unchanged(router: RouterProcess) -> None:
     text = unique_prompt(5)
     reply = await send(router.url, "/tokenize", {"prompt": text, "return_token_strs": True}, headers=KEY)
     assert reply.status == 200  # no model: the fleet's only one
-    assert reply.json == {"count": 5, "max_model_len": 8192, "tokens": token_ids(text), "token_strs": text.split()}
+    assert reply.json == {"count": 5, "max_model_len": 1048576,  # the session fleet's --max-model-len
+                          "tokens": token_ids(text), "token_strs": text.split()}
 
 
 async def test_consumers_first_then_a_producer_when_none_is_admitted(router: RouterProcess, fleet: FakeFleet) -> None:

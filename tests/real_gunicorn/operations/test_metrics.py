@@ -26,10 +26,8 @@ async def test_fault_metrics_count_exactly_what_happened(solo_router: RouterProc
         reply = await send(solo_router.url, "/v1/completions",
                            completion(unique_prompt(), fake={"prefill": {"descriptor": fault}}))
         assert reply.status == 502
-    # one handoff too old to decode: released to the consumer
-    reply = await send(solo_router.url, "/v1/completions",
-                       completion(unique_prompt(), fake={"prefill": {"delay_headers_s": 0.9}}))
-    assert reply.status == 504
+    # (a handoff too old to decode is sent nowhere and counted abandoned: test_lease.py, whose fleet's
+    # short lease frees its blocks; here they would stay pinned past the module's end)
     # one stream cut by the engine after its first tokens
     reply = await send(solo_router.url, "/v1/completions",
                        completion(unique_prompt(), max_tokens=6, fake={"decode": {"close_after": 2}}))
@@ -46,20 +44,17 @@ async def test_fault_metrics_count_exactly_what_happened(solo_router: RouterProc
         return value(scrape(solo_router), name, **labels) - value(before, name, **labels)
 
     wait_until(lambda: delta("narwhal_client_disconnects_total") == 1, 5, "the disconnect counted")
-    wait_until(lambda: delta("narwhal_handoffs_released_total") == 1, 5, "the release counted")
+    assert delta("narwhal_handoffs_released_total") == 0
     assert delta("narwhal_handoffs_abandoned_total") == 2
     assert delta("narwhal_engine_failures_total", engine="p2", phase="prefill", reason="invalid_handoff") == 2
     assert delta("narwhal_engine_failures_total", engine="d2", phase="decode", reason="engine_disconnect") == 1
     assert delta("narwhal_stream_aborted_total", reason="engine_disconnect") == 1
     assert delta("narwhal_stream_aborted_total", reason="client_disconnect") == 1
     assert delta("narwhal_attempts_total", outcome="invalid_handoff") == 2
-    assert delta("narwhal_attempts_total", outcome="handoff_expired") == 1
     # Request counts are written in bulk (narwhal.metric_tally): the other worker's may land a moment later.
     requests = settled(lambda: tuple(delta("narwhal_requests_total", endpoint="/v1/completions", code=code,
-                                           model=MODEL) for code in ("502", "504", "499")), (2, 1, 1))
-    assert requests == (2, 1, 1)
-    # handoff_expired is nobody's fault: not an engine failure
-    assert delta("narwhal_engine_failures_total", engine="p2", phase="prefill", reason="handoff_expired") == 0
+                                           model=MODEL) for code in ("502", "499")), (2, 1))
+    assert requests == (2, 1)
 
 
 async def test_the_supervisor_exports_engine_state_and_fleet_wide_inflight(solo_router: RouterProcess) -> None:

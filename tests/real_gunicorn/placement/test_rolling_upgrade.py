@@ -66,8 +66,7 @@ async def _upgrade(router: RouterProcess, fleet: FakeFleet, name: str) -> None:
     await _until(lambda: _idle(router, name), f"{name}'s legs to end")
     fleet.control_request("POST", f"/engines/{name}/stop")
     await _until(lambda: _field(router, name, "unreachable", True), f"{name} seen down")
-    fleet.control_request("PUT", f"/engines/{name}/faults", {"version": NEW})  # the new release's /version
-    fleet.control_request("POST", f"/engines/{name}/start?restart=1")
+    fleet.control_request("POST", f"/engines/{name}/start?restart=1&version={NEW}")  # a process of the new release
     await _until(lambda: _field(router, name, "version", NEW), f"{name}'s new version")
     await _until(lambda: _field(router, name, "unreachable", False), f"{name} reachable again")
     await admin(router, "POST", f"/admin/engines/{name}/readmit")
