@@ -29,10 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import logging
 from collections import defaultdict
 from typing import Any
 
 from prometheus_client import Histogram
+
+log = logging.getLogger("narwhal.metric_tally")
 
 FLUSH_S = 0.25  # how stale a scrape may see another worker's counts
 
@@ -86,7 +89,10 @@ class Tally:
         """Write everything pending into prometheus_client's series."""
         counts, self.counts = self.counts, defaultdict(float)
         for counter, amount in counts.items():
-            counter.inc(amount)
+            try:
+                counter.inc(amount)
+            except ValueError:  # a negative amount: one bad count is dropped, never the flush (issue 40)
+                log.warning("a metric count of %r was not written: counters only go up", amount)
         for pending in self._hists.values():
             buckets = pending.buckets
             if not any(buckets):
@@ -103,4 +109,7 @@ class Tally:
         """The worker's flush loop (cancelled at shutdown, after which :meth:`flush` runs once more)."""
         while True:
             await asyncio.sleep(FLUSH_S)
-            self.flush()
+            try:
+                self.flush()
+            except Exception:  # the flush goes on: a scrape must never stop moving for good
+                log.exception("the metric flush failed; the next one runs in %gs", FLUSH_S)

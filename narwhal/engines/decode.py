@@ -312,7 +312,7 @@ class DecodeLeg:
         conn = self._conn
         assert conn is not None
         if conn.buffered:
-            return self._framer.feed(conn.read_now())
+            return self._feed(conn.read_now())
         if self._timer is None:
             self._timer = LazyTimeout(self._loop)
         wire = self._wire
@@ -322,7 +322,14 @@ class DecodeLeg:
             chunk = await self._timer.wait(conn.read_some(), wire.bound)
         if not chunk:
             raise failures.disconnected(self._name, self._dialect.terminal)
-        return self._framer.feed(chunk)
+        return self._feed(chunk)
+
+    def _feed(self, chunk: bytes) -> bytes:
+        """The framer's spans; an event that never ends is the engine's fault (``sse.EventTooLarge``)."""
+        try:
+            return self._framer.feed(chunk)
+        except sse.EventTooLarge:
+            raise failures.disconnected(self._name, self._dialect.terminal) from None
 
     async def _classify(self, span: bytes) -> bytes | None:
         """Judge a span that may hold the first token or the stream's end; return what goes to

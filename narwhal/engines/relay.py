@@ -38,7 +38,7 @@ from typing import Literal
 
 from narwhal.engines.failures import BoundPassed, leg_bound
 from narwhal.engines.http1 import Connection
-from narwhal.engines.sse import SSEFramer, may_end_stream
+from narwhal.engines.sse import EventTooLarge, SSEFramer, may_end_stream
 
 Sink = Callable[[bytes], bool]  # write a span to the client; False when the client fell behind
 
@@ -59,7 +59,7 @@ class DirectRelay:
 
     __slots__ = (
         "_conn", "_framer", "_sink", "_loop", "_read_timeout", "_deadline", "_last", "_timer",
-        "_stopped", "_held", "timed_out_at", "_may_end", "spans", "_openai",
+        "_stopped", "_held", "timed_out_at", "_may_end", "spans", "_openai", "_broken",
     )
 
     def __init__(
@@ -81,6 +81,7 @@ class DirectRelay:
         self._stopped = False
         self._held: bytes | None = None
         self.timed_out_at: float | None = None
+        self._broken: EventTooLarge | None = None  # the engine's stream could not be framed
         self.spans = 0  # spans handed to the sink (the inter-token figure's count)
 
     async def run(self) -> bytes | Literal[Signal.BEHIND, Signal.HANDBACK]:
@@ -107,6 +108,8 @@ class DirectRelay:
                 self._timer = None
         if self.timed_out_at is not None:
             raise BoundPassed(self.timed_out_at)
+        if self._broken is not None:
+            raise self._broken
         if self._held is not None:
             return self._held
         return Signal.BEHIND if self._stopped else Signal.HANDBACK
@@ -117,7 +120,12 @@ class DirectRelay:
         # SSEFramer.feed's common case written out (whole LF-framed events, nothing held back:
         # the span is the chunk itself); it runs once per token of a paced stream.
         if framer.buf or framer.crlf or b"\r" in chunk or not chunk.endswith(b"\n\n"):
-            span = framer.feed(chunk)
+            try:
+                span = framer.feed(chunk)
+            except EventTooLarge as exc:  # raised from run(), under the leg's WireFailures
+                self._broken = exc
+                self._stop(None)
+                return
             if not span:
                 return
         else:

@@ -21,8 +21,19 @@ from typing import Any
 
 import orjson
 
+from narwhal.engines.http1_connection import UpstreamError
+
 DONE_EVENT = b"data: [DONE]\n\n"
 _SEP = b"\n\n"
+# One event may be this large (a first chunk with the prompt's logprobs can run to megabytes); an
+# engine that sends more without a blank line is broken, and each byte it sent reset the silence
+# timer: the framer would have held it without bound (issue 40 item 11).
+MAX_EVENT_BYTES = 16 << 20
+
+
+class EventTooLarge(UpstreamError):
+    """An event grew past :data:`MAX_EVENT_BYTES` without ending: the engine's fault, mapped by the
+    leg's ``WireFailures`` like a connection lost mid-stream."""
 
 
 class SSEFramer:
@@ -52,6 +63,8 @@ class SSEFramer:
             end = chunk.rfind(_SEP)
             if end == -1:
                 self.buf += chunk
+                if len(self.buf) > MAX_EVENT_BYTES:
+                    raise EventTooLarge(f"an event of over {MAX_EVENT_BYTES} bytes without end")
                 return b""
             end += 2
             if end == len(chunk):
@@ -61,6 +74,8 @@ class SSEFramer:
         self.buf += chunk
         end = self.buf.rfind(_SEP)
         if end == -1:
+            if len(self.buf) > MAX_EVENT_BYTES:
+                raise EventTooLarge(f"an event of over {MAX_EVENT_BYTES} bytes without end")
             return b""
         end += 2
         out = bytes(self.buf[:end])

@@ -86,13 +86,16 @@ def _assign_engine_slots(settings: Settings) -> None:
     static = [(e.name, e.url) for e in Fleet(settings).engines]
     taken = {n for n, _ in static} | {u for _, u in static}
     try:
+        # Every description encoded before the table is touched: a refused one (too long) must
+        # leave a reload wholly unapplied, not half (issue 40 item 3).
+        encoded = [descriptors.encode(spec.model_dump(), "static") for spec in settings.engines]
         with shared.locked(TABLE_LOCK):  # one table writer at a time: the supervisor writes it too
             kept = [] if not settings.discovery.enabled else [
                 (entry["name"], entry["url"]) for _, entry, source in shared.described()
                 if source != "static" and entry["name"] not in taken and entry["url"] not in taken]
             slots = shared.assign_engines(static + kept)
-            for spec, slot in zip(settings.engines, slots, strict=False):
-                descriptors.write(shared.region, slot, descriptors.encode(spec.model_dump(), "static"))
+            for raw, slot in zip(encoded, slots, strict=False):
+                descriptors.write(shared.region, slot, raw)
             if settings.discovery.enabled:
                 shared.region.set_u32(TABLE_EPOCH_OFFSET, shared.table.epoch + 1)
     except (TableFull, descriptors.DescriptorTooLong) as exc:
@@ -209,7 +212,11 @@ def on_starting(server: Any) -> None:
     # Room for any reload: old and new workers side by side, engines added up to max_engines
     # (discovery.max_engines once engines come and go at run time).
     shm.SHARED = SharedFleet.create(engines=settings.engine_slots, slots=WORKER_SLOTS)
-    _assign_engine_slots(settings)  # before anything forks: every process looks its engines up
+    try:
+        _assign_engine_slots(settings)  # before anything forks: every process looks its engines up
+    except SettingsError as exc:  # an engine's description too long for its slot: one line, no traceback
+        print(f"narwhal: invalid settings: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     shm.HOLDINGS = create_holdings(settings, shm.SHARED.layout.slots)
     if settings.preflight.on_start and settings.engines:
         from narwhal.master.startup import preflight_on_start

@@ -19,6 +19,9 @@ from narwhal.engines.relay import Sink
 _KEY = b'"completion_tokens":'
 
 
+_MAX_DIGITS = 15
+
+
 def completion_tokens(data: bytes | None) -> int | None:
     """The last ``"completion_tokens": N`` in ``data``, or None."""
     if not data:
@@ -30,9 +33,11 @@ def completion_tokens(data: bytes | None) -> int | None:
     while start < len(data) and data[start] == 0x20:
         start += 1
     end = start
-    while end < len(data) and 0x30 <= data[end] <= 0x39:
+    while end < len(data) and 0x30 <= data[end] <= 0x39 and end - start <= _MAX_DIGITS:
         end += 1
-    return int(data[start:end]) if end > start else None
+    if end == start or end - start > _MAX_DIGITS:
+        return None  # no number, or one no engine could mean (int() refuses 4,300 digits and more)
+    return int(data[start:end])
 
 
 def wants_usage(body: dict[str, object]) -> bool:

@@ -118,6 +118,9 @@ class Discovery:
             except (SourceUnreadable, SourceInvalid) as exc:
                 self._warn(source, exc)
                 continue
+            except Exception as exc:  # whatever a source sends, the others are still read (issue 40 item 4)
+                self._warn(source, SourceInvalid(f"{type(exc).__name__}: {exc}"))
+                continue
             self._warned.pop(source, None)
             if [s.model_dump() for s in found] != [s.model_dump() for s in self.last_good.get(source, [])]:
                 self.last_good[source] = found

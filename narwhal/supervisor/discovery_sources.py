@@ -66,7 +66,10 @@ def _entries(path: str, document: Any) -> list[EngineSpec]:
         if not isinstance(entry, dict):
             raise SourceInvalid(f"{path}: engines.{i}: expected a table of settings")
         if "name" not in entry and isinstance(entry.get("url"), str) and isinstance(entry.get("role"), str):
-            entry = {**entry, "name": engine_name(entry["role"], entry["url"].rstrip("/"))}
+            try:
+                entry = {**entry, "name": engine_name(entry["role"], entry["url"].rstrip("/"))}
+            except ValueError as exc:  # urlsplit: a port out of range or not a number (issue 40 item 4)
+                raise SourceInvalid(f"{path}: engines.{i}.url: {exc}") from None
         try:
             specs.append(EngineSpec(**entry))
         except ValidationError as exc:

@@ -79,3 +79,15 @@ async def test_the_flush_loop_writes_within_its_period(monkeypatch: pytest.Monke
     finally:
         task.cancel()
 
+
+
+def test_a_negative_count_is_dropped_and_the_rest_of_the_flush_written() -> None:
+    # Issue 40 item 6: Counter.inc(-n) raised in the flush, losing the counts swapped out with it.
+    registry = CollectorRegistry()
+    plain, labelled, _ = _series(registry)
+    tally = Tally()
+    tally.inc(labelled.labels("bad"), -5)
+    tally.inc(plain, 3)
+    tally.flush()
+    assert registry.get_sample_value("things_total") == 3.0
+    assert registry.get_sample_value("kinds_total", {"kind": "bad"}) == 0.0

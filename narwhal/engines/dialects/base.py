@@ -40,9 +40,14 @@ def is_int(value: Any) -> bool:
     return type(value) is int
 
 
-def int_or_none(value: Any) -> int | None:
-    """``value`` when it is an int (bools are not), else None."""
-    return value if type(value) is int else None
+MAX_TOKENS_COUNTED = 1 << 32  # a token count at or past this is no count an engine could mean
+
+
+def token_count(value: Any) -> int | None:
+    """``value`` when it is a token count an engine could report: an int (bools are not) in
+    ``[0, 2^32)``; anything else is unknown (issue 40 item 6: a negative count stopped a worker's
+    metric flush for good)."""
+    return value if type(value) is int and 0 <= value < MAX_TOKENS_COUNTED else None
 
 
 def event_name(event: bytes) -> bytes | None:
@@ -150,8 +155,7 @@ class Dialect:
             return None, None
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if type(details) is dict else None
-        prompt = usage.get("prompt_tokens")
-        return (prompt if type(prompt) is int else None), (cached if type(cached) is int else None)
+        return token_count(usage.get("prompt_tokens")), token_count(cached)
 
     def prefill_body(self, body: dict[str, Any], request_id: str, crossed: bool) -> dict[str, Any]:
         """The producer's body: one token, not streamed, the handoff asked for when ``crossed``."""

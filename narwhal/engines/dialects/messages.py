@@ -26,9 +26,9 @@ from narwhal.engines.dialects.base import (
     bad,
     content_text,
     event_name,
-    int_or_none,
     json_of,
     status_of_code,
+    token_count,
     turns_text,
 )
 from narwhal.errors import NarwhalError
@@ -86,11 +86,11 @@ class Messages(Dialect, endpoint=MESSAGES, prompt_fields=("system", "messages"),
         when the engine left it out)."""
         if not isinstance(usage, dict):
             return None, None
-        uncached = int_or_none(usage.get("input_tokens"))
+        uncached = token_count(usage.get("input_tokens"))
         if uncached is None:
             return None, None
-        cached = int_or_none(usage.get("cache_read_input_tokens"))
-        written = int_or_none(usage.get("cache_creation_input_tokens")) or 0
+        cached = token_count(usage.get("cache_read_input_tokens"))
+        written = token_count(usage.get("cache_creation_input_tokens")) or 0
         return uncached + (cached or 0) + written, cached
 
     def prefill_body(self, body: dict[str, Any], request_id: str, crossed: bool) -> dict[str, Any]:

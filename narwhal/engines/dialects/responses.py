@@ -25,10 +25,10 @@ from narwhal.engines.dialects.base import (
     Kind,
     bad,
     event_name,
-    int_or_none,
     is_int,
     json_of,
     status_of_code,
+    token_count,
     turns_text,
 )
 from narwhal.errors import NarwhalError
@@ -89,7 +89,7 @@ class Responses(Dialect, endpoint=RESPONSES, prompt_fields=("instructions", "inp
             return None, None
         details = usage.get("input_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        return int_or_none(usage.get("input_tokens")), int_or_none(cached)
+        return token_count(usage.get("input_tokens")), token_count(cached)
 
     def prefill_body(self, body: dict[str, Any], request_id: str, crossed: bool) -> dict[str, Any]:
         """One output token, not streamed, not stored, not background; the backend id as ``request_id``."""
