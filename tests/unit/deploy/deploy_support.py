@@ -13,6 +13,13 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[3]
 DEPLOY = ROOT / "deploy"
+DEPLOY_GUIDE = ROOT / "docs" / "deploy.md"  # the real-engine recipe and production guidance
+
+
+def operator_docs() -> str:
+    """What an operator reads: the README and the guides in ``docs/`` (issue 39: the README
+    keeps the essentials and points at the guides), as one text."""
+    return "\n".join(p.read_text() for p in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))))
 UNIT = DEPLOY / "systemd" / "narwhal.service"
 DASHBOARD = DEPLOY / "grafana" / "narwhal-dashboard.json"
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"

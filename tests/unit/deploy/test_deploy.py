@@ -19,7 +19,18 @@ import pytest
 import yaml
 
 from narwhal.settings import Settings, SettingsError, load_settings
-from tests.unit.deploy.deploy_support import ALERTS, DASHBOARD, DEPLOY, JOB, K8S, ROOT, UNIT, kustomized, manifests
+from tests.unit.deploy.deploy_support import (
+    ALERTS,
+    DASHBOARD,
+    DEPLOY,
+    JOB,
+    K8S,
+    ROOT,
+    UNIT,
+    kustomized,
+    manifests,
+    operator_docs,
+)
 
 # SPEC §8, plus the supervisor's restart counter the alerts need.
 SPEC_FAMILIES = [
@@ -256,7 +267,7 @@ def test_production_settings_bound_quarantine_and_ejections(tmp_path: Path) -> N
     for text in ((DEPLOY / "narwhal.toml").read_text(), configmap):
         recovery = _load_toml_text(text, tmp_path).recovery
         assert (recovery.failure_quarantine_s, recovery.max_ejected_fraction, recovery.max_retries) == (1.0, 0.5, 1)
-    readme = (ROOT / "README.md").read_text()
+    readme = operator_docs()
     assert "`failure_quarantine_s = 1` and `max_ejected_fraction = 0.5`" in readme
     assert "Envoy's outlier detection ejects at most 10 %" in readme
 

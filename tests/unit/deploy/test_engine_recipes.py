@@ -3,7 +3,7 @@
 Why: a ``vllm serve`` line that disagrees with ``deploy/narwhal.toml`` or the Kubernetes
 ConfigMap (another port, two engines on one side-channel port, a TP size without the GPUs for
 it, a consumer whose TP is no multiple of its producers', another connector) fails only on GPU
-hosts, at the first KV transfer. These tests read every recipe — each README ``sh`` block with
+hosts, at the first KV transfer. These tests read every recipe — each ``sh`` block of docs/deploy.md with
 ``vllm serve`` lines, and ``deploy/kubernetes/engines/`` — check it against its settings, and
 check every flag and variable against the ones read in vLLM 0.33.0's sources (the version the
 settings pin): ``vllm/engine/arg_utils.py``, ``vllm/entrypoints/common/cli_args.py``,
@@ -26,7 +26,7 @@ from narwhal.engines.control import VersionPin
 from narwhal.fleet import Fleet
 from narwhal.fleet.discovery import engine_name
 from narwhal.settings import EngineSpec, Settings, load_settings
-from tests.unit.deploy.deploy_support import K8S, ROOT, kustomized
+from tests.unit.deploy.deploy_support import DEPLOY_GUIDE, K8S, ROOT, kustomized
 
 ENGINES = K8S / "engines"
 VLLM = "0.33.0"
@@ -90,14 +90,14 @@ def _serve_lines(block: str) -> list[Command]:
 
 
 def readme_recipes() -> list[list[Command]]:
-    """Every ``sh`` block of the README that starts engines: its ``vllm serve`` lines."""
-    blocks = (ROOT / "README.md").read_text().split("```sh\n")[1:]
+    """Every ``sh`` block of the deployment guide that starts engines: its ``vllm serve`` lines."""
+    blocks = DEPLOY_GUIDE.read_text().split("```sh\n")[1:]
     return [c for c in (_serve_lines(b.split("```", 1)[0]) for b in blocks) if c]
 
 
 def readme_commands() -> list[Command]:
     """The bare-metal recipe of "Real engines": the engines of ``deploy/narwhal.toml``."""
-    text = (ROOT / "README.md").read_text()
+    text = DEPLOY_GUIDE.read_text()
     section = text.split("## Real engines", 1)[1].split("\n## ", 1)[0]
     commands = _serve_lines(section.split("```sh\n", 1)[1].split("```", 1)[0])
     assert commands in readme_recipes()
@@ -164,7 +164,7 @@ def test_the_pinned_engine_version_is_the_one_the_recipes_were_checked_against(t
         contract = _settings(text, tmp_path).engine_contract
         assert contract is not None and VersionPin.of(contract) is not None
         assert VersionPin(contract.engine_version).matches(VLLM)  # exact or a range, as the router reads it
-    assert f"checked against **vLLM {VLLM}**" in (ROOT / "README.md").read_text()
+    assert f"checked against **vLLM {VLLM}**" in DEPLOY_GUIDE.read_text()
 
 
 # ----------------------------------------------------------------------------- Kubernetes
@@ -297,7 +297,7 @@ RECIPES = {"README bare metal": _bare_metal, "deploy/kubernetes/engines": _kuber
 
 
 def test_every_readme_recipe_is_checked() -> None:
-    # A second recipe in the README would need its own settings here, or it goes unchecked.
+    # A second recipe in docs/deploy.md would need its own settings here, or it goes unchecked.
     assert readme_recipes() == [readme_commands()]
 
 

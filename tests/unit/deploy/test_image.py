@@ -22,6 +22,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.unit.deploy.deploy_support import operator_docs
+
 ROOT = Path(__file__).resolve().parents[3]
 DOCKERFILE = ROOT / "Dockerfile"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -158,7 +160,7 @@ def _free_port() -> int:
 def test_the_manifests_and_the_readme_name_the_image_this_version_builds() -> None:
     _, container = _router_container()
     assert container["image"] == IMAGE
-    assert f"docker build -t {IMAGE} ." in (ROOT / "README.md").read_text()
+    assert f"docker build -t {IMAGE} ." in operator_docs()
     assert f"docker build -t {IMAGE} ." in DOCKERFILE.read_text()
 
 

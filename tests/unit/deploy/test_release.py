@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from tests.unit.deploy.deploy_support import ROOT
+from tests.unit.deploy.deploy_support import ROOT, operator_docs
 
 WORKFLOW = ROOT / ".github" / "workflows" / "release.yml"
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
@@ -38,7 +38,7 @@ def test_no_doc_installs_a_name_the_registry_does_not_have() -> None:
     texts = {p: p.read_text() for p in (ROOT / "README.md", ROOT / "Dockerfile", ROOT / "narwhal" / "settings.py",
                                         *sorted((ROOT / "deploy").rglob("*"))) if p.is_file()}
     assert [p.name for p, t in texts.items() if re.search(r"pip install '?narwhal-router", t)] == []
-    readme = texts[ROOT / "README.md"]
+    readme = operator_docs()
     wheel = f"dist/narwhal_router-{VERSION}-py3-none-any.whl"
     assert "/opt/narwhal/venv/bin/pip install .  " in readme and f"/opt/narwhal/venv/bin/pip install {wheel}" in readme
     assert ".build/bin/python -m build" in readme
