@@ -11,7 +11,9 @@ with SIGHUP. Every reply is checked against what the contract allows for the fau
 no reservation may be held, no KV handoff stranded, and router fds/RSS back near their start
 (``perf.chaos.checks``). Then the poison storm (``perf.chaos.storm``): on a fresh fleet and
 router, half the requests carry a fault every engine fails on, and clean requests must keep
-succeeding. Exit status 1 on any violation or leak, or a storm below its bound.
+succeeding. Then the dead consumer (``perf.chaos.dead_consumer``): one consumer ejected for
+stream faults, the other killed, and clean requests still served. Exit status 1 on any violation
+or leak, or a storm or the dead consumer below its bound.
 
 Usage: ``python -m perf.chaos [--requests N] [--concurrency C] [--seed S] [--quick] [--out DIR]
 [--poison-storm] [--max-ejected-fraction F ...] [--storm-s S] [--storm-concurrency C]``
@@ -35,7 +37,7 @@ from typing import Any
 import aiohttp
 
 from narwhal.testing.harness import FakeFleet, RouterProcess, write_config
-from perf.chaos import checks, storm
+from perf.chaos import checks, dead_consumer, storm
 from perf.chaos.faults import (
     ADMIN_TOKEN,
     CLIENT_SLACK_S,
@@ -385,6 +387,11 @@ def main(argv: list[str] | None = None) -> int:
     for run_ in rep["poison_storm"]:
         print_storm(run_)
         failed = failed or bool(run_["failed"])
+    if not args.poison_storm:  # a consumer ejected for faults, then the other one killed (SPEC §6)
+        rep["dead_consumer"] = dead_consumer.run_dead_consumer(Chaos(args), 8.0 if args.quick else 20.0,
+                                                               args.concurrency)
+        dead_consumer.print_dead_consumer(rep["dead_consumer"])
+        failed = failed or bool(rep["dead_consumer"]["failed"])
     with open(os.path.join(args.out, "chaos.json"), "w") as f:
         json.dump(rep, f, indent=2, default=str)
     print(f"  report: {os.path.join(args.out, 'chaos.json')}")

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from perf.chaos.dead_consumer import MIN_CLEAN_SHARE as MIN_DEAD_CONSUMER_SHARE
 from perf.chaos.faults import KINDS
 from perf.chaos.run import ENGINE_EVENTS, PROCESS_EVENTS
 from perf.chaos.storm import MIN_CLEAN_SHARE, POISON_SHARE
@@ -27,7 +28,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> QuickRun:
     out = tmp_path_factory.mktemp("chaos")
     proc = subprocess.run(
         [sys.executable, "-m", "perf.chaos", "--quick", "--out", str(out)],
-        capture_output=True, text=True, timeout=200, cwd=Path(__file__).resolve().parents[3],
+        capture_output=True, text=True, timeout=230, cwd=Path(__file__).resolve().parents[3],
     )
     report_path = out / "chaos.json"
     assert report_path.exists(), proc.stdout + proc.stderr
@@ -48,6 +49,15 @@ def test_quick_chaos_run_meets_every_promise(quick_run: QuickRun) -> None:
     assert report["outcomes"].get("ok", 0) > 0
     assert all(e["state"] == "admitted" for e in report["engines_end"]), report["engines_end"]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(240)
+def test_a_dead_consumer_takes_no_traffic_while_the_other_is_ejected_but_reachable(quick_run: QuickRun) -> None:
+    # Issue 40 item 1: before, nearly every request went to the dead consumer and answered 502.
+    _, report = quick_run
+    sequence = report["dead_consumer"]
+    assert sequence["ejected"] and sequence["failed"] == [], sequence["failed"]
+    assert sequence["clean"] >= 100 and sequence["clean_success_share"] >= MIN_DEAD_CONSUMER_SHARE, sequence
 
 
 @pytest.mark.timeout(240)
