@@ -61,7 +61,8 @@ def router_sections(workers: int, access_log: str) -> dict[str, dict[str, object
         "server": {"workers": workers},
         "request": {"deadline_s": 600},
         "engine": {"prefill_timeout_s": 60, "first_token_timeout_s": 60, "decode_read_timeout_s": 60},
-        "handoff": {"max_age_s": 110, "lease_s": 120},  # the fakes' lease (--lease-s, below)
+        # Below the default handoff.lease_s (30): a setting a baseline router of before lease_s also reads.
+        "handoff": {"max_age_s": 25},
         "placement": {"queue_timeout_s": 30, "max_queue": 100000},
         "preflight": {"on_start": False},
         "log": {"level": "warning", "access_log": access_log},
