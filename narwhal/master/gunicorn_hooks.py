@@ -374,6 +374,8 @@ def child_exit(server: Any, worker: Any) -> None:
         # The worker is gone: give back whatever it held (its slot has no other writer now).
         for slot in range(shm.SHARED.in_use()):
             if shm.SHARED.slot_pid(slot) == worker.pid:
+                if shm.HOLDINGS is not None:  # before the slot can be claimed again: its work was this worker's
+                    shm.HOLDINGS.clear_work(slot)
                 shm.SHARED.release(slot, worker.pid)
     if os.environ.get(_PROM_ENV):
         from prometheus_client import multiprocess

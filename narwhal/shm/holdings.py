@@ -201,10 +201,13 @@ class Holdings(Mapped[HoldingsLayout]):
         head = _SECTION.pack(stamp, len(keys), capacity, 0,
                              engine_id, prefill_chars_per_s or 0.0, chars_per_token or 0.0, mean_uncached_chars,
                              min(hot_blocks, len(keys)), len(pairs))
-        crc = zlib.crc32(body, zlib.crc32(head))
+        done = (seq | 1) + 1
+        # The CRC covers the generation it is published under (as shm.records' do): on aarch64 a
+        # reader may see the new even seq before the new body, and must not take the old body for it.
+        crc = zlib.crc32(body, zlib.crc32(head, zlib.crc32(done.to_bytes(8, "little"))))
         self.mm[off + 8 : off + 8 + _SECTION.size] = head[:12] + crc.to_bytes(4, "little") + head[16:]
         self.mm[off + SECTION_HEAD : off + SECTION_HEAD + len(body)] = body
-        self._set_u64(off, (seq | 1) + 1)
+        self._set_u64(off, done)
         self._set_u64(GENERATION_OFFSET, self.generation + 1)
 
     def section_seq(self, engine: int) -> int:
@@ -232,7 +235,8 @@ class Holdings(Mapped[HoldingsLayout]):
             nhomes = min(nhomes, (self.layout.keys - count) // 2)
             body = mm[off + SECTION_HEAD : off + SECTION_HEAD + (count + 2 * nhomes) * 8]
             head = raw[:12] + b"\0\0\0\0" + raw[16:]
-            if self._u64(off) != seq or zlib.crc32(body, zlib.crc32(head)) != crc:
+            under = zlib.crc32(seq.to_bytes(8, "little"))  # the generation this body must be for
+            if self._u64(off) != seq or zlib.crc32(body, zlib.crc32(head, under)) != crc:
                 continue
             values = struct.unpack(f"<{count + 2 * nhomes}Q", body)
             homes = dict(zip(values[count::2], values[count + 1 :: 2], strict=True)) if nhomes else None
@@ -300,9 +304,17 @@ class Holdings(Mapped[HoldingsLayout]):
         return out
 
     def skip(self, slot: int) -> None:
-        """A slot whose worker is gone: drop its unread reports and its prefill work."""
+        """Supervisor side: a slot whose worker is gone: drop its unread reports and its prefill work."""
         base = self.layout.ring_offset(slot)
         self._set_u64(base + 8, self._u64(base))
+        self.clear_work(slot)
+
+    def clear_work(self, slot: int) -> None:
+        """A slot whose worker is gone (it was their one writer): no prefill work queued by it is
+        left counted on any producer. The master calls it as it frees the slot (``child_exit``),
+        which it nearly always does before the supervisor's sweep (issue 40 item 10)."""
+        if slot >= self.layout.slots:
+            return
         for engine in range(self.layout.sections):
             store_u32(self.mm, self.layout.work_offset(slot, engine), 0)
 

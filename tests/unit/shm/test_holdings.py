@@ -119,3 +119,15 @@ def test_a_report_carries_when_it_finished_for_the_merge_across_workers() -> Non
     WorkerHoldings(h, [P0, 0], slot=0).report_prefill(0, None, 11, None, None, 0.0, [], 0, at=12.25)
     merged = sorted(h.drain(0) + h.drain(1), key=lambda r: r.at)
     assert [(r.prompt_chars, r.at) for r in merged] == [(11, 12.25), (10, 12.5)]
+
+
+def test_a_section_seen_under_a_newer_seq_than_its_body_was_written_for_is_not_taken() -> None:
+    # Issue 40 item 9: on aarch64 a reader can see the new even seq before the new body. The CRC
+    # covers the seq it was published under (as shm.records' do), so the old body is refused.
+    h = _region()
+    h.publish(1, P0, 5, [42], None, None, None, 0.0)
+    off = h.layout.section_offset(1)
+    assert h.read(1, P0) is not None
+    seq = h.section_seq(1)
+    h.mm[off : off + 8] = (seq + 2).to_bytes(8, "little")  # the next generation's seq, the old body
+    assert h.read(1, P0) is None
