@@ -72,7 +72,10 @@ def run_demo(port: int = DEFAULT_PORT, workers: int = 2) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    fleet = FakeFleet.start(["p0", "p1", "d0", "d1"], args=["--model", MODEL, "--token-delay-s", "0.02"])
+    # vLLM 0.33 as the fake imitates it by default, with its prefix cache (a benchmark client
+    # pointed at the demo sees cached tokens) and /inference/v1/generate served.
+    fleet = FakeFleet.start(["p0", "p1", "d0", "d1"], args=["--model", MODEL, "--token-delay-s", "0.02",
+                                                            "--prefix-cache", "--enable-scale-out"])
     config = None
     router = None
     try:
