@@ -62,6 +62,10 @@ class Reachability:
         """The engine left the fleet (discovery): nothing is remembered of it."""
         self._down.discard(engine)
 
+    def names(self) -> list[str]:
+        """The engines unreachable now."""
+        return sorted(self._down)
+
     def take_changes(self) -> list[tuple[str, bool]]:
         """The changes since the last call, oldest first (the supervisor logs each)."""
         changed, self.changed = self.changed, []

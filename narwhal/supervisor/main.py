@@ -156,6 +156,9 @@ class Supervisor:
         self.fleet.replace(members)
         self.specs = {spec.name: spec for _, spec in members}
         self.breakers.reshape(self._infos(), joining, self._clock())
+        for name in self.reach.names():
+            if name not in self.fleet.by_name:  # gone from the fleet: nothing is remembered of it
+                self.reach.forget(name)
         self._map_slots()
 
     # -- state ------------------------------------------------------------------------------------

@@ -82,3 +82,11 @@ def test_reachability_follows_the_last_word_and_counts_each_change_once() -> Non
     assert not reach.unreachable("d0")
     assert reach.take_changes() == [("d1", False), ("d1", True), ("d0", False), ("d0", True)]
     assert reach.take_changes() == []
+
+
+def test_an_engine_that_left_the_fleet_is_forgotten() -> None:
+    reach = Reachability()
+    reach.saw("d9", False)
+    assert reach.names() == ["d9"]
+    reach.forget("d9")
+    assert reach.names() == [] and not reach.unreachable("d9")
