@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from narwhal.engines.load_metrics import EngineLoad, PrefillCounters, parse_load, parse_prefill
+from narwhal.engines.load_metrics import EngineLoad, PrefillCounters, parse_capacity, parse_load, parse_prefill
 
 # As vLLM 0.11 (V1 engine, prometheus_client) writes it, abridged: histograms, counters with
 # _total and _created, the deprecated gpu_* copies beside the new names, one label set.
@@ -190,3 +190,23 @@ def test_prefill_counters_are_summed_over_label_sets() -> None:
 )
 def test_prefill_counters_need_all_four_finite_series(body: str | bytes) -> None:
     assert parse_prefill(body) is None
+
+
+# vLLM 0.33's label line (vllm/config/cache.py, declaration order): five labels end in block_size,
+# hash_block_size reads "None" in the API server, kv_cache_size_tokens is per data-parallel engine.
+LINE_033 = ('vllm:cache_config_info{{block_size="16",user_specified_block_size="False",mamba_block_size="None",'
+            'num_gpu_blocks="{blocks}",effective_attention_block_size="16",kv_cache_size_tokens="{tokens}",'
+            'hash_block_size="None",_block_size_resolved="True",engine="{engine}"}} 1.0\n')
+
+
+def test_capacity_from_0_33_labels_by_their_whole_names() -> None:
+    one = LINE_033.format(blocks=200, tokens=3200, engine=0)
+    assert parse_capacity(one) == 3200
+    # Two data-parallel engines: num_gpu_blocks is already their total, kv_cache_size_tokens is each one's.
+    two = LINE_033.format(blocks=400, tokens=3200, engine=0) + LINE_033.format(blocks=400, tokens=3100, engine=1)
+    assert parse_capacity(two) == 6300
+    # Without kv_cache_size_tokens (or not a number): num_gpu_blocks x block_size, never hash_block_size.
+    assert parse_capacity(one.replace('kv_cache_size_tokens="3200"', 'kv_cache_size_tokens="None"')) == 3200
+    assert parse_capacity(one.replace('kv_cache_size_tokens="3200",', "")) == 3200
+    assert parse_capacity(one.replace('num_gpu_blocks="200"', 'num_gpu_blocks="None"')
+                          .replace('kv_cache_size_tokens="3200"', 'kv_cache_size_tokens="None"')) is None
