@@ -66,20 +66,7 @@ def producer_descriptor(
         "remote_port": engine.port,
         "tp_size": engine.load_model.tensor_parallel_size,
     }
-    if engine.release.current:  # nixl/pull_scheduler.py request_finished, then the scheduler's key
-        desc.update({
-            "dcp_size": 1,
-            "pp_size": 1,
-            "remote_num_tokens": prompt_tokens,
-            "remote_blocks_expiry_time": None,
-            "remote_registration_generation": 1,
-            "transfer_mode": engine.transfer_mode,
-            "remote_prefill_cached_tokens": cached_tokens,
-        })
-        if engine.transfer_mode == "push":  # push_scheduler: neither of these (VLLM-PROTOCOL §D)
-            del desc["remote_blocks_expiry_time"], desc["remote_registration_generation"]
-    else:  # 0.11's seven keys: its scheduler knew no request id of its own to hand over
-        del desc["remote_request_id"]
+    _release_keys(engine, desc, prompt_tokens, cached_tokens)
     if fault == "no_engine_id":
         del desc["remote_engine_id"]
     elif fault == "bad_blocks":
@@ -94,6 +81,24 @@ def producer_descriptor(
     elif fault == "localhost":
         desc["remote_host"] = "localhost"
     return desc
+
+
+def _release_keys(engine: EngineState, desc: dict[str, Any], prompt_tokens: int, cached_tokens: int) -> None:
+    """The keys the engine's release adds to (or leaves out of) the common ones (``fake_engine.release``)."""
+    if engine.release.current:  # nixl/pull_scheduler.py request_finished, then the scheduler's key
+        desc.update({
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": prompt_tokens,
+            "remote_blocks_expiry_time": None,
+            "remote_registration_generation": 1,
+            "transfer_mode": engine.transfer_mode,
+            "remote_prefill_cached_tokens": cached_tokens,
+        })
+        if engine.transfer_mode == "push":  # push_scheduler: neither of these (VLLM-PROTOCOL §D)
+            del desc["remote_blocks_expiry_time"], desc["remote_registration_generation"]
+    else:  # 0.11's seven keys: its scheduler knew no request id of its own to hand over
+        del desc["remote_request_id"]
 
 
 def pull_target(params: dict[str, Any]) -> tuple[str, str, str, int] | None:
