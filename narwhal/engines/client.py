@@ -24,6 +24,7 @@ from narwhal.engines import failures
 from narwhal.engines.connector import PrefillResult
 from narwhal.engines.control import EngineRef, auth_line, ssl_context
 from narwhal.engines.decode import DecodeContext, DecodeLeg, DecodeOptions, LegOptions, checked_handoff
+from narwhal.engines.dialects.base import token_count
 from narwhal.engines.endpoints import Endpoint
 from narwhal.engines.failures import Wait
 from narwhal.engines.http1 import Connection, UpstreamPool, header_lines
@@ -323,8 +324,8 @@ def _from_descriptor(result: PrefillResult, descriptor: dict[str, Any]) -> None:
     prompt's tokens (``remote_num_tokens``, where usage said none) from a 0.33 descriptor: a
     holdings source without ``--enable-prompt-tokens-details`` (SPEC §11, §3.3 source 2). Not a
     whole number in range: unknown, the usage's word stands."""
-    cached, tokens = descriptor.get("remote_prefill_cached_tokens"), descriptor.get("remote_num_tokens")
-    if type(cached) is int and 0 <= cached < 1 << 32:
+    cached = token_count(descriptor.get("remote_prefill_cached_tokens"))
+    if cached is not None:
         result.cached_tokens = cached
-    if result.prompt_tokens is None and type(tokens) is int and 0 < tokens < 1 << 32:
-        result.prompt_tokens = tokens
+    if result.prompt_tokens is None:
+        result.prompt_tokens = token_count(descriptor.get("remote_num_tokens"))
