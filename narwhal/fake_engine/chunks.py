@@ -124,38 +124,87 @@ class ModelTemplates:
         """The model name as a JSON string, escaped once per engine and model."""
         return self._model_json
 
-    def frames(self, chat: bool, rid: str, created: int) -> StreamFrames:
-        """The frames of one chat or completions response: its head (id, created, model) built once."""
+    def frames(self, chat: bool, rid: str, created: int, shape: ChunkShape | None = None) -> StreamFrames:
+        """The frames of one chat or completions response: its head (id, created, model) built once,
+        its choices and trailing keys as ``shape`` (the release, the continuous usage) says."""
         common = b'{"id":' + orjson.dumps(rid) + b',"object":'
         common += b'"chat.completion.chunk"' if chat else b'"text_completion"'
         common += b',"created":' + str(created).encode() + b',"model":' + self._model_json
-        return ChatFrames(common) if chat else CompletionFrames(common)
+        shape = shape or ChunkShape()
+        return ChatFrames(common, shape) if chat else CompletionFrames(common, shape)
+
+
+class ChunkShape:
+    """What a release's chunk holds beyond the token, and whether every chunk carries usage.
+
+    0.11 and 0.33 build the same chunk objects but serialize them differently (VLLM-PROTOCOL.md
+    §D): 0.33's choices gained ``weight_versions`` and its chunks ``kv_transfer_params`` (null
+    unless the request produced a descriptor, which a decode does not); 0.11's completions are
+    dumped without ``exclude_unset``, so every default shows. ``continuous_prompt`` is the prompt's
+    token count when ``stream_options.continuous_usage_stats`` asked for usage on every chunk
+    (``serve/utils/api_utils.py`` ``should_include_usage``), None otherwise."""
+
+    __slots__ = ("current", "continuous_prompt")
+
+    def __init__(self, current: bool = True, continuous_prompt: int | None = None) -> None:
+        self.current = current
+        self.continuous_prompt = continuous_prompt
 
 
 class StreamFrames:
-    """The SSE frames of one streamed response. Subclasses fill in the chat/completions shapes."""
+    """The SSE frames of one streamed response. Subclasses fill in the chat/completions shapes.
 
-    __slots__ = ("_common", "_head", "_tail", "_tail_length", "_tail_stop")
+    A token frame is ``head + token + tail``; with continuous usage the tail is split around the
+    running usage object (``_choice_end`` … ``_chunk_end``), which the running count makes
+    per-token anyway."""
 
-    def __init__(self, common: bytes) -> None:
+    __slots__ = ("_common", "_head", "_tail", "_tail_length", "_tail_stop", "_shape", "_ends")
+
+    def __init__(self, common: bytes, shape: ChunkShape | None = None) -> None:
         self._common = common
+        self._shape = shape or ChunkShape()
         self._head = b""
         self._tail = b""
         self._tail_length = b""
         self._tail_stop = b""
+        self._ends: dict[str | None, bytes] = {}  # finish reason -> the choice's end, before usage
+
+    def _set_choice_ends(self, ends: dict[str | None, bytes]) -> None:
+        """The choice's end per finish reason (None: a plain token); the tails follow from them."""
+        self._ends = ends
+        self._tail, self._tail_length, self._tail_stop = (
+            ends[None] + self._chunk_end(), ends["length"] + self._chunk_end(), ends["stop"] + self._chunk_end())
+
+    def _chunk_end(self, usage: bytes | None = None) -> bytes:
+        """What follows the choices: the release's trailing keys, the usage object if any."""
+        raise NotImplementedError
+
+    def _usage_json(self, completion_tokens: int) -> bytes:
+        """The running usage object of a continuous-usage chunk, as the release dumps it."""
+        raise NotImplementedError
+
+    def _with_usage(self, head: bytes, finish: str | None, completion_tokens: int) -> bytes:
+        assert self._shape.continuous_prompt is not None
+        return head + self._ends[finish] + self._chunk_end(self._usage_json(completion_tokens))
 
     def token(self, i: int) -> bytes:
         """The frame of generated token ``i``: head + token + tail, no JSON encoding."""
-        return self._head + token_bytes(i) + self._tail
+        if self._shape.continuous_prompt is None:
+            return self._head + token_bytes(i) + self._tail
+        return self._with_usage(self._head + token_bytes(i), None, i + 1)
 
     def last_token(self, i: int, finish_reason: str) -> bytes:
         """The frame of the final token, carrying ``finish_reason`` (``"length"`` or ``"stop"``)."""
-        tail = self._tail_length if finish_reason == "length" else self._tail_stop
-        return self._head + token_bytes(i) + tail
+        if self._shape.continuous_prompt is None:
+            tail = self._tail_length if finish_reason == "length" else self._tail_stop
+            return self._head + token_bytes(i) + tail
+        return self._with_usage(self._head + token_bytes(i), finish_reason, i + 1)
 
     def empty_stop(self) -> bytes:
         """An immediate end of sequence: no text, ``finish_reason: "stop"``."""
-        return self._head + self._tail_stop
+        if self._shape.continuous_prompt is None:
+            return self._head + self._tail_stop
+        return self._with_usage(self._head, "stop", 0)
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> bytes:
         """The usage-only chunk (``choices: []``) that ``include_usage`` asks for."""
@@ -206,18 +255,32 @@ class StreamFrames:
 
 
 class CompletionFrames(StreamFrames):
-    """``/v1/completions`` frames: a ``text`` per chunk, ``"usage": null`` on each."""
+    """``/v1/completions`` frames: a ``text`` per chunk (``openai/completion/serving.py``).
+
+    0.11 dumps every field (``"usage":null`` on each chunk); 0.33 dumps the fields it set, which
+    are every choice field and ``kv_transfer_params``, but not ``usage`` unless it is continuous."""
 
     __slots__ = ()
 
-    def __init__(self, common: bytes) -> None:
-        super().__init__(common)
+    def __init__(self, common: bytes, shape: ChunkShape | None = None) -> None:
+        super().__init__(common, shape)
         self._head = b"data: " + common + b',"choices":[{"index":0,"text":"'
-        self._tail = b'","logprobs":null,"finish_reason":null,"stop_reason":null}],"usage":null}\n\n'
-        self._tail_length = (
-            b'","logprobs":null,"finish_reason":"length","stop_reason":null}],"usage":null}\n\n'
-        )
-        self._tail_stop = b'","logprobs":null,"finish_reason":"stop","stop_reason":null}],"usage":null}\n\n'
+        rest = b',"stop_reason":null,"prompt_token_ids":null,"token_ids":null'
+        rest += b',"weight_versions":null}]' if self._shape.current else b"}]"
+        self._set_choice_ends({
+            f: b'","logprobs":null,"finish_reason":' + (b'"%s"' % f.encode() if f else b"null") + rest
+            for f in (None, "length", "stop")})
+
+    def _chunk_end(self, usage: bytes | None = None) -> bytes:
+        if self._shape.current:
+            return (b',"usage":' + usage if usage else b"") + b',"kv_transfer_params":null}\n\n'
+        return b',"usage":' + (usage or b"null") + b"}\n\n"
+
+    def _usage_json(self, completion_tokens: int) -> bytes:
+        prompt = self._shape.continuous_prompt or 0
+        usage = b'{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":%d' % (
+            prompt, prompt + completion_tokens, completion_tokens)
+        return usage + (b"}" if self._shape.current else b',"prompt_tokens_details":null}')
 
     def heartbeat(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         """A usage-only chunk: completions have no role delta to repeat."""
@@ -226,27 +289,48 @@ class CompletionFrames(StreamFrames):
 
 
 class ChatFrames(StreamFrames):
-    """``/v1/chat/completions`` frames: a ``delta`` per chunk, the role delta first."""
+    """``/v1/chat/completions`` frames: a ``delta`` per chunk, the role delta first.
 
-    __slots__ = ("_role", "_role_only")
+    Both releases dump with ``exclude_unset``: a plain chunk has ``token_ids`` but no
+    ``stop_reason``, the last one both; 0.33 adds ``weight_versions`` to the last choice and
+    ``kv_transfer_params`` to every content chunk (``openai/chat_completion/serving.py``)."""
 
-    def __init__(self, common: bytes) -> None:
-        super().__init__(common)
+    __slots__ = ("_role_choice", "_role_only")
+
+    def __init__(self, common: bytes, shape: ChunkShape | None = None) -> None:
+        super().__init__(common, shape)
         choices = b"data: " + common + b',"choices":[{"index":0,'
         self._head = choices + b'"delta":{"content":"'
-        self._tail = b'"},"logprobs":null,"finish_reason":null}]}\n\n'
-        self._tail_length = b'"},"logprobs":null,"finish_reason":"length","stop_reason":null}]}\n\n'
-        self._tail_stop = b'"},"logprobs":null,"finish_reason":"stop","stop_reason":null}]}\n\n'
-        self._role = (
-            choices + b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
+        last = b',"stop_reason":null,"token_ids":null' + (b',"weight_versions":null' if self._shape.current else b"")
+        self._set_choice_ends({
+            None: b'"},"logprobs":null,"finish_reason":null,"token_ids":null}]',
+            "length": b'"},"logprobs":null,"finish_reason":"length"' + last + b"}]",
+            "stop": b'"},"logprobs":null,"finish_reason":"stop"' + last + b"}]",
+        })
+        self._role_choice = (
+            choices + b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]'
         )
         self._role_only = (
             choices + b'"delta":{"role":"assistant"},"logprobs":null,"finish_reason":null}]}\n\n'
         )
 
+    def _chunk_end(self, usage: bytes | None = None) -> bytes:
+        usage_part = b',"usage":' + usage if usage else b""
+        return usage_part + (b',"kv_transfer_params":null}\n\n' if self._shape.current else b"}\n\n")
+
+    def _usage_json(self, completion_tokens: int) -> bytes:
+        prompt = self._shape.continuous_prompt or 0
+        usage = b'{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":%d' % (
+            prompt, prompt + completion_tokens, completion_tokens)
+        return usage + (b',"completion_tokens_details":null}' if self._shape.current else b"}")
+
     def role(self) -> bytes:
-        """The role delta with empty content that opens every chat stream."""
-        return self._role
+        """The role delta with empty content that opens every chat stream; the first chunk also
+        carries the (unrequested, so null) prompt token ids, and on 0.33 the prompt text."""
+        continuous = self._shape.continuous_prompt is not None
+        usage = b',"usage":' + self._usage_json(0) if continuous else b""
+        ids = b',"prompt_token_ids":null' + (b',"prompt_text":null' if self._shape.current else b"")
+        return self._role_choice + usage + ids + b"}\n\n"
 
     def heartbeat(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         """A role-only delta: carries no content, so a client's text is unchanged."""

@@ -7,7 +7,7 @@ Invariant: imports only the frame modules, which import only ``chunks``: no cycl
 
 from __future__ import annotations
 
-from narwhal.fake_engine.chunks import ModelTemplates, StreamFrames
+from narwhal.fake_engine.chunks import ChunkShape, ModelTemplates, StreamFrames
 from narwhal.fake_engine.frames_generate import GenerateFrames
 from narwhal.fake_engine.frames_messages import MessagesFrames
 from narwhal.fake_engine.frames_responses import ResponsesFrames
@@ -17,13 +17,16 @@ ID_PREFIX = {"completions": "cmpl-", "chat": "chatcmpl-", "messages": "chatcmpl-
 
 
 def frames_for(
-    kind: str, templates: ModelTemplates, rid: str, created: int, max_tokens: int | None
+    kind: str, templates: ModelTemplates, rid: str, created: int, max_tokens: int | None,
+    shape: ChunkShape | None = None,
 ) -> StreamFrames:
-    """The frames object one response of endpoint ``kind`` is written with."""
+    """The frames object one response of endpoint ``kind`` is written with; ``shape`` (the
+    release's chunk keys, continuous usage) applies to chat and completions, the OpenAI
+    endpoints that have it."""
     if kind == "messages":
         return MessagesFrames(templates.model_json, rid)
     if kind == "responses":
         return ResponsesFrames(templates.model, rid, created, max_tokens)
     if kind == "generate":
         return GenerateFrames(rid)
-    return templates.frames(kind == "chat", rid, created)
+    return templates.frames(kind == "chat", rid, created, shape)

@@ -36,7 +36,7 @@ import orjson
 from aiohttp import web
 
 from narwhal.fake_engine import frames_messages, kv
-from narwhal.fake_engine.chunks import StreamFrames, completion_body, token_text
+from narwhal.fake_engine.chunks import ChunkShape, StreamFrames, completion_body, token_text
 from narwhal.fake_engine.emit import Emitter, drop_connection, error_response
 from narwhal.fake_engine.faults import FaultSpec, effective_spec
 from narwhal.fake_engine.frames import ID_PREFIX, frames_for
@@ -214,7 +214,8 @@ def _response_id(request: web.Request, engine: EngineState, req: ParsedRequest) 
 
 def _frames(request: web.Request, engine: EngineState, req: ParsedRequest) -> StreamFrames:
     rid = _response_id(request, engine, req)
-    return frames_for(req.kind, engine.templates(req.model), rid, int(time.time()), req.max_tokens)
+    shape = ChunkShape(engine.release.current, req.prompt_tokens if req.continuous_usage else None)
+    return frames_for(req.kind, engine.templates(req.model), rid, int(time.time()), req.max_tokens, shape)
 
 
 async def _pull_for(engine: EngineState, request: web.Request, req: ParsedRequest, state: _State) -> bool:

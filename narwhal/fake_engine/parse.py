@@ -54,6 +54,7 @@ class ParsedRequest:
     faults: RequestFaults | None
     kind: str = ""  # "completions", "chat", "messages", "responses" or "generate"
     request_id: str | None = None  # the body's request_id (responses, generate)
+    continuous_usage: bool = False  # stream_options asks for usage on every chunk too
 
 
 def detect_phase(body: dict[str, Any]) -> str:
@@ -176,12 +177,15 @@ def parse_request(body: Any, chat: bool, models: list[str], max_model_len: int =
                            f"maximum context length is {max_model_len} tokens and your request has {prompt_tokens} "
                            f"input tokens ({max_tokens} > {max_model_len} - {prompt_tokens}).")
     kv = body.get("kv_transfer_params")
+    options = stream_options if isinstance(stream_options, dict) else {}
+    include_usage = options.get("include_usage") is True  # vLLM's should_include_usage
     return ParsedRequest(
         chat=chat,
         phase=phase,
         model=model,
         stream=stream,
-        include_usage=isinstance(stream_options, dict) and stream_options.get("include_usage") is True,
+        include_usage=include_usage,
+        continuous_usage=include_usage and options.get("continuous_usage_stats") is True,
         max_tokens=max_tokens,
         prompt_tokens=prompt_tokens,
         kv_params=kv if isinstance(kv, dict) else None,

@@ -16,6 +16,9 @@ heterogeneous TP       refused unless D's TP is a multiple of P's   accepted
 generate``
 ``cache_config_info``  0.11's CacheConfig fields, in their order    0.33's, in theirs (four more
                                                                     labels ending in ``block_size``)
+stream chunks          completions dumped whole (``"usage":null``)  only the keys set: every chunk
+                                                                    ``"kv_transfer_params":null``, the
+                                                                    last choice ``weight_versions``
 =====================  ===========================================  ==================================
 
 Releases in between take the nearest rule the sources above date: the refusal cleanup is in

@@ -10,12 +10,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from openai import AsyncOpenAI
 
 from narwhal.testing.harness import FakeFleet, RouterProcess
 from tests.real_gunicorn.endpoints_support import ALL, Endpoint
 from tests.real_gunicorn.support import (
     MODEL,
     TOKEN,
+    access_line,
     admin,
     at_rest,
     chat,
@@ -107,3 +109,29 @@ async def test_the_admin_api_shows_each_engines_version_and_transfer_mode(
         "vp0": (version, "pull"), "vd0": (version, "pull")}
     metrics = at_rest(router, "narwhal_engine_info")
     assert value(metrics, "narwhal_engine_info", engine="vp0", role="producer", version=version) == 1.0
+
+
+@pytest.mark.parametrize("path", ["chat", "completions"])
+async def test_continuous_usage_reaches_the_client_on_every_chunk(
+    release: tuple[str, FakeFleet, RouterProcess], path: str
+) -> None:
+    """guidellm and aiperf's ``--per-chunk-usage`` ask for ``continuous_usage_stats``: the running
+    usage the consumer writes on every chunk reaches the client's SDK, and the access log counts
+    the last one (SPEC §3 step 7's relay, VLLM-PROTOCOL.md's chunk shapes of each release)."""
+    version, _, router = release
+    options: Any = {"include_usage": True, "continuous_usage_stats": True}
+    rid = f"cont-{path}-{version}-{unique_prompt(2).replace(' ', '-')}"
+    async with AsyncOpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=20) as sdk:
+        if path == "chat":
+            stream: Any = await sdk.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": unique_prompt()}], stream=True, max_tokens=3,
+                stream_options=options, extra_headers={"X-Request-Id": rid})
+        else:
+            stream = await sdk.completions.create(model=MODEL, prompt=unique_prompt(), stream=True, max_tokens=3,
+                                                  stream_options=options, extra_headers={"X-Request-Id": rid})
+        chunks = [c async for c in stream]
+    running = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert running == ([0, 1, 2, 3] if path == "chat" else [1, 2, 3]), (version, running)
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 3
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+    assert access_line(router, rid)["completion_tokens"] == 3

@@ -21,23 +21,44 @@ from tests.wire import PREFILL_KV
 # -- wire format -------------------------------------------------------------------------------
 
 
-async def test_completions_stream_wire_format(client: TestClient[Any, Any]) -> None:
-    body = {"model": "fake-model", "prompt": "a b c", "max_tokens": 3, "stream": True}
-    body["stream_options"] = {"include_usage": True}
-    resp = await client.post("/v1/completions", json=body)
-    assert resp.status == 200
-    assert resp.headers["Content-Type"].startswith("text/event-stream")
-    raw = await resp.read()
+# The exact token frames of each release, read from its serving code: 0.11 dumps completions
+# chunks whole (``exclude_unset=False``), 0.33 only what it set, which adds ``weight_versions`` to
+# the last choice and ``kv_transfer_params`` to every chunk. {h} is the chunk's id/created/model.
+COMPLETION_FRAMES = {
+    "0.11.0": (b'{h,"choices":[{"index":0,"text":" t1","logprobs":null,"finish_reason":null,"stop_reason":null,'
+               b'"prompt_token_ids":null,"token_ids":null}],"usage":null}'),
+    "0.33.0": (b'{h,"choices":[{"index":0,"text":" t1","logprobs":null,"finish_reason":null,"stop_reason":null,'
+               b'"prompt_token_ids":null,"token_ids":null,"weight_versions":null}],"kv_transfer_params":null}'),
+}
+CHAT_ROLE_TAILS = {"0.11.0": b',"prompt_token_ids":null}', "0.33.0": b',"prompt_token_ids":null,"prompt_text":null}'}
+CHAT_LAST_CHOICES = {
+    "0.11.0": {"stop_reason": None, "token_ids": None},
+    "0.33.0": {"stop_reason": None, "token_ids": None, "weight_versions": None},
+}
+
+
+def _head(frame: dict[str, Any]) -> bytes:
+    return (b'{"id":"' + frame["id"].encode() + b'","object":"' + frame["object"].encode() + b'","created":'
+            + str(frame["created"]).encode() + b',"model":"fake-model"')
+
+
+async def _stream(aiohttp_client: ClientFactory, version: str, path: str, body: dict[str, Any]) -> bytes:
+    client = await aiohttp_client(build_engine_app(FakeEngine("e-" + version, version=version)))
+    resp = await client.post(path, json={"model": "fake-model", "stream": True, **body})
+    assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+    return await resp.read()
+
+
+@pytest.mark.parametrize("version", ["0.11.0", "0.33.0"])
+async def test_completions_stream_wire_format(aiohttp_client: ClientFactory, version: str) -> None:
+    body = {"prompt": "a b c", "max_tokens": 3, "stream_options": {"include_usage": True}}
+    raw = await _stream(aiohttp_client, version, "/v1/completions", body)
     evs = decoded(raw)
     assert evs[-1] == "[DONE]"
     tokens = evs[:3]
     first = tokens[0]
     assert first["id"].startswith("cmpl-") and first["object"] == "text_completion"
     assert isinstance(first["created"], int) and first["model"] == "fake-model"
-    assert first["usage"] is None
-    assert first["choices"] == [
-        {"index": 0, "text": " t0", "logprobs": None, "finish_reason": None, "stop_reason": None}
-    ]
     assert [t["choices"][0]["text"] for t in tokens] == [" t0", " t1", " t2"]
     assert [t["choices"][0]["finish_reason"] for t in tokens] == [None, None, "length"]
     assert evs[3]["choices"] == [] and evs[3]["usage"] == {
@@ -47,29 +68,55 @@ async def test_completions_stream_wire_format(client: TestClient[Any, Any]) -> N
     }
     assert len(evs) == 5
     # Exact bytes of a token frame: what routers relay without re-encoding.
-    assert raw.split(b"\n\n")[1] == (
-        b'data: {"id":"'
-        + first["id"].encode()
-        + b'","object":"text_completion","created":'
-        + str(first["created"]).encode()
-        + b',"model":"fake-model","choices":[{"index":0,"text":" t1","logprobs":null,'
-        b'"finish_reason":null,"stop_reason":null}],"usage":null}'
-    )
+    assert raw.split(b"\n\n")[1] == b"data: " + COMPLETION_FRAMES[version].replace(b"{h", _head(first))
 
 
-async def test_chat_stream_wire_format(client: TestClient[Any, Any]) -> None:
-    body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi there"}], "stream": True}
-    resp = await client.post("/v1/chat/completions", json={**body, "max_completion_tokens": 2})
-    evs = decoded(await resp.read())
+@pytest.mark.parametrize("version", ["0.11.0", "0.33.0"])
+async def test_chat_stream_wire_format(aiohttp_client: ClientFactory, version: str) -> None:
+    body = {"messages": [{"role": "user", "content": "hi there"}], "max_completion_tokens": 2}
+    raw = await _stream(aiohttp_client, version, "/v1/chat/completions", body)
+    evs = decoded(raw)
     assert evs[0]["object"] == "chat.completion.chunk" and evs[0]["id"].startswith("chatcmpl-")
-    assert evs[0]["choices"] == [
-        {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-    ]
-    assert evs[1]["choices"][0]["delta"] == {"content": " t0"}
-    assert evs[1]["choices"][0]["finish_reason"] is None
-    assert evs[2]["choices"][0]["delta"] == {"content": " t1"}
-    assert evs[2]["choices"][0]["finish_reason"] == "length"
+    role = b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]'
+    assert raw.split(b"\n\n")[0] == b"data: " + _head(evs[0]) + b"," + role + CHAT_ROLE_TAILS[version]
+    assert evs[1]["choices"] == [
+        {"index": 0, "delta": {"content": " t0"}, "logprobs": None, "finish_reason": None, "token_ids": None}]
+    assert evs[2]["choices"] == [{"index": 0, "delta": {"content": " t1"}, "logprobs": None,
+                                  "finish_reason": "length", **CHAT_LAST_CHOICES[version]}]
+    current = version == "0.33.0"
+    assert all(("kv_transfer_params" in e) is current for e in evs[1:3])
+    assert all(e.get("kv_transfer_params") is None for e in evs[1:3])
     assert evs[3:] == ["[DONE]"]
+
+
+@pytest.mark.parametrize("version", ["0.11.0", "0.33.0"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_continuous_usage_stats_put_the_running_usage_on_every_chunk(
+    aiohttp_client: ClientFactory, version: str, path: str
+) -> None:
+    """``stream_options.continuous_usage_stats`` (with ``include_usage``; guidellm always asks,
+    aiperf with ``--per-chunk-usage``): every chunk carries the usage so far, as each release
+    dumps it, and the usage-only chunk still ends the stream."""
+    chat = path.endswith("chat/completions")
+    prompt = {"messages": [{"role": "user", "content": "a b c"}]} if chat else {"prompt": "a b c"}
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    evs = decoded(await _stream(aiohttp_client, version, path, {**prompt, "max_tokens": 3, "stream_options": options}))
+    assert evs[-1] == "[DONE]"
+    chunks = [e for e in evs[:-2] if e["choices"]]
+    p = evs[-2]["usage"]["prompt_tokens"]
+    done = [0, 1, 2, 3] if chat else [1, 2, 3]  # chat's role chunk first, with 0 completion tokens
+    extra: dict[str, Any] = {}
+    if chat and version == "0.33.0":
+        extra = {"completion_tokens_details": None}
+    elif not chat and version == "0.11.0":
+        extra = {"prompt_tokens_details": None}
+    assert [c["usage"] for c in chunks] == [
+        {"prompt_tokens": p, "total_tokens": p + k, "completion_tokens": k, **extra} for k in done]
+    assert evs[-2]["choices"] == [] and evs[-2]["usage"]["completion_tokens"] == 3
+    # Without continuous_usage_stats (or without include_usage) no content chunk has a usage object.
+    plain = decoded(await _stream(aiohttp_client, version, path, {**prompt, "max_tokens": 3, "stream_options": {
+        "include_usage": False, "continuous_usage_stats": True}}))
+    assert all(not e.get("usage") for e in plain[:-1])
 
 
 async def test_non_streaming_bodies(client: TestClient[Any, Any], engine: FakeEngine) -> None:
