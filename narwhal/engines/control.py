@@ -12,7 +12,8 @@ session forgot the CA, so an ``https://`` fleet behind a private CA was ejected 
 health checks (issue 16) while the request path served it fine. A fix made to one copy is
 not a fix; a caller that does not come through here has no TLS and no key, which shows.
 
-The control reads (``GET /health``, ``/version``, ``/v1/models``) go through
+The control reads (``GET /health``, ``/version``, ``/v1/models``, and whether
+``/inference/v1/generate`` answers 403: one ``POST`` of an empty object) go through
 :class:`ControlClient`: one timeout bounds the whole exchange (connect, handshake, headers,
 body), so a hung engine costs one check, never a loop; every transport failure, a
 certificate the CA did not sign included, is one :class:`ControlError` with a short reason
@@ -169,6 +170,11 @@ class VersionPin:
 UNREACHABLE = "unreachable"  # a ControlError's reason when no connection was made (SPEC §6's unreachable)
 
 
+GENERATE_PATH = "/inference/v1/generate"
+# SPEC §11: what preflight and /admin/engines say of an engine that answers 403 there.
+SCALE_OUT_REFUSAL = "answers 403 on /inference/v1/generate: vLLM runs without --enable-scale-out"
+
+
 class ControlError(Exception):
     """A control read got no HTTP answer; ``reason`` says why in a few words."""
 
@@ -178,7 +184,8 @@ class ControlError(Exception):
 
 
 class ControlClient:
-    """``GET /health``, ``/version`` and ``/v1/models`` of engines, TLS and key included.
+    """``GET /health``, ``/version`` and ``/v1/models`` of engines, TLS and key included, and
+    whether ``/inference/v1/generate`` is served.
 
     ``get`` returns ``(status, body)`` or raises :class:`ControlError` (unreachable,
     refused certificate, timed out); the typed reads fold every failure into a falsy
@@ -194,14 +201,34 @@ class ControlClient:
 
     async def get(self, engine: EngineRef, path: str) -> tuple[int, bytes]:
         """``(status, body)`` of ``GET path`` within the bound; :class:`ControlError` when there is no answer."""
+        return await self._exchange("GET", engine.url + path, None, self._headers)
+
+    async def post(self, engine: EngineRef, path: str, body: bytes) -> tuple[int, bytes]:
+        """``(status, body)`` of ``POST path`` with a JSON ``body``, as :meth:`get` answers."""
+        headers = {**self._headers, "Content-Type": "application/json"}
+        return await self._exchange("POST", engine.url + path, body, headers)
+
+    async def _exchange(self, method: str, url: str, body: bytes | None, headers: dict[str, str]) -> tuple[int, bytes]:
         try:
             async with asyncio.timeout(self.timeout_s):
-                async with self.session.get(engine.url + path, headers=self._headers) as resp:
+                async with self.session.request(method, url, data=body, headers=headers) as resp:
                     return resp.status, await resp.read()
         except TimeoutError:
             raise ControlError(f"timed out after {self.timeout_s:g}s") from None
         except (aiohttp.ClientError, OSError):  # a refused certificate is a ClientError too
             raise ControlError(UNREACHABLE) from None
+
+    async def generate_refused(self, engine: EngineRef) -> bool | None:
+        """Whether ``engine`` refuses ``/inference/v1/generate`` with 403, as vLLM 0.33 does without
+        ``--enable-scale-out`` (``entrypoints/scale_out/factories.py``: the stand-in route takes no
+        body and always answers 403). Asked with an empty object, which a serving engine refuses
+        as invalid (400/422) before any generation, so the question costs no inference. None: no
+        answer (unreachable, timed out)."""
+        try:
+            status, _ = await self.post(engine, GENERATE_PATH, b"{}")
+        except ControlError:
+            return None
+        return status == 403
 
     async def _answer(self, engine: EngineRef, path: str) -> bytes | None:
         try:

@@ -18,7 +18,8 @@ Control routes (fleet process): ``GET /engines``, ``GET /engines/{name}/stats``,
 models, ``state.EngineModel``; a PUT changes the keys it names), ``GET|PUT|DELETE
 /engines/{name}/background`` (``{"requests": N, "hold_s": S}``: load served for someone else),
 ``POST /engines/{name}/stop|start`` (``start?restart=1``: as a new process, a new engine id and an
-empty prefix cache), ``POST /reset`` (also stops background load).
+empty prefix cache; ``&version=V``: of another release; ``&scale_out=0|1``: without or with
+``--enable-scale-out``), ``POST /reset`` (also stops background load).
 
 Load and cache models (SPEC §9), each off by default (``--max-num-seqs``, ``--prefill-s-per-token``,
 ``--prefix-cache``, ``--kv-blocks``): a batch limit with FIFO waiting and background load

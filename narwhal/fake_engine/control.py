@@ -147,7 +147,9 @@ class _Control:
     async def start(self, request: web.Request) -> web.Response:
         engine = self.engine_of(request)
         if request.query.get("restart"):  # ?restart=1: a new process, not the same one listening again
-            engine.restarted(request.query.get("version"))  # &version=V: a new release (an upgrade)
+            # &version=V: a new release (an upgrade); &scale_out=0|1: --enable-scale-out off or on
+            scale_out = request.query.get("scale_out")
+            engine.restarted(request.query.get("version"), None if scale_out is None else scale_out == "1")
         try:
             await engine.start(engine.listen_host)
         except OSError as exc:

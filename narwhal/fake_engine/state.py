@@ -195,10 +195,13 @@ class EngineState:
         """Back to no faults at all."""
         self.faults = NO_FAULTS
 
-    def restarted(self, version: str | None = None) -> None:
+    def restarted(self, version: str | None = None, enable_scale_out: bool | None = None) -> None:
         """As a vLLM process started again: a new engine id, an empty prefix cache; with
         ``version``, a process of that release (a rolling upgrade's step: its /version, its shapes
-        and the compatibility its handoffs are judged by)."""
+        and the compatibility its handoffs are judged by); with ``enable_scale_out``, one started
+        with (True) or without (False) ``--enable-scale-out``."""
+        if enable_scale_out is not None:
+            self.enable_scale_out = enable_scale_out
         if version:
             self.base_version = version
             self.release = release_of(version)

@@ -38,6 +38,7 @@ class Engine:
     models_configured: bool = False
     transfer_mode: str = "pull"  # engines[].transfer_mode: NIXL pull or push (SPEC §11)
     version: str | None = None  # the engine's /version as the supervisor read it; None: not yet
+    generate_refused: bool = False  # it answers 403 on /inference/v1/generate (no --enable-scale-out)
     permitted_consumers: tuple[Engine, ...] = ()
     permitted_producers: tuple[Engine, ...] = field(default=())
 

@@ -8,11 +8,14 @@ decode, so preflight does exactly that, once per role-permitted pair, before any
 
 Two phases, each concurrent (bounded by a semaphore):
 
-1. engines: ``/health`` → ``/version`` and ``/v1/models`` (together) → for producer-capable
-   engines, a tiny prefill whose descriptor must validate (NixlConnector profile). The first
-   failing check is the engine's reason; later checks are ``skip``.
-2. pairs: every producer→consumer pair ``pair_permitted`` allows gets a fresh tiny prefill and a
-   streamed decode to ``[DONE]`` through :class:`EngineClient`, exactly the router's path. At
+1. engines: ``/health`` → ``/version``, ``/v1/models`` and whether ``/inference/v1/generate``
+   answers 403 (together; a 403 is a warning, SPEC §11) → for producer-capable engines, a tiny
+   prefill whose descriptor must validate (NixlConnector profile). The first failing check is
+   the engine's reason; later checks are ``skip``.
+2. pairs: every producer→consumer pair ``pair_permitted`` allows, of compatible versions and
+   transfer modes (SPEC §11: others are skipped, not required, as placement never pairs them),
+   gets a fresh tiny prefill and a streamed decode to ``[DONE]`` through :class:`EngineClient`,
+   exactly the router's path. At
    the same time the handoffs made in phase 1 are *released* to a healthy consumer, so no KV
    blocks stay pinned until the producer's lease.
 
@@ -47,7 +50,15 @@ from narwhal.engines.connector import (
     tp_size_of,
     validate_descriptor,
 )
-from narwhal.engines.control import ControlClient, ControlError, VersionPin, open_session, parse_models, parse_version
+from narwhal.engines.control import (
+    SCALE_OUT_REFUSAL,
+    ControlClient,
+    ControlError,
+    VersionPin,
+    open_session,
+    parse_models,
+    parse_version,
+)
 from narwhal.errors import DeadlineExceeded, NarwhalError
 from narwhal.fleet import Engine, Fleet, compat
 from narwhal.preflight.report import (
@@ -130,6 +141,8 @@ class _Preflight:
         probes = asyncio.gather(*(self._pair(p, d, by_name) for p, d in pairs))
         results, _ = await asyncio.gather(probes, self._release_all(by_name))
         report.pairs = list(results)
+        refusing = [r for r in report.engines if "generate" in r.checks]
+        report.warnings += [f"{r.name}: {r.checks['generate'].detail}" for r in refusing]
         report.warnings += [f"{p.name}: {p.note}" for p in report.pairs if p.note]
         charge_transfers(self.fleet, report)
         report.warnings += unused_engines(self.fleet)
@@ -158,12 +171,15 @@ class _Preflight:
             _skip(result, later)
             return
         result.checks["health"] = Check(OK, "200")
-        version, models = await asyncio.gather(self._version(engine, result), self._models(engine, result))
+        version, models, generate = await asyncio.gather(
+            self._version(engine, result), self._models(engine, result), self._generate(engine))
         for name, check in (("version", version), ("models", models)):
             if check.verdict == FAIL:
                 result.fail(name, check.detail)
             else:
                 result.checks[name] = check
+        if generate is not None:
+            result.checks["generate"] = generate
         if not engine.can_prefill:
             return
         if not result.ok:
@@ -195,11 +211,20 @@ class _Preflight:
         if isinstance(version, Check):
             return version
         result.version = version
+        self.fleet.set_version(engine, version)  # the pairs phase tries compatible pairs only (SPEC §11)
         if self.pin is None:
             return Check(OK, f"{version} (not pinned)")
         if not self.pin.matches(version):
             return Check(FAIL, f"version {version} does not match {self.pin.text}")
         return Check(OK, version)
+
+    async def _generate(self, engine: Engine) -> Check | None:
+        """SPEC §11: an engine that answers 403 on ``/inference/v1/generate`` (vLLM 0.33 without
+        ``--enable-scale-out``) serves everything else, so it does not fail; the check is a skip
+        whose detail is the one line the report's warnings repeat. None: it serves generate."""
+        if await self.control.generate_refused(engine):
+            return Check(SKIP, SCALE_OUT_REFUSAL)
+        return None
 
     async def _models(self, engine: Engine, result: EngineResult) -> Check:
         served = await self._read(engine, "/v1/models", parse_models, "models", "not an OpenAI model list", FAIL)
@@ -273,6 +298,10 @@ class _Preflight:
         common = [m for m in self._models_of(p, by_name[p.name]) if m in self._models_of(d, by_name[d.name])]
         if not common:
             result.verdict, result.reason, result.required = SKIP, "no common model", False
+            return result
+        if not compat.compatible(p, d):  # NIXL refuses the handshake: placement never pairs them
+            result.verdict, result.required = SKIP, False
+            result.reason = f"incompatible: {compat.why_incompatible(p, d)}"
             return result
         async with self.gate:
             started = time.monotonic()

@@ -6,12 +6,14 @@ The supervisor reads them (``supervisor.models``) and publishes one record per e
 when the generation moved, never per request. One writer, the supervisor, so no lock.
 
 A record is ``seq u64 | version u64, identity hash u32, status u8, count u8, engine version length
-u8, engine version, names | crc32`` under the seqlock of ``shm.records`` (a torn or reordered copy
-is read again), each name a u8 length and its UTF-8 bytes. The engine version is the engine's
-``/version`` (SPEC §11: which engines may pair), read with its models, at most
-:data:`MAX_VERSION_BYTES` bytes (a longer answer is no version). ``version`` is the models
-generation it was published under: every round rewrites every engine's record, so a worker that
-sees the bump before a record (aarch64) reads again until the records carry it. The identity hash
+u8, generate u8, engine version, names | crc32`` under the seqlock of ``shm.records`` (a torn or
+reordered copy is read again), each name a u8 length and its UTF-8 bytes. The engine version is
+the engine's ``/version`` (SPEC §11: which engines may pair), read with its models, at most
+:data:`MAX_VERSION_BYTES` bytes (a longer answer is no version); ``generate`` is whether it
+answers 403 on ``/inference/v1/generate`` (``GENERATE_*``), which ``/admin/engines`` shows.
+``version`` is the models generation it was published under: every round rewrites every
+engine's record, so a worker that sees the bump before a record (aarch64) reads again until the
+records carry it. The identity hash
 says whose the record is: a record left at a slot by an engine a reload or discovery removed is
 nobody's.
 
@@ -43,7 +45,11 @@ MAX_MODEL_BYTES = 255  # a name's length is one byte
 MAX_MODELS = 64
 MAX_VERSION_BYTES = 63  # "0.33.0+cu126.abcdef" fits many times over
 
-_HEAD = struct.Struct("<QIBBB")  # version, identity hash, status, count, engine version length
+_HEAD = struct.Struct("<QIBBBB")  # version, identity hash, status, count, engine version length, generate
+
+GENERATE_UNKNOWN = 0  # not asked, or no answer yet
+GENERATE_SERVED = 1  # answered anything but 403
+GENERATE_REFUSED = 2  # answered 403: vLLM runs without --enable-scale-out
 BODY = L.MODELS_RECORD_SIZE - 8 - 4  # seq before, CRC after
 ROOM = BODY - _HEAD.size - MAX_VERSION_BYTES  # for the names, each a length byte and its bytes
 
@@ -57,6 +63,7 @@ class ModelsRecord:
     status: int  # PENDING, ANSWERED, UNANSWERED or CONFIGURED
     models: tuple[str, ...]
     engine_version: str | None = None  # the engine's /version; None: not read (yet)
+    generate: int = GENERATE_UNKNOWN  # its answer on /inference/v1/generate (GENERATE_*)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,13 +114,13 @@ def encode(rec: ModelsRecord) -> bytes:
     engine_version = fit_version(rec.engine_version)
     raw_version = b"" if engine_version is None else engine_version.encode()
     body = _HEAD.pack(rec.version, rec.name_hash, rec.status, len(rec.models),
-                      len(raw_version) if engine_version is not None else 0xFF) + raw_version + names
+                      len(raw_version) if engine_version is not None else 0xFF, rec.generate) + raw_version + names
     return body + bytes(BODY - len(body))
 
 
 def decode(body: bytes) -> ModelsRecord:
     """The record in ``body`` (whole and CRC-checked: ``read_framed`` gave it)."""
-    version, name_hash, status, count, version_len = _HEAD.unpack_from(body)
+    version, name_hash, status, count, version_len, generate = _HEAD.unpack_from(body)
     at = _HEAD.size
     engine_version = None
     if version_len != 0xFF:
@@ -124,7 +131,7 @@ def decode(body: bytes) -> ModelsRecord:
         size = body[at]
         names.append(body[at + 1 : at + 1 + size].decode("utf-8", "surrogatepass"))
         at += 1 + size
-    return ModelsRecord(version, name_hash, status, tuple(names), engine_version)
+    return ModelsRecord(version, name_hash, status, tuple(names), engine_version, generate)
 
 
 def fit_version(version: str | None) -> str | None:

@@ -41,7 +41,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import aiohttp
 
 from narwhal import metrics
-from narwhal.engines.control import ControlClient, ControlError, EngineRef, parse_models, parse_version
+from narwhal.engines.control import (
+    SCALE_OUT_REFUSAL,
+    ControlClient,
+    ControlError,
+    EngineRef,
+    parse_models,
+    parse_version,
+)
 from narwhal.fleet import Engine
 from narwhal.fleet.breaker import State
 from narwhal.shm import models as M
@@ -72,6 +79,10 @@ class ControlGet(Protocol):
         """``(status, body)`` of ``GET path``; ``ControlError`` when there is no answer."""
         ...
 
+    async def generate_refused(self, engine: EngineRef) -> bool | None:
+        """Whether ``engine`` answers 403 on ``/inference/v1/generate``; None: no answer."""
+        ...
+
 
 class ModelReader:
     """Reads the engines' ``/v1/models`` and publishes them; the supervisor's loop calls :meth:`tick`."""
@@ -82,6 +93,7 @@ class ModelReader:
         self.session: aiohttp.ClientSession | None = None  # closed: the supervisor stopped, no read starts
         self._known: dict[str, Known] = {}  # by engine name: what was last published for it
         self._versions: dict[str, str] = {}  # by engine name: its /version as last read (SPEC §11)
+        self._generate: dict[str, int] = {}  # by engine name: M.GENERATE_SERVED or _REFUSED, as last read
         self._recheck: set[str] = set()  # answering again after refusing: reachable once /version is read
         self._rechecked: set[str] = set()  # read: reachable after CLEAR_AFTER_S (tick)
         self._clear_at: dict[str, float] = {}
@@ -119,6 +131,8 @@ class ModelReader:
             if rec is not None and rec.name_hash == ident and rec.engine_version is not None:
                 self._versions[engine.name] = rec.engine_version
                 self._set_version(engine, rec.engine_version)
+            if rec is not None and rec.name_hash == ident and rec.generate != M.GENERATE_UNKNOWN:
+                self._generate[engine.name] = rec.generate
 
     def tick(self, now: float) -> None:
         """Publish what changed since the last pass (answers, engines), then start the reads due now (never awaited)."""
@@ -129,6 +143,7 @@ class ModelReader:
             idents = {e.name: record_hash(e.name, e.url) for e in engines}
             self._known = {n: k for n, k in self._known.items() if idents.get(n) == k[0]}
             self._versions = {n: v for n, v in self._versions.items() if n in idents}
+            self._generate = {n: g for n, g in self._generate.items() if n in idents}
             due += [e for e in engines if e.name not in self._known or e.name not in self._versions]
             self._changed = True
         if now >= self._next_refresh:
@@ -188,9 +203,11 @@ class ModelReader:
 
     async def _read(self, engine: Engine) -> None:
         version: str | None = None
+        refused: bool | None = None
         try:
             version = await self._version(engine)
             answer = None if engine.models_configured else await self._answer(engine)
+            refused = await self.control.generate_refused(engine)
         except Exception:  # a read must never take the supervisor down
             if self._stopped():
                 return  # the session closed under it: the supervisor is stopping
@@ -200,6 +217,7 @@ class ModelReader:
             self._reading.discard(engine.name)
         if self.sup.fleet.by_name.get(engine.name) is engine:  # not forgotten or replaced meanwhile
             self.settle_version(engine, version)
+            self.settle_generate(engine, refused)
             if not engine.models_configured:
                 self.settle(engine, answer)
 
@@ -228,6 +246,19 @@ class ModelReader:
         self._versions[engine.name] = version
         self._changed = True
         self._set_version(engine, version)
+
+    def settle_generate(self, engine: Engine, refused: bool | None) -> None:
+        """Whether ``engine`` answered 403 on ``/inference/v1/generate`` (None: no answer: the last
+        word stands); a change is published and logged once (SPEC §11)."""
+        if refused is None:
+            return
+        state = M.GENERATE_REFUSED if refused else M.GENERATE_SERVED
+        if self._generate.get(engine.name) == state:
+            return
+        if refused:
+            log.warning("engine %s %s: requests there fail with its 403", engine.name, SCALE_OUT_REFUSAL)
+        self._generate[engine.name] = state
+        self._changed = True
 
     def _set_version(self, engine: Engine, version: str) -> None:
         old = engine.version
@@ -278,5 +309,6 @@ class ModelReader:
             else:
                 _, status, models = self._known.get(engine.name, (ident, M.PENDING, ()))
             M.write_models(region, self.sup.slot_of(engine),
-                           M.ModelsRecord(version, ident, status, models, self._versions.get(engine.name)))
+                           M.ModelsRecord(version, ident, status, models, self._versions.get(engine.name),
+                                          self._generate.get(engine.name, M.GENERATE_UNKNOWN)))
         M.bump_generation(region)

@@ -24,6 +24,7 @@ import orjson
 from aiohttp import web
 
 from narwhal import shm
+from narwhal.engines.control import GENERATE_PATH, SCALE_OUT_REFUSAL
 from narwhal.errors import RequestError
 from narwhal.fleet import Engine
 from narwhal.fleet.blame import State
@@ -53,6 +54,8 @@ def engine_view(router: Router, state: WorkerFleetState | LocalFleetState, engin
         "models": sorted(engine.models),
         "version": engine.version,  # its /version as the supervisor read it (SPEC §11); null: not yet
         "transfer_mode": engine.transfer_mode,
+        # SPEC §11: an endpoint it answers 403 on, in the line preflight writes (vLLM without --enable-scale-out)
+        "refused_endpoints": {GENERATE_PATH: SCALE_OUT_REFUSAL} if engine.generate_refused else {},
         "state": "admitted",
         "failure_streak": 0,
         "ejections": 0,

@@ -91,6 +91,7 @@ class ModelsFollower:
                 models = frozenset(rec.models)
                 if rec.engine_version is not None:  # SPEC §11: which engines may pair
                     self.fleet.set_version(engine, rec.engine_version)
+                engine.generate_refused = rec.generate == M.GENERATE_REFUSED  # shown by /admin/engines
             elif behind:
                 continue  # another engine's record, not rewritten for this one yet: keep what it had
             else:

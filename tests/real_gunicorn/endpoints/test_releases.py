@@ -6,6 +6,8 @@ parametrized over the releases: the tests are written once."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -135,3 +137,43 @@ async def test_continuous_usage_reaches_the_client_on_every_chunk(
     assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 3
     assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
     assert access_line(router, rid)["completion_tokens"] == 3
+
+
+async def _entry_when(router: RouterProcess, name: str, predicate: Any, what: str, timeout: float = 15) -> dict:
+    """``name``'s ``/admin/engines`` entry once ``predicate`` holds for it (bounded wait)."""
+    end = time.monotonic() + timeout
+    while True:
+        entry = {e["name"]: e for e in (await admin(router))["engines"]}[name]
+        if predicate(entry):
+            return entry
+        assert time.monotonic() < end, f"{name}: {what}: {entry}"
+        await asyncio.sleep(0.05)
+
+
+async def test_admin_engines_names_an_engine_refusing_generate(release: tuple[str, FakeFleet, RouterProcess]) -> None:
+    """SPEC §11: a consumer restarted without ``--enable-scale-out`` answers 403 on
+    ``/inference/v1/generate`` on 0.33 (0.11 serves it regardless): ``/admin/engines`` says so in
+    preflight's line once the supervisor has read the new process, and forgets it once the
+    engine is restarted with the flag."""
+    version, fleet, router = release
+    entry = await _entry_when(router, "vd0", lambda e: e["version"] == version, "its version read")
+    assert entry["refused_endpoints"] == {}
+    try:
+        fleet.control_request("POST", "/engines/vd0/stop")
+        await _entry_when(router, "vd0", lambda e: e["unreachable"], "seen refusing connections")
+        fleet.control_request("POST", "/engines/vd0/start?restart=1&scale_out=0")
+        if version == "0.11.0":
+            entry = await _entry_when(router, "vd0", lambda e: not e["unreachable"], "reachable again")
+            assert entry["refused_endpoints"] == {}
+        else:
+            refusal = "answers 403 on /inference/v1/generate: vLLM runs without --enable-scale-out"
+            await _entry_when(router, "vd0", lambda e: e["refused_endpoints"] == {"/inference/v1/generate": refusal},
+                              "named as refusing generate")
+    finally:
+        fleet.control_request("POST", "/engines/vd0/stop")
+        await _entry_when(router, "vd0", lambda e: e["unreachable"], "seen refusing connections")
+        fleet.control_request("POST", "/engines/vd0/start?restart=1&scale_out=1")
+    await _entry_when(router, "vd0", lambda e: not e["unreachable"] and e["refused_endpoints"] == {},
+                      "serving generate again")
+    if version != "0.11.0":  # the supervisor's one line, once per change
+        assert router.log_text().count("engine vd0 answers 403 on /inference/v1/generate") == 1

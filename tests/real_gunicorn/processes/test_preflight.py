@@ -56,6 +56,10 @@ def clean_fleet(pf_fleet: FakeFleet) -> Iterator[None]:
         if not pf_fleet.stats(name)["serving"]:
             pf_fleet.control_request("POST", f"/engines/{name}/start")
     pf_fleet.control_request("POST", "/reset")
+    for name in NAMES:  # back to this module's release if a test restarted one as another
+        if pf_fleet.stats(name)["version"] != "0.11.0":
+            pf_fleet.control_request("POST", f"/engines/{name}/stop")
+            pf_fleet.control_request("POST", f"/engines/{name}/start?restart=1&version=0.11.0")
     wait_until(lambda: _held(pf_fleet) == 0, LEASE_S + 5, "every handoff decoded, released or expired")
 
 
@@ -186,6 +190,29 @@ def test_a_consumer_whose_tp_is_no_multiple_of_the_producers_is_named_as_the_cau
     assert _rows(proc.stdout) == expected
 
 
+def test_an_engine_refusing_generate_is_one_warning_and_incompatible_pairs_are_not_tried(
+    pf_fleet: FakeFleet, tmp_path: Path
+) -> None:
+    """SPEC §11: pf-d1 restarted as vLLM 0.33.0 without ``--enable-scale-out`` answers 403 on
+    ``/inference/v1/generate``: one warning line names it, and it still passes (it serves every
+    other endpoint). Its pairs with the 0.11.0 producers are skipped as incompatible, never tried,
+    so no engine is charged and the run passes."""
+    pf_fleet.control_request("POST", "/engines/pf-d1/stop")
+    pf_fleet.control_request("POST", "/engines/pf-d1/start?restart=1&version=0.33.0&scale_out=0")
+    decodes = pf_fleet.stats("pf-d1")["requests"]["decode"]
+    proc = _cli(_config(pf_fleet, tmp_path, engine_contract={"engine_version": ">=0.11"}))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    expected = _all_ok(["pf-p0", "pf-p1", "pf-d0", "pf-d1"], PAIRS)
+    for pair in ("pf-p0 -> pf-d1", "pf-p1 -> pf-d1"):
+        expected[f"pair {pair}"] = ("skip", "incompatible: vLLM 0.11.0 and 0.33.0", "-")
+    assert _rows(proc.stdout) == expected
+    warnings = [line for line in proc.stdout.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        "warning: pf-d1: answers 403 on /inference/v1/generate: vLLM runs without --enable-scale-out"]
+    assert pf_fleet.stats("pf-d1")["incompatible_decodes"] == 0
+    assert pf_fleet.stats("pf-d1")["requests"]["decode"] == decodes
+
+
 def test_json_document(pf_fleet: FakeFleet, tmp_path: Path) -> None:
     _fault(pf_fleet, "pf-p1", {"version": "0.10.0"})
     proc = _cli(_config(pf_fleet, tmp_path), "--json")
@@ -234,6 +261,9 @@ def test_a_pep440_specifier_pin(pf_fleet: FakeFleet, tmp_path: Path) -> None:
     expected["engine pf-p1"] = ("fail", "version 0.12.1 does not match >=0.10,<0.12", "-")
     expected["pair pf-p1 -> pf-d0"] = ("skip", "producer pf-p1 failed", "-")
     expected["pair pf-p1 -> pf-d1"] = ("skip", "producer pf-p1 failed", "-")
+    # Admitted by the pin, yet of other versions than their consumers: never paired (SPEC §11).
+    expected["pair pf-p0 -> pf-d0"] = ("skip", "incompatible: vLLM 0.10.5 and 0.11.1.dev3+g0123abc", "-")
+    expected["pair pf-p0 -> pf-d1"] = ("skip", "incompatible: vLLM 0.10.5 and 0.11.0", "-")
     assert _rows(proc.stdout) == expected
 
 
@@ -245,7 +275,11 @@ def test_a_bare_pin_is_met_by_local_builds_of_that_version(pf_fleet: FakeFleet, 
     _fault(pf_fleet, "pf-d1", {"version": "0.11.0+cu121"})
     proc = _cli(_config(pf_fleet, tmp_path, engines=[FOUR[0], FOUR[2], FOUR[3]]))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert _rows(proc.stdout) == _all_ok(["pf-p0", "pf-d0", "pf-d1"], ["pf-p0 -> pf-d0", "pf-p0 -> pf-d1"])
+    expected = _all_ok(["pf-p0", "pf-d0", "pf-d1"], ["pf-p0 -> pf-d0"])
+    # Both meet the pin, but NIXL's compatibility hash holds the whole version string: two builds
+    # cannot hand off, so the pair is never tried (SPEC §11).
+    expected["pair pf-p0 -> pf-d1"] = ("skip", "incompatible: vLLM 0.11.0+cu126 and 0.11.0+cu121", "-")
+    assert _rows(proc.stdout) == expected
     config = _config(pf_fleet, tmp_path, engines=[FOUR[0], FOUR[2], FOUR[3]],
                      engine_contract={"engine_version": "0.11.0+cu126"})
     proc = _cli(config)

@@ -68,8 +68,8 @@ async def test_admin_api_needs_the_token(sup_router: RouterProcess) -> None:
     names = [e["name"] for e in body["engines"]]
     assert names == PRODUCERS + CONSUMERS
     entry = body["engines"][0]
-    assert set(entry) == {"name", "url", "role", "wave", "models", "version", "transfer_mode", "state",
-                          "failure_streak", "ejections", "unreachable", "quarantined_until", "inflight",
+    assert set(entry) == {"name", "url", "role", "wave", "models", "version", "transfer_mode", "refused_endpoints",
+                          "state", "failure_streak", "ejections", "unreachable", "quarantined_until", "inflight",
                           "last_failure", "load", "holdings"}
     assert entry["models"] == ["fake-model"] and entry["wave"] is None and entry["last_failure"] is None
 

@@ -40,6 +40,12 @@ class FakeControl:
         self.answers = answers
         self.reads: list[str] = []
         self.version_reads: list[str] = []
+        self.refusing: set[str] = set()  # answer 403 on /inference/v1/generate
+
+    async def generate_refused(self, engine: EngineRef) -> bool | None:
+        if engine.name in self.answers and self.answers[engine.name] is None:
+            return None
+        return engine.name in self.refusing
 
     async def get(self, engine: EngineRef, path: str) -> tuple[int, bytes]:
         if path == "/version":
@@ -198,7 +204,8 @@ async def test_a_restarted_supervisor_starts_from_what_its_predecessor_published
     p0 = shared.engine_slot("p0", "http://127.0.0.1:1")
     assert p0 is not None
     assert M.read_models(shared.region, p0) == M.ModelsRecord(
-        M.generation(shared.region), record_hash("p0", "http://127.0.0.1:1"), M.ANSWERED, ("m-one",), VERSION)
+        M.generation(shared.region), record_hash("p0", "http://127.0.0.1:1"), M.ANSWERED, ("m-one",), VERSION,
+        M.GENERATE_SERVED)
 
 
 def test_a_reread_version_is_followed_by_every_worker_before_its_engine_counts_as_reachable() -> None:
@@ -206,3 +213,29 @@ def test_a_reread_version_is_followed_by_every_worker_before_its_engine_counts_a
     from narwhal.worker.following import FOLLOW_S
 
     assert CLEAR_AFTER_S > 2 * FOLLOW_S
+
+
+async def test_an_engine_refusing_generate_reaches_the_workers_and_a_silent_one_keeps_its_word(
+    shared: SharedFleet, settings: Settings
+) -> None:
+    """SPEC §11: an engine answering 403 on ``/inference/v1/generate`` is published with its
+    models; a worker's engine carries it (``/admin/engines``); no answer keeps the last word, and
+    a restart with ``--enable-scale-out`` clears it at the next read."""
+    control = FakeControl(p0=["m-one"], d0=["m-one"])
+    control.refusing = {"d0"}
+    reader = ModelReader(Supervisor(shared, settings), control)
+    worker = follower(shared, settings)
+    now = time.monotonic()
+    reader.tick(now)
+    await settle(reader, now)
+    worker.check()
+    assert {e.name: e.generate_refused for e in worker.fleet.engines} == {"p0": False, "d0": True, "c0": False}
+    d0 = reader.sup.fleet.by_name["d0"]
+    reader.settle_generate(d0, None)  # no answer this time: it still refuses
+    reader.publish()
+    worker.check()
+    assert worker.fleet.by_name["d0"].generate_refused
+    reader.settle_generate(d0, False)  # restarted with --enable-scale-out
+    reader.tick(now)
+    worker.check()
+    assert not worker.fleet.by_name["d0"].generate_refused
