@@ -63,7 +63,7 @@ def _release_unpulled(engine: EngineState, params: Any) -> None:
 def _parse(body: Any, kind: str, models: list[str], max_model_len: int) -> ParsedRequest:
     if kind in ("chat", "completions"):
         return parse_request(body, kind == "chat", models, max_model_len)
-    return parse_endpoint_request(body, kind, models)
+    return parse_endpoint_request(body, kind, models, max_model_len)
 
 
 def _http_error(req: ParsedRequest, status: int, message: str, flat: bool) -> web.Response:

@@ -139,6 +139,15 @@ def resolve_model(body: dict[str, Any], models: list[str]) -> str:
     return str(model)
 
 
+def check_context(max_tokens: int | None, prompt_tokens: int, max_model_len: int) -> None:
+    """vLLM's serving layer (``_validate_input``, every endpoint): a request the context cannot
+    hold is refused with 400 before the engine takes it."""
+    if max_tokens is not None and prompt_tokens + max_tokens > max_model_len:
+        raise RequestError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
+                           f"maximum context length is {max_model_len} tokens and your request has {prompt_tokens} "
+                           f"input tokens ({max_tokens} > {max_model_len} - {prompt_tokens}).")
+
+
 def parse_request(body: Any, chat: bool, models: list[str], max_model_len: int = 8192) -> ParsedRequest:
     """Validate like vLLM; raise ``RequestError`` with the status vLLM would answer."""
     if not isinstance(body, dict):
@@ -171,11 +180,7 @@ def parse_request(body: Any, chat: bool, models: list[str], max_model_len: int =
         )
 
     prompt_tokens = count_prompt_tokens(body, chat)
-    if max_tokens is not None and prompt_tokens + max_tokens > max_model_len:
-        # vLLM's serving layer (_validate_input): the context cannot hold the request.
-        raise RequestError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
-                           f"maximum context length is {max_model_len} tokens and your request has {prompt_tokens} "
-                           f"input tokens ({max_tokens} > {max_model_len} - {prompt_tokens}).")
+    check_context(max_tokens, prompt_tokens, max_model_len)
     kv = body.get("kv_transfer_params")
     options = stream_options if isinstance(stream_options, dict) else {}
     include_usage = options.get("include_usage") is True  # vLLM's should_include_usage

@@ -18,6 +18,7 @@ from typing import Any
 from narwhal.fake_engine.parse import (
     ParsedRequest,
     RequestError,
+    check_context,
     count_prompt_tokens,
     detect_phase,
     int_field,
@@ -75,13 +76,14 @@ def _generate(body: dict[str, Any]) -> tuple[int | None, int]:
 _READERS = {"messages": _messages, "responses": _responses, "generate": _generate}
 
 
-def parse_endpoint_request(body: Any, kind: str, models: list[str]) -> ParsedRequest:
+def parse_endpoint_request(body: Any, kind: str, models: list[str], max_model_len: int = 8192) -> ParsedRequest:
     """Validate like vLLM; raise ``RequestError`` with the status vLLM would answer."""
     if not isinstance(body, dict):
         raise RequestError(400, "The request body must be a JSON object.")
     faults = parse_faults(body)
     model = resolve_model(body, models)
     limit, prompt = _READERS[kind](body)
+    check_context(limit, prompt, max_model_len)
     kv = body.get("kv_transfer_params")
     rid = body.get("request_id")
     return ParsedRequest(

@@ -22,6 +22,8 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from narwhal.fake_engine.release import DEFAULT_VERSION
+
 # Files written for a process's lifetime (settings files, router logs nobody named): removed when
 # the process that wrote them exits, so a test session or a perf run leaves nothing in /tmp. A
 # caller that wants one kept moves it away first (its own path is then not ours to remove).
@@ -88,10 +90,13 @@ def _worker_answered(url: str, seen: set[int]) -> int:
 class FakeFleet:
     """One ``narwhal fake-engine`` process hosting several engines and a control server."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], control: str, engines: dict[str, str]) -> None:
+    def __init__(
+        self, proc: subprocess.Popen[bytes], control: str, engines: dict[str, str], version: str = DEFAULT_VERSION
+    ) -> None:
         self.proc = proc
         self.control = control
         self.engines = engines
+        self.version = version  # the vLLM release its engines started as (--vllm-version)
 
     @classmethod
     def start(
@@ -116,7 +121,9 @@ class FakeFleet:
         finally:
             if os.path.exists(ready):
                 os.unlink(ready)
-        return cls(proc, info["control"], info["engines"])
+        args = list(args)
+        version = args[args.index("--vllm-version") + 1] if "--vllm-version" in args[:-1] else DEFAULT_VERSION
+        return cls(proc, info["control"], info["engines"], version)
 
     def control_request(self, method: str, path: str, body: Any = None) -> Any:
         """One call to the fleet's control server; its JSON answer (None when empty)."""

@@ -3,13 +3,46 @@ line or two, and every router starts, and stops, the one way :func:`support.star
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
 
 from narwhal.testing.harness import FakeFleet, RouterProcess
-from tests.real_gunicorn.support import start_router
+from tests.real_gunicorn.support import ENGINES, FLEET_ARGS, start_router, wait_until
+
+# The vLLM releases the fake imitates (SPEC §11): the request-path suites run on a fleet of each.
+RELEASES = ("0.11.0", "0.33.0")
+
+
+def no_blocks_held(fleet: FakeFleet) -> None:
+    """At the end of a module every producer holds zero KV blocks: a handoff the router produced
+    and neither decoded nor released would show up here (bounded wait for the last releases)."""
+    def held() -> dict[str, int]:
+        return {n: blocks for n in fleet.engines if (blocks := fleet.stats(n)["held_blocks"])}
+
+    try:
+        wait_until(lambda: not held(), 10, "held KV blocks back to 0")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: still held {held()}") from None
+
+
+def release_fleet(names: Sequence[str] = ENGINES, args: Sequence[str] = FLEET_ARGS) -> Any:
+    """A module-scoped ``fleet`` parametrized over :data:`RELEASES`: a module that names it
+    (``fleet = release_fleet()``) runs every test on a fleet of each release, written once; its
+    routers are module-scoped too, so each release gets its own."""
+
+    @pytest.fixture(scope="module", params=RELEASES, ids=[f"vllm-{r}" for r in RELEASES])
+    def fixture(request: pytest.FixtureRequest) -> Iterator[FakeFleet]:
+        fleet = FakeFleet.start(list(names), args=[*args, "--vllm-version", request.param])
+        try:
+            yield fleet
+            no_blocks_held(fleet)
+        finally:
+            fleet.stop()
+
+    fixture.__doc__ = "A fleet of fakes of each vLLM release the fake imitates, one after the other."
+    return fixture
 
 
 def engines_named(*names: str, **extra: Any) -> list[dict[str, Any]]:

@@ -29,6 +29,9 @@ LEASE_S = 120
 
 
 ENGINES = ["p0", "p1", "d0", "d1", "b0", "p2", "d2", "sp0", "sp1", "sd0", "sd1"]
+# The session fleet's arguments (the default release, 0.33.0), which fixtures.release_fleet reuses.
+FLEET_ARGS = ["--model", MODEL, "--lease-s", str(LEASE_S), "--block-size", "4", "--enable-scale-out",
+              "--max-model-len", "1048576"]
 
 
 TIMEOUTS = {

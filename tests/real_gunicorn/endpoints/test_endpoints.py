@@ -1,8 +1,10 @@
 """The other P/D endpoints through real gunicorn (SPEC §2.1): /v1/messages, /v1/responses and
 /inference/v1/generate on the same request path as chat, each judged by its own stream rules.
 
-Router timeouts (support.TIMEOUTS): prefill 2.5 s, first token 2.5 s, between chunks 1.5 s. The
-module's end checks that no producer still holds KV blocks (conftest).
+Every test runs on a fleet of each vLLM release the fake imitates (``fixtures.release_fleet``:
+0.11.0, then 0.33.0, SPEC §11). Router timeouts (support.TIMEOUTS): prefill 2.5 s, first token
+2.5 s, between chunks 1.5 s. The module's end checks that no producer still holds KV blocks
+(conftest).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import pytest
 
 from narwhal.testing.harness import FakeFleet, RouterProcess
 from tests.real_gunicorn.endpoints_support import ALL, GENERATE, MESSAGES, RESPONSES, Endpoint, last_event, sse_events
+from tests.real_gunicorn.fixtures import release_fleet
 from tests.real_gunicorn.support import (
     ENGINES,
     Reply,
@@ -30,6 +33,8 @@ from tests.real_gunicorn.support import (
 )
 
 IDS = [e.path for e in ALL]
+
+fleet = release_fleet()
 
 
 def _legs(fleet: FakeFleet, tag: str) -> tuple[dict[str, Any], dict[str, Any], str]:
@@ -261,11 +266,14 @@ async def test_messages_engine_error_types_map_to_statuses(router: RouterProcess
 
 
 async def test_messages_engine_4xx_in_anthropic_shape_passes_through(router: RouterProcess) -> None:
-    fake = {"decode": {"status": 400, "message": "bad tool schema"}}
-    reply = await send(router.url, MESSAGES.path, MESSAGES.body(uuid.uuid4().hex, fake=fake))
+    # The consumer's own refusal (max_tokens beyond its context: the one-token prefill passes), which
+    # a one-token release of the handoff does not repeat: on 0.11 Narwhal's release frees the blocks,
+    # on 0.33 the consumer does (SPEC §11); the module's end checks no producer holds any.
+    reply = await send(router.url, MESSAGES.path, MESSAGES.body(uuid.uuid4().hex, max_tokens=2_000_000))
     assert reply.status == 400
     assert reply.headers["x-narwhal-error"] == "engine_client_error"
-    assert reply.json == {"type": "error", "error": {"type": "invalid_request_error", "message": "bad tool schema"}}
+    assert reply.json["type"] == "error" and reply.json["error"]["type"] == "invalid_request_error"
+    assert reply.json["error"]["message"].startswith("'max_tokens' or 'max_completion_tokens' is too large: 2000000.")
 
 
 async def test_generate_prefill_rewrites_sampling_params(router: RouterProcess, fleet: FakeFleet) -> None:

@@ -18,7 +18,7 @@ import orjson
 from narwhal.fake_engine.passthrough import token_ids
 from narwhal.testing.harness import FakeFleet, RouterProcess
 from tests.real_gunicorn.endpoints_support import PASSTHROUGH_ROUTES, body_for
-from tests.real_gunicorn.fixtures import engines_named, faults_cleared_after_each, router_fixture
+from tests.real_gunicorn.fixtures import engines_named, faults_cleared_after_each, release_fleet, router_fixture
 from tests.real_gunicorn.support import (
     MODEL,
     TOKEN,
@@ -34,6 +34,9 @@ from tests.real_gunicorn.support import (
     wait_state,
     wait_until,
 )
+
+# Every test on a fleet of each vLLM release the fake imitates (SPEC §11).
+fleet = release_fleet()
 
 KEY = {"Authorization": "Bearer client-key"}
 ENGINE_KEY = "engine-key"

@@ -10,6 +10,7 @@ import orjson
 import pytest
 
 from narwhal.testing.harness import FakeFleet, RouterProcess
+from tests.real_gunicorn.fixtures import release_fleet
 from tests.real_gunicorn.support import (
     MODEL,
     at_rest,
@@ -26,6 +27,9 @@ from tests.real_gunicorn.support import (
     wait_until,
 )
 from tests.wire import PREFILL_KV
+
+# Every test on a fleet of each vLLM release the fake imitates (SPEC §11).
+fleet = release_fleet()
 
 PRODUCERS = ["p0", "p1"]
 CONSUMERS = ["d0", "d1"]
@@ -66,9 +70,15 @@ async def test_stream_completion_prefills_then_decodes_with_the_descriptor(
     assert kv["remote_engine_id"] == producer_stats["engine_id"]
     assert kv["remote_port"] == int(fleet.engines[pname].rsplit(":", 1)[1])
     assert kv["do_remote_prefill"] is True and kv["do_remote_decode"] is False
-    for opaque in ("tp_size", "dcp_size", "pp_size", "remote_num_tokens", "transfer_mode", "remote_request_id"):
-        assert opaque in kv, opaque
-    assert kv["remote_num_tokens"] == 12
+    if producer_stats["version"] == "0.11.0":  # its seven keys (VLLM-PROTOCOL.md §D), a flat block list
+        assert sorted(kv) == sorted(("do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
+                                     "remote_host", "remote_port", "tp_size"))
+        assert all(type(b) is int for b in kv["remote_block_ids"])
+    else:  # 0.33's, opaque ones and all, and one block list per KV cache group
+        for opaque in ("tp_size", "dcp_size", "pp_size", "remote_num_tokens", "transfer_mode", "remote_request_id"):
+            assert opaque in kv, opaque
+        assert kv["remote_num_tokens"] == 12
+        assert all(type(group) is list for group in kv["remote_block_ids"])
     # The decode body is the client's body plus the descriptor, nothing else changed.
     expected = completion(prompt, max_tokens=6)
     expected["kv_transfer_params"] = kv

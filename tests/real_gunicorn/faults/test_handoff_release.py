@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from narwhal.testing.harness import DeadEngine, FakeFleet, RouterProcess
+from tests.real_gunicorn.fixtures import RELEASES
 from tests.real_gunicorn.support import (
     MODEL,
     TOKEN,
@@ -44,9 +45,11 @@ FIRST_TOKEN_S = 1.0
 COUNTERS = ("narwhal_handoffs_released_total", "narwhal_handoffs_abandoned_total")
 
 
-@pytest.fixture(scope="module")
-def rel_fleet() -> Iterator[FakeFleet]:
-    fleet = FakeFleet.start([PRODUCER, GOOD], args=["--model", MODEL, "--lease-s", "60", "--block-size", "4"])
+@pytest.fixture(scope="module", params=RELEASES, ids=[f"vllm-{r}" for r in RELEASES])
+def rel_fleet(request: pytest.FixtureRequest) -> Iterator[FakeFleet]:
+    """The module's fleet, of each vLLM release the fake imitates (SPEC §11)."""
+    fleet = FakeFleet.start([PRODUCER, GOOD], args=["--model", MODEL, "--lease-s", "60", "--block-size", "4",
+                                                    "--vllm-version", request.param])
     try:
         fleet.set_background(GOOD, BACKGROUND, hold_s=60)
         yield fleet

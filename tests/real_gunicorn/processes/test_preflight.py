@@ -1,5 +1,6 @@
-"""``narwhal preflight`` through the real CLI against a fake fleet (SPEC §6 "Preflight"), one that
-imitates vLLM 0.11.0: its TP rule and the version it is pinned to.
+"""``narwhal preflight`` through the real CLI against a fake fleet (SPEC §6 "Preflight"), one of
+each vLLM release the fake imitates (0.11.0, then 0.33.0, SPEC §11), pinned to its version: the
+tests are written once; where the releases differ (0.11's TP rule) the test says so.
 
 The fleet is this module's own (``pf-*`` names), so injected faults never disturb the other
 modules' routers. Blocks are one token each, so every probe's handoff really holds KV blocks: a
@@ -30,6 +31,7 @@ import pytest
 from narwhal.preflight.check import run_preflight
 from narwhal.settings import load_settings
 from narwhal.testing.harness import FakeFleet, write_config
+from tests.real_gunicorn.fixtures import RELEASES
 from tests.real_gunicorn.support import wait_until
 
 MODEL = "fake-model"
@@ -38,13 +40,13 @@ NAMES = ["pf-p0", "pf-p1", "pf-d0", "pf-d1", "pf-b0"]
 ROOT = Path(__file__).resolve().parents[3]
 FOUR = [("pf-p0", "producer"), ("pf-p1", "producer"), ("pf-d0", "consumer"), ("pf-d1", "consumer")]
 PAIRS = ["pf-p0 -> pf-d0", "pf-p0 -> pf-d1", "pf-p1 -> pf-d0", "pf-p1 -> pf-d1"]
-CONTRACT = {"model": MODEL, "engine_version": "0.11.0", "kv_connector": "NixlConnector"}
-FLEET_ARGS = ["--vllm-version", "0.11.0", "--model", MODEL, "--lease-s", str(LEASE_S), "--block-size", "1"]
+CONTRACT = {"model": MODEL, "kv_connector": "NixlConnector"}  # and the fleet's version, pinned
+FLEET_ARGS = ["--model", MODEL, "--lease-s", str(LEASE_S), "--block-size", "1", "--enable-scale-out"]
 
 
-@pytest.fixture(scope="module")
-def pf_fleet() -> Iterator[FakeFleet]:
-    fleet = FakeFleet.start(NAMES, args=FLEET_ARGS)
+@pytest.fixture(scope="module", params=RELEASES, ids=[f"vllm-{r}" for r in RELEASES])
+def pf_fleet(request: pytest.FixtureRequest) -> Iterator[FakeFleet]:
+    fleet = FakeFleet.start(NAMES, args=[*FLEET_ARGS, "--vllm-version", request.param])
     yield fleet
     fleet.stop()
 
@@ -57,9 +59,9 @@ def clean_fleet(pf_fleet: FakeFleet) -> Iterator[None]:
             pf_fleet.control_request("POST", f"/engines/{name}/start")
     pf_fleet.control_request("POST", "/reset")
     for name in NAMES:  # back to this module's release if a test restarted one as another
-        if pf_fleet.stats(name)["version"] != "0.11.0":
+        if pf_fleet.stats(name)["version"] != pf_fleet.version:
             pf_fleet.control_request("POST", f"/engines/{name}/stop")
-            pf_fleet.control_request("POST", f"/engines/{name}/start?restart=1&version=0.11.0")
+            pf_fleet.control_request("POST", f"/engines/{name}/start?restart=1&version={pf_fleet.version}&scale_out=1")
     wait_until(lambda: _held(pf_fleet) == 0, LEASE_S + 5, "every handoff decoded, released or expired")
 
 
@@ -72,7 +74,7 @@ def _config(
 ) -> str:
     conf: dict[str, dict[str, Any]] = {
         "engine": {"prefill_timeout_s": 3, "first_token_timeout_s": 3, "decode_read_timeout_s": 2},
-        "engine_contract": dict(CONTRACT),
+        "engine_contract": {**CONTRACT, "engine_version": fleet.version},
     }
     for key, values in sections.items():
         conf.setdefault(key, {}).update(values)
@@ -129,7 +131,7 @@ def test_all_good_exits_0_with_one_row_per_engine_and_pair(pf_fleet: FakeFleet, 
 # pairs' verdict and reason). A failed engine's pairs are skipped; a producer whose own checks pass
 # but whose handoffs fail is charged, and its pairs fail (the consumers decoded the other's handoffs).
 ONE_ENGINE_FAILS: list[tuple[str, str, dict[str, Any] | None, str, str, str]] = [
-    ("version", "pf-p1", {"version": "0.10.0"}, "version 0.10.0 does not match 0.11.0",
+    ("version", "pf-p1", {"version": "0.10.0"}, "version 0.10.0 does not match {pin}",
      "skip", "producer pf-p1 failed"),
     ("model", "pf-d0", {"models": ["other-model"]}, "model fake-model not served", "skip", "consumer pf-d0 failed"),
     ("connector", "pf-p0", {"prefill": {"descriptor": "mooncake"}},
@@ -155,7 +157,7 @@ def test_one_failing_engine_fails_alone_and_its_pairs_say_why(
     assert proc.returncode == 1
     mine = [p for p in PAIRS if engine in p.split(" -> ")]
     expected = _all_ok([n for n, _ in FOUR if n != engine], [p for p in PAIRS if p not in mine])
-    expected[f"engine {engine}"] = ("fail", reason, "-")
+    expected[f"engine {engine}"] = ("fail", reason.format(pin=pf_fleet.version), "-")
     expected.update({f"pair {p}": (pair_verdict, pair_reason, "-") for p in mine})
     assert _rows(proc.stdout) == expected
     assert proc.stdout.splitlines()[-1] == "preflight: FAILED (1 of 4 engines, 2 of 4 pairs failed)"
@@ -166,6 +168,7 @@ def test_a_consumer_whose_tp_is_no_multiple_of_the_producers_is_named_as_the_cau
 ) -> None:
     # Issue 23 item 2: vLLM 0.11's NixlConnector refuses a consumer whose TP is not a multiple of
     # the producer's, and its answer says nothing about TP; the fake fails those pulls the same way.
+    # Later releases accept heterogeneous TP (SPEC §11): every pair passes and nothing names TP.
     engines = [("pf-p0", "producer"), ("pf-d0", "consumer"), ("pf-d1", "consumer"), ("pf-b0", "both")]
     tp = {"pf-p0": 2, "pf-d0": 2, "pf-d1": 1, "pf-b0": 1}
     try:
@@ -175,6 +178,11 @@ def test_a_consumer_whose_tp_is_no_multiple_of_the_producers_is_named_as_the_cau
     finally:
         for name in tp:
             pf_fleet.set_model(name, tensor_parallel_size=1)
+    if pf_fleet.version != "0.11.0":
+        assert proc.returncode == 0, proc.stdout
+        assert _rows(proc.stdout) == _all_ok(["pf-p0", "pf-d0", "pf-d1", "pf-b0"], [
+            "pf-p0 -> pf-d0", "pf-p0 -> pf-d1", "pf-p0 -> pf-b0", "pf-b0 -> pf-d0", "pf-b0 -> pf-d1", "pf-b0 -> pf-b0"])
+        return
     assert proc.returncode == 1
     rule = "vLLM's NixlConnector needs the consumer's --tensor-parallel-size to be a multiple of the producer's"
     expected = _all_ok(["pf-d0", "pf-d1", "pf-b0"], ["pf-p0 -> pf-d0", "pf-b0 -> pf-d0", "pf-b0 -> pf-d1",
@@ -193,18 +201,18 @@ def test_a_consumer_whose_tp_is_no_multiple_of_the_producers_is_named_as_the_cau
 def test_an_engine_refusing_generate_is_one_warning_and_incompatible_pairs_are_not_tried(
     pf_fleet: FakeFleet, tmp_path: Path
 ) -> None:
-    """SPEC §11: pf-d1 restarted as vLLM 0.33.0 without ``--enable-scale-out`` answers 403 on
+    """SPEC §11: pf-d1 restarted as vLLM 0.32.0 without ``--enable-scale-out`` answers 403 on
     ``/inference/v1/generate``: one warning line names it, and it still passes (it serves every
-    other endpoint). Its pairs with the 0.11.0 producers are skipped as incompatible, never tried,
-    so no engine is charged and the run passes."""
+    other endpoint). Its pairs with the producers of the fleet's release are skipped as
+    incompatible, never tried, so no engine is charged and the run passes."""
     pf_fleet.control_request("POST", "/engines/pf-d1/stop")
-    pf_fleet.control_request("POST", "/engines/pf-d1/start?restart=1&version=0.33.0&scale_out=0")
+    pf_fleet.control_request("POST", "/engines/pf-d1/start?restart=1&version=0.32.0&scale_out=0")
     decodes = pf_fleet.stats("pf-d1")["requests"]["decode"]
     proc = _cli(_config(pf_fleet, tmp_path, engine_contract={"engine_version": ">=0.11"}))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     expected = _all_ok(["pf-p0", "pf-p1", "pf-d0", "pf-d1"], PAIRS)
     for pair in ("pf-p0 -> pf-d1", "pf-p1 -> pf-d1"):
-        expected[f"pair {pair}"] = ("skip", "incompatible: vLLM 0.11.0 and 0.33.0", "-")
+        expected[f"pair {pair}"] = ("skip", f"incompatible: vLLM {pf_fleet.version} and 0.32.0", "-")
     assert _rows(proc.stdout) == expected
     warnings = [line for line in proc.stdout.splitlines() if line.startswith("warning:")]
     assert warnings == [
@@ -225,14 +233,14 @@ def test_json_document(pf_fleet: FakeFleet, tmp_path: Path) -> None:
     summary = [(e["name"], e["role"], e["verdict"], e["reason"]) for e in doc["engines"]]
     assert summary == [
         ("pf-p0", "producer", "ok", ""),
-        ("pf-p1", "producer", "fail", "version 0.10.0 does not match 0.11.0"),
+        ("pf-p1", "producer", "fail", f"version 0.10.0 does not match {pf_fleet.version}"),
         ("pf-d0", "consumer", "ok", ""),
         ("pf-d1", "consumer", "ok", ""),
     ]
     p1 = doc["engines"][1]
     assert p1["checks"] == {
         "health": {"verdict": "ok", "detail": "200"},
-        "version": {"verdict": "fail", "detail": "version 0.10.0 does not match 0.11.0"},
+        "version": {"verdict": "fail", "detail": f"version 0.10.0 does not match {pf_fleet.version}"},
         "models": {"verdict": "ok", "detail": MODEL},
         "handoff": {"verdict": "skip", "detail": ""},
     }
@@ -254,6 +262,7 @@ def test_a_pep440_specifier_pin(pf_fleet: FakeFleet, tmp_path: Path) -> None:
     _fault(pf_fleet, "pf-p0", {"version": "0.10.5"})
     _fault(pf_fleet, "pf-p1", {"version": "0.12.1"})
     _fault(pf_fleet, "pf-d0", {"version": "0.11.1.dev3+g0123abc"})
+    _fault(pf_fleet, "pf-d1", {"version": "0.11.0"})
     config = _config(pf_fleet, tmp_path, engine_contract={"engine_version": ">=0.10,<0.12"})
     proc = _cli(config)
     assert proc.returncode == 1
@@ -270,22 +279,23 @@ def test_a_pep440_specifier_pin(pf_fleet: FakeFleet, tmp_path: Path) -> None:
 def test_a_bare_pin_is_met_by_local_builds_of_that_version(pf_fleet: FakeFleet, tmp_path: Path) -> None:
     # Issue 25 item 10: CUDA builds of vLLM report 0.11.0+cu126; a pin of 0.11.0 means ==0.11.0,
     # which PEP 440 says they meet. A pin naming a local label is met by that build alone.
+    v = pf_fleet.version
     for name in ("pf-p0", "pf-d0"):
-        _fault(pf_fleet, name, {"version": "0.11.0+cu126"})
-    _fault(pf_fleet, "pf-d1", {"version": "0.11.0+cu121"})
+        _fault(pf_fleet, name, {"version": f"{v}+cu126"})
+    _fault(pf_fleet, "pf-d1", {"version": f"{v}+cu121"})
     proc = _cli(_config(pf_fleet, tmp_path, engines=[FOUR[0], FOUR[2], FOUR[3]]))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     expected = _all_ok(["pf-p0", "pf-d0", "pf-d1"], ["pf-p0 -> pf-d0"])
     # Both meet the pin, but NIXL's compatibility hash holds the whole version string: two builds
     # cannot hand off, so the pair is never tried (SPEC §11).
-    expected["pair pf-p0 -> pf-d1"] = ("skip", "incompatible: vLLM 0.11.0+cu126 and 0.11.0+cu121", "-")
+    expected["pair pf-p0 -> pf-d1"] = ("skip", f"incompatible: vLLM {v}+cu126 and {v}+cu121", "-")
     assert _rows(proc.stdout) == expected
     config = _config(pf_fleet, tmp_path, engines=[FOUR[0], FOUR[2], FOUR[3]],
-                     engine_contract={"engine_version": "0.11.0+cu126"})
+                     engine_contract={"engine_version": f"{v}+cu126"})
     proc = _cli(config)
     assert proc.returncode == 1
     expected = _all_ok(["pf-p0", "pf-d0"], ["pf-p0 -> pf-d0"])
-    expected["engine pf-d1"] = ("fail", "version 0.11.0+cu121 does not match 0.11.0+cu126", "-")
+    expected["engine pf-d1"] = ("fail", f"version {v}+cu121 does not match {v}+cu126", "-")
     expected["pair pf-p0 -> pf-d1"] = ("skip", "consumer pf-d1 failed", "-")
     assert _rows(proc.stdout) == expected
 

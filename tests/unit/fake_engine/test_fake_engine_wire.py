@@ -324,3 +324,20 @@ async def test_kv_read_failure_unreachable_producer(aiohttp_client: ClientFactor
     resp = await dc.post("/v1/completions", json={"prompt": "x", "stream": True, "kv_transfer_params": desc})
     evs = decoded(await resp.read())
     assert evs[0]["error"]["code"] == 500 and evs[1] == "[DONE]"
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/messages", {"messages": [{"role": "user", "content": "a b"}], "max_tokens": 70}),
+    ("/v1/responses", {"input": "a b", "max_output_tokens": 70}),
+    ("/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"max_tokens": 70}}),
+])
+async def test_every_endpoint_refuses_what_the_context_cannot_hold(
+    aiohttp_client: ClientFactory, path: str, body: dict[str, Any]
+) -> None:
+    """vLLM's serving layer validates every endpoint's request against the context
+    (``_validate_input``): 400 before the engine takes it, whatever the endpoint."""
+    engine = FakeEngine("ctx", max_model_len=64, enable_scale_out=True)
+    client = await aiohttp_client(build_engine_app(engine))
+    resp = await client.post(path, json={"model": "fake-model", **body})
+    assert resp.status == 400
+    assert "is too large: 70. This model's maximum context length is 64 tokens" in await resp.text()

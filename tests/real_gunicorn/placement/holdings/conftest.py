@@ -9,13 +9,15 @@ from collections.abc import Iterator
 import pytest
 
 from narwhal.testing.harness import FakeFleet, RouterProcess
+from tests.real_gunicorn.fixtures import RELEASES
 from tests.real_gunicorn.placement.holdings import holdings_support as hs
 
 
-@pytest.fixture(scope="module")
-def hfleet() -> Iterator[FakeFleet]:
-    """The module's fleet."""
-    yield from hs.module_fleet()
+@pytest.fixture(scope="module", params=RELEASES, ids=[f"vllm-{r}" for r in RELEASES])
+def hfleet(request: pytest.FixtureRequest) -> Iterator[FakeFleet]:
+    """The module's fleet, of each vLLM release the fake imitates (SPEC §11): 0.11 teaches the
+    holdings through usage's cached tokens, 0.33 through the descriptor's too."""
+    yield from hs.module_fleet(request.param)
 
 
 @pytest.fixture(scope="module")

@@ -53,15 +53,18 @@ def engines() -> list[dict[str, Any]]:
     return [{"name": n, "role": "producer"} for n in PRODUCERS] + [{"name": n, "role": "consumer"} for n in CONSUMERS]
 
 
-def start_fleet() -> FakeFleet:
-    """The holdings tests' fakes: 4 producers with a 160-block prefix cache, 2 consumers."""
+def start_fleet(version: str | None = None) -> FakeFleet:
+    """The holdings tests' fakes: 4 producers with a 160-block prefix cache, 2 consumers, of vLLM
+    ``version`` (None: the fake's default, 0.33.0)."""
+    release = ["--vllm-version", version] if version else []
     return FakeFleet.start(PRODUCERS + CONSUMERS, args=["--model", MODEL, "--lease-s", "120", "--prefix-cache",
-                                                        "--kv-blocks", str(KV_BLOCKS), "--prefill-us-per-token", "10"])
+                                                        "--kv-blocks", str(KV_BLOCKS), "--prefill-us-per-token", "10",
+                                                        *release])
 
 
-def module_fleet() -> Iterator[FakeFleet]:
+def module_fleet(version: str | None = None) -> Iterator[FakeFleet]:
     """The module's fleet (a module-scoped fixture's body)."""
-    started = start_fleet()
+    started = start_fleet(version)
     yield started
     started.stop()
 
