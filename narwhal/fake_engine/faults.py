@@ -18,8 +18,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# "empty_groups" and "hybrid_groups" are not faults but valid 0.33 shapes a test asks for: block ids
+# ``[[]]`` (one KV cache group, nothing to read) and ``[[], [...]]`` (a hybrid model's group with none).
 DescriptorFault = Literal[
-    "null", "missing", "no_engine_id", "bad_blocks", "mooncake", "lmcache", "bad_port", "localhost"
+    "null", "missing", "no_engine_id", "bad_blocks", "mooncake", "lmcache", "bad_port", "localhost",
+    "empty_groups", "hybrid_groups",
 ]
 
 

@@ -374,5 +374,6 @@ async def _plain(
         body.pop("kv_transfer_params", None)  # Messages are dumped with exclude_none: absent, not null
     else:
         body["kv_transfer_params"] = descriptor
+        state.rec["answer_kv"] = descriptor  # what the router must forward byte for byte (tests read it)
     state.finish(engine, "completed", 200)
     return web.Response(body=orjson.dumps(body), content_type="application/json")

@@ -52,7 +52,7 @@ def producer_descriptor(
         return None
     store = engine.kv
     remote_request_id = store.unique_request_id(f"{rid}-0")
-    if fault in (None, "localhost"):
+    if fault in (None, "localhost", "empty_groups", "hybrid_groups"):
         blocks = store.allocate(remote_request_id, prompt_tokens)
     else:
         blocks = list(range(max(0, prompt_tokens // store.block_size)))
@@ -80,6 +80,10 @@ def producer_descriptor(
         desc["remote_port"] = 0
     elif fault == "localhost":
         desc["remote_host"] = "localhost"
+    elif fault == "empty_groups":  # held all the same: the read (by request id) frees them
+        desc["remote_block_ids"] = [] if engine.flat_block_ids else [[]]
+    elif fault == "hybrid_groups":
+        desc["remote_block_ids"] = blocks if engine.flat_block_ids else [[], blocks]
     return desc
 
 

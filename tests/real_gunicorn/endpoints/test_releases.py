@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import orjson
 import pytest
 from openai import AsyncOpenAI
 
@@ -34,6 +35,11 @@ from tests.real_gunicorn.support import (
 
 RELEASES = ["0.11.0", "0.33.0"]
 COUNTERS = ("narwhal_handoffs_released_total", "narwhal_handoffs_abandoned_total")
+# The producer's descriptor keys of each release (VLLM-PROTOCOL.md A.2, §D; SPEC §11).
+KEYS_0_11 = ["do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id", "remote_host",
+             "remote_port", "tp_size"]
+KEYS_0_33 = KEYS_0_11 + ["remote_request_id", "dcp_size", "pp_size", "remote_num_tokens", "remote_blocks_expiry_time",
+                         "remote_registration_generation", "transfer_mode", "remote_prefill_cached_tokens"]
 
 
 @pytest.fixture(scope="module", params=RELEASES)
@@ -177,3 +183,29 @@ async def test_admin_engines_names_an_engine_refusing_generate(release: tuple[st
                       "serving generate again")
     if version != "0.11.0":  # the supervisor's one line, once per change
         assert router.log_text().count("engine vd0 answers 403 on /inference/v1/generate") == 1
+
+
+@pytest.mark.parametrize("shape", [None, "empty_groups", "hybrid_groups"])
+async def test_the_consumer_gets_the_producers_descriptor_byte_for_byte(
+    release: tuple[str, FakeFleet, RouterProcess], shape: str | None
+) -> None:
+    """SPEC §11: every key of the release's descriptor, in the producer's order, and 0.33's block
+    ids of every valid shape (``[[3, 4]]``, ``[[]]``, ``[[], [3, 4]]``; 0.11: a flat list) reach
+    the consumer as the producer wrote them; then the blocks are freed."""
+    version, fleet, router = release
+    prompt = unique_prompt()
+    fake = {"prefill": {"descriptor": shape}} if shape else None
+    reply = await send(router.url, "/v1/completions", completion(prompt, max_tokens=3, fake=fake))
+    assert reply.status == 200, reply.raw
+    [prefill] = records(fleet, "vp0", prompt)
+    [decode] = records(fleet, "vd0", prompt)
+    answered = prefill["answer_kv"]
+    assert orjson.dumps(decode["body"]["kv_transfer_params"]) == orjson.dumps(answered)
+    blocks = answered["remote_block_ids"]
+    if version == "0.11.0":
+        assert list(answered) == KEYS_0_11 and all(type(b) is int for b in blocks)
+    else:
+        assert sorted(answered) == sorted(KEYS_0_33)
+        expected_shape = {None: [blocks[-1]], "empty_groups": [[]], "hybrid_groups": [[], blocks[-1]]}[shape]
+        assert blocks == expected_shape and (shape == "empty_groups" or blocks[-1])
+    wait_until(lambda: fleet.stats("vp0")["held_blocks"] == 0, 10, "the handoff read")
