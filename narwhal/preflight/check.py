@@ -279,11 +279,11 @@ class _Preflight:
         self, name: str, handoff: PrefillResult, body: dict[str, Any], by_name: dict[str, EngineResult]
     ) -> None:
         p = self.fleet.by_name[name]
-        permitted = [d for d in p.permitted_consumers if by_name[d.name].ok]
+        permitted = [d for d in p.permitted_consumers if by_name[d.name].ok and compat.compatible(p, d)]
         permitted.sort(key=lambda d: d is p)  # a crossed consumer first: the way traffic goes
         if not permitted:  # no permitted consumer passed: any healthy reader of the same connector
             permitted = [d for d in self.fleet.engines if d.can_decode and d.connector == p.connector
-                         and by_name[d.name].ok]
+                         and by_name[d.name].ok and compat.compatible(p, d)]
         if permitted:  # else nothing can free it now: the producer's lease will
             await self.client.release(handoff, permitted[0], body, max_age_s=self.settings.handoff.max_age_s)
 

@@ -324,12 +324,17 @@ class Placement:
         return False
 
     def incompatibility(self, model: str) -> str | None:
-        """Why ``model`` has no pair when only versions or transfer modes keep its engines apart
-        (SPEC §11: the 503's detail), else None."""
+        """Why ``model`` has no pair when engines in service could pair but for their versions or
+        transfer modes (SPEC §11: the 503's detail; the compatible ones, if any, are out), else
+        None."""
+        view = self.view
+        if self.has_pair(model):
+            return None
         reasons = sorted({compat.why_incompatible(p, d)
-                          for p in self.fleet.engines if p.can_prefill and model in p.models
-                          for d in p.permitted_consumers if model in d.models and not compat.compatible(p, d)})
-        if not reasons or any(consumers for _, consumers in self._candidates(model)):
+                          for p in self.fleet.engines if p.can_prefill and model in p.models and view.placeable(p)
+                          for d in p.permitted_consumers
+                          if model in d.models and view.placeable(d) and not compat.compatible(p, d)})
+        if not reasons:
             return None
         return ("no consumer compatible with a producer: NIXL hands off only between engines of one vLLM "
                 "version and transfer mode (" + "; ".join(reasons) + ")")
@@ -342,10 +347,11 @@ class Placement:
         and stranding them pins the producer's KV for its whole lease), unreachable ones last;
         the chosen one last instead when it was just found unreachable. A permitted consumer
         shares the producer's connector, so any of them can pull the blocks. Nothing is
-        reserved (``narwhal.request.attempt`` says why)."""
+        reserved (``narwhal.request.attempt`` says why). Only compatible consumers (SPEC §11): NIXL
+        refuses the handshake of any other, and the blocks would stay pinned."""
         view = self.view
         others = [d for d in producer.permitted_consumers
-                  if d is not chosen and d is not producer and model in d.models
+                  if d is not chosen and d is not producer and model in d.models and compat.compatible(producer, d)
                   and (view.placeable(d) or view.ejected_by_breaker(d))]
         # stable: configuration order within each tier
         others.sort(key=lambda d: (view.unreachable(d), not view.placeable(d), not view.admitted(d)))

@@ -48,3 +48,18 @@ def test_with_no_compatible_consumer_the_model_has_no_pair_and_the_detail_says_w
     assert placement.incompatibility(MODEL) == (
         "no consumer compatible with a producer: NIXL hands off only between engines of one vLLM version and "
         "transfer mode (transfer modes pull and push)")
+
+
+def test_an_undecoded_handoff_is_released_only_through_a_compatible_consumer() -> None:
+    """SPEC §3 step 8 with §11: a release is a decode too; an incompatible consumer's handshake
+    fails and the blocks stay pinned, so releases never go there."""
+    placement, *_ = build([{"name": "p0", "role": "producer"}, {"name": "d0", "role": "consumer"},
+                           {"name": "d1", "role": "consumer"}, {"name": "d2", "role": "consumer",
+                                                                 "transfer_mode": "push"}])
+    fleet = placement.fleet
+    for name, version in (("p0", "0.33.0"), ("d0", "0.33.0"), ("d1", "0.32.0"), ("d2", "0.33.0")):
+        fleet.set_version(fleet.by_name[name], version)
+    p0, d0 = fleet.by_name["p0"], fleet.by_name["d0"]
+    assert placement.release_consumers(p0, d0, MODEL, chosen_first=True) == [d0]
+    fleet.set_version(fleet.by_name["d1"], "0.33.0")  # upgraded: a release may go there again
+    assert [d.name for d in placement.release_consumers(p0, d0, MODEL, chosen_first=False)] == ["d1", "d0"]
