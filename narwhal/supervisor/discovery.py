@@ -61,6 +61,10 @@ WARN_EVERY_S = 60.0
 STATES = ("active", "probing", "draining", "refused")
 
 
+class _NotYet(Exception):
+    """A discovered engine the table cannot take yet, for a reason that will pass (its name held)."""
+
+
 def gauge_source(source: str) -> str:
     """The ``source`` label of the discovery gauge: every DNS name counts as ``dns``."""
     return "dns" if source.startswith("dns:") else source
@@ -87,6 +91,9 @@ class Discovery:
         self._fresh = True  # apply once at start: the table's set against the static entries
         self._refused: list[str] = []
         self._refused_by_source: dict[str, int] = {}
+        # URL -> the line said: engines the table could not take yet (no spare slot, or their name
+        # still held by a draining engine); applied again every interval until they join.
+        self._deferred: dict[str, str] = {}
         self.draining: dict[str, int] = {}  # engine -> sweeps seen with no leg on it
 
     # -- reading -------------------------------------------------------------------------------
@@ -97,6 +104,8 @@ class Discovery:
             self._next_read = now + self.settings.interval_s
             self._task = asyncio.ensure_future(self._read_all())
             self._task.add_done_callback(self._read_done)
+            if self._deferred or self._refused:
+                self._fresh = True  # a slot or a name may have freed meanwhile (issue 40 item 7)
         if self._fresh:
             self._fresh = False
             self.apply()
@@ -166,16 +175,27 @@ class Discovery:
         self.export()
 
     def _join(self, members: Iterable[Member]) -> None:
+        """Join ``members``, each in a spare slot; one the table cannot take yet is deferred (said
+        once) and tried again every interval, so it joins as soon as a draining engine is forgotten
+        or a retired slot may be reused, with no change of its source needed (issue 40 item 7)."""
         sup = self.sup
+        deferred: dict[str, str] = {}
         for member in members:
             spec, source = member.spec, member.source
             ident = identity(spec.name, spec.url)
+            holder = sup.fleet.by_name.get(spec.name)
             with sup.shared.locked(TABLE_LOCK):  # one table writer at a time (shm.table)
                 try:
+                    if holder is not None:  # its old self, draining under another URL
+                        raise _NotYet(f"its name is still {holder.url}'s, draining")
                     blob = descriptors.encode(spec.model_dump(), source)
                     slot = sup.shared.table.spare_slot(ident, sup.shared.oldest_worker_epoch())
-                except (TableFull, descriptors.DescriptorTooLong) as exc:
-                    log.warning("discovery: %s: engine %r at %s is refused: %s", source, spec.name, spec.url, exc)
+                except (_NotYet, TableFull, descriptors.DescriptorTooLong) as exc:
+                    line = f"discovery: {source}: engine {spec.name!r} at {spec.url} is refused: {exc}"
+                    if self._deferred.get(spec.url) != line:
+                        log.warning("%s%s", line, "" if isinstance(exc, descriptors.DescriptorTooLong)
+                                    else "; it joins when a slot frees")
+                    deferred[spec.url] = line
                     self._refused_by_source[source] = self._refused_by_source.get(source, 0) + 1
                     continue
                 descriptors.write(sup.shared.region, slot, blob)
@@ -185,6 +205,7 @@ class Discovery:
                 sup.publish()  # its PROBING record before the entry turns LIVE
                 sup.shared.table.make_live(slot, ident)
             log.info("discovery: %s: engine %s at %s joins (slot %d), probing", source, spec.name, spec.url, slot)
+        self._deferred = deferred
 
     def sweep(self) -> None:
         """Every sweep: forget the draining engines no worker holds a leg on (two sweeps running);
@@ -219,6 +240,7 @@ class Discovery:
         sup.shared.forget_slots()  # its slot may go to another engine: no look-up may keep it
         del self.draining[name]
         sup.sources.pop(name, None)
+        self._fresh = True  # its slot and its name are free: a deferred engine may join at once
         metrics.forget_engine(name, engine.role)
         log.info("discovery: engine %s at %s drained and forgotten (slot %d retired)", name, engine.url, engine.index)
 

@@ -207,6 +207,37 @@ async def test_more_engines_than_slots_are_refused_with_one_line_and_counted(
         router.stop()
 
 
+async def test_an_engine_waiting_for_a_slot_joins_when_its_old_self_is_forgotten(
+    fleet: FakeFleet, tmp_path: Path
+) -> None:
+    """Issue 40 item 7: at ``max_engines``, a pod replaced under a new IP (p1 moves to p2's URL)
+    waits while its old self drains, and joins once that one is forgotten, with no further change
+    of the file: the join is tried again every interval while something waits."""
+    engines_file = tmp_path / "engines.toml"
+    write_engines(engines_file, [entry(fleet, "p1", "producer")])
+    router = discovering_router(fleet, tmp_path, engines_file, max_engines=3)
+    try:
+        await wait_listed(router, "p1", "admitted")
+        write_engines(engines_file, [{"name": "p1", "url": fleet.engines["p2"], "role": "producer"}])
+        line = (f"discovery: file: engine 'p1' at {fleet.engines['p2']} is refused: its name is still "
+                f"{fleet.engines['p1']}'s, draining; it joins when a slot frees")
+        wait_until(lambda: line in router.log_text(), 10, "the replacement deferred")
+
+        async def p1_at_p2() -> bool:
+            return all(e["url"] == fleet.engines["p2"] and e["state"] == "admitted"
+                       for e in (await admin(router))["engines"] if e["name"] == "p1")
+
+        end = asyncio.get_running_loop().time() + 20
+        while not await p1_at_p2():
+            assert asyncio.get_running_loop().time() < end, await admin(router)
+            await asyncio.sleep(0.05)
+        await wait_listed(router, "p1", "admitted")
+        await served_by(router, fleet, "p2")
+        assert router.log_text().count(line) == 1  # said once, not every interval it waited
+    finally:
+        router.stop()
+
+
 # ------------------------------------------------------------------------------------------ DNS
 
 
