@@ -39,6 +39,7 @@ class Engine:
     transfer_mode: str = "pull"  # engines[].transfer_mode: NIXL pull or push (SPEC §11)
     version: str | None = None  # the engine's /version as the supervisor read it; None: not yet
     generate_refused: bool = False  # it answers 403 on /inference/v1/generate (no --enable-scale-out)
+    models_read: bool = False  # a worker holds the supervisor's first read of its models (worker.models_follow)
     permitted_consumers: tuple[Engine, ...] = ()
     permitted_producers: tuple[Engine, ...] = field(default=())
 

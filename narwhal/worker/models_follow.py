@@ -85,10 +85,12 @@ class ModelsFollower:
             if behind and generation and self.shared.table.entry(slot).state == LIVE:
                 complete = False  # the bump was seen before this record (shm.records); a retired slot's
                 # record is written no more
+            engine.models_read = False
             if rec is None:
                 models: frozenset[str] = frozenset()
             elif rec.name_hash == record_hash(engine.name, engine.url):
                 models = frozenset(rec.models)
+                engine.models_read = rec.status != M.PENDING  # /admin/engines: "admitted" only from then
                 if rec.engine_version is not None:  # SPEC §11: which engines may pair
                     self.fleet.set_version(engine, rec.engine_version)
                 engine.generate_refused = rec.generate == M.GENERATE_REFUSED  # shown by /admin/engines

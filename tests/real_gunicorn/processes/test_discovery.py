@@ -238,6 +238,29 @@ async def test_an_engine_waiting_for_a_slot_joins_when_its_old_self_is_forgotten
         router.stop()
 
 
+async def test_admitted_in_the_admin_api_means_placement_uses_it(fleet: FakeFleet, tmp_path: Path) -> None:
+    """Issue 40 item 8: a discovered consumer showed ``admitted`` before the workers had its
+    models, and 40 requests sent at once all went to the other one. Now every worker's answer
+    says ``admitted`` only once its placement can use the engine: with d0 busy (another
+    replica's load), the requests right after go to d1."""
+    engines_file = tmp_path / "engines.toml"
+    write_engines(engines_file, [])
+    fleet.set_background("d0", 4, hold_s=30)
+    router = discovering_router(fleet, tmp_path, engines_file)
+    try:
+        write_engines(engines_file, [entry(fleet, "d1", "consumer")])
+        await wait_listed(router, "d1", "admitted")
+        hits = 0
+        for _ in range(40):
+            prompt = unique_prompt()
+            assert (await send(router.url, "/v1/completions", completion(prompt))).status == 200
+            hits += len(records(fleet, "d1", prompt))
+        assert hits >= 36, hits  # 0 before: "admitted" came before the workers could place on it
+    finally:
+        router.stop()
+        fleet.control_request("DELETE", "/engines/d0/background")
+
+
 # ------------------------------------------------------------------------------------------ DNS
 
 
