@@ -133,6 +133,9 @@ class HoldingsModel:
         self.names = [homes.key_hash(e.name) for e in engines] if engines is not None else None
         self.prefixes: dict[int, Prefix] = {}  # live prefixes by first block key
         self.homes_at = float("-inf")
+        self._ranks = homes.Ranks()  # kept between assignments: a prefix is ranked once (homes)
+        self._homes_from: tuple[object, ...] = ()  # what the last assignment was made from
+        self.out: frozenset[int] = frozenset()  # engine indices out of placement (the supervisor's word)
         self.room = room
         self.block_chars = block_chars
         self.mean_uncached: float | None = None
@@ -211,18 +214,23 @@ class HoldingsModel:
         for first in [k for k, e in self.prefixes.items() if e.last < stale]:
             del self.prefixes[first]
         live = [(first, e.size()) for first, e in self.prefixes.items() if e.uses >= 2]
-        indices = [i for i, p in enumerate(self.producers) if p is not None]
+        # Not to producers out of placement (ejected, probing, draining): no replica would send a
+        # prefix there, and every replica sees the states alike within a loop.
+        indices = [i for i, p in enumerate(self.producers) if p is not None and i not in self.out]
         fastest = self.fastest_engine_rate()  # once for every producer's room
         rooms = [(self.names[i], self.kv_room(i)) for i in indices]
-        chosen = homes.assign(live, rooms, [self.home_room(i, fastest) for i in indices])
+        scaled = [self.home_room(i, fastest) for i in indices]
+        if (live, rooms, scaled) == self._homes_from:
+            return  # nothing it depends on moved: the same homes
+        self._homes_from = (live, rooms, scaled)
+        chosen = homes.assign(live, rooms, scaled, self._ranks)
         sizes = dict(live)
         per: dict[int, dict[int, int]] = {i: {} for i in indices}
         for first, at in chosen.items():
             per[indices[at]][first] = sizes[first]
-        for i, mine in per.items():
-            p = self.producers[i]
-            assert p is not None
-            if mine != p.homes:
+        for i, p in enumerate(self.producers):
+            mine = per.get(i, {})  # a producer out of placement keeps none
+            if p is not None and mine != p.homes:
                 p.homes = mine
                 p.dirty = True
 

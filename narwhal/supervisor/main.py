@@ -65,6 +65,8 @@ log = logging.getLogger("narwhal.supervisor")
 # Draining engines too: their load shows, and a drained engine restarted for an upgrade is seen
 # refusing and answering again, so its new version is read before an operator readmits it.
 _LOAD_READ_STATES = frozenset({State.ADMITTED, State.DEGRADED, State.QUARANTINED, State.DRAINING})
+# Producers that take no homes: placement sends them no new prefill (fleet.placement.homes).
+_NO_HOMES = frozenset({State.EJECTED, State.PROBING, State.DRAINING})
 LOOP_S = 0.02  # ejections reach every worker within one loop: ~20 ms, against SPEC's 100 ms
 SWEEP_S = 0.25
 EXPORT_S = 1.0
@@ -214,9 +216,14 @@ class Supervisor:
         self._published = (self.breakers.version, self.reach.version)
         log_transitions(self.fleet.engines, self.breakers, self.reach, self._states, self.settings.recovery)
         if self.model is not None:
+            out = set()
             for engine in self.fleet.engines:  # an ejected producer's cache is not to be counted on
-                if self.breakers.status(engine.name).state == State.EJECTED:
+                state = self.breakers.status(engine.name).state
+                if state == State.EJECTED:
                     self.model.forget(engine.index)
+                if state in _NO_HOMES:
+                    out.add(engine.index)
+            self.model.out = frozenset(out)  # no homes there: placement would not send them (issue 40)
         self.export_states()
 
     def export_states(self) -> None:

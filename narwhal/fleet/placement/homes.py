@@ -49,6 +49,11 @@ Invariants, and why:
   producers of unknown capacity take no homes (nothing bounds them, and a home there would be
   affinity's hot spot again).
 * Bounded: at most ``MAX_HOMES`` prefixes, the longest first when there are more.
+* Cheap to repeat: the supervisor assigns every 0.1 s. Ranking 4,096 prefixes over 32 producers
+  is 131,072 rendezvous scores (60-75 ms on the 2-core test machine, issue 40 item 11); a
+  prefix's rank changes only when the producers do, so :class:`Ranks` keeps each one between
+  calls and a call scores only the prefixes new since the last (the same homes, measured in
+  ``tests/unit/fleet/test_homes.py``).
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ from collections.abc import Sequence
 
 from narwhal.fleet.placement.affinity import key_hash, score
 
-__all__ = ["FILL", "MAX_HOMES", "RATE_CLASSES", "assign", "key_hash", "rate_class", "room_blocks"]
+__all__ = ["FILL", "MAX_HOMES", "RATE_CLASSES", "Ranks", "assign", "key_hash", "rate_class", "room_blocks"]
 
 FILL = 0.9  # of a producer's KV capacity, what homes may take (the rest: tails, pinned blocks)
 MAX_HOMES = 4096
@@ -80,26 +85,54 @@ def room_blocks(capacity_blocks: int | None, rate_share: float = 1.0) -> int:
     return 0 if capacity_blocks is None else int(capacity_blocks * FILL * rate_share)
 
 
+class Ranks:
+    """Each prefix's rendezvous rank over the producers (indices, best first), kept from one
+    :func:`assign` to the next while the producers stay the same (the module's last invariant)."""
+
+    __slots__ = ("_names", "_ranks")
+
+    def __init__(self) -> None:
+        self._names: tuple[int, ...] = ()
+        self._ranks: dict[int, list[int]] = {}
+
+    def of(self, keys: Sequence[int], names: tuple[int, ...]) -> dict[int, list[int]]:
+        """The ranks of ``keys`` over producers named ``names``; only these are kept for next time."""
+        if names != self._names:
+            self._names, self._ranks = names, {}
+        old = self._ranks
+        ranks = {}
+        for key in keys:
+            rank = old.get(key)
+            ranks[key] = _rank(key, names) if rank is None else rank
+        self._ranks = ranks
+        return ranks
+
+
+def _rank(key: int, names: tuple[int, ...]) -> list[int]:
+    return sorted(range(len(names)), key=lambda i: score(key, names[i]), reverse=True)
+
+
 def assign(prefixes: Sequence[tuple[int, int]], producers: Sequence[tuple[int, int]],
-           scaled: Sequence[int] | None = None) -> dict[int, int]:
+           scaled: Sequence[int] | None = None, ranks: Ranks | None = None) -> dict[int, int]:
     """``prefixes``: (first block key, blocks); ``producers``: (engine name hash, room blocks);
-    ``scaled``: per producer, its room at its rate class (default: the room). Each prefix's
-    home, as an index into ``producers``; prefixes no room takes are left out."""
+    ``scaled``: per producer, its room at its rate class (default: the room); ``ranks``: the
+    ranks kept from the last call (default: none, all scored now). Each prefix's home, as an
+    index into ``producers``; prefixes no room takes are left out."""
     if len(prefixes) > MAX_HOMES:
         prefixes = sorted(prefixes, key=lambda p: (-p[1], p[0]))[:MAX_HOMES]
     ordered = sorted(prefixes)
-    ranks = {key: sorted(range(len(producers)), key=lambda i: score(key, producers[i][0]), reverse=True)
-             for key, _ in ordered}
+    names = tuple(name for name, _ in producers)
+    ranks_of = (ranks or Ranks()).of([key for key, _ in ordered], names)
     used = [0] * len(producers)
     homes: dict[int, int] = {}
     for key, size in ordered:
-        for i in ranks[key]:
+        for i in ranks_of[key]:
             if used[i] + size <= producers[i][1]:
                 used[i] += size
                 homes[key] = i
                 break
     if scaled is not None:
-        _shed(ordered, ranks, homes, used, scaled)
+        _shed(ordered, ranks_of, homes, used, scaled)
     return homes
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from narwhal.fleet.placement import homes
 from narwhal.fleet.placement.affinity import key_hash, rank
 
@@ -93,3 +95,33 @@ def test_with_no_spare_room_a_slower_class_keeps_its_homes_so_replicas_agree_wha
     assert slow == full  # no prefix left without a home, none moved: a homeless one is placed by
     # each replica's own holdings, and the two then keep a copy each
     assert homes.assign(prefixes, *_rooms([1000.0, 980.0, 1010.0, 200.0])) == full  # a quarter: the same
+
+
+def test_kept_ranks_score_only_new_prefixes_and_give_the_same_homes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 40 item 11: 4,096 prefixes over 32 producers were ranked from scratch every 0.1 s
+    on the supervisor's loop (131,072 scores, 60-75 ms). Kept ranks score a prefix once while the
+    producers stay; the homes are the ones a fresh assignment gives."""
+    rng = random.Random(7)
+    producers = [(homes.key_hash(f"p{i}"), 3000) for i in range(32)]
+    prefixes = [(rng.getrandbits(63), rng.randint(1, 40)) for _ in range(4096)]
+    calls = 0
+    real = homes.score
+
+    def counted(key: int, engine: int) -> int:
+        nonlocal calls
+        calls += 1
+        return real(key, engine)
+
+    monkeypatch.setattr(homes, "score", counted)
+    ranks = homes.Ranks()
+    first = homes.assign(prefixes, producers, [3000] * 32, ranks)
+    assert calls == 4096 * 32
+    calls = 0
+    assert homes.assign(prefixes, producers, [3000] * 32, ranks) == first and calls == 0
+    churned = prefixes[:4000] + [(rng.getrandbits(63), 5) for _ in range(96)]
+    assert homes.assign(churned, producers, [3000] * 32, ranks) == homes.assign(churned, producers, [3000] * 32)
+    assert calls == 96 * 32 + 4096 * 32  # the new ones, then the fresh assignment compared with
+    calls = 0
+    fewer = producers[:31]  # a producer gone: every rank is scored again
+    assert homes.assign(churned, fewer, [3000] * 31, ranks) == homes.assign(churned, fewer, [3000] * 31)
+    assert calls == 2 * 4096 * 31

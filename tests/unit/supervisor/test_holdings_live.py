@@ -90,6 +90,28 @@ def test_a_prefix_used_twice_within_hot_s_gets_a_home_and_loses_it_once_unused()
     assert not region.read(index, stamp).homes  # type: ignore[union-attr]
 
 
+def test_a_producer_out_of_placement_takes_no_homes_and_gives_back_its_own() -> None:
+    """Issue 40 item 11: a prefix's home on an ejected, probing or draining producer sent every
+    replica's requests for it to the estimate alone; now its home moves to the next producer in
+    its rank, and back when the producer serves again."""
+    m = _model()
+    m.set_capacity(0, 40 * 64)
+    m.set_capacity(1, 40 * 64)
+    prefix = list(range(100, 115))
+    m.apply(_rep(prefix, cached=0, at=1.0))
+    m.apply(_rep(prefix + [7], cached=15 * 64, at=1.2))
+    favourite, other = rank(["p0", "p1"], prefix[0], key_hash)
+    at, away = (0, 1) if favourite == "p0" else (1, 0)
+    m.assign_homes(1.2)
+    assert m.producers[at].homes == {prefix[0]: 15}  # type: ignore[union-attr]
+    m.out = frozenset({at})  # ejected, probing or draining: the supervisor says so at publish
+    m.assign_homes(1.3)
+    assert m.producers[at].homes == {} and m.producers[away].homes == {prefix[0]: 15}  # type: ignore[union-attr]
+    m.out = frozenset()
+    m.assign_homes(1.4)
+    assert m.producers[at].homes == {prefix[0]: 15} and m.producers[away].homes == {}  # type: ignore[union-attr]
+
+
 def test_no_homes_on_producers_of_unknown_capacity() -> None:
     m = _model()
     prefix = list(range(100, 115))
