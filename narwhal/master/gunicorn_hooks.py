@@ -217,7 +217,7 @@ def on_starting(server: Any) -> None:
     except SettingsError as exc:  # an engine's description too long for its slot: one line, no traceback
         print(f"narwhal: invalid settings: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-    shm.HOLDINGS = create_holdings(settings, shm.SHARED.layout.slots)
+    shm.HOLDINGS = create_holdings(settings, shm.SHARED.layout.slots, shm.SHARED.layout.engines)
     if settings.preflight.on_start and settings.engines:
         from narwhal.master.startup import preflight_on_start
 
@@ -255,19 +255,22 @@ def _hold_stop_signals_across_fork(server: Any) -> None:
     server.spawn_worker = spawn_worker_holding_stop_signals
 
 
-def create_holdings(settings: Settings, slots: int) -> Any:
+def create_holdings(settings: Settings, slots: int, engines: int | None = None) -> Any:
     """The holdings region (SPEC §3.3) beside the fleet's, for policy ``held`` only: a section
-    per configured engine, ``placement.holdings_slots`` keys shared among the producers."""
+    per engine slot (``engines``, default the configured engines), so a producer added by a reload
+    or by discovery has one (issue 40 item 11); ``placement.holdings_slots`` keys shared among
+    the configured producers (each producer that joins later gets a section as large: pages are
+    committed only as a section fills)."""
     placement = settings.placement
-    if placement.placement_policy != "held" or settings.discovery.enabled:
-        return None  # with discovery, held orders producers without holdings (README: sections are static)
+    if placement.placement_policy != "held":
+        return None
     from narwhal.shm.holdings import Holdings, HoldingsLayout
 
     producers = sum(1 for e in settings.engines if e.role != "consumer")
     keys = max(placement.holdings_slots // max(producers, 1), 1)
     entry_keys = min(placement.max_prefix_chars // placement.block_chars, 4096)
-    return Holdings.create(HoldingsLayout(sections=len(settings.engines), keys=keys, slots=slots,
-                                          entry_keys=entry_keys))
+    sections = max(engines if engines is not None else 0, len(settings.engines))
+    return Holdings.create(HoldingsLayout(sections=sections, keys=keys, slots=slots, entry_keys=entry_keys))
 
 
 def _watch_from_the_main_loop(server: Any, keeper: Any) -> None:

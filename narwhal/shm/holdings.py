@@ -333,6 +333,15 @@ class Holdings(Mapped[HoldingsLayout]):
                              queued, at)
 
 
+def stamps_by_index(engines: Sequence[tuple[int, str, str]]) -> list[int]:
+    """Per engine index up to the highest of ``engines`` (index, name, URL), its stamp; 0 where
+    no engine is (with discovery an index is a slot, and slots in use need not be contiguous)."""
+    stamps = [0] * (max((index for index, _, _ in engines), default=-1) + 1)
+    for index, name, url in engines:
+        stamps[index] = identity(name, url)
+    return stamps
+
+
 class HoldingsReader:
     """A worker's view, decoded again only for sections whose sequence moved (one u64 per
     placement while nothing did). ``stamps[i]`` is the identity of engine index ``i``."""
@@ -345,6 +354,15 @@ class HoldingsReader:
         self._generation = -1
         self._seqs = [-1] * len(stamps)
         self._held: list[Held | None] = [None] * len(stamps)
+
+    def _restamp(self, stamps: list[int]) -> None:
+        """The engines changed: an index whose stamp changed is read again, the rest kept."""
+        old_stamps, old_seqs, old_held = self.stamps, self._seqs, self._held
+        self.stamps = stamps
+        self._seqs = [old_seqs[i] if i < len(old_stamps) and old_stamps[i] == s else -1 for i, s in enumerate(stamps)]
+        self._held = [old_held[i] if i < len(old_stamps) and old_stamps[i] == s else None
+                      for i, s in enumerate(stamps)]
+        self._generation = -1  # read the sections whose sequence is unknown at the next placement
 
     def current(self) -> list[Held | None]:
         """Each producer's holdings as last published, re-read only when the generation moved."""
@@ -370,17 +388,31 @@ class WorkerHoldings(HoldingsReader):
         super().__init__(holdings, stamps)
         self.slot = slot
         self.dropped = 0
-        layout = holdings.layout
-        self._n = n = min(len(stamps), layout.sections)
-        self._mine = [0] * n
-        self._work_at = [layout.work_offset(slot, e) >> 2 for e in range(n)]  # word indices (u32s, aligned)
         self._words = holdings.words()  # a store is one copy, no call (twice per held placement)
-        # Every slot's counters summed per engine, reading only up to the highest slot in use.
-        self._all_work = ColumnSums(holdings.mm, layout.work_offset(0, 0), layout.slots, layout.sections, n)
         self._id_hashes: dict[str | None, int] = {}  # engine id -> its stamp: one per engine (life)
-        if slot < layout.slots:
-            for at in self._work_at:  # a previous owner of the slot (dead) left its figures
-                self._words[at] = 0
+        self._shape([0] * len(stamps), [True] * len(stamps))  # a previous owner of the slot (dead) left its figures
+
+    def _shape(self, mine: list[int], cleared: list[bool]) -> None:
+        """Size the work counters to the stamps: ``mine`` kept per index, this slot's counter
+        zeroed where ``cleared`` (a new engine there: what this slot counted was another's)."""
+        layout = self.holdings.layout
+        self._n = n = min(len(self.stamps), layout.sections)
+        self._mine = (mine + [0] * n)[:n]
+        self._work_at = [layout.work_offset(self.slot, e) >> 2 for e in range(n)]  # word indices (u32s, aligned)
+        # Every slot's counters summed per engine, reading only up to the highest slot in use.
+        self._all_work = ColumnSums(self.holdings.mm, layout.work_offset(0, 0), layout.slots, layout.sections, n)
+        if self.slot < layout.slots:
+            for e, at in enumerate(self._work_at):
+                if e >= len(cleared) or cleared[e]:
+                    self._mine[e] = 0
+                    self._words[at] = 0
+
+    def restamp(self, stamps: list[int]) -> None:
+        """The worker's engines changed (discovery, ``worker.roster_follow``): sections and work
+        counters follow the new indices; an index now another engine's starts from nothing."""
+        old = self.stamps
+        self._restamp(stamps)
+        self._shape(self._mine, [i >= len(old) or old[i] != s for i, s in enumerate(stamps)])
 
     def add_work(self, engine: int, chars: int) -> None:
         """This worker's prefill legs in flight on ``engine`` gained (or, negative, lost)

@@ -115,11 +115,15 @@ def _ewma(old: float | None, sample: float) -> float:
 
 
 class Named(Protocol):
-    """An engine, as far as homes need it: its name."""
+    """An engine, as far as homes need it: its name and its index (its slot)."""
 
     @property
     def name(self) -> str:
         """The engine's configured name (what homes rank by)."""
+
+    @property
+    def index(self) -> int:
+        """The engine's index: its slot, where its section lies."""
 
 
 class HoldingsModel:
@@ -127,10 +131,15 @@ class HoldingsModel:
 
     def __init__(self, stamps: Sequence[int | None], room: int, block_chars: int,
                  engines: Sequence[Named] | None = None) -> None:
-        # None: no section (not a producer): reports for it are ignored.
+        # Per engine index (slot): None: no section (not a producer): reports for it are ignored.
         self.producers = [None if s is None else ProducerHoldings(s) for s in stamps]
         # Per engine index its name's rendezvous hash (homes; no engines: no homes are assigned).
-        self.names = [homes.key_hash(e.name) for e in engines] if engines is not None else None
+        self.names: list[int] | None = None
+        if engines is not None:
+            self.names = [0] * len(stamps)
+            for e in engines:
+                if e.index < len(stamps):
+                    self.names[e.index] = homes.key_hash(e.name)
         self.prefixes: dict[int, Prefix] = {}  # live prefixes by first block key
         self.homes_at = float("-inf")
         self._ranks = homes.Ranks()  # kept between assignments: a prefix is ranked once (homes)
@@ -140,6 +149,21 @@ class HoldingsModel:
         self.block_chars = block_chars
         self.mean_uncached: float | None = None
         self.fit = Fit()  # duration against uncached characters, every producer's unqueued prefills
+
+    def reshape(self, stamps: Sequence[int | None], engines: Sequence[Named]) -> None:
+        """The engines changed (discovery, SPEC §10): per index, a producer whose stamp stays keeps
+        what it is believed to hold; a new one starts with nothing, a gone one has no section."""
+        old = self.producers
+        self.producers = [
+            None if s is None else (old[i] if i < len(old) and (q := old[i]) is not None and q.stamp == s
+                                    else ProducerHoldings(s))
+            for i, s in enumerate(stamps)]
+        if self.names is not None:
+            self.names = [0] * len(stamps)
+            for e in engines:
+                if e.index < len(stamps):
+                    self.names[e.index] = homes.key_hash(e.name)
+        self._homes_from = ()  # assign again at the next publish
 
     def apply(self, rep: PrefillReport) -> str | None:
         """One completed prefill into the model; the prediction's result when it can be judged."""

@@ -124,10 +124,19 @@ class Supervisor:
                              for r in (("exact", "over", "under") if holdings is not None else ())}
         self.model: HoldingsModel | None = None
         if holdings is not None:
-            stamps = [identity(e.name, e.url) if e.can_prefill else None for e in self.fleet.engines]
-            self.model = HoldingsModel(stamps, holdings.layout.keys, settings.placement.block_chars, self.fleet.engines)
+            self.model = HoldingsModel(self._holdings_stamps(), holdings.layout.keys, settings.placement.block_chars,
+                                       self.fleet.engines)
             rings = holdings.layout
             self._prefill_rings = RingIndexes(rings.ring_offset(0), rings.ring_offset(1) - rings.ring_offset(0))
+
+    def _holdings_stamps(self) -> list[int | None]:
+        """Per section (an engine slot), the stamp of the producer there; None: no producer."""
+        assert self.holdings is not None
+        stamps: list[int | None] = [None] * self.holdings.layout.sections
+        for e in self.fleet.engines:
+            if e.can_prefill and e.index < len(stamps):
+                stamps[e.index] = identity(e.name, e.url)
+        return stamps
 
     def _infos(self) -> list[EngineInfo]:
         return [EngineInfo(name=e.name, role=e.role, wave=e.wave,
@@ -158,6 +167,8 @@ class Supervisor:
         self.fleet.replace(members)
         self.specs = {spec.name: spec for _, spec in members}
         self.breakers.reshape(self._infos(), joining, self._clock())
+        if self.model is not None:  # a discovered producer gets its section (issue 40 item 11)
+            self.model.reshape(self._holdings_stamps(), self.fleet.engines)
         for name in self.reach.names():
             if name not in self.fleet.by_name:  # gone from the fleet: nothing is remembered of it
                 self.reach.forget(name)

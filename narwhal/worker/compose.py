@@ -19,7 +19,7 @@ from narwhal.request.outcomes import Outcomes
 from narwhal.request.router import Router, RouterParts
 from narwhal.request.slot_wait import WaitingPlacement
 from narwhal.settings import Settings
-from narwhal.shm.holdings import WorkerHoldings, identity
+from narwhal.shm.holdings import WorkerHoldings, stamps_by_index
 from narwhal.shm.local import LocalFleetState
 from narwhal.shm.worker import UnmappedEngine, WorkerFleetState
 from narwhal.worker import roster_follow
@@ -33,6 +33,8 @@ def compose(settings: Settings) -> tuple[Fleet, WorkerFleetState | LocalFleetSta
     fleet, state, follower = roster_follow.fleet_and_state(settings, worker_state)  # with [discovery]: the table's
     loads = state if isinstance(state, WorkerFleetState) else None  # engine reports come from the supervisor
     holdings = worker_holdings(fleet, state)
+    if follower is not None:
+        follower.holdings = holdings  # its sections follow the engine table too
     parts = RouterParts(
         settings=settings,
         fleet=fleet,
@@ -75,4 +77,4 @@ def worker_holdings(fleet: Fleet, state: WorkerFleetState | LocalFleetState) -> 
     under gunicorn); None without the region, when ``held`` places by rendezvous rank alone."""
     if shm.HOLDINGS is None or not isinstance(state, WorkerFleetState):
         return None
-    return WorkerHoldings(shm.HOLDINGS, [identity(e.name, e.url) for e in fleet.engines], state.slot)
+    return WorkerHoldings(shm.HOLDINGS, stamps_by_index([(e.index, e.name, e.url) for e in fleet.engines]), state.slot)

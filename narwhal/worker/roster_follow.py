@@ -31,6 +31,7 @@ from collections.abc import Callable
 from narwhal import shm
 from narwhal.fleet import Fleet
 from narwhal.settings import EngineSpec, Settings
+from narwhal.shm.holdings import WorkerHoldings, stamps_by_index
 from narwhal.shm.local import LocalFleetState
 from narwhal.shm.shared import SharedFleet
 from narwhal.shm.table import RETIRED
@@ -96,6 +97,7 @@ class RosterFollower:
         self.state = state
         self._seen = epoch
         self._leaving: set[int] = set()  # engine slots removed from the roster with legs still on them
+        self.holdings: WorkerHoldings | None = None  # policy held: its sections follow the roster (compose)
         _, _, discovered = members(shared)
         # A discovered engine waits for its first record even at this worker's start.
         state.follow([e for e in fleet.engines if e.name in discovered], [])
@@ -108,6 +110,8 @@ class RosterFollower:
             found, complete, _ = members(self.shared)
             added, removed = self.fleet.replace(found)
             self.state.follow(added, removed)
+            if self.holdings is not None and (added or removed):
+                self.holdings.restamp(stamps_by_index([(e.index, e.name, e.url) for e in self.fleet.engines]))
             self._leaving.update(e.index for e in removed)
             for e in added:
                 log.info("engine %s at %s joins this worker's fleet (probing until the supervisor admits it)",

@@ -261,6 +261,32 @@ async def test_admitted_in_the_admin_api_means_placement_uses_it(fleet: FakeFlee
         fleet.control_request("DELETE", "/engines/d0/background")
 
 
+async def test_a_discovered_producer_has_holdings(fleet: FakeFleet, tmp_path: Path) -> None:
+    """Issue 40 item 11: the holdings region had a section per configured engine only, and none
+    at all with discovery, so ``held`` placed discovered producers by queued work and rank alone.
+    Its sections are now one per engine slot: a producer that joins is learned like any other."""
+    engines_file = tmp_path / "engines.toml"
+    write_engines(engines_file, [entry(fleet, "p1", "producer")])
+    router = discovering_router(fleet, tmp_path, engines_file)
+    try:
+        await wait_listed(router, "p1", "admitted")
+        await admin(router, "POST", "/admin/engines/p0/eject")  # every prefill on p1
+        system = "You are a careful assistant. " * 40  # 1,160 characters: 4 blocks of 256
+        for _ in range(2):
+            reply = await send(router.url, "/v1/completions", completion(system + unique_prompt()))
+            assert reply.status == 200, reply.raw
+
+        async def p1_holdings() -> dict[str, Any] | None:
+            return next(e for e in (await admin(router))["engines"] if e["name"] == "p1")["holdings"]
+
+        end = asyncio.get_running_loop().time() + 10
+        while not ((held := await p1_holdings()) and held["blocks"] >= 4):
+            assert asyncio.get_running_loop().time() < end, held
+            await asyncio.sleep(0.05)
+    finally:
+        router.stop()
+
+
 # ------------------------------------------------------------------------------------------ DNS
 
 

@@ -18,7 +18,7 @@ P0, P1 = identity("p0", "http://p0"), identity("p1", "http://p1")
 
 
 def _model(room: int = 256) -> HoldingsModel:
-    return HoldingsModel([P0, P1, None], room, 256, [SimpleNamespace(name=n) for n in NAMES])
+    return HoldingsModel([P0, P1, None], room, 256, [SimpleNamespace(name=n, index=i) for i, n in enumerate(NAMES)])
 
 
 def _rep(keys: list[int], cached: int | None, at: float, *, producer: int = 0) -> PrefillReport:
