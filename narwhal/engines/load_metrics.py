@@ -68,6 +68,7 @@ def _sample_re(names: tuple[bytes, ...]) -> re.Pattern[bytes]:
 
 
 _SAMPLE = _sample_re(_NAMES)
+_KV_MAX = 1.001  # vLLM's usage is 1 - free/total: 1 at most, give or take a float's rounding
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +94,8 @@ def parse_load(text: str | bytes) -> EngineLoad | None:
         if not math.isfinite(value) or value < 0:
             continue  # NaN (a gauge never set), Inf, or nonsense: not a figure to place by
         name = match.group(1)
+        if name not in sums and value > _KV_MAX:
+            continue  # a usage share past 1 is no share: unknown, not "full" (issue 40 item 12)
         seen = True
         if name in sums:
             sums[name] += value

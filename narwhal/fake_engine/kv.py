@@ -177,8 +177,8 @@ async def _pull_http(
             await resp.read()
             # 404 = unknown or expired request: a late read, which vLLM only logs.
             return resp.status in (200, 404)
-    except (aiohttp.ClientError, OSError, TimeoutError):
-        return False
+    except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+        return False  # ValueError: a host no resolver takes (a label over 63 bytes): the handshake fails
 
 
 def serve_read(producer: EngineState, body: Any) -> tuple[int, dict[str, Any]]:

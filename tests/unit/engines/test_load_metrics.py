@@ -210,3 +210,11 @@ def test_capacity_from_0_33_labels_by_their_whole_names() -> None:
     assert parse_capacity(one.replace('kv_cache_size_tokens="3200",', "")) == 3200
     assert parse_capacity(one.replace('num_gpu_blocks="200"', 'num_gpu_blocks="None"')
                           .replace('kv_cache_size_tokens="3200"', 'kv_cache_size_tokens="None"')) is None
+
+
+def test_a_kv_usage_past_one_is_unknown_not_full() -> None:
+    """vLLM's ``kv_cache_usage_perc`` is 1 - free/total: 7 is no reading (issue 40 item 12: out of
+    range is unknown), where clamping it made a broken engine look saturated for good."""
+    body = b'vllm:num_requests_running{engine="0"} 1\nvllm:kv_cache_usage_perc{engine="0"} 7\n'
+    assert parse_load(body) == EngineLoad(running=1.0, waiting=0.0, kv_usage=None)
+    assert parse_load(body.replace(b"} 7", b"} 1.0000001")) == EngineLoad(1.0, 0.0, 1.0)
