@@ -193,6 +193,7 @@ class HostileEngine:
         asyncio.run_coroutine_threadsafe(close(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+        self._loop.close()
 
 
 @pytest.fixture(scope="module")
