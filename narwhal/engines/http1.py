@@ -177,9 +177,7 @@ class UpstreamPool:
             cutoff = time.monotonic() - self._idle_s
             while idle:
                 conn = idle.pop()
-                transport = conn.transport  # Connection.reusable, written out: once per leg
-                if not conn._closed and transport is not None and not transport.is_closing() \
-                        and conn.idle_since > cutoff:
+                if conn.reusable and conn.idle_since > cutoff:
                     return conn
                 conn.close()
         return None

@@ -266,12 +266,7 @@ class Connection(asyncio.Protocol):
             ):
                 if self._error is not None:
                     raise self._error
-                # _wait, written out: this is the wait every leg resumes from.
-                self._waiter = waiter = self._loop.create_future()
-                try:
-                    await waiter
-                finally:
-                    self._waiter = None
+                await self._wait()
         finally:
             self._hold_head = False
         return self.status
@@ -328,11 +323,7 @@ class Connection(asyncio.Protocol):
                 raise self._error
             if self.complete:
                 return b""
-            self._waiter = waiter = self._loop.create_future()  # _wait, written out: once per read
-            try:
-                await waiter
-            finally:
-                self._waiter = None
+            await self._wait()
         return self.read_now()
 
     async def read_all(self) -> bytes:

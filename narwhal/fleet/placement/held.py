@@ -160,9 +160,7 @@ def order(
     if len(items) == 1:  # its estimate and rank order nothing: only its facts are asked for
         item, reading = items[0], readings[0]
         matched = runs[0] * blocks.block_chars
-        # _queued, written out: the fleet's mean is asked for only when this producer has none
-        per_request = reading.mean_uncached_chars if reading is not None else 0.0
-        queued = ours(item) + others(item) * (per_request or _fleet_mean(readings, blocks))
+        queued = _queued(item, reading, _fleet_mean(readings, blocks), ours, others)
         uncached = len(blocks.text) - matched
         return items, [(matched, uncached if uncached > 0 else 0, int(queued))]
     first = blocks.key(0)
