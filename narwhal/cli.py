@@ -15,7 +15,7 @@ import sys
 
 from narwhal import DISTRIBUTION, __version__
 from narwhal.settings import load_settings_or_exit
-from narwhal.settings_env import CONFIG_ENV
+from narwhal.settings.env import CONFIG_ENV
 
 # 128 + SIGPIPE: the status a shell reports for a writer its reader left (`set -o pipefail`).
 CLOSED_PIPE_STATUS = 141

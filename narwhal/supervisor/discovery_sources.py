@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from narwhal.fleet.discovery import engine_name
 from narwhal.settings import EngineSpec
-from narwhal.settings_discovery import DiscoverySettings, DnsSource
+from narwhal.settings.discovery import DiscoverySettings, DnsSource
 
 MAX_FILE_BYTES = 4 << 20  # an engines file is a few KiB; more is a mistake, not a fleet
 

@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("fleet", ("narwhal.fleet",)),
     ("engines", ("narwhal.engines",)),
     ("fake engine", ("narwhal.fake_engine",)),
-    ("base", ("narwhal.settings", "narwhal.settings_env", "narwhal.errors", "narwhal.reasons", "narwhal.metrics",
+    ("base", ("narwhal.settings", "narwhal.errors", "narwhal.reasons", "narwhal.metrics",
               "narwhal.metric_tally", "narwhal.logs", "narwhal")),
 ]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from narwhal.settings_discovery import DiscoverySettings, DnsSource
+from narwhal.settings.discovery import DiscoverySettings, DnsSource
 from narwhal.supervisor.discovery_sources import DnsReader, SourceInvalid, SourceUnreadable, read_engines_file
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -25,9 +25,9 @@ from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from narwhal import settings_hints
-from narwhal.settings_discovery import DiscoverySettings
-from narwhal.settings_env import CONFIG_ENV, ENV_PREFIX, check_environment, source_of
+from narwhal.settings import hints as settings_hints
+from narwhal.settings.discovery import DiscoverySettings
+from narwhal.settings.env import CONFIG_ENV, ENV_PREFIX, check_environment, source_of
 
 PositiveFloat = Annotated[float, Field(gt=0)]
 NonNegativeFloat = Annotated[float, Field(ge=0)]
