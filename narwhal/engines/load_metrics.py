@@ -197,7 +197,7 @@ def _positive(value: bytes | None) -> int | None:
     return number if number > 0 else None
 
 
-# The engine's own prefill rate (SPEC §3.3, ``supervisor.engine_rate``): vLLM's prefill-time
+# The engine's own prefill rate (SPEC §3.3, ``supervisor.holdings.engine_rate``): vLLM's prefill-time
 # histogram (``RequestStateStats``: first token less scheduled, observed when a request finishes;
 # the batch queue's wait is ``vllm:request_queue_time_seconds``, not this) and its prefix-cache
 # counters in tokens (counted as the scheduler looks a request up), declared in the same

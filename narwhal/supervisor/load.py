@@ -10,7 +10,7 @@ the engine counted among its own (``SharedFleet.engine_seen``: not a decode rese
 prefill that still runs); then the load generation is bumped, so workers pick it up
 on their next placement, lock-free. With the holdings (policy ``held``), each reading's
 capacity and prefill counters go to them too (``on_reading``: SPEC §3.3's capacity bound and the
-engine-reported prefill rate, ``supervisor.engine_rate``).
+engine-reported prefill rate, ``supervisor.holdings.engine_rate``).
 
 Invariants, and why:
 

@@ -8,7 +8,7 @@ Queued work is its prefill load (this host's in-flight prefill legs plus what it
 and waiting that is not ours): this host's legs by their own uncached characters (summed in
 shared memory by every worker), the others' requests each reckoned at that producer's mean
 uncached characters per prefill (else the fleet's; this prompt's length while none is known).
-The rate is the one published for the producer (``supervisor.holdings_rate``: the learned rates'
+The rate is the one published for the producer (``supervisor.holdings.rate``: the learned rates'
 mean at its engine-reported class), else the candidates' mean, else 1. The least estimate
 wins; candidates within ``placement.affinity_slack`` of it are ordered home first
 (``homes``), then by the rendezvous rank of the prompt's first block key, so workers and

@@ -19,12 +19,12 @@ The rate class: a slower producer takes fewer homes, so less of the traffic. Not
 prefill rate: each replica learns its own, from noisy round trips, and rooms that differ by
 replica give homes that differ by replica (measured: two replicas 0.55-0.67 cached with rooms
 scaled by it, 0.77-0.89 without). By the rate the engine reports on its ``/metrics``
-(``supervisor.engine_rate``), which every replica reads alike, relative to the fastest
+(``supervisor.holdings.engine_rate``), which every replica reads alike, relative to the fastest
 producer's, and quantized to halvings (``RATE_CLASSES``: 1, 1/2, 1/4): ratios from 0.65 are
 class 1, from 0.25 class 1/2, below that 1/4. The edges sit below the classes' values, not
 between them: the reported rate only ever reads *low* (it counts the time a prefill shares the
 GPU or waits on it, more on a busier engine, and a slower producer is the busier one;
-``supervisor.engine_rate`` keeps its best recent span for that reason). Measured with
+``supervisor.holdings.engine_rate`` keeps its best recent span for that reason). Measured with
 ``perf.scarce_sim`` (uniform, Zipf and slow variants, the ratio over time, p1-p95): fast
 producers 0.72-1.0, the half-rate one 0.32-0.51; the edges fall in those gaps (a half-rate
 producer at rest reads 0.5, inside its class), and two replicas reading a few prefills apart

@@ -1,4 +1,4 @@
-"""The engine-reported prefill rate (``supervisor.engine_rate``, SPEC §3.3): differences of the
+"""The engine-reported prefill rate (``supervisor.holdings.engine_rate``, SPEC §3.3): differences of the
 engine's counters over spans of finished prefills, the best of the last spans, a restart's
 counters starting again from 0."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from narwhal.engines.load_metrics import PrefillCounters
-from narwhal.supervisor.engine_rate import MIN_SAMPLES, SAMPLE_PREFILLS, WINDOW, EngineRate
+from narwhal.supervisor.holdings.engine_rate import MIN_SAMPLES, SAMPLE_PREFILLS, WINDOW, EngineRate
 
 
 class Engine:

@@ -11,7 +11,7 @@ from narwhal.fleet.placement import homes
 from narwhal.fleet.placement.affinity import key_hash, rank
 from narwhal.shm.holdings import Holdings, HoldingsLayout, PrefillReport, identity
 from narwhal.supervisor.holdings import HOT_S, PUBLISH_S, HoldingsModel
-from narwhal.supervisor.holdings_fit import Fit
+from narwhal.supervisor.holdings.fit import Fit
 
 NAMES = ["p0", "p1", "d0"]
 P0, P1 = identity("p0", "http://p0"), identity("p1", "http://p1")
@@ -164,7 +164,7 @@ def test_without_a_known_capacity_an_eviction_bounds_the_holdings_to_what_outliv
 def _engine_rate(m: HoldingsModel, engine: int, tokens_per_s: float) -> None:
     """Enough ``/metrics`` reads of ``engine`` for its engine-reported rate to be ``tokens_per_s``."""
     from narwhal.engines.load_metrics import PrefillCounters
-    from narwhal.supervisor.engine_rate import MIN_SAMPLES, SAMPLE_PREFILLS
+    from narwhal.supervisor.holdings.engine_rate import MIN_SAMPLES, SAMPLE_PREFILLS
 
     for i in range(MIN_SAMPLES + 1):
         counters = PrefillCounters(float(i), float(i * SAMPLE_PREFILLS), i * tokens_per_s, 0.0)

@@ -1,4 +1,4 @@
-"""The holdings model's LRU steps (``supervisor.holdings_lru``) against the per-key loops they
+"""The holdings model's LRU steps (``supervisor.holdings.lru``) against the per-key loops they
 replace: the same model, driven by the same seeded random reports (prompts sharing system
 prefixes, exact repeats, hits, evictions, trims to a small room, capacity changes, restarts,
 ageing), must say the same at every step — each report's judgement, every producer's keys in

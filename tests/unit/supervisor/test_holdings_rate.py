@@ -1,4 +1,4 @@
-"""The rate the estimate places each producer by (``supervisor.holdings_rate``): the fleet's
+"""The rate the estimate places each producer by (``supervisor.holdings.rate``): the fleet's
 learned rate at each producer's engine-reported class, so replicas that learned different rates
 still rank producers alike."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from narwhal.supervisor.holdings_rate import placing_rates
+from narwhal.supervisor.holdings.rate import placing_rates
 
 CPT = [4.0] * 4
 ALL = [True] * 4  # every engine's /metrics carry the prefill counters

@@ -7,7 +7,7 @@ and 2 consumers. Each test makes prefixes of its own (a fresh tag), so their hol
 prefills at the same cost (10 µs an uncached token), and the router runs with
 ``affinity_slack = 3`` (``SLACK``): the rank (what these tests predict) must decide between equal
 producers that hold nothing. Equal producers are placed at one rate (the learned rates' mean at
-each one's engine-reported class, ``supervisor.holdings_rate``); before that, rates learned from
+each one's engine-reported class, ``supervisor.holdings.rate``); before that, rates learned from
 10 ms prefills were mostly the round trip's noise (identical fakes read 141,000–298,000
 characters a second under two busy loops on a 2-core machine, and with a slack of 0.5 the noise
 decided 3 runs of 4). The slack keeps a class misread under such load (½: a doubled estimate)

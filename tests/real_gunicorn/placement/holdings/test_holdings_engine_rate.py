@@ -1,5 +1,5 @@
 """SPEC §3.3 through real gunicorn: a producer slower by its own ``/metrics`` (the engine-reported
-prefill rate, ``supervisor.engine_rate``) takes fewer homes, so every replica sends it less.
+prefill rate, ``supervisor.holdings.engine_rate``) takes fewer homes, so every replica sends it less.
 
 The fleet: two producers with the fake's prefix cache at 160 blocks of 16 tokens (40 of our
 256-character blocks at 4 characters a token: 36 of room for homes, two prefixes of 15), one

@@ -24,10 +24,10 @@ Also learned per producer: the prefill rate (uncached characters per second of p
 prefills placed with nothing queued ahead, as a ratio of exponentially weighted means) and,
 fleet wide, the mean uncached characters of a prefill (what a queued request is reckoned to cost).
 
-5. *The engine's own rate* (``supervisor.engine_rate``, from every load read's ``/metrics``):
+5. *The engine's own rate* (``supervisor.holdings.engine_rate``, from every load read's ``/metrics``):
    the same for every replica, so it is what scales the homes' rooms (``homes.rate_class``), and
    in the estimate a producer is placed at the learned rates' mean at its class
-   (``holdings_rate`` says why: learned rates differ by replica, classes do not).
+   (``holdings.rate`` says why: learned rates differ by replica, classes do not).
 
 Pure apart from ``publish`` (the shared-memory write): time comes in as an argument.
 """
@@ -43,10 +43,10 @@ from typing import Protocol
 from narwhal.engines.load_metrics import PrefillCounters
 from narwhal.fleet.placement import homes
 from narwhal.shm.holdings import Holdings, PrefillReport
-from narwhal.supervisor.engine_rate import EngineRate
-from narwhal.supervisor.holdings_fit import Fit, Prefix
-from narwhal.supervisor.holdings_lru import drop, hot_count, leading, reused, touch
-from narwhal.supervisor.holdings_rate import placing_rates
+from narwhal.supervisor.holdings.engine_rate import EngineRate
+from narwhal.supervisor.holdings.fit import Fit, Prefix
+from narwhal.supervisor.holdings.lru import drop, hot_count, leading, reused, touch
+from narwhal.supervisor.holdings.rate import placing_rates
 
 ALPHA = 0.2  # weight of a new sample in the learned means
 RATE_MIN_BLOCKS = 8
@@ -82,7 +82,7 @@ class ProducerHoldings:
     # The keys reused (a prefill hit them, by its report) within HOT_S, least recently reused
     # first, with when: the live part of ``keys`` (a subset: a key that goes goes from both).
     hot: OrderedDict[int, float] = field(default_factory=OrderedDict)
-    # The last prompt touched and the last run reused, kept whole (``holdings_lru`` says why).
+    # The last prompt touched and the last run reused, kept whole (``holdings.lru`` says why).
     head: tuple[int, ...] = ()
     hot_head: tuple[int, ...] = ()
     hot_head_at: float = 0.0
@@ -369,7 +369,7 @@ class HoldingsModel:
             p.forget()
 
     def placing_rates(self) -> list[float | None]:
-        """Per engine index, the rate the estimate places it by (``holdings_rate``; None: a consumer)."""
+        """Per engine index, the rate the estimate places it by (``holdings.rate``; None: a consumer)."""
         live = [p for p in self.producers if p is not None]
         rates = iter(placing_rates([self.rate_of(p) for p in live], [p.engine_rate.rate for p in live],
                                    [p.engine_rate.counted for p in live],

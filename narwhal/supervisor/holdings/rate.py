@@ -6,7 +6,7 @@ one replica those are noisy: "nothing queued ahead" is judged from this replica'
 other replica's requests are queued all the same. In ``perf.scarce_sim`` four equal producers read
 74,000-248,000 characters/s by one replica and, in another order, by the other; a home divided by
 a rate a third of its peers' loses its requests to a miss elsewhere, and each such miss evicts a
-live prefix. The engine's own ``/metrics`` read alike in every replica (``supervisor.engine_rate``),
+live prefix. The engine's own ``/metrics`` read alike in every replica (``supervisor.holdings.engine_rate``),
 and in coarse classes (``homes.rate_class``) they are stable. So the relative rate is the class,
 and the scale, which only weighs queued work against a miss's, is this replica's learned rates'
 mean over the producers that report one, each taken back to class 1. Measured with
