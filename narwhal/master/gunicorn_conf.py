@@ -3,7 +3,8 @@
 gunicorn executes this module in the master at start and again on every ``SIGHUP``; the
 settings are loaded (and validated: one line and exit 2 on a bad value) each time, so a
 reload picks up a changed TOML file. Hooks only wire process events to
-``narwhal.master.gunicorn_hooks``; no request logic lives here.
+``narwhal.master.gunicorn_hooks`` (the master's) and ``narwhal.worker.lifecycle`` (each
+worker's); no request logic lives here.
 """
 
 from narwhal.master.gunicorn_hooks import (  # noqa: F401
@@ -13,7 +14,7 @@ from narwhal.master.gunicorn_hooks import (  # noqa: F401
     on_exit,
     on_reload,
     on_starting,
-    post_worker_init,
 )
+from narwhal.worker.lifecycle import post_worker_init  # noqa: F401  (run in each worker)
 
 globals().update(gunicorn_settings())

@@ -17,8 +17,6 @@ import sys
 import tempfile
 from typing import Any
 
-# Nothing here may import prometheus_client (or narwhal.metrics, narwhal.worker.app) at module level:
-# it must first be imported after PROMETHEUS_MULTIPROC_DIR is set.
 from narwhal.settings import (
     MAX_WORKERS,
     Settings,
@@ -28,6 +26,10 @@ from narwhal.settings import (
     load_settings_or_exit,
     remember,
 )
+
+# Nothing here may import prometheus_client (or narwhal.metrics, narwhal.worker.app) at module level:
+# it must first be imported after PROMETHEUS_MULTIPROC_DIR is set.
+from narwhal.worker.lifecycle import STOP_SIGNALS
 
 _PROM_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # Not NARWHAL_-prefixed: every NARWHAL_ variable must be a setting.
@@ -230,10 +232,6 @@ def on_starting(server: Any) -> None:
     _hold_stop_signals_across_fork(server)
 
 
-# The signals by which the master stops its workers (gunicorn's kill_workers).
-_STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGQUIT, signal.SIGINT})
-
-
 def _hold_stop_signals_across_fork(server: Any) -> None:
     """A worker is forked with the master's signal handlers and keeps them until aiohttp
     replaces them; its loop's handlers then only fire once the loop runs (uvloop learns of a
@@ -241,16 +239,16 @@ def _hold_stop_signals_across_fork(server: Any) -> None:
     (a stop right after a fork: TTIN, a reload, a replaced worker) was lost, and the master,
     which signals once, waited out the whole graceful timeout before killing the worker.
     So the master forks with the stop signals blocked: it takes its own as soon as the fork
-    returns, and the worker's stay pending until its loop runs (``post_worker_init``)."""
+    returns, and the worker's stay pending until its loop runs (``worker.lifecycle``)."""
     spawn_worker, master = server.spawn_worker, os.getpid()
 
     def spawn_worker_holding_stop_signals() -> Any:
-        signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             return spawn_worker()
         finally:
             if os.getpid() == master:  # the worker leaves spawn_worker by SystemExit, still blocked
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
     server.spawn_worker = spawn_worker_holding_stop_signals
 
@@ -324,49 +322,6 @@ def nworkers_changed(server: Any, new_value: int, old_value: int | None) -> None
     if old_value is not None and shm.SHARED is not None and new_value > shm.SHARED.layout.slots:
         print(f"narwhal: {new_value} workers exceed the shared layout's {shm.SHARED.layout.slots} slots: "
               "the extra workers keep per-process state; restart to grow the layout", file=sys.stderr, flush=True)
-
-
-def post_worker_init(worker: Any) -> None:
-    """In each worker: take over the listening sockets (``narwhal.worker.accept``), and note when
-    SIGTERM arrives, so in-flight streams are ended before the master's graceful timeout
-    (counted from the signal) rather than aiohttp's (counted from when the worker gets round
-    to stopping, up to a second later)."""
-    loop = getattr(worker, "loop", None)
-    if loop is None:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # a worker of another class: its handlers are set
-        return
-    from narwhal.worker import accept, app
-
-    if worker.wsgi is app.create_app and not worker.cfg.is_ssl:
-        # Narwhal's app accepts from these itself (narwhal.worker.accept): aiohttp's worker starts
-        # no server of its own on them. TLS listeners, and any other app run with this
-        # configuration, stay with aiohttp.
-        accept.LISTENERS[:] = worker.sockets
-        worker.sockets = []
-
-    def on_term() -> None:
-        app.note_stop_requested(loop.time())
-        worker.handle_exit(signal.SIGTERM, None)
-        # gunicorn's handle_exit only clears ``alive``, which aiohttp's worker looks at once a
-        # second (its notify waiter): the stop began anywhere from 0 to 1 s after the signal.
-        # Woken ACCEPTED_GRACE_S after it instead: the listener is already closed, so that is
-        # the time a connection accepted just before has to send its request before aiohttp
-        # closes the idle ones (no longer sometimes none), and no stop waits the rest of the second.
-        loop.call_later(accept.ACCEPTED_GRACE_S, _wake, worker)
-
-    loop.add_signal_handler(signal.SIGTERM, on_term)
-    # The stop signals the master blocked across the fork (_hold_stop_signals_across_fork): taken
-    # once the loop runs, so one sent while the worker booted reaches on_term (or aiohttp's
-    # handlers) and the worker stops as soon as it is up, instead of serving on.
-    loop.call_soon(signal.pthread_sigmask, signal.SIG_UNBLOCK, _STOP_SIGNALS)
-
-
-def _wake(worker: Any) -> None:
-    """Wake aiohttp's worker loop to see ``alive`` cleared (its waiter, a private of
-    ``aiohttp.worker``; without it, the loop's own 1 s check still does)."""
-    wake = getattr(worker, "_notify_waiter_done", None)
-    if callable(wake):
-        wake()
 
 
 def child_exit(server: Any, worker: Any) -> None:

@@ -33,10 +33,10 @@ MAX_PAUSE_S = 0.002  # so a stuck worker costs the others at most this per accep
 _ERROR_PAUSE_S = 0.1  # after an accept failure (e.g. out of file descriptors)
 # A stopping worker still reads requests this long on connections it accepted just before
 # (a client sends its request within a round trip of connecting): SIGTERM's wake waits it out
-# (``narwhal.master.gunicorn_hooks``), and so does a site's stop (a ``max_requests`` retirement).
+# (``narwhal.worker.lifecycle``), and so does a site's stop (a ``max_requests`` retirement).
 ACCEPTED_GRACE_S = 0.25
 
-# The gunicorn worker's listening sockets, taken over in ``post_worker_init`` (before the app
+# The gunicorn worker's listening sockets, taken over in ``lifecycle.post_worker_init`` (before the app
 # is built) so that aiohttp's worker starts no SockSite of its own; empty outside gunicorn.
 LISTENERS: list[socket.socket] = []
 

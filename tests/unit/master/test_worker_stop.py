@@ -1,4 +1,4 @@
-"""A worker's SIGTERM (``gunicorn_hooks.post_worker_init``'s handler) wakes aiohttp's worker
+"""A worker's SIGTERM (``worker.lifecycle.post_worker_init``'s handler) wakes aiohttp's worker
 loop itself, ``ACCEPTED_GRACE_S`` after the signal: gunicorn's ``handle_exit`` only clears
 ``alive``, which aiohttp's loop otherwise looks at on its own check once a second, so every stop
 began anywhere from 0 to 1 s late (every router stop in the suite paid ~1 s of it)."""
@@ -14,8 +14,7 @@ import pytest
 from aiohttp.worker import GunicornWebWorker
 from gunicorn.config import Config
 
-from narwhal.master import gunicorn_hooks
-from narwhal.worker import app
+from narwhal.worker import app, lifecycle
 
 
 async def test_a_sigterm_wakes_the_worker_loop_after_the_accepted_grace(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -26,7 +25,7 @@ async def test_a_sigterm_wakes_the_worker_loop_after_the_accepted_grace(monkeypa
     # What the worker's run loop awaits between its checks, here without the 1 s timer that
     # would also end it: only the SIGTERM handler's wake can.
     worker._notify_waiter = waiter = loop.create_future()
-    gunicorn_hooks.post_worker_init(worker)
+    lifecycle.post_worker_init(worker)
     try:
         os.kill(os.getpid(), signal.SIGTERM)
         await asyncio.wait_for(waiter, timeout=10)
