@@ -1,6 +1,6 @@
 """The breakers' vocabulary and who a failed attempt counts against (SPEC §6 "blame").
 
-The types that cross :mod:`narwhal.fleet.breaker`'s boundary live here (and are re-exported there):
+The types that cross :mod:`narwhal.supervisor.breaker`'s boundary live here (and are re-exported there):
 :class:`State`, :class:`EngineInfo`, :class:`Outcome` in, :class:`ProbePlan` and
 :class:`EngineStatus` out. The rest is pure functions and sets, no state machine.
 

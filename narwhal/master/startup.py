@@ -15,13 +15,13 @@ import sys
 import time
 
 from narwhal.fleet import Fleet
-from narwhal.fleet.breaker import State
 from narwhal.logs import json_line
 from narwhal.preflight.check import run_preflight
 from narwhal.settings import Settings
 from narwhal.shm.records import EngineRecord, write_record
 from narwhal.shm.shared import SharedFleet
 from narwhal.shm.table import record_hash
+from narwhal.supervisor.breaker import State
 
 
 def preflight_on_start(shared: SharedFleet, settings: Settings) -> set[str]:

@@ -15,7 +15,7 @@ loop only starts the read (:meth:`Discovery.tick`) and, once it finished, applie
   DNS name in order; engines serving now before newcomers; a taken name or no slot left refused,
   the refusals logged once per change of what is refused.
 * **Joining**: under the table lock, a slot is chosen, the engine's descriptor written there
-  (``shm.descriptors``), the supervisor takes it up PROBING (``fleet.membership``) and publishes its
+  (``shm.descriptors``), the supervisor takes it up PROBING (``supervisor.membership``) and publishes its
   record, and only then does the table entry turn LIVE and the epoch move: a worker that takes it
   up (``worker.roster_follow``) finds its description and a record saying "not yet".
 * **Leaving**: an engine no source names any more is DRAINING (no new legs; in-flight legs
@@ -44,12 +44,12 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from narwhal import metrics
-from narwhal.fleet.breaker import State
 from narwhal.fleet.discovery import STATIC, Member, change, wanted_fleet
 from narwhal.settings import EngineSpec, Settings
 from narwhal.shm import descriptors
 from narwhal.shm.layout import TABLE_LOCK
 from narwhal.shm.table import TableFull, identity
+from narwhal.supervisor.breaker import State
 from narwhal.supervisor.discovery_sources import DnsReader, SourceInvalid, SourceUnreadable, read_engines_file
 
 if TYPE_CHECKING:

@@ -31,8 +31,6 @@ from typing import TYPE_CHECKING, Any
 from narwhal import metrics
 from narwhal.engines.control import UNREACHABLE, PooledReader, open_session
 from narwhal.fleet import Engine, Fleet
-from narwhal.fleet.breaker import EngineInfo, EngineStatus, State
-from narwhal.fleet.membership import ChangingBreakers
 from narwhal.fleet.reachability import Reachability
 from narwhal.settings import EngineSpec, Settings
 from narwhal.shm import layout as L
@@ -49,8 +47,10 @@ from narwhal.shm.records import (
 )
 from narwhal.shm.shared import SharedFleet, alive
 from narwhal.shm.table import record_hash
+from narwhal.supervisor.breaker import EngineInfo, EngineStatus, State
 from narwhal.supervisor.holdings import HoldingsModel
 from narwhal.supervisor.load import LoadReader
+from narwhal.supervisor.membership import ChangingBreakers
 from narwhal.supervisor.models import ModelReader
 from narwhal.supervisor.probes import Prober
 from narwhal.supervisor.reports import RingIndexes, Successes, apply_reports
@@ -163,7 +163,7 @@ class Supervisor:
 
     def set_engines(self, members: list[tuple[int, EngineSpec]], joining: set[str]) -> None:
         """Discovery: the engines become ``members`` (engine slot, entry); those named in
-        ``joining`` start PROBING (``fleet.membership``)."""
+        ``joining`` start PROBING (``supervisor.membership``)."""
         self.fleet.replace(members)
         self.specs = {spec.name: spec for _, spec in members}
         self.breakers.reshape(self._infos(), joining, self._clock())

@@ -50,10 +50,10 @@ from narwhal.engines.control import (
     parse_version,
 )
 from narwhal.fleet import Engine
-from narwhal.fleet.breaker import State
 from narwhal.shm import models as M
 from narwhal.shm.records import RecordBusy
 from narwhal.shm.table import record_hash
+from narwhal.supervisor.breaker import State
 
 if TYPE_CHECKING:
     from narwhal.supervisor.main import Supervisor

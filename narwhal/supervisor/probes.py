@@ -84,7 +84,7 @@ class Prober:
         model, why = await self._lifecycle(engine)
         if model is None:
             return FAIL, why
-        if kind == "lifecycle":  # a discovered engine's first checks without a contract (fleet.membership)
+        if kind == "lifecycle":  # a discovered engine's first checks without a contract (supervisor.membership)
             return PASS, ""
         if as_producer:
             why = await self._producer_probe(engine, model)

@@ -22,7 +22,6 @@ import struct
 from collections.abc import Mapping, Sequence
 
 from narwhal.fleet import Engine
-from narwhal.fleet.breaker import Breakers, Outcome
 from narwhal.fleet.reachability import Reachability
 from narwhal.shm.records import (
     FLAG_BEFORE_TOKEN,
@@ -39,6 +38,7 @@ from narwhal.shm.records import (
     REASONS,
     Report,
 )
+from narwhal.supervisor.breaker import Breakers, Outcome
 
 
 class RingIndexes:

@@ -17,9 +17,9 @@ import logging
 from collections.abc import Iterable
 
 from narwhal.fleet import Engine
-from narwhal.fleet.breaker import Breakers, EngineStatus, State
 from narwhal.fleet.reachability import Reachability
 from narwhal.settings import RecoverySettings
+from narwhal.supervisor.breaker import Breakers, EngineStatus, State
 
 log = logging.getLogger("narwhal.supervisor.breakers")
 

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from narwhal.fleet.breaker import Breakers, State
 from narwhal.master.gunicorn_hooks import create_holdings
 from narwhal.settings import RecoverySettings, Settings
 from narwhal.shm import layout as L
@@ -33,8 +32,9 @@ from narwhal.shm.records import (
     Report,
 )
 from narwhal.shm.shared import SharedFleet
+from narwhal.supervisor.breaker import Breakers, State
 from narwhal.supervisor.reports import RingIndexes, Successes, apply_reports
-from tests.unit.fleet.breaker_support import mesh
+from tests.unit.supervisor.breaker_support import mesh
 
 SEEDS = range(24)
 STEPS = 400

@@ -15,11 +15,11 @@ import pytest
 from narwhal.engines.control import PooledReader
 from narwhal.errors import EngineError
 from narwhal.fleet import Engine, Fleet
-from narwhal.fleet.breaker import State
 from narwhal.settings import Settings
 from narwhal.shm.records import read_record
 from narwhal.shm.shared import SharedFleet
 from narwhal.shm.worker import WorkerFleetState
+from narwhal.supervisor.breaker import State
 from narwhal.supervisor.load import LoadReader
 from narwhal.supervisor.main import Loop, Supervisor
 

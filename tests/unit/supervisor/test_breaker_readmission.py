@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from narwhal.fleet.breaker import Breakers, EngineStatus, Outcome, ProbePlan, State
-from tests.unit.fleet.breaker_support import (
+from narwhal.supervisor.breaker import Breakers, EngineStatus, Outcome, ProbePlan, State
+from tests.unit.supervisor.breaker_support import (
     breakers,
     decode_fault,
     eject_by_faults,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from narwhal.fleet import Fleet
 from narwhal.fleet.blame import State
-from narwhal.fleet.membership import ChangingBreakers
 from narwhal.settings import EngineSpec, RecoverySettings, Settings
-from tests.unit.fleet.breaker_support import mesh as fleet
+from narwhal.supervisor.membership import ChangingBreakers
+from tests.unit.supervisor.breaker_support import mesh as fleet
 
 
 def changing(infos: list, has_contract: bool = False) -> ChangingBreakers:  # type: ignore[type-arg]

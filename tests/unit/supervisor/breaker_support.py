@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from narwhal.fleet.breaker import Breakers, EngineInfo, Outcome, State
 from narwhal.settings import RecoverySettings
+from narwhal.supervisor.breaker import Breakers, EngineInfo, Outcome, State
 
 # ------------------------------------------------------------------------------------ helpers
 

@@ -1,6 +1,6 @@
 """Breakers for a fleet whose engines come and go at run time (SPEC §10). Pure, like the breakers.
 
-:class:`ChangingBreakers` is :class:`~narwhal.fleet.breaker.Breakers` plus :meth:`~ChangingBreakers.reshape`:
+:class:`ChangingBreakers` is :class:`~narwhal.supervisor.breaker.Breakers` plus :meth:`~ChangingBreakers.reshape`:
 the engines become a new list, each keeping its breaker record (streaks, ejections, quarantine,
 probe schedule) while it stays; the permitted pairs every engine's blame is judged by follow the
 new list, as do the role sizes ``max_ejected_fraction`` counts and the waves.
@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from narwhal.fleet.blame import EngineInfo, ProbePlan, State
-from narwhal.fleet.breaker import Breakers
-from narwhal.fleet.readmission import BreakerRecord, Wave, probe_plan
+from narwhal.supervisor.breaker import Breakers
+from narwhal.supervisor.readmission import BreakerRecord, Wave, probe_plan
 
 JOIN_KIND_CONTRACT = "probe"  # lifecycle and the transfer probe (supervisor.probes)
 JOIN_KIND = "lifecycle"  # without a contract: /health and /v1/models

@@ -57,7 +57,7 @@ Rules decided where the SPEC is silent:
 * Whole-wave restart: an engine that passes while every other member of its wave is out (or
   while another member already waits) waits, shown as EJECTED (see
   :meth:`Breakers.waiting_for_wave`); the hold and its release, and the probe schedule, are in
-  :mod:`narwhal.fleet.readmission`.
+  :mod:`narwhal.supervisor.readmission`.
 * A probe result for an engine that is not PROBING (the operator acted meanwhile) is ignored.
 * ``last_failure_reason`` / ``last_failure_at`` move on charged failures and health failures
   only: a failed probe or a fault only remembered as ambiguous leaves them alone.
@@ -74,8 +74,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from narwhal.fleet.blame import EngineInfo, EngineStatus, Outcome, Pending, ProbePlan, RoleName, State, charges, counted
-from narwhal.fleet.readmission import OUT, SERVING, BreakerRecord, Wave, earliest, probe_interval, probe_plan
 from narwhal.settings import RecoverySettings
+from narwhal.supervisor.readmission import OUT, SERVING, BreakerRecord, Wave, earliest, probe_interval, probe_plan
 
 __all__ = ["Breakers", "EngineInfo", "EngineStatus", "Outcome", "ProbePlan", "State"]
 

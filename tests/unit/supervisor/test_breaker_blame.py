@@ -3,8 +3,8 @@ local pairs; injected times."""
 
 from __future__ import annotations
 
-from narwhal.fleet.breaker import EngineStatus, Outcome, State
-from tests.unit.fleet.breaker_support import (
+from narwhal.supervisor.breaker import EngineStatus, Outcome, State
+from tests.unit.supervisor.breaker_support import (
     breakers,
     decode_fault,
     mesh,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from narwhal.fleet.breaker import EngineStatus, ProbePlan, State
-from tests.unit.fleet.breaker_support import (
+from narwhal.supervisor.breaker import EngineStatus, ProbePlan, State
+from tests.unit.supervisor.breaker_support import (
     breakers,
     decode_fault,
     eject_by_faults,

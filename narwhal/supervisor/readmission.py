@@ -1,6 +1,6 @@
 """The way back for an ejected engine (SPEC §6): the probe schedule and whole-wave restart.
 
-Split from :mod:`narwhal.fleet.breaker`, which owns every transition and calls these; the
+Split from :mod:`narwhal.supervisor.breaker`, which owns every transition and calls these; the
 same rules as there hold here: pure, no I/O, no clock (``now`` is an argument), and nothing
 here bumps the breakers' version or skips their invariant check (the breaker marks what a call
 touched and checks it after).
@@ -33,7 +33,7 @@ SERVING = (State.ADMITTED, State.DEGRADED)
 
 @dataclass
 class BreakerRecord:
-    """One engine's breaker state (changed by :class:`~narwhal.fleet.breaker.Breakers` only)."""
+    """One engine's breaker state (changed by :class:`~narwhal.supervisor.breaker.Breakers` only)."""
 
     info: EngineInfo
     state: State = State.ADMITTED
@@ -49,7 +49,7 @@ class BreakerRecord:
     by_operator: bool = False
     next_probe_at: float | None = None
     waiting: bool = False  # passed readmission, held for its wave
-    joining: bool = False  # discovered at run time, not yet through its first checks (fleet.membership)
+    joining: bool = False  # discovered at run time, not yet through its first checks (supervisor.membership)
     # When it last came back: evidence gathered before then (a health check sent while it was
     # out and answered after) is stale and charges nothing.
     readmitted_at: float = float("-inf")

@@ -6,8 +6,8 @@ eject the engine again with every fault cleared and no traffic.
 
 from __future__ import annotations
 
-from narwhal.fleet.breaker import Breakers, State
-from tests.unit.fleet.breaker_support import breakers, eject_by_faults, mesh, state, streak
+from narwhal.supervisor.breaker import Breakers, State
+from tests.unit.supervisor.breaker_support import breakers, eject_by_faults, mesh, state, streak
 
 
 def readmitted_by_probe(name: str, at: float) -> Breakers:
