@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from narwhal.settings.discovery import DiscoverySettings, DnsSource
-from narwhal.supervisor.discovery_sources import DnsReader, SourceInvalid, SourceUnreadable, read_engines_file
+from narwhal.supervisor.discovery.sources import DnsReader, SourceInvalid, SourceUnreadable, read_engines_file
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -11,7 +11,7 @@ loop only starts the read (:meth:`Discovery.tick`) and, once it finished, applie
   warning per source per minute (a new reason is said at once). At start, a source's last good
   set is what the table holds from it (a restarted supervisor, or one started by a reload, drains
   nothing its predecessor had found just because its first read fails).
-* **The wanted fleet** is ``fleet.discovery.wanted_fleet``: static first, then the file, then each
+* **The wanted fleet** is ``supervisor.discovery.wanted.wanted_fleet``: static first, then the file, then each
   DNS name in order; engines serving now before newcomers; a taken name or no slot left refused,
   the refusals logged once per change of what is refused.
 * **Joining**: under the table lock, a slot is chosen, the engine's descriptor written there
@@ -44,13 +44,13 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from narwhal import metrics
-from narwhal.fleet.discovery import STATIC, Member, change, wanted_fleet
 from narwhal.settings import EngineSpec, Settings
 from narwhal.shm import descriptors
 from narwhal.shm.layout import TABLE_LOCK
 from narwhal.shm.table import TableFull, identity
 from narwhal.supervisor.breaker import State
-from narwhal.supervisor.discovery_sources import DnsReader, SourceInvalid, SourceUnreadable, read_engines_file
+from narwhal.supervisor.discovery.sources import DnsReader, SourceInvalid, SourceUnreadable, read_engines_file
+from narwhal.supervisor.discovery.wanted import STATIC, Member, change, wanted_fleet
 
 if TYPE_CHECKING:
     from narwhal.supervisor.main import Supervisor

@@ -11,7 +11,7 @@ Invariants:
 
 Why pure: the supervisor re-reads its sources every ``discovery.interval_s``, and what a change
 does (who is added, who drains, who is refused) must be decided the same way every time and be
-testable without a DNS server; reading the sources is :mod:`narwhal.supervisor.discovery_sources`.
+testable without a DNS server; reading the sources is :mod:`narwhal.supervisor.discovery.sources`.
 """
 
 from __future__ import annotations

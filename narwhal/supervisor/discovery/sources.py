@@ -24,9 +24,9 @@ import dns.exception
 import dns.resolver
 from pydantic import ValidationError
 
-from narwhal.fleet.discovery import engine_name
 from narwhal.settings import EngineSpec
 from narwhal.settings.discovery import DiscoverySettings, DnsSource
+from narwhal.supervisor.discovery.wanted import engine_name
 
 MAX_FILE_BYTES = 4 << 20  # an engines file is a few KiB; more is a mistake, not a fleet
 

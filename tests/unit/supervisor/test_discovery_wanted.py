@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from narwhal.fleet.discovery import STATIC, change, engine_name, wanted_fleet
 from narwhal.settings import EngineSpec
+from narwhal.supervisor.discovery.wanted import STATIC, change, engine_name, wanted_fleet
 
 
 def spec(name: str, url: str, role: str = "producer") -> EngineSpec:
