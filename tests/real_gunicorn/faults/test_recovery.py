@@ -263,7 +263,9 @@ async def test_a_consumer_is_probed_with_a_handoff_from_its_original_producer(
         for p in PRODUCERS:  # one broken consumer never takes its producers out
             assert (await engine_entry(router, p))["state"] == "admitted"
         decodes = fleet.control_request("GET", "/engines/sd0/requests")["requests"]
-        failed = [r for r in decodes if r["body"].get("narwhal_fake") is None and "probe" not in r["body"]["prompt"]]
+        # The client's completions only (not the supervisor's probes, nor its generate question).
+        failed = [r for r in decodes if r["path"] == "/v1/completions" and r["body"].get("narwhal_fake") is None
+                  and "probe" not in r["body"]["prompt"]]
         original_id = failed[-1]["body"]["kv_transfer_params"]["remote_engine_id"]
         original = next(p for p in PRODUCERS if fleet.stats(p)["engine_id"] == original_id)
         # The original producer is down: the probe cannot decide, and sd0 stays out.
