@@ -41,7 +41,7 @@ from narwhal.fake_engine.prefix import prompt_text, text_tokens
 from narwhal.fleet import Fleet
 from narwhal.fleet.placement import LocalInflight, Placement, Reservation
 from narwhal.fleet.placement.blocks import PrefixBlocks
-from narwhal.request.affinity import held_hints, placement_hints
+from narwhal.request.affinity import request_hints
 from narwhal.settings import Settings
 from narwhal.shm.holdings import Held, PrefillReport
 from narwhal.supervisor.holdings import HoldingsModel
@@ -245,13 +245,12 @@ def _edges(loop: Loop, producers: Sequence[Producer], window: tuple[float, float
     return edges
 
 
-def _placed(host: Host, rng: random.Random, body: dict[str, Any], settings: Settings,
-            policy: str) -> tuple[Reservation, Host, PrefixBlocks | None]:
+def _placed(host: Host, rng: random.Random, body: dict[str, Any],
+            settings: Settings) -> tuple[Reservation, Host, PrefixBlocks | None]:
     """A request placed by one of ``host``'s workers (at random), as the router's admission and
-    placement would: its reservation, the host, and its block keys (policy ``held`` only)."""
+    placement would: its reservation, the host, and its block keys (a policy that wants them)."""
     placement = host.placements[rng.randrange(len(host.placements))]
-    key, _, blocks = (held_hints(CHAT, body, settings.placement) if policy == "held"
-                      else (*placement_hints(CHAT, body, settings.placement), None))
+    key, _, blocks = request_hints(CHAT, body, settings.placement, placement.policy)
     resv = placement.try_place(MODEL_NAME, frozenset(), key, False, blocks)
     assert resv is not None, "no caps in this fleet: a pair is always free"
     return resv, host, blocks
@@ -285,7 +284,7 @@ def simulate(variant: Variant, row: str, seed: int = 0, warmup_s: float = 1.0, d
         if row == "ideal":
             index, resv, host, blocks = assignment[source.system_of(u)], None, hosts[0], None
         else:
-            resv, host, blocks = _placed(hosts[n % len(hosts)], rng, body, settings, policy)
+            resv, host, blocks = _placed(hosts[n % len(hosts)], rng, body, settings)
             index = resv.producer.index
         p = producers[index]
 

@@ -254,13 +254,15 @@ def _hold_stop_signals_across_fork(server: Any) -> None:
 
 
 def create_holdings(settings: Settings, slots: int, engines: int | None = None) -> Any:
-    """The holdings region (SPEC §3.3) beside the fleet's, for policy ``held`` only: a section
+    """The holdings region (SPEC §3.3) beside the fleet's, for a policy that wants it: a section
     per engine slot (``engines``, default the configured engines), so a producer added by a reload
     or by discovery has one (issue 40 item 11); ``placement.holdings_slots`` keys shared among
     the configured producers (each producer that joins later gets a section as large: pages are
     committed only as a section fills)."""
     placement = settings.placement
-    if placement.placement_policy != "held":
+    from narwhal.fleet.placement.registry import policy_named
+
+    if not policy_named(placement.placement_policy).wants_holdings:
         return None
     from narwhal.shm.holdings import Holdings, HoldingsLayout
 

@@ -24,6 +24,7 @@ from typing import Any
 from narwhal.engines.endpoints import Endpoint
 from narwhal.fleet.placement.affinity import key_hash
 from narwhal.fleet.placement.blocks import KeyMemo, PrefixBlocks
+from narwhal.fleet.placement.policy import Policy
 from narwhal.settings import PlacementSettings
 
 
@@ -34,13 +35,24 @@ def prompt_head(endpoint: Endpoint, body: dict[str, Any], limit: int) -> str | N
     return None if text is None else text[:limit]
 
 
-def held_hints(
+def request_hints(
+    endpoint: Endpoint, body: dict[str, Any], settings: PlacementSettings, policy: Policy, memo: KeyMemo | None = None
+) -> tuple[int | None, bool, PrefixBlocks | None]:
+    """(the affinity key, local decode, the prefix blocks) as the placement ``policy`` wants
+    them: the request path asks what it wants, never which policy it is."""
+    if policy.wants_blocks:
+        return block_hints(endpoint, body, settings, memo)
+    key, local = placement_hints(endpoint, body, settings, keyed=policy.wants_key)
+    return key, local, None
+
+
+def block_hints(
     endpoint: Endpoint, body: dict[str, Any], settings: PlacementSettings, memo: KeyMemo | None = None
 ) -> tuple[int | None, bool, PrefixBlocks | None]:
-    """Policy ``held``: (the affinity key, local decode, the prefix blocks) from one read of the
-    prompt text. A prompt with a full block places by its blocks and needs no key; a shorter one
-    keeps the affinity key (the affinity rule places it). ``memo``: the worker's block keys
-    already computed (the same keys, fewer hashes)."""
+    """For a policy that wants the prompt's blocks (``held``): (the affinity key, local decode,
+    the prefix blocks) from one read of the prompt text. A prompt with a full block places by its
+    blocks and needs no key; a shorter one keeps the affinity key (the affinity rule places it).
+    ``memo``: the worker's block keys already computed (the same keys, fewer hashes)."""
     local_chars = settings.local_prefill_chars
     limit = max(settings.max_prefix_chars + 1, local_chars)
     text = endpoint.dialect.affinity_text(body, limit)  # prompt_head, written out
@@ -68,10 +80,12 @@ def prefix_blocks(endpoint: Endpoint, body: dict[str, Any], settings: PlacementS
     return PrefixBlocks(head, settings.block_chars, settings.max_prefix_chars)
 
 
-def placement_hints(endpoint: Endpoint, body: dict[str, Any], settings: PlacementSettings) -> tuple[int | None, bool]:
-    """(the affinity key's hash or None, whether to decode locally) for one request."""
+def placement_hints(
+    endpoint: Endpoint, body: dict[str, Any], settings: PlacementSettings, *, keyed: bool = True
+) -> tuple[int | None, bool]:
+    """(the affinity key's hash or None, whether to decode locally) for one request; ``keyed``:
+    the policy wants the key (else only local decode is looked for)."""
     local_chars = settings.local_prefill_chars
-    keyed = settings.placement_policy != "least_loaded"
     if not keyed and local_chars == 0:
         return None, False
     limit = max(settings.affinity_chars, local_chars)

@@ -37,7 +37,7 @@ from narwhal.fleet.placement.blocks import MEMO_BLOCKS, KeyMemo
 from narwhal.reasons import Reason, retryable
 from narwhal.request.accesslog import AccessLog, AccessRecord
 from narwhal.request.admission import ClientRequest, admit, embed_prompt
-from narwhal.request.affinity import held_hints, placement_hints
+from narwhal.request.affinity import request_hints
 from narwhal.request.attempt import Attempts
 from narwhal.request.client_stream import ClientStream
 from narwhal.request.ids import client_request_id, trace_id_of
@@ -100,8 +100,9 @@ class Router:
         self.state = parts.state
         self.access_log = parts.access_log
         self._background: set[asyncio.Task[Any]] = set()
-        self._held = settings.placement.placement_policy == "held"
-        self._key_memo = KeyMemo(MEMO_BLOCKS) if self._held else None  # this worker's, never shared
+        self._policy = placement.policy
+        # This worker's block keys already computed, never shared (a policy that wants blocks).
+        self._key_memo = KeyMemo(MEMO_BLOCKS) if self._policy.wants_blocks else None
         self.attempts = Attempts(settings, placement, client, outcomes, self._spawn)
         self.passthrough = Passthrough(settings, fleet, placement, client, outcomes)
         self._active: set[asyncio.Task[Any] | None] = set()  # client requests being handled
@@ -135,11 +136,8 @@ class Router:
                 response = await self.passthrough.serve(request, path, rec, arrival, started, traceparent)
             else:
                 req = await admit(request, endpoint, self.settings, self.fleet, arrival, traceparent)
-                if self._held:
-                    req.affinity, req.local, req.blocks = held_hints(endpoint, req.body, self.settings.placement,
-                                                                        self._key_memo)
-                else:
-                    req.affinity, req.local = placement_hints(endpoint, req.body, self.settings.placement)
+                req.affinity, req.local, req.blocks = request_hints(
+                    endpoint, req.body, self.settings.placement, self._policy, self._key_memo)
                 embed_prompt(req.body, endpoint.dialect.prompt_fields)  # nothing reads the prompt after this
                 rec.model, rec.stream = req.model, req.stream
                 response = await self._serve(client, req, rec, started)

@@ -15,6 +15,7 @@ Why this module is stricter than pydantic-settings out of the box:
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import tomllib
@@ -113,6 +114,9 @@ class HandoffSettings(_Section):
         return self
 
 
+_DEPRECATION_SAID: list[bool] = []
+
+
 class PlacementSettings(_Section):
     """``[placement]``: the wait for a slot, engine load readings, affinity, the producer policy (SPEC §3.2, §3.3)."""
     queue_timeout_s: NonNegativeFloat = 5
@@ -122,7 +126,7 @@ class PlacementSettings(_Section):
     load_interval_s: NonNegativeFloat = 0.1  # 0: engines' /metrics are never read
     load_stale_s: PositiveFloat = 2
     kv_saturated: Annotated[float, Field(gt=0, le=1)] = 0.95
-    prefix_affinity: bool = True
+    prefix_affinity: bool = True  # deprecated: ``policy`` says it (false: "least_loaded"); one warning
     affinity_chars: Annotated[int, Field(ge=1, le=1 << 20)] = 1024
     affinity_min_chars: Annotated[int, Field(ge=0)] = 64
     affinity_load_factor: Annotated[float, Field(ge=1)] = 1.25
@@ -142,6 +146,11 @@ class PlacementSettings(_Section):
             raise ValueError("load_stale_s must be at least load_interval_s")
         if self.max_prefix_chars < self.block_chars:
             raise ValueError("max_prefix_chars must be at least block_chars")
+        if "prefix_affinity" in self.model_fields_set and not _DEPRECATION_SAID:
+            _DEPRECATION_SAID.append(True)  # once per process, whatever reads the settings again
+            logging.getLogger("narwhal.settings").warning(
+                "placement.prefix_affinity is deprecated: placement.policy chooses the producer rule (%s)",
+                "it stands as set" if self.prefix_affinity else 'false means policy = "least_loaded"')
         return self
 
     @property

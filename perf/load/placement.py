@@ -60,8 +60,8 @@ def setup(name: str, quick: bool) -> Setup:
         model = ("--prefix-cache", "--kv-blocks", "640", "--prefill-s-per-token", "0.0001")
         return Setup(
             4, 2, model, (),
-            {"held": {"policy": "held"}, "affinity": {"prefix_affinity": True, "policy": "affinity"},
-             "no-affinity": {"prefix_affinity": False}},
+            {"held": {"policy": "held"}, "affinity": {"policy": "affinity"},
+             "no-affinity": {"policy": "least_loaded"}},
             chat=True,
         )
     if name == "busy_elsewhere":

@@ -1,12 +1,15 @@
 """Placement (SPEC §3 step 2, §3.2, §3.3): which producer and consumer take a request, and their slots.
 
-A policy per module, the choice pure (no I/O; counts, engine reports, clock and randomness
-come in through arguments and protocols):
+A policy per module behind one interface, the choice pure (no I/O; counts, engine reports,
+clock and randomness come in through arguments and protocols):
 
 * :mod:`.pair` — :class:`Placement`: candidates, the two passes (quarantine is soft), caps,
-  waiting for a free pair, local decode;
-* :mod:`.least_loaded` — fewest requests first, saturated engines last, ties at random;
-* :mod:`.affinity` — bounded-load rendezvous hashing of the affinity key for producers;
+  saturation set aside once, local decode;
+* :mod:`.policy` — what a producer policy is (:class:`Policy`), what it is asked, the shared
+  saturation filter; :mod:`.registry` — the policies by name (``placement.policy``);
+* :mod:`.least_loaded` — fewest requests first, saturated engines last, ties at random (every
+  consumer; policy ``least_loaded``);
+* :mod:`.affinity` — bounded-load rendezvous hashing of the affinity key (policy ``affinity``);
 * :mod:`.held` — policy ``held`` (the default): the producer with the least estimated time to
   handoff, knowing what each holds (SPEC §3.3);
 * :mod:`.blocks` — the prompt's chained prefix block keys (SPEC §3.3), computed lazily;
@@ -15,7 +18,8 @@ come in through arguments and protocols):
 """
 
 from narwhal.fleet.placement.load import LoadReading, Loads, LoadSource
-from narwhal.fleet.placement.pair import Candidate, Placement
+from narwhal.fleet.placement.pair import Placement
+from narwhal.fleet.placement.policy import Candidate, Policy
 from narwhal.fleet.placement.reservation import InflightCounts, LocalInflight, PhaseName, Reservation
 
 __all__ = [
@@ -27,5 +31,6 @@ __all__ = [
     "LocalInflight",
     "PhaseName",
     "Placement",
+    "Policy",
     "Reservation",
 ]

@@ -1,4 +1,4 @@
-"""Prefix affinity: the same prompt prefix goes to the same producer (SPEC §3.2).
+"""Prefix affinity: the same prompt prefix goes to the same producer (SPEC §3.2); policy ``affinity``.
 
 Rendezvous (highest-random-weight) hashing of (key, engine name), with bounded load: the
 candidates are ranked by a hash of the pair, and the first in rank whose prefill load is at
@@ -19,6 +19,10 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from typing import TypeVar
+
+from narwhal.fleet import Engine
+from narwhal.fleet.placement import least_loaded
+from narwhal.fleet.placement.policy import Asked, Candidate, Ordered, by_affinity, by_load, producer_index
 
 T = TypeVar("T")
 
@@ -58,3 +62,34 @@ def bounded_order(
     within = [item for item, value in zip(ranked, loads, strict=True) if value <= bound]
     over = sorted((pair for pair in zip(ranked, loads, strict=True) if pair[1] > bound), key=lambda pair: pair[1])
     return within + [item for item, _ in over], len(within), ranked[0]
+
+
+class Affinity:
+    """Policy ``affinity``: producers in the bounded-load rendezvous order of the prompt's key;
+    least loaded when the prompt has none (shorter than ``affinity_min_chars``)."""
+
+    name = "affinity"
+    wants_key = True
+    wants_blocks = False
+    wants_holdings = False
+
+    def keeps_saturated(self, asked: Asked) -> Callable[[Candidate], bool] | None:
+        """None: a saturated producer takes no prefix while others have room."""
+        return None
+
+    def order(self, candidates: list[Candidate], asked: Asked) -> Ordered:
+        """The key's bounded-load order; by load without a key. A lone candidate is the key's favourite."""
+        key = asked.key
+        if key is None or len(candidates) < 2:
+            ordered = least_loaded.order(candidates, asked.load, producer_index, None, asked.rng)
+            return Ordered(ordered, by_load if key is None else by_affinity)
+        hashes = asked.hashes
+        ordered, within, favourite = bounded_order(
+            candidates, key, lambda c: hashes[c[0].index], asked.load, asked.settings.affinity_load_factor)
+
+        def choice(position: int, producer: Engine) -> str:
+            if position >= within:
+                return "least_loaded"
+            return "affinity" if producer is favourite[0] else "affinity_overflow"
+
+        return Ordered(ordered, choice)

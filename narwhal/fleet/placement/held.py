@@ -1,4 +1,4 @@
-"""The ``held`` policy (SPEC §3.3): the producer that will hand off soonest, knowing what each holds.
+"""Policy ``held`` (SPEC §3.3, the default): the producer that will hand off soonest, knowing what each holds.
 
 For each candidate producer: *matched* = the characters of the longest leading run of this
 prompt's blocks it is believed to hold (the supervisor's holdings, read from shared memory);
@@ -45,8 +45,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
-from narwhal.fleet.placement.affinity import score
+from narwhal.fleet import Engine
+from narwhal.fleet.placement.affinity import Affinity, score
 from narwhal.fleet.placement.blocks import PrefixBlocks
+from narwhal.fleet.placement.policy import Asked, Candidate, Ordered, producer_index
 
 T = TypeVar("T")
 
@@ -235,3 +237,52 @@ def choice_label(matched: int, anyone_held: bool) -> str:
     if matched > 0:
         return "held"
     return "least_loaded" if anyone_held else "rendezvous"
+
+
+class Held:
+    """Policy ``held``: producers by :func:`order` when the prompt has a full block; a shorter
+    prompt by the affinity rule (:class:`~narwhal.fleet.placement.affinity.Affinity`)."""
+
+    name = "held"
+    wants_key = True  # a prompt shorter than a block still goes by its affinity key
+    wants_blocks = True
+    wants_holdings = True
+
+    def __init__(self) -> None:
+        self._short = Affinity()
+
+    def keeps_saturated(self, asked: Asked) -> Callable[[Candidate], bool] | None:
+        """A saturated producer that holds the prompt's first block, or is its home, stays a
+        candidate: a scarce KV is always nearly full of cached prefixes, and a hit shares them."""
+        blocks = asked.blocks
+        if blocks is None or not blocks.count:
+            return None
+        source = asked.holdings
+        readings = source.current() if source is not None else ()
+        first = blocks.key(0)
+        return lambda c: holds_first(readings, c[0].index, first)
+
+    def order(self, candidates: list[Candidate], asked: Asked) -> Ordered:
+        """The least estimated time to handoff first, near-ties by rendezvous rank (:func:`order`)."""
+        blocks = asked.blocks
+        if blocks is None or not blocks.count or not candidates:
+            return self._short.order(candidates, asked)
+        source = asked.holdings
+        readings: Sequence[HeldReading | None]
+        if source is not None:
+            readings, work = source.current(), source.work()
+            extra = asked.loads.extra if asked.loads is not None else None
+            ours: Callable[[Candidate], float] = lambda c: work[c[0].index]  # noqa: E731
+            others: Callable[[Candidate], float] = (  # noqa: E731
+                (lambda c: extra[c[0].index]) if extra is not None else (lambda c: 0.0))
+        else:  # no holdings region (outside gunicorn): every request at the mean
+            readings, ours, others = (), (lambda c: 0.0), asked.load
+        hashes = asked.hashes
+        ordered, facts = order(candidates, blocks, readings, producer_index, lambda c: hashes[c[0].index],
+                               ours, others, asked.settings.affinity_slack)
+        anyone = max(facts)[0] > 0  # a candidate matched something (facts lead with matched chars): one C call
+
+        def choice(position: int, producer: Engine) -> str:
+            return choice_label(facts[position][0], anyone)
+
+        return Ordered(ordered, choice, facts)

@@ -1,4 +1,7 @@
-"""The least-loaded policy: the engine with the fewest requests, saturated ones last, ties at random.
+"""The least-loaded rule: the engine with the fewest requests, saturated ones last, ties at random.
+
+It orders every consumer, and as policy ``least_loaded`` (:class:`LeastLoaded`) the producers,
+ignoring prefixes.
 
 SPEC §3.2. An engine's load for a phase is this host's fleet-wide in-flight legs of that
 phase on it plus, where fresh, what it reports running and waiting (``load.Loads.extra``).
@@ -18,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from narwhal.fleet.placement.load import Loads
+from narwhal.fleet.placement.policy import Asked, Candidate, Ordered, by_load, producer_index
 
 T = TypeVar("T")
 
@@ -54,3 +58,20 @@ def all_saturated(indexes: Sequence[int], loads: Loads | None) -> bool:
         return False
     saturated = loads.saturated
     return all(saturated[i] for i in indexes)
+
+
+class LeastLoaded:
+    """Policy ``least_loaded``: producers by load alone (the prompt is not read)."""
+
+    name = "least_loaded"
+    wants_key = False
+    wants_blocks = False
+    wants_holdings = False
+
+    def keeps_saturated(self, asked: Asked) -> Callable[[Candidate], bool] | None:
+        """None: a saturated producer goes after every other."""
+        return None
+
+    def order(self, candidates: list[Candidate], asked: Asked) -> Ordered:
+        """Least loaded first, ties at random."""
+        return Ordered(order(candidates, asked.load, producer_index, None, asked.rng), by_load)

@@ -46,14 +46,10 @@ from narwhal.fleet.placement import affinity, held, least_loaded
 from narwhal.fleet.placement.blocks import PrefixBlocks
 from narwhal.fleet.placement.fallback import Fallback, fallback
 from narwhal.fleet.placement.load import LoadCache, Loads, LoadSource
+from narwhal.fleet.placement.policy import Asked, Candidate, Choice, producer_index, saturated, split_saturated
+from narwhal.fleet.placement.registry import policy_named
 from narwhal.fleet.placement.reservation import InflightCounts, PhaseName, Reservation
 from narwhal.settings import PlacementSettings
-
-Candidate = tuple[Engine, tuple[Engine, ...]]  # a producer and its permitted consumers
-
-
-def _producer_index(candidate: Candidate) -> int:
-    return candidate[0].index
 
 
 def _engine_index(engine: Engine) -> int:
@@ -91,8 +87,8 @@ class Placement:
             if loads is not None and settings.load_interval_s > 0 else None
         )
         self._hashes = fleet.by_index(lambda e: affinity.key_hash(e.name))
-        self._policy = settings.placement_policy
-        self.holdings = holdings  # policy "held": what each producer holds (SPEC §3.3)
+        self.policy = policy_named(settings.placement_policy)  # the producers' order (placement.policy)
+        self.holdings = holdings  # what each producer holds (SPEC §3.3), for a policy that wants it
         # The last held ordering's (matched, uncached, queued) characters, by position.
         self._facts: list[tuple[int, int, int]] = []
 
@@ -174,86 +170,35 @@ class Placement:
     def _order(
         self, candidates: list[Candidate], load: Callable[[Candidate], Any], key: int | None, loads: Loads | None,
         blocks: PrefixBlocks | None = None,
-    ) -> tuple[list[Candidate], Callable[[int, Engine], str]]:
-        """The producers in the order to try them, and the ``producer_choice`` of each.
+    ) -> tuple[list[Candidate], Choice]:
+        """The producers in the order to try them, and the ``producer_choice`` of each: the
+        policy's order (:mod:`.policy`), saturated producers it does not keep after all others.
 
-        When every candidate is saturated, saturation tells them apart no more: the usual rule
-        runs among them (a prefix still goes where its blocks are cached, which needs the least
-        new KV), and the choice is ``saturated``."""
-        every_saturated = (
-            loads is not None and loads.any_saturated
-            and least_loaded.all_saturated([c[0].index for c in candidates], loads)
-        )
-        self._facts = []
-        if self._policy == "least_loaded":
-            key = None
-        elif self._policy == "held" and blocks is not None and blocks.count and candidates:
-            return self._order_held(candidates, load, blocks, loads, every_saturated)
-        if key is None or len(candidates) < 2:  # one candidate: it is the key's favourite
-            ordered = least_loaded.order(candidates, load, _producer_index, loads, self._rng)
-            if every_saturated:
-                return ordered, _saturated
-            return ordered, (_least_loaded if key is None else _affinity)
-        rest: list[Candidate] = []
-        if loads is not None and loads.any_saturated and not every_saturated:
-            # Saturated producers take no prefix of their own while others have room.
-            saturated = loads.saturated
-            rest = [c for c in candidates if saturated[c[0].index]]
-            candidates = [c for c in candidates if not saturated[c[0].index]]
-        hashes = self._hashes
-        ordered, within, favourite = affinity.bounded_order(
-            candidates, key, lambda c: hashes[c[0].index], load, self.settings.affinity_load_factor
-        )
-        if every_saturated:
-            return ordered, _saturated
+        When every candidate is saturated, saturation tells them apart no more: the policy's
+        order runs among them (a prefix still goes where its blocks are cached, which needs the
+        least new KV), and the choice is ``saturated``."""
+        policy = self.policy
+        asked = Asked(load, loads, key, blocks, self._hashes, self.holdings, self._rng, self.settings)
+        if loads is not None and loads.any_saturated:  # the usual case has nothing to set aside
+            front, rest, every = split_saturated(candidates, loads, policy.keeps_saturated(asked))
+        else:
+            front, rest, every = candidates, [], False
+        ordered = policy.order(front, asked)
+        self._facts = facts = ordered.facts
+        if every:
+            return ordered.candidates, saturated
+        if not rest:
+            return ordered.candidates, ordered.choice
+        tried_last = least_loaded.order(rest, load, producer_index, None, self._rng)
+        if facts:  # the policy labels by its facts: those set aside matched nothing
+            facts += [(0, len(blocks.text) if blocks is not None else 0, 0)] * len(rest)
+            return ordered.candidates + tried_last, ordered.choice
+        within, label = len(front), ordered.choice
 
         def choice(position: int, producer: Engine) -> str:
-            if position >= within:
-                return "least_loaded"
-            return "affinity" if producer is favourite[0] else "affinity_overflow"
+            return label(position, producer) if position < within else "least_loaded"
 
-        return ordered + least_loaded.order(rest, load, _producer_index, None, self._rng), choice
-
-    def _order_held(
-        self, candidates: list[Candidate], load: Callable[[Candidate], Any], blocks: PrefixBlocks,
-        loads: Loads | None, every_saturated: bool,
-    ) -> tuple[list[Candidate], Callable[[int, Engine], str]]:
-        """SPEC §3.3 (:mod:`.held`): the least estimated time to handoff first, near-ties by
-        rendezvous rank; saturated producers after the others unless every one is."""
-        rest: list[Candidate] = []
-        source = self.holdings
-        if loads is not None and loads.any_saturated and not every_saturated:
-            # A scarce KV is always nearly full of cached prefixes: a saturated producer that
-            # holds the prompt's first block (or is its home) shares those blocks and stays a
-            # candidate; only one that would compute the prompt from scratch goes last.
-            saturated, first = loads.saturated, blocks.key(0)
-            readings = source.current() if source is not None else ()
-            holds = [held.holds_first(readings, i, first) for i in range(len(saturated))]
-            rest = [c for c in candidates if saturated[c[0].index] and not holds[c[0].index]]
-            candidates = [c for c in candidates if not saturated[c[0].index] or holds[c[0].index]]
-        if source is not None:
-            readings, work = source.current(), source.work()
-            extra = loads.extra if loads is not None else None
-            ours: Callable[[Candidate], float] = lambda c: work[c[0].index]  # noqa: E731
-            others: Callable[[Candidate], float] = (  # noqa: E731
-                (lambda c: extra[c[0].index]) if extra is not None else (lambda c: 0.0))
-        else:  # no holdings region (outside gunicorn): every request at the mean
-            readings, ours, others = (), (lambda c: 0.0), load
-        hashes = self._hashes
-        ordered, facts = held.order(candidates, blocks, readings, _producer_index, lambda c: hashes[c[0].index],
-                                    ours, others, self.settings.affinity_slack)
-        if rest:
-            ordered += least_loaded.order(rest, load, _producer_index, None, self._rng)
-            facts += [(0, len(blocks.text), 0)] * len(rest)
-        self._facts = facts
-        if every_saturated:
-            return ordered, _saturated
-        anyone = max(facts)[0] > 0  # a candidate matched something (facts lead with matched chars): one C call
-
-        def choice(position: int, producer: Engine) -> str:
-            return held.choice_label(facts[position][0], anyone)
-
-        return ordered, choice
+        return ordered.candidates + tried_last, choice
 
     def _pick_local(
         self, model: str, avoid: frozenset[str], second: Fallback | None, key: int | None,
@@ -381,13 +326,3 @@ class Placement:
         self.inflight.release(engine, phase)
 
 
-def _saturated(position: int, producer: Engine) -> str:
-    return "saturated"
-
-
-def _least_loaded(position: int, producer: Engine) -> str:
-    return "least_loaded"
-
-
-def _affinity(position: int, producer: Engine) -> str:
-    return "affinity"

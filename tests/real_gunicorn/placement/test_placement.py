@@ -85,7 +85,7 @@ def blind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FakeFleet,
         proc = start_router(
             fleet, _engines(BLIND[:2], BLIND[2:]), tmp_path_factory.mktemp("blind"),
             server={"workers": 2, "admin_token": TOKEN}, recovery={"health_interval_s": 0.2},
-            placement={"load_interval_s": 0, "prefix_affinity": False},
+            placement={"load_interval_s": 0, "policy": "least_loaded"},
         )
         yield fleet, proc
         proc.stop()

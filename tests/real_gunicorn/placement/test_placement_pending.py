@@ -45,7 +45,7 @@ def pending_router(pending_fleet: FakeFleet, tmp_path_factory: pytest.TempPathFa
         pending_fleet, engines, tmp_path_factory.mktemp("pending"),
         server={"workers": 2, "admin_token": TOKEN},
         engine={"prefill_timeout_s": 15},
-        placement={"load_interval_s": 0.1, "load_stale_s": 5, "prefix_affinity": False},
+        placement={"load_interval_s": 0.1, "load_stale_s": 5, "policy": "least_loaded"},
     )
     yield proc
     proc.stop()

@@ -10,7 +10,8 @@ from narwhal.engines import endpoints
 from narwhal.engines.endpoints import CHAT, COMPLETIONS
 from narwhal.fleet.placement.affinity import key_hash
 from narwhal.fleet.placement.blocks import MEMO_BLOCKS, KeyMemo
-from narwhal.request.affinity import held_hints, placement_hints, prompt_head
+from narwhal.fleet.placement.registry import policy_named
+from narwhal.request.affinity import block_hints, placement_hints, prompt_head, request_hints
 from narwhal.settings import PlacementSettings
 
 LONG = "You are a careful assistant who answers in French. " * 40  # ~2 KiB
@@ -54,8 +55,9 @@ def test_affinity_off_no_key_and_nothing_read(monkeypatch: pytest.MonkeyPatch) -
         raise AssertionError("the prompt was read")
 
     monkeypatch.setattr(type(COMPLETIONS.dialect), "affinity_text", boom)
-    assert placement_hints(COMPLETIONS, {"prompt": LONG}, _settings(prefix_affinity=False)) == (None, False)
-    assert placement_hints(COMPLETIONS, {"prompt": LONG}, _settings(policy="least_loaded")) == (None, False)
+    for settings in (_settings(prefix_affinity=False), _settings(policy="least_loaded")):
+        policy = policy_named(settings.placement_policy)
+        assert request_hints(COMPLETIONS, {"prompt": LONG}, settings, policy) == (None, False, None)
 
 
 def test_local_decode_below_local_prefill_chars() -> None:
@@ -87,25 +89,25 @@ def test_the_other_pd_endpoints_key_on_their_dialects_text(endpoint: str, body: 
     assert placement_hints(registered, body, _settings(local_prefill_chars=len(text) + 1)) == (None, True)
 
 
-def test_held_hints_read_the_prompt_once_for_blocks_key_and_local() -> None:
+def test_block_hints_read_the_prompt_once_for_blocks_key_and_local() -> None:
     completions = COMPLETIONS
-    key, local, blocks = held_hints(completions, {"prompt": LONG}, _settings())
+    key, local, blocks = block_hints(completions, {"prompt": LONG}, _settings())
     assert (key, local) == (None, False) and blocks is not None  # blocks place it: no key needed
     assert (blocks.count, blocks.cut, blocks.text) == (len(LONG) // 256, False, LONG)
     medium = LONG[:100]  # under a block, over affinity_min_chars: the affinity rule's key
-    assert held_hints(completions, {"prompt": medium}, _settings()) == (key_hash(medium), False, None)
-    assert held_hints(completions, {"prompt": "hi"}, _settings()) == (None, False, None)
-    assert held_hints(completions, {"prompt": LONG}, _settings(local_prefill_chars=5000)) == (None, True, None)
-    cut = held_hints(completions, {"prompt": LONG}, _settings(max_prefix_chars=512))[2]
+    assert block_hints(completions, {"prompt": medium}, _settings()) == (key_hash(medium), False, None)
+    assert block_hints(completions, {"prompt": "hi"}, _settings()) == (None, False, None)
+    assert block_hints(completions, {"prompt": LONG}, _settings(local_prefill_chars=5000)) == (None, True, None)
+    cut = block_hints(completions, {"prompt": LONG}, _settings(max_prefix_chars=512))[2]
     assert cut is not None and (cut.count, cut.cut, len(cut.text)) == (2, True, 513)
-    assert held_hints(endpoints.BY_PATH["/tokenize"], {"prompt": LONG}, _settings()) == (None, False, None)
+    assert block_hints(endpoints.BY_PATH["/tokenize"], {"prompt": LONG}, _settings()) == (None, False, None)
 
 
-def test_held_hints_with_the_workers_memo_give_the_same_keys() -> None:
+def test_block_hints_with_the_workers_memo_give_the_same_keys() -> None:
     memo = KeyMemo(MEMO_BLOCKS)
     body = {"messages": [{"role": "system", "content": LONG}, {"role": "user", "content": "and now?"}]}
-    plain = held_hints(CHAT, body, _settings())[2]
+    plain = block_hints(CHAT, body, _settings())[2]
     for _ in range(2):  # the second from the memo
-        blocks = held_hints(CHAT, body, _settings(), memo)[2]
+        blocks = block_hints(CHAT, body, _settings(), memo)[2]
         assert plain is not None and blocks is not None and blocks.keys() == plain.keys()
     assert len(memo.table) == plain.count

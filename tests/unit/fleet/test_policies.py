@@ -1,0 +1,94 @@
+"""The producer policies behind one interface (``fleet.placement.policy``, ``.registry``; issue 39
+item 2): the settings' choices are the registry's names, each policy says what it wants of a
+request, saturation is set aside once for every policy, and ``prefix_affinity`` is a deprecated
+alias said once."""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any, get_args
+
+import pytest
+
+from narwhal import settings as settings_module
+from narwhal.fleet import Engine
+from narwhal.fleet.placement import affinity, held, least_loaded
+from narwhal.fleet.placement.policy import Asked, Candidate, Ordered, split_saturated
+from narwhal.fleet.placement.registry import POLICIES, policy_named
+from narwhal.settings import PlacementSettings
+
+
+class _Loads:
+    """Just what the saturation filter reads of ``load.Loads``."""
+
+    def __init__(self, saturated: list[bool]) -> None:
+        self.saturated = saturated
+        self.any_saturated = any(saturated)
+
+
+def _candidates(n: int) -> list[Candidate]:
+    engines = [Engine(index=i, name=f"p{i}", url=f"http://127.0.0.1:{9000 + i}", role="producer", can_prefill=True,
+                      can_decode=False, connector="NixlConnector", wave=None, max_inflight_prefill=None,
+                      max_inflight_decode=None, peers=None) for i in range(n)]
+    return [(e, ()) for e in engines]
+
+
+def test_the_settings_choices_are_the_registrys_names() -> None:
+    assert set(get_args(PlacementSettings.model_fields["policy"].annotation)) == set(POLICIES)
+    for name, make in POLICIES.items():
+        policy = make()
+        assert policy.name == name
+        assert policy_named(name).name == name
+
+
+def test_each_policy_says_what_it_wants_of_a_request() -> None:
+    wants = {name: (p.wants_key, p.wants_blocks, p.wants_holdings) for name, p in
+             ((n, policy_named(n)) for n in POLICIES)}
+    assert wants == {"held": (True, True, True), "affinity": (True, False, False),
+                     "least_loaded": (False, False, False)}
+    assert isinstance(policy_named("held"), held.Held)
+    assert isinstance(policy_named("affinity"), affinity.Affinity)
+    assert isinstance(policy_named("least_loaded"), least_loaded.LeastLoaded)
+
+
+def test_saturation_is_set_aside_once_unless_the_policy_keeps_it_or_every_candidate_is_saturated() -> None:
+    cands = _candidates(4)
+    loads: Any = _Loads([False, True, False, True])
+    front, rest, every = split_saturated(cands, loads, None)
+    assert ([c[0].name for c in front], [c[0].name for c in rest], every) == (["p0", "p2"], ["p1", "p3"], False)
+    front, rest, every = split_saturated(cands, loads, lambda c: c[0].name == "p3")  # held: p3 holds the prompt
+    assert ([c[0].name for c in front], [c[0].name for c in rest]) == (["p0", "p2", "p3"], ["p1"])
+    front, rest, every = split_saturated(cands, _Loads([True] * 4), None)  # type: ignore[arg-type]
+    assert (len(front), rest, every) == (4, [], True)
+    assert split_saturated(cands, None, None) == (cands, [], False)
+
+
+def test_a_policy_orders_only_what_it_is_given_and_labels_its_choice() -> None:
+    cands = _candidates(3)
+    asked = Asked(load=lambda c: [5, 1, 3][c[0].index], loads=None, key=None, blocks=None,
+                  hashes=[affinity.key_hash(c[0].name) for c in cands], holdings=None, rng=random.Random(1),
+                  settings=PlacementSettings())
+    ordered = policy_named("least_loaded").order(list(cands), asked)
+    assert isinstance(ordered, Ordered) and [c[0].name for c in ordered.candidates] == ["p1", "p2", "p0"]
+    assert ordered.choice(0, ordered.candidates[0][0]) == "least_loaded" and ordered.facts == []
+    asked.key = affinity.key_hash("a long shared system prompt")
+    asked.load = lambda c: 1  # every producer within the bound: the rendezvous rank alone
+    keyed = policy_named("affinity").order(list(cands), asked)
+    favourite = affinity.rank([c[0].name for c in cands], asked.key, affinity.key_hash)[0]
+    assert keyed.candidates[0][0].name == favourite and keyed.choice(0, keyed.candidates[0][0]) == "affinity"
+    # held without a block to go by: the affinity rule, as the key says
+    assert [c[0].name for c in policy_named("held").order(list(cands), asked).candidates] == [
+        c[0].name for c in keyed.candidates]
+
+
+def test_prefix_affinity_is_a_deprecated_alias_said_once(monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(settings_module, "_DEPRECATION_SAID", [])
+    with caplog.at_level(logging.WARNING, logger="narwhal.settings"):
+        assert PlacementSettings(prefix_affinity=False).placement_policy == "least_loaded"
+        assert PlacementSettings(prefix_affinity=True, policy="affinity").placement_policy == "affinity"
+        assert PlacementSettings(policy="held").placement_policy == "held"
+    lines = [r.getMessage() for r in caplog.records if r.name == "narwhal.settings"]
+    assert lines == ['placement.prefix_affinity is deprecated: placement.policy chooses the producer rule '
+                     '(false means policy = "least_loaded")']
