@@ -65,6 +65,13 @@ NONE32 = 0xFFFFFFFF
 _TRIES = 16
 
 
+class Torn:
+    """A section still being written after every try (:data:`TORN`, its one value)."""
+
+
+TORN = Torn()
+
+
 def identity(name: str, url: str) -> int:
     """The stamp of an engine's section: its name and URL, the same in every process."""
     return zlib.crc32(f"{name}\0{url}".encode())
@@ -217,6 +224,12 @@ class Holdings(Mapped[HoldingsLayout]):
     def read(self, engine: int, stamp: int) -> Held | None:
         """The producer's holdings if its section is published for ``stamp``; None otherwise
         (never written, another engine's, or still torn after a few tries)."""
+        held = self.read_whole(engine, stamp)
+        return None if isinstance(held, Torn) else held
+
+    def read_whole(self, engine: int, stamp: int) -> Held | None | Torn:
+        """As :meth:`read`, but :data:`TORN` when the section was being written at every try:
+        a reader then keeps what it had and tries again, never taking "torn" for "holds nothing"."""
         if engine >= self.layout.sections:
             return None
         off = self.layout.section_offset(engine)
@@ -243,7 +256,7 @@ class Holdings(Mapped[HoldingsLayout]):
             return Held(frozenset(values[:count]), count,
                         None if capacity == NONE32 else capacity, cpt or None, rate or None, mean, engine_id, hot,
                         homes)
-        return None
+        return TORN
 
     def read_keys(self, engine: int, stamp: int) -> list[int] | None:
         """The section's keys in their published order, most recent first (a restarted
@@ -373,7 +386,11 @@ class HoldingsReader:
             for i, stamp in enumerate(self.stamps):
                 seq = holdings.section_seq(i)
                 if seq != self._seqs[i]:
-                    self._held[i] = holdings.read(i, stamp)
+                    held = holdings.read_whole(i, stamp)
+                    if isinstance(held, Torn):  # the writer was mid-section at every try: keep, look again
+                        self._generation = -1
+                        continue
+                    self._held[i] = held
                     self._seqs[i] = seq
         return self._held
 

@@ -65,6 +65,26 @@ def test_the_reader_decodes_a_section_again_only_when_it_moved() -> None:
     assert moved is not None and moved.keys == frozenset({5, 6})
 
 
+def test_a_reader_that_meets_a_section_mid_write_keeps_what_it_had_and_reads_it_again() -> None:
+    """A writer descheduled mid-section (its sequence odd at every try, on a busy 2-core host)
+    must not make a worker believe the producer holds nothing until the next publish: the reader
+    keeps its last holdings and looks again at the next placement (a full-suite flake of
+    test_holdings_sharing: a repeated prefix predicted 0 cached characters)."""
+    h = _region()
+    reader = HoldingsReader(h, [P0])
+    h.publish(0, P0, 1, [5], None, None, None, 0.0)
+    first = reader.current()[0]
+    assert first is not None and first.keys == frozenset({5})
+    h.publish(0, P0, 1, [6, 5], None, None, None, 0.0)
+    off = h.layout.section_offset(0)
+    seq = int.from_bytes(h.mm[off : off + 8], "little")
+    h.mm[off : off + 8] = (seq | 1).to_bytes(8, "little")  # the next write under way at every try
+    assert reader.current()[0] is first  # kept, not None
+    h.mm[off : off + 8] = seq.to_bytes(8, "little")  # the write ended: no new generation needed
+    moved = reader.current()[0]
+    assert moved is not None and moved.keys == frozenset({5, 6})
+
+
 def test_reports_travel_the_ring_in_order_and_a_full_ring_drops_without_blocking() -> None:
     h = _region()
     worker = WorkerHoldings(h, [P0, 0], slot=1)
