@@ -58,7 +58,9 @@ async def test_a_dead_consumer_does_not_take_the_traffic_while_the_other_is_ejec
     assert "engine sd1: unreachable (its last connection attempt failed)" in log
 
     fleet.control_request("POST", "/engines/sd1/start")
-    for _ in range(100):  # its /metrics answer again: reachable within a few load reads
+    # Its /metrics answer again, then its /version is read again (SPEC §11: maybe a new release)
+    # and the workers take that up: reachable within a few load reads, bounded at 10 s for a busy host.
+    for _ in range(200):
         if not (await engine_entry(capped, "sd1"))["unreachable"]:
             break
         await asyncio.sleep(0.05)
