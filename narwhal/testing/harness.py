@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import http.client
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ import sys
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -85,6 +87,28 @@ def _worker_answered(url: str, seen: set[int]) -> int:
         with contextlib.suppress(ValueError, KeyError, TypeError):
             seen.add(int(json.loads(body)["worker"]))
     return len(seen)
+
+
+def _worker_ready(url: str, ready: set[int]) -> int:
+    """On one new connection, ask ``/health`` (which worker is this?) then ``/ready``; add a worker
+    that answered ready to ``ready``. Every worker is asked because each learns the engines'
+    models on its own: one worker's ``/ready`` says nothing of its siblings."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=2.0)
+    try:
+        conn.request("GET", "/health")
+        health = conn.getresponse()
+        worker = int(json.loads(health.read())["worker"])
+        conn.request("GET", "/ready")
+        answer = conn.getresponse()
+        answer.read()
+        if health.status == 200 and answer.status == 200:
+            ready.add(worker)
+    except (OSError, http.client.HTTPException, ValueError, KeyError, TypeError):
+        pass
+    finally:
+        conn.close()
+    return len(ready)
 
 
 class FakeFleet:
@@ -318,7 +342,8 @@ class RouterProcess:
         seen: set[int] = set()
         _wait(lambda: _worker_answered(url, seen) >= workers, timeout, f"router: {workers} workers", proc)
         if wait_ready:
-            _wait(lambda: _http_ok(url + "/ready"), timeout, "router /ready", proc)
+            ready: set[int] = set()
+            _wait(lambda: _worker_ready(url, ready) >= workers, timeout, f"router /ready on {workers} workers", proc)
 
     def log_text(self) -> str:
         """Everything the router wrote to its log file so far."""

@@ -190,6 +190,17 @@ async def _read_body(resp: aiohttp.ClientResponse, start: float) -> Outcome:
     return Outcome(True, ttfb=ttfb, tokens=tokens)
 
 
+def error_key(status: int, body: bytes) -> str:
+    """How a refusal is counted: its status and, when the body is an OpenAI-shaped error with a
+    code, that code (``503:no_engine``): a failed run then says why, not only how."""
+    try:
+        error = orjson.loads(body).get("error")
+        code = (error.get("code") or error.get("type")) if isinstance(error, dict) else None
+    except (orjson.JSONDecodeError, AttributeError):
+        code = None
+    return f"{status}:{code}" if isinstance(code, str) and code else str(status)
+
+
 async def one_request(
     session: aiohttp.ClientSession, url: str, body: bytes, stream: bool, timeout_s: float, pd: PdLegs | None = None
 ) -> Outcome:
@@ -204,8 +215,7 @@ async def one_request(
                 body = decode
             async with session.post(url, data=body, headers=HEADERS) as resp:
                 if resp.status != 200:
-                    await resp.read()
-                    return Outcome(False, error=str(resp.status))
+                    return Outcome(False, error=error_key(resp.status, await resp.read()))
                 out = await (_read_stream(resp, start) if stream else _read_body(resp, start))
     except TimeoutError:
         return Outcome(False, error="timeout")

@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 
 from perf.load import procs
-from perf.load.generator import COMPLETIONS, HEADERS, Workload, new_session, percentile, run_round
+from perf.load.generator import COMPLETIONS, HEADERS, Workload, error_key, new_session, percentile, run_round
 from perf.load.stack import Target
 
 BATCH = 100  # connects per batch while opening streams: no SYN storm on the listen backlog
@@ -54,8 +54,7 @@ async def _slow_stream(
         async with asyncio.timeout(timeout_s):
             async with session.post(url, data=body, headers=HEADERS) as resp:
                 if resp.status != 200:
-                    await resp.read()
-                    errors[str(resp.status)] += 1
+                    errors[error_key(resp.status, await resp.read())] += 1
                     return
                 tail = b""
                 async for chunk in resp.content.iter_any():
