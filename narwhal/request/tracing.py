@@ -6,10 +6,11 @@ byte, and per attempt CLIENT child spans ``narwhal.placement``, ``narwhal.prefil
 failure). Each engine leg is sent the W3C ``traceparent`` of *its own* span (and the client's
 ``tracestate``), so a vLLM started with ``--otlp-traces-endpoint`` puts its spans under it.
 
-Why subclasses and wrappers instead of calls in the hot path: with tracing off nothing here
-is imported and the request path is exactly the untraced one — no ``if`` per span, no no-op
-tracer calls. With it on, ``narwhal.worker.app`` builds a :class:`TracedRouter`, which swaps
-in :class:`TracedAttempts`, a placement whose ``reserve`` opens a span, and an access log
+Why an observer and wrappers instead of calls in the hot path: with tracing off nothing here
+is imported and the request path is the untraced one — no no-op tracer calls, one ``if`` per
+attempt move. With it on, ``narwhal.worker.app`` builds a :class:`TracedRouter`, whose attempts
+have an observer (:class:`_LegSpans`, told of each move of the attempt's state table,
+``narwhal.request.attempt_state``), a placement whose ``reserve`` opens a span, and an access log
 that copies the finished record onto the server span (the record holds everything the span
 should say, and is written in the handler's context, where the server span is current).
 
@@ -25,7 +26,6 @@ value written in Narwhal's settings still wins.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from typing import Any
@@ -41,15 +41,13 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from narwhal import __version__
-from narwhal.engines.connector import PrefillResult
 from narwhal.engines.endpoints import Endpoint
 from narwhal.errors import NarwhalError
 from narwhal.fleet.placement import Reservation
 from narwhal.reasons import Reason
 from narwhal.request.accesslog import AccessRecord
-from narwhal.request.admission import ClientRequest
 from narwhal.request.attempt import Attempts
-from narwhal.request.client_stream import ClientStream
+from narwhal.request.attempt_state import ENDED, AttemptLife, AttemptState
 from narwhal.request.ids import attempt_of
 from narwhal.request.router import Router, RouterParts
 from narwhal.settings import TracingSettings
@@ -162,65 +160,72 @@ class _TracedPlacement:
         return getattr(self._inner, name)
 
 
-def _leg_request(req: ClientRequest, span: Span) -> ClientRequest:
-    """``req`` whose legs carry ``span``'s context (the client's ``tracestate`` kept)."""
-    return dataclasses.replace(req, forward={**req.forward, "traceparent": traceparent(span)})
+_CLIENT_LEFT = ConnectionResetError("the client left mid-prefill")  # _failed: client_disconnect
 
 
-class TracedAttempts(Attempts):
-    """Attempts with a CLIENT span around each engine leg, whose context the engine is sent."""
+class _LegSpans:
+    """The attempt observer: a CLIENT span over each engine leg, whose context the leg carries.
 
-    tracer: Tracer
+    It opens the prefill's span as the attempt starts prefilling and the decode's as it starts
+    decoding, gives the leg ``traceparent`` (the client's ``tracestate`` kept) through
+    ``life.forward``, and ends the span when the attempt moves on; a failed move marks it with
+    the reason. A handoff refused before the decode still gets a decode span, failed: every
+    attempt that reached its decode has one."""
 
-    async def _prefill(self, req: ClientRequest, resv: Reservation, request_id: str) -> PrefillResult:
-        with self.tracer.start_as_current_span(
-            "narwhal.prefill", kind=SpanKind.CLIENT, record_exception=False, set_status_on_exception=False,
-            attributes={"narwhal.engine": resv.producer.name, "narwhal.attempt": attempt_of(request_id),
-                        "narwhal.backend_id": request_id, "narwhal.crossed": resv.crossed},
-        ) as span:
-            try:
-                return await super()._prefill(_leg_request(req, span), resv, request_id)
-            except BaseException as exc:
-                _failed(span, exc)
-                raise
+    def __init__(self, tracer: Tracer) -> None:
+        self.tracer = tracer
 
-    def _decode_span(self, resv: Reservation, result: PrefillResult, rec: AccessRecord) -> Any:
-        """The decode leg's CLIENT span, made current (a context manager)."""
+    def moved(self, life: AttemptLife, before: AttemptState, error: BaseException | None) -> None:
+        state = life.state
+        span: Span | None = life.observed
+        if state is AttemptState.PREFILLING:
+            self._open(life, "narwhal.prefill", self._prefill_attributes(life))
+        elif state is AttemptState.DECODING:
+            self._close(span, None)
+            self._open(life, "narwhal.decode", self._decode_attributes(life))
+        elif state is AttemptState.FAILED and before is AttemptState.HANDED_OFF:
+            self._close(span, None)
+            self._open(life, "narwhal.decode", self._decode_attributes(life))
+            self._close(life.observed, error)
+        elif state is AttemptState.HANDED_OFF:
+            self._close(span, None)
+            life.observed = None
+        elif state in ENDED:
+            # Detached: the client left mid-prefill, which is what the prefill span says.
+            self._close(span, _CLIENT_LEFT if state is AttemptState.DETACHED else error)
+            life.observed = None
+
+    def _open(self, life: AttemptLife, name: str, attributes: dict[str, Any]) -> None:
+        span = self.tracer.start_span(name, kind=SpanKind.CLIENT, attributes=attributes,
+                                      record_exception=False, set_status_on_exception=False)
+        life.observed = span
+        life.forward = {**life.forward, "traceparent": traceparent(span)}
+
+    @staticmethod
+    def _close(span: Span | None, error: BaseException | None) -> None:
+        if span is None:
+            return
+        if error is not None:
+            _failed(span, error)
+        span.end()
+
+    @staticmethod
+    def _prefill_attributes(life: AttemptLife) -> dict[str, Any]:
+        return {"narwhal.engine": life.resv.producer.name, "narwhal.attempt": attempt_of(life.request_id),
+                "narwhal.backend_id": life.request_id, "narwhal.crossed": life.resv.crossed}
+
+    @staticmethod
+    def _decode_attributes(life: AttemptLife) -> dict[str, Any]:
+        result, resv = life.result, life.resv
         attributes: dict[str, Any] = {
-            "narwhal.engine": resv.consumer.name, "narwhal.attempt": rec.attempts,
-            "narwhal.backend_id": result.request_id, "narwhal.crossed": result.crossed,
+            "narwhal.engine": resv.consumer.name, "narwhal.attempt": life.rec.attempts,
+            "narwhal.backend_id": life.request_id,
+            "narwhal.crossed": result.crossed if result is not None else resv.crossed,
         }
-        if not resv.local:  # a local decode had no producer and no handoff
+        if not resv.local and result is not None:  # a local decode had no producer and no handoff
             attributes["narwhal.handoff_age_s"] = result.age()
             attributes["narwhal.producer"] = result.producer
-        return self.tracer.start_as_current_span(
-            "narwhal.decode", kind=SpanKind.CLIENT, record_exception=False, set_status_on_exception=False,
-            attributes=attributes,
-        )
-
-    def _handoff(
-        self, req: ClientRequest, resv: Reservation, result: PrefillResult, rec: AccessRecord, ttft_s: float | None
-    ) -> dict[str, Any] | None:
-        try:
-            return super()._handoff(req, resv, result, rec, ttft_s)
-        except BaseException as exc:
-            # A refused handoff fails the decode before it starts: its span says so, as one
-            # decode span per attempt that reached its decode always has.
-            with self._decode_span(resv, result, rec) as span:
-                _failed(span, exc)
-            raise
-
-    async def _decode(
-        self, client: ClientStream, req: ClientRequest, resv: Reservation, result: PrefillResult,
-        descriptor: dict[str, Any] | None, rec: AccessRecord, started: float, ttft_s: float | None,
-    ) -> web.StreamResponse:
-        with self._decode_span(resv, result, rec) as span:
-            try:
-                return await super()._decode(client, _leg_request(req, span), resv, result, descriptor, rec, started,
-                                             ttft_s)
-            except BaseException as exc:
-                _failed(span, exc)
-                raise
+        return attributes
 
 
 class _SpanAnnotatingLog:
@@ -260,12 +265,10 @@ class TracedRouter(Router):
         settings = parts.settings
         self.tracer = tracer
         self.access_log = _SpanAnnotatingLog(self.access_log)  # type: ignore[assignment]
-        attempts = TracedAttempts(
+        self.attempts = Attempts(
             settings, _TracedPlacement(self.placement, tracer), self.client, self.outcomes,  # type: ignore[arg-type]
-            self._spawn,
+            self._spawn, observer=_LegSpans(tracer),
         )
-        attempts.tracer = tracer
-        self.attempts = attempts
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         """The request under its SERVER span, a child of the client's trace when it sent one."""

@@ -5,6 +5,7 @@ decode went out (``sent``), not by a log; where a release goes when a consumer c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,6 +111,11 @@ class Client:
         self.written.append(data)
 
     async def drain(self) -> None: ...
+
+    async def send_whole(self, body: bytes) -> Any:
+        self.committed = True
+        self.written.append(body)
+        return object()
 
 
 @dataclass
@@ -369,18 +375,20 @@ async def test_a_decode_that_was_sent_then_failed_releases_nothing() -> None:
 
 async def test_a_malformed_descriptor_from_an_abandoned_prefill_goes_nowhere() -> None:
     engines = Engines(descriptor={**DESCRIPTOR, "remote_block_ids": [True]})
-    attempts, state, _, _ = _setup(engines, consumers=2)
+    attempts, state, _, spawned = _setup(engines, consumers=2)
     resv = attempts.placement.try_place("m")
     assert resv is not None
     before = _handoff_counts()
     rest = engines.prefill(resv.producer, endpoints.COMPLETIONS, {})
-    await attempts._finish_abandoned_prefill(rest, _request(), resv)
+    attempts.releases.detach(rest, _request(), resv)
+    assert resv.detached
+    await spawned[-1]
     assert engines.releases == [] and _delta(before) == (0, 1) and _held(state) == ([0, 0, 0], [0, 0, 0])
 
 
 async def test_an_abandoned_prefill_releases_its_handoff_to_the_chosen_consumer_holding_no_slot() -> None:
     engines = Engines()
-    attempts, state, _, _ = _setup(engines, consumers=2)
+    attempts, state, _, spawned = _setup(engines, consumers=2)
     resv = attempts.placement.try_place("m")
     assert resv is not None
     held_during: list[tuple[list[int], list[int]]] = []
@@ -393,7 +401,9 @@ async def test_an_abandoned_prefill_releases_its_handoff_to_the_chosen_consumer_
 
     engines.release = watched  # type: ignore[method-assign]
     rest = engines.prefill(resv.producer, endpoints.COMPLETIONS, {})
-    await attempts._finish_abandoned_prefill(rest, _request(), resv)
+    attempts.releases.detach(rest, _request(), resv)
+    assert resv.detached
+    await spawned[-1]
     assert engines.releases == [resv.consumer.name] and held_during == [([0, 0, 0], [0, 0, 0])]
 
 
@@ -418,3 +428,49 @@ async def test_a_refused_decode_is_released_unless_the_consumers_vllm_frees_it_i
     for version in ("0.21.0", "0.33.0"):  # _with_kv_transfer_rejection_cleanup frees it
         engines, spawned = await _refused_by_the_consumer(version)
         assert spawned == [] and engines.releases == [], version
+
+
+@dataclass
+class Moves:
+    """An attempt observer that writes down every move, as tracing would see it."""
+
+    seen: list[tuple[str, str, str | None]] = field(default_factory=list)
+
+    def moved(self, life: Any, before: Any, error: BaseException | None) -> None:
+        reason = None if error is None else getattr(error, "reason", type(error).__name__)
+        self.seen.append((before.value, life.state.value, reason))
+
+
+async def _moves(engines: Engines, *, stream: bool = True, client: Client | None = None) -> list[Any]:
+    attempts, state, _, _ = _setup(engines)
+    attempts.observer = moves = Moves()
+    with contextlib.suppress(Exception, asyncio.CancelledError):
+        await attempts.run(client or Client(), _request(stream), AccessRecord(request_id="c", endpoint="e"), 0.0,
+                           frozenset())  # type: ignore[arg-type]
+    assert _held(state) == ([0, 0], [0, 0])
+    return moves.seen
+
+
+async def test_a_streamed_attempt_moves_through_every_state_to_done() -> None:
+    seen = await _moves(Engines(leg=Leg([b"data: t0\n\n", b"data: [DONE]\n\n"])))
+    assert seen == [("placed", "prefilling", None), ("prefilling", "handed_off", None),
+                    ("handed_off", "decoding", None), ("decoding", "streaming", None), ("streaming", "done", None)]
+
+
+async def test_a_whole_answer_is_done_without_streaming() -> None:
+    class Whole(Leg):
+        async def open(self) -> bytes | None:
+            self.sent = True
+            return b'{"choices":[{"text":"x"}],"usage":{"completion_tokens":1}}'
+
+    seen = await _moves(Engines(leg=Whole([])), stream=False)
+    assert [after for _, after, _ in seen] == ["prefilling", "handed_off", "decoding", "done"]
+
+
+async def test_failures_end_the_attempt_in_the_state_they_struck() -> None:
+    fault = EngineError("boom", reason="engine_disconnect", engine="d0", phase="decode")
+    assert (await _moves(Engines(leg=Leg([], fail_at=fault))))[-1] == ("decoding", "failed", "engine_disconnect")
+    # A rejected handoff fails from handed_off: the decode never started.
+    assert (await _moves(Engines(age_s=10_000.0)))[-1] == ("handed_off", "failed", "handoff_expired")
+    gone = await _moves(Engines(leg=Leg([b"data: t0\n\n", b"data: [DONE]\n\n"])), client=Client(leave_on_write=True))
+    assert gone[-1] == ("streaming", "failed", "ConnectionResetError")
