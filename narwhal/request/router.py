@@ -18,7 +18,6 @@ are ended with the ``shutting_down`` terminal event (or a 503 before their first
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Coroutine
@@ -28,13 +27,13 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from narwhal import metrics
-from narwhal.engines import dialects
 from narwhal.engines.client import EngineClient
 from narwhal.engines.endpoints import Endpoint
 from narwhal.errors import EngineError, NarwhalError
 from narwhal.fleet import Fleet
 from narwhal.fleet.placement.blocks import MEMO_BLOCKS, KeyMemo
-from narwhal.reasons import Reason, retryable
+from narwhal.reasons import retryable
+from narwhal.request import client_failures
 from narwhal.request.accesslog import AccessLog, AccessRecord
 from narwhal.request.admission import ClientRequest, admit, embed_prompt
 from narwhal.request.affinity import request_hints
@@ -64,14 +63,6 @@ class WorkerState(Protocol):
 
     def retry_finished(self) -> None:
         """Pairs with a :meth:`try_start_retry` that returned True, once, when the request ends."""
-
-
-def error_response(exc: NarwhalError, request_id: str, dialect: dialects.Dialect | None = None) -> web.Response:
-    """The router's own error before the 200, in the endpoint's shape (OpenAI's by default)."""
-    headers = exc.headers()
-    headers["x-request-id"] = request_id
-    body = exc.body() if dialect is None else dialect.error_body(exc)
-    return web.Response(status=exc.status, body=body, content_type="application/json", headers=headers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,39 +135,22 @@ class Router:
             rec.status = response.status
             return response
         except NarwhalError as exc:
-            return await self._fail(client, rec, exc)
+            return await client_failures.fail(client, rec, exc)
         except (asyncio.CancelledError, ConnectionError) as exc:
             if isinstance(exc, asyncio.CancelledError) and self._stopping and task is not None:
                 # The graceful timeout ran out: end the stream properly rather than cut it.
                 task.uncancel()
-                stop = NarwhalError("the router is shutting down", reason=Reason.SHUTTING_DOWN)
-                return await self._fail(client, rec, stop)
-            # 499: nginx's "client closed request", for the access log and metrics only.
-            rec.status, rec.reason = 499, Reason.CLIENT_DISCONNECT
-            metrics.CLIENT_DISCONNECTS.inc()
-            if client.committed:
-                metrics.STREAM_ABORTED.labels(Reason.CLIENT_DISCONNECT).inc()
+                return await client_failures.fail(client, rec, client_failures.shutting_down())
+            gone = client_failures.client_gone(client, rec)
             if isinstance(exc, asyncio.CancelledError):
                 raise
-            return client.stream if client.stream is not None else web.Response(status=499)
+            return gone
         finally:
             client.close()
             self._active.discard(task)
             rec.total_s = time.perf_counter() - started
             metrics.TALLY.counts[metrics.requests_child(path, rec.status, rec.model or "")] += 1
             self.access_log.write(rec)
-
-    async def _fail(self, client: ClientStream, rec: AccessRecord, exc: NarwhalError) -> web.StreamResponse:
-        rec.reason = exc.reason
-        if not client.committed or client.stream is None:
-            rec.status = exc.status
-            return error_response(exc, client.request_id, client.dialect)
-        # The 200 is already on the wire: end the stream with one terminal error event.
-        rec.status = 200
-        metrics.STREAM_ABORTED.labels(exc.reason).inc()
-        with contextlib.suppress(ConnectionError):
-            await client.fail(exc)
-        return client.stream
 
     def begin_drain(self, grace_s: float) -> None:
         """SIGTERM: in-flight requests may finish for ``grace_s``; then the rest are ended

@@ -7,7 +7,7 @@ an unhandled exception's 500) answers in the endpoint's error shape (OpenAI's, A
 Why not an aiohttp middleware: aiohttp runs middlewares for the whole application, and an app with
 one also gets aiohttp's own ``_fix_request_current_app`` frame on every request: about seven Python
 calls per request beside the middleware's, and one more coroutine frame to resume on every wakeup
-of a request's task (``python -m perf.callcount``). So each route's handler is wrapped
+of a request's task. So each route's handler is wrapped
 (:meth:`Guard.wrap`, :meth:`Guard.route` for the P/D and passthrough endpoints, which call the
 router in the same frame), and a resource matching every path, registered last
 (:meth:`Guard.refuse_unrouted`), answers what no route takes: aiohttp's own 404/405, in shape.
@@ -23,19 +23,17 @@ from typing import Protocol
 
 from aiohttp import web
 
-from narwhal.engines import dialects
-from narwhal.engines.endpoints import BY_PATH, Endpoint
-from narwhal.errors import NarwhalError, RequestError
+from narwhal.engines.endpoints import Endpoint
+from narwhal.errors import RequestError
 from narwhal.reasons import Reason
+from narwhal.request import client_failures
 from narwhal.request.ids import client_request_id
-from narwhal.request.router import Router, error_response
+from narwhal.request.router import Router
 
 log = logging.getLogger("narwhal.worker.app")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-# aiohttp's own refusals (no route, wrong method, body too large) as the router's reasons.
-_HTTP_REASONS = {404: Reason.NOT_FOUND, 405: Reason.METHOD_NOT_ALLOWED, 413: Reason.PAYLOAD_TOO_LARGE}
 
 
 class Served(Protocol):
@@ -44,33 +42,11 @@ class Served(Protocol):
     router: Router | None
 
 
-def _shape(request: web.Request) -> dialects.Dialect | None:
-    """The endpoint's error shape, whatever refused the request: Anthropic's on /v1/messages
-    (SPEC §2.1), OpenAI's everywhere else."""
-    endpoint = BY_PATH.get(request.path)
-    return None if endpoint is None else endpoint.dialect
-
-
 def _check_header_size(request: web.Request, limit: int) -> None:
     raw = request.raw_headers  # each line is "name: value\r\n": 4 bytes beside the two
     size = len(request.raw_path) + 4 * len(raw) + sum(map(len, itertools.chain.from_iterable(raw)))
     if size > limit:
         raise RequestError(f"request headers exceed {limit} bytes", reason=Reason.HEADER_TOO_LARGE)
-
-
-def _refusal(request: web.Request, exc: Exception) -> web.StreamResponse:
-    """The answer to ``exc``, raised by a route (never a cancellation or a lost connection)."""
-    if isinstance(exc, NarwhalError):
-        return error_response(exc, client_request_id(request), _shape(request))
-    if isinstance(exc, web.HTTPException):
-        if exc.status < 400:
-            raise exc
-        reason = _HTTP_REASONS.get(exc.status, Reason.BAD_REQUEST)
-        refused = RequestError(exc.reason if exc.status != 404 else "not found", reason=reason, status=exc.status)
-        return error_response(refused, client_request_id(request), _shape(request))
-    log.error("unhandled error on %s %s", request.method, request.path, exc_info=exc)
-    error = NarwhalError("internal error", reason=Reason.INTERNAL_ERROR)
-    return error_response(error, client_request_id(request), _shape(request))
 
 
 class Guard:
@@ -92,7 +68,7 @@ class Guard:
             except (asyncio.CancelledError, ConnectionError):
                 raise
             except Exception as exc:
-                return _refusal(request, exc)
+                return client_failures.refusal(request, exc)
             if "x-request-id" not in response.headers and not response.prepared:
                 response.headers["x-request-id"] = client_request_id(request)
             return response
