@@ -41,7 +41,7 @@ class Reporter(Protocol):
 
 
 class PrefillSink(Protocol):
-    """Where completed prefills go for the holdings (``shm.holdings.WorkerHoldings``)."""
+    """Where completed prefills go for the holdings (``shm.holdings_view.WorkerHoldings``)."""
 
     def report_prefill(
         self, producer: int, engine_id: str | None, prompt_chars: int, prompt_tokens: int | None,

@@ -19,7 +19,7 @@ from narwhal.request.outcomes import Outcomes
 from narwhal.request.router import Router, RouterParts
 from narwhal.request.slot_wait import WaitingPlacement
 from narwhal.settings import Settings
-from narwhal.shm.holdings import WorkerHoldings, stamps_by_index
+from narwhal.shm.holdings_view import WorkerHoldings, stamps_by_index
 from narwhal.shm.local import LocalFleetState
 from narwhal.shm.worker import UnmappedEngine, WorkerFleetState
 from narwhal.worker import roster_follow

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from narwhal import shm
 from narwhal.fleet import Fleet
 from narwhal.settings import EngineSpec, Settings
-from narwhal.shm.holdings import WorkerHoldings, stamps_by_index
+from narwhal.shm.holdings_view import WorkerHoldings, stamps_by_index
 from narwhal.shm.local import LocalFleetState
 from narwhal.shm.shared import SharedFleet
 from narwhal.shm.table import RETIRED

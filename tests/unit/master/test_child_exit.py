@@ -10,7 +10,8 @@ import pytest
 
 from narwhal import shm
 from narwhal.master import gunicorn_hooks
-from narwhal.shm.holdings import Holdings, HoldingsLayout, WorkerHoldings
+from narwhal.shm.holdings import Holdings, HoldingsLayout
+from narwhal.shm.holdings_view import WorkerHoldings
 from narwhal.shm.shared import SharedFleet
 
 P0 = 7

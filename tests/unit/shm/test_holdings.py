@@ -6,16 +6,8 @@ from __future__ import annotations
 import os
 import struct
 
-from narwhal.shm.holdings import (
-    SECTION_HEAD,
-    Holdings,
-    HoldingsLayout,
-    HoldingsReader,
-    PrefillReport,
-    WorkerHoldings,
-    engine_id_hash,
-    identity,
-)
+from narwhal.shm.holdings import SECTION_HEAD, Holdings, HoldingsLayout, PrefillReport, engine_id_hash, identity
+from narwhal.shm.holdings_view import HoldingsReader, WorkerHoldings
 
 P0 = identity("p0", "http://10.0.0.1:8100")
 
