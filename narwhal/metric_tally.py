@@ -7,12 +7,12 @@ Why: in multiprocess mode (every gunicorn worker's samples scraped together) one
 ``Counter.inc`` is about eleven interpreted calls — the observability check, a lock, a pid
 check, a struct pack into the mmap file — and a ``Histogram.observe`` about eighteen. A streamed
 request updates nine series (requests, attempts, placements, prefill tokens, four latency
-histograms), which was ~110 of the ~850 Python calls the worker spends on it
-(``python -m perf.callcount``). Here an update is a dict addition (a histogram's also one
-``bisect``), and :meth:`Tally.flush` writes what accumulated, one ``inc`` per changed series,
-every :data:`FLUSH_S` from the worker's loop, before every ``/metrics`` render, and when the
-worker stops. The totals are the same; a scrape may see another worker's last
-:data:`FLUSH_S` of requests late, which no Prometheus scrape interval can tell.
+histograms), an eighth of all the Python calls the worker spends on it. Here an update is a
+dict addition (a histogram's also one ``bisect``), and :meth:`Tally.flush` writes what
+accumulated, one ``inc`` per changed series, every :data:`FLUSH_S` from the worker's loop,
+before every ``/metrics`` render, and when the worker stops. The totals are the same; a
+scrape may see another worker's last :data:`FLUSH_S` of requests late, which no Prometheus
+scrape interval can tell.
 
 Invariants:
 

@@ -90,10 +90,7 @@ class EngineClient:
         connection is closed, which makes the engine abort)."""
         conn = await self.pool.post(url, endpoint, headers, payload, deadline=bound)
         try:
-            status = await conn.response()  # _answer's steps, written out: one frame fewer per wakeup
-            data = await conn.read_all()
-            conn.release()
-            return status, data
+            return await _answer(conn)
         except asyncio.CancelledError:
             if on_abandon is None:
                 conn.close()

@@ -15,7 +15,7 @@ metadata events are held and sent along with it.
 
 Why the events after the first token are judged as one span (``_take_rest``): in an unpaced
 stream the first span often holds the whole answer, and a probe, a copy and an append per
-event was ~50 of the ~720 calls per request at c=32 (``python -m perf.callcount``); the rest of
+event would cost more than the rest of the request path's per-event work together; the rest of
 the span gets exactly the test a later span gets (the usual end, or output that cannot end
 the stream), and only a span that fails it is judged event by event, as before.
 
@@ -173,7 +173,8 @@ class DecodeLeg:
         sink: Sink | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
-        """Build the body around ``descriptor``, already checked (:func:`checked_handoff`)."""
+        """Build the body around ``descriptor``, already checked (:func:`checked_handoff`);
+        ``loop``: the running loop, when the caller holds it (see ``engines.timers``)."""
         decode_endpoint = endpoint or result.endpoint
         self._endpoint = decode_endpoint.path
         self._ctx = ctx

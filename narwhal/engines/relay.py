@@ -15,13 +15,10 @@ that writes it to the client's transport; the generator sleeps until something n
 * the engine's end or failure: the generator's ordinary read path reports it.
 
 Per token, after the first: one read, one sink call, one framing step, one byte probe — and
-each of those is as few Python calls as it can be (the connection hands the read over without
-a helper, the framer tests whole events with one ``endswith``, the OpenAI endpoints' probe is
-two ``in`` tests here): 758 calls per paced 16-token request where the same stream cost 912
-(``python -m perf.callcount``, ``paced_c64``; these last three cut ~4 calls per token more).
-The framer's common case (whole LF-framed events, nothing held back) is taken in ``_on_body``
-itself, with no call into the framer: five calls per token are left (the connection's data
-callback, ``_on_body``, the ``endswith``, the sink and its ``len``).
+each of those is as few Python calls as it can be, because this runs once per token of every
+stream: the connection hands the read over without a helper, the framer's common case (whole
+LF-framed events, nothing held back) returns the chunk itself after one ``endswith``, and the
+OpenAI endpoints' probe is two ``in`` tests here.
 
 Invariants: bytes reach the sink in the order received and each exactly once (chunks that
 arrive while the relay is stopped wait in the connection's buffer, which pauses the socket
@@ -116,20 +113,14 @@ class DirectRelay:
 
     def _on_body(self, chunk: bytes) -> None:
         self._last = self._loop.time()
-        framer = self._framer
-        # SSEFramer.feed's common case written out (whole LF-framed events, nothing held back:
-        # the span is the chunk itself); it runs once per token of a paced stream.
-        if framer.buf or framer.crlf or b"\r" in chunk or not chunk.endswith(b"\n\n"):
-            try:
-                span = framer.feed(chunk)
-            except EventTooLarge as exc:  # raised from run(), under the leg's WireFailures
-                self._broken = exc
-                self._stop(None)
-                return
-            if not span:
-                return
-        else:
-            span = chunk
+        try:
+            span = self._framer.feed(chunk)
+        except EventTooLarge as exc:  # raised from run(), under the leg's WireFailures
+            self._broken = exc
+            self._stop(None)
+            return
+        if not span:
+            return
         if (b"[DONE]" in span or b'"error"' in span) if self._openai else self._may_end(span):
             self._stop(span)
         else:

@@ -55,10 +55,9 @@ def block_hints(
     ``memo``: the worker's block keys already computed (the same keys, fewer hashes)."""
     local_chars = settings.local_prefill_chars
     limit = max(settings.max_prefix_chars + 1, local_chars)
-    text = endpoint.dialect.affinity_text(body, limit)  # prompt_head, written out
-    if text is None:
+    head = prompt_head(endpoint, body, limit)
+    if head is None:
         return None, False, None
-    head = text[:limit]
     size = len(head)
     if size < local_chars:
         return None, True, None
@@ -89,10 +88,9 @@ def placement_hints(
     if not keyed and local_chars == 0:
         return None, False
     limit = max(settings.affinity_chars, local_chars)
-    text = endpoint.dialect.affinity_text(body, limit)  # prompt_head, written out
-    if text is None:
+    head = prompt_head(endpoint, body, limit)
+    if head is None:
         return None, False
-    head = text[:limit]
     local = len(head) < local_chars
     if local or not keyed or len(head) < settings.affinity_min_chars:
         return None, local

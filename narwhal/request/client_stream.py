@@ -12,9 +12,8 @@ does not read for ``server.client_write_timeout_s`` is dropped: its buffer stops
 the engine stream is closed, as for any departed client. Writes that cannot wait (small, into
 an empty buffer: the usual case, the first token's included) arm no timer at all; the write
 timer itself is made only when a write first has to wait, and the sink reads the response's
-framing only when it first relays a span (most unpaced streams end in their first span):
-together with not writing an empty end after the terminal span, ~15 calls per request less
-(``python -m perf.callcount``).
+framing only when it first relays a span (most unpaced streams end in their first span), and
+the terminal span ends the body itself, with no empty end written after it.
 """
 
 from __future__ import annotations

@@ -3,8 +3,7 @@
 Per request this costs a generation check (one u64 read) and, for placement, one unpack of
 every slot's counts at once: no lock and no IPC round-trip. The slot's own u32 stores (six per
 request) are one item store each into the region's u32 word view (``layout.Region.words``:
-one copy of the four bytes, no Python call), which saved ~12 of the request's Python calls
-and then ~6 more (``python -m perf.callcount``). Engine records are decoded again
+one copy of the four bytes, no Python call, where ``store_u32`` was two). Engine records are decoded again
 only when the supervisor bumps the generation, and until they carry that generation (on
 aarch64 the bump can be seen first: ``shm.records``). A failure seen here quarantines its
 engine in this worker at once; the fleet learns of it when the supervisor publishes.
@@ -286,11 +285,8 @@ class WorkerFleetState:
     def try_reserve(self, engine: Engine, phase: str, cap: int | None) -> bool:
         """Count a leg on ``engine``; with a cap, under the engine's cap lock and False when it is full."""
         p = _PHASE[phase]
-        if cap is None:  # the usual case: _bump written out
-            i = engine.index * 2 + p
-            self._mine[i] = value = self._mine[i] + 1
-            at = self._count_at[i]
-            self._words[at] = value
+        if cap is None:  # the usual case: no lock
+            self._bump(engine.index, p, 1)
             return True
         at = self._slots[engine.index]  # the engine's slot: old and new workers of a reload share its lock
         with self.shared.locked(SharedFleet.cap_lock(at, p)):
@@ -301,10 +297,7 @@ class WorkerFleetState:
 
     def release(self, engine: Engine, phase: str) -> None:
         """Give back a leg :meth:`try_reserve` counted; :class:`Reservation` calls it exactly once."""
-        i = engine.index * 2 + _PHASE[phase]  # _bump written out: once per phase per request
-        self._mine[i] = value = self._mine[i] - 1
-        at = self._count_at[i]
-        self._words[at] = value
+        self._bump(engine.index, _PHASE[phase], -1)
 
     # The stores below write one u32 word of the region's word view (one copy of the four
     # bytes, no call): they run six times per request; ``store_u32`` was two calls each.

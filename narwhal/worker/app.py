@@ -9,8 +9,7 @@ production. Narwhal turns it on explicitly, everywhere.
 Every POST route is one entry of ``narwhal.engines.endpoints``; its handler reads the worker's
 router from a cell the startup hook fills and hands it the endpoint itself, and the error
 shaping (``narwhal.worker.guard``: each route's own wrapper, not a middleware) has the header
-limit bound when the app is built: no ``request.app[...]`` lookup on a request (four calls each,
-``python -m perf.callcount``).
+limit bound when the app is built: no ``request.app[...]`` lookup (four calls each) on a request.
 """
 
 from __future__ import annotations

@@ -107,6 +107,8 @@ async def _pd_decode_body(session: aiohttp.ClientSession, legs: PdLegs) -> bytes
 
 @dataclass(slots=True)
 class Outcome:
+    """One request as the client saw it: ok or why not (``error``), seconds to first byte and in all, tokens."""
+
     ok: bool
     ttfb: float = 0.0
     total: float = 0.0
