@@ -33,7 +33,8 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from narwhal.engines.http1 import Connection, UpstreamError, UpstreamPool
-from narwhal.settings import EngineContract, EngineSettings, parse_version_pin
+from narwhal.settings import EngineSettings
+from narwhal.settings.engines import EngineContract, parse_version_pin
 
 __all__ = [
     "ControlClient",
@@ -136,7 +137,7 @@ class VersionPin:
     """``engine_contract.engine_version`` (SPEC §6): a PEP 440 version or specifier set.
 
     Settings already refused anything else, so building one never fails. A version pin ``V``
-    is the specifier ``==V`` (:func:`narwhal.settings.parse_version_pin`): ``0.11`` equals
+    is the specifier ``==V`` (:func:`narwhal.settings.engines.parse_version_pin`): ``0.11`` equals
     ``0.11.0``, and the engine's local label (``+cu126``, as CUDA builds of vLLM carry) counts
     only when the pin names one. Pre-release and dev builds are admitted
     (``0.11.1.dev3+gabc``): operators run those on purpose.

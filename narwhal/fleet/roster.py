@@ -14,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from narwhal.settings import EngineSpec, Settings
+from narwhal.settings import Settings
+from narwhal.settings.engines import EngineSpec
 
 log = logging.getLogger("narwhal.fleet.roster")
 

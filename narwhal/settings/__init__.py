@@ -2,12 +2,12 @@
 
 Why this module is stricter than pydantic-settings out of the box:
 
-* every model forbids unknown keys, because a typo in a TOML file (``first_token_timeout``
+* every model forbids unknown keys (``settings.section``), because a typo in a TOML file (``first_token_timeout``
   for ``first_token_timeout_s``) would otherwise be dropped silently and the router would run
   on a default nobody chose;
 * pydantic-settings silently ignores environment variables it does not know and a TOML file
   that does not exist, so both are checked by hand (the variables, names and the form of list
-  and object values, in :mod:`narwhal.settings_env`);
+  and object values, in :mod:`narwhal.settings.env`);
 * an invalid value must stop the start with *one line naming the key*, never a traceback:
   :func:`load_settings` raises :class:`SettingsError` whose message is that line, and
   :func:`load_settings_or_exit` prints it and exits with status 2.
@@ -21,25 +21,18 @@ import sys
 import tomllib
 from typing import Annotated, Any, Literal
 
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from packaging.version import InvalidVersion, Version
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from narwhal.settings import hints as settings_hints
 from narwhal.settings.discovery import DiscoverySettings
+from narwhal.settings.engines import EngineContract, EngineSpec
 from narwhal.settings.env import CONFIG_ENV, ENV_PREFIX, check_environment, source_of
-
-PositiveFloat = Annotated[float, Field(gt=0)]
-NonNegativeFloat = Annotated[float, Field(ge=0)]
+from narwhal.settings.section import NonNegativeFloat, PositiveFloat, Section
 
 
 class SettingsError(Exception):
     """An invalid setting; ``str(exc)`` is a single line that names the key."""
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 MAX_WORKERS = 256
@@ -48,7 +41,7 @@ MAX_WORKERS = 256
 that raises the count (4 → 8: 12 workers at once) must find a slot for every new one."""
 
 
-class ServerSettings(_Section):
+class ServerSettings(Section):
     """``[server]``: where and how the workers listen, how many, and their limits (bodies, headers, timeouts)."""
     bind: str = "127.0.0.1:8700"  # no engine's port: vLLM (and Triton, Ray Serve) default to 8000, the demo 8080
     workers: Annotated[int, Field(ge=1, le=MAX_WORKERS)] = 2
@@ -73,12 +66,12 @@ class ServerSettings(_Section):
         return value
 
 
-class RequestSettings(_Section):
+class RequestSettings(Section):
     """``[request]``: the deadline a client request gets at admission, for all its attempts."""
     deadline_s: PositiveFloat = 600
 
 
-class EngineSettings(_Section):
+class EngineSettings(Section):
     """``[engine]``: the legs' timeouts and how the router reaches engines (their key, the CA file)."""
     prefill_timeout_s: PositiveFloat = 30
     first_token_timeout_s: PositiveFloat = 30
@@ -94,7 +87,7 @@ class EngineSettings(_Section):
         return value
 
 
-class HandoffSettings(_Section):
+class HandoffSettings(Section):
     """``[handoff]``: how old a prefill's KV handoff may be when its decode or release is sent.
 
     ``lease_s`` states the producers' KV lease (vLLM's ``kv_lease_duration``, default 30 s):
@@ -117,7 +110,7 @@ class HandoffSettings(_Section):
 _DEPRECATION_SAID: list[bool] = []
 
 
-class PlacementSettings(_Section):
+class PlacementSettings(Section):
     """``[placement]``: the wait for a slot, engine load readings, affinity, the producer policy (SPEC §3.2, §3.3)."""
     queue_timeout_s: NonNegativeFloat = 5
     max_queue: Annotated[int, Field(ge=0)] = 1024
@@ -160,19 +153,19 @@ class PlacementSettings(_Section):
         return self.policy if self.prefix_affinity else "least_loaded"
 
 
-class PreflightSettings(_Section):
+class PreflightSettings(Section):
     """``[preflight]``: whether the master runs preflight at start (failed engines start ejected)."""
     on_start: bool = True
 
 
-class LogSettings(_Section):
+class LogSettings(Section):
     """``[log]``: level, JSON or text lines, and the access log's target (``-``: stderr, empty: none)."""
     level: Literal["debug", "info", "warning", "error", "critical"] = "info"
     format: Literal["json", "text"] = "json"
     access_log: str = "-"
 
 
-class TracingSettings(_Section):
+class TracingSettings(Section):
     """OpenTelemetry spans over OTLP/HTTP (README "Tracing"); needs the ``tracing`` extra.
 
     A value left unset (None) is the standard ``OTEL_*`` variable's, else the default
@@ -201,7 +194,7 @@ def _tracing_installed() -> bool:
         return False
 
 
-class RecoverySettings(_Section):
+class RecoverySettings(Section):
     """``[recovery]``: breakers, quarantine, retries and their budget, readmission, waves (SPEC §5, §6)."""
     eject_after: Annotated[int, Field(ge=1)] = 3
     failure_quarantine_s: NonNegativeFloat = 0
@@ -215,78 +208,6 @@ class RecoverySettings(_Section):
     whole_wave_restart: bool = True
     wave_hold_s: NonNegativeFloat = 120
     readmission: Literal["auto", "probe", "health"] = "auto"
-
-
-class EngineContract(_Section):
-    """``[engine_contract]``, optional: the model, version pin and connector every engine must meet (SPEC §6)."""
-    model: str = ""
-    engine_version: str = ""  # a PEP 440 version ("0.11.0") or specifier set (">=0.10,<0.12")
-    kv_connector: str = "NixlConnector"
-
-    @field_validator("engine_version")
-    @classmethod
-    def _pin_parses(cls, value: str) -> str:
-        # Checked here, not when the first probe runs: a pin nothing can meet would pass the
-        # start and then fail every probe and preflight forever (issue 16).
-        if value.strip():
-            parse_version_pin(value)
-        return value
-
-
-def parse_version_pin(text: str) -> SpecifierSet:
-    """``engine_contract.engine_version`` parsed (SPEC §6) as a PEP 440 specifier set; ValueError names what is wrong.
-
-    A pin that starts with an operator or holds a comma is a specifier set, anything else a
-    single version: so ``>=zero`` is reported as a bad specifier, not as a bad version. A
-    version ``V`` means ``==V``, PEP 440's own equality, in which a pin without a local label
-    ignores the engine's (``0.11.0`` is met by the CUDA build ``0.11.0+cu126``) and a pin with
-    one (``0.11.0+cu126``) is met by that build alone. ``packaging`` decides, not rules of ours.
-    """
-    text = text.strip()
-    if text[:1] in ("<", ">", "=", "!", "~") or "," in text:
-        try:
-            return SpecifierSet(text)
-        except InvalidSpecifier:
-            raise ValueError(f"invalid PEP 440 specifier {text!r}") from None
-    try:
-        return SpecifierSet(f"=={Version(text)}")
-    except InvalidVersion:
-        raise ValueError(f"invalid PEP 440 version {text!r} (expected a version such as 0.11.0 "
-                         "or a specifier set such as >=0.11,<0.12)") from None
-
-
-Role = Literal["producer", "consumer", "both"]
-
-
-class EngineSpec(_Section):
-    """One ``[[engines]]`` entry; the one place an engine's role is read (:attr:`can_prefill`, :attr:`can_decode`)."""
-    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
-    url: str
-    role: Role
-    wave: str | None = None
-    max_inflight_prefill: Annotated[int, Field(ge=1)] | None = None
-    max_inflight_decode: Annotated[int, Field(ge=1)] | None = None
-    kv_connector: str | None = None
-    kv_peers: list[str] | None = None
-    models: list[str] | None = None
-    transfer_mode: Literal["pull", "push"] = "pull"  # NIXL's; a pair needs the same (SPEC §11)
-
-    @field_validator("url")
-    @classmethod
-    def _http_url(cls, value: str) -> str:
-        if not value.startswith(("http://", "https://")) or len(value.split("://", 1)[1]) == 0:
-            raise ValueError("expected an http:// or https:// URL")
-        return value.rstrip("/")
-
-    @property
-    def can_prefill(self) -> bool:
-        """A producer or ``both``: may take prefills."""
-        return self.role in ("producer", "both")
-
-    @property
-    def can_decode(self) -> bool:
-        """A consumer or ``both``: may take decodes."""
-        return self.role in ("consumer", "both")
 
 
 class Settings(BaseSettings):

@@ -20,19 +20,19 @@ the last published records as its starting state, so a restart loses no ejection
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from narwhal import metrics
-from narwhal.engines.control import UNREACHABLE, PooledReader, open_session
+from narwhal.engines.control import PooledReader, open_session
 from narwhal.fleet import Engine, Fleet
 from narwhal.fleet.reachability import Reachability
-from narwhal.settings import EngineSpec, Settings
+from narwhal.settings import Settings
+from narwhal.settings.engines import EngineSpec
 from narwhal.shm import layout as L
 from narwhal.shm.holdings import Holdings, identity
 from narwhal.shm.records import (
@@ -48,6 +48,7 @@ from narwhal.shm.records import (
 from narwhal.shm.shared import SharedFleet, alive
 from narwhal.shm.table import record_hash
 from narwhal.supervisor.breaker import EngineInfo, EngineStatus, State
+from narwhal.supervisor.checks import Checks
 from narwhal.supervisor.holdings import HoldingsModel
 from narwhal.supervisor.load import LoadReader
 from narwhal.supervisor.membership import ChangingBreakers
@@ -114,9 +115,8 @@ class Supervisor:
         self._successes = Successes()
         self._published = (-1, -1)  # the (breakers, reachability) versions last published
         self._states: dict[str, State] = {}  # each engine's state as last published, for the transition lines
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self.checks = Checks(self.fleet, self.breakers, self.reach, clock)  # probes and health checks
         self.rounds = Rounds(LOOP_S)  # health checks, load and model reads: a batch per pass (supervisor.rounds)
-        self._probing: set[str] = set()
         self._wall = time.time() - clock()
         self.holdings = holdings
         # Policy held only: the series exist (at 0) from the start, so a rate() sees the first one.
@@ -305,57 +305,11 @@ class Supervisor:
         # them): exported from here, the gauge costs the request path nothing.
         metrics.REQUESTS_INFLIGHT.set(self.shared.slot_field_total(L.SLOT_REQUESTS))
 
-    # -- checks -----------------------------------------------------------------------------------
+    # -- checks ---------------------------------------------------------------------------------
 
     def connected(self, engine: Engine, answered: bool, refused: bool) -> None:
-        """A control read's word on reaching ``engine`` (``fleet.reachability``): an answer says
-        reachable, no connection unreachable, a timeout nothing. An engine that answers again
-        after refusing connections may be a new process — a rolling upgrade's next release — so
-        it stays unreachable until its ``/version`` (and models) are read again
-        (``supervisor.models``): placing it on its old version would pair it with engines it can
-        no longer hand off to (SPEC §11)."""
-        if refused:
-            self.reach.saw(engine.name, False)
-        elif answered:
-            if self.reach.unreachable(engine.name) and self.models is not None:
-                self.models.reread(engine)  # clears it once /version answers
-            else:
-                self.reach.saw(engine.name, True)
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _probe(self, prober: Prober, engine: Engine, plan: Any) -> None:
-        try:
-            result, why = await prober.probe(engine, plan.kind, plan.as_producer, plan.as_consumer, plan.producer)
-        except Exception:  # a probe must never take the supervisor down
-            log.exception("probe of %s crashed", engine.name)
-            result, why = "inconclusive", "the probe crashed"
-        finally:
-            self._probing.discard(engine.name)
-        if why:  # every probe that did not pass says why, at warning when it failed
-            log.log(logging.WARNING if result == "fail" else logging.INFO,
-                    "probe of %s (%s): %s: %s", engine.name, plan.kind, result, why)
-        else:
-            log.info("probe of %s (%s): %s", engine.name, plan.kind, result)
-        metrics.PROBES.labels(engine.name, result).inc()
-        self.breakers.probe_result(engine.name, result, self._clock())
-
-    def _start_health(self, prober: Prober, engine: Engine) -> None:
-        self._spawn(self._health(prober, engine))
-
-    async def _health(self, prober: Prober, engine: Engine) -> None:
-        sent_at = self._clock()
-        failure = await prober.health_failure(engine)
-        if engine.name in self.fleet.by_name:
-            self.connected(engine, failure is None or failure.startswith("HTTP "), failure == UNREACHABLE)
-        if failure is not None and engine.name in self.fleet.by_name:  # not forgotten meanwhile (discovery)
-            log.warning("health check of %s: fail: %s", engine.name, failure)
-            now = self._clock()
-            if self.breakers.admitted(engine.name, now):
-                self.breakers.health_failed(engine.name, now, "health_check", sent_at=sent_at)
+        """A control read's word on reaching ``engine`` (:meth:`Checks.connected`)."""
+        self.checks.connected(engine, answered, refused)
 
     def start(self, prober: Prober, loads: LoadReader) -> Loop:
         """Take over the last published state and publish it: what a (re)started loop begins with."""
@@ -379,17 +333,12 @@ class Supervisor:
         self.drain_prefills()
         now = self._clock()
         self.breakers.tick(now)
-        for plan in self.breakers.due_probes(now):
-            if plan.engine not in self._probing:
-                self._probing.add(plan.engine)
-                self._spawn(self._probe(loop.prober, self.fleet.by_name[plan.engine], plan))
+        self.checks.start_probes(loop.prober, now)
         if now >= loop.next_health:
             health_every = self.settings.recovery.health_interval_s
             loop.next_health = now + health_every
-            checked = [e for e in self.fleet.engines if self.breakers.admitted(e.name, now)]
             # A batch per pass of the loop (supervisor.rounds), not the whole fleet at once.
-            starts = [functools.partial(self._start_health, loop.prober, e) for e in checked]
-            self.rounds.spread(starts, min(health_every / 2, 1.0))
+            self.rounds.spread(self.checks.health_round(loop.prober, now), min(health_every / 2, 1.0))
         load_every = self.settings.placement.load_interval_s
         if load_every > 0 and now >= loop.next_load:
             loop.next_load = now + load_every
@@ -421,7 +370,7 @@ class Supervisor:
                                on_reading=None if self.model is None else self.model.engine_read, rounds=self.rounds,
                                on_connect=self.connected)
             loop = self.start(Prober(self.settings, self.fleet, session, self.admitted), loads)
-            loop.models = self.models = ModelReader.over(self, session)
+            loop.models = self.models = self.checks.models = ModelReader.over(self, session)
             await self._passes(loop)
 
     async def _passes(self, loop: Loop) -> None:

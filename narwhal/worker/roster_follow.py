@@ -30,7 +30,8 @@ from collections.abc import Callable
 
 from narwhal import shm
 from narwhal.fleet import Fleet
-from narwhal.settings import EngineSpec, Settings
+from narwhal.settings import Settings
+from narwhal.settings.engines import EngineSpec
 from narwhal.shm.holdings_view import WorkerHoldings, stamps_by_index
 from narwhal.shm.local import LocalFleetState
 from narwhal.shm.shared import SharedFleet

@@ -44,7 +44,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from narwhal import metrics
-from narwhal.settings import EngineSpec, Settings
+from narwhal.settings import Settings
+from narwhal.settings.engines import EngineSpec
 from narwhal.shm import descriptors
 from narwhal.shm.layout import TABLE_LOCK
 from narwhal.shm.table import TableFull, identity

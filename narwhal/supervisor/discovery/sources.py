@@ -24,8 +24,8 @@ import dns.exception
 import dns.resolver
 from pydantic import ValidationError
 
-from narwhal.settings import EngineSpec
 from narwhal.settings.discovery import DiscoverySettings, DnsSource
+from narwhal.settings.engines import EngineSpec
 from narwhal.supervisor.discovery.wanted import engine_name
 
 MAX_FILE_BYTES = 4 << 20  # an engines file is a few KiB; more is a mistake, not a fleet

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from narwhal.settings import EngineSpec
+from narwhal.settings.engines import EngineSpec
 
 STATIC = "static"
 _NOT_IN_A_NAME = re.compile(r"[^A-Za-z0-9_.\-]")

@@ -24,7 +24,8 @@ import yaml
 
 from narwhal.engines.control import VersionPin
 from narwhal.fleet import Fleet
-from narwhal.settings import EngineSpec, Settings, load_settings
+from narwhal.settings import Settings, load_settings
+from narwhal.settings.engines import EngineSpec
 from narwhal.supervisor.discovery.wanted import engine_name
 from tests.unit.deploy.deploy_support import DEPLOY_GUIDE, K8S, ROOT, kustomized
 

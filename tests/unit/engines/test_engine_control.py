@@ -33,7 +33,8 @@ from narwhal.engines.control import (
 from narwhal.engines.http1 import Origin, UpstreamPool
 from narwhal.errors import EngineError
 from narwhal.fake_engine import FakeEngine
-from narwhal.settings import EngineContract, EngineSettings
+from narwhal.settings import EngineSettings
+from narwhal.settings.engines import EngineContract
 from tests.tls_certs import HAVE_OPENSSL, good_and_rogue, server_context
 
 needs_openssl = pytest.mark.skipif(not HAVE_OPENSSL, reason="needs the openssl command")

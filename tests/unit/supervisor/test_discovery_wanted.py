@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from narwhal.settings import EngineSpec
+from narwhal.settings.engines import EngineSpec
 from narwhal.supervisor.discovery.wanted import STATIC, change, engine_name, wanted_fleet
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from narwhal.fleet import Fleet
 from narwhal.fleet.blame import State
-from narwhal.settings import EngineSpec, RecoverySettings, Settings
+from narwhal.settings import RecoverySettings, Settings
+from narwhal.settings.engines import EngineSpec
 from narwhal.supervisor.membership import ChangingBreakers
 from tests.unit.supervisor.breaker_support import mesh as fleet
 

@@ -84,7 +84,7 @@ def state_in_shared_memory(shared: SharedFleet, slot: int) -> State:
 async def settle(supervisor: Supervisor) -> None:
     """Let the tasks a pass started (probes, health checks) run to their end: they never wait."""
     for _ in range(10):
-        tasks = [t for t in supervisor._tasks if not t.done()]
+        tasks = supervisor.checks.under_way
         if not tasks:
             return
         await asyncio.gather(*tasks)

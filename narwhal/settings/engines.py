@@ -1,0 +1,90 @@
+"""The engines in the settings: an ``[[engines]]`` entry and the optional ``[engine_contract]``.
+
+An entry is the one place an engine's role is read (:attr:`EngineSpec.can_prefill`,
+:attr:`EngineSpec.can_decode`); the contract's version pin is parsed when the settings load, so
+a pin nothing can meet stops the start instead of failing every probe later (SPEC §6). The
+fleet-wide rules over entries (unique names and URLs, permitted pairs) are
+``narwhal.settings.Settings``'s, which sees them all.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+from pydantic import Field, field_validator
+
+from narwhal.settings.section import Section
+
+
+class EngineContract(Section):
+    """``[engine_contract]``, optional: the model, version pin and connector every engine must meet (SPEC §6)."""
+    model: str = ""
+    engine_version: str = ""  # a PEP 440 version ("0.11.0") or specifier set (">=0.10,<0.12")
+    kv_connector: str = "NixlConnector"
+
+    @field_validator("engine_version")
+    @classmethod
+    def _pin_parses(cls, value: str) -> str:
+        # Checked here, not when the first probe runs: a pin nothing can meet would pass the
+        # start and then fail every probe and preflight forever (issue 16).
+        if value.strip():
+            parse_version_pin(value)
+        return value
+
+
+def parse_version_pin(text: str) -> SpecifierSet:
+    """``engine_contract.engine_version`` parsed (SPEC §6) as a PEP 440 specifier set; ValueError names what is wrong.
+
+    A pin that starts with an operator or holds a comma is a specifier set, anything else a
+    single version: so ``>=zero`` is reported as a bad specifier, not as a bad version. A
+    version ``V`` means ``==V``, PEP 440's own equality, in which a pin without a local label
+    ignores the engine's (``0.11.0`` is met by the CUDA build ``0.11.0+cu126``) and a pin with
+    one (``0.11.0+cu126``) is met by that build alone. ``packaging`` decides, not rules of ours.
+    """
+    text = text.strip()
+    if text[:1] in ("<", ">", "=", "!", "~") or "," in text:
+        try:
+            return SpecifierSet(text)
+        except InvalidSpecifier:
+            raise ValueError(f"invalid PEP 440 specifier {text!r}") from None
+    try:
+        return SpecifierSet(f"=={Version(text)}")
+    except InvalidVersion:
+        raise ValueError(f"invalid PEP 440 version {text!r} (expected a version such as 0.11.0 "
+                         "or a specifier set such as >=0.11,<0.12)") from None
+
+
+Role = Literal["producer", "consumer", "both"]
+
+
+class EngineSpec(Section):
+    """One ``[[engines]]`` entry; the one place an engine's role is read (:attr:`can_prefill`, :attr:`can_decode`)."""
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    url: str
+    role: Role
+    wave: str | None = None
+    max_inflight_prefill: Annotated[int, Field(ge=1)] | None = None
+    max_inflight_decode: Annotated[int, Field(ge=1)] | None = None
+    kv_connector: str | None = None
+    kv_peers: list[str] | None = None
+    models: list[str] | None = None
+    transfer_mode: Literal["pull", "push"] = "pull"  # NIXL's; a pair needs the same (SPEC §11)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")) or len(value.split("://", 1)[1]) == 0:
+            raise ValueError("expected an http:// or https:// URL")
+        return value.rstrip("/")
+
+    @property
+    def can_prefill(self) -> bool:
+        """A producer or ``both``: may take prefills."""
+        return self.role in ("producer", "both")
+
+    @property
+    def can_decode(self) -> bool:
+        """A consumer or ``both``: may take decodes."""
+        return self.role in ("consumer", "both")
