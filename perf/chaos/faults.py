@@ -287,7 +287,8 @@ def judge(res: Result, exp: Expectation, windows: list[Window], *, strict: bool)
         res.verdict, res.problem = "violation", f"answered after {res.end - res.start:.1f}s > deadline"
         return
     allowed = set(exp.allowed) | {"http:503:no_engine"}  # ejections happen throughout
-    if overlapping(res, windows, ("stop_producer", "stop_consumer")):
+    stopped = overlapping(res, windows, ("stop_producer", "stop_consumer"))
+    if stopped:
         allowed |= {"http:502:engine_unreachable", "http:502:engine_disconnect",
                     "term:502:engine_disconnect", "http:500:engine_stream_error"}
     if overlapping(res, windows, ("kv_read_fails",)):
@@ -312,7 +313,10 @@ def judge(res: Result, exp: Expectation, windows: list[Window], *, strict: bool)
         res.verdict, res.problem = "violation", f"{res.outcome} not allowed for {exp.kind}"
         return
     if res.outcome.startswith("term:") and res.outcome in exp.allowed and exp.term_tokens is not None:
-        if res.tokens != exp.term_tokens:
+        # An engine stopped mid-stream cuts it before the fault would have: fewer tokens, then
+        # the disconnect's terminal event, is the stop's doing (never more tokens than asked).
+        cut_by_a_stop = stopped and res.tokens is not None and res.tokens < exp.term_tokens
+        if res.tokens != exp.term_tokens and not cut_by_a_stop:
             res.verdict = "violation"
             res.problem = f"{res.tokens} tokens before terminal, expected {exp.term_tokens}"
             return
