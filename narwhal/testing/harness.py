@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import http.client
 import json
 import os
 import signal
@@ -25,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from narwhal.fake_engine.release import DEFAULT_VERSION
+from narwhal.testing.asking import http_ok, worker_answered, worker_ready
 
 # Files written for a process's lifetime (settings files, router logs nobody named): removed when
 # the process that wrote them exits, so a test session or a perf run leaves nothing in /tmp. A
@@ -63,52 +63,6 @@ def _die_with_parent() -> None:
     from narwhal.supervisor.process import set_parent_death_signal
 
     set_parent_death_signal(signal.SIGTERM)
-
-
-def http_get(url: str, timeout: float = 2.0, headers: Mapping[str, str] | None = None) -> tuple[int, bytes]:
-    """``(status, body)`` of a GET; ``(0, b"")`` when nothing answered, never raises for HTTP errors."""
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=dict(headers or {})), timeout=timeout) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-    except (urllib.error.URLError, OSError):
-        return 0, b""
-
-
-def _http_ok(url: str) -> bool:
-    return http_get(url)[0] == 200
-
-
-def _worker_answered(url: str, seen: set[int]) -> int:
-    """Ask ``/health`` once on a new connection; add the worker that answered to ``seen``."""
-    status, body = http_get(url + "/health")
-    if status == 200:
-        with contextlib.suppress(ValueError, KeyError, TypeError):
-            seen.add(int(json.loads(body)["worker"]))
-    return len(seen)
-
-
-def _worker_ready(url: str, ready: set[int]) -> int:
-    """On one new connection, ask ``/health`` (which worker is this?) then ``/ready``; add a worker
-    that answered ready to ``ready``. Every worker is asked because each learns the engines'
-    models on its own: one worker's ``/ready`` says nothing of its siblings."""
-    parts = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=2.0)
-    try:
-        conn.request("GET", "/health")
-        health = conn.getresponse()
-        worker = int(json.loads(health.read())["worker"])
-        conn.request("GET", "/ready")
-        answer = conn.getresponse()
-        answer.read()
-        if health.status == 200 and answer.status == 200:
-            ready.add(worker)
-    except (OSError, http.client.HTTPException, ValueError, KeyError, TypeError):
-        pass
-    finally:
-        conn.close()
-    return len(ready)
 
 
 class FakeFleet:
@@ -338,12 +292,12 @@ class RouterProcess:
 
     def _wait_serving(self, workers: int, wait_ready: bool, timeout: float) -> None:
         url, proc = self.url, self.proc
-        _wait(lambda: _http_ok(url + "/health"), timeout, "router", proc)
+        _wait(lambda: http_ok(url + "/health"), timeout, "router", proc)
         seen: set[int] = set()
-        _wait(lambda: _worker_answered(url, seen) >= workers, timeout, f"router: {workers} workers", proc)
+        _wait(lambda: worker_answered(url, seen) >= workers, timeout, f"router: {workers} workers", proc)
         if wait_ready:
             ready: set[int] = set()
-            _wait(lambda: _worker_ready(url, ready) >= workers, timeout, f"router /ready on {workers} workers", proc)
+            _wait(lambda: worker_ready(url, ready) >= workers, timeout, f"router /ready on {workers} workers", proc)
 
     def log_text(self) -> str:
         """Everything the router wrote to its log file so far."""

@@ -20,7 +20,8 @@ import aiohttp
 import orjson
 
 from narwhal.metric_tally import FLUSH_S
-from narwhal.testing.harness import FakeFleet, RouterProcess, children_of, http_get, write_config
+from narwhal.testing.asking import http_get
+from narwhal.testing.harness import FakeFleet, RouterProcess, children_of, write_config
 
 MODEL = "fake-model"
 

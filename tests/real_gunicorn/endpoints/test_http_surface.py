@@ -7,7 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from narwhal.testing.harness import RouterProcess, http_get, write_config
+from narwhal.testing.asking import http_get
+from narwhal.testing.harness import RouterProcess, write_config
 from tests.real_gunicorn.support import (
     MODEL,
     access_line,

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import orjson
 
-from narwhal.testing.harness import FakeFleet, RouterProcess, http_get
+from narwhal.testing.asking import http_get
+from narwhal.testing.harness import FakeFleet, RouterProcess
 from tests.real_gunicorn.fixtures import engines_named, router_fixture
 from tests.real_gunicorn.support import (
     TOKEN,

@@ -14,7 +14,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from narwhal.testing.harness import FakeFleet, children_of, http_get, router_roles, stop_gunicorn, write_config
+from narwhal.testing.asking import http_get
+from narwhal.testing.harness import FakeFleet, children_of, router_roles, stop_gunicorn, write_config
 from tests.real_gunicorn.support import MODEL, wait_until
 
 ROOT = Path(__file__).resolve().parents[3]

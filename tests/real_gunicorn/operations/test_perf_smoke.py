@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from narwhal.testing.harness import FakeFleet, RouterProcess, http_get, write_config
+from narwhal.testing.asking import http_get
+from narwhal.testing.harness import FakeFleet, RouterProcess, write_config
 from perf.load.scenarios import all_scenarios
 
 REPO = Path(__file__).resolve().parents[3]

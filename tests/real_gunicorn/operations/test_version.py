@@ -15,7 +15,8 @@ import orjson
 import pytest
 
 from narwhal.settings import load_settings
-from narwhal.testing.harness import FakeFleet, RouterProcess, http_get
+from narwhal.testing.asking import http_get
+from narwhal.testing.harness import FakeFleet, RouterProcess
 from narwhal.worker.app import version_document
 from tests.real_gunicorn.support import start_router
 

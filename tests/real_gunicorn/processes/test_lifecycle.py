@@ -13,7 +13,8 @@ import aiohttp
 import orjson
 import pytest
 
-from narwhal.testing.harness import FakeFleet, RouterProcess, children_of, http_get, router_roles, write_config
+from narwhal.testing.asking import http_get
+from narwhal.testing.harness import FakeFleet, RouterProcess, children_of, router_roles, write_config
 from tests.real_gunicorn.support import (
     TIMEOUTS,
     Reply,

@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from narwhal.testing.harness import FakeFleet, RouterProcess, children_of, http_get, process_title, router_roles
+from narwhal.testing.asking import http_get
+from narwhal.testing.harness import FakeFleet, RouterProcess, children_of, process_title, router_roles
 from tests.real_gunicorn.fixtures import router_fixture
 from tests.real_gunicorn.support import (
     TOKEN,

@@ -19,12 +19,12 @@ import aiohttp
 import orjson
 import pytest
 
+from narwhal.testing.asking import http_get
 from narwhal.testing.harness import (
     SUPERVISOR_TITLE,
     FakeFleet,
     RouterProcess,
     children_of,
-    http_get,
     process_title,
     write_config,
 )

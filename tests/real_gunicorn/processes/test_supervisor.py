@@ -16,7 +16,8 @@ import aiohttp
 import orjson
 import pytest
 
-from narwhal.testing.harness import FakeFleet, RouterProcess, http_get
+from narwhal.testing.asking import http_get
+from narwhal.testing.harness import FakeFleet, RouterProcess
 from tests.real_gunicorn.fixtures import engines_named, faults_cleared_after_each, router_fixture
 from tests.real_gunicorn.support import (
     TOKEN,

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import orjson
 
-from narwhal.testing.harness import FakeFleet, http_get, stop_gunicorn, write_config
+from narwhal.testing.asking import http_get
+from narwhal.testing.harness import FakeFleet, stop_gunicorn, write_config
 from tests.real_gunicorn.support import wait_until
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -26,7 +26,8 @@ from typing import Any
 
 import pytest
 
-from narwhal.testing.harness import FakeFleet, RouterProcess, http_get, write_config
+from narwhal.testing.asking import http_get
+from narwhal.testing.harness import FakeFleet, RouterProcess, write_config
 from tests.real_gunicorn.support import (
     MODEL,
     TOKEN,
