@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import glob
 import pstats
+import re
 import statistics
 import subprocess
 import sys
@@ -158,6 +159,25 @@ def print_top(calls: dict[FuncKey, float], top: int, case: Case) -> None:
         print(f"  {n:7.1f}  {name}  ({where}:{line})")
 
 
+def print_changed(ours: dict[FuncKey, float], theirs: dict[FuncKey, float], top: int, case: Case) -> None:
+    """The functions whose calls per request changed most against the baseline: where a
+    difference in the totals comes from. Functions are matched by file and name (lines move)."""
+
+    def by_name(calls: dict[FuncKey, float]) -> dict[tuple[str, str], float]:
+        named: dict[tuple[str, str], float] = {}
+        for (file, _line, name), n in calls.items():
+            name = re.sub(r" at 0x[0-9a-f]+", "", name)  # a built-in's address differs per process
+            where = (file.split("site-packages/")[-1].split("/narwhal/")[-1], name)
+            named[where] = named.get(where, 0.0) + n
+        return named
+
+    mine, base = by_name(ours), by_name(theirs)
+    change = {f: mine.get(f, 0.0) - base.get(f, 0.0) for f in mine.keys() | base.keys()}
+    print(f"\ntop {top} changes in calls per request (this checkout - baseline, {case.name}):")
+    for (where, name), n in sorted(change.items(), key=lambda kv: -abs(kv[1]))[:top]:
+        print(f"  {n:+7.1f}  {name}  ({where})")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.callcount", description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", required=True, help="git commit to compare with (e.g. main~3)")
@@ -165,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="measurements per target (default 2)")
     parser.add_argument("--top", type=int, default=0, metavar="N",
                         help="also list this checkout's N functions with the most calls per request (the last case)")
+    parser.add_argument("--changed", type=int, default=0, metavar="N",
+                        help="also list the N functions whose calls per request changed most (the last case)")
     parser.add_argument("--cases", default=DEFAULT_CASES,
                         help=f"comma-separated, of {', '.join(c.name for c in CASES)} (default {DEFAULT_CASES})")
     args = parser.parse_args(argv)
@@ -197,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {case.name} | {ours:,.0f} | {theirs:,.0f} | {ours / theirs:.3f} |", flush=True)
         if args.top:
             print_top(per_function(run, fleet, None, cases[-1], 50, 50 + args.requests), args.top, cases[-1])
+        if args.changed:
+            head_calls = per_function(run, fleet, None, cases[-1], 50, 50 + args.requests)
+            base_calls = per_function(run, fleet, str(run / "base"), cases[-1], 50, 50 + args.requests)
+            print_changed(head_calls, base_calls, args.changed, cases[-1])
     finally:
         fleet.stop()
     return 0
