@@ -83,7 +83,8 @@ class Messages(Dialect, endpoint=MESSAGES, prompt_fields=("system", "messages"),
         """Anthropic's usage: ``input_tokens`` are the tokens *not* read from or written to the
         cache, so the prompt is their sum with ``cache_read_input_tokens`` and
         ``cache_creation_input_tokens``; the cached part is ``cache_read_input_tokens`` (None
-        when the engine left it out)."""
+        when the engine left it out). Each part and the sum are bounded as any count is
+        (``token_count``): three counts each in range can add up out of it."""
         if not isinstance(usage, dict):
             return None, None
         uncached = token_count(usage.get("input_tokens"))
@@ -91,7 +92,7 @@ class Messages(Dialect, endpoint=MESSAGES, prompt_fields=("system", "messages"),
             return None, None
         cached = token_count(usage.get("cache_read_input_tokens"))
         written = token_count(usage.get("cache_creation_input_tokens")) or 0
-        return uncached + (cached or 0) + written, cached
+        return token_count(uncached + (cached or 0) + written), cached
 
     def prefill_body(self, body: dict[str, Any], request_id: str, crossed: bool) -> dict[str, Any]:
         """One token, not streamed, ``stop_sequences`` dropped so nothing ends it early."""

@@ -20,6 +20,9 @@ CASES: list[tuple[str, Any, tuple[int | None, int | None]]] = [
     ("/v1/messages", {"input_tokens": 90, "output_tokens": 1}, (90, None)),
     ("/v1/messages", {"input_tokens": 10, "cache_read_input_tokens": 64, "cache_creation_input_tokens": 16}, (90, 64)),
     ("/v1/messages", {"input_tokens": "90"}, (None, None)),
+    # Three counts each below 2^32 whose sum is not: the prompt is unknown, the cached part stays.
+    ("/v1/messages", {"input_tokens": 2**31, "cache_read_input_tokens": 2**31, "cache_creation_input_tokens": 0},
+     (None, 2**31)),
     ("/inference/v1/generate", None, (None, None)),
 ]
 
