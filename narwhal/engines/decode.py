@@ -19,24 +19,8 @@ event would cost more than the rest of the request path's per-event work togethe
 the span gets exactly the test a later span gets (the usual end, or output that cannot end
 the stream), and only a span that fails it is judged event by event, as before.
 
-The leg's states (:class:`LegState`; ``NEXT`` is this table, and a move not in it fails an
-``assert``: a programming error, which ``tests/unit/engines/test_leg_states.py`` provokes)::
-
-    state      moves to                 what it means
-    NEW        SENT, CLOSED             built, the body encoded, nothing sent
-    SENT       AWAITING, ENDED, CLOSED  the request went out (the consumer has the handoff); a
-                                        stream's 200 head -> AWAITING, a whole answer -> ENDED
-    AWAITING   STREAMING, CLOSED        metadata is held until the first token
-    STREAMING  ENDED, FAILED, CLOSED    the first token went out; only the end and errors matter
-    ENDED      CLOSED                   the terminal event (or the whole answer) came cleanly
-    FAILED     CLOSED                   an error event after output: the output goes out first,
-                                        the error on the next call
-    CLOSED     -                        close() ran (a second call does nothing)
-
-A failure leaves the state where it was; close() then closes the connection (only ENDED offers
-it to the pool). ``sent`` is ``state is not NEW`` (read it before close()). Why a table, not
-flags: four booleans and an error formed a machine nobody had written down; a move is still one
-attribute write (module constants: no lookup on the enum class, no call).
+The leg's states and their one table of moves are ``narwhal.engines.leg_state``'s; every move
+here is checked against it.
 
 Invariants: bytes go out in the order received, each once; no timer spans a return to the
 caller (a timer that fired while the caller writes to a slow client would cancel the caller);
@@ -47,7 +31,6 @@ makes the engine abort the request.
 from __future__ import annotations
 
 import asyncio
-import enum
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Required, TypedDict
@@ -61,6 +44,19 @@ from narwhal.engines.dialects.base import event_name
 from narwhal.engines.endpoints import Endpoint
 from narwhal.engines.failures import Wait
 from narwhal.engines.http1 import Connection
+from narwhal.engines.leg_state import (
+    AWAITING,
+    CLOSED,
+    ENDED,
+    FAILED,
+    NEW,
+    NEXT,
+    READING,
+    SENT,
+    STREAMING,
+    LegState,
+    illegal,
+)
 from narwhal.engines.relay import DirectRelay, Signal, Sink
 from narwhal.engines.timers import LazyTimeout
 from narwhal.errors import EngineError
@@ -71,37 +67,6 @@ _DRAIN_S = 1.0
 # whole rest and [DONE], which the caller writes with the end of the body at no extra cost.
 # Measured (A/B, perf suite): 1 beats 3 by ~5 % unpaced and 5-11 % paced; 0 costs ~10 % unpaced.
 _RELAY_AFTER = 1
-
-
-class LegState(enum.IntEnum):
-    """Where a decode leg is (the module's table); an IntEnum, so a lookup in NEXT hashes in C."""
-
-    NEW = 0
-    SENT = 1
-    AWAITING = 2
-    STREAMING = 3
-    ENDED = 4
-    FAILED = 5
-    CLOSED = 6
-
-
-NEW, SENT, AWAITING, STREAMING, ENDED, FAILED, CLOSED = LegState
-NEXT: dict[LegState, frozenset[LegState]] = {
-    NEW: frozenset({SENT, CLOSED}),
-    SENT: frozenset({AWAITING, ENDED, CLOSED}),
-    AWAITING: frozenset({STREAMING, CLOSED}),
-    STREAMING: frozenset({ENDED, FAILED, CLOSED}),
-    ENDED: frozenset({CLOSED}),
-    FAILED: frozenset({CLOSED}),
-    CLOSED: frozenset(),
-}
-"""The allowed moves: each state's successors (the table in this module's text)."""
-_READING = frozenset({AWAITING, STREAMING, ENDED, FAILED})  # where next_span() may be called
-
-
-def _illegal(state: LegState, to: LegState) -> str:
-    """The message of a move not in NEXT (built only when the assert fails)."""
-    return f"decode leg: {state.name} -> {to.name} is not a move (decode.NEXT)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,7 +175,7 @@ class DecodeLeg:
         with self._wire:
             conn = self._conn = await self._ctx.post(self._url, self._endpoint, head, self._payload,
                                                      deadline=self._first_bound)
-            assert SENT in NEXT[self._state], _illegal(self._state, SENT)
+            assert SENT in NEXT[self._state], illegal(self._state, SENT)
             self._state = SENT
             try:  # a stream's head and first events in one wakeup, under the first token's bound
                 status = await conn.response(first_body=self.streaming)
@@ -224,10 +189,10 @@ class DecodeLeg:
             raise failures.stream_error(err, self._name)
         conn.disarm()  # from here each read has its own bound
         if data is not None:
-            assert ENDED in NEXT[self._state], _illegal(self._state, ENDED)
+            assert ENDED in NEXT[self._state], illegal(self._state, ENDED)
             self._state = ENDED
         else:
-            assert AWAITING in NEXT[self._state], _illegal(self._state, AWAITING)
+            assert AWAITING in NEXT[self._state], illegal(self._state, AWAITING)
             self._state = AWAITING  # its wire's terminal was set with the 200 head
         return data
 
@@ -238,7 +203,7 @@ class DecodeLeg:
         if self._state is FAILED:
             assert self._error is not None
             raise self._error
-        assert self._state in _READING, f"decode leg: next_span() in {self._state.name}"
+        assert self._state in READING, f"decode leg: next_span() in {self._state.name}"
         while self._state is not ENDED:
             if self._sink is not None and self._state is STREAMING and self._passed >= _RELAY_AFTER:
                 got = await self._relayed()
@@ -293,7 +258,7 @@ class DecodeLeg:
                 conn.release()
             else:
                 conn.close()
-        assert CLOSED in NEXT[self._state], _illegal(self._state, CLOSED)
+        assert CLOSED in NEXT[self._state], illegal(self._state, CLOSED)
         self._state = CLOSED
 
     # -- inside a step ----------------------------------------------------------------------
@@ -340,7 +305,7 @@ class DecodeLeg:
         if self._state is STREAMING and (cut := dialect.clean_end(span)) >= 0:
             # The usual end: output, the terminal event last, no error: as received.
             out.append(span if cut == len(span) else span[:cut])
-            assert ENDED in NEXT[self._state], _illegal(self._state, ENDED)
+            assert ENDED in NEXT[self._state], illegal(self._state, ENDED)
             self._state = ENDED
         events: list[bytes] = [] if self._state is ENDED else sse.split_events(span)
         for i, event in enumerate(events):
@@ -350,7 +315,7 @@ class DecodeLeg:
             kind, err = dialect.classify(event)
             if kind is sse.Kind.TOKEN:
                 if self._state is AWAITING:
-                    assert STREAMING in NEXT[self._state], _illegal(self._state, STREAMING)
+                    assert STREAMING in NEXT[self._state], illegal(self._state, STREAMING)
                     self._state = STREAMING
                     self._wire.wait, self._wire.seconds = Wait.SILENCE, self._ctx.decode_read_timeout_s
                     out.append(event + b"\n\n")
@@ -363,14 +328,14 @@ class DecodeLeg:
                     raise failures.done_before_token(self._name, name.decode() if name else dialect.terminal)
                 # What follows the terminal event (vLLM's [DONE] after message_stop) is dropped.
                 out.append(dialect.terminal_bytes or event + b"\n\n")
-                assert ENDED in NEXT[self._state], _illegal(self._state, ENDED)
+                assert ENDED in NEXT[self._state], illegal(self._state, ENDED)
                 self._state = ENDED
                 break
             elif kind is sse.Kind.ERROR:
                 error = failures.stream_error(err or {}, self._name)
                 if self._state is AWAITING or not out:
                     raise error
-                assert FAILED in NEXT[self._state], _illegal(self._state, FAILED)
+                assert FAILED in NEXT[self._state], illegal(self._state, FAILED)
                 self._error, self._state = error, FAILED  # what came before it goes out first
                 self._held = []
                 return b"".join(out)
@@ -398,7 +363,7 @@ class DecodeLeg:
         dialect = self._dialect
         if (cut := dialect.clean_end(rest)) >= 0:
             out.append(rest if cut == len(rest) else rest[:cut])
-            assert ENDED in NEXT[self._state], _illegal(self._state, ENDED)
+            assert ENDED in NEXT[self._state], illegal(self._state, ENDED)
             self._state = ENDED
             return True
         if not dialect.may_end(rest):

@@ -30,13 +30,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ipaddress
 import sys
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -46,7 +44,6 @@ from narwhal.engines.connector import (
     NIXL,
     InvalidHandoff,
     PrefillResult,
-    tp_accepted,
     tp_size_of,
     validate_descriptor,
 )
@@ -61,6 +58,7 @@ from narwhal.engines.control import (
 )
 from narwhal.errors import DeadlineExceeded, NarwhalError
 from narwhal.fleet import Engine, Fleet, compat
+from narwhal.preflight import causes
 from narwhal.preflight.report import (
     FAIL,
     OK,
@@ -314,7 +312,7 @@ class _Preflight:
             result.latency_ms = _ms_since(started)
         if result.verdict == FAIL and p is not d and compat.tp_multiple_rule(by_name[d.name].version):
             # 0.11's rule only (SPEC §11): later releases accept heterogeneous TP
-            result.reason += _tp_cause(p.name, self.tp.get(p.name), d.name, self.tp.get(d.name))
+            result.reason += causes.tp_cause(p.name, self.tp.get(p.name), d.name, self.tp.get(d.name))
         return result
 
     async def _transfer(self, p: Engine, d: Engine, model: str, result: PairResult) -> None:
@@ -322,7 +320,7 @@ class _Preflight:
         body = _probe_body(model)
         handoff = await self.client.prefill(p, ENDPOINT, body, request_id=_request_id(), crossed=crossed)
         if crossed:
-            result.note = _localhost_note(p, d, handoff.descriptor)
+            result.note = causes.localhost_note(p, d, handoff.descriptor)
         deadline = asyncio.get_running_loop().time() + self.timeout
         # An invalid descriptor raises before any request: it is sent nowhere, as in the router.
         stream = self.client.decode(handoff, d, {**body, "stream": True}, stream=True, deadline=deadline)
@@ -334,51 +332,6 @@ class _Preflight:
 def _skip(result: EngineResult, checks: list[str]) -> None:
     for name in checks:
         result.checks.setdefault(name, Check(SKIP))
-
-
-def _is_loopback(host: str) -> bool:
-    host = host.strip("[]").lower()
-    if host in ("localhost", "localhost.localdomain", "ip6-localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _host_of(url: str) -> str:
-    host = (urlsplit(url).hostname or "").lower()
-    return "loopback" if _is_loopback(host) else host
-
-
-def _localhost_note(p: Engine, d: Engine, descriptor: Any) -> str:
-    """vLLM's side channel defaults to ``localhost``: fine on one host, a dead transfer across."""
-    host = descriptor.get("remote_host") if isinstance(descriptor, dict) else None
-    if not isinstance(host, str) or not _is_loopback(host) or _host_of(p.url) == _host_of(d.url):
-        return ""
-    return (
-        f"descriptor remote_host is {host} but {p.name} and {d.name} are on different hosts "
-        f"(set VLLM_NIXL_SIDE_CHANNEL_HOST on {p.name})"
-    )
-
-
-def _tp_cause(producer: str, producer_tp: int | None, consumer: str, consumer_tp: int | None) -> str:
-    """The tensor-parallel mismatch behind a failed transfer, when the TP sizes explain it.
-
-    vLLM 0.11's consumer refuses the handoff in its NIXL handshake and its answer says nothing
-    about TP (the reason is in its own log), so the cause is read from the sizes: the producer's
-    from its descriptor's ``tp_size``, the consumer's from its own descriptor when it prefills
-    too (phase 1), unknown otherwise.
-    """
-    if producer_tp is None or (consumer_tp is not None and tp_accepted(producer_tp, consumer_tp)):
-        return ""
-    if consumer_tp is not None:
-        return (f"; tensor parallel mismatch: {producer} runs TP {producer_tp}, {consumer} TP {consumer_tp}: vLLM's "
-                "NixlConnector needs the consumer's --tensor-parallel-size to be a multiple of the producer's")
-    if producer_tp == 1:
-        return ""  # every consumer TP is a multiple of 1
-    return (f"; likely cause: {producer} runs TP {producer_tp} (its tp_size) and vLLM's NixlConnector refuses a "
-            f"consumer whose --tensor-parallel-size is not a multiple of it: check {consumer}'s")
 
 
 def _probe_body(model: str) -> dict[str, Any]:

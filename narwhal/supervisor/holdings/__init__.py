@@ -29,7 +29,8 @@ fleet wide, the mean uncached characters of a prefill (what a queued request is 
    in the estimate a producer is placed at the learned rates' mean at its class
    (``holdings.rate`` says why: learned rates differ by replica, classes do not).
 
-Pure apart from ``publish`` (the shared-memory write): time comes in as an argument.
+Pure apart from ``publish`` (the shared-memory write): time comes in as an argument. The
+record kept per producer is ``supervisor.holdings.producer``'s.
 """
 
 from __future__ import annotations
@@ -37,15 +38,14 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from narwhal.engines.load_metrics import PrefillCounters
 from narwhal.fleet.placement import homes
 from narwhal.shm.holdings import Holdings, PrefillReport
-from narwhal.supervisor.holdings.engine_rate import EngineRate
 from narwhal.supervisor.holdings.fit import Fit, Prefix
-from narwhal.supervisor.holdings.lru import drop, hot_count, leading, reused, touch
+from narwhal.supervisor.holdings.lru import drop, leading, reused, touch
+from narwhal.supervisor.holdings.producer import DEFAULT_CHARS_PER_TOKEN, HOT_S, ProducerHoldings
 from narwhal.supervisor.holdings.rate import placing_rates
 
 ALPHA = 0.2  # weight of a new sample in the learned means
@@ -55,61 +55,6 @@ MAX_PREFIXES = 65536  # live prefixes tracked (first keys); more are not given h
 # (a few hundred µs for thousands of keys), and a tenth of a second late costs a prefix nothing
 # it would not lose to the round trip of its first prefill anyway.
 PUBLISH_S = 0.1
-DEFAULT_CHARS_PER_TOKEN = 4.0  # until a producer's answers say otherwise (English text, roughly)
-# A block reused within this many seconds is *hot*: a live prefix whose eviction would be paid
-# for again soon. Long enough to span the gap between a chat's turns and between uses of a
-# tenant's system prompt at a few requests a second; short enough that a prefix its traffic has
-# left stops protecting the blocks it sits on within a couple of publishes of the load moving.
-HOT_S = 2.0
-
-
-@dataclass
-class ProducerHoldings:
-    """What the supervisor believes one producer holds and how fast it prefills; the one copy,
-    which only the supervisor writes (the workers read what :meth:`HoldingsModel.publish` makes of it)."""
-
-    stamp: int
-    # Least recently used first; each key with when it was first computed there (monotonic s).
-    keys: OrderedDict[int, float] = field(default_factory=OrderedDict)
-    engine_id: int = 0
-    capacity_tokens: int | None = None
-    chars_per_token: float | None = None
-    rate: float | None = None  # uncached characters per second of prefill
-    mean_uncached: float | None = None  # of its prefills (all of them): what one not ours is reckoned
-    work_mean: float = 0.0  # of the prefills placed with nothing queued ahead: uncached characters …
-    time_mean: float = 0.0  # … and seconds, both exponentially weighted (their ratio is the rate)
-    reports_cached: bool = False  # it said cached_tokens once: from then on, silence means 0
-    # The keys reused (a prefill hit them, by its report) within HOT_S, least recently reused
-    # first, with when: the live part of ``keys`` (a subset: a key that goes goes from both).
-    hot: OrderedDict[int, float] = field(default_factory=OrderedDict)
-    # The last prompt touched and the last run reused, kept whole (``holdings.lru`` says why).
-    head: tuple[int, ...] = ()
-    hot_head: tuple[int, ...] = ()
-    hot_head_at: float = 0.0
-    hot_head_since: float | None = None
-    hot_stale: bool = False
-    published_hot: int = 0
-    homes: dict[int, int] = field(default_factory=dict)  # first key -> blocks, its live prefixes' homes here
-    learned_blocks: int | None = None  # the room its evictions showed (None: none seen)
-    urgent: bool = False  # an ``under``: published at the next pass, not after PUBLISH_S
-    engine_rate: EngineRate = field(default_factory=EngineRate)  # as its /metrics say (tokens/s)
-    dirty: bool = True
-    published_at: float = float("-inf")
-
-    def forget(self) -> None:
-        """A new engine behind the name (restarted, or ejected and back): nothing it held is held."""
-        self.learned_blocks = None  # a new engine: what the old one's evictions showed is moot
-        if self.keys:
-            drop(self)
-            self.keys.clear()
-            self.hot.clear()
-            self.dirty = True
-
-    def hot_blocks(self, now: float) -> int:
-        """Keys reused within ``HOT_S`` of ``now`` (older ones stop counting as live)."""
-        return hot_count(self, now - HOT_S)
-
-
 def _ewma(old: float | None, sample: float) -> float:
     return sample if old is None else old + ALPHA * (sample - old)
 

@@ -1,4 +1,4 @@
-"""The decode leg's states (engines.decode.LegState): the table in the module's text is NEXT, every
+"""The decode leg's states (engines.leg_state.LegState): the table in its text is NEXT, every
 move the code makes is guarded by it, real legs walk it as written, and an illegal move (a caller
 out of order) is an AssertionError, a programming error, not an engine's fault."""
 
@@ -14,10 +14,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from narwhal.engines import decode, endpoints
+from narwhal.engines import decode, endpoints, leg_state
 from narwhal.engines.client import EngineClient
 from narwhal.engines.connector import PrefillResult
-from narwhal.engines.decode import NEXT, LegState
+from narwhal.engines.leg_state import NEXT, LegState
 from narwhal.engines.relay import Signal
 from narwhal.errors import EngineError
 from narwhal.settings import EngineSettings
@@ -80,8 +80,8 @@ def _leg(client: EngineClient, url: str, *, stream: bool = True) -> decode.Decod
 
 
 def test_the_table_in_the_modules_text_is_next() -> None:
-    assert decode.__doc__ is not None
-    rows = re.findall(r"^    ([A-Z]+) +([A-Z, ]+[A-Z]|-)  ", decode.__doc__, re.MULTILINE)
+    assert leg_state.__doc__ is not None
+    rows = re.findall(r"^    ([A-Z]+) +([A-Z, ]+[A-Z]|-)  ", leg_state.__doc__, re.MULTILINE)
     table = {state: set() if moves == "-" else set(moves.split(", ")) for state, moves in rows}
     assert table == {state.name: {s.name for s in NEXT[state]} for state in LegState}
 
@@ -194,8 +194,8 @@ async def test_a_caller_out_of_order_is_a_programming_error(engine: tuple[str, S
 
 
 def test_an_illegal_move_names_both_states() -> None:
-    message = decode._illegal(LegState.ENDED, LegState.STREAMING)
-    assert message == "decode leg: ENDED -> STREAMING is not a move (decode.NEXT)"
+    message = leg_state.illegal(LegState.ENDED, LegState.STREAMING)
+    assert message == "decode leg: ENDED -> STREAMING is not a move (leg_state.NEXT)"
     assert LegState.STREAMING not in NEXT[LegState.ENDED]
 
 

@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from narwhal.fleet import Fleet
-from narwhal.preflight.check import _localhost_note, _tp_cause
+from narwhal.preflight.causes import localhost_note, tp_cause
 from narwhal.preflight.report import FAIL, OK, SKIP, EngineResult, PairResult, PreflightReport, charge_transfers
 from narwhal.settings import Settings
 
@@ -99,12 +99,12 @@ def test_a_producer_with_a_single_permitted_consumer_is_charged_for_its_one_fail
 def test_a_localhost_descriptor_is_noted_only_across_hosts() -> None:
     fleet = _mesh()
     p0, d0 = fleet.by_name["p0"], fleet.by_name["d0"]
-    note = _localhost_note(p0, d0, {"remote_host": "localhost"})
+    note = localhost_note(p0, d0, {"remote_host": "localhost"})
     assert note == ("descriptor remote_host is localhost but p0 and d0 are on different hosts "
                     "(set VLLM_NIXL_SIDE_CHANNEL_HOST on p0)")
-    assert _localhost_note(p0, d0, {"remote_host": "10.0.0.1"}) == ""
+    assert localhost_note(p0, d0, {"remote_host": "10.0.0.1"}) == ""
     same = _fleet(("a", "producer", "http://127.0.0.1:1"), ("b", "consumer", "http://[::1]:2"))
-    assert _localhost_note(same.by_name["a"], same.by_name["b"], {"remote_host": "127.0.0.1"}) == ""
+    assert localhost_note(same.by_name["a"], same.by_name["b"], {"remote_host": "127.0.0.1"}) == ""
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp", "says"), [
@@ -115,5 +115,5 @@ def test_a_localhost_descriptor_is_noted_only_across_hosts() -> None:
     (None, 1, ""),  # the producer's TP unknown: nothing to say
 ])
 def test_a_tp_mismatch_is_named_only_when_the_sizes_explain_it(p_tp: int | None, d_tp: int | None, says: str) -> None:
-    cause = _tp_cause("p0", p_tp, "d0", d_tp)
+    cause = tp_cause("p0", p_tp, "d0", d_tp)
     assert (says in cause) if says else cause == ""

@@ -15,6 +15,7 @@ import pytest
 from narwhal.shm.holdings import PrefillReport, identity
 from narwhal.supervisor import holdings as holdings_module
 from narwhal.supervisor.holdings import HOT_S, HoldingsModel, ProducerHoldings
+from narwhal.supervisor.holdings import producer as producer_module
 
 STAMPS = [identity("p0", "http://p0"), identity("p1", "http://p1")]
 
@@ -56,7 +57,9 @@ def _per_key_loops(monkeypatch: pytest.MonkeyPatch) -> None:
     """The model as it was: a Python step per key, no run or head kept."""
     for name, loop in (("leading", _leading), ("touch", _touch), ("reused", _reused), ("hot_count", _hot_count),
                        ("drop", lambda p: None)):
-        monkeypatch.setattr(holdings_module, name, loop)
+        for module in (holdings_module, producer_module):  # the model's steps, and the record's own
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, loop)
 
 
 def _hot_as_reused(p: ProducerHoldings) -> list[tuple[int, float]]:
