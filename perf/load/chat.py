@@ -29,7 +29,6 @@ from perf.load.generator import (
     CHAT,
     MODEL,
     Groups,
-    Outcome,
     PdLegs,
     RoundResult,
     _drain,
@@ -38,6 +37,7 @@ from perf.load.generator import (
     new_session,
     one_request,
 )
+from perf.load.reading import Outcome
 
 ASSISTANT = "".join(f" t{i}" for i in range(8))  # what the fake answers to max_tokens 8
 

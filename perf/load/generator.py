@@ -5,8 +5,7 @@ number of users, which is how the issue states its targets (concurrency 1, 32, 1
 a closed loop can never build an unbounded backlog on a small shared machine.
 
 Why so little work per chunk: on a 2-core host the load generator competes with the router and
-the engines for the same CPUs. Events are parsed (orjson) only until the first generated token is
-found — that is what time-to-first-byte needs — and afterwards only counted.
+the engines for the same CPUs (``perf.load.reading`` reads each answer with as little as it can).
 
 What is measured in a round: requests *completed* inside the window [t0, t1) after a warm-up,
 with CPU snapshots of every process group taken at t0 and t1, so CPU per request divides the CPU
@@ -28,6 +27,7 @@ import orjson
 
 from narwhal.engines.connector import PREFILL_KV_PARAMS
 from perf.load import pd_endpoints, procs
+from perf.load.reading import Outcome, error_key, read_body, read_stream
 
 MODEL = "fake-model"
 COMPLETIONS = "/v1/completions"
@@ -35,7 +35,6 @@ CHAT = "/v1/chat/completions"
 # 32 words: the fake counts words as tokens, so a prefill pins 2 KV blocks of 16.
 PROMPT = " ".join(f"word{i}" for i in range(32))
 HEADERS = {"Content-Type": "application/json"}
-DONE = b"data: [DONE]"
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,102 +104,10 @@ async def _pd_decode_body(session: aiohttp.ClientSession, legs: PdLegs) -> bytes
     return orjson.dumps({**legs.decode, "kv_transfer_params": descriptor})
 
 
-@dataclass(slots=True)
-class Outcome:
-    """One request as the client saw it: ok or why not (``error``), seconds to first byte and in all, tokens."""
-
-    ok: bool
-    ttfb: float = 0.0
-    total: float = 0.0
-    tokens: int = 0
-    error: str = ""
-
-
 def new_session() -> aiohttp.ClientSession:
     """One pooled session per target: no connection cap (aiohttp's default is 100)."""
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60, enable_cleanup_closed=False)
     return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False)
-
-
-def _is_token(event: bytes) -> bool:
-    """Does this SSE event carry generated output (SPEC §4: text, content, finish_reason …)?"""
-    for line in event.split(b"\n"):
-        if not line.startswith(b"data:"):
-            continue
-        payload = line[5:].strip()
-        if payload == b"[DONE]":
-            return False
-        try:
-            obj = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            return False
-        choices = obj.get("choices") if isinstance(obj, dict) else None
-        for choice in choices if isinstance(choices, list) else ():
-            if not isinstance(choice, dict):
-                continue
-            if choice.get("text") or choice.get("finish_reason") is not None:
-                return True
-            delta = choice.get("delta")
-            if isinstance(delta, dict) and (delta.get("content") or delta.get("tool_calls")):
-                return True
-    return False
-
-
-async def _read_stream(resp: aiohttp.ClientResponse, start: float) -> Outcome:
-    carry = b""
-    ttfb = 0.0
-    tokens = 0
-    done = False
-    content = resp.content
-    while chunk := await content.readany():
-        data = carry + chunk if carry else chunk
-        events = data.split(b"\n\n")
-        carry = events.pop()
-        for event in events:
-            if not event:
-                continue
-            if event.startswith((DONE, *pd_endpoints.TERMINALS)):
-                done = True
-            elif b'"error"' in event:
-                return Outcome(False, error="stream_error")
-            elif tokens:
-                tokens += 1  # after the first token every event is counted, not parsed
-            elif _is_token(event) or pd_endpoints.is_output(event):
-                ttfb = time.perf_counter() - start
-                tokens = 1
-    if not done:
-        return Outcome(False, error="incomplete_stream")
-    if not tokens:
-        return Outcome(False, error="no_token")
-    return Outcome(True, ttfb=ttfb, tokens=tokens)
-
-
-async def _read_body(resp: aiohttp.ClientResponse, start: float) -> Outcome:
-    content = resp.content
-    first = await content.readany()
-    ttfb = time.perf_counter() - start
-    parts = [first]
-    while chunk := await content.readany():
-        parts.append(chunk)
-    try:
-        obj = orjson.loads(b"".join(parts))
-        tokens = int(obj["usage"]["completion_tokens"])
-        if not obj.get("choices"):
-            raise KeyError("choices")
-    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
-        return Outcome(False, error="bad_body")
-    return Outcome(True, ttfb=ttfb, tokens=tokens)
-
-
-def error_key(status: int, body: bytes) -> str:
-    """How a refusal is counted: its status and, when the body is an OpenAI-shaped error with a
-    code, that code (``503:no_engine``): a failed run then says why, not only how."""
-    try:
-        error = orjson.loads(body).get("error")
-        code = (error.get("code") or error.get("type")) if isinstance(error, dict) else None
-    except (orjson.JSONDecodeError, AttributeError):
-        code = None
-    return f"{status}:{code}" if isinstance(code, str) and code else str(status)
 
 
 async def one_request(
@@ -218,7 +125,7 @@ async def one_request(
             async with session.post(url, data=body, headers=HEADERS) as resp:
                 if resp.status != 200:
                     return Outcome(False, error=error_key(resp.status, await resp.read()))
-                out = await (_read_stream(resp, start) if stream else _read_body(resp, start))
+                out = await (read_stream(resp, start) if stream else read_body(resp, start))
     except TimeoutError:
         return Outcome(False, error="timeout")
     except (aiohttp.ClientError, OSError) as exc:

@@ -18,7 +18,8 @@ from typing import Any
 import aiohttp
 
 from perf.load import procs
-from perf.load.generator import COMPLETIONS, HEADERS, Workload, error_key, new_session, percentile, run_round
+from perf.load.generator import COMPLETIONS, HEADERS, Workload, new_session, percentile, run_round
+from perf.load.reading import error_key
 from perf.load.stack import Target
 
 BATCH = 100  # connects per batch while opening streams: no SYN storm on the listen backlog
