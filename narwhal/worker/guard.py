@@ -5,9 +5,9 @@ an unhandled exception's 500) answers in the endpoint's error shape (OpenAI's, A
 ``/v1/messages``; SPEC §2.1) with ``x-narwhal-error`` and an ``x-request-id``, never a traceback.
 
 Why not an aiohttp middleware: aiohttp runs middlewares for the whole application, and an app with
-one also gets aiohttp's own ``_fix_request_current_app`` frame on every request: about seven Python
-calls per request beside the middleware's, and one more coroutine frame to resume on every wakeup
-of a request's task. So each route's handler is wrapped
+one also gets aiohttp's own ``_fix_request_current_app`` frame on every request: Python calls
+beside the middleware's own, and one more coroutine frame to resume on every wakeup of a
+request's task. So each route's handler is wrapped
 (:meth:`Guard.wrap`, :meth:`Guard.route` for the P/D and passthrough endpoints, which call the
 router in the same frame), and a resource matching every path, registered last
 (:meth:`Guard.refuse_unrouted`), answers what no route takes: aiohttp's own 404/405, in shape.
