@@ -44,7 +44,11 @@ _SITECUSTOMIZE = '''
 import os
 _DIR = os.environ.get("PERF_CALLCOUNT_DIR")
 if _DIR:
-    import atexit, cProfile
+    import atexit, cProfile, time
+
+    def _role():
+        with open("/proc/self/cmdline", "rb") as f:  # the process title, set after the fork
+            return "supervisor" if b"supervisor" in f.read() else "worker"
 
     def _profile_this_child():
         prof = cProfile.Profile()
@@ -52,13 +56,19 @@ if _DIR:
 
         def dump():
             prof.disable()
-            with open("/proc/self/cmdline", "rb") as f:  # the process title, set after the fork
-                role = "supervisor" if b"supervisor" in f.read() else "worker"
-            prof.dump_stats(f"{_DIR}/{role}-{os.getpid()}.prof")
+            prof.dump_stats(f"{_DIR}/{_role()}-{os.getpid()}.prof")
 
         atexit.register(dump)
 
-    os.register_at_fork(after_in_child=_profile_this_child)
+    def _time_this_child():  # --cpu: no profiler, only the CPU time the process used
+        def dump():
+            with open(f"{_DIR}/{_role()}-{os.getpid()}.cpu", "w") as f:
+                f.write(repr(time.process_time()))
+
+        atexit.register(dump)
+
+    _CPU = os.environ.get("PERF_CALLCOUNT_CPU")
+    os.register_at_fork(after_in_child=_time_this_child if _CPU else _profile_this_child)
 '''
 
 
@@ -112,31 +122,51 @@ async def _load(url: str, count: int, case: Case) -> None:
 FuncKey = tuple[str, int, str]  # (file, line, function), as pstats keys them
 
 
-def _calls(
-    run: Path, fleet: FakeFleet, root: str | None, count: int, case: Case
-) -> dict[FuncKey, int]:
-    """Calls per function of the router's worker over one run of ``count`` requests."""
+def _serve(run: Path, fleet: FakeFleet, root: str | None, count: int, case: Case, *,
+           cpu: bool = False, workers: int = 1) -> Path:
+    """One router run of ``count`` requests; the directory its processes wrote their figures to
+    as they exited (``.prof`` profiles, or with ``cpu`` their CPU seconds in ``.cpu`` files)."""
     out = Path(tempfile.mkdtemp(prefix="calls-", dir=run))
     engines = [{"name": "p0", "role": "producer", "url": fleet.engines["p0"]},
                {"name": "d0", "role": "consumer", "url": fleet.engines["d0"]}]
-    sections: dict[str, dict[str, Any]] = {"server": {"workers": 1}, "preflight": {"on_start": False},
+    sections: dict[str, dict[str, Any]] = {"server": {"workers": workers}, "preflight": {"on_start": False},
                                            "log": {"access_log": "", "level": "warning"}}
     env = {"PERF_CALLCOUNT_DIR": str(out), "PYTHONPATH": str(run / "hook")}
-    router = RouterProcess.start(write_config(engines, sections), env=env, root=root, workers=1,
+    if cpu:
+        env["PERF_CALLCOUNT_CPU"] = "1"
+    router = RouterProcess.start(write_config(engines, sections), env=env, root=root, workers=workers,
                                  log_path=str(out / "router.log"))
     try:
         asyncio.run(_load(router.url, count, case))
     finally:
         router.stop()
-    deadline = time.monotonic() + 10  # the profiles are written as the processes exit
-    while time.monotonic() < deadline and len(glob.glob(f"{out}/*.prof")) < 2:
+    deadline = time.monotonic() + 10  # written as the processes exit: every worker and the supervisor
+    while time.monotonic() < deadline and len(glob.glob(f"{out}/*.{'cpu' if cpu else 'prof'}")) < workers + 1:
         time.sleep(0.05)
+    return out
+
+
+def _calls(run: Path, fleet: FakeFleet, root: str | None, count: int, case: Case) -> dict[FuncKey, int]:
+    """Calls per function of the router's worker over one run of ``count`` requests."""
+    out = _serve(run, fleet, root, count, case)
     calls: dict[FuncKey, int] = {}
     for path in glob.glob(f"{out}/worker-*.prof"):
         stats = pstats.Stats(path).stats  # type: ignore[attr-defined]  # set at load; typeshed lacks it
         for func, (_, ncalls, *_rest) in stats.items():
             calls[func] = calls.get(func, 0) + ncalls
     return calls
+
+
+def cpu_per_request(run: Path, fleet: FakeFleet, root: str | None, case: Case, small: int, large: int,
+                    workers: int) -> float:
+    """The workers' CPU µs per request, no profiler: the difference of two runs, as for calls."""
+
+    def worker_cpu_s(count: int) -> float:
+        out = _serve(run, fleet, root, count, case, cpu=True, workers=workers)
+        return sum(float(Path(path).read_text()) for path in glob.glob(f"{out}/worker-*.cpu"))
+
+    few = worker_cpu_s(small)
+    return (worker_cpu_s(large) - few) / (large - small) * 1e6
 
 
 def per_function(run: Path, fleet: FakeFleet, root: str | None, case: Case,
@@ -181,15 +211,22 @@ def print_changed(ours: dict[FuncKey, float], theirs: dict[FuncKey, float], top:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.callcount", description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", required=True, help="git commit to compare with (e.g. main~3)")
-    parser.add_argument("--requests", type=int, default=400, help="requests per measurement (default 400)")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="requests per measurement (default 400; with --cpu 2,000)")
     parser.add_argument("--rounds", type=int, default=2, help="measurements per target (default 2)")
     parser.add_argument("--top", type=int, default=0, metavar="N",
                         help="also list this checkout's N functions with the most calls per request (the last case)")
     parser.add_argument("--changed", type=int, default=0, metavar="N",
                         help="also list the N functions whose calls per request changed most (the last case)")
+    parser.add_argument("--cpu", action="store_true",
+                        help="instead of calls, the workers' CPU µs per request with no profiler attached: "
+                             "timed, so noisy, but of the code as it runs (take 8-10 rounds)")
+    parser.add_argument("--workers", type=int, default=1, help="the router's workers (default 1)")
     parser.add_argument("--cases", default=DEFAULT_CASES,
                         help=f"comma-separated, of {', '.join(c.name for c in CASES)} (default {DEFAULT_CASES})")
     args = parser.parse_args(argv)
+    if args.requests is None:
+        args.requests = 2000 if args.cpu else 400
     by_name = {c.name: c for c in CASES}
     unknown = [n for n in args.cases.split(",") if n not in by_name]
     if unknown:
@@ -205,18 +242,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"perf.callcount: {exc}", file=sys.stderr)
         return 2
     head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    print(f"function calls per request: this checkout ({head.stdout.strip()}) vs {args.baseline} ({commit[:12]})")
-    print("| case | this checkout | baseline | ratio |\n|---|---:|---:|---:|")
+    what = "worker CPU µs" if args.cpu else "function calls"
+    print(f"{what} per request: this checkout ({head.stdout.strip()}) vs {args.baseline} ({commit[:12]}), "
+          f"{args.workers} worker(s)")
+    print("| case | this checkout | baseline | ratio | per-round ratios |\n|---|---:|---:|---:|---|")
     fleet = FakeFleet.start(["p0", "d0"], args=["--model", MODEL])
     try:
         for case in cases:
-            # Interleaved, as the timed suite does: a drift in the host hits both targets alike.
+            # Interleaved, and in alternating order, as the timed suite does: a drift in the host
+            # hits both targets alike.
             figures: dict[str, list[float]] = {"head": [], "base": []}
-            for _ in range(args.rounds):
-                for name, root in (("head", None), ("base", str(run / "base"))):
-                    figures[name].append(per_request(run, fleet, root, case, 50, 50 + args.requests))
+            for r in range(args.rounds):
+                targets = (("head", None), ("base", str(run / "base")))
+                for name, root in targets if r % 2 == 0 else targets[::-1]:
+                    if args.cpu:
+                        figure = cpu_per_request(run, fleet, root, case, 100, 100 + args.requests, args.workers)
+                    else:
+                        figure = per_request(run, fleet, root, case, 50, 50 + args.requests)
+                    figures[name].append(figure)
             ours, theirs = statistics.median(figures["head"]), statistics.median(figures["base"])
-            print(f"| {case.name} | {ours:,.0f} | {theirs:,.0f} | {ours / theirs:.3f} |", flush=True)
+            ratios = ", ".join(f"{a / b:.3f}" for a, b in zip(figures["head"], figures["base"], strict=True))
+            print(f"| {case.name} | {ours:,.0f} | {theirs:,.0f} | {ours / theirs:.3f} | {ratios} |", flush=True)
         if args.top:
             print_top(per_function(run, fleet, None, cases[-1], 50, 50 + args.requests), args.top, cases[-1])
         if args.changed:
