@@ -16,7 +16,8 @@ module does just that, in a few steps per request:
 * connections are kept per origin, most recently used first, with no global cap (long SSE
   streams would exhaust one). An idle connection is reused for at most ``IDLE_S`` seconds, which
   is below the keep-alive of the servers engines run in (uvicorn, vLLM's server: 5 s), so a
-  request is never written to a connection the engine is closing; a POST is never resent.
+  request is never written to a connection the engine is closing, nor to one it already ended
+  (``Connection.dropped``: a poll before reuse); a POST is never resent.
 * a reader that does not keep up pauses the socket (``HIGH_WATER`` bytes buffered), so a slow
   client never makes the router buffer an engine's whole answer.
 
@@ -177,7 +178,7 @@ class UpstreamPool:
             cutoff = time.monotonic() - self._idle_s
             while idle:
                 conn = idle.pop()
-                if conn.reusable and conn.idle_since > cutoff:
+                if conn.reusable and conn.idle_since > cutoff and not conn.dropped():
                     return conn
                 conn.close()
         return None

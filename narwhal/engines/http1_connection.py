@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import math
 import re
+import select
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
@@ -100,6 +101,7 @@ class Connection(asyncio.Protocol):
         self.on_body = self._body.append
         self._parser = httptools.HttpResponseParser(self)  # after on_body: the parser binds it once
         self.idle_since = 0.0
+        self._fd = -1  # the socket's, for dropped()
         self._closed = False
         self._news = False  # the parser saw the head or the end during this read: wake the reader
         self._hold_head = False  # a stream's reader waits past a 200 head for its first body bytes
@@ -122,6 +124,8 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         """asyncio: the socket is up."""
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+        sock = transport.get_extra_info("socket")
+        self._fd = sock.fileno() if sock is not None else -1
 
     def data_received(self, data: bytes) -> None:
         """asyncio, per socket read: parse, then one sink call or one wakeup for what the read brought."""
@@ -367,6 +371,21 @@ class Connection(asyncio.Protocol):
     def reusable(self) -> bool:
         """Open and not closing: a pooled connection still fit for the next request."""
         return not self._closed and self.transport is not None and not self.transport.is_closing()
+
+    def dropped(self) -> bool:
+        """Whether the engine ended this idle connection and the loop has not read it yet.
+
+        An idle HTTP/1.1 connection has nothing to read, so a socket with something to read is
+        its end: EOF or a reset. Why ask before reuse (urllib3 does the same): an engine that
+        stops or restarts resets its connections, and the loop may run the next request before
+        it reads the reset. That request would go out on a dead connection and fail as "closed
+        the connection before a response", where a fresh connection says the truth: refused
+        (unreachable, SPEC §6), or accepted by the engine's new process. One ``poll`` per reuse."""
+        if self._fd < 0:
+            return False
+        poller = select.poll()
+        poller.register(self._fd, select.POLLIN)
+        return bool(poller.poll(0))
 
     def send(self, head: bytes, body: bytes, size: int | None = None) -> None:
         """Write a request: ``size`` is ``len(body)`` when the caller has it already."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -171,6 +172,56 @@ async def test_an_idle_connection_past_idle_s_is_not_reused() -> None:
             assert srv.connections == 2
         finally:
             await pool.close()
+
+
+@pytest.mark.parametrize("loop_kind", ["uvloop", "asyncio"])
+def test_a_pooled_connection_the_engine_reset_is_not_reused(loop_kind: str) -> None:
+    # The engine resets the idle connection (SO_LINGER 0: the RST goes out in close()) and the
+    # next request comes before the client's loop has run: the poll before reuse sees the reset
+    # and connects afresh, where the dead connection would fail "closed before a response".
+    async def check() -> tuple[int, bytes]:
+        loop = asyncio.get_running_loop()
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        listener.setblocking(False)
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        pool = UpstreamPool()
+        accepted: list[socket.socket] = []
+        server: asyncio.Future[None] | None = None
+
+        async def answer_one() -> None:
+            engine, _ = await loop.sock_accept(listener)
+            accepted.append(engine)
+            await loop.sock_recv(engine, 65536)  # the whole small request
+            await loop.sock_sendall(engine, OK_JSON)
+
+        try:
+            async with asyncio.timeout(5):
+                server = asyncio.ensure_future(answer_one())
+                conn = await pool.post(url, "/x", b"", b"{}")
+                await server
+                await conn.read_all()
+                conn.release()
+                accepted[0].setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                accepted[0].close()
+                server = asyncio.ensure_future(answer_one())
+                conn = await pool.post(url, "/x", b"", b"{}")  # the pool is asked before any await
+                status = await conn.response()  # on the dead connection: ConnectionLost
+                await server
+                body = await conn.read_all()
+                conn.release()
+                return len(accepted), body if status == 200 else b""
+        finally:
+            if server is not None:
+                server.cancel()
+            await pool.close()
+            for engine in accepted[1:]:
+                engine.close()
+            listener.close()
+
+    run = uvloop.run if loop_kind == "uvloop" else asyncio.run
+    assert run(check()) == (2, b'{"ok":true}')
 
 
 async def test_closed_before_the_response_and_mid_body_are_connection_lost(pool: UpstreamPool) -> None:
