@@ -208,7 +208,7 @@ def print_changed(ours: dict[FuncKey, float], theirs: dict[FuncKey, float], top:
         print(f"  {n:+7.1f}  {name}  ({where})")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m perf.callcount", description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", required=True, help="git commit to compare with (e.g. main~3)")
     parser.add_argument("--requests", type=int, default=None,
@@ -224,6 +224,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1, help="the router's workers (default 1)")
     parser.add_argument("--cases", default=DEFAULT_CASES,
                         help=f"comma-separated, of {', '.join(c.name for c in CASES)} (default {DEFAULT_CASES})")
+    return parser
+
+
+def compare(run: Path, fleet: FakeFleet, case: Case, args: argparse.Namespace) -> None:
+    """One row: ``case``'s figure per request for this checkout and the baseline, interleaved and
+    in alternating order, as the timed suite does, so a drift in the host hits both alike."""
+    figures: dict[str, list[float]] = {"head": [], "base": []}
+    for r in range(args.rounds):
+        targets = (("head", None), ("base", str(run / "base")))
+        for name, root in targets if r % 2 == 0 else targets[::-1]:
+            if args.cpu:
+                figure = cpu_per_request(run, fleet, root, case, 100, 100 + args.requests, args.workers)
+            else:
+                figure = per_request(run, fleet, root, case, 50, 50 + args.requests)
+            figures[name].append(figure)
+    ours, theirs = statistics.median(figures["head"]), statistics.median(figures["base"])
+    ratios = ", ".join(f"{a / b:.3f}" for a, b in zip(figures["head"], figures["base"], strict=True))
+    print(f"| {case.name} | {ours:,.0f} | {theirs:,.0f} | {ours / theirs:.3f} | {ratios} |", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.requests is None:
         args.requests = 2000 if args.cpu else 400
@@ -249,26 +271,15 @@ def main(argv: list[str] | None = None) -> int:
     fleet = FakeFleet.start(["p0", "d0"], args=["--model", MODEL])
     try:
         for case in cases:
-            # Interleaved, and in alternating order, as the timed suite does: a drift in the host
-            # hits both targets alike.
-            figures: dict[str, list[float]] = {"head": [], "base": []}
-            for r in range(args.rounds):
-                targets = (("head", None), ("base", str(run / "base")))
-                for name, root in targets if r % 2 == 0 else targets[::-1]:
-                    if args.cpu:
-                        figure = cpu_per_request(run, fleet, root, case, 100, 100 + args.requests, args.workers)
-                    else:
-                        figure = per_request(run, fleet, root, case, 50, 50 + args.requests)
-                    figures[name].append(figure)
-            ours, theirs = statistics.median(figures["head"]), statistics.median(figures["base"])
-            ratios = ", ".join(f"{a / b:.3f}" for a, b in zip(figures["head"], figures["base"], strict=True))
-            print(f"| {case.name} | {ours:,.0f} | {theirs:,.0f} | {ours / theirs:.3f} | {ratios} |", flush=True)
-        if args.top:
-            print_top(per_function(run, fleet, None, cases[-1], 50, 50 + args.requests), args.top, cases[-1])
-        if args.changed:
-            head_calls = per_function(run, fleet, None, cases[-1], 50, 50 + args.requests)
-            base_calls = per_function(run, fleet, str(run / "base"), cases[-1], 50, 50 + args.requests)
-            print_changed(head_calls, base_calls, args.changed, cases[-1])
+            compare(run, fleet, case, args)
+        if args.top or args.changed:
+            last = cases[-1]
+            head_calls = per_function(run, fleet, None, last, 50, 50 + args.requests)
+            if args.top:
+                print_top(head_calls, args.top, last)
+            if args.changed:
+                base_calls = per_function(run, fleet, str(run / "base"), last, 50, 50 + args.requests)
+                print_changed(head_calls, base_calls, args.changed, last)
     finally:
         fleet.stop()
     return 0

@@ -34,7 +34,7 @@ from typing import Protocol
 
 
 class Lru(Protocol):
-    """A producer's holdings as these steps use them (``supervisor.holdings.ProducerHoldings``)."""
+    """A producer's holdings as these steps use them (``supervisor.holdings.producer.ProducerHoldings``)."""
 
     keys: OrderedDict[int, float]  # least recently used first, each with its first time
     hot: OrderedDict[int, float]  # reused lately, least recently reused first, each with when

@@ -3,9 +3,9 @@
 
 Invariant: only the supervisor writes these records (its one loop); the workers see what
 ``HoldingsModel.publish`` makes of them in the holdings region, never the records themselves.
-Why a module of its own: the record is the model's state, read by the LRU steps
-(``supervisor.holdings.lru``) and the rate rules as well as by the model, and it has its own
-vocabulary (hot keys, the last head kept whole, the urgent publish).
+Why a module of its own: the record is the model's state, worked on by the LRU steps
+(``supervisor.holdings.lru``, through their ``Lru`` view of it) as well as by the model, and it
+has its own vocabulary (hot keys, the last head kept whole, the urgent publish).
 """
 
 from __future__ import annotations
