@@ -12,6 +12,14 @@ engine stays out without being blamed again.
   decode failure the handoff comes from the *original* producer, so a consumer that cannot
   receive from that producer is not readmitted by a handoff from another one.
 
+Probes pair like placement (docs/behaviour.md, "Recovery": probes pair like placement): a probe's partner, and the
+consumer a producer probe's handoff is released to, can hand off with the probed engine: the same
+transfer mode, and the same vLLM version when both are known (the probed engine's version is read
+by the probe itself, so a freshly upgraded engine is never paired by a stale one). Partners of
+its own known version come first. Without this, a rolling upgrade readmits nothing: a 0.33
+consumer probed through a 0.32 producer listed first fails NIXL's handshake every time, and stays
+out until that producer is upgraded too.
+
 Every leg is bounded by ``engine.first_token_timeout_s``. The control reads (``/health``,
 ``/version``, ``/v1/models``) go through :class:`narwhal.engines.control.ControlClient`, so they
 verify engines with ``engine.ca_file`` and send the engine key exactly as the request path does:
@@ -33,7 +41,7 @@ from narwhal.engines.client import EngineClient
 from narwhal.engines.connector import PrefillResult
 from narwhal.engines.control import ControlClient, ControlError, VersionPin
 from narwhal.errors import EngineError, NarwhalError
-from narwhal.fleet import Engine, Fleet
+from narwhal.fleet import Engine, Fleet, compat
 from narwhal.settings import Settings
 
 ENDPOINT = endpoints.PROBE
@@ -81,38 +89,51 @@ class Prober:
         if kind == "health":
             failure = await self.health_failure(engine)
             return (PASS, "") if failure is None else (FAIL, failure)
-        model, why = await self._lifecycle(engine)
+        model, why, version = await self._lifecycle(engine)
         if model is None:
             return FAIL, why
         if kind == "lifecycle":  # a discovered engine's first checks without a contract (supervisor.membership)
             return PASS, ""
+        probed = _Probed(version or engine.version, engine.transfer_mode)
         if as_producer:
-            why = await self._producer_probe(engine, model)
+            why = await self._producer_probe(engine, probed, model)
             if why:
                 return FAIL, why
         if as_consumer:
-            return await self._consumer_probe(engine, model, producer)
+            return await self._consumer_probe(engine, probed, model, producer)
         return PASS, ""
 
-    async def _lifecycle(self, engine: Engine) -> tuple[str | None, str]:
-        """With a contract: /health, /version, /v1/models. Returns the model to probe with, or
-        None and why not."""
+    async def _lifecycle(self, engine: Engine) -> tuple[str | None, str, str | None]:
+        """With a contract: /health, /version, /v1/models. Returns the model to probe with (or
+        None and why not), and the version the engine reported (None: not read or unreadable)."""
         contract = self.settings.engine_contract
         failure = await self.health_failure(engine)
         if failure is not None:
-            return None, f"health: {failure}"
+            return None, f"health: {failure}", None
         models = await self.control.models(engine) or []
         if contract is None:
             model = models[0] if models else (next(iter(engine.models), None))
-            return model, "" if model else "no model to probe with"
-        if self.pin is not None:
-            version = await self.control.version(engine)
-            if version is None or not self.pin.matches(version):
-                return None, f"version {version or 'unreadable'} does not meet the pin"
+            return model, "" if model else "no model to probe with", None
+        version = await self.control.version(engine)  # read for the pin, and to pair the probe (module text)
+        if self.pin is not None and (version is None or not self.pin.matches(version)):
+            return None, f"version {version or 'unreadable'} does not meet the pin", version
         if contract.model and contract.model not in models:
-            return None, f"model {contract.model} not served"
+            return None, f"model {contract.model} not served", version
         model = contract.model or (models[0] if models else None)
-        return model, "" if model else "no model to probe with"
+        return model, "" if model else "no model to probe with", version
+
+    def _partners(self, candidates: tuple[Engine, ...], engine: Engine, probed: _Probed,
+                  probed_is_producer: bool) -> list[Engine]:
+        """The admitted ``candidates`` that can hand off with the probed engine, those of its own
+        known version first (module text)."""
+        found = []
+        for other in candidates:
+            if other is engine or not self.admitted(other):
+                continue
+            pair = (probed, other) if probed_is_producer else (other, probed)
+            if compat.compatible(*pair):
+                found.append(other)
+        return sorted(found, key=lambda other: other.version is None or other.version != probed.version)
 
     def _body(self, model: str) -> dict[str, Any]:
         return {**endpoints.probe_body(model, "narwhal probe"), "stream": True}
@@ -124,9 +145,9 @@ class Prober:
             deadline=loop.time() + self.timeout,
         )
 
-    async def _producer_probe(self, engine: Engine, model: str) -> str:
+    async def _producer_probe(self, engine: Engine, probed: _Probed, model: str) -> str:
         """"" when the engine's handoff validated, else why not."""
-        consumers = [d for d in engine.permitted_consumers if d is not engine and self.admitted(d)]
+        consumers = self._partners(engine.permitted_consumers, engine, probed, probed_is_producer=True)
         crossed = bool(consumers) or engine.role != "both"
         try:
             result = await self._prefill(engine, model, crossed)
@@ -146,14 +167,17 @@ class Prober:
                                       max_age_s=self.settings.handoff.max_age_s)
         return ""
 
-    async def _consumer_probe(self, engine: Engine, model: str, original: str | None) -> Verdict:
-        if original is not None:
-            found = self.fleet.by_name.get(original)
+    async def _consumer_probe(self, engine: Engine, probed: _Probed, model: str, original: str | None) -> Verdict:
+        found = None if original is None else self.fleet.by_name.get(original)
+        if found is not None and not compat.compatible(found, probed):
+            found = None  # an upgraded pair: the original producer cannot hand off to it any more
+        elif original is not None:
             if found is None or not self.admitted(found):
                 return INCONCLUSIVE, f"original producer {original} unavailable"  # nothing to learn
+        if found is not None:
             producer = found
         else:
-            candidates = [p for p in engine.permitted_producers if p is not engine and self.admitted(p)]
+            candidates = self._partners(engine.permitted_producers, engine, probed, probed_is_producer=False)
             producer = candidates[0] if candidates else engine
         crossed = producer is not engine
         try:
@@ -172,6 +196,16 @@ class Prober:
         except NarwhalError as exc:
             return FAIL, f"decode: {_why(exc)}"
         return PASS, ""
+
+
+class _Probed:
+    """The probed engine as the pairing rule reads it: its version as the probe read it, and its mode."""
+
+    __slots__ = ("version", "transfer_mode")
+
+    def __init__(self, version: str | None, transfer_mode: str) -> None:
+        self.version = version
+        self.transfer_mode = transfer_mode
 
 
 def _rid() -> str:
