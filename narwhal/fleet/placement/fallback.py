@@ -22,17 +22,28 @@ used only in a role's panic, never merely because the others are full: a full fl
 slot (``placement.queue_timeout_s``) rather than spilling onto engines the breaker took out.
 When no engine of a role is placeable at all, nothing changes: the model has no pair, 503
 ``no_engine``, as before. Pure: the view answers, nothing here reads shared memory itself.
+
+**Reachable before unreachable, whatever else** (docs/behaviour.md, "Placement"): the tiers
+above outrank load, but saturation is decided elsewhere (a saturated engine goes after the
+others), and a dead engine's last load reading is stale and unsaturated. So the one order for
+every fallback is: reachability first, then saturation, then the tier, then load. Two things
+carry it, both from here: :attr:`Fallback.down` is the leading sort key of every order the
+second look makes (``least_loaded.order``/``pick``'s ``last``), and :func:`reachable_first`
+splits the producers so that a policy's own order (or its saturated set-aside) never puts an
+unreachable producer before a reachable one. Before this, a quarantined consumer at 97 % KV
+usage lost to a dead one five times in five.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple, TypeVar
 
 from narwhal.fleet import Engine, Fleet
 from narwhal.fleet.roster import FleetView
 
 Rank = tuple[int, float]
+T = TypeVar("T")
 
 
 class Fallback(NamedTuple):
@@ -41,6 +52,17 @@ class Fallback(NamedTuple):
     producer_ok: Callable[[Engine], bool]
     consumer_ok: Callable[[Engine], bool]
     rank: Callable[[Engine], Rank]
+    down: Sequence[bool]  # by engine index: unreachable, the leading key of every order here
+
+
+def reachable_first(items: list[T], engine_of: Callable[[T], Engine], down: Sequence[bool]) -> list[list[T]]:
+    """``items`` as the groups to try in turn: the reachable ones, then the unreachable ones (each
+    in its order; an empty group left out)."""
+    near = [item for item in items if not down[engine_of(item).index]]
+    if len(near) == len(items):
+        return [items]
+    far = [item for item in items if down[engine_of(item).index]]
+    return [near, far] if near else [far]
 
 
 def fallback(view: FleetView, fleet: Fleet, producers: Iterable[Engine], consumers: Iterable[Engine]) -> Fallback:
@@ -60,4 +82,4 @@ def fallback(view: FleetView, fleet: Fleet, producers: Iterable[Engine], consume
         i = e.index
         return (2 if down[i] else 0 if placeable[i] else 1), left[i]
 
-    return Fallback(usable_in(producers), usable_in(consumers), rank)
+    return Fallback(usable_in(producers), usable_in(consumers), rank, down)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from narwhal.fleet.placement.load import Loads
 from narwhal.fleet.placement.policy import Asked, Candidate, Ordered, by_load, producer_index
@@ -26,30 +26,39 @@ from narwhal.fleet.placement.policy import Asked, Candidate, Ordered, by_load, p
 T = TypeVar("T")
 
 
+def _key(load: Callable[[T], Any], index: Callable[[T], int], loads: Loads | None,
+         last: Sequence[bool] | None) -> Callable[[T], Any]:
+    """The sort key: unreachable last (``last``, the second look's, :mod:`.fallback`), then
+    saturated last, then load."""
+    saturated = loads.saturated if loads is not None and loads.any_saturated else None
+    if last is None:
+        if saturated is None:
+            return load
+        return lambda item: (saturated[index(item)], load(item))
+    if saturated is None:
+        return lambda item: (last[index(item)], load(item))
+    return lambda item: (last[index(item)], saturated[index(item)], load(item))
+
+
 def order(
-    items: list[T], load: Callable[[T], float], index: Callable[[T], int], loads: Loads | None, rng: random.Random
+    items: list[T], load: Callable[[T], Any], index: Callable[[T], int], loads: Loads | None, rng: random.Random,
+    last: Sequence[bool] | None = None,
 ) -> list[T]:
-    """``items`` least loaded first (in place), saturated ones after all others."""
+    """``items`` least loaded first (in place), saturated ones after all others, and after
+    those the ones ``last`` names (by index: the unreachable, in the second look)."""
     if len(items) > 1:
         rng.shuffle(items)  # random tie-break under the stable sort below
-        if loads is not None and loads.any_saturated:
-            saturated = loads.saturated
-            items.sort(key=lambda item: (saturated[index(item)], load(item)))
-        else:
-            items.sort(key=load)
+        items.sort(key=_key(load, index, loads, last))
     return items
 
 
-def pick(items: list[T], load: Callable[[T], float], index: Callable[[T], int], loads: Loads | None,
-         rng: random.Random) -> T:
-    """The least loaded of ``items`` (not empty), unsaturated first, ties at random."""
+def pick(items: list[T], load: Callable[[T], Any], index: Callable[[T], int], loads: Loads | None,
+         rng: random.Random, last: Sequence[bool] | None = None) -> T:
+    """The first of :func:`order` over ``items`` (not empty), ties at random."""
     if len(items) == 1:
         return items[0]
     rng.shuffle(items)
-    if loads is not None and loads.any_saturated:
-        saturated = loads.saturated
-        return min(items, key=lambda item: (saturated[index(item)], load(item)))
-    return min(items, key=load)
+    return min(items, key=_key(load, index, loads, last))
 
 
 def all_saturated(indexes: Sequence[int], loads: Loads | None) -> bool:

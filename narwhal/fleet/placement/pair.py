@@ -44,7 +44,7 @@ from typing import Any
 from narwhal.fleet import Engine, Fleet, FleetView, compat
 from narwhal.fleet.placement import affinity, held, least_loaded
 from narwhal.fleet.placement.blocks import PrefixBlocks
-from narwhal.fleet.placement.fallback import Fallback, fallback
+from narwhal.fleet.placement.fallback import Fallback, fallback, reachable_first
 from narwhal.fleet.placement.load import LoadCache, Loads, LoadSource
 from narwhal.fleet.placement.policy import Asked, Candidate, Choice, producer_index, saturated, split_saturated
 from narwhal.fleet.placement.registry import policy_named
@@ -54,6 +54,10 @@ from narwhal.settings import PlacementSettings
 
 def _engine_index(engine: Engine) -> int:
     return engine.index
+
+
+def _producer_of(candidate: Candidate) -> Engine:
+    return candidate[0]
 
 
 class Placement:
@@ -131,7 +135,7 @@ class Placement:
         usable_p: Callable[[Engine], bool] = self.view.admitted
         usable_d: Callable[[Engine], bool] = usable_p
         if second is not None:
-            usable_p, usable_d, rank = second
+            usable_p, usable_d, rank, _ = second
             by_rank_p, by_rank_d = prefill_load, decode_load
             prefill_load = lambda c: (rank(c[0]), by_rank_p(c))  # noqa: E731
             decode_load = lambda e: (rank(e), by_rank_d(e))  # noqa: E731
@@ -140,32 +144,42 @@ class Placement:
             for p, consumers in self._candidates(model)
             if (not avoid or p.name not in avoid) and usable_p(p)
         ]
-        ordered, choice_of = self._order(candidates, prefill_load, key, loads, blocks)
-        for position, (p, serving) in enumerate(ordered):
-            if p.max_inflight_prefill is not None and prefills[p.index] >= p.max_inflight_prefill:
-                continue
-            consumers = [
-                d
-                for d in serving
-                if (not avoid or d.name not in avoid) and usable_d(d)
-                and (d.max_inflight_decode is None or decodes[d.index] < d.max_inflight_decode)
-            ]
-            if not consumers:
-                continue
-            d = least_loaded.pick(consumers, decode_load, _engine_index, loads, self._rng)
-            if not inflight.try_reserve(p, "prefill", p.max_inflight_prefill):
-                continue
-            if not inflight.try_reserve(d, "decode", d.max_inflight_decode):
-                inflight.release(p, "prefill")
-                continue
-            resv = Reservation(self, p, d, choice_of(position, p))
-            if self._facts:
-                resv.predicted_chars, uncached, resv.queued_chars = self._facts[position]
-                if self.holdings is not None and uncached:
-                    resv.work = uncached  # this host's queued prefill work there, until it ends
-                    self.holdings.add_work(p.index, uncached)
-            return resv
+        last = None if second is None else second.down
+        groups = [candidates] if last is None else reachable_first(candidates, _producer_of, last)
+        for group in groups:  # reachable producers before unreachable ones, whatever the policy says
+            ordered, choice_of = self._order(group, prefill_load, key, loads, blocks)
+            for position, (p, serving) in enumerate(ordered):
+                if p.max_inflight_prefill is not None and prefills[p.index] >= p.max_inflight_prefill:
+                    continue
+                consumers = [
+                    d
+                    for d in serving
+                    if (not avoid or d.name not in avoid) and usable_d(d)
+                    and (d.max_inflight_decode is None or decodes[d.index] < d.max_inflight_decode)
+                ]
+                if not consumers:
+                    continue
+                d = least_loaded.pick(consumers, decode_load, _engine_index, loads, self._rng, last)
+                resv = self._reserve(p, d, choice_of(position, p), position)
+                if resv is not None:
+                    return resv
         return None
+
+    def _reserve(self, p: Engine, d: Engine, choice: str, position: int) -> Reservation | None:
+        """Both phase slots of the chosen pair, or None (and neither) when one is taken meanwhile."""
+        inflight = self.inflight
+        if not inflight.try_reserve(p, "prefill", p.max_inflight_prefill):
+            return None
+        if not inflight.try_reserve(d, "decode", d.max_inflight_decode):
+            inflight.release(p, "prefill")
+            return None
+        resv = Reservation(self, p, d, choice)
+        if self._facts:
+            resv.predicted_chars, uncached, resv.queued_chars = self._facts[position]
+            if self.holdings is not None and uncached:
+                resv.work = uncached  # this host's queued prefill work there, until it ends
+                self.holdings.add_work(p.index, uncached)
+        return resv
 
     def _order(
         self, candidates: list[Candidate], load: Callable[[Candidate], Any], key: int | None, loads: Loads | None,
@@ -219,7 +233,8 @@ class Placement:
             value = decodes[e.index] + (extra[e.index] if extra is not None else 0)
             return value if rank is None else (rank(e), value)
 
-        for d in least_loaded.order(consumers, load, _engine_index, loads, self._rng):
+        last = None if second is None else second.down
+        for d in least_loaded.order(consumers, load, _engine_index, loads, self._rng, last):
             if self.inflight.try_reserve(d, "decode", d.max_inflight_decode):
                 return Reservation(self, d, d, "local", local=True)
         return None

@@ -3,8 +3,11 @@ that are reachable, which join only in a role's panic (``narwhal.fleet.placement
 
 from __future__ import annotations
 
+import pytest
+
+from narwhal.fleet.placement.fallback import reachable_first
 from narwhal.fleet.reachability import Reachability
-from tests.unit.fleet.placement_support import MODEL, fleet_of, place
+from tests.unit.fleet.placement_support import KEY, MODEL, Reading, fleet_of, place
 
 
 def _eject(view, name: str) -> None:  # type: ignore[no-untyped-def]
@@ -90,3 +93,68 @@ def test_an_engine_that_left_the_fleet_is_forgotten() -> None:
     assert reach.names() == ["d9"]
     reach.forget("d9")
     assert reach.names() == [] and not reach.unreachable("d9")
+
+
+# One order for every fallback (docs/behaviour.md, "Placement"): reachable before unreachable,
+# whatever the load, saturation or breaker state. A dead engine's last reading is stale and
+# unsaturated, so before the rule it beat a reachable one that was saturated.
+
+def _saturate(readings, clock, *names: str) -> None:  # type: ignore[no-untyped-def]
+    readings.set(**{n: Reading(read_at=clock.now, kv_usage=0.97) for n in names})
+
+
+def test_a_saturated_quarantined_consumer_comes_before_a_dead_one() -> None:
+    placement, readings, clock, _, view = fleet_of(producers=1, consumers=2)
+    view.left["d0"] = 5.0
+    view.down.add("d1")
+    _saturate(readings, clock, "d0")
+    for _ in range(5):
+        resv = place(placement)
+        assert resv.consumer.name == "d0"
+        resv.release()
+
+
+@pytest.mark.parametrize("policy", ["least_loaded", "affinity", "held"])
+def test_a_saturated_quarantined_producer_comes_before_a_dead_one(policy: str) -> None:
+    placement, readings, clock, _, view = fleet_of(producers=2, consumers=1, policy=policy)
+    view.left["p0"] = 5.0
+    view.down.add("p1")
+    _saturate(readings, clock, "p0")
+    for _ in range(3):
+        resv = place(placement, key=KEY)
+        assert resv.producer.name == "p0"
+        resv.release()
+
+
+def test_a_saturated_ejected_consumer_in_a_panic_comes_before_a_dead_one() -> None:
+    placement, readings, clock, _, view = fleet_of(producers=1, consumers=2)
+    _eject(view, "d0")
+    view.down.add("d1")
+    _saturate(readings, clock, "d0")
+    assert place(placement).consumer.name == "d0"
+
+
+def test_a_local_decode_takes_a_saturated_reachable_consumer_before_a_dead_one() -> None:
+    placement, readings, clock, _, view = fleet_of(producers=1, consumers=2)
+    view.left["d0"] = 5.0
+    view.down.add("d1")
+    _saturate(readings, clock, "d0")
+    found = placement.try_place(MODEL, local=True)
+    assert found is not None and found.consumer.name == "d0"
+
+
+def test_the_dead_engine_is_still_the_last_resort() -> None:
+    placement, readings, clock, _, view = fleet_of(producers=1, consumers=2)
+    view.out.add("d0")  # out by hand
+    view.down.add("d1")
+    _saturate(readings, clock, "d1")
+    assert place(placement).consumer.name == "d1"
+
+
+def test_reachable_first_keeps_each_group_in_its_order() -> None:
+    placement, _, _, _, _ = fleet_of(producers=3, consumers=1)
+    p0, p1, p2 = placement.fleet.engines[:3]
+    down = [False, True, False, False]
+    assert reachable_first([p1, p2, p0], lambda e: e, down) == [[p2, p0], [p1]]
+    assert reachable_first([p0, p2], lambda e: e, down) == [[p0, p2]]
+    assert reachable_first([p1], lambda e: e, down) == [[p1]]
