@@ -72,6 +72,21 @@ class EngineSpec(Section):
     models: list[str] | None = None
     transfer_mode: Literal["pull", "push"] = "pull"  # NIXL's; a pair needs the same (SPEC §11)
 
+    @field_validator("url", "wave", "kv_connector", "kv_peers", "models")
+    @classmethod
+    def _plain_text(cls, value: str | list[str] | None) -> str | list[str] | None:
+        # Every string of an entry ends up in shared memory as UTF-8 JSON, in log lines and in
+        # metric labels: a lone surrogate (valid in a JSON escape, not encodable) or a control
+        # character is refused here, where the error names the key, not later in a writer.
+        for text in [value] if isinstance(value, str) else value or []:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("expected text (a lone surrogate escape is not)") from None
+            if any(ch < " " or ch == "\x7f" for ch in text):
+                raise ValueError("expected text without control characters (NUL, newlines, escapes)")
+        return value
+
     @field_validator("url")
     @classmethod
     def _http_url(cls, value: str) -> str:

@@ -1,7 +1,8 @@
 """Discovery in the supervisor (SPEC §10): read the sources, follow them through shared memory.
 
 Every ``discovery.interval_s`` the sources are read in a task of their own — the file in a
-thread, each DNS name bounded by the interval — so no read delays the loop's heartbeat; the
+daemon thread and each DNS name, both bounded by the interval (at most 5 s) — so no read delays
+the loop's heartbeat, and a read that hangs holds up no other source; the
 loop only starts the read (:meth:`Discovery.tick`) and, once it finished, applies the result
 (:meth:`Discovery.apply`: table and record writes, microseconds).
 
@@ -50,7 +51,7 @@ from narwhal.shm import descriptors
 from narwhal.shm.layout import TABLE_LOCK
 from narwhal.shm.table import TableFull, identity
 from narwhal.supervisor.breaker import State
-from narwhal.supervisor.discovery.sources import DnsReader, SourceInvalid, SourceUnreadable, read_engines_file
+from narwhal.supervisor.discovery.sources import DnsReader, FileReader, SourceInvalid, SourceUnreadable
 from narwhal.supervisor.discovery.wanted import STATIC, Member, change, wanted_fleet
 
 if TYPE_CHECKING:
@@ -79,7 +80,9 @@ class Discovery:
         self.settings = settings.discovery
         self.static = list(settings.engines)
         self.order = (["file"] if self.settings.file else []) + [f"dns:{d.name}" for d in self.settings.dns]
-        self._dns = DnsReader(self.settings, min(self.settings.interval_s, 5.0)) if self.settings.dns else None
+        bound_s = min(self.settings.interval_s, 5.0)
+        self._dns = DnsReader(self.settings, bound_s) if self.settings.dns else None
+        self._file = FileReader(self.settings.file, bound_s) if self.settings.file else None
         by_source: dict[str, list[EngineSpec]] = {source: [] for source in self.order}
         for engine in sup.fleet.engines:  # what the table holds from each source: its last good set
             source = sup.sources.get(engine.name, STATIC)
@@ -109,7 +112,10 @@ class Discovery:
                 self._fresh = True  # a slot or a name may have freed meanwhile (issue 40 item 7)
         if self._fresh:
             self._fresh = False
-            self.apply()
+            try:
+                self.apply()
+            except Exception:  # a defect here must not stop the supervisor (it would restart, and read the same)
+                log.exception("discovery: applying the sources failed; the fleet stays as it was")
 
     def _read_done(self, task: asyncio.Task[None]) -> None:
         self._task = None
@@ -120,7 +126,8 @@ class Discovery:
         for source in self.order:
             try:
                 if source == "file":
-                    found = await asyncio.to_thread(read_engines_file, self.settings.file)
+                    assert self._file is not None
+                    found = await self._file.read()
                 else:
                     assert self._dns is not None
                     dns = next(d for d in self.settings.dns if f"dns:{d.name}" == source)
@@ -191,11 +198,11 @@ class Discovery:
                         raise _NotYet(f"its name is still {holder.url}'s, draining")
                     blob = descriptors.encode(spec.model_dump(), source)
                     slot = sup.shared.table.spare_slot(ident, sup.shared.oldest_worker_epoch())
-                except (_NotYet, TableFull, descriptors.DescriptorTooLong) as exc:
+                except (_NotYet, TableFull, descriptors.DescriptorTooLong, TypeError, ValueError) as exc:
                     line = f"discovery: {source}: engine {spec.name!r} at {spec.url} is refused: {exc}"
                     if self._deferred.get(spec.url) != line:
-                        log.warning("%s%s", line, "" if isinstance(exc, descriptors.DescriptorTooLong)
-                                    else "; it joins when a slot frees")
+                        log.warning("%s%s", line, "; it joins when a slot frees"
+                                    if isinstance(exc, (_NotYet, TableFull)) else "")
                     deferred[spec.url] = line
                     self._refused_by_source[source] = self._refused_by_source.get(source, 0) + 1
                     continue

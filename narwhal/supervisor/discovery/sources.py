@@ -10,12 +10,23 @@ timeout that never blocks the supervisor's loop (``getaddrinfo`` runs in a threa
 be cancelled), and a resolver address of the operator's choosing (``discovery.resolver``).
 An empty answer (NXDOMAIN, no records) is an answer: a headless Service scaled to zero has no
 engines. A timeout or SERVFAIL is not: nothing is learned from it.
+
+A FIFO (or any file that is not a regular one) is refused without waiting for a writer. The
+file is read in a daemon thread of its own (:class:`FileReader`), its wait bounded: a read that
+hangs (a hung network mount) is unreadable this time, the other sources go on, and no second
+thread is started while the first still hangs; once it finishes, reads go on as before. A daemon thread, not
+the loop's executor, because a thread stuck in ``open()`` cannot be cancelled and the executor's
+threads are joined at exit: the supervisor could then never stop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import json
+import os
+import stat
+import threading
 import tomllib
 from typing import Any
 
@@ -42,16 +53,26 @@ class SourceInvalid(Exception):
 def read_engines_file(path: str) -> list[EngineSpec]:
     """The ``[[engines]]`` entries of a TOML file (a ``.json`` one: ``{"engines": [...]}``)."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_FILE_BYTES + 1)
+        # O_NONBLOCK: a FIFO put there by mistake opens at once (and is refused below) instead of
+        # waiting for a writer; a regular file reads as always.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
         raise SourceUnreadable(f"cannot read {path}: {exc.strerror}") from None
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise SourceInvalid(f"{path}: not a regular file")
+        try:
+            raw = f.read(MAX_FILE_BYTES + 1)
+        except OSError as exc:
+            raise SourceUnreadable(f"cannot read {path}: {exc.strerror}") from None
     if len(raw) > MAX_FILE_BYTES:
         raise SourceInvalid(f"{path}: over {MAX_FILE_BYTES} bytes")
     try:
         document = json.loads(raw) if path.endswith(".json") else tomllib.loads(raw.decode())
     except (ValueError, UnicodeDecodeError) as exc:  # TOMLDecodeError and JSONDecodeError are ValueErrors
         raise SourceUnreadable(f"{path} does not parse: {exc}") from None
+    except RecursionError:  # both parsers recurse per level of nesting
+        raise SourceInvalid(f"{path}: nested too deeply to be an engines file") from None
     return _entries(path, document)
 
 
@@ -82,6 +103,52 @@ def _entries(path: str, document: Any) -> list[EngineSpec]:
         dupe = next(n for n in names if names.count(n) > 1)
         raise SourceInvalid(f"{path}: duplicate engine name {dupe!r}")
     return specs
+
+
+class FileReader:
+    """:func:`read_engines_file` in a daemon thread, its wait bounded by ``timeout_s`` (module text)."""
+
+    def __init__(self, path: str, timeout_s: float) -> None:
+        self.path = path
+        self.timeout_s = timeout_s
+        self._pending: asyncio.Future[list[EngineSpec]] | None = None  # a read still under way
+
+    async def read(self) -> list[EngineSpec]:
+        """The file's engines; :class:`SourceUnreadable` when the read has not finished in time."""
+        if self._pending is None:
+            self._pending = self._start()
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._pending), self.timeout_s)
+        except TimeoutError:
+            raise SourceUnreadable(f"reading {self.path} has not finished after {self.timeout_s:g}s "
+                                   "(a FIFO, or a hung mount?)") from None
+        finally:
+            if self._pending is not None and self._pending.done():
+                self._pending = None
+
+    def _start(self) -> asyncio.Future[list[EngineSpec]]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[EngineSpec]] = loop.create_future()
+
+        def settle(result: list[EngineSpec] | None, error: BaseException | None) -> None:
+            if future.done():
+                return
+            if error is None:
+                future.set_result(result or [])
+            else:
+                future.set_exception(error)
+
+        def run() -> None:
+            try:
+                found = read_engines_file(self.path)
+            except BaseException as exc:  # noqa: BLE001  (handed to the loop, raised there)
+                loop.call_soon_threadsafe(settle, None, exc)
+            else:
+                loop.call_soon_threadsafe(settle, found, None)
+
+        threading.Thread(target=run, name="narwhal-discovery-file", daemon=True).start()
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: never "never retrieved"
+        return future
 
 
 class DnsReader:
