@@ -1,0 +1,107 @@
+"""Narwhal under real gunicorn in front of a real vLLM pair (vLLM's CPU build, NIXL on CPU).
+
+What the real tier shows (docs/testing.md, "The real tier"): preflight passes on the pair,
+``/ready`` is 200, streamed completions and chat go through P/D with the consumer really
+loading the producer's KV (its own ``/metrics`` say so), ``/admin/engines`` shows the version
+and the capacity and load read from real ``/metrics``, and the openai SDK streams through it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+
+import openai
+import orjson
+import pytest
+
+from narwhal.testing.harness import RouterProcess
+from tests.real_gunicorn.support import admin, send
+from tests.real_vllm.conftest import VERSION, router_config
+from tests.real_vllm.engines import MODEL, RealEngine, metric
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def prompt(words: int = 60) -> str:
+    """A prompt of its own (so no prefix cache hides a transfer), about ``words`` tokens long."""
+    return uuid.uuid4().hex + " " + " ".join(f"the router sends block {i}" for i in range(words // 5))
+
+
+def kv_reads(consumer: RealEngine) -> float:
+    """How many NIXL reads the consumer made (one per handoff it loaded)."""
+    return metric(consumer.metrics(), "vllm:nixl_xfer_time_seconds_count")
+
+
+def external_tokens(consumer: RealEngine) -> float:
+    return metric(consumer.metrics(), "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+
+
+def test_preflight_passes_on_the_real_pair(real_pair: list[RealEngine]) -> None:
+    done = subprocess.run([sys.executable, "-m", "narwhal.cli", "preflight", "--config", router_config(real_pair)],
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+async def test_ready_and_the_admin_view_read_the_real_engines(
+    real_router: RouterProcess, real_pair: list[RealEngine]
+) -> None:
+    reply = await send(real_router.url, "/ready", method="GET")
+    assert reply.status == 200, reply.raw
+    engines = {e["name"]: e for e in (await admin(real_router))["engines"]}
+    producer, consumer = real_pair
+    for engine in real_pair:
+        entry = engines[engine.name]
+        assert entry["version"] == VERSION, entry
+        assert entry["models"] == [MODEL] and entry["state"] == "admitted", entry
+        assert entry["load"] is not None and entry["load"]["age_s"] < 5, entry  # read from its /metrics
+    holdings = engines[producer.name]["holdings"]
+    # Capacity from vllm:cache_config_info: num_gpu_blocks x block_size of the real engine.
+    cache = producer.metrics()
+    blocks = [line for line in cache.splitlines() if line.startswith("vllm:cache_config_info{")]
+    assert blocks, "no vllm:cache_config_info"
+    assert holdings["capacity_blocks"] and holdings["capacity_blocks"] > 0, holdings
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_stream_goes_through_pd_and_the_consumer_loads_the_kv(
+    real_router: RouterProcess, real_pair: list[RealEngine], path: str
+) -> None:
+    producer, consumer = real_pair
+    reads, tokens = kv_reads(consumer), external_tokens(consumer)
+    text = prompt()
+    body: dict[str, object] = {"model": MODEL, "max_tokens": 8, "stream": True, "ignore_eos": True}
+    if path == "/v1/completions":
+        body["prompt"] = text
+    else:
+        body["messages"] = [{"role": "user", "content": text}]
+    reply = await send(real_router.url, path, body)
+    assert reply.status == 200, reply.raw
+    events = reply.events
+    assert events[-1] == b"[DONE]", events[-3:]
+    chunks = [orjson.loads(e) for e in events[:-1]]
+    assert not any("error" in c for c in chunks), chunks
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]
+    assert kv_reads(consumer) == reads + 1  # exactly one NIXL read: this request's handoff
+    assert external_tokens(consumer) > tokens  # its prompt came from the producer's KV
+
+
+async def test_the_openai_sdk_streams_through_it(real_router: RouterProcess, real_pair: list[RealEngine]) -> None:
+    consumer = real_pair[1]
+    reads = kv_reads(consumer)
+    client = openai.AsyncOpenAI(base_url=real_router.url + "/v1", api_key="unused", max_retries=0)
+    async with client:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt()}], max_tokens=6, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+        pieces, usage = [], None
+        async for chunk in stream:
+            if chunk.choices:
+                pieces.append(chunk.choices[0].delta.content or "")
+            if chunk.usage is not None:
+                usage = chunk.usage
+    assert usage is not None and usage.completion_tokens == 6, usage
+    assert "".join(pieces)
+    assert kv_reads(consumer) == reads + 1
