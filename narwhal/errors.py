@@ -30,6 +30,7 @@ class NarwhalError(Exception):
     """Any error the router answers with: its reason decides the status (``reasons.TABLE``) unless given."""
 
     reason: str = Reason.INTERNAL_ERROR
+    param: str | None = None  # OpenAI's ``param``: the field at fault, when an engine named one
 
     def __init__(self, message: str, *, reason: str | None = None, status: int | None = None) -> None:
         super().__init__(message)
@@ -40,7 +41,7 @@ class NarwhalError(Exception):
 
     def body(self) -> bytes:
         """The OpenAI-shaped error body (``error_body``)."""
-        return error_body(self.message, self.reason, self.status)
+        return error_body(self.message, self.reason, self.status, self.param)
 
     def sse_event(self) -> bytes:
         """The terminal event that ends a stream whose 200 was already committed."""
@@ -100,14 +101,21 @@ class EngineError(NarwhalError):
 
 
 class EngineClientError(EngineError):
-    """An engine's 4xx (429 included): the client's fault or overload, passed through."""
+    """An engine's 4xx (429 included): the client's fault or overload, passed through.
+
+    ``engine_type`` is the ``type`` of the engine's error object (vLLM's request-validation 400s
+    say ``"Bad Request"``: who frees a refused handoff depends on it, ``narwhal.fleet.compat``);
+    ``param`` the field it named, kept for the client (the OpenAI SDK exposes it)."""
 
     counts = False
 
-    def __init__(self, message: str, *, engine: str, phase: Phase, status: int) -> None:
+    def __init__(self, message: str, *, engine: str, phase: Phase, status: int,
+                 engine_type: str | None = None, param: str | None = None) -> None:
         super().__init__(message, reason=Reason.ENGINE_CLIENT_ERROR, engine=engine, phase=phase, status=status)
+        self.engine_type = engine_type
+        self.param = param
 
 
-def error_body(message: str, kind: str, status: int) -> bytes:
+def error_body(message: str, kind: str, status: int, param: str | None = None) -> bytes:
     """OpenAI's error object (``type`` is the reason, ``code`` the status) as bytes."""
-    return orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}})
+    return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}})

@@ -126,26 +126,36 @@ def transport_error(exc: UpstreamError, name: str, phase: Phase) -> EngineError:
 
 def engine_message(data: bytes) -> str:
     """The message of an engine's error answer (its error object's, FastAPI's ``detail``, or the text)."""
+    return engine_error(data)[0]
+
+
+def engine_error(data: bytes) -> tuple[str, str | None, str | None]:
+    """An engine's error answer read once: its message (as :func:`engine_message`), its error
+    object's ``type`` and ``param`` (each a short string, else None: whatever an engine sends)."""
     try:
         obj = orjson.loads(data)
     except orjson.JSONDecodeError:
-        return data[:500].decode("utf-8", "replace").strip()
-    if isinstance(obj, dict):
-        err = sse.error_object(obj)
-        message = err.get("message") if err is not None else None
-        if isinstance(message, str):
-            return message
-        detail = obj.get("detail")  # FastAPI's own 4xx form
-        if isinstance(detail, str):
-            return detail
-    return ""
+        return data[:500].decode("utf-8", "replace").strip(), None, None
+    if not isinstance(obj, dict):
+        return "", None, None
+    err = sse.error_object(obj)
+    if err is not None:
+        message = err.get("message")
+        return (message if isinstance(message, str) else "", _short(err.get("type")), _short(err.get("param")))
+    detail = obj.get("detail")  # FastAPI's own 4xx form
+    return (detail if isinstance(detail, str) else ""), None, None
+
+
+def _short(value: object) -> str | None:
+    return value if isinstance(value, str) and len(value) <= 200 else None
 
 
 def status_error(status: int, data: bytes, name: str, phase: Phase) -> EngineError:
     """A non-2xx answer: a 4xx passed through (never counted), anything else ``engine_5xx``."""
     if 400 <= status < 500:
-        message = engine_message(data) or f"engine {name} answered HTTP {status}"
-        return EngineClientError(message, engine=name, phase=phase, status=status)
+        message, kind, param = engine_error(data)
+        return EngineClientError(message or f"engine {name} answered HTTP {status}", engine=name, phase=phase,
+                                 status=status, engine_type=kind, param=param)
     return EngineError(
         f"engine {name} answered HTTP {status} ({phase})", reason=Reason.ENGINE_5XX, engine=name, phase=phase
     )

@@ -46,6 +46,9 @@ class FaultSpec(BaseModel):
     status: int | None = Field(default=None, ge=100, le=599)
     message: str | None = None
     flat_error: bool = False
+    # With ``status`` 400: refused by the request's validation, before any handler (vLLM's
+    # "Bad Request" shape, ``parse.validation_error``): no release frees the handoff then.
+    validation: bool = False
     reset: bool = False
     delay_headers_s: float = Field(default=0.0, ge=0)
     delay_first_token_s: float = Field(default=0.0, ge=0)
@@ -63,6 +66,8 @@ class FaultSpec(BaseModel):
     descriptor: DescriptorFault | None = None
     empty: bool = False
     only_engine: str | None = None
+    # Only streamed requests suffer it: a release (one token, not streamed) goes through.
+    streams_only: bool = False
 
 
 class RequestFaults(BaseModel):

@@ -41,7 +41,7 @@ from narwhal.fake_engine.emit import Emitter, drop_connection, error_response
 from narwhal.fake_engine.faults import FaultSpec, effective_spec
 from narwhal.fake_engine.frames import ID_PREFIX, frames_for
 from narwhal.fake_engine.frames_responses import ResponsesFrames
-from narwhal.fake_engine.parse import ParsedRequest, RequestError, detect_phase, parse_request
+from narwhal.fake_engine.parse import ParsedRequest, RequestError, detect_phase, parse_request, validation_error
 from narwhal.fake_engine.parse_endpoints import parse_endpoint_request
 from narwhal.fake_engine.state import EngineState
 from narwhal.fake_engine.work import Work
@@ -95,7 +95,8 @@ async def handle_completion(engine: EngineState, request: web.Request, kind: str
         phase = detect_phase(body) if isinstance(body, dict) else "decode"
         engine.count_request(phase)
         rec = engine.record(phase, request.path, headers, body)
-        if isinstance(body, dict) and engine.release.frees_refused:  # fake_engine.release: from 0.21.0
+        # fake_engine.release: from 0.21.0, inside the chat, completions and responses handlers only.
+        if isinstance(body, dict) and engine.release.frees_refused and not err.validation and kind != "generate":
             _release_unpulled(engine, body.get("kv_transfer_params"))
         resp = error_response(err.status, err.message, err_type=err.err_type, param=err.param)
         return _fail(rec, resp)
@@ -106,6 +107,8 @@ async def handle_completion(engine: EngineState, request: web.Request, kind: str
     if req.faults is not None:
         request_spec = req.faults.prefill if req.phase == "prefill" else req.faults.decode
     spec = effective_spec(engine.faults.for_phase(req.phase), request_spec, engine.name) or NO_SPEC
+    if spec.streams_only and not req.stream:
+        spec = NO_SPEC
 
     engine.active_requests += 1
     state = _State(rec, Work.prepare(engine, req, body))
@@ -183,11 +186,16 @@ async def _before_work(
         return web.Response()
     if spec.status is not None:
         message = spec.message or f"fake engine fault: HTTP {spec.status}"
-        resp = _http_error(req, spec.status, message, spec.flat_error)
+        if spec.validation:
+            err = validation_error("fake_field", "value_error", message, "fault")
+            resp = error_response(400, err.message, err_type=err.err_type, param=err.param)
+        else:
+            resp = _http_error(req, spec.status, message, spec.flat_error)
         state.finish(engine, "error", spec.status)
         if _wants_pull(req):
             state.pulled = True
-            _refused(engine, request, req)
+            if not spec.validation:
+                _refused(engine, request, req)
         return resp
     return None
 
@@ -241,8 +249,9 @@ def _pull_params(request: web.Request, engine: EngineState, req: ParsedRequest) 
 def _refused(engine: EngineState, request: web.Request, req: ParsedRequest) -> None:
     """The serving layer refused a decode (4xx, or an error answer before the engine took it):
     0.21.0 and later tell the producer to free the handoff's blocks
-    (``_with_kv_transfer_rejection_cleanup``); 0.11 does not, and they wait for its timeout."""
-    if engine.release.frees_refused and _wants_pull(req):
+    (``_with_kv_transfer_rejection_cleanup``) except on ``/inference/v1/generate``, whose handler
+    it does not wrap; 0.11 does not, and they wait for its timeout."""
+    if engine.release.frees_refused and req.kind != "generate" and _wants_pull(req):
         _release_unpulled(engine, _pull_params(request, engine, req))
 
 

@@ -30,13 +30,34 @@ class RequestError(Exception):
     """A request vLLM would reject: becomes an error body with this status."""
 
     def __init__(
-        self, status: int, message: str, *, err_type: str | None = None, param: str | None = None
+        self, status: int, message: str, *, err_type: str | None = None, param: str | None = None,
+        validation: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.err_type = err_type
         self.param = param
+        # Refused by the request's validation, before any handler runs: vLLM's refusal cleanup
+        # (``_with_kv_transfer_rejection_cleanup``) never sees it, so no handoff is freed.
+        self.validation = validation
+
+
+def validation_error(field: str, kind: str, msg: str, value: Any) -> RequestError:
+    """FastAPI's request-validation 400 as vLLM shapes it (``serve/exception_handling/handlers/
+    validation.py``: ``type`` ``"Bad Request"``, ``param`` ``body.<field>``), seen on a real
+    0.32 engine for a mistyped ``stop`` and Messages ``max_tokens: 0``."""
+    detail = f"{{'type': '{kind}', 'loc': 'body.{field}', 'msg': '{msg}', 'input': '{value}'}}"
+    return RequestError(400, f"1 validation error:\n  {detail}", err_type="Bad Request", param=f"body.{field}",
+                        validation=True)
+
+
+def model_check_error(message: str, parameter: str) -> RequestError:
+    """A ``VLLMValidationError`` raised by a request model's validator, as vLLM's error handler
+    shapes it (``BadRequestError``, ``(parameter=…)``): also before any handler (seen on a real
+    0.32 engine: ``stream_options`` without a stream leaves the handoff pinned)."""
+    return RequestError(400, f"{message} (parameter={parameter})", err_type="BadRequestError", param=parameter,
+                        validation=True)
 
 
 @dataclass(slots=True)
@@ -113,7 +134,9 @@ def int_field(body: dict[str, Any], key: str) -> int | None:
     value = body.get(key)
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise validation_error(key, "int_type", "Input should be a valid integer", value)
+    if value < 0:
         raise RequestError(400, f"`{key}` must be a non-negative integer, got {value!r}.")
     return value
 
@@ -164,8 +187,8 @@ def parse_request(body: Any, chat: bool, models: list[str], max_model_len: int =
 
     stream = body.get("stream") is True
     stream_options = body.get("stream_options")
-    if stream_options is not None and not stream:
-        raise RequestError(400, "Stream options can only be defined when `stream=True`.")
+    if stream_options and not stream:  # vLLM's validator: truthy options, falsy stream
+        raise model_check_error("Stream options can only be defined when `stream=True`.", "stream_options")
 
     max_tokens = int_field(body, "max_tokens")
     if chat:

@@ -22,8 +22,10 @@ from narwhal.fake_engine.parse import (
     count_prompt_tokens,
     detect_phase,
     int_field,
+    model_check_error,
     parse_faults,
     resolve_model,
+    validation_error,
 )
 
 
@@ -40,7 +42,7 @@ def _messages(body: dict[str, Any]) -> tuple[int | None, int]:
         raise RequestError(400, "messages must contain at least one item")
     limit = int_field(body, "max_tokens")
     if limit is None or limit <= 0:
-        raise RequestError(400, "max_tokens must be positive")
+        raise validation_error("max_tokens", "value_error", "Value error, max_tokens must be positive", limit)
     prompt = count_prompt_tokens(body, True) + _words(body.get("system"))
     return limit, prompt
 
@@ -68,8 +70,8 @@ def _generate(body: dict[str, Any]) -> tuple[int | None, int]:
     low = int_field(params, "min_tokens")
     if low is not None and limit is not None and low > limit:
         raise RequestError(400, f"min_tokens must be less than or equal to max_tokens={limit}, got {low}.")
-    if body.get("stream_options") is not None and body.get("stream") is not True:
-        raise RequestError(400, "Stream options can only be defined when `stream=True`.")
+    if body.get("stream_options") and not body.get("stream"):  # vLLM's validator
+        raise model_check_error("Stream options can only be defined when `stream=True`.", "stream_options")
     return limit, max(len(ids), 1)
 
 

@@ -9,10 +9,16 @@
   ``/version`` has not been read: refusing it would empty a fleet at start).
 * **Who frees a refused decode.** From 0.21.0 on, vLLM's serving layer tells the producer to
   free a handoff whose decode it refused (``_with_kv_transfer_rejection_cleanup``; absent from
-  0.20.2, present in 0.21.0, read from both wheels). Before it, the blocks stay pinned until the
-  producer's timeout, so Narwhal releases them itself. An unknown version is released: a
-  redundant release costs one "Potentially invalid KV blocks" log line on the producer, a missing
-  one pins a prompt's KV for the whole lease.
+  0.20.2, present in 0.21.0, read from both wheels), but only for refusals raised or returned
+  inside the chat, completions and responses handlers (Messages goes through chat). It does not
+  for a request-validation 400 (FastAPI's handler answers before any handler runs; its error
+  ``type`` is ``"Bad Request"``) nor for any refusal on ``/inference/v1/generate``. So Narwhal
+  releases a refused handoff exactly when vLLM did not free it (:func:`frees_refused_decode`):
+  a consumer below 0.21 or of unknown version, the generate endpoint, or a validation 400. Never
+  otherwise: a release after the producer freed the blocks is a late read, the blocks may hold
+  another request's KV by then. An unknown version is released: a redundant release costs one
+  "Potentially invalid KV blocks" log line on the producer, a missing one pins a prompt's KV for
+  the whole lease.
 * **0.11's TP rule.** The consumer's TP must be a multiple of the producer's on 0.11.x only;
   later releases accept heterogeneous TP.
 
@@ -63,8 +69,14 @@ def _parsed(version: str) -> Version | None:
         return None
 
 
-def frees_refused_decode(version: str | None) -> bool:
-    """Does a consumer of this vLLM version free a handoff whose decode it refused (4xx) itself?"""
+VALIDATION_TYPE = "Bad Request"  # the error type of vLLM's request-validation 400s (FastAPI's handler)
+
+
+def frees_refused_decode(version: str | None, generate: bool = False, error_type: str | None = None) -> bool:
+    """Did a consumer of this vLLM version free the handoff whose decode it refused (4xx) itself,
+    on this endpoint (``generate``: ``/inference/v1/generate``) with this error ``type``?"""
+    if generate or error_type == VALIDATION_TYPE:
+        return False
     parsed = None if version is None else _parsed(version)
     return parsed is not None and parsed >= FIRST_REFUSAL_CLEANUP
 

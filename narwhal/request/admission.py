@@ -141,8 +141,25 @@ async def read_body(request: web.Request, settings: Settings) -> bytes:
         raise RequestError("the request body could not be read (bad encoding or framing)") from None
 
 
-def _bad(message: str) -> RequestError:
-    return RequestError(message, reason=Reason.BAD_REQUEST)
+def _bad(message: str, param: str | None = None) -> RequestError:
+    error = RequestError(message, reason=Reason.BAD_REQUEST)
+    error.param = param
+    return error
+
+
+def _check_stripped(body: dict[str, Any]) -> None:
+    """The fields the prefill drops (``connector.prefill_body``), checked as vLLM's request
+    validation checks them. The producer never sees them, so only the consumer would refuse them,
+    after the prefill, with a validation 400 that frees nothing: the handoff would stay pinned.
+    Refused here, before any prefill (docs/behaviour.md, "A consumer's refusal")."""
+    if "stop" in body and (stop := body["stop"]) is not None and type(stop) is not str and not (
+            type(stop) is list and all(type(s) is str for s in stop)):
+        raise _bad("'stop' must be a string or a list of strings", "stop")
+    if "stop_token_ids" in body and (ids := body["stop_token_ids"]) is not None and not (
+            type(ids) is list and all(type(i) is int for i in ids)):
+        raise _bad("'stop_token_ids' must be a list of integers", "stop_token_ids")
+    if "min_tokens" in body and (least := body["min_tokens"]) is not None and (type(least) is not int or least < 0):
+        raise _bad("'min_tokens' must be an integer >= 0", "min_tokens")
 
 
 def _check_fields(body: dict[str, Any], endpoint: Endpoint) -> None:
@@ -155,8 +172,12 @@ def _check_fields(body: dict[str, Any], endpoint: Endpoint) -> None:
     for key in ("max_tokens", "max_completion_tokens"):
         if key in body and (value := body[key]) is not None and (type(value) is not int or value < 0):
             raise _bad(f"'{key}' must be an integer >= 0")
-    if "stream_options" in body and (options := body["stream_options"]) is not None and type(options) is not dict:
-        raise _bad("'stream_options' must be an object")
+    if "stream_options" in body and (options := body["stream_options"]) is not None:
+        if type(options) is not dict:
+            raise _bad("'stream_options' must be an object", "stream_options")
+        if options and body.get("stream") is not True:  # vLLM's own test: truthy options, falsy stream
+            raise _bad("Stream options can only be defined when `stream=True`.", "stream_options")
+    _check_stripped(body)
     endpoint.dialect.check(body)  # the endpoint's own fields: prompt, messages, token_ids …
     # Disaggregation runs one prefill and one decode: what needs more cannot be honoured.
     for key in ("n", "best_of"):

@@ -33,6 +33,7 @@ from narwhal import metrics
 from narwhal.engines.client import EngineClient
 from narwhal.engines.connector import PrefillResult
 from narwhal.engines.decode import DecodeLeg, checked_handoff
+from narwhal.engines.endpoints import GENERATE
 from narwhal.engines.relay import Signal, Sink
 from narwhal.errors import EngineError, NarwhalError
 from narwhal.fleet import Engine
@@ -290,7 +291,7 @@ class Attempts:
             return await _stream(client, leg, life, started, ttft_s, age, tap)
         except NarwhalError as exc:
             # Never sent (the consumer never saw the handoff), or refused by a consumer that keeps it.
-            ending = decode_ending(exc, leg is None or leg.sent, resv.consumer)
+            ending = decode_ending(exc, leg is None or leg.sent, resv.consumer, req.endpoint is GENERATE)
             if ending is not None:
                 self.releases.end(ending, result, req, resv)
             raise

@@ -73,22 +73,23 @@ RULES: dict[Ending, Rule] = {
 """For each :class:`Ending`: release the handoff, or count it abandoned."""
 
 
-def decode_ending(exc: NarwhalError, sent: bool, consumer: Engine) -> Ending | None:
+def decode_ending(exc: NarwhalError, sent: bool, consumer: Engine, generate: bool = False) -> Ending | None:
     """The :class:`Ending` of a decode that failed with ``exc``; None when the consumer had the
     handoff and frees it itself (it pulled the blocks, or its vLLM frees a refused one)."""
     if not sent:
         return Ending.NOT_SENT_CONSUMER_FAULT if isinstance(exc, EngineError) else Ending.NOT_SENT_DEADLINE
-    if refused_undecoded(exc, consumer):
+    if refused_undecoded(exc, consumer, generate):
         return Ending.CONSUMER_REFUSED
     return None
 
 
-def refused_undecoded(exc: NarwhalError, consumer: Engine) -> bool:
-    """The consumer refused the decode with a 4xx and its vLLM leaves the producer's blocks pinned
-    (SPEC §11 "a consumer's refusal": before 0.21.0, or an unknown version), so Narwhal releases
-    the handoff itself; a consumer that frees it needs no second word."""
+def refused_undecoded(exc: NarwhalError, consumer: Engine, generate: bool = False) -> bool:
+    """The consumer refused the decode with a 4xx and its vLLM left the producer's blocks pinned
+    (docs/behaviour.md, "A consumer's refusal": before 0.21.0 or an unknown version, the generate
+    endpoint, or a request-validation 400; ``compat.frees_refused_decode``), so Narwhal releases
+    the handoff itself; a consumer that freed it must get no second word (a late read)."""
     return (isinstance(exc, EngineClientError) and exc.engine == consumer.name and exc.phase == "decode"
-            and not compat.frees_refused_decode(consumer.version))
+            and not compat.frees_refused_decode(consumer.version, generate, exc.engine_type))
 
 
 class HandoffReleases:

@@ -30,9 +30,11 @@ from narwhal.reasons import Reason
 __all__ = ["Dialect", "Kind", "bad", "event_name", "is_int", "json_of", "status_of_code", "turns_text"]
 
 
-def bad(message: str) -> RequestError:
-    """The 400 an admission check raises (reason ``bad_request``)."""
-    return RequestError(message, reason=Reason.BAD_REQUEST)
+def bad(message: str, param: str | None = None) -> RequestError:
+    """The 400 an admission check raises (reason ``bad_request``), naming the field at fault."""
+    error = RequestError(message, reason=Reason.BAD_REQUEST)
+    error.param = param
+    return error
 
 
 def is_int(value: Any) -> bool:
@@ -197,7 +199,7 @@ class Dialect:
 
     def error_body(self, exc: NarwhalError) -> bytes:
         """The router's own error as this endpoint's clients expect it (here OpenAI's shape)."""
-        return error_body(exc.message, exc.reason, exc.status)
+        return error_body(exc.message, exc.reason, exc.status, exc.param)
 
     def error_event(self, exc: NarwhalError) -> bytes:
         """The one terminal event that ends a stream whose 200 was already committed."""

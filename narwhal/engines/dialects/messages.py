@@ -66,14 +66,19 @@ class Messages(Dialect, endpoint=MESSAGES, prompt_fields=("system", "messages"),
         messages = body.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise bad("'messages' must be a list of objects")
-        if body.get("max_tokens") is None:
-            raise bad("'max_tokens' is required")
+        limit = body.get("max_tokens")
+        if limit is None:
+            raise bad("'max_tokens' is required", "max_tokens")
+        # vLLM's request validation (not its handler: the consumer would not free the handoff,
+        # and the prefill, which sets max_tokens to 1, would pass): refused before any prefill.
+        if type(limit) is not int or limit < 1:
+            raise bad("max_tokens must be positive", "max_tokens")
         system = body.get("system")
         if system is not None and not isinstance(system, str | list):
             raise bad("'system' must be a string or a list of content blocks")
         stops = body.get("stop_sequences")
         if stops is not None and not (isinstance(stops, list) and all(isinstance(s, str) for s in stops)):
-            raise bad("'stop_sequences' must be a list of strings")
+            raise bad("'stop_sequences' must be a list of strings", "stop_sequences")
 
     def affinity_text(self, body: dict[str, Any], limit: int) -> str:
         """The system prompt, then each message as ``role: text``, until ``limit`` characters."""

@@ -108,6 +108,66 @@ async def test_a_consumers_refusal_is_released_only_where_vllm_leaves_the_blocks
         assert released == 0.0 and len(decodes) == 1
 
 
+async def test_a_validation_refusal_by_the_consumer_is_released_on_every_release(
+    release: tuple[str, FakeFleet, RouterProcess]
+) -> None:
+    # vLLM's request validation answers before any handler: no release of vLLM's frees the
+    # handoff then, so Narwhal releases it (docs/behaviour.md, "A consumer's refusal").
+    version, fleet, router = release
+    prompt = unique_prompt()
+    before = at_rest(router, *COUNTERS)
+    fault = {"decode": {"status": 400, "validation": True, "message": "Value error, bad field", "streams_only": True}}
+    reply = await send(router.url, "/v1/completions", completion(prompt, fake=fault))
+    assert reply.status == 400, reply.raw
+    assert reply.json["error"]["param"] == "body.fake_field"  # the engine's param, kept for the client
+    wait_until(lambda: fleet.stats("vp0")["held_requests"] == 0, 10, "the refused handoff freed")
+    released = value(at_rest(router, *COUNTERS), COUNTERS[0]) - value(before, COUNTERS[0])
+    assert released == 1.0 and len(records(fleet, "vd0", prompt)) == 2, version
+    assert fleet.stats("vp0")["expired_reads"] == 0
+
+
+@pytest.mark.parametrize(("path", "extra", "param"), [
+    ("/v1/completions", {"stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/chat/completions", {"stop": 5}, "stop"),
+    ("/v1/messages", {"max_tokens": 0}, None),
+])
+async def test_what_only_the_consumer_would_validate_is_refused_before_any_prefill(
+    release: tuple[str, FakeFleet, RouterProcess], path: str, extra: dict[str, Any], param: str | None
+) -> None:
+    # The prefill drops (or overrides) these fields, so the producer would accept the request and
+    # the consumer refuse it with a validation 400 that frees nothing: refused at admission.
+    version, fleet, router = release
+    tag = unique_prompt()
+    if path == "/v1/messages":
+        body = Endpoint.body(next(e for e in ALL if e.path == path), tag, **extra)
+    else:
+        body = (completion if path == "/v1/completions" else chat)(tag, **extra)
+    reply = await send(router.url, path, body)
+    assert reply.status == 400, reply.raw
+    if param is None:  # Anthropic's shape
+        assert reply.json == {"type": "error", "error": {"type": "invalid_request_error",
+                                                          "message": "max_tokens must be positive"}}
+    else:
+        assert reply.json["error"]["param"] == param
+    assert records(fleet, "vp0", tag) == [] and records(fleet, "vd0", tag) == [], version
+
+
+async def test_a_refusal_on_generate_is_released(release: tuple[str, FakeFleet, RouterProcess]) -> None:
+    version, fleet, router = release
+    if version == "0.11.0":
+        pytest.skip("0.11.0 has no /inference/v1/generate route")
+    tag = unique_prompt()
+    before = at_rest(router, *COUNTERS)
+    body = Endpoint.body(next(e for e in ALL if e.path == "/inference/v1/generate"), tag)
+    body["narwhal_fake"] = {"decode": {"status": 422, "message": "refused", "streams_only": True}}
+    reply = await send(router.url, "/inference/v1/generate", body)
+    assert reply.status == 422, reply.raw
+    wait_until(lambda: fleet.stats("vp0")["held_requests"] == 0, 10, "the refused handoff freed")
+    released = value(at_rest(router, *COUNTERS), COUNTERS[0]) - value(before, COUNTERS[0])
+    assert released == 1.0  # vLLM does not wrap generate's handler: nothing freed it but Narwhal
+    assert fleet.stats("vp0")["expired_reads"] == 0
+
+
 async def test_the_admin_api_shows_each_engines_version_and_transfer_mode(
     release: tuple[str, FakeFleet, RouterProcess]
 ) -> None:

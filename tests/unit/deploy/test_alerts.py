@@ -75,5 +75,9 @@ def test_ci_runs_exactly_the_readme_test_command_after_installing_promtool() -> 
     calls = [line for line in lines if not line.startswith((" ", "\t", "}", "set ", "cd ")) and "()" not in line]
     # A failed install skips the promtool tests; it never stops CI before the test command.
     assert calls[0] == 'install_promtool || echo ".ci/run: promtool could not be installed: its tests will skip" >&2'
-    # -q only quiets pip's progress; then the README's command, then the operator's install.
-    assert calls[1:] == [command.replace("pip install -e", "pip install -q -e"), "check_wheel"]
+    # -q only quiets pip's progress; then the README's command, the real tier as docs/testing.md
+    # runs it (its environment built first), then the operator's install.
+    real = ".venv/bin/python -m pytest tests/real_vllm"
+    assert real.removeprefix(".venv/bin/") in (ROOT / "docs" / "testing.md").read_text()
+    assert calls[1:] == [command.replace("pip install -e", "pip install -q -e"),
+                         ".venv/bin/python -m tests.real_vllm.environment", real, "check_wheel"]

@@ -26,6 +26,10 @@ def test_compatible_pairs_need_one_mode_and_one_known_version() -> None:
 def test_which_releases_free_a_refused_decode_and_which_keep_the_tp_rule() -> None:
     assert [compat.frees_refused_decode(v) for v in ("0.11.0", "0.20.2", "0.21.0", "0.33.0", None, "weird")] == [
         False, False, True, True, False, False]
+    # Not on generate, nor for a request-validation 400: vLLM's cleanup wraps neither.
+    assert not compat.frees_refused_decode("0.33.0", generate=True)
+    assert not compat.frees_refused_decode("0.33.0", error_type="Bad Request")
+    assert compat.frees_refused_decode("0.33.0", error_type="BadRequestError")
     assert [compat.tp_multiple_rule(v) for v in ("0.11.0", "0.11.2+cu126", "0.12.0", "0.33.0", None)] == [
         True, True, False, False, False]
 

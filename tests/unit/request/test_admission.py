@@ -103,7 +103,7 @@ def test_valid_prompts(fleet: Fleet, prompt: Any) -> None:
         {"prompt_logprobs": None},
         {"max_tokens": None},
         {"max_completion_tokens": 0},
-        {"stream_options": {"include_usage": True}},
+        {"stream_options": {}},  # vLLM refuses only truthy options without stream (below)
         {"stream_options": None},
     ],
     ids=lambda e: repr(e),
@@ -111,6 +111,31 @@ def test_valid_prompts(fleet: Fleet, prompt: Any) -> None:
 def test_accepted_optional_fields(fleet: Fleet, extra: dict[str, Any]) -> None:
     body = chat_body(**extra)
     assert parse(orjson.dumps(body), CHAT, fleet) == (body, "m", False)
+
+
+def test_stream_options_need_a_stream_as_vllm_validates_them(fleet: Fleet) -> None:
+    assert parse(orjson.dumps(chat_body(stream=True, stream_options={"include_usage": True})), CHAT, fleet)[2]
+    for stream in ({}, {"stream": False}):
+        with pytest.raises(RequestError) as refused:
+            parse(orjson.dumps(chat_body(**stream, stream_options={"include_usage": True})), CHAT, fleet)
+        assert refused.value.message == "Stream options can only be defined when `stream=True`."
+        assert refused.value.param == "stream_options" and refused.value.status == 400
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"stop": 5}, "stop"), ({"stop": ["a", 1]}, "stop"), ({"stop_token_ids": "7"}, "stop_token_ids"),
+    ({"stop_token_ids": [1.5]}, "stop_token_ids"), ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": "2"}, "min_tokens"),
+])
+def test_fields_the_prefill_drops_are_refused_before_any_prefill(
+    fleet: Fleet, extra: dict[str, Any], param: str
+) -> None:
+    # The producer never sees them: only the consumer would refuse them, with a validation 400
+    # that leaves the handoff pinned (docs/behaviour.md, "A consumer's refusal").
+    with pytest.raises(RequestError) as refused:
+        parse(orjson.dumps(chat_body(**extra)), CHAT, fleet)
+    assert refused.value.param == param and refused.value.status == 400
+    assert orjson.loads(refused.value.body())["error"]["param"] == param
 
 
 def test_unknown_fields_pass_through_untouched(fleet: Fleet) -> None:
