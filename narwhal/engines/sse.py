@@ -148,7 +148,11 @@ def _is_generated(choice: dict[str, Any]) -> bool:
         return True
     delta = choice.get("delta")
     if type(delta) is dict:
-        return bool(delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"))
+        # Reasoning is generated output: ``reasoning`` from vLLM 0.2x on, ``reasoning_content``
+        # in 0.11. Not counting it would hold the 200 through a whole thinking phase and let
+        # the first-token timeout turn a healthy long think into a 504 charged to the consumer.
+        return bool(delta.get("content") or delta.get("reasoning") or delta.get("reasoning_content")
+                    or delta.get("tool_calls"))
     return False
 
 

@@ -187,6 +187,10 @@ class StreamFrames:
         assert self._shape.continuous_prompt is not None
         return head + self._ends[finish] + self._chunk_end(self._usage_json(completion_tokens))
 
+    def reasoning(self, i: int) -> bytes:
+        """Token ``i`` as reasoning (a thinking model's); only chat streams carry it."""
+        return self.token(i)
+
     def token(self, i: int) -> bytes:
         """The frame of generated token ``i``: head + token + tail, no JSON encoding."""
         if self._shape.continuous_prompt is None:
@@ -317,6 +321,15 @@ class ChatFrames(StreamFrames):
     def _chunk_end(self, usage: bytes | None = None) -> bytes:
         usage_part = b',"usage":' + usage if usage else b""
         return usage_part + (b',"kv_transfer_params":null}\n\n' if self._shape.current else b"}\n\n")
+
+    def reasoning(self, i: int) -> bytes:
+        """Token ``i`` as a reasoning delta: ``delta.reasoning`` from 0.2x on
+        (``generate/base/protocol.py``), ``delta.reasoning_content`` in 0.11."""
+        key = b'"reasoning":"' if self._shape.current else b'"reasoning_content":"'
+        head = self._head.replace(b'"delta":{"content":"', b'"delta":{' + key)
+        if self._shape.continuous_prompt is None:
+            return head + token_bytes(i) + self._tail
+        return self._with_usage(head + token_bytes(i), None, i + 1)
 
     def _usage_json(self, completion_tokens: int) -> bytes:
         prompt = self._shape.continuous_prompt or 0

@@ -68,6 +68,9 @@ class FaultSpec(BaseModel):
     only_engine: str | None = None
     # Only streamed requests suffer it: a release (one token, not streamed) goes through.
     streams_only: bool = False
+    # Not a fault: a reasoning model's thinking. The first N tokens of a chat stream are
+    # reasoning deltas, in the release's shape (``delta.reasoning``; 0.11 ``reasoning_content``).
+    reasoning: int = Field(default=0, ge=0)
 
 
 class RequestFaults(BaseModel):

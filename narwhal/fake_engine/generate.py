@@ -312,7 +312,10 @@ async def _emit_tokens(
             await out.pause(token_delay, None, b"")
         if i == silence_at:
             await out.pause(spec.silence_s, hb_s, frames.heartbeat(prompt, i))
-        await out.emit(frames.last_token(i, finish) if i == last else frames.token(i))
+        if i < spec.reasoning and i != last:
+            await out.emit(frames.reasoning(i))
+        else:
+            await out.emit(frames.last_token(i, finish) if i == last else frames.token(i))
     return n
 
 

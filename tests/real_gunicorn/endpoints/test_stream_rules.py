@@ -6,6 +6,7 @@ Router timeouts here (conftest.TIMEOUTS): prefill 2.5 s, first token 2.5 s, betw
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from narwhal.testing.harness import FakeFleet, RouterProcess
@@ -193,3 +194,17 @@ async def test_unreachable_engine_is_a_502_naming_it_without_its_address(
     wait_until(lambda: fleet.stats("p2")["url"] is not None, 5, "p2 listening again")
     reply = await send(solo_router.url, "/v1/completions", completion(unique_prompt()))
     assert reply.status == 200
+
+
+async def test_a_long_think_is_generated_output_not_a_first_token_timeout(router: RouterProcess) -> None:
+    # A reasoning model thinks before it answers: 8 reasoning deltas 0.4 s apart outlast the
+    # 2.5 s first-token timeout. Reasoning is generated output (``delta.reasoning``, vLLM 0.2x
+    # on): the 200 goes out with the first of them, and the stream is relayed whole.
+    fake = {"decode": {"reasoning": 8, "token_delay_s": 0.4}}
+    reply = await send(router.url, "/v1/chat/completions", chat(unique_prompt(), max_tokens=10, fake=fake))
+    assert reply.status == 200, reply.raw
+    chunks = [orjson.loads(e) for e in reply.events[:-1]]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c.get("choices")]
+    assert [d["reasoning"] for d in deltas if "reasoning" in d] == [f" t{i}" for i in range(8)]
+    assert "".join(d.get("content") or "" for d in deltas) == " t8 t9"
+    assert reply.events[-1] == b"[DONE]"

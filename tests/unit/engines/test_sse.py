@@ -250,6 +250,7 @@ TOOL_CALL = [{"index": 0, "id": "call_1", "type": "function", "function": {"name
         (completion("end", "stop"), Kind.TOKEN),
         (chat({"content": "Hi"}), Kind.TOKEN),
         (chat({"reasoning_content": "thinking"}), Kind.TOKEN),
+        (chat({"reasoning": "thinking"}), Kind.TOKEN),  # vLLM 0.2x on
         (chat({"tool_calls": TOOL_CALL}), Kind.TOKEN),
         (chat({}, "stop"), Kind.TOKEN),
         (chat({"content": ""}, "stop"), Kind.TOKEN),
@@ -267,6 +268,7 @@ TOOL_CALL = [{"index": 0, "id": "call_1", "type": "function", "function": {"name
         (chat({"content": ""}), Kind.METADATA),
         (chat({"content": None}), Kind.METADATA),
         (chat({"reasoning_content": ""}), Kind.METADATA),
+        (chat({"reasoning": ""}), Kind.METADATA),
         (chat({"tool_calls": []}), Kind.METADATA),
         (chat({}), Kind.METADATA),
         (completion(""), Kind.METADATA),
