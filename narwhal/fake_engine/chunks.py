@@ -144,10 +144,13 @@ class ChunkShape:
     token count when ``stream_options.continuous_usage_stats`` asked for usage on every chunk
     (``serve/utils/api_utils.py`` ``should_include_usage``), None otherwise."""
 
-    __slots__ = ("current", "continuous_prompt")
+    __slots__ = ("current", "continuous_prompt", "extras")
 
-    def __init__(self, current: bool = True, continuous_prompt: int | None = None) -> None:
+    def __init__(self, current: bool = True, continuous_prompt: int | None = None, extras: bool | None = None) -> None:
         self.current = current
+        # 0.33's ``weight_versions`` and chunk ``kv_transfer_params``: not on a real 0.32 engine
+        # (seen in the real tier), so from 0.33 on (``release.Release.chunk_extras``).
+        self.extras = current if extras is None else extras
         self.continuous_prompt = continuous_prompt
 
 
@@ -270,14 +273,15 @@ class CompletionFrames(StreamFrames):
         super().__init__(common, shape)
         self._head = b"data: " + common + b',"choices":[{"index":0,"text":"'
         rest = b',"stop_reason":null,"prompt_token_ids":null,"token_ids":null'
-        rest += b',"weight_versions":null}]' if self._shape.current else b"}]"
+        rest += b',"weight_versions":null}]' if self._shape.extras else b"}]"
         self._set_choice_ends({
             f: b'","logprobs":null,"finish_reason":' + (b'"%s"' % f.encode() if f else b"null") + rest
             for f in (None, "length", "stop")})
 
     def _chunk_end(self, usage: bytes | None = None) -> bytes:
         if self._shape.current:
-            return (b',"usage":' + usage if usage else b"") + b',"kv_transfer_params":null}\n\n'
+            tail = b',"kv_transfer_params":null}\n\n' if self._shape.extras else b"}\n\n"
+            return (b',"usage":' + usage if usage else b"") + tail
         return b',"usage":' + (usage or b"null") + b"}\n\n"
 
     def _usage_json(self, completion_tokens: int) -> bytes:
@@ -305,7 +309,7 @@ class ChatFrames(StreamFrames):
         super().__init__(common, shape)
         choices = b"data: " + common + b',"choices":[{"index":0,'
         self._head = choices + b'"delta":{"content":"'
-        last = b',"stop_reason":null,"token_ids":null' + (b',"weight_versions":null' if self._shape.current else b"")
+        last = b',"stop_reason":null,"token_ids":null' + (b',"weight_versions":null' if self._shape.extras else b"")
         self._set_choice_ends({
             None: b'"},"logprobs":null,"finish_reason":null,"token_ids":null}]',
             "length": b'"},"logprobs":null,"finish_reason":"length"' + last + b"}]",
@@ -320,7 +324,7 @@ class ChatFrames(StreamFrames):
 
     def _chunk_end(self, usage: bytes | None = None) -> bytes:
         usage_part = b',"usage":' + usage if usage else b""
-        return usage_part + (b',"kv_transfer_params":null}\n\n' if self._shape.current else b"}\n\n")
+        return usage_part + (b',"kv_transfer_params":null}\n\n' if self._shape.extras else b"}\n\n")
 
     def reasoning(self, i: int) -> bytes:
         """Token ``i`` as a reasoning delta: ``delta.reasoning`` from 0.2x on

@@ -60,10 +60,10 @@ def _release_unpulled(engine: EngineState, params: Any) -> None:
         engine.spawn(kv.pull(engine, params))
 
 
-def _parse(body: Any, kind: str, models: list[str], max_model_len: int) -> ParsedRequest:
+def _parse(body: Any, kind: str, models: list[str], max_model_len: int, current: bool) -> ParsedRequest:
     if kind in ("chat", "completions"):
-        return parse_request(body, kind == "chat", models, max_model_len)
-    return parse_endpoint_request(body, kind, models, max_model_len)
+        return parse_request(body, kind == "chat", models, max_model_len, current)
+    return parse_endpoint_request(body, kind, models, max_model_len, current)
 
 
 def _http_error(req: ParsedRequest, status: int, message: str, flat: bool) -> web.Response:
@@ -90,7 +90,7 @@ async def handle_completion(engine: EngineState, request: web.Request, kind: str
         rec = engine.record("decode", request.path, headers, None)
         return _fail(rec, error_response(400, f"JSON decode error: {exc}"))
     try:
-        req = _parse(body, kind, engine.models, engine.max_model_len)
+        req = _parse(body, kind, engine.models, engine.max_model_len, engine.release.current)
     except RequestError as err:
         phase = detect_phase(body) if isinstance(body, dict) else "decode"
         engine.count_request(phase)
@@ -222,7 +222,8 @@ def _response_id(request: web.Request, engine: EngineState, req: ParsedRequest) 
 
 def _frames(request: web.Request, engine: EngineState, req: ParsedRequest) -> StreamFrames:
     rid = _response_id(request, engine, req)
-    shape = ChunkShape(engine.release.current, req.prompt_tokens if req.continuous_usage else None)
+    shape = ChunkShape(engine.release.current, req.prompt_tokens if req.continuous_usage else None,
+                       engine.release.since_033)
     return frames_for(req.kind, engine.templates(req.model), rid, int(time.time()), req.max_tokens, shape)
 
 

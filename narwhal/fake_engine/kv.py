@@ -55,7 +55,7 @@ def producer_descriptor(
     if fault in (None, "localhost", "empty_groups", "hybrid_groups"):
         blocks = store.allocate(remote_request_id, prompt_tokens)
     else:
-        blocks = list(range(max(0, prompt_tokens // store.block_size)))
+        blocks = list(range(max(0, -(-prompt_tokens // store.block_size))))
     desc: dict[str, Any] = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -101,6 +101,8 @@ def _release_keys(engine: EngineState, desc: dict[str, Any], prompt_tokens: int,
         })
         if engine.transfer_mode == "push":  # push_scheduler: neither of these (VLLM-PROTOCOL §D)
             del desc["remote_blocks_expiry_time"], desc["remote_registration_generation"]
+        elif not engine.release.since_033:  # a real 0.32 engine's fourteen keys (the real tier)
+            del desc["remote_registration_generation"]
     else:  # 0.11's seven keys: its scheduler knew no request id of its own to hand over
         del desc["remote_request_id"]
 

@@ -40,8 +40,10 @@ class KvStore:
     expired_requests: int = 0
 
     def allocate(self, remote_request_id: str, prompt_tokens: int) -> list[int]:
-        """Pin ``prompt_tokens // block_size`` fresh blocks until read or lease expiry."""
-        n = prompt_tokens // self.block_size
+        """Pin ``cdiv(prompt_tokens, block_size)`` fresh blocks until read or lease expiry: the
+        partial last block is sent too (vLLM's ``request_finished``; a real engine answered a
+        212-token prompt with two blocks of 128, an 8-token one with one)."""
+        n = -(-prompt_tokens // self.block_size)
         start = self.next_block
         self.next_block = start + n
         blocks = list(range(start, start + n))

@@ -134,6 +134,12 @@ def int_field(body: dict[str, Any], key: str) -> int | None:
     value = body.get(key)
     if value is None:
         return None
+    # pydantic's lax mode, as vLLM's request models validate: "2" and 2.0 are 2 (a real 0.32
+    # engine took ``"max_tokens": "2"``); anything else is FastAPI's validation 400.
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value)
+    elif isinstance(value, float) and value.is_integer():
+        value = int(value)
     if not isinstance(value, int) or isinstance(value, bool):
         raise validation_error(key, "int_type", "Input should be a valid integer", value)
     if value < 0:
@@ -162,16 +168,53 @@ def resolve_model(body: dict[str, Any], models: list[str]) -> str:
     return str(model)
 
 
-def check_context(max_tokens: int | None, prompt_tokens: int, max_model_len: int) -> None:
-    """vLLM's serving layer (``_validate_input``, every endpoint): a request the context cannot
-    hold is refused with 400 before the engine takes it."""
-    if max_tokens is not None and prompt_tokens + max_tokens > max_model_len:
-        raise RequestError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
-                           f"maximum context length is {max_model_len} tokens and your request has {prompt_tokens} "
-                           f"input tokens ({max_tokens} > {max_model_len} - {prompt_tokens}).")
+def check_context(max_tokens: int | None, prompt_tokens: int, max_model_len: int, current: bool = True,
+                  generate: bool = False) -> int | None:
+    """vLLM's serving layer on length, per release; the ``max_tokens`` the engine then runs with.
+
+    0.12 on (``serve/utils/api_utils.py``, ``renderers/params.py``; the same on a real 0.32
+    engine): only ``max_tokens > max_model_len`` is refused, with its own message; a prompt
+    that alone fills the context is refused; otherwise ``max_tokens`` is clamped to what the
+    context has left. ``/inference/v1/generate`` never refuses on length. 0.11 refuses a prompt
+    plus ``max_tokens`` beyond the context. Each refusal is raised inside the handler, so a
+    release that frees refused handoffs frees this one."""
+    if generate:
+        return max_tokens
+    if not current:
+        if max_tokens is not None and prompt_tokens + max_tokens > max_model_len:
+            raise RequestError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
+                               f"model's maximum context length is {max_model_len} tokens and your request has "
+                               f"{prompt_tokens} input tokens ({max_tokens} > {max_model_len} - {prompt_tokens}).")
+        return max_tokens
+    if max_tokens is not None and max_tokens > max_model_len:
+        raise RequestError(400, f"max_tokens={max_tokens} cannot be greater than max_model_len={max_model_len}. "
+                           f"Please request fewer output tokens. (parameter=max_tokens, value={max_tokens})",
+                           param="max_tokens")
+    if prompt_tokens >= max_model_len:
+        raise RequestError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
+                           f"request has {prompt_tokens} input tokens. Please reduce the length of the input.")
+    if max_tokens is not None:
+        return min(max_tokens, max_model_len - prompt_tokens)
+    return max_tokens
 
 
-def parse_request(body: Any, chat: bool, models: list[str], max_model_len: int = 8192) -> ParsedRequest:
+def _check_stop(stop: Any) -> None:
+    """``stop``: ``str | list[str] | None``; anything else is FastAPI's validation 400, one error
+    per member of the union (as a real 0.32 engine answered ``"stop": 5``)."""
+    if stop is None or isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        return
+    errors = [f"{{'type': 'string_type', 'loc': 'body.stop', 'msg': 'Input should be a valid string', "
+              f"'input': '{stop}'}}"]
+    if not isinstance(stop, list):
+        errors.append(f"{{'type': 'list_type', 'loc': 'body.stop', 'msg': 'Input should be a valid list', "
+                      f"'input': '{stop}'}}")
+    label = "error" if len(errors) == 1 else "errors"
+    raise RequestError(400, f"{len(errors)} validation {label}:\n  " + "\n  ".join(errors), err_type="Bad Request",
+                       param="body.stop", validation=True)
+
+
+def parse_request(body: Any, chat: bool, models: list[str], max_model_len: int = 8192,
+                  current: bool = True) -> ParsedRequest:
     """Validate like vLLM; raise ``RequestError`` with the status vLLM would answer."""
     if not isinstance(body, dict):
         raise RequestError(400, "The request body must be a JSON object.")
@@ -190,6 +233,7 @@ def parse_request(body: Any, chat: bool, models: list[str], max_model_len: int =
     if stream_options and not stream:  # vLLM's validator: truthy options, falsy stream
         raise model_check_error("Stream options can only be defined when `stream=True`.", "stream_options")
 
+    _check_stop(body.get("stop"))
     max_tokens = int_field(body, "max_tokens")
     if chat:
         # vLLM's chat API prefers the newer key when both are given.
@@ -203,7 +247,7 @@ def parse_request(body: Any, chat: bool, models: list[str], max_model_len: int =
         )
 
     prompt_tokens = count_prompt_tokens(body, chat)
-    check_context(max_tokens, prompt_tokens, max_model_len)
+    max_tokens = check_context(max_tokens, prompt_tokens, max_model_len, current)
     kv = body.get("kv_transfer_params")
     options = stream_options if isinstance(stream_options, dict) else {}
     include_usage = options.get("include_usage") is True  # vLLM's should_include_usage

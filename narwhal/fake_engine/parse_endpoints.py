@@ -78,14 +78,15 @@ def _generate(body: dict[str, Any]) -> tuple[int | None, int]:
 _READERS = {"messages": _messages, "responses": _responses, "generate": _generate}
 
 
-def parse_endpoint_request(body: Any, kind: str, models: list[str], max_model_len: int = 8192) -> ParsedRequest:
+def parse_endpoint_request(body: Any, kind: str, models: list[str], max_model_len: int = 8192,
+                           current: bool = True) -> ParsedRequest:
     """Validate like vLLM; raise ``RequestError`` with the status vLLM would answer."""
     if not isinstance(body, dict):
         raise RequestError(400, "The request body must be a JSON object.")
     faults = parse_faults(body)
     model = resolve_model(body, models)
     limit, prompt = _READERS[kind](body)
-    check_context(limit, prompt, max_model_len)
+    limit = check_context(limit, prompt, max_model_len, current, generate=kind == "generate")
     kv = body.get("kv_transfer_params")
     rid = body.get("request_id")
     return ParsedRequest(

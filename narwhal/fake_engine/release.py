@@ -21,6 +21,10 @@ stream chunks          completions dumped whole (``"usage":null``)  only the key
                                                                     last choice ``weight_versions``
 =====================  ===========================================  ==================================
 
+A real 0.32 engine (the real tier, ``tests/real_vllm``) showed what 0.33 added: the
+descriptor's ``remote_registration_generation`` and the chunks' ``weight_versions`` and
+``kv_transfer_params`` come from 0.33.0 on (:attr:`Release.since_033`).
+
 Releases in between take the nearest rule the sources above date: the refusal cleanup is in
 every release from 0.21.0 on (vllm PR #41269; 0.20.2 lacks it, 0.21.0 has it, read from the
 wheels), the rest follows 0.33 from 0.12 on. The compatibility hash (``nixl/metadata.py``)
@@ -37,6 +41,7 @@ from packaging.version import InvalidVersion, Version
 DEFAULT_VERSION = "0.33.0"
 FIRST_REJECTION_CLEANUP = Version("0.21.0")
 _CURRENT = Version("0.12.0")
+_FIRST_033 = Version("0.33.0")  # what a real 0.32 engine showed it lacks (the real tier)
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,9 @@ class Release:
     version: str
     current: bool  # 0.12 and later: the 0.33 column, but for the refusal cleanup
     frees_refused: bool  # a decode refused by the serving layer frees the producer's blocks
+    # 0.33 on: the descriptor's ``remote_registration_generation``, the chunks'
+    # ``weight_versions`` and ``kv_transfer_params``. A real 0.32 engine sends none of them.
+    since_033: bool = True
 
     @property
     def nested_block_ids(self) -> bool:
@@ -69,7 +77,7 @@ def release_of(version: str) -> Release:
         parsed = Version(version)
     except InvalidVersion:
         parsed = Version(DEFAULT_VERSION)
-    return Release(version, parsed >= _CURRENT, parsed >= FIRST_REJECTION_CLEANUP)
+    return Release(version, parsed >= _CURRENT, parsed >= FIRST_REJECTION_CLEANUP, parsed >= _FIRST_033)
 
 
 def compatible(producer_version: str, producer_mode: str, consumer_version: str, consumer_mode: str) -> bool:

@@ -35,6 +35,16 @@ SCALE_OUT_DISABLED = {"error": {
     "type": "PermissionDeniedError", "param": None, "code": 403}}
 
 
+def _permission(created: int) -> dict[str, object]:
+    """vLLM's ``ModelPermission`` (``openai/models/protocol.py``), as a real engine lists it."""
+    return {
+        "id": f"modelperm-{created:016x}", "object": "model_permission", "created": created,
+        "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+        "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+        "group": None, "is_blocking": False,
+    }
+
+
 def json_response(data: object, status: int = 200) -> web.Response:
     """A JSON body with ``status``."""
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
@@ -69,7 +79,7 @@ def add_routes(app: web.Application, engine: EngineState) -> None:
                 "root": name,
                 "parent": None,
                 "max_model_len": engine.max_model_len,
-                "permission": [],
+                "permission": [_permission(engine.created)],  # vLLM's ModelPermission, one per model
             }
             for name in engine.models
         ]

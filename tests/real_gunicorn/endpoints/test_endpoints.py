@@ -265,7 +265,7 @@ async def test_messages_engine_error_types_map_to_statuses(router: RouterProcess
     assert reply.json == MESSAGES.error(status, "engine_stream_error", "typed")
 
 
-async def test_messages_engine_4xx_in_anthropic_shape_passes_through(router: RouterProcess) -> None:
+async def test_messages_engine_4xx_in_anthropic_shape_passes_through(router: RouterProcess, fleet: FakeFleet) -> None:
     # The consumer's own refusal (max_tokens beyond its context: the one-token prefill passes), which
     # a one-token release of the handoff does not repeat: on 0.11 Narwhal's release frees the blocks,
     # on 0.33 the consumer does (SPEC §11); the module's end checks no producer holds any.
@@ -273,7 +273,10 @@ async def test_messages_engine_4xx_in_anthropic_shape_passes_through(router: Rou
     assert reply.status == 400
     assert reply.headers["x-narwhal-error"] == "engine_client_error"
     assert reply.json["type"] == "error" and reply.json["error"]["type"] == "invalid_request_error"
-    assert reply.json["error"]["message"].startswith("'max_tokens' or 'max_completion_tokens' is too large: 2000000.")
+    # 0.33 refuses only max_tokens beyond max_model_len, with its own message; 0.11 its prompt plus max_tokens.
+    expected = ("'max_tokens' or 'max_completion_tokens' is too large: 2000000." if fleet.version == "0.11.0"
+                else "max_tokens=2000000 cannot be greater than max_model_len=")
+    assert reply.json["error"]["message"].startswith(expected)
 
 
 async def test_generate_prefill_rewrites_sampling_params(router: RouterProcess, fleet: FakeFleet) -> None:

@@ -174,15 +174,17 @@ async def test_validation_errors_like_vllm(client: TestClient[Any, Any], engine:
     resp = await client.post("/v1/completions", json={"prompt": "x", "stream_options": {}})
     assert resp.status == 200  # an empty object is falsy there: accepted
     # FastAPI's request validation: "Bad Request", the field as body.<name>.
-    resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": "2"})
+    resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": "two"})
     err = (await resp.json())["error"]
     assert (resp.status, err["type"], err["param"]) == (400, "Bad Request", "body.max_tokens")
     assert err["message"].startswith("1 validation error:\n  {'type': 'int_type', 'loc': 'body.max_tokens'")
+    resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": "2"})
+    assert resp.status == 200  # pydantic's lax mode: a numeric string is the number
     resp = await client.post(
         "/v1/chat/completions", data=b"{not json", headers={"Content-Type": "application/json"}
     )
     assert resp.status == 400
-    assert sum(r["outcome"] != "error" for r in engine.get_records()) == 1  # the empty options
+    assert sum(r["outcome"] != "error" for r in engine.get_records()) == 2  # empty options, "2"
 
 
 async def test_operational_routes(client: TestClient[Any, Any], engine: FakeEngine) -> None:
@@ -221,7 +223,7 @@ async def test_prefill_descriptor_and_held_blocks(client: TestClient[Any, Any], 
     assert desc == {
         "do_remote_prefill": True,
         "do_remote_decode": False,
-        "remote_block_ids": [[0, 1]],
+        "remote_block_ids": [[0, 1, 2]],  # cdiv(40, 16): the partial last block is sent too
         "remote_engine_id": engine.engine_id,
         "remote_request_id": "cmpl-r1-0",
         "remote_host": "127.0.0.1",
@@ -235,10 +237,10 @@ async def test_prefill_descriptor_and_held_blocks(client: TestClient[Any, Any], 
         "transfer_mode": "pull",
         "remote_prefill_cached_tokens": 0,
     }
-    # A short prompt: an empty block list, still a held entry; a reused request id stays unique.
+    # A prompt shorter than a block: one block; a reused request id stays unique.
     resp = await client.post("/v1/completions", json=prefill_body(5), headers={"X-Request-Id": "r1"})
     desc2 = (await resp.json())["kv_transfer_params"]
-    assert desc2["remote_block_ids"] == [[]] and desc2["remote_request_id"] != "cmpl-r1-0"
+    assert desc2["remote_block_ids"] == [[3]] and desc2["remote_request_id"] != "cmpl-r1-0"
     resp = await client.post(
         "/v1/chat/completions",
         json={
@@ -247,9 +249,9 @@ async def test_prefill_descriptor_and_held_blocks(client: TestClient[Any, Any], 
             "kv_transfer_params": dict(PREFILL_KV),
         },
     )
-    assert (await resp.json())["kv_transfer_params"]["remote_block_ids"] == [[2, 3]]
+    assert (await resp.json())["kv_transfer_params"]["remote_block_ids"] == [[4, 5, 6]]
     stats = await (await client.get("/fake/stats")).json()
-    assert stats["held_blocks"] == 4 and stats["held_requests"] == 3
+    assert stats["held_blocks"] == 7 and stats["held_requests"] == 3
     assert stats["requests"] == {"prefill": 3, "decode": 0, "total": 3}
     assert stats["engine_id"] == engine.engine_id and stats["name"] == "e0"
     assert stats["url"] == f"http://127.0.0.1:{client.server.port}"
@@ -258,7 +260,7 @@ async def test_prefill_descriptor_and_held_blocks(client: TestClient[Any, Any], 
 async def test_flat_block_ids_option(aiohttp_client: ClientFactory) -> None:
     client = await aiohttp_client(build_engine_app(FakeEngine("old", flat_block_ids=True, block_size=8)))
     desc = (await (await client.post("/v1/completions", json=prefill_body(17))).json())["kv_transfer_params"]
-    assert desc["remote_block_ids"] == [0, 1]
+    assert desc["remote_block_ids"] == [0, 1, 2]
 
 
 @pytest.mark.parametrize("local_kv", [True, False], ids=["in-process", "http-side-channel"])
@@ -267,7 +269,7 @@ async def test_decode_reads_and_releases_producer_blocks(
 ) -> None:
     producer, consumer, pc, dc = await two_engines(aiohttp_client, consumer_local_kv=local_kv)
     desc = (await (await pc.post("/v1/completions", json=prefill_body(48))).json())["kv_transfer_params"]
-    assert producer.stats()["held_blocks"] == 3
+    assert producer.stats()["held_blocks"] == 3  # 48 tokens, blocks of 16
     body = {"prompt": words(48), "max_tokens": 2, "stream": True, "kv_transfer_params": desc}
     evs = decoded(await (await dc.post("/v1/completions", json=body)).read())
     assert [e["choices"][0]["text"] for e in evs[:-1]] == [" t0", " t1"] and evs[-1] == "[DONE]"
@@ -339,15 +341,39 @@ async def test_kv_read_failure_unreachable_producer(aiohttp_client: ClientFactor
 @pytest.mark.parametrize(("path", "body"), [
     ("/v1/messages", {"messages": [{"role": "user", "content": "a b"}], "max_tokens": 70}),
     ("/v1/responses", {"input": "a b", "max_output_tokens": 70}),
-    ("/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"max_tokens": 70}}),
+    ("/v1/completions", {"prompt": "a b", "max_tokens": 70}),
 ])
-async def test_every_endpoint_refuses_what_the_context_cannot_hold(
+async def test_every_endpoint_refuses_max_tokens_beyond_the_context(
     aiohttp_client: ClientFactory, path: str, body: dict[str, Any]
 ) -> None:
-    """vLLM's serving layer validates every endpoint's request against the context
-    (``_validate_input``): 400 before the engine takes it, whatever the endpoint."""
+    """0.33 (and a real 0.32 engine) refuses only ``max_tokens > max_model_len``, with its own
+    message, inside the handler; a smaller one is clamped to what the context has left."""
     engine = FakeEngine("ctx", max_model_len=64, enable_scale_out=True)
     client = await aiohttp_client(build_engine_app(engine))
     resp = await client.post(path, json={"model": "fake-model", **body})
     assert resp.status == 400
-    assert "is too large: 70. This model's maximum context length is 64 tokens" in await resp.text()
+    assert "max_tokens=70 cannot be greater than max_model_len=64. Please request fewer output tokens." \
+        in await resp.text()
+    body = {k: (63 if k in ("max_tokens", "max_output_tokens") else v) for k, v in body.items()}
+    resp = await client.post(path, json={"model": "fake-model", **body})
+    assert resp.status == 200  # 2 prompt tokens + 63 > 64: clamped, not refused
+
+
+async def test_generate_never_refuses_on_length(aiohttp_client: ClientFactory) -> None:
+    engine = FakeEngine("ctx", max_model_len=64, enable_scale_out=True)
+    client = await aiohttp_client(build_engine_app(engine))
+    body = {"model": "fake-model", "token_ids": [1, 2], "sampling_params": {"max_tokens": 70}}
+    assert (await client.post("/inference/v1/generate", json=body)).status == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_0_11_refuses_a_prompt_and_max_tokens_beyond_the_context(
+    aiohttp_client: ClientFactory, path: str
+) -> None:
+    engine = FakeEngine("ctx", max_model_len=64, version="0.11.0")
+    client = await aiohttp_client(build_engine_app(engine))
+    body: dict[str, Any] = {"model": "fake-model", "max_tokens": 63}
+    body.update({"prompt": "a b"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "a b"}]})
+    resp = await client.post(path, json=body)
+    assert resp.status == 400
+    assert "is too large: 63. This model's maximum context length is 64 tokens" in await resp.text()
