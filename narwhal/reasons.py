@@ -46,6 +46,7 @@ class Reason(enum.StrEnum):
     UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
     HEADER_TOO_LARGE = "header_too_large"
     NO_ENGINE = "no_engine"
+    NOT_IMPLEMENTED = "not_implemented"
     SHUTTING_DOWN = "shutting_down"
     INTERNAL_ERROR = "internal_error"
     ENGINE_UNREACHABLE = "engine_unreachable"
@@ -89,6 +90,7 @@ TABLE: tuple[Rule, ...] = (
     Rule("unsupported_media_type", 415, Retry.NEVER, False, None),
     Rule("header_too_large", 431, Retry.NEVER, False, None),
     Rule("no_engine", 503, Retry.NEVER, False, None),
+    Rule("not_implemented", 501, Retry.NEVER, False, None),  # no engine's release serves the endpoint
     Rule("shutting_down", 503, Retry.NEVER, False, None),
     Rule("internal_error", 500, Retry.NEVER, False, None),
     # an engine's fault or answer

@@ -382,7 +382,11 @@ async def _plain(
     else:
         body = frames_for(req.kind, engine.templates(req.model), rid, int(time.time()), req.max_tokens).body(
             text, finish, req.prompt_tokens, n, cached)
-    descriptor = kv.producer_descriptor(engine, req.kv_params, rid, req.prompt_tokens, spec.descriptor, cached or 0)
+    if req.kind == "responses" and not engine.release.hands_off_on_responses:
+        descriptor: Any = kv.MISSING  # 0.11's Responses take no kv_transfer_params: none answered
+    else:
+        descriptor = kv.producer_descriptor(engine, req.kv_params, rid, req.prompt_tokens, spec.descriptor,
+                                            cached or 0)
     if descriptor is kv.MISSING or (descriptor is None and req.kind == "messages"):
         body.pop("kv_transfer_params", None)  # Messages are dumped with exclude_none: absent, not null
     else:

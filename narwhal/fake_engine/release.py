@@ -41,7 +41,9 @@ from packaging.version import InvalidVersion, Version
 DEFAULT_VERSION = "0.33.0"
 FIRST_REJECTION_CLEANUP = Version("0.21.0")
 _CURRENT = Version("0.12.0")
-_FIRST_033 = Version("0.33.0")  # what a real 0.32 engine showed it lacks (the real tier)
+_FIRST_033 = Version("0.33.0")
+_ALL_KINDS = frozenset({"completions", "chat", "responses", "messages", "generate"})
+_KINDS_0_11 = frozenset({"completions", "chat", "responses"})  # what a real 0.32 engine showed it lacks (the real tier)
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,16 @@ class Release:
     def tp_multiple_rule(self) -> bool:
         """0.11's handshake: the consumer's TP must be a multiple of the producer's."""
         return not self.current
+
+    @property
+    def has_route(self) -> frozenset[str]:
+        """The P/D kinds this release serves: 0.11 has no Messages or generate route."""
+        return _ALL_KINDS if self.current else _KINDS_0_11
+
+    @property
+    def hands_off_on_responses(self) -> bool:
+        """0.11's ``ResponsesRequest`` ignores ``kv_transfer_params`` (no handoff, none read)."""
+        return self.current
 
     @property
     def generate_needs_scale_out(self) -> bool:

@@ -54,6 +54,8 @@ def add_routes(app: web.Application, engine: EngineState) -> None:
     """Every route of one engine: the generating ones, vLLM's control routes and the fake's ``/fake/*``."""
     def generating(kind: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def route(request: web.Request) -> web.StreamResponse:
+            if kind not in engine.release.has_route:  # 0.11: no such route, FastAPI's 404
+                return json_response({"detail": "Not Found"}, status=404)
             if kind == "generate" and engine.release.generate_needs_scale_out and not engine.enable_scale_out:
                 return json_response(SCALE_OUT_DISABLED, status=403)  # scale_out/factories.py
             return await handle_completion(engine, request, kind)

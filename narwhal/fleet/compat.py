@@ -21,6 +21,10 @@
   the whole lease.
 * **0.11's TP rule.** The consumer's TP must be a multiple of the producer's on 0.11.x only;
   later releases accept heterogeneous TP.
+* **Endpoints per release.** 0.11 hands off only on chat and completions: its ``ResponsesRequest``
+  ignores ``kv_transfer_params`` (extra keys are allowed), so a prefill there answers with no
+  handoff; it has no ``/v1/messages`` or ``/inference/v1/generate`` route at all. Later releases
+  hand off on every P/D endpoint (:func:`hands_off`, :func:`has_route`).
 
 Why a module of its own: these are facts about vLLM releases that placement (the pair filter, a
 future policy's filter), the request path (releases) and preflight (TP hints) all ask; one place
@@ -35,6 +39,8 @@ from typing import Protocol
 from packaging.version import InvalidVersion, Version
 
 FIRST_REFUSAL_CLEANUP = Version("0.21.0")
+_HANDOFF_0_11 = frozenset({"/v1/completions", "/v1/chat/completions"})
+_ABSENT_0_11 = frozenset({"/v1/messages", "/inference/v1/generate"})
 TRANSFER_MODES = ("pull", "push")
 
 
@@ -85,3 +91,19 @@ def tp_multiple_rule(version: str | None) -> bool:
     """Does 0.11's "consumer TP a multiple of the producer's" rule apply (0.11.x only)?"""
     parsed = None if version is None else _parsed(version)
     return parsed is not None and parsed.release[:2] == (0, 11)
+
+
+def _is_0_11(version: str | None) -> bool:
+    parsed = None if version is None else _parsed(version)
+    return parsed is not None and parsed.release[:2] == (0, 11)
+
+
+def hands_off(version: str | None, path: str) -> bool:
+    """Can an engine of this release take part in a handoff on the P/D endpoint ``path``? An
+    unknown version is taken to (refusing it would empty a fleet whose versions are not read yet)."""
+    return not _is_0_11(version) or path in _HANDOFF_0_11
+
+
+def has_route(version: str | None, path: str) -> bool:
+    """Does an engine of this release serve the P/D endpoint ``path`` at all?"""
+    return not _is_0_11(version) or path not in _ABSENT_0_11

@@ -29,10 +29,11 @@ from aiohttp import web
 from narwhal import metrics
 from narwhal.engines.client import EngineClient
 from narwhal.engines.endpoints import Endpoint
-from narwhal.errors import EngineError, NarwhalError
+from narwhal.errors import EngineError, NarwhalError, RequestError
 from narwhal.fleet import Fleet
+from narwhal.fleet.endpoint_support import NONE, PD, EndpointSupport
 from narwhal.fleet.placement.blocks import MEMO_BLOCKS, KeyMemo
-from narwhal.reasons import retryable
+from narwhal.reasons import Reason, retryable
 from narwhal.request import client_failures
 from narwhal.request.accesslog import AccessLog, AccessRecord
 from narwhal.request.admission import ClientRequest, admit, embed_prompt
@@ -96,6 +97,7 @@ class Router:
         self._key_memo = KeyMemo(MEMO_BLOCKS) if self._policy.wants_blocks else None
         self.attempts = Attempts(settings, placement, client, outcomes, self._spawn)
         self.passthrough = Passthrough(settings, fleet, placement, client, outcomes)
+        self._support = EndpointSupport(fleet)  # which endpoints the engines' releases serve, how
         self._active: set[asyncio.Task[Any] | None] = set()  # client requests being handled
         self._stopping = False
         self._drain_timer: asyncio.Future[None] | None = None
@@ -129,6 +131,9 @@ class Router:
                 req = await admit(request, endpoint, self.settings, self.fleet, arrival, traceparent)
                 req.affinity, req.local, req.blocks = request_hints(
                     endpoint, req.body, self.settings.placement, self._policy, self._key_memo)
+                support = self._support.of(req.model, path)
+                if support is not PD:  # the engines' release cannot hand off here (0.11 and Responses, …)
+                    req.local = self._served_alone(support, req.model, path)
                 embed_prompt(req.body, endpoint.dialect.prompt_fields)  # nothing reads the prompt after this
                 rec.model, rec.stream = req.model, req.stream
                 response = await self._serve(client, req, rec, started)
@@ -151,6 +156,14 @@ class Router:
             rec.total_s = time.perf_counter() - started
             metrics.TALLY.counts[metrics.requests_child(path, rec.status, rec.model or "")] += 1
             self.access_log.write(rec)
+
+    @staticmethod
+    def _served_alone(support: str, model: str, path: str) -> bool:
+        """A request the engines' releases cannot hand off on: one engine serves it (True), or 501."""
+        if support is NONE:
+            raise RequestError(f"{path} is not served by the vLLM release of the engines serving {model!r}",
+                               reason=Reason.NOT_IMPLEMENTED)
+        return True
 
     def begin_drain(self, grace_s: float) -> None:
         """SIGTERM: in-flight requests may finish for ``grace_s``; then the rest are ended

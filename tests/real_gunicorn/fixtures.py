@@ -27,12 +27,13 @@ def no_blocks_held(fleet: FakeFleet) -> None:
         raise AssertionError(f"{exc}: still held {held()}") from None
 
 
-def release_fleet(names: Sequence[str] = ENGINES, args: Sequence[str] = FLEET_ARGS) -> Any:
-    """A module-scoped ``fleet`` parametrized over :data:`RELEASES`: a module that names it
-    (``fleet = release_fleet()``) runs every test on a fleet of each release, written once; its
-    routers are module-scoped too, so each release gets its own."""
+def release_fleet(names: Sequence[str] = ENGINES, args: Sequence[str] = FLEET_ARGS,
+                  releases: Sequence[str] = RELEASES) -> Any:
+    """A module-scoped ``fleet`` parametrized over ``releases`` (:data:`RELEASES`): a module that
+    names it (``fleet = release_fleet()``) runs every test on a fleet of each release, written
+    once; its routers are module-scoped too, so each release gets its own."""
 
-    @pytest.fixture(scope="module", params=RELEASES, ids=[f"vllm-{r}" for r in RELEASES])
+    @pytest.fixture(scope="module", params=list(releases), ids=[f"vllm-{r}" for r in releases])
     def fixture(request: pytest.FixtureRequest) -> Iterator[FakeFleet]:
         fleet = FakeFleet.start(list(names), args=[*args, "--vllm-version", request.param])
         try:

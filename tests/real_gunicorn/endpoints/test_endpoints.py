@@ -1,10 +1,11 @@
 """The other P/D endpoints through real gunicorn (SPEC §2.1): /v1/messages, /v1/responses and
 /inference/v1/generate on the same request path as chat, each judged by its own stream rules.
 
-Every test runs on a fleet of each vLLM release the fake imitates (``fixtures.release_fleet``:
-0.11.0, then 0.33.0, SPEC §11). Router timeouts (support.TIMEOUTS): prefill 2.5 s, first token
-2.5 s, between chunks 1.5 s. The module's end checks that no producer still holds KV blocks
-(conftest).
+Every test runs on a fleet of each vLLM release that hands off on these endpoints (0.32.0, then
+0.33.0): 0.11.0 hands off only on chat and completions, and what Narwhal does with these
+endpoints there (501, or the consumer alone) is test_releases.py's. Router timeouts
+(support.TIMEOUTS): prefill 2.5 s, first token 2.5 s, between chunks 1.5 s. The module's end
+checks that no producer still holds KV blocks (conftest).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from tests.real_gunicorn.support import (
 
 IDS = [e.path for e in ALL]
 
-fleet = release_fleet()
+fleet = release_fleet(releases=["0.32.0", "0.33.0"])
 
 
 def _legs(fleet: FakeFleet, tag: str) -> tuple[dict[str, Any], dict[str, Any], str]:
@@ -265,7 +266,7 @@ async def test_messages_engine_error_types_map_to_statuses(router: RouterProcess
     assert reply.json == MESSAGES.error(status, "engine_stream_error", "typed")
 
 
-async def test_messages_engine_4xx_in_anthropic_shape_passes_through(router: RouterProcess, fleet: FakeFleet) -> None:
+async def test_messages_engine_4xx_in_anthropic_shape_passes_through(router: RouterProcess) -> None:
     # The consumer's own refusal (max_tokens beyond its context: the one-token prefill passes), which
     # a one-token release of the handoff does not repeat: on 0.11 Narwhal's release frees the blocks,
     # on 0.33 the consumer does (SPEC §11); the module's end checks no producer holds any.
@@ -273,10 +274,8 @@ async def test_messages_engine_4xx_in_anthropic_shape_passes_through(router: Rou
     assert reply.status == 400
     assert reply.headers["x-narwhal-error"] == "engine_client_error"
     assert reply.json["type"] == "error" and reply.json["error"]["type"] == "invalid_request_error"
-    # 0.33 refuses only max_tokens beyond max_model_len, with its own message; 0.11 its prompt plus max_tokens.
-    expected = ("'max_tokens' or 'max_completion_tokens' is too large: 2000000." if fleet.version == "0.11.0"
-                else "max_tokens=2000000 cannot be greater than max_model_len=")
-    assert reply.json["error"]["message"].startswith(expected)
+    # 0.12 on refuse only max_tokens beyond max_model_len, with their own message.
+    assert reply.json["error"]["message"].startswith("max_tokens=2000000 cannot be greater than max_model_len=")
 
 
 async def test_generate_prefill_rewrites_sampling_params(router: RouterProcess, fleet: FakeFleet) -> None:

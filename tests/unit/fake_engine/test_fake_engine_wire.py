@@ -195,7 +195,8 @@ async def test_operational_routes(client: TestClient[Any, Any], engine: FakeEngi
     assert models["object"] == "list"
     entry = models["data"][0]
     assert entry["id"] == entry["root"] == "fake-model" and entry["owned_by"] == "vllm"
-    assert entry["parent"] is None and entry["max_model_len"] == 8192 and entry["permission"] == []
+    assert entry["parent"] is None and entry["max_model_len"] == 8192
+    assert [p["object"] for p in entry["permission"]] == ["model_permission"]  # as a real engine lists it
     assert await (await client.get("/load")).json() == {"server_load": 0}
     text = await (await client.get("/metrics")).text()
     assert 'vllm:num_requests_running{engine="0",model_name="fake-model"} 0.0' in text
