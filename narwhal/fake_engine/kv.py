@@ -89,7 +89,9 @@ def producer_descriptor(
 
 def _release_keys(engine: EngineState, desc: dict[str, Any], prompt_tokens: int, cached_tokens: int) -> None:
     """The keys the engine's release adds to (or leaves out of) the common ones (``fake_engine.release``)."""
-    if engine.release.current:  # nixl/pull_scheduler.py request_finished, then the scheduler's key
+    if engine.release.release_0_2x:  # 0.21.0 nixl/scheduler.py: the common keys and the token count
+        desc["remote_num_tokens"] = prompt_tokens
+    elif engine.release.current:  # nixl/pull_scheduler.py request_finished, then the scheduler's key
         desc.update({
             "dcp_size": 1,
             "pp_size": 1,

@@ -42,6 +42,7 @@ DEFAULT_VERSION = "0.33.0"
 FIRST_REJECTION_CLEANUP = Version("0.21.0")
 _CURRENT = Version("0.12.0")
 _FIRST_033 = Version("0.33.0")
+_FIRST_020, _FIRST_022 = Version("0.20.0"), Version("0.22.0")
 _ALL_KINDS = frozenset({"completions", "chat", "responses", "messages", "generate"})
 _KINDS_0_11 = frozenset({"completions", "chat", "responses"})  # what a real 0.32 engine showed it lacks (the real tier)
 
@@ -56,6 +57,10 @@ class Release:
     # 0.33 on: the descriptor's ``remote_registration_generation``, the chunks'
     # ``weight_versions`` and ``kv_transfer_params``. A real 0.32 engine sends none of them.
     since_033: bool = True
+    # 0.20 and 0.21 (``nixl/scheduler.py``): nine descriptor keys (none of ``dcp_size``,
+    # ``pp_size``, the expiry, the generation, ``transfer_mode``; no cached-token count), and
+    # ``/inference/v1/generate`` served with no flag.
+    release_0_2x: bool = False
 
     @property
     def nested_block_ids(self) -> bool:
@@ -80,7 +85,7 @@ class Release:
     @property
     def generate_needs_scale_out(self) -> bool:
         """``/inference/v1/generate`` answers 403 unless the engine runs ``--enable-scale-out``."""
-        return self.current
+        return self.current and not self.release_0_2x
 
 
 def release_of(version: str) -> Release:
@@ -89,7 +94,8 @@ def release_of(version: str) -> Release:
         parsed = Version(version)
     except InvalidVersion:
         parsed = Version(DEFAULT_VERSION)
-    return Release(version, parsed >= _CURRENT, parsed >= FIRST_REJECTION_CLEANUP, parsed >= _FIRST_033)
+    return Release(version, parsed >= _CURRENT, parsed >= FIRST_REJECTION_CLEANUP, parsed >= _FIRST_033,
+                   _FIRST_020 <= parsed < _FIRST_022)
 
 
 def compatible(producer_version: str, producer_mode: str, consumer_version: str, consumer_mode: str) -> bool:

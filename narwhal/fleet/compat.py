@@ -49,6 +49,7 @@ class Described(Protocol):
 
     version: str | None  # the engine's /version; None: not read yet
     transfer_mode: str
+    enforce_versions: bool  # ``[compat] enforce_versions``: False pairs any two versions
 
 
 def compatible(producer: Described, consumer: Described) -> bool:
@@ -57,6 +58,8 @@ def compatible(producer: Described, consumer: Described) -> bool:
         return True
     if producer.transfer_mode != consumer.transfer_mode:
         return False
+    if not (producer.enforce_versions and consumer.enforce_versions):
+        return True  # the fleet runs vLLM's enforce_handshake_compat: false (``[compat]``)
     return producer.version is None or consumer.version is None or producer.version == consumer.version
 
 

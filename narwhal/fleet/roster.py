@@ -39,6 +39,7 @@ class Engine:
     models_configured: bool = False
     transfer_mode: str = "pull"  # engines[].transfer_mode: NIXL pull or push (SPEC §11)
     version: str | None = None  # the engine's /version as the supervisor read it; None: not yet
+    enforce_versions: bool = True  # compat.enforce_versions: pairs need one vLLM version
     generate_refused: bool = False  # it answers 403 on /inference/v1/generate (no --enable-scale-out)
     models_read: bool = False  # a worker holds the supervisor's first read of its models (worker.models_follow)
     permitted_consumers: tuple[Engine, ...] = ()
@@ -61,6 +62,7 @@ class Fleet:
 
     def __init__(self, settings: Settings, members: list[tuple[int, EngineSpec]] | None = None) -> None:
         self._connector_of = settings.connector_of
+        self._enforce_versions = settings.compat.enforce_versions
         if members is None:
             members = list(enumerate(settings.engines))
         self.engines: list[Engine] = []
@@ -89,7 +91,7 @@ class Fleet:
         engines: list[Engine] = []
         added: list[Engine] = []
         for index, spec in sorted(members, key=lambda m: m[0]):
-            fresh = _engine(index, spec, self._connector_of(spec))
+            fresh = _engine(index, spec, self._connector_of(spec), self._enforce_versions)
             kept = old.pop(index, None)
             if kept is not None and _same(kept, fresh):
                 engines.append(kept)
@@ -148,7 +150,7 @@ def _description(e: Engine) -> tuple[Any, ...]:
             e.models_configured, e.models if e.models_configured else None, e.transfer_mode)
 
 
-def _engine(index: int, spec: EngineSpec, connector: str) -> Engine:
+def _engine(index: int, spec: EngineSpec, connector: str, enforce_versions: bool = True) -> Engine:
     return Engine(
         index=index,
         name=spec.name,
@@ -164,6 +166,7 @@ def _engine(index: int, spec: EngineSpec, connector: str) -> Engine:
         models=frozenset(spec.models or ()),
         models_configured=spec.models is not None,
         transfer_mode=spec.transfer_mode,
+        enforce_versions=enforce_versions,
     )
 
 

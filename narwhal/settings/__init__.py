@@ -210,6 +210,14 @@ class RecoverySettings(Section):
     readmission: Literal["auto", "probe", "health"] = "auto"
 
 
+class CompatSettings(Section):
+    """``[compat]``: which engines may pair across vLLM releases."""
+    # False pairs engines of different vLLM versions: for fleets that run vLLM's own
+    # ``kv_connector_extra_config.enforce_handshake_compat: false`` (a rolling upgrade across
+    # releases whose KV layout did not change). Transfer modes must still agree.
+    enforce_versions: bool = True
+
+
 class Settings(BaseSettings):
     """Every section, validated as a whole and frozen; a ``NARWHAL_`` variable wins over the TOML file."""
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", frozen=True)
@@ -224,6 +232,7 @@ class Settings(BaseSettings):
     recovery: RecoverySettings = RecoverySettings()
     tracing: TracingSettings = TracingSettings()
     discovery: DiscoverySettings = DiscoverySettings()
+    compat: CompatSettings = CompatSettings()
     engine_contract: EngineContract | None = None
     engines: list[EngineSpec] = []
 

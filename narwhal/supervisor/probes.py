@@ -94,7 +94,7 @@ class Prober:
             return FAIL, why
         if kind == "lifecycle":  # a discovered engine's first checks without a contract (supervisor.membership)
             return PASS, ""
-        probed = _Probed(version or engine.version, engine.transfer_mode)
+        probed = _Probed(version or engine.version, engine.transfer_mode, engine.enforce_versions)
         if as_producer:
             why = await self._producer_probe(engine, probed, model)
             if why:
@@ -201,11 +201,12 @@ class Prober:
 class _Probed:
     """The probed engine as the pairing rule reads it: its version as the probe read it, and its mode."""
 
-    __slots__ = ("version", "transfer_mode")
+    __slots__ = ("version", "transfer_mode", "enforce_versions")
 
-    def __init__(self, version: str | None, transfer_mode: str) -> None:
+    def __init__(self, version: str | None, transfer_mode: str, enforce_versions: bool) -> None:
         self.version = version
         self.transfer_mode = transfer_mode
+        self.enforce_versions = enforce_versions
 
 
 def _rid() -> str:

@@ -1,5 +1,5 @@
-"""SPEC §11 through real gunicorn on a fleet of each vLLM release the fake imitates (0.11.0 and
-0.33.0): every P/D endpoint's happy path with the descriptor passed through byte for byte, a
+"""SPEC §11 through real gunicorn on a fleet of each vLLM release the fake imitates (0.11.0,
+0.21.0 and 0.33.0): every P/D endpoint's happy path with the descriptor passed through byte for byte, a
 consumer's refusal released exactly when that release leaves the blocks pinned, and (0.33) the
 holdings learning from ``remote_prefill_cached_tokens`` with the usage details off. One fixture,
 parametrized over the releases: the tests are written once."""
@@ -33,11 +33,13 @@ from tests.real_gunicorn.support import (
     wait_until,
 )
 
-RELEASES = ["0.11.0", "0.33.0"]
+RELEASES = ["0.11.0", "0.21.0", "0.33.0"]
 COUNTERS = ("narwhal_handoffs_released_total", "narwhal_handoffs_abandoned_total")
 # The producer's descriptor keys of each release (VLLM-PROTOCOL.md A.2, §D; SPEC §11).
 KEYS_0_11 = ["do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id", "remote_host",
              "remote_port", "tp_size"]
+KEYS_0_21 = ["do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id", "remote_request_id",
+             "remote_host", "remote_port", "tp_size", "remote_num_tokens"]
 KEYS_0_33 = KEYS_0_11 + ["remote_request_id", "dcp_size", "pp_size", "remote_num_tokens", "remote_blocks_expiry_time",
                          "remote_registration_generation", "transfer_mode", "remote_prefill_cached_tokens"]
 
@@ -97,6 +99,8 @@ async def test_every_endpoint_decodes_the_producers_descriptor_unchanged(
         blocks = desc["remote_block_ids"]
         if version == "0.11.0":
             assert "remote_request_id" not in desc and all(type(b) is int for b in blocks)
+        elif version == "0.21.0":  # nine keys: no transfer mode, no cached-token count
+            assert len(desc) == 9 and "transfer_mode" not in desc and all(type(g) is list for g in blocks)
         else:
             assert desc["transfer_mode"] == "pull" and "remote_prefill_cached_tokens" in desc
             assert all(type(group) is list for group in blocks)
@@ -243,7 +247,7 @@ async def test_admin_engines_names_an_engine_refusing_generate(release: tuple[st
         fleet.control_request("POST", "/engines/vd0/stop")
         await _entry_when(router, "vd0", lambda e: e["unreachable"], "seen refusing connections")
         fleet.control_request("POST", "/engines/vd0/start?restart=1&scale_out=0")
-        if version == "0.11.0":
+        if version in ("0.11.0", "0.21.0"):  # generate needs no flag there
             entry = await _entry_when(router, "vd0", lambda e: not e["unreachable"], "reachable again")
             assert entry["refused_endpoints"] == {}
         else:
@@ -256,7 +260,7 @@ async def test_admin_engines_names_an_engine_refusing_generate(release: tuple[st
         fleet.control_request("POST", "/engines/vd0/start?restart=1&scale_out=1")
     await _entry_when(router, "vd0", lambda e: not e["unreachable"] and e["refused_endpoints"] == {},
                       "serving generate again")
-    if version != "0.11.0":  # the supervisor's one line, once per change
+    if version == "0.33.0":  # the supervisor's one line, once per change
         assert router.log_text().count("engine vd0 answers 403 on /inference/v1/generate") == 1
 
 
@@ -280,7 +284,7 @@ async def test_the_consumer_gets_the_producers_descriptor_byte_for_byte(
     if version == "0.11.0":
         assert list(answered) == KEYS_0_11 and all(type(b) is int for b in blocks)
     else:
-        assert sorted(answered) == sorted(KEYS_0_33)
+        assert list(answered) == KEYS_0_21 if version == "0.21.0" else sorted(answered) == sorted(KEYS_0_33)
         expected_shape = {None: [blocks[-1]], "empty_groups": [[]], "hybrid_groups": [[], blocks[-1]]}[shape]
         assert blocks == expected_shape and (shape == "empty_groups" or blocks[-1])
     wait_until(lambda: fleet.stats("vp0")["held_blocks"] == 0, 10, "the handoff read")

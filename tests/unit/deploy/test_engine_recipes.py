@@ -165,6 +165,7 @@ def test_the_pinned_engine_version_is_the_one_the_recipes_were_checked_against(t
         contract = _settings(text, tmp_path).engine_contract
         assert contract is not None and VersionPin.of(contract) is not None
         assert VersionPin(contract.engine_version).matches(VLLM)  # exact or a range, as the router reads it
+        assert VersionPin(contract.engine_version).matches("0.34.0")  # the newest release is admitted
     assert f"checked against **vLLM {VLLM}**" in DEPLOY_GUIDE.read_text()
 
 

@@ -378,3 +378,12 @@ async def test_0_11_refuses_a_prompt_and_max_tokens_beyond_the_context(
     resp = await client.post(path, json=body)
     assert resp.status == 400
     assert "is too large: 63. This model's maximum context length is 64 tokens" in await resp.text()
+
+
+async def test_a_0_21_engine_sends_nine_keys_and_serves_generate_with_no_flag(aiohttp_client: ClientFactory) -> None:
+    client = await aiohttp_client(build_engine_app(FakeEngine("v21", version="0.21.0")))
+    desc = (await (await client.post("/v1/completions", json=prefill_body(20))).json())["kv_transfer_params"]
+    assert list(desc) == ["do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
+                          "remote_request_id", "remote_host", "remote_port", "tp_size", "remote_num_tokens"]
+    body = {"model": "fake-model", "token_ids": [1, 2], "sampling_params": {"max_tokens": 2}}
+    assert (await client.post("/inference/v1/generate", json=body)).status == 200

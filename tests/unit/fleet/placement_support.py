@@ -92,10 +92,10 @@ class Clock:
 
 
 def build(
-    engines: list[dict[str, Any]], seed: int = 0, **placement: Any
+    engines: list[dict[str, Any]], seed: int = 0, compat: dict[str, Any] | None = None, **placement: Any
 ) -> tuple[Placement, Readings, Clock, LocalInflight, FakeView]:
     specs = [{"url": f"http://127.0.0.1:{9000 + i}", "models": [MODEL], **e} for i, e in enumerate(engines)]
-    settings = Settings(engines=specs, placement=placement)
+    settings = Settings(engines=specs, placement=placement, compat=compat or {})
     fleet = Fleet(settings)
     view, inflight, readings, clock = FakeView(), LocalInflight(len(fleet.engines)), Readings(fleet), Clock()
     built = Placement(fleet, view, inflight, settings.placement, random.Random(seed), loads=readings, clock=clock)

@@ -67,3 +67,17 @@ def test_an_undecoded_handoff_is_released_only_through_a_compatible_consumer() -
     assert placement.release_consumers(p0, d0, MODEL, chosen_first=True) == [d0]
     fleet.set_version(fleet.by_name["d1"], "0.33.0")  # upgraded: a release may go there again
     assert [d.name for d in placement.release_consumers(p0, d0, MODEL, chosen_first=False)] == ["d1", "d0"]
+
+
+def test_compat_enforce_versions_false_pairs_across_versions() -> None:
+    # vLLM's own enforce_handshake_compat: false lets a rolling upgrade hand off across releases.
+    placement, *_ = build([{"name": "p0", "role": "producer"}, {"name": "d0", "role": "consumer"}],
+                          compat={"enforce_versions": False})
+    p0, d0 = placement.fleet.engines
+    placement.fleet.set_version(p0, "0.33.0")
+    placement.fleet.set_version(d0, "0.34.0")
+    assert compat.compatible(p0, d0)
+    found = placement.try_place(MODEL)
+    assert found is not None and (found.producer.name, found.consumer.name) == ("p0", "d0")
+    d0.transfer_mode = "push"
+    assert not compat.compatible(p0, d0)  # the transfer mode still decides
