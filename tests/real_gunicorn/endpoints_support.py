@@ -63,7 +63,7 @@ class Endpoint:
             out.pop("stop_sequences", None)
             out["max_tokens"] = 1
         elif self.path == "/v1/responses":
-            out.update(max_output_tokens=1, background=False, store=False, request_id=request_id)
+            out.update(max_output_tokens=1, background=False, store=False, request_id="resp_" + request_id)
         else:
             out.pop("stream_options", None)
             params = {k: v for k, v in out["sampling_params"].items() if k not in ("min_tokens", "stop",

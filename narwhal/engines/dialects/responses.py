@@ -43,11 +43,18 @@ _TERMINAL_EVENTS = frozenset({b"response.completed", b"response.incomplete"})
 
 
 
+def response_id(request_id: str) -> str:
+    """The body's ``request_id`` for a backend id: vLLM uses it as the Response's ``id`` as given,
+    and its own ids are ``resp_…`` (``ResponsesRequest``'s default): clients and SDKs that look
+    for the prefix find it."""
+    return request_id if request_id.startswith("resp_") else "resp_" + request_id
+
+
 def _one_token(body: dict[str, Any], request_id: str) -> dict[str, Any]:
     """The client's body for a one-token leg (a prefill, a release): not streamed, not stored."""
     out = dict(body)
     out.pop("stream_options", None)
-    out.update(stream=False, max_output_tokens=1, store=False, request_id=request_id)
+    out.update(stream=False, max_output_tokens=1, store=False, request_id=response_id(request_id))
     return out
 
 
@@ -101,7 +108,7 @@ class Responses(Dialect, endpoint=RESPONSES, prompt_fields=("instructions", "inp
     def decode_body(self, body: dict[str, Any], request_id: str, descriptor: dict[str, Any] | None) -> dict[str, Any]:
         """The base decode body with the backend id as ``request_id`` (vLLM reads no ``X-Request-Id`` here)."""
         out = super().decode_body(body, request_id, descriptor)
-        out["request_id"] = request_id
+        out["request_id"] = response_id(request_id)
         return out
 
     def release_body(self, body: dict[str, Any], request_id: str, descriptor: dict[str, Any]) -> dict[str, Any]:

@@ -98,7 +98,8 @@ async def test_both_legs_get_the_exact_bodies_and_the_client_gets_the_decode_unc
     assert descriptor["do_remote_prefill"] is True
     expected_decode = {**clean, "kv_transfer_params": descriptor}
     if ep is RESPONSES:
-        expected_decode["request_id"] = request_id  # both legs carry the backend id, not the client's
+        # Both legs carry the backend id, not the client's, as a Response id: vLLM's resp_ prefix.
+        expected_decode["request_id"] = "resp_" + request_id
     assert decode["body"] == expected_decode
     consumer = next(n for n, recs in records_anywhere(fleet, tag, ENGINES).items()
                     if any(r["phase"] == "decode" for r in recs))

@@ -111,14 +111,18 @@ def _settings(text: str, tmp_path: Path) -> Settings:
     return load_settings(str(path), environ={})
 
 
-def _check_engine_flags(command: Command, settings: Settings, consumer_streams: int | None) -> None:
+ROLE_OF = {"producer": "kv_producer", "consumer": "kv_consumer", "both": "kv_both"}  # kv_both: deprecated
+
+
+def _check_engine_flags(command: Command, settings: Settings, consumer_streams: int | None,
+                        role: str = "producer") -> None:
     contract = settings.engine_contract
     assert contract is not None
     assert set(command.flags) <= VERIFIED_FLAGS
     assert command.model == contract.model
     kv = json.loads(command.flag("--kv-transfer-config"))
     assert {k: kv[k] for k in ("kv_connector", "kv_role")} == {"kv_connector": contract.kv_connector,
-                                                              "kv_role": "kv_both"} and kv["kv_role"] in KV_ROLES
+                                                              "kv_role": ROLE_OF[role]} and kv["kv_role"] in KV_ROLES
     assert set(kv) - {"kv_connector", "kv_role"} <= KV_EXTRA_KEYS
     assert kv["kv_load_failure_policy"] in ("fail", "recompute")
     assert kv["kv_connector_extra_config"]["kv_lease_duration"] == settings.handoff.lease_s
@@ -141,7 +145,7 @@ def test_the_readme_starts_exactly_the_engines_of_the_example_settings(tmp_path:
         gpus = command.env["CUDA_VISIBLE_DEVICES"].split(",")
         assert int(command.flag("--tensor-parallel-size")) == len(gpus)
         streams = engine.max_inflight_decode if engine.role == "consumer" else None
-        _check_engine_flags(command, settings, streams)
+        _check_engine_flags(command, settings, streams, engine.role)
 
 
 def test_engines_on_one_host_share_no_gpu_and_no_port(tmp_path: Path) -> None:
@@ -152,7 +156,8 @@ def test_engines_on_one_host_share_no_gpu_and_no_port(tmp_path: Path) -> None:
     gpus = [g for c in commands for g in c.env["CUDA_VISIBLE_DEVICES"].split(",")]
     assert sorted(gpus) == [str(i) for i in range(8)]
     http = [int(c.flag("--port")) for c in commands]
-    # Each TP rank listens on base + rank: an engine holds tensor-parallel-size ports.
+    # 0.11: each TP rank listens on base + rank (an engine holds tensor-parallel-size ports);
+    # 0.2x on, one port per engine. The recipe's ranges serve both.
     side = [int(c.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) + rank
             for c in commands for rank in range(int(c.flag("--tensor-parallel-size")))]
     assert side == list(range(5600, 5608))
@@ -212,7 +217,7 @@ def test_the_kubernetes_engines_are_found_through_their_headless_services(tmp_pa
         assert container["command"] == ["vllm", "serve"]
         command = parse_serve(container["args"], {})
         assert int(command.flag("--port")) == source.port
-        _check_engine_flags(command, settings, streams)
+        _check_engine_flags(command, settings, streams, source.role)
     assert found == {name for kind, name in docs if kind == "StatefulSet"}  # every engine StatefulSet is found
 
 
