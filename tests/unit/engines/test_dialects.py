@@ -126,8 +126,10 @@ def test_prefill_bodies_follow_the_table() -> None:
     assert out["kv_transfer_params"]["do_remote_decode"] is True
     assert "kv_transfer_params" not in MSG.prefill_body(body, "rid", False)
     out = RESP.prefill_body({"input": "x", "request_id": "client", "background": True}, "rid", True)
-    assert (out["max_output_tokens"], out["background"], out["store"], out["request_id"]) == (1, False, False, "rid")
-    assert RESP.decode_body({"request_id": "client"}, "rid", None)["request_id"] == "rid"
+    # The backend id as a Response id: vLLM's resp_ prefix, which vLLM then uses as the id as given.
+    assert (out["max_output_tokens"], out["background"], out["store"], out["request_id"]) == (
+        1, False, False, "resp_rid")
+    assert RESP.decode_body({"request_id": "client"}, "rid", None)["request_id"] == "resp_rid"
     gen = {"token_ids": [1], "sampling_params": {"max_tokens": 5, "min_tokens": 2, "stop": ["a"], "seed": 3}}
     out = GEN.prefill_body(gen, "rid", True)
     assert out["sampling_params"] == {"max_tokens": 1, "seed": 3}
