@@ -126,6 +126,17 @@ def parse_models(body: bytes) -> list[str] | None:
     return list(dict.fromkeys(ids))
 
 
+def parse_model_card(body: bytes) -> tuple[int | None, str | None]:
+    """(``max_model_len``, ``root``) of the first model of an OpenAI model list, each None when
+    absent or not of its type (a positive integer, a string): whatever the engine sends."""
+    obj = _json_object(body)
+    listing = obj.get("data") if obj is not None else None
+    first = listing[0] if isinstance(listing, list) and listing and isinstance(listing[0], dict) else {}
+    context, root = first.get("max_model_len"), first.get("root")
+    return (context if type(context) is int and context > 0 else None,
+            root if isinstance(root, str) else None)
+
+
 def parse_version(body: bytes) -> str | None:
     """vLLM's ``/version`` answer, ``{"version": "0.11.0"}``; None for anything else."""
     obj = _json_object(body)

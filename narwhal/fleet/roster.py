@@ -41,6 +41,8 @@ class Engine:
     version: str | None = None  # the engine's /version as the supervisor read it; None: not yet
     enforce_versions: bool = True  # compat.enforce_versions: pairs need one vLLM version
     generate_refused: bool = False  # it answers 403 on /inference/v1/generate (no --enable-scale-out)
+    max_model_len: int | None = None  # its context length, as its /v1/models said; None: not said
+    model_root: tuple[str, str] | None = None  # (its first model, that model's root), as /v1/models said
     models_read: bool = False  # a worker holds the supervisor's first read of its models (worker.models_follow)
     permitted_consumers: tuple[Engine, ...] = ()
     permitted_producers: tuple[Engine, ...] = field(default=())

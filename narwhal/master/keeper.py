@@ -17,6 +17,14 @@ exit from a **pidfd** (``pidfd_open``, exact even after the reap and immune to p
 falling back to ``kill(pid, 0)`` where pidfds are missing. A supervisor whose heartbeat in
 shared memory goes stale (a wedged event loop) is killed and replaced the same way.
 
+An overloaded supervisor is not a wedged one. On a host starved by busy engines a live
+supervisor can beat seconds late; replacing it then loses its state and costs a restart's work
+on the same starved host (three restarts in four minutes were seen beside real CPU engines). So
+a stale beat alone is not enough: the keeper also reads the supervisor's CPU time
+(``/proc/<pid>/stat``). One that is still using CPU is running, only slowly: it is left alone
+(said once) until its beat is :data:`HARD_STALE_S` old, the bound for a loop that spins without
+beating. One that used no CPU for :data:`STALE_S` more is blocked: replaced.
+
 Deliberately left out: a master thread (``PR_SET_PDEATHSIG`` fires when the forking *thread*
 ends) and ``multiprocessing`` (its atexit hook in the first worker that exits terminates a
 daemonic child). ``os.fork`` from the master's main thread is all it takes: the child closes
@@ -38,7 +46,8 @@ from narwhal.logs import master_line
 from narwhal.shm.shared import SharedFleet
 from narwhal.supervisor.process import run_supervisor, set_parent_death_signal
 
-STALE_S = 3.0  # heartbeat age after which a running supervisor is presumed wedged
+STALE_S = 3.0  # heartbeat age after which a supervisor's CPU time decides (module text)
+HARD_STALE_S = 30.0  # heartbeat age after which it is replaced whatever its CPU time says
 # A new supervisor imports, loads settings and restores state before its first beat; on a
 # loaded host that can take longer than STALE_S, and the old one's beat says nothing about it.
 STARTUP_S = 30.0
@@ -58,6 +67,8 @@ class SupervisorKeeper:
         self._pidfd = -1
         self.started_at = 0.0
         self._term_sent_at: float | None = None
+        self._stale_since: tuple[float, int | None] | None = None  # (when, CPU ticks) at the first stale look
+        self._said_slow = False
         self.stopping = False  # the master is on its way out: nothing is restarted or killed from check()
 
     # -- the master's calls ----------------------------------------------------------------
@@ -68,6 +79,7 @@ class SupervisorKeeper:
         pid = fork_child(lambda: run_supervisor(self.shared, restarted=starts > 1), death_signal=signal.SIGTERM,
                          keep_fd=self.shared.region.fd)
         self.pid, self.started_at, self._term_sent_at = pid, self.clock(), None
+        self._stale_since, self._said_slow = None, False
         self._pidfd = _pidfd_open(pid)
 
     def check(self) -> None:
@@ -114,10 +126,35 @@ class SupervisorKeeper:
     # -- state -----------------------------------------------------------------------------
 
     def wedged(self) -> bool:
-        """No beat for ``STALE_S`` (``STARTUP_S`` before its first): alive but not looping, to be replaced."""
+        """Alive but not looping, to be replaced: no first beat for ``STARTUP_S``; or a beat older
+        than ``STALE_S`` and no CPU used for ``STALE_S`` more; or a beat older than ``HARD_STALE_S``."""
         if self.shared.supervisor_pid != self.pid:  # this one has not beaten yet
             return self.clock() - self.started_at > STARTUP_S
-        return self.shared.heartbeat_age_s > STALE_S
+        age = self.shared.heartbeat_age_s
+        if age <= STALE_S:
+            self._stale_since, self._said_slow = None, False
+            return False
+        if age > HARD_STALE_S:
+            return True
+        return not self._still_running(age)
+
+    def _still_running(self, age: float) -> bool:
+        """A stale beat: has the supervisor used CPU since the first stale look (or that look is
+        under ``STALE_S`` old)? Unreadable CPU time leaves the beat alone to decide, as before."""
+        now, ticks = self.clock(), cpu_ticks(self.pid)
+        if self._stale_since is None:
+            self._stale_since = (now, ticks)
+            return True
+        since, before = self._stale_since
+        if ticks is not None and before is not None and ticks > before:  # slow, not wedged
+            self._stale_since = (now, ticks)
+            if not self._said_slow:
+                self._said_slow = True
+                line = master_line("warning", "narwhal.supervisor",
+                                   f"supervisor {self.pid} beats late ({age:.1f}s) but is running: not replaced")
+                print(line, file=sys.stderr, flush=True)
+            return True
+        return now - since <= STALE_S
 
     def _exited(self) -> bool:
         if self._pidfd >= 0:
@@ -189,3 +226,17 @@ def _reset_signals() -> None:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1,
                 signal.SIGUSR2, signal.SIGWINCH, signal.SIGTTIN, signal.SIGTTOU):
         signal.signal(sig, signal.SIG_DFL)
+
+
+def cpu_ticks(pid: int) -> int | None:
+    """The CPU time ``pid`` used so far (user + system, in clock ticks); None when unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2 :].split()  # after the command name, which may hold spaces
+    try:
+        return int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of the whole line
+    except (IndexError, ValueError):
+        return None

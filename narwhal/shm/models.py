@@ -6,11 +6,15 @@ The supervisor reads them (``supervisor.models``) and publishes one record per e
 when the generation moved, never per request. One writer, the supervisor, so no lock.
 
 A record is ``seq u64 | version u64, identity hash u32, status u8, count u8, engine version length
-u8, generate u8, engine version, names | crc32`` under the seqlock of ``shm.records`` (a torn or
-reordered copy is read again), each name a u8 length and its UTF-8 bytes. The engine version is
+u8, generate u8, max model len u32, root length u8, engine version, root, names | crc32`` under
+the seqlock of ``shm.records`` (a torn or reordered copy is read again), each name a u8 length
+and its UTF-8 bytes. The engine version is
 the engine's ``/version`` (SPEC §11: which engines may pair), read with its models, at most
 :data:`MAX_VERSION_BYTES` bytes (a longer answer is no version); ``generate`` is whether it
 answers 403 on ``/inference/v1/generate`` (``GENERATE_*``), which ``/admin/engines`` shows.
+``max_model_len`` is the engine's context length and ``root`` its first model's ``root`` (its
+path or repository id, at most :data:`MAX_ROOT_BYTES`), from the same ``/v1/models`` answer:
+the router's own ``/v1/models`` lists them, as clients size requests from ``max_model_len``.
 ``version`` is the models generation it was published under: every round rewrites every
 engine's record, so a worker that sees the bump before a record (aarch64) reads again until the
 records carry it. The identity hash
@@ -44,14 +48,16 @@ CONFIGURED = 3  # ``engines[].models`` set: never read; workers use their own se
 MAX_MODEL_BYTES = 255  # a name's length is one byte
 MAX_MODELS = 64
 MAX_VERSION_BYTES = 63  # "0.33.0+cu126.abcdef" fits many times over
+MAX_ROOT_BYTES = 127  # a model's root: a repository id or a local path; a longer one is left out
 
-_HEAD = struct.Struct("<QIBBBB")  # version, identity hash, status, count, engine version length, generate
+# version, identity hash, status, count, engine version length, generate, max model len, root length
+_HEAD = struct.Struct("<QIBBBBIB")
 
 GENERATE_UNKNOWN = 0  # not asked, or no answer yet
 GENERATE_SERVED = 1  # answered anything but 403
 GENERATE_REFUSED = 2  # answered 403: vLLM runs without --enable-scale-out
 BODY = L.MODELS_RECORD_SIZE - 8 - 4  # seq before, CRC after
-ROOM = BODY - _HEAD.size - MAX_VERSION_BYTES  # for the names, each a length byte and its bytes
+ROOM = BODY - _HEAD.size - MAX_VERSION_BYTES - MAX_ROOT_BYTES  # for the names, each a length byte and its bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +70,8 @@ class ModelsRecord:
     models: tuple[str, ...]
     engine_version: str | None = None  # the engine's /version; None: not read (yet)
     generate: int = GENERATE_UNKNOWN  # its answer on /inference/v1/generate (GENERATE_*)
+    max_model_len: int | None = None  # its context length, from /v1/models; None: not said
+    root: str | None = None  # its first model's root, from /v1/models; None: not said
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,25 +121,32 @@ def encode(rec: ModelsRecord) -> bytes:
     names = b"".join(len(raw).to_bytes(1, "little") + raw for raw in raws)
     engine_version = fit_version(rec.engine_version)
     raw_version = b"" if engine_version is None else engine_version.encode()
+    root = fit_root(rec.root)
+    raw_root = b"" if root is None else root.encode()
+    context = rec.max_model_len if rec.max_model_len is not None and 0 < rec.max_model_len < 1 << 32 else 0
     body = _HEAD.pack(rec.version, rec.name_hash, rec.status, len(rec.models),
-                      len(raw_version) if engine_version is not None else 0xFF, rec.generate) + raw_version + names
+                      len(raw_version) if engine_version is not None else 0xFF, rec.generate, context,
+                      len(raw_root) if root is not None else 0xFF) + raw_version + raw_root + names
     return body + bytes(BODY - len(body))
 
 
 def decode(body: bytes) -> ModelsRecord:
     """The record in ``body`` (whole and CRC-checked: ``read_framed`` gave it)."""
-    version, name_hash, status, count, version_len, generate = _HEAD.unpack_from(body)
+    version, name_hash, status, count, version_len, generate, context, root_len = _HEAD.unpack_from(body)
     at = _HEAD.size
-    engine_version = None
+    engine_version = root = None
     if version_len != 0xFF:
         engine_version = body[at : at + version_len].decode("ascii", "replace")
         at += version_len
+    if root_len != 0xFF:
+        root = body[at : at + root_len].decode("ascii", "replace")
+        at += root_len
     names = []
     for _ in range(count):
         size = body[at]
         names.append(body[at + 1 : at + 1 + size].decode("utf-8", "surrogatepass"))
         at += 1 + size
-    return ModelsRecord(version, name_hash, status, tuple(names), engine_version, generate)
+    return ModelsRecord(version, name_hash, status, tuple(names), engine_version, generate, context or None, root)
 
 
 def fit_version(version: str | None) -> str | None:
@@ -141,6 +156,13 @@ def fit_version(version: str | None) -> str | None:
     if not version.isascii() or not version.isprintable():
         return None
     return version
+
+
+def fit_root(root: str | None) -> str | None:
+    """A root the record holds: printable ASCII of at most :data:`MAX_ROOT_BYTES` bytes, else None."""
+    if root is None or not root or len(root) > MAX_ROOT_BYTES or not root.isascii() or not root.isprintable():
+        return None
+    return root
 
 
 def write_models(region: L.Region, engine: int, rec: ModelsRecord) -> None:

@@ -46,6 +46,7 @@ from narwhal.engines.control import (
     ControlClient,
     ControlError,
     EngineRef,
+    parse_model_card,
     parse_models,
     parse_version,
 )
@@ -94,6 +95,8 @@ class ModelReader:
         self._known: dict[str, Known] = {}  # by engine name: what was last published for it
         self._versions: dict[str, str] = {}  # by engine name: its /version as last read (SPEC §11)
         self._generate: dict[str, int] = {}  # by engine name: M.GENERATE_SERVED or _REFUSED, as last read
+        # by engine name: (max_model_len, first model's root) from its /v1/models, as last read
+        self._cards: dict[str, tuple[int | None, str | None]] = {}
         self._recheck: set[str] = set()  # answering again after refusing: reachable once /version is read
         self._rechecked: set[str] = set()  # read: reachable after CLEAR_AFTER_S (tick)
         self._clear_at: dict[str, float] = {}
@@ -133,6 +136,8 @@ class ModelReader:
                 self._set_version(engine, rec.engine_version)
             if rec is not None and rec.name_hash == ident and rec.generate != M.GENERATE_UNKNOWN:
                 self._generate[engine.name] = rec.generate
+            if rec is not None and rec.name_hash == ident and (rec.max_model_len or rec.root):
+                self._cards[engine.name] = (rec.max_model_len, rec.root)
 
     def tick(self, now: float) -> None:
         """Publish what changed since the last pass (answers, engines), then start the reads due now (never awaited)."""
@@ -273,7 +278,13 @@ class ModelReader:
             status, body = await self.control.get(engine, "/v1/models")
         except ControlError:
             return None
-        return parse_models(body) if status == 200 else None
+        if status != 200:
+            return None
+        card = parse_model_card(body)
+        if self._cards.get(engine.name) != card:
+            self._cards[engine.name] = card
+            self._changed = True
+        return parse_models(body)
 
     def settle(self, engine: Engine, answer: list[str] | None) -> None:
         """Take one read's answer (None: no answer, or not a model list); what changed goes out at the next pass."""
@@ -308,7 +319,8 @@ class ModelReader:
                 status = M.CONFIGURED  # workers take engines[].models from their own settings
             else:
                 _, status, models = self._known.get(engine.name, (ident, M.PENDING, ()))
+            context, root = self._cards.get(engine.name, (None, None))
             M.write_models(region, self.sup.slot_of(engine),
                            M.ModelsRecord(version, ident, status, models, self._versions.get(engine.name),
-                                          self._generate.get(engine.name, M.GENERATE_UNKNOWN)))
+                                          self._generate.get(engine.name, M.GENERATE_UNKNOWN), context, root))
         M.bump_generation(region)

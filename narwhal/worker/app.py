@@ -26,6 +26,7 @@ from aiohttp import web
 
 from narwhal import __version__, metrics
 from narwhal.engines.endpoints import ENDPOINTS
+from narwhal.fleet import Engine
 from narwhal.request.admission import check_api_key
 from narwhal.request.router import Router
 from narwhal.settings import Settings, current_or_load
@@ -93,11 +94,22 @@ async def _models(request: web.Request) -> web.Response:
     router = request.app[ROUTER]
     check_api_key(request, router.settings.server.api_keys)  # every /v1/* route needs the key
     created = int(time.time())
-    data = [
-        {"id": m, "object": "model", "created": created, "owned_by": "narwhal"}
-        for m in sorted(router.fleet.served_models)
-    ]
+    engines = router.fleet.engines
+    data = [model_card(m, engines, created) for m in sorted(router.fleet.served_models)]
     return _json({"object": "list", "data": data})
+
+
+def model_card(model: str, engines: list[Engine], created: int) -> dict[str, object]:
+    """``model`` as vLLM lists it: its ``root`` (its engines' own, else its name) and the
+    smallest ``max_model_len`` of the engines serving it (a request that fits it fits any)."""
+    serving = [e for e in engines if model in e.models]
+    lengths = [e.max_model_len for e in serving if e.max_model_len]
+    root = next((e.model_root[1] for e in serving if e.model_root and e.model_root[0] == model), model)
+    card: dict[str, object] = {"id": model, "object": "model", "created": created, "owned_by": "narwhal",
+                               "root": root, "parent": None}
+    if lengths:
+        card["max_model_len"] = min(lengths)
+    return card
 
 
 async def _health(request: web.Request) -> web.Response:

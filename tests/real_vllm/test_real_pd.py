@@ -19,7 +19,7 @@ import pytest
 from narwhal.testing.harness import RouterProcess
 from tests.real_gunicorn.support import admin, send
 from tests.real_vllm.conftest import VERSION, router_config
-from tests.real_vllm.engines import MODEL, RealEngine, metric
+from tests.real_vllm.engines import MODEL, RealEngine, get, metric
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -62,6 +62,11 @@ async def test_ready_and_the_admin_view_read_the_real_engines(
     blocks = [line for line in cache.splitlines() if line.startswith("vllm:cache_config_info{")]
     assert blocks, "no vllm:cache_config_info"
     assert holdings["capacity_blocks"] and holdings["capacity_blocks"] > 0, holdings
+    # The router's /v1/models passes on the engines' card: their context length and model root.
+    listing = (await send(real_router.url, "/v1/models", method="GET")).json
+    real = orjson.loads(get(producer.url + "/v1/models", 10)[1])["data"][0]
+    card = listing["data"][0]
+    assert (card["id"], card["max_model_len"], card["root"]) == (MODEL, real["max_model_len"], real["root"]), card
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

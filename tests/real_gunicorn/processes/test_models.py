@@ -66,7 +66,8 @@ async def serves_only(sessions: dict[int, aiohttp.ClientSession], router: Router
         listing = await listed(session, router)
         assert listing["object"] == "list" and ids(listing) == [model]
         assert {k: v for k, v in listing["data"][0].items() if k != "created"} == {
-            "id": model, "object": "model", "owned_by": "narwhal"}
+            "id": model, "object": "model", "owned_by": "narwhal", "root": model, "parent": None,
+            "max_model_len": 8192}  # the engine's card, as its /v1/models said
         status, body = await ask(session, router, model)
         assert status == 200 and body["model"] == model
         assert await ask(session, router, other) == (404, not_found(other))
@@ -129,3 +130,26 @@ async def test_a_model_name_over_the_bound_is_left_out_logged_once_and_refused_a
         assert router.log_text().count(line) == 1
     finally:
         router.stop()
+
+
+async def test_the_listing_gives_the_smallest_context_of_a_models_engines(tmp_path: Path) -> None:
+    # Clients size requests from max_model_len: a request that fits the smallest fits any engine.
+    wide = FakeFleet.start(["mw0"], args=["--model", "m-ctx", "--max-model-len", "4096"])
+    narrow = FakeFleet.start(["mn0"], args=["--model", "m-ctx", "--max-model-len", "2048"])
+    router = None
+    try:
+        engines = [{"name": "mw0", "role": "both", "url": wide.engines["mw0"]},
+                   {"name": "mn0", "role": "both", "url": narrow.engines["mn0"]}]
+        router = start_router(wide, engines, tmp_path, server={"workers": 2, "admin_token": TOKEN})
+        async with sessions_per_worker(router, 2) as sessions:
+            for session in sessions.values():
+                end = time.monotonic() + SEEN_WITHIN_S
+                while (card := (await listed(session, router))["data"][0]).get("max_model_len") != 2048:
+                    assert time.monotonic() < end, card
+                    await asyncio.sleep(0.05)
+                assert (card["id"], card["root"]) == ("m-ctx", "m-ctx")
+    finally:
+        if router is not None:
+            router.stop()
+        wide.stop()
+        narrow.stop()

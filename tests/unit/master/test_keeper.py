@@ -108,7 +108,10 @@ def test_a_supervisor_that_beat_and_stopped_is_killed_and_replaced(children: _Ch
     assert keeper.pid == first and children.procs[0].poll() is None
     beats.heartbeat_age_s = STALE_S + 0.5
     clock.now += MIN_RESPAWN_S
-    keeper.check()  # SIGKILL
+    keeper.check()  # stale: its CPU time is sampled (a sleeping stand-in uses none)
+    assert children.procs[0].poll() is None
+    clock.now += STALE_S + 0.1
+    keeper.check()  # no CPU used for STALE_S more: blocked, SIGKILL
     assert children.procs[0].wait(5) == -signal.SIGKILL
     _wait_exit(keeper, first)
     assert keeper.pid not in (0, first) and len(children.procs) == 2 and beats.starts == 2
@@ -124,6 +127,8 @@ def test_the_stopped_beating_line_is_in_the_logs_format(
     keeper.start()
     beats.supervisor_pid, beats.heartbeat_age_s = keeper.pid, STALE_S + 0.5
     keeper.check()
+    clock.now += STALE_S + 0.1
+    keeper.check()
     err = capsys.readouterr().err.strip()
     message = f"supervisor {keeper.pid} stopped beating; restarting it"
     if fmt == "text":
@@ -132,6 +137,38 @@ def test_the_stopped_beating_line_is_in_the_logs_format(
         line = json.loads(err)
         assert set(line) == {"ts", "level", "logger", "message"}
         assert (line["level"], line["logger"], line["message"]) == ("error", "narwhal.supervisor", message)
+
+
+def test_a_late_beat_from_a_supervisor_that_runs_is_not_replaced(
+    children: _Children, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A host starved by busy engines: the supervisor beats seconds late but still uses CPU.
+    clock, beats = _Clock(), _Beats(0, 0.0)
+    kept = _keeper(beats, clock)
+    kept.start()
+    ticks = iter(range(100, 10_000, 7))
+    monkeypatch.setattr(keeper, "cpu_ticks", lambda pid: next(ticks))
+    beats.supervisor_pid, beats.heartbeat_age_s = kept.pid, STALE_S + 2
+    for _ in range(10):
+        assert not kept.wedged()
+        clock.now += STALE_S
+    assert "but is running: not replaced" in capsys.readouterr().err
+    beats.heartbeat_age_s = keeper.HARD_STALE_S + 1  # the bound for a loop that spins without beating
+    assert kept.wedged()
+    beats.heartbeat_age_s = 0.1
+    assert not kept.wedged()
+    monkeypatch.setattr(keeper, "cpu_ticks", lambda pid: 500)  # now blocked: no CPU at all
+    beats.heartbeat_age_s = STALE_S + 1
+    assert not kept.wedged()
+    clock.now += STALE_S + 0.1
+    assert kept.wedged()
+
+
+def test_cpu_ticks_reads_this_process() -> None:
+    first = keeper.cpu_ticks(os.getpid())
+    sum(i * i for i in range(3_000_000))
+    assert first is not None and (keeper.cpu_ticks(os.getpid()) or 0) > first
+    assert keeper.cpu_ticks(2**22 + 12345) is None
 
 
 def test_a_beat_writes_its_time_before_its_pid() -> None:

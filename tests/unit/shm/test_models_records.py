@@ -58,11 +58,20 @@ def test_more_models_than_the_bound_keep_the_first_ones() -> None:
 
 
 def test_names_beyond_the_record_s_room_are_left_out_and_what_is_kept_round_trips(shared: SharedFleet) -> None:
-    names = [f"{i:02d}" + "n" * 200 for i in range(12)]  # 202 bytes each: 9 fit in the record's room
+    names = [f"{i:02d}" + "n" * 200 for i in range(12)]  # 202 bytes each: 8 fit in the record's room
     fitted = M.fit(names)
-    assert fitted.models == tuple(names[:9]) and fitted.left_out == 3 and 9 * 203 <= M.ROOM < 10 * 203
-    M.write_models(shared.region, 0, M.ModelsRecord(1, 5, M.ANSWERED, fitted.models))
-    assert M.read_models(shared.region, 0) == M.ModelsRecord(1, 5, M.ANSWERED, fitted.models)
+    assert fitted.models == tuple(names[:8]) and fitted.left_out == 4 and 8 * 203 <= M.ROOM < 9 * 203
+    # With the engine's card at its longest beside them: max_model_len and a root of MAX_ROOT_BYTES.
+    rec = M.ModelsRecord(1, 5, M.ANSWERED, fitted.models, "0.33.0", M.GENERATE_SERVED, 131072,
+                         "/models/" + "r" * (M.MAX_ROOT_BYTES - 8))
+    M.write_models(shared.region, 0, rec)
+    assert M.read_models(shared.region, 0) == rec
+
+
+def test_a_card_the_record_cannot_hold_is_left_out() -> None:
+    for root in ("r" * (M.MAX_ROOT_BYTES + 1), "caf\u00e9", "a\nb", ""):
+        rec = M.decode(M.encode(M.ModelsRecord(1, 5, M.ANSWERED, ("m",), root=root, max_model_len=0)))
+        assert (rec.root, rec.max_model_len) == (None, None)
 
 
 def test_a_record_outside_the_bounds_is_refused_by_the_encoder() -> None:
