@@ -26,7 +26,7 @@ def frames_for(
     if kind == "messages":
         return MessagesFrames(templates.model_json, rid)
     if kind == "responses":
-        return ResponsesFrames(templates.model, rid, created, max_tokens)
+        return ResponsesFrames(templates.model, rid, created, max_tokens, shape.extras if shape is not None else True)
     if kind == "generate":
         return GenerateFrames(rid)
     return templates.frames(kind == "chat", rid, created, shape)

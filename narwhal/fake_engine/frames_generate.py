@@ -7,6 +7,10 @@ ends with ``data: [DONE]``, errors are ``data: {"error": {...}}``; the whole ans
 present (null when there is none). The engine's request id is ``generate-tokens-`` + the
 ``X-Request-Id`` (or the body's ``request_id``). Token ``i`` is id ``1000 + i``.
 
+Usage (0.33's ``scale_out/token_in_token_out/serving.py``): the whole answer carries ``usage``;
+a stream whose ``stream_options.include_usage`` asks for it ends with a chunk of no choices and
+the usage, dumped without its unset fields, before ``[DONE]``.
+
 Invariant: byte templates per request; imports only ``chunks``.
 """
 
@@ -22,7 +26,7 @@ FIRST_ID = 1000
 
 
 class GenerateFrames(StreamFrames):
-    """The token-in/token-out ``generate`` stream: ``token_ids`` per chunk, no text, no usage."""
+    """The token-in/token-out ``generate`` stream: ``token_ids`` per chunk, no text; usage as the module says."""
 
     __slots__ = ("_rid",)
 
@@ -45,20 +49,31 @@ class GenerateFrames(StreamFrames):
         return b'data: {"request_id":' + orjson.dumps(self._rid) + b',"choices":[]}\n\n'
 
     def empty_end(self, prompt_tokens: int, include_usage: bool, cached_tokens: int = 0) -> bytes:
-        """An immediate stop: one chunk with no token ids, then ``[DONE]``."""
-        return self._head + b'"finish_reason":"stop","token_ids":[]}]}\n\n' + DONE
+        """An immediate stop: one chunk with no token ids, then the usage if asked, ``[DONE]``."""
+        return (self._head + b'"finish_reason":"stop","token_ids":[]}]}\n\n'
+                + self.end(prompt_tokens, 0, include_usage, "stop", cached_tokens))
 
     def end(
         self, prompt_tokens: int, completion_tokens: int, include_usage: bool, finish_reason: str,
         cached_tokens: int = 0,
     ) -> bytes:
-        """Only ``[DONE]``: this endpoint has no usage chunk."""
-        return DONE
+        """The usage chunk when ``include_usage`` asked for it, then ``[DONE]``."""
+        if not include_usage:
+            return DONE
+        usage = _usage(prompt_tokens, completion_tokens)
+        return (b'data: {"request_id":' + orjson.dumps(self._rid) + b',"usage":' + orjson.dumps(usage)
+                + b',"choices":[]}\n\n' + DONE)
 
     def body(
         self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
     ) -> dict[str, Any]:
-        """No usage at all: vLLM's ``GenerateResponse`` has none, so the cached part goes unreported."""
+        """The whole answer with its usage (the cached part only with prompt-token details, as vLLM)."""
         ids = list(range(FIRST_ID, FIRST_ID + completion_tokens))
         choice = {"index": 0, "logprobs": None, "finish_reason": finish_reason, "token_ids": ids}
-        return {"request_id": self._rid, "choices": [choice], "prompt_logprobs": None, "kv_transfer_params": None}
+        return {"request_id": self._rid, "choices": [choice], "usage": _usage(prompt_tokens, completion_tokens),
+                "prompt_logprobs": None, "kv_transfer_params": None}
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens}

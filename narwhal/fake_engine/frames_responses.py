@@ -35,9 +35,13 @@ def event(name: bytes, data: bytes) -> bytes:
 class ResponsesFrames(StreamFrames):
     """The ``/v1/responses`` stream and body; numbers its events, so one per response."""
 
-    __slots__ = ("_rid", "_model", "_created", "_limit", "_seq", "_item")
+    __slots__ = ("_rid", "_model", "_created", "_limit", "_seq", "_item", "_incomplete_event")
 
-    def __init__(self, model: str, rid: str, created: int, max_output_tokens: int | None) -> None:
+    def __init__(self, model: str, rid: str, created: int, max_output_tokens: int | None,
+                 incomplete_event: bool = True) -> None:
+        # 0.33 ends a stream cut by max_output_tokens with ``response.incomplete``; a real 0.32
+        # engine with ``response.completed`` whose status is "incomplete" (the real tier).
+        self._incomplete_event = incomplete_event
         super().__init__(b"")
         self._rid, self._model, self._created, self._limit = rid, model, created, max_output_tokens
         self._seq = 0
@@ -113,7 +117,8 @@ class ResponsesFrames(StreamFrames):
         status = "incomplete" if self._limit is not None and completion_tokens >= self._limit else "completed"
         output = [] if text is None else [self._message(text, "completed")]
         usage = usage_object(prompt_tokens, completion_tokens, cached_tokens)
-        return self._event({"type": "response.completed", "response": self.response(status, output, usage)})
+        kind = "response.incomplete" if status == "incomplete" and self._incomplete_event else "response.completed"
+        return self._event({"type": kind, "response": self.response(status, output, usage)})
 
     def terminal_first(self) -> bytes:
         """``response.completed`` with no output: the terminal event with nothing before it."""

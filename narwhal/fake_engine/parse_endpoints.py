@@ -89,9 +89,11 @@ def parse_endpoint_request(body: Any, kind: str, models: list[str], max_model_le
     limit = check_context(limit, prompt, max_model_len, current, generate=kind == "generate")
     kv = body.get("kv_transfer_params")
     rid = body.get("request_id")
+    options = body.get("stream_options") if kind == "generate" else None  # generate honours it (0.33)
+    include_usage = isinstance(options, dict) and options.get("include_usage") is True
     return ParsedRequest(
         chat=False, phase=detect_phase(body), model=model, stream=body.get("stream") is True,
-        include_usage=False, max_tokens=limit, prompt_tokens=prompt,
+        include_usage=include_usage, max_tokens=limit, prompt_tokens=prompt,
         kv_params=kv if isinstance(kv, dict) else None, faults=faults, kind=kind,
         request_id=rid if isinstance(rid, str) else None,
     )

@@ -144,14 +144,21 @@ async def test_messages_report_cached_tokens_as_cache_reads(aiohttp_client: Clie
     assert second["usage"] == {"input_tokens": tokens - 64, "output_tokens": 1, "cache_read_input_tokens": 64}
 
 
-async def test_generate_reports_no_usage_as_vllm(aiohttp_client: ClientFactory) -> None:
+async def test_generate_reports_usage_as_vllm_0_33(aiohttp_client: ClientFactory) -> None:
+    # scale_out/token_in_token_out/serving.py: the answer's usage; the cached part only with
+    # --enable-prompt-tokens-details, which the fake's generate does not imitate.
     engine = cached_engine()
     client = await aiohttp_client(build_engine_app(engine))
     body = {"model": "fake-model", "token_ids": list(range(100, 200)), "sampling_params": {"max_tokens": 1}}
     for _ in range(2):
         answer = await (await client.post("/inference/v1/generate", json=body)).json()
-        assert "usage" not in answer
+        assert answer["usage"] == {"prompt_tokens": 100, "total_tokens": 101, "completion_tokens": 1}
     assert engine.prefix_hits > 0  # cached all the same
+    stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    raw = await (await client.post("/inference/v1/generate", json=stream)).read()
+    events = [e for e in raw.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]" and b'"choices":[]' in events[-2]
+    assert b'"usage":{"prompt_tokens":100,"total_tokens":101,"completion_tokens":1}' in events[-2]
 
 
 def test_prefill_cost_per_engine_from_the_command_line() -> None:
