@@ -35,7 +35,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from narwhal.fake_engine import frames_messages, kv
+from narwhal.fake_engine import frames_messages, kv, stream_handoff
 from narwhal.fake_engine.chunks import ChunkShape, StreamFrames, completion_body, token_text
 from narwhal.fake_engine.emit import Emitter, drop_connection, error_response
 from narwhal.fake_engine.faults import FaultSpec, effective_spec
@@ -282,7 +282,8 @@ async def _stream(
     if spec.delay_first_token_s:
         await out.pause(spec.delay_first_token_s, spec.heartbeat_s, frames.heartbeat(prompt, 0))
 
-    i = await _emit_tokens(engine, out, spec, frames, prompt, n, finish)
+    handed = stream_handoff.with_handoff(engine, req, frames, _response_id(request, engine, req))
+    i = await _emit_tokens(engine, out, spec, handed or frames, prompt, n, finish)
     err = spec.stream_error
     if err is not None and i == min(err.after, n):
         await out.emit(frames.error(err.code, err.message, err.flat))
@@ -293,7 +294,7 @@ async def _stream(
         drop_connection(request, rst=False)
         return resp
     await out.emit(frames.end(prompt, n, req.include_usage, finish, cached))
-    return _stream_end(engine, state, await out.finish(), "completed", hold=req)
+    return _stream_end(engine, state, await out.finish(), "completed", hold=None if handed else req)
 
 
 async def _emit_tokens(
@@ -331,8 +332,8 @@ def _stream_end(
     engine.completed_streams += 1
     state.finish(engine, outcome, 200)
     if hold is not None and hold.kv_params is not None and hold.kv_params.get("do_remote_decode") is True:
-        # A streamed producer prefill still pins its blocks, but no descriptor ever reaches
-        # anyone (vLLM never puts kv_transfer_params in chunks): they wait for the lease.
+        # A streamed producer prefill before 0.33 still pins its blocks, but no descriptor
+        # reaches anyone (a real 0.32 engine puts none in its chunks): they wait for the lease.
         engine.kv.allocate(engine.kv.unique_request_id(engine.next_id()), hold.prompt_tokens)
     return resp
 

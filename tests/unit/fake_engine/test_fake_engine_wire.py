@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
 import pytest
 from aiohttp.test_utils import TestClient
 
@@ -387,3 +388,23 @@ async def test_a_0_21_engine_sends_nine_keys_and_serves_generate_with_no_flag(ai
                           "remote_request_id", "remote_host", "remote_port", "tp_size", "remote_num_tokens"]
     body = {"model": "fake-model", "token_ids": [1, 2], "sampling_params": {"max_tokens": 2}}
     assert (await client.post("/inference/v1/generate", json=body)).status == 200
+
+
+@pytest.mark.parametrize(("version", "handed"), [("0.33.0", True), ("0.32.0", False)])
+async def test_a_streamed_prefill_carries_its_handoff_on_the_last_chunk_from_0_33(
+    aiohttp_client: ClientFactory, version: str, handed: bool
+) -> None:
+    engine = FakeEngine("sp", version=version)
+    client = await aiohttp_client(build_engine_app(engine))
+    body = {**prefill_body(40), "stream": True, "max_tokens": 2}
+    raw = await (await client.post("/v1/completions", json=body)).read()
+    chunks = [orjson.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
+    last = chunks[-1]
+    assert last["choices"][0]["finish_reason"] == "length"
+    if handed:  # 0.33: the descriptor rides on the chunk with the finish_reason, null before it
+        assert all(c["kv_transfer_params"] is None for c in chunks[:-1])
+        assert last["kv_transfer_params"]["remote_block_ids"] == [[0, 1, 2]]
+        assert engine.stats()["held_blocks"] == 3
+    else:  # a real 0.32 engine: no descriptor in a stream, the blocks pinned all the same
+        assert all("kv_transfer_params" not in c for c in chunks)
+        assert engine.stats()["held_blocks"] == 3
