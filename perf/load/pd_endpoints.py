@@ -14,8 +14,9 @@ from typing import Any
 MESSAGES = "/v1/messages"
 RESPONSES = "/v1/responses"
 ENDPOINTS = (MESSAGES, RESPONSES)
-# An event starting with one of these ends a valid stream.
-TERMINALS = (b"event: message_stop", b"event: response.completed")
+# An event starting with one of these ends a valid stream (0.33 ends a Responses stream its
+# max_output_tokens cut with response.incomplete, earlier releases with response.completed).
+TERMINALS = (b"event: message_stop", b"event: response.completed", b"event: response.incomplete")
 _OUTPUT = (b"event: content_block_delta", b"event: response.output_text.delta")
 
 
