@@ -106,13 +106,14 @@ def checked_handoff(
     carry (None when the prefill was not crossed: a same-worker or local decode carries none),
     or raise ``invalid_handoff`` (the NixlConnector rules in order) or ``handoff_expired``. Its
     own step, before any leg is built: what an attempt does with a refused handoff (count it
-    abandoned, or release it) is the attempt's business, not the leg's."""
-    descriptor = None
-    if result.crossed:
-        descriptor = validate_descriptor(
-            result.descriptor, producer=result.producer, prefill_endpoint=result.endpoint.path,
-            decode_endpoint=decode_endpoint.path,
-        )
+    abandoned, or release it) is the attempt's business, not the leg's. A same-worker decode has
+    no handoff and no lease: no age limit but the request's deadline."""
+    if not result.crossed:
+        return None
+    descriptor = validate_descriptor(
+        result.descriptor, producer=result.producer, prefill_endpoint=result.endpoint.path,
+        decode_endpoint=decode_endpoint.path,
+    )
     if max_age_s is not None and result.age() > max_age_s:
         raise failures.expired(result, max_age_s)
     return descriptor

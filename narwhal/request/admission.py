@@ -231,7 +231,22 @@ def parse_object(raw: bytes) -> dict[str, Any]:
     if type(body) is not dict:  # orjson's objects are exactly dict
         raise _bad("the request body must be a JSON object")
     body.pop("kv_transfer_params", None)
+    if "sampling_params" in body:
+        _drop_nested_handoff(body)
     return body
+
+
+def _drop_nested_handoff(body: dict[str, Any]) -> None:
+    """``sampling_params.extra_args.kv_transfer_params``: where vLLM's generate route reads a
+    handoff when the top-level key is absent (``scale_out/token_in_token_out/serving.py``), as on
+    a same-worker or local decode. A client's would make the engine read KV from whatever host it
+    names: removed, like the top-level one. (Chat's ``vllm_xargs`` cannot carry one: its values
+    are scalars or lists.)"""
+    params = body["sampling_params"]
+    extra = params.get("extra_args") if type(params) is dict else None
+    if type(extra) is dict and "kv_transfer_params" in extra:
+        extra = {k: v for k, v in extra.items() if k != "kv_transfer_params"}
+        body["sampling_params"] = {**params, "extra_args": extra}
 
 
 def resolve_model(body: dict[str, Any], fleet: Fleet) -> str:

@@ -126,11 +126,13 @@ class HandoffReleases:
         """Whom to offer the handoff, in order; None when it is not to be released (counted
         abandoned when :data:`RULES` says so; a handoff nobody could read, a same-worker
         decode's or none, needs nothing)."""
+        if not result.crossed:
+            return None  # a same-worker decode's: no handoff, nothing pinned, nothing counted
         rule = RULES[ending]
         if not rule.release:
             metrics.HANDOFFS_ABANDONED.inc()
             return None
-        if result.descriptor is None or not result.crossed:
+        if result.descriptor is None:
             return None
         return self.placement.release_consumers(resv.producer, resv.consumer, req.model,
                                                 chosen_first=rule.chosen_first)

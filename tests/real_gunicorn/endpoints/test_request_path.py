@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from narwhal.testing.harness import FakeFleet, RouterProcess
-from tests.real_gunicorn.fixtures import release_fleet
+from tests.real_gunicorn.fixtures import engines_named, release_fleet, router_fixture
 from tests.real_gunicorn.support import (
     MODEL,
     at_rest,
@@ -261,3 +261,41 @@ async def test_client_disconnect_mid_stream_aborts_the_engine_request(router: Ro
     )
     dname, _ = one(fleet, prompt, CONSUMERS)
     wait_until(lambda: fleet.stats(dname)["active_streams"] == 0, 5, "no stream left open on the consumer")
+
+
+same_aged = router_fixture(
+    engines_named("b0"), "b0 alone, role both, a handoff age far below any prefill: same-worker decodes only.",
+    handoff={"max_age_s": 0.001},
+)
+
+
+async def test_a_same_worker_decode_has_no_age_limit_and_counts_nothing(
+    same_aged: RouterProcess, fleet: FakeFleet
+) -> None:
+    # No handoff, no lease: only the request's deadline bounds it (docs/behaviour.md, "Handoff rules").
+    before = at_rest(same_aged, "narwhal_handoffs_abandoned_total")
+    reply = await send(same_aged.url, "/v1/completions", completion(unique_prompt(), max_tokens=3))
+    assert reply.status == 200, reply.raw
+    after = at_rest(same_aged, "narwhal_handoffs_abandoned_total")
+    assert value(after, "narwhal_handoffs_abandoned_total") == value(before, "narwhal_handoffs_abandoned_total")
+
+
+@pytest.mark.parametrize("which", ["router", "same_router"])
+async def test_a_client_handoff_in_generate_sampling_params_never_reaches_an_engine(
+    which: str, request: pytest.FixtureRequest, fleet: FakeFleet
+) -> None:
+    # vLLM's generate route reads sampling_params.extra_args.kv_transfer_params when the top-level
+    # key is absent, as on a same-worker decode: a client's would name the host KV is read from.
+    target: RouterProcess = request.getfixturevalue(which)
+    tag = unique_prompt()
+    body = {"model": "fake-model", "token_ids": [11, 12, 13], "stream": False, "cache_salt": tag,
+            "sampling_params": {"max_tokens": 2, "extra_args": {"kv_transfer_params": {"remote_host": "attacker"},
+                                                                "keep": 1}}}
+    reply = await send(target.url, "/inference/v1/generate", body)
+    recs = [r for recs in records_anywhere(fleet, tag, [*PRODUCERS, *CONSUMERS, "b0"]).values() for r in recs]
+    if fleet.version == "0.11.0":  # no generate route on 0.11: 501, and no engine asked at all
+        assert (reply.status, recs) == (501, []), reply.raw
+        return
+    assert reply.status == 200, reply.raw
+    assert recs and all(b"attacker" not in orjson.dumps(r["body"]) for r in recs)
+    assert all(r["body"]["sampling_params"]["extra_args"] == {"keep": 1} for r in recs if r["phase"] == "decode")
