@@ -20,6 +20,7 @@ from tests.real_gunicorn.endpoints_support import ALL, Endpoint
 from tests.real_gunicorn.support import (
     MODEL,
     TOKEN,
+    Reply,
     access_line,
     admin,
     at_rest,
@@ -108,17 +109,24 @@ async def test_every_endpoint_decodes_the_producers_descriptor_unchanged(
     assert fleet.stats("vd0")["incompatible_decodes"] == 0 and fleet.stats("vp0")["expired_reads"] == 0
 
 
+async def _refused(router: RouterProcess, fleet: FakeFleet, path: str, body: dict[str, Any],
+                   status: int) -> tuple[Reply, float]:
+    """Send ``body``, which the consumer refuses with ``status``; once the producer holds nothing,
+    the reply and how many releases the router made for it."""
+    before = value(at_rest(router, *COUNTERS), COUNTERS[0])
+    reply = await send(router.url, path, body)
+    assert reply.status == status, reply.raw
+    wait_until(lambda: fleet.stats("vp0")["held_requests"] == 0, 10, "the refused handoff freed")
+    return reply, value(at_rest(router, *COUNTERS), COUNTERS[0]) - before
+
+
 async def test_a_consumers_refusal_is_released_only_where_vllm_leaves_the_blocks_pinned(
     release: tuple[str, FakeFleet, RouterProcess]
 ) -> None:
     version, fleet, router = release
     prompt = unique_prompt()
-    before = at_rest(router, *COUNTERS)
-    reply = await send(router.url, "/v1/completions", completion(prompt, max_tokens=9000))  # beyond the context
-    assert reply.status == 400, reply.raw
-    wait_until(lambda: fleet.stats("vp0")["held_requests"] == 0, 10, "the refused handoff freed")
-    after = at_rest(router, *COUNTERS)
-    released = value(after, COUNTERS[0]) - value(before, COUNTERS[0])
+    # beyond the context
+    reply, released = await _refused(router, fleet, "/v1/completions", completion(prompt, max_tokens=9000), 400)
     decodes = records(fleet, "vd0", prompt)
     if version == "0.11.0":  # no cleanup in vLLM before 0.21.0: Narwhal's release frees them
         assert released == 1.0 and len(decodes) == 2
@@ -134,13 +142,9 @@ async def test_a_validation_refusal_by_the_consumer_is_released_on_every_release
     # handoff then, so Narwhal releases it (docs/behaviour.md, "A consumer's refusal").
     version, fleet, router = release
     prompt = unique_prompt()
-    before = at_rest(router, *COUNTERS)
     fault = {"decode": {"status": 400, "validation": True, "message": "Value error, bad field", "streams_only": True}}
-    reply = await send(router.url, "/v1/completions", completion(prompt, fake=fault))
-    assert reply.status == 400, reply.raw
+    reply, released = await _refused(router, fleet, "/v1/completions", completion(prompt, fake=fault), 400)
     assert reply.json["error"]["param"] == "body.fake_field"  # the engine's param, kept for the client
-    wait_until(lambda: fleet.stats("vp0")["held_requests"] == 0, 10, "the refused handoff freed")
-    released = value(at_rest(router, *COUNTERS), COUNTERS[0]) - value(before, COUNTERS[0])
     assert released == 1.0 and len(records(fleet, "vd0", prompt)) == 2, version
     assert fleet.stats("vp0")["expired_reads"] == 0
 
@@ -175,14 +179,9 @@ async def test_a_refusal_on_generate_is_released(release: tuple[str, FakeFleet, 
     version, fleet, router = release
     if version == "0.11.0":
         pytest.skip("0.11.0 has no /inference/v1/generate route")
-    tag = unique_prompt()
-    before = at_rest(router, *COUNTERS)
-    body = Endpoint.body(next(e for e in ALL if e.path == "/inference/v1/generate"), tag)
+    body = Endpoint.body(next(e for e in ALL if e.path == "/inference/v1/generate"), unique_prompt())
     body["narwhal_fake"] = {"decode": {"status": 422, "message": "refused", "streams_only": True}}
-    reply = await send(router.url, "/inference/v1/generate", body)
-    assert reply.status == 422, reply.raw
-    wait_until(lambda: fleet.stats("vp0")["held_requests"] == 0, 10, "the refused handoff freed")
-    released = value(at_rest(router, *COUNTERS), COUNTERS[0]) - value(before, COUNTERS[0])
+    _, released = await _refused(router, fleet, "/inference/v1/generate", body, 422)
     assert released == 1.0  # vLLM does not wrap generate's handler: nothing freed it but Narwhal
     assert fleet.stats("vp0")["expired_reads"] == 0
 
