@@ -50,18 +50,20 @@ def json_response(data: object, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
 
 
+def _generating(engine: EngineState, kind: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """The handler of one generating route, as the engine's release serves it (or does not)."""
+    async def route(request: web.Request) -> web.StreamResponse:
+        if kind not in engine.release.has_route:  # 0.11: no such route, FastAPI's 404
+            return json_response({"detail": "Not Found"}, status=404)
+        if kind == "generate" and engine.release.generate_needs_scale_out and not engine.enable_scale_out:
+            return json_response(SCALE_OUT_DISABLED, status=403)  # scale_out/factories.py
+        return await handle_completion(engine, request, kind)
+
+    return route
+
+
 def add_routes(app: web.Application, engine: EngineState) -> None:
     """Every route of one engine: the generating ones, vLLM's control routes and the fake's ``/fake/*``."""
-    def generating(kind: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-        async def route(request: web.Request) -> web.StreamResponse:
-            if kind not in engine.release.has_route:  # 0.11: no such route, FastAPI's 404
-                return json_response({"detail": "Not Found"}, status=404)
-            if kind == "generate" and engine.release.generate_needs_scale_out and not engine.enable_scale_out:
-                return json_response(SCALE_OUT_DISABLED, status=403)  # scale_out/factories.py
-            return await handle_completion(engine, request, kind)
-
-        return route
-
     async def health(request: web.Request) -> web.Response:
         engine.control_reads["health"] += 1
         return web.Response(status=engine.faults.health_status or 200)
@@ -105,7 +107,7 @@ def add_routes(app: web.Application, engine: EngineState) -> None:
         return json_response(data, status=status)
 
     for path, kind in GENERATING_ROUTES.items():
-        app.router.add_post(path, generating(kind))
+        app.router.add_post(path, _generating(engine, kind))
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)
     app.router.add_get("/v1/models", models)

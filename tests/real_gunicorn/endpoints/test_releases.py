@@ -1,4 +1,4 @@
-"""SPEC §11 through real gunicorn on a fleet of each vLLM release the fake imitates (0.11.0,
+"""vLLM's releases (docs/behaviour.md) through real gunicorn on a fleet of each the fake imitates (0.11.0,
 0.21.0 and 0.33.0): every P/D endpoint's happy path with the descriptor passed through byte for byte, a
 consumer's refusal released exactly when that release leaves the blocks pinned, and (0.33) the
 holdings learning from ``remote_prefill_cached_tokens`` with the usage details off. One fixture,
