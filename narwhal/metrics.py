@@ -64,6 +64,15 @@ HANDOFF_AGE = Histogram(
 )
 ATTEMPTS = Counter("narwhal_attempts_total", "Prefill+decode attempts by outcome", ["outcome"])
 RETRIES = Counter("narwhal_retries_total", "Retries started")
+MIGRATIONS = Counter(
+    "narwhal_migrations_total", "Streams continued on another pair after a fault past visible output, by the fault",
+    ["reason"],
+)
+MIGRATION_STALL = Histogram(
+    "narwhal_migration_stall_seconds",
+    "A migrated stream's pause: the last output before the cut to the first output after it",
+    buckets=LATENCY_BUCKETS,
+)
 RETRY_BUDGET_EXHAUSTED = Counter(
     "narwhal_retry_budget_exhausted_total", "Retries refused because the fleet-wide budget was spent"
 )
@@ -167,6 +176,7 @@ TTFT_SAMPLES = TALLY.histogram(TTFT)
 FIRST_BYTE_SAMPLES = TALLY.histogram(FIRST_BYTE)
 HANDOFF_AGE_SAMPLES = TALLY.histogram(HANDOFF_AGE)
 INTER_TOKEN_SAMPLES = TALLY.histogram(INTER_TOKEN)
+MIGRATION_STALL_SAMPLES = TALLY.histogram(MIGRATION_STALL)
 
 
 def count_prefill_tokens(prompt_tokens: int | None, cached_tokens: int | None) -> None:

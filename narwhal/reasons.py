@@ -137,6 +137,19 @@ RING_NAMES: tuple[str, ...] = _ring_names()
 RING_CODE: dict[str, int] = {name: code for code, name in enumerate(RING_NAMES)}
 
 
+def migrates(reason: str, status: int) -> bool:
+    """May a stream cut by this failure *after* visible output continue on another pair
+    (docs/behaviour.md "Migration")? An engine's own fault — a disconnect, a 5xx (in the stream
+    too), silence, a refused connect, or any transient fault of a continuation before its first
+    token — yes; an engine's 4xx, the client, the deadline and a shutdown, never."""
+    if reason == Reason.DECODE_SILENCE:
+        return True
+    found = BY_NAME.get(reason)
+    if found is None or found.retry is Retry.IF_429:
+        return False
+    return retryable(reason, status)
+
+
 def retryable(reason: str, status: int) -> bool:
     """May a fresh attempt cure this failure (before visible output, budget permitting)?"""
     found = BY_NAME.get(reason)

@@ -35,7 +35,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from narwhal.fake_engine import frames_messages, kv, stream_handoff
+from narwhal.fake_engine import continuation, frames_messages, kv, stream_handoff
 from narwhal.fake_engine.chunks import ChunkShape, StreamFrames, completion_body, token_text
 from narwhal.fake_engine.emit import Emitter, drop_connection, error_response
 from narwhal.fake_engine.faults import FaultSpec, effective_spec
@@ -101,6 +101,7 @@ async def handle_completion(engine: EngineState, request: web.Request, kind: str
         resp = error_response(err.status, err.message, err_type=err.err_type, param=err.param)
         return _fail(rec, resp)
 
+    req.start = continuation.start_of(kind, body)
     engine.count_request(req.phase)
     rec = engine.record(req.phase, request.path, headers, body)
     request_spec = None
@@ -201,15 +202,25 @@ async def _before_work(
 
 
 def _plan(engine: EngineState, req: ParsedRequest, spec: FaultSpec) -> tuple[int, str]:
-    """How many tokens to generate and the finish reason of the last one."""
+    """How many tokens this request generates and the finish reason of the last one. A
+    continuation (``req.start`` > 0) ends where the unbroken stream would have: ``tokens`` and
+    the engine's default count the whole output, ``max_tokens`` what is left of it."""
     if spec.tokens is not None:
-        n = spec.tokens
+        n = spec.tokens - req.start
     elif req.max_tokens is not None:
         n = req.max_tokens
     else:
-        n = engine.default_tokens
+        n = engine.default_tokens - req.start
+    n = max(n, 0)
     finish = "length" if req.max_tokens is not None and n >= req.max_tokens else "stop"
     return n, finish
+
+
+def _meets(at: int | None, start: int) -> bool:
+    """Does a fault at token index ``at`` (of the whole output) fall in this request's part of
+    it? A continuation meets only the faults past its first token: the one that cut the stream
+    it continues is behind it."""
+    return at is not None and (at > start or start == 0)
 
 
 def _response_id(request: web.Request, engine: EngineState, req: ParsedRequest) -> str:
@@ -283,12 +294,13 @@ async def _stream(
         await out.pause(spec.delay_first_token_s, spec.heartbeat_s, frames.heartbeat(prompt, 0))
 
     handed = stream_handoff.with_handoff(engine, req, frames, _response_id(request, engine, req))
-    i = await _emit_tokens(engine, out, spec, handed or frames, prompt, n, finish)
-    err = spec.stream_error
-    if err is not None and i == min(err.after, n):
+    stop = await _emit_tokens(engine, out, spec, handed or frames, req, n, finish)
+    if stop == "error":
+        err = spec.stream_error
+        assert err is not None
         await out.emit(frames.error(err.code, err.message, err.flat))
         return _stream_end(engine, state, await out.finish(), "error")
-    if spec.close_after is not None and i == min(spec.close_after, n):
+    if stop == "close":
         resp = await out.flush()
         state.finish(engine, "closed", 200)
         drop_connection(request, rst=False)
@@ -298,27 +310,40 @@ async def _stream(
 
 
 async def _emit_tokens(
-    engine: EngineState, out: Emitter, spec: FaultSpec, frames: StreamFrames, prompt: int, n: int, finish: str
-) -> int:
-    """Send the token frames with their pauses: the index a fault stopped at (``n``: all sent)."""
+    engine: EngineState, out: Emitter, spec: FaultSpec, frames: StreamFrames, req: ParsedRequest, n: int,
+    finish: str,
+) -> str | None:
+    """Send tokens ``req.start`` … ``req.start + n - 1`` with their pauses: the fault that stopped
+    it (``"error"`` or ``"close"``), or None when all went out. Fault indices count the whole
+    output (``_meets``)."""
     token_delay = spec.token_delay_s if spec.token_delay_s is not None else engine.token_delay_s
     hb_s = spec.heartbeat_s
-    err_at = spec.stream_error.after if spec.stream_error is not None else -1
-    close_at = spec.close_after if spec.close_after is not None else -1
-    silence_at = spec.silence_after if spec.silence_after is not None and spec.silence_s else -1
-    last = n - 1
-    for i in range(n):
-        if i == err_at or i == close_at:
-            return i
-        if i and token_delay:
+    start, prompt = req.start, req.prompt_tokens
+    err_at = close_at = silence_at = -1
+    if spec.stream_error is not None and _meets(spec.stream_error.after, start):
+        err_at = spec.stream_error.after
+    if spec.close_after is not None and _meets(spec.close_after, start):
+        close_at = spec.close_after
+    if spec.silence_after is not None and spec.silence_s and _meets(spec.silence_after, start):
+        silence_at = spec.silence_after
+    end = start + n
+    last = end - 1
+    for i in range(start, end):
+        if i == err_at:
+            return "error"
+        if i == close_at:
+            return "close"
+        if i > start and token_delay:
             await out.pause(token_delay, None, b"")
         if i == silence_at:
-            await out.pause(spec.silence_s, hb_s, frames.heartbeat(prompt, i))
+            await out.pause(spec.silence_s, hb_s, frames.heartbeat(prompt, i - start))
         if i < spec.reasoning and i != last:
             await out.emit(frames.reasoning(i))
         else:
             await out.emit(frames.last_token(i, finish) if i == last else frames.token(i))
-    return n
+    if err_at >= end:  # a fault past the last token comes after it
+        return "error"
+    return "close" if close_at >= end else None
 
 
 def _stream_end(
@@ -374,7 +399,7 @@ async def _plain(
     if spec.empty or spec.done_before_token or n == 0:
         text, finish, n = "", "stop", 0
     else:
-        text = "".join([token_text(i) for i in range(n)])
+        text = "".join([token_text(i) for i in range(req.start, req.start + n)])
     rid = _response_id(request, engine, req)
     if req.kind in ("chat", "completions"):
         body = completion_body(

@@ -76,6 +76,7 @@ class ParsedRequest:
     kind: str = ""  # "completions", "chat", "messages", "responses" or "generate"
     request_id: str | None = None  # the body's request_id (responses, generate)
     continuous_usage: bool = False  # stream_options asks for usage on every chunk too
+    start: int = 0  # the first token's index: past the output a continuation carries (fake_engine.continuation)
 
 
 def detect_phase(body: dict[str, Any]) -> str:
@@ -225,6 +226,9 @@ def parse_request(body: Any, chat: bool, models: list[str], max_model_len: int =
     if chat:
         if not isinstance(body.get("messages"), list):
             raise RequestError(400, "`messages` must be a list of chat messages.")
+        if body.get("continue_final_message") and body.get("add_generation_prompt"):  # vLLM's validator
+            raise model_check_error("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                                    "continue_final_message")
     elif "prompt" not in body or body["prompt"] is None:
         raise RequestError(400, "`prompt` is required.")
 

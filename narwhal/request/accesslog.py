@@ -34,6 +34,7 @@ class AccessRecord:
     producer: str | None = None
     consumer: str | None = None
     attempts: int = 0
+    migrations: int = 0  # continuations of the stream after a cut (docs/behaviour.md "Migration")
     ttft_s: float | None = None
     first_byte_s: float | None = None
     total_s: float | None = None
@@ -64,6 +65,7 @@ class AccessRecord:
             "producer": self.producer,
             "consumer": self.consumer,
             "attempts": self.attempts,
+            "migrations": self.migrations,
             "ttft_s": _round(self.ttft_s),
             "first_byte_s": _round(self.first_byte_s),
             "total_s": _round(self.total_s),

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -58,6 +58,9 @@ class ClientRequest:
     affinity: int | None = None  # the prefix-affinity key's hash (narwhal.request.affinity)
     local: bool = False  # a prompt short enough to skip the remote prefill (SPEC §3.2)
     blocks: PrefixBlocks | None = None  # policy "held": the prompt's prefix block keys (SPEC §3.3)
+    # The prompt fields' values once ``body`` holds them encoded (``embed_prompt``): what a
+    # stream's continuation is built from (narwhal.request.migration).
+    prompt: dict[str, Any] = field(default_factory=dict)
 
 
 def presented_token(request: web.Request, *, x_api_key: bool = False) -> bytes:
@@ -192,19 +195,22 @@ def _check_fields(body: dict[str, Any], endpoint: Endpoint) -> None:
 _EMBED_MIN_CHARS = 512
 
 
-def embed_prompt(body: dict[str, Any], fields: tuple[str, ...]) -> None:
+def embed_prompt(body: dict[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
     """Replace the prompt's fields in ``body`` by their JSON, encoded once (``orjson.Fragment``).
 
     Why: the prefill and the decode bodies (and a release's) are each encoded from the parsed
     body; without this the prompt — the part that grows with its length — was encoded again for
     every leg. A fragment is copied into each body as it is, so a long prompt costs one parse
     and one encode whatever the legs. Run after everything that reads the prompt (admission's
-    checks, the affinity text): from here the fields hold encoded JSON, not values.
+    checks, the affinity text): from here the fields hold encoded JSON, not values. Returns the
+    fields' values, for whatever must still read them (a continuation).
     """
+    values = {}
     for key in fields:
-        value = body.get(key)
+        value = values[key] = body.get(key)
         if type(value) is list or (type(value) is str and len(value) >= _EMBED_MIN_CHARS):
             body[key] = orjson.Fragment(orjson.dumps(value))
+    return values
 
 
 def request_deadline(request: web.Request, settings: Settings, arrival: float) -> float:

@@ -45,6 +45,7 @@ from narwhal.request.attempt_state import AttemptLife, AttemptObserver, AttemptS
 from narwhal.request.client_stream import ClientStream
 from narwhal.request.handoff_release import Ending, HandoffReleases, decode_ending
 from narwhal.request.ids import backend_id
+from narwhal.request.migration import Migration, Outlet
 from narwhal.request.outcomes import Outcomes
 from narwhal.request.slot_wait import WaitingPlacement as Placement
 from narwhal.request.usage import UsageTap, completion_tokens, wants_usage
@@ -68,17 +69,20 @@ def _observe_start(ttft_s: float | None, first_byte_s: float | None, handoff_age
 
 async def _stream(
     client: ClientStream, leg: DecodeLeg, life: AttemptLife, started: float, ttft_s: float | None,
-    age: float | None, tap: UsageTap | None,
+    age: float | None, tap: UsageTap | None, outlet: Outlet | None,
 ) -> web.StreamResponse:
-    """Relay an opened stream to the client until its terminal event (SPEC §3 step 7, §2.1)."""
+    """Relay an opened stream to the client until its terminal event (SPEC §3 step 7, §2.1);
+    a continuation's (``outlet``) rewritten and recorded on the way (narwhal.request.migration)."""
     rec = life.rec
     observed = ended = False
+    first_byte_s = None  # this attempt's, when it committed the stream (a continuation did not)
     spans = 0
     try:
         while (span := await leg.next_span()) is not Signal.END:
-            if not client.committed:
-                rec.first_byte_s = time.perf_counter() - started
-                await client.commit_stream()
+            if not spans and life.state is not S.STREAMING:
+                if not client.committed:
+                    rec.first_byte_s = first_byte_s = time.perf_counter() - started
+                    await client.commit_stream()
                 life.to(S.STREAMING)  # output reached the client: nothing is retried from here
             if span is Signal.BEHIND:  # the relay found the client behind: let it drain
                 await client.drain()
@@ -86,13 +90,15 @@ async def _stream(
             # The span with the terminal event goes out with the end of the chunked body: one
             # write, one client wakeup, instead of a separate 5-byte terminator.
             ended = leg.ended
+            if outlet is not None and not (span := outlet.passing(span)) and not ended:
+                continue  # a continuation's metadata, not repeated
             await client.write(span, eof=ended)
             spans += 1
             if tap is not None:
                 tap.see(span)
             if not observed:
                 observed = True
-                _observe_start(ttft_s, rec.first_byte_s, age)
+                _observe_start(ttft_s, first_byte_s, age)
         assert client.stream is not None  # next_span ends only after output went out
         if not ended:  # the terminal event's span already ended the body
             await client.write(b"", eof=True)
@@ -100,7 +106,7 @@ async def _stream(
         return client.stream
     finally:
         if not observed:
-            _observe_start(ttft_s, rec.first_byte_s, age)
+            _observe_start(ttft_s, first_byte_s, age)
 
 
 def _observe_stream_end(rec: AccessRecord, started: float, spans: int, tap: UsageTap | None) -> None:
@@ -134,10 +140,12 @@ class Attempts:
         self._loop: asyncio.AbstractEventLoop | None = None  # taken once (engines.timers says why)
 
     async def run(
-        self, client: ClientStream, req: ClientRequest, rec: AccessRecord, started: float, avoid: frozenset[str]
+        self, client: ClientStream, req: ClientRequest, rec: AccessRecord, started: float, avoid: frozenset[str],
+        migration: Migration | None = None,
     ) -> web.StreamResponse:
         """One attempt, SPEC §3's steps in order (step 1, admission, was the router's); raises
-        what the router retries or answers."""
+        what the router retries or answers. ``migration``: the stream's, when it may continue
+        after a cut (its transcript records what the client is sent; ``req`` may be a continuation)."""
         resv = await self.placement.reserve(req.model, req.deadline, avoid, req.affinity, req.local, req.blocks)
         producer, consumer = resv.producer, resv.consumer  # 2. placement: the pair, both slots held
         rec.producer, rec.consumer = (None if resv.local else producer.name), consumer.name
@@ -151,15 +159,16 @@ class Attempts:
             else:
                 life.to(S.PREFILLING)
                 result = life.result = await self._prefill(req, life)  # 3. prefill
-                ttft_s = self._prefilled(req, resv, rec, result, started)  # 4. the PrefillResult
+                ttft_s = self._prefilled(req, resv, rec, result, started, migration)  # 4. the PrefillResult
                 life.to(S.HANDED_OFF)
                 descriptor = self._handoff(req, resv, result, ttft_s)  # 5. validation (and 6's age rule)
             life.to(S.DECODING)
-            response = await self._decode(client, req, life, descriptor, started, ttft_s)  # 6-7.
+            response = await self._decode(client, req, life, descriptor, started, ttft_s, migration)  # 6-7.
             life.to(S.DONE)
         except BaseException as exc:
+            streamed = life.state is S.STREAMING  # this attempt's own output reached the client
             life.end(exc)
-            self._failed(exc, producer, consumer, before_first_token=not client.committed, local=resv.local)
+            self._failed(exc, producer, consumer, before_first_token=not streamed, local=resv.local)
             raise
         else:
             metrics.TALLY.counts[metrics.attempts_child("success")] += 1
@@ -220,14 +229,17 @@ class Attempts:
         )
 
     def _prefilled(
-        self, req: ClientRequest, resv: Reservation, rec: AccessRecord, result: PrefillResult, started: float
-    ) -> float:
+        self, req: ClientRequest, resv: Reservation, rec: AccessRecord, result: PrefillResult, started: float,
+        migration: Migration | None,
+    ) -> float | None:
         """SPEC §3 step 4: what the PrefillResult says (TTFT, returned; tokens; the producer's
-        holdings report)."""
+        holdings report). A continuation's prefill leaves the request's TTFT and prompt alone."""
         resv.release_prefill()
-        rec.ttft_s = ttft_s = time.perf_counter() - started
-        rec.prompt_tokens, rec.cached_tokens = result.prompt_tokens, result.cached_tokens
         metrics.count_prefill_tokens(result.prompt_tokens, result.cached_tokens)
+        ttft_s = None
+        if migration is None or not migration.count:
+            rec.ttft_s = ttft_s = time.perf_counter() - started
+            rec.prompt_tokens, rec.cached_tokens = result.prompt_tokens, result.cached_tokens
         if req.blocks is not None:
             rec.predicted_cached_chars = resv.predicted_chars
             # Runs at the decode's first wait: the keys are finished off the critical path.
@@ -236,7 +248,7 @@ class Attempts:
         return ttft_s
 
     def _handoff(
-        self, req: ClientRequest, resv: Reservation, result: PrefillResult, ttft_s: float
+        self, req: ClientRequest, resv: Reservation, result: PrefillResult, ttft_s: float | None
     ) -> dict[str, Any] | None:
         """SPEC §3 step 5 (none for a same-worker decode) and step 6's age rule: the descriptor
         the decode carries. A rejected one is sent nowhere (counted abandoned: a malformed one
@@ -261,6 +273,7 @@ class Attempts:
         descriptor: dict[str, Any] | None,
         started: float,
         ttft_s: float | None,
+        migration: Migration | None,
     ) -> web.StreamResponse:
         """Decode on the consumer and relay what it sends (SPEC §3 steps 6-7). ``life.rec`` is
         only written: what the client was sent is ``client.committed``."""
@@ -271,10 +284,13 @@ class Attempts:
         streaming = False  # _stream observes the start histograms itself
         sink: Sink | None = None
         tap: UsageTap | None = None
+        outlet: Outlet | None = None
         if req.stream:
             sink = client.relay_sink()
             if wants_usage(req.body):
                 sink = tap = UsageTap(sink)
+            if migration is not None:
+                sink = outlet = migration.outlet(sink)
         first_byte_s: float | None = None
         try:
             leg = self.client.decode_leg(
@@ -288,7 +304,7 @@ class Attempts:
                 rec.completion_tokens = completion_tokens(whole)
                 return await client.send_whole(whole)
             streaming = True
-            return await _stream(client, leg, life, started, ttft_s, age, tap)
+            return await _stream(client, leg, life, started, ttft_s, age, tap, outlet)
         except NarwhalError as exc:
             # Never sent (the consumer never saw the handoff), or refused by a consumer that keeps it.
             ending = decode_ending(exc, leg is None or leg.sent, resv.consumer, req.endpoint is GENERATE)

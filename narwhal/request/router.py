@@ -41,6 +41,7 @@ from narwhal.request.affinity import request_hints
 from narwhal.request.attempt import Attempts
 from narwhal.request.client_stream import ClientStream
 from narwhal.request.ids import client_request_id, trace_id_of
+from narwhal.request.migration import Migration
 from narwhal.request.outcomes import Outcomes
 from narwhal.request.passthrough import Passthrough
 from narwhal.request.slot_wait import WaitingPlacement
@@ -134,7 +135,8 @@ class Router:
                 support = self._support.of(req.model, path)
                 if support is not PD:  # the engines' release cannot hand off here (0.11 and Responses, …)
                     req.local = self._served_alone(support, req.model, path)
-                embed_prompt(req.body, endpoint.dialect.prompt_fields)  # nothing reads the prompt after this
+                # Nothing reads the prompt from the body after this; a continuation reads req.prompt.
+                req.prompt = embed_prompt(req.body, endpoint.dialect.prompt_fields)
                 rec.model, rec.stream = req.model, req.stream
                 response = await self._serve(client, req, rec, started)
             rec.status = response.status
@@ -181,28 +183,44 @@ class Router:
     async def _serve(
         self, client: ClientStream, req: ClientRequest, rec: AccessRecord, started: float
     ) -> web.StreamResponse:
-        """Attempts until one succeeds or a failure may not be retried (SPEC §5)."""
+        """Attempts until one succeeds or a failure may not be tried again: retried before
+        visible output (SPEC §5), continued after it (docs/behaviour.md "Migration")."""
         state = self.state
         avoid: set[str] = set()
         retrying = False
         attempts = 0
+        loop = self._loop
+        assert loop is not None  # handle() took it
+        migration = Migration.of(req, self.recovery.max_migrations, loop.time)
+        leg = req  # the request the next attempt sends: the client's, or a continuation of its stream
         state.request_started()
         try:
             while True:
                 attempts += 1
                 rec.attempts = attempts
                 try:
-                    return await self.attempts.run(client, req, rec, started, frozenset(avoid))
+                    return await self.attempts.run(client, leg, rec, started, frozenset(avoid), migration)
                 except EngineError as exc:
-                    if not self._retryable(exc, req, attempts, client):
+                    after = None  # the continuation, when output went out and the stream may go on
+                    if client.committed:
+                        if migration is not None:
+                            after = migration.after(exc, req, loop.time(), rec.prompt_tokens)
+                        if after is None:
+                            raise  # §4's terminal event
+                    elif not self._retryable(exc, req, attempts, client):
                         raise
                     if not retrying:
                         if not state.try_start_retry(self.recovery.retry_budget_ratio, self.recovery.retry_budget_min):
                             metrics.RETRY_BUDGET_EXHAUSTED.inc()
                             raise
                         retrying = True
-                    metrics.RETRIES.inc()
                     avoid.add(exc.engine)
+                    if after is not None:
+                        leg = after
+                        rec.migrations += 1
+                        metrics.MIGRATIONS.labels(exc.reason).inc()
+                        continue
+                    metrics.RETRIES.inc()
                     if exc.phase == "decode" and exc.pair is not None and exc.pair[0] != exc.pair[1]:
                         avoid.add(exc.pair[0])  # a pre-token crossed fault may be the producer's
         finally:
@@ -211,6 +229,7 @@ class Router:
             state.request_finished()
 
     def _retryable(self, exc: EngineError, req: ClientRequest, attempts: int, client: ClientStream) -> bool:
+        """May a fresh attempt cure ``exc`` (SPEC §5)? Never once output went out (that is a migration's call)."""
         if attempts > self.recovery.max_retries or client.committed:
             return False
         return retryable(exc.reason, exc.status) and asyncio.get_running_loop().time() < req.deadline

@@ -199,6 +199,8 @@ class RecoverySettings(Section):
     eject_after: Annotated[int, Field(ge=1)] = 3
     failure_quarantine_s: NonNegativeFloat = 0
     max_retries: Annotated[int, Field(ge=0, le=10)] = 0
+    # Continuations of a stream cut after visible output (docs/behaviour.md "Migration"); 0: none.
+    max_migrations: Annotated[int, Field(ge=0, le=10)] = 1
     retry_budget_ratio: Annotated[float, Field(ge=0, le=1)] = 0.2
     retry_budget_min: Annotated[int, Field(ge=0)] = 3
     readmit_interval_s: PositiveFloat = 5

@@ -1,0 +1,147 @@
+"""Streams that survive their consumer: a stream cut after visible output continues on another pair.
+
+A decode that fails after its client saw output — the engine disconnected, sent a 5xx, fell
+silent, or (for a continuation not yet under way) could not be reached — used to end with the
+terminal event of docs/behaviour.md "Faults after the first token". With
+``recovery.max_migrations`` > 0 the router instead runs a fresh attempt (a new prefill and
+handoff, the failed consumer avoided) that asks vLLM to continue the output so far
+(``forms``), and rewrites what it sends into the stream the client was reading (``splice``):
+one stream, every token once and in order (docs/behaviour.md "Migration").
+
+The parts, per request:
+
+- :class:`Transcript` keeps the spans the client was sent — references, no parsing on the way
+  (the relay's rule: no JSON work per chunk) — and reads them (``seen``) only when a cut asks
+  for a continuation, or a batch at a time once they pass :data:`READ_EVERY_BYTES`, so a long
+  stream keeps its text, not its SSE framing.
+- :class:`Outlet` is each attempt's sink in front of the client's: the continuation's rewrite,
+  when there is one, then the transcript, then the client.
+- :class:`Migration` decides whether a cut continues (the reason, the count, the deadline; the
+  router asks the budget) and builds the continuation request.
+
+Invariant: a stream that never migrates pays one list append and one clock read per span; the
+JSON work happens only on a cut, and on the spans of a continuation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from narwhal import metrics
+from narwhal.engines.relay import Sink
+from narwhal.errors import EngineError
+from narwhal.reasons import migrates
+from narwhal.request.admission import ClientRequest
+from narwhal.request.migration.forms import KINDS, NotContinued, continuation
+from narwhal.request.migration.seen import Seen
+from narwhal.request.migration.splice import MessagesSplice, Splice
+
+log = logging.getLogger("narwhal.request.migration")
+
+READ_EVERY_BYTES = 64 * 1024
+"""A transcript reads its spans once they hold this much: memory follows the text, not the framing."""
+
+
+class Transcript:
+    """The spans a stream's client was sent, and what they say (``seen``), read lazily."""
+
+    __slots__ = ("_spans", "_size", "seen", "last_at", "clock")
+
+    def __init__(self, kind: str, clock: Callable[[], float]) -> None:
+        self._spans: list[bytes] = []
+        self._size = 0
+        self.seen = Seen(kind)
+        self.clock = clock
+        self.last_at: float | None = None  # when the last span went out (loop time)
+
+    def add(self, span: bytes) -> None:
+        """A span went to the client."""
+        self._spans.append(span)
+        self._size += len(span)
+        self.last_at = self.clock()
+        if self._size > READ_EVERY_BYTES:
+            self.read()
+
+    def read(self) -> Seen:
+        """What the client saw, every span read."""
+        if self._spans:
+            self.seen.absorb(self._spans)
+            self._spans, self._size = [], 0
+        return self.seen
+
+
+class Outlet:
+    """One attempt's sink in front of the client's: rewrite (a continuation), record, pass on."""
+
+    __slots__ = ("_inner", "_transcript", "_edit", "_stalled")
+
+    def __init__(self, inner: Sink, transcript: Transcript, edit: Callable[[bytes], bytes] | None,
+                 stalled: float | None) -> None:
+        self._inner = inner
+        self._transcript = transcript
+        self._edit = edit
+        self._stalled = stalled  # a continuation: when the output stopped (loop time), until it resumes
+
+    def passing(self, span: bytes) -> bytes:
+        """What of ``span`` goes to the client (recorded as sent); the caller writes it."""
+        if self._edit is not None:
+            span = self._edit(span)
+            if not span:
+                return span
+            if self._stalled is not None:
+                metrics.TALLY.observe(metrics.MIGRATION_STALL_SAMPLES, self._transcript.clock() - self._stalled)
+                self._stalled = None
+        self._transcript.add(span)
+        return span
+
+    def __call__(self, span: bytes) -> bool:
+        span = self.passing(span)
+        return self._inner(span) if span else True
+
+
+class Migration:
+    """One stream's continuations: the transcript, the count, the next continuation request."""
+
+    __slots__ = ("transcript", "count", "_limit", "_prompt", "_edit", "_stalled")
+
+    def __init__(self, kind: str, limit: int, prompt: dict[str, Any], clock: Callable[[], float]) -> None:
+        self.transcript = Transcript(kind, clock)
+        self.count = 0  # continuations started
+        self._limit = limit
+        self._prompt = prompt  # the prompt fields' values (the body may hold them encoded)
+        self._edit: Callable[[bytes], bytes] | None = None  # the current continuation's rewrite
+        self._stalled: float | None = None
+
+    @classmethod
+    def of(cls, req: ClientRequest, limit: int, clock: Callable[[], float]) -> Migration | None:
+        """A streamed request on an endpoint that continues, with migrations on; else None."""
+        kind = KINDS.get(req.endpoint)
+        if not req.stream or limit <= 0 or kind is None:
+            return None
+        return cls(kind, limit, req.prompt, clock)
+
+    def outlet(self, inner: Sink) -> Outlet:
+        """The sink for the attempt starting now (the last continuation's rewrite, if any)."""
+        stalled, self._stalled = self._stalled, None
+        return Outlet(inner, self.transcript, self._edit, stalled)
+
+    def after(self, exc: EngineError, req: ClientRequest, now: float, prompt_tokens: int | None) -> \
+            ClientRequest | None:
+        """The request that continues the stream ``exc`` cut, or None when it may not continue
+        (the reason, the count, the deadline, or no faithful continuation: logged)."""
+        if self.count >= self._limit or not migrates(exc.reason, exc.status) or now >= req.deadline:
+            return None
+        seen = self.transcript.read()
+        try:
+            endpoint, body = continuation(req.endpoint, req.body, self._prompt, seen)
+        except NotContinued as why:
+            log.info("stream not continued after %s: %s", exc.reason, why)
+            return None
+        kind = KINDS[req.endpoint]
+        self._edit = MessagesSplice(seen, prompt_tokens) if kind == "messages" else Splice(kind, seen, prompt_tokens)
+        self._stalled = self.transcript.last_at
+        self.count += 1
+        return dataclasses.replace(req, endpoint=endpoint, body=body, stream=True)

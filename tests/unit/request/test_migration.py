@@ -1,0 +1,193 @@
+"""The pure rules of a stream's continuation (narwhal.request.migration): what the client saw,
+the continuation forms, the splice, and when a cut may continue."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from narwhal.engines.endpoints import CHAT, COMPLETIONS, GENERATE, MESSAGES, RESPONSES
+from narwhal.errors import EngineError
+from narwhal.fake_engine.continuation import start_of
+from narwhal.reasons import migrates
+from narwhal.request.admission import ClientRequest
+from narwhal.request.migration import READ_EVERY_BYTES, Migration, Transcript
+from narwhal.request.migration.forms import NotContinued, continuation
+from narwhal.request.migration.seen import Seen
+from narwhal.request.migration.splice import MessagesSplice, Splice
+
+
+def _data(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def _chat_chunk(content: str | None = None, *, role: bool = False, finish: str | None = None, **extra: Any) -> bytes:
+    delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+    if content is not None:
+        delta["content"] = content
+    return _data({"id": "chatcmpl-a", "object": "chat.completion.chunk", "created": 7, "model": "m",
+                  "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra})
+
+
+def _seen(kind: str, *spans: bytes) -> Seen:
+    seen = Seen(kind)
+    seen.absorb(list(spans))
+    return seen
+
+
+def test_seen_reads_the_identity_text_and_count_of_a_chat_stream() -> None:
+    seen = _seen("chat", _chat_chunk(role=True) + _chat_chunk(" t0"), _chat_chunk(" t1") + b": keep-alive\n\n")
+    assert (seen.id, seen.created, seen.output, seen.tokens, seen.why_not) == ("chatcmpl-a", 7, " t0 t1", 2, None)
+
+
+@pytest.mark.parametrize("delta", [{"tool_calls": [{"index": 0}]}, {"reasoning": "hmm"}])
+def test_tool_calls_and_reasoning_are_not_continued(delta: dict[str, Any]) -> None:
+    chunk = _data({"id": "x", "choices": [{"index": 0, "delta": delta}]})
+    assert _seen("chat", chunk).why_not is not None
+
+
+def test_a_second_choice_or_an_unreadable_event_is_not_continued() -> None:
+    assert _seen("completions", _data({"id": "x", "choices": [{"index": 1, "text": "a"}]})).why_not
+    assert _seen("completions", b'data: {"id": "x", "choices": 3}\n\n').why_not
+
+
+def test_the_chat_form_appends_the_text_so_far_and_what_is_left() -> None:
+    seen = _seen("chat", _chat_chunk(" t0"), _chat_chunk(" t1"))
+    messages = [{"role": "user", "content": "hi"}]
+    body = {"model": "m", "messages": b"<encoded>", "max_tokens": 5, "min_tokens": 3, "stop": ["x"], "seed": 1}
+    endpoint, out = continuation(CHAT, body, {"messages": messages}, seen)
+    assert endpoint is CHAT
+    assert out == {"model": "m", "messages": [*messages, {"role": "assistant", "content": " t0 t1"}],
+                   "max_tokens": 3, "min_tokens": 1, "stop": ["x"], "seed": 1, "continue_final_message": True,
+                   "add_generation_prompt": False}
+
+
+def test_a_client_continuing_its_own_message_gets_the_text_added_to_it() -> None:
+    seen = _seen("chat", _chat_chunk(" t0"))
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure,"}]
+    _, out = continuation(CHAT, {"continue_final_message": True}, {"messages": messages}, seen)
+    assert out["messages"] == [messages[0], {"role": "assistant", "content": "Sure, t0"}]
+
+
+def test_completions_continue_the_prompt_with_vllms_default_limit() -> None:
+    seen = _seen("completions", _data({"id": "c", "choices": [{"index": 0, "text": " t0"}]}))
+    _, out = continuation(COMPLETIONS, {"prompt": "x"}, {"prompt": "Once"}, seen)
+    assert out == {"prompt": "Once t0", "max_tokens": 15}
+    with pytest.raises(NotContinued):
+        continuation(COMPLETIONS, {"echo": True}, {"prompt": "Once"}, seen)
+    with pytest.raises(NotContinued):  # ids in, but no ids out: nothing to continue them with
+        continuation(COMPLETIONS, {}, {"prompt": [1, 2]}, seen)
+
+
+def test_generate_continues_by_tokens() -> None:
+    chunk = _data({"request_id": "g", "choices": [{"index": 0, "token_ids": [1000, 1001]}]})
+    seen = _seen("generate", chunk)
+    _, out = continuation(GENERATE, {"sampling_params": {"max_tokens": 6}}, {"token_ids": [5, 6]}, seen)
+    assert out == {"token_ids": [5, 6, 1000, 1001], "sampling_params": {"max_tokens": 4}}
+
+
+def test_messages_continue_in_the_chat_form() -> None:
+    seen = _seen("messages", b'event: content_block_start\ndata: {"type":"content_block_start","content_block":'
+                             b'{"type":"text","text":""},"index":0}\n\n', b'event: content_block_delta\ndata: '
+                             b'{"type":"content_block_delta","delta":{"type":"text_delta","text":" t0"},"index":0}\n\n')
+    body = {"model": "m", "max_tokens": 4, "stop_sequences": ["z"], "temperature": 0.5, "metadata": {"user_id": "u"}}
+    prompt = {"system": "be brief", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    endpoint, out = continuation(MESSAGES, body, prompt, seen)
+    assert endpoint is CHAT
+    assert out == {"model": "m", "temperature": 0.5, "max_tokens": 3, "stop": ["z"], "stream": True,
+                   "stream_options": {"include_usage": True}, "continue_final_message": True,
+                   "add_generation_prompt": False,
+                   "messages": [{"role": "system", "content": "be brief"},
+                                {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                                {"role": "assistant", "content": " t0"}]}
+    with pytest.raises(NotContinued):
+        continuation(MESSAGES, {**body, "tools": [{"name": "t"}]}, prompt, seen)
+
+
+def test_responses_and_spent_limits_are_not_continued() -> None:
+    seen = _seen("chat", _chat_chunk(" t0"), _chat_chunk(" t1"))
+    with pytest.raises(NotContinued):
+        continuation(RESPONSES, {}, {}, seen)
+    with pytest.raises(NotContinued):
+        continuation(CHAT, {"max_tokens": 2}, {"messages": []}, seen)
+
+
+def test_the_splice_keeps_the_original_identity_and_counts_all_usage() -> None:
+    seen = _seen("chat", _chat_chunk(" t0"), _chat_chunk(" t1"))
+    splice = Splice("chat", seen, prompt_tokens=12)
+    role = _data({"id": "chatcmpl-b", "created": 9, "choices": [
+        {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+        "prompt_token_ids": [1, 2]})
+    theirs = _chat_chunk(" t2").replace(b"chatcmpl-a", b"chatcmpl-b").replace(b'"created":7', b'"created":9')
+    out = splice(role + theirs)
+    assert out == _chat_chunk(" t2")
+    usage = _data({"id": "chatcmpl-b", "created": 9, "choices": [],
+                   "usage": {"prompt_tokens": 14, "total_tokens": 17, "completion_tokens": 3}})
+    assert orjson.loads(splice(usage + b"data: [DONE]\n\n").split(b"\n\n")[0][6:])["usage"] == {
+        "prompt_tokens": 12, "total_tokens": 17, "completion_tokens": 5}
+
+
+def test_a_messages_splice_writes_anthropics_events() -> None:
+    seen = _seen("messages", b'event: content_block_delta\ndata: {"type":"content_block_delta","delta":'
+                             b'{"type":"text_delta","text":" t0"},"index":0}\n\n')
+    splice = MessagesSplice(seen, prompt_tokens=4)
+    out = splice(_chat_chunk(role=True) + _chat_chunk(" t1", finish="length")
+                 + _data({"id": "x", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 1}})
+                 + b"data: [DONE]\n\n")
+    events = [e for e in out.split(b"\n\n") if e]
+    assert [e.split(b"\n")[0] for e in events] == [b"event: content_block_delta", b"event: content_block_stop",
+                                                   b"event: message_delta", b"event: message_stop"]
+    assert orjson.loads(events[2].split(b"data: ")[1]) == {
+        "type": "message_delta", "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+        "usage": {"input_tokens": 4, "output_tokens": 2}}
+
+
+def test_a_long_transcript_is_read_as_it_grows() -> None:
+    transcript = Transcript("completions", lambda: 1.0)
+    chunk = _data({"id": "c", "choices": [{"index": 0, "text": "x" * 1000}]})
+    for _ in range(READ_EVERY_BYTES // len(chunk) + 1):
+        transcript.add(chunk)
+    assert transcript.seen.tokens > 0  # read without being asked
+    assert transcript.read().tokens == READ_EVERY_BYTES // len(chunk) + 1
+
+
+@pytest.mark.parametrize(("reason", "status", "continues"), [
+    ("engine_disconnect", 502, True), ("decode_silence", 504, True), ("engine_stream_error", 500, True),
+    ("engine_unreachable", 502, True), ("first_token_timeout", 504, True), ("engine_stream_error", 400, False),
+    ("engine_client_error", 429, False), ("deadline_exceeded", 504, False), ("client_disconnect", 499, False),
+])
+def test_which_faults_continue(reason: str, status: int, continues: bool) -> None:
+    assert migrates(reason, status) is continues
+
+
+def _request(deadline: float = 100.0) -> ClientRequest:
+    return ClientRequest(endpoint=COMPLETIONS, body={"model": "m", "max_tokens": 4}, model="m", stream=True,
+                         deadline=deadline, forward={}, prompt={"prompt": "Once"})
+
+
+def test_a_cut_continues_while_the_count_and_deadline_allow() -> None:
+    req = _request()
+    migration = Migration.of(req, 1, lambda: 5.0)
+    assert migration is not None
+    outlet = migration.outlet(lambda span: True)
+    outlet(_data({"id": "c", "choices": [{"index": 0, "text": " t0"}]}))
+    cut = EngineError("gone", reason="engine_disconnect", engine="d0", phase="decode", status=502)
+    after = migration.after(cut, req, now=6.0, prompt_tokens=1)
+    assert after is not None and after.body["prompt"] == "Once t0" and after.body["max_tokens"] == 3
+    assert migration.after(cut, req, now=6.0, prompt_tokens=1) is None  # one migration only
+    assert Migration.of(req, 1, lambda: 5.0).after(cut, _request(deadline=1.0), 6.0, 1) is None  # type: ignore[union-attr]
+    assert Migration.of(req, 0, lambda: 5.0) is None
+
+
+@pytest.mark.parametrize(("kind", "body", "start"), [
+    ("chat", {"continue_final_message": True, "messages": [{"role": "assistant", "content": " t0 t1 t2"}]}, 3),
+    ("chat", {"messages": [{"role": "assistant", "content": " t0 t1 t2"}]}, 0),
+    ("completions", {"prompt": "w1 w2 t0 t1"}, 2),
+    ("completions", {"prompt": "w1 t5"}, 0),
+    ("generate", {"token_ids": [7, 1000, 1001]}, 2),
+    ("messages", {"messages": [{"role": "assistant", "content": " t0"}]}, 0),
+])
+def test_the_fake_continues_where_the_output_stopped(kind: str, body: dict[str, Any], start: int) -> None:
+    assert start_of(kind, body) == start
