@@ -45,7 +45,7 @@ from narwhal.request.attempt_state import AttemptLife, AttemptObserver, AttemptS
 from narwhal.request.client_stream import ClientStream
 from narwhal.request.handoff_release import Ending, HandoffReleases, decode_ending
 from narwhal.request.ids import backend_id
-from narwhal.request.migration import Migration, Outlet
+from narwhal.request.migration import Migration
 from narwhal.request.outcomes import Outcomes
 from narwhal.request.slot_wait import WaitingPlacement as Placement
 from narwhal.request.usage import UsageTap, completion_tokens, wants_usage
@@ -69,10 +69,10 @@ def _observe_start(ttft_s: float | None, first_byte_s: float | None, handoff_age
 
 async def _stream(
     client: ClientStream, leg: DecodeLeg, life: AttemptLife, started: float, ttft_s: float | None,
-    age: float | None, tap: UsageTap | None, outlet: Outlet | None,
+    age: float | None, tap: UsageTap | None, migration: Migration | None,
 ) -> web.StreamResponse:
     """Relay an opened stream to the client until its terminal event (SPEC §3 step 7, §2.1);
-    a continuation's (``outlet``) rewritten and recorded on the way (narwhal.request.migration)."""
+    recorded for a stream that may migrate, and a continuation's rewritten (``migration``)."""
     rec = life.rec
     observed = ended = False
     first_byte_s = None  # this attempt's, when it committed the stream (a continuation did not)
@@ -90,7 +90,7 @@ async def _stream(
             # The span with the terminal event goes out with the end of the chunked body: one
             # write, one client wakeup, instead of a separate 5-byte terminator.
             ended = leg.ended
-            if outlet is not None and not (span := outlet.passing(span)) and not ended:
+            if migration is not None and not (span := migration.passing(span)) and not ended:
                 continue  # a continuation's metadata, not repeated
             await client.write(span, eof=ended)
             spans += 1
@@ -284,13 +284,13 @@ class Attempts:
         streaming = False  # _stream observes the start histograms itself
         sink: Sink | None = None
         tap: UsageTap | None = None
-        outlet: Outlet | None = None
+        recording: Migration | None = None
         if req.stream:
             sink = client.relay_sink()
             if wants_usage(req.body):
                 sink = tap = UsageTap(sink)
             if migration is not None:
-                sink = outlet = migration.outlet(sink)
+                sink = recording = migration.sink(sink)
         first_byte_s: float | None = None
         try:
             leg = self.client.decode_leg(
@@ -304,7 +304,7 @@ class Attempts:
                 rec.completion_tokens = completion_tokens(whole)
                 return await client.send_whole(whole)
             streaming = True
-            return await _stream(client, leg, life, started, ttft_s, age, tap, outlet)
+            return await _stream(client, leg, life, started, ttft_s, age, tap, recording)
         except NarwhalError as exc:
             # Never sent (the consumer never saw the handoff), or refused by a consumer that keeps it.
             ending = decode_ending(exc, leg is None or leg.sent, resv.consumer, req.endpoint is GENERATE)

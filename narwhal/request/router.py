@@ -193,6 +193,7 @@ class Router:
         assert loop is not None  # handle() took it
         migration = Migration.of(req, self.recovery.max_migrations, loop.time)
         leg = req  # the request the next attempt sends: the client's, or a continuation of its stream
+        cut: EngineError | None = None  # the fault the running continuation continues after
         state.request_started()
         try:
             while True:
@@ -200,7 +201,11 @@ class Router:
                 rec.attempts = attempts
                 try:
                     return await self.attempts.run(client, leg, rec, started, frozenset(avoid), migration)
-                except EngineError as exc:
+                except NarwhalError as exc:
+                    if not isinstance(exc, EngineError):
+                        if cut is not None:  # a continuation found no pair, or no time: the cut ends it
+                            raise cut from None
+                        raise
                     after = None  # the continuation, when output went out and the stream may go on
                     if client.committed:
                         if migration is not None:
@@ -216,7 +221,7 @@ class Router:
                         retrying = True
                     avoid.add(exc.engine)
                     if after is not None:
-                        leg = after
+                        leg, cut = after, exc
                         rec.migrations += 1
                         metrics.MIGRATIONS.labels(exc.reason).inc()
                         continue

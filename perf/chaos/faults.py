@@ -84,8 +84,11 @@ _Fault = tuple[str, dict[str, Any], set[str], int | None, int | None]  # leg, sp
 
 def _varying_fault(kind: str, rng: random.Random, n: int, k: int) -> _Fault:
     """The faults that depend on the stream's length ``n``, the cut ``k`` or a seeded draw."""
+    # A stream cut after its first token continues on another pair (migrations are on): the
+    # full stream is the answer; the cut's terminal event remains allowed (the budget was spent,
+    # or the continuation found no pair), with exactly the tokens before the cut.
     if kind == "close_mid_stream":
-        return "decode", {"close_after": k}, {"term:502:engine_disconnect"}, None, k
+        return "decode", {"close_after": k}, {"term:502:engine_disconnect"}, n, k
     if kind == "stream_error_before_token":
         code = rng.choice([500, 503, 429, None, 200])
         spec = {"stream_error": {"code": code, "message": "chaos", "after": 0, "flat": rng.random() < 0.3}}
@@ -93,9 +96,9 @@ def _varying_fault(kind: str, rng: random.Random, n: int, k: int) -> _Fault:
     if kind == "stream_error_mid_stream":
         code = rng.choice([500, 503, None])
         spec = {"stream_error": {"code": code, "message": "chaos", "after": k}}
-        return "decode", spec, {f"term:{_err(code)}:engine_stream_error"}, None, k
+        return "decode", spec, {f"term:{_err(code)}:engine_stream_error"}, n, k
     if kind == "silence":
-        return "decode", {"silence_after": k, "silence_s": BEYOND_S - 0.5}, {"term:504:decode_silence"}, None, k
+        return "decode", {"silence_after": k, "silence_s": BEYOND_S - 0.5}, {"term:504:decode_silence"}, n, k
     if kind == "heartbeat":
         return "decode", {"silence_after": k, "silence_s": 1.6, "heartbeat_s": 0.25}, set(), n, None
     if kind.startswith("descriptor_"):

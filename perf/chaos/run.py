@@ -37,7 +37,7 @@ from typing import Any
 import aiohttp
 
 from narwhal.testing.harness import FakeFleet, RouterProcess, write_config
-from perf.chaos import checks, dead_consumer, storm
+from perf.chaos import checks, dead_consumer, killed_consumer, storm
 from perf.chaos.faults import (
     ADMIN_TOKEN,
     CLIENT_SLACK_S,
@@ -392,6 +392,11 @@ def main(argv: list[str] | None = None) -> int:
                                                                args.concurrency)
         dead_consumer.print_dead_consumer(rep["dead_consumer"])
         failed = failed or bool(rep["dead_consumer"]["failed"])
+        # A consumer killed under slow streams: with migrations on, every stream it carried completes.
+        rep["killed_consumer"] = killed_consumer.run_killed_consumer(Chaos(args), 8.0 if args.quick else 12.0,
+                                                                     args.concurrency)
+        killed_consumer.print_killed_consumer(rep["killed_consumer"])
+        failed = failed or bool(rep["killed_consumer"]["failed"])
     with open(os.path.join(args.out, "chaos.json"), "w") as f:
         json.dump(rep, f, indent=2, default=str)
     print(f"  report: {os.path.join(args.out, 'chaos.json')}")

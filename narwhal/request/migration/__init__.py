@@ -10,14 +10,16 @@ one stream, every token once and in order (docs/behaviour.md "Migration").
 
 The parts, per request:
 
-- :class:`Transcript` keeps the spans the client was sent — references, no parsing on the way
-  (the relay's rule: no JSON work per chunk) — and reads them (``seen``) only when a cut asks
-  for a continuation, or a batch at a time once they pass :data:`READ_EVERY_BYTES`, so a long
-  stream keeps its text, not its SSE framing.
-- :class:`Outlet` is each attempt's sink in front of the client's: the continuation's rewrite,
-  when there is one, then the transcript, then the client.
-- :class:`Migration` decides whether a cut continues (the reason, the count, the deadline; the
-  router asks the budget) and builds the continuation request.
+- the transcript: the spans the client was sent — references, no parsing on the way (the
+  relay's rule: no JSON work per chunk) — read (``seen``) only when a cut asks for a
+  continuation, or a batch at a time once they pass :data:`READ_EVERY_BYTES`, so a long stream
+  keeps its text, not its SSE framing;
+- each attempt's sink in front of the client's: the continuation's rewrite, when there is one,
+  then the transcript, then the client;
+- whether a cut continues (the reason, the count, the deadline; the router asks the budget),
+  and the continuation request.
+
+All three are one :class:`Migration` per stream: one object, no allocation per attempt or span.
 
 Invariant: a stream that never migrates pays one list append and one clock read per span; the
 JSON work happens only on a cut, and on the spans of a continuation.
@@ -45,75 +47,27 @@ READ_EVERY_BYTES = 64 * 1024
 """A transcript reads its spans once they hold this much: memory follows the text, not the framing."""
 
 
-class Transcript:
-    """The spans a stream's client was sent, and what they say (``seen``), read lazily."""
-
-    __slots__ = ("_spans", "_size", "seen", "last_at", "clock")
-
-    def __init__(self, kind: str, clock: Callable[[], float]) -> None:
-        self._spans: list[bytes] = []
-        self._size = 0
-        self.seen = Seen(kind)
-        self.clock = clock
-        self.last_at: float | None = None  # when the last span went out (loop time)
-
-    def add(self, span: bytes) -> None:
-        """A span went to the client."""
-        self._spans.append(span)
-        self._size += len(span)
-        self.last_at = self.clock()
-        if self._size > READ_EVERY_BYTES:
-            self.read()
-
-    def read(self) -> Seen:
-        """What the client saw, every span read."""
-        if self._spans:
-            self.seen.absorb(self._spans)
-            self._spans, self._size = [], 0
-        return self.seen
-
-
-class Outlet:
-    """One attempt's sink in front of the client's: rewrite (a continuation), record, pass on."""
-
-    __slots__ = ("_inner", "_transcript", "_edit", "_stalled")
-
-    def __init__(self, inner: Sink, transcript: Transcript, edit: Callable[[bytes], bytes] | None,
-                 stalled: float | None) -> None:
-        self._inner = inner
-        self._transcript = transcript
-        self._edit = edit
-        self._stalled = stalled  # a continuation: when the output stopped (loop time), until it resumes
-
-    def passing(self, span: bytes) -> bytes:
-        """What of ``span`` goes to the client (recorded as sent); the caller writes it."""
-        if self._edit is not None:
-            span = self._edit(span)
-            if not span:
-                return span
-            if self._stalled is not None:
-                metrics.TALLY.observe(metrics.MIGRATION_STALL_SAMPLES, self._transcript.clock() - self._stalled)
-                self._stalled = None
-        self._transcript.add(span)
-        return span
-
-    def __call__(self, span: bytes) -> bool:
-        span = self.passing(span)
-        return self._inner(span) if span else True
-
-
 class Migration:
-    """One stream's continuations: the transcript, the count, the next continuation request."""
+    """One stream's continuations: the transcript of what its client was sent (kept unparsed,
+    read when a cut asks), the count, the next continuation request; and, for each attempt,
+    the sink in front of the client's (``sink``): the continuation's rewrite, the record, the client."""
 
-    __slots__ = ("transcript", "count", "_limit", "_prompt", "_edit", "_stalled")
+    __slots__ = ("count", "_limit", "_prompt", "_kind", "_spans", "_size", "_seen", "last_at", "clock",
+                 "_inner", "_edit", "_stalled")
 
     def __init__(self, kind: str, limit: int, prompt: dict[str, Any], clock: Callable[[], float]) -> None:
-        self.transcript = Transcript(kind, clock)
         self.count = 0  # continuations started
         self._limit = limit
         self._prompt = prompt  # the prompt fields' values (the body may hold them encoded)
+        self._kind = kind
+        self._spans: list[bytes] = []  # sent to the client, not read yet
+        self._size = 0
+        self._seen: Seen | None = None  # what the spans read so far said
+        self.last_at: float | None = None  # when the last span went out (loop time)
+        self.clock = clock
+        self._inner: Sink | None = None  # the attempt's sink behind this one (the client's)
         self._edit: Callable[[bytes], bytes] | None = None  # the current continuation's rewrite
-        self._stalled: float | None = None
+        self._stalled: float | None = None  # a continuation under way: when the output stopped
 
     @classmethod
     def of(cls, req: ClientRequest, limit: int, clock: Callable[[], float]) -> Migration | None:
@@ -123,25 +77,61 @@ class Migration:
             return None
         return cls(kind, limit, req.prompt, clock)
 
-    def outlet(self, inner: Sink) -> Outlet:
-        """The sink for the attempt starting now (the last continuation's rewrite, if any)."""
-        stalled, self._stalled = self._stalled, None
-        return Outlet(inner, self.transcript, self._edit, stalled)
+    # -- the attempt's sink -------------------------------------------------------------------
+
+    def sink(self, inner: Sink) -> Migration:
+        """This stream as the sink of the attempt starting now, in front of ``inner``."""
+        self._inner = inner
+        return self
+
+    def __call__(self, span: bytes) -> bool:
+        span = self.passing(span)
+        assert self._inner is not None
+        return self._inner(span) if span else True
+
+    def passing(self, span: bytes) -> bytes:
+        """What of ``span`` goes to the client (a continuation's rewrite), recorded as sent."""
+        if self._edit is not None:
+            span = self._edit(span)
+            if not span:
+                return span
+            if self._stalled is not None:
+                metrics.TALLY.observe(metrics.MIGRATION_STALL_SAMPLES, self.clock() - self._stalled)
+                self._stalled = None
+        self._spans.append(span)
+        self._size += len(span)
+        self.last_at = self.clock()
+        if self._size > READ_EVERY_BYTES:
+            self.read()
+        return span
+
+    def read(self) -> Seen:
+        """What the client saw, every span sent so far read."""
+        seen = self._seen
+        if seen is None:
+            seen = self._seen = Seen(self._kind)
+        if self._spans:
+            seen.absorb(self._spans)
+            self._spans, self._size = [], 0
+        return seen
+
+    # -- a cut --------------------------------------------------------------------------------
 
     def after(self, exc: EngineError, req: ClientRequest, now: float, prompt_tokens: int | None) -> \
             ClientRequest | None:
-        """The request that continues the stream ``exc`` cut, or None when it may not continue
-        (the reason, the count, the deadline, or no faithful continuation: logged)."""
+        """The request that continues the stream ``exc`` cut (``req``: the client's), or None
+        when it may not continue (the reason, the count, the deadline, or no faithful
+        continuation: logged)."""
         if self.count >= self._limit or not migrates(exc.reason, exc.status) or now >= req.deadline:
             return None
-        seen = self.transcript.read()
+        seen = self.read()
         try:
             endpoint, body = continuation(req.endpoint, req.body, self._prompt, seen)
         except NotContinued as why:
             log.info("stream not continued after %s: %s", exc.reason, why)
             return None
-        kind = KINDS[req.endpoint]
+        kind = self._kind
         self._edit = MessagesSplice(seen, prompt_tokens) if kind == "messages" else Splice(kind, seen, prompt_tokens)
-        self._stalled = self.transcript.last_at
+        self._stalled = self.last_at
         self.count += 1
         return dataclasses.replace(req, endpoint=endpoint, body=body, stream=True)

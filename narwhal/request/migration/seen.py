@@ -2,7 +2,7 @@
 
 The relay never parses what it passes on (docs/architecture of the relay: no JSON work per
 chunk), so a stream that may migrate only keeps the spans its client was sent
-(:class:`~narwhal.request.migration.Transcript`) and reads them here, once, when a cut asks
+(:class:`~narwhal.request.migration.Migration`'s transcript) and reads them here, once, when a cut asks
 for a continuation — or a batch at a time when a long stream's spans pile up. Reading is
 incremental: :meth:`Seen.absorb` takes the next spans and adds to what it knew.
 

@@ -214,3 +214,17 @@ async def test_no_migrations_leave_the_terminal_event(router: RouterProcess) -> 
     reply = await send(router.url, "/v1/completions", completion(unique_prompt(), max_tokens=8, fake=CLOSE))
     assert reply.text == expected_text(3)
     assert terminal_error(reply)["type"] == "engine_disconnect"
+
+
+lone = router_fixture(engines_named("p2", "d2"), "p2 → d2: no other consumer to continue on.",
+                      recovery={"max_migrations": 1})
+
+
+async def test_with_no_other_consumer_the_one_that_cut_it_continues(lone: RouterProcess, fleet: FakeFleet) -> None:
+    """The failed consumer is avoided where others exist (as a retry's engines are): a lone
+    consumer that cut a stream but still serves carries its continuation."""
+    prompt = unique_prompt()
+    reply = await send(lone.url, "/v1/completions", completion(prompt, max_tokens=8, fake=CLOSE))
+    assert reply.text == expected_text(8) and reply.events[-1] == b"[DONE]"
+    assert [r["body"]["prompt"] for r in records(fleet, "d2", prompt)] == [prompt, prompt + expected_text(3)]
+    assert access_line(lone, reply.headers["x-request-id"])["migrations"] == 1

@@ -13,7 +13,7 @@ from narwhal.errors import EngineError
 from narwhal.fake_engine.continuation import start_of
 from narwhal.reasons import migrates
 from narwhal.request.admission import ClientRequest
-from narwhal.request.migration import READ_EVERY_BYTES, Migration, Transcript
+from narwhal.request.migration import READ_EVERY_BYTES, Migration
 from narwhal.request.migration.forms import NotContinued, continuation
 from narwhal.request.migration.seen import Seen
 from narwhal.request.migration.splice import MessagesSplice, Splice
@@ -145,12 +145,13 @@ def test_a_messages_splice_writes_anthropics_events() -> None:
 
 
 def test_a_long_transcript_is_read_as_it_grows() -> None:
-    transcript = Transcript("completions", lambda: 1.0)
+    migration = Migration.of(_request(), 1, lambda: 1.0)
+    assert migration is not None
     chunk = _data({"id": "c", "choices": [{"index": 0, "text": "x" * 1000}]})
     for _ in range(READ_EVERY_BYTES // len(chunk) + 1):
-        transcript.add(chunk)
-    assert transcript.seen.tokens > 0  # read without being asked
-    assert transcript.read().tokens == READ_EVERY_BYTES // len(chunk) + 1
+        migration.passing(chunk)
+    assert migration._seen is not None and migration._seen.tokens > 0  # read without being asked
+    assert migration.read().tokens == READ_EVERY_BYTES // len(chunk) + 1
 
 
 @pytest.mark.parametrize(("reason", "status", "continues"), [
@@ -171,7 +172,7 @@ def test_a_cut_continues_while_the_count_and_deadline_allow() -> None:
     req = _request()
     migration = Migration.of(req, 1, lambda: 5.0)
     assert migration is not None
-    outlet = migration.outlet(lambda span: True)
+    outlet = migration.sink(lambda span: True)
     outlet(_data({"id": "c", "choices": [{"index": 0, "text": " t0"}]}))
     cut = EngineError("gone", reason="engine_disconnect", engine="d0", phase="decode", status=502)
     after = migration.after(cut, req, now=6.0, prompt_tokens=1)
@@ -191,3 +192,47 @@ def test_a_cut_continues_while_the_count_and_deadline_allow() -> None:
 ])
 def test_the_fake_continues_where_the_output_stopped(kind: str, body: dict[str, Any], start: int) -> None:
     assert start_of(kind, body) == start
+
+
+class _State:
+    def request_started(self) -> None: ...
+    def request_finished(self) -> None: ...
+    def retry_finished(self) -> None: ...
+    def try_start_retry(self, ratio: float, minimum: int) -> bool:
+        return True
+
+
+async def test_a_continuation_that_finds_no_pair_ends_with_the_cut() -> None:
+    """The continuation's own refusal (no pair, no slot in time) is not what the client reads:
+    the stream ends with the terminal event of the fault that cut it."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from narwhal.errors import NarwhalError
+    from narwhal.request.accesslog import AccessRecord
+    from narwhal.request.router import Router
+    from narwhal.settings import Settings
+
+    cut = EngineError("gone", reason="engine_disconnect", engine="d0", phase="decode", status=502)
+    client = SimpleNamespace(committed=False)
+    legs: list[ClientRequest] = []
+
+    async def run(client_: Any, leg: ClientRequest, rec: Any, started: float, avoid: Any, migration: Any) -> None:
+        legs.append(leg)
+        if len(legs) == 1:
+            client.committed = True
+            migration.sink(lambda span: True)(_data({"id": "c", "choices": [{"index": 0, "text": " t0"}]}))
+            raise cut
+        raise NarwhalError("no engine", reason="no_engine")
+
+    router = Router.__new__(Router)
+    router.recovery = Settings.model_validate({"recovery": {"max_migrations": 1}}).recovery
+    router.state = _State()  # type: ignore[assignment]
+    router.attempts = SimpleNamespace(run=run)  # type: ignore[assignment]
+    router._loop = asyncio.get_running_loop()
+    req = _request(deadline=router._loop.time() + 30)
+    rec = AccessRecord(request_id="r", endpoint="/v1/completions")
+    with pytest.raises(EngineError) as ended:
+        await router._serve(client, req, rec, 0.0)  # type: ignore[arg-type]
+    assert ended.value is cut and rec.migrations == 1
+    assert legs[1].body["prompt"] == "Once t0"
