@@ -291,11 +291,13 @@ def judge(res: Result, exp: Expectation, windows: list[Window], *, strict: bool)
         return
     allowed = set(exp.allowed) | {"http:503:no_engine"}  # ejections happen throughout
     stopped = overlapping(res, windows, ("stop_producer", "stop_consumer"))
+    # A stream continued after a cut (a migration) ends with its continuation's fault when that
+    # fails too: refused by a stopped consumer, or unable to read the KV of a failing producer.
     if stopped:
         allowed |= {"http:502:engine_unreachable", "http:502:engine_disconnect",
-                    "term:502:engine_disconnect", "http:500:engine_stream_error"}
+                    "term:502:engine_disconnect", "http:500:engine_stream_error", "term:502:engine_unreachable"}
     if overlapping(res, windows, ("kv_read_fails",)):
-        allowed |= {"http:500:engine_stream_error"}
+        allowed |= {"http:500:engine_stream_error", "term:500:engine_stream_error"}
     if res.outcome == "conn_error":
         if overlapping(res, windows, ("kill_worker",), before=0.2, after=0.5):
             res.verdict, res.outcome = "allowed", "conn_error_killed_worker"
