@@ -219,7 +219,7 @@ class _LegSpans:
         result, resv = life.result, life.resv
         attributes: dict[str, Any] = {
             "narwhal.engine": resv.consumer.name, "narwhal.attempt": life.rec.attempts,
-            "narwhal.backend_id": life.request_id,
+            "narwhal.backend_id": life.request_id, "narwhal.migration": life.rec.migrations,
             "narwhal.crossed": result.crossed if result is not None else resv.crossed,
         }
         if not resv.local and result is not None:  # a local decode had no producer and no handoff
@@ -241,6 +241,7 @@ class _SpanAnnotatingLog:
         span.set_attribute("http.response.status_code", rec.status)
         span.set_attribute("narwhal.request_id", rec.request_id)
         span.set_attribute("narwhal.attempts", rec.attempts)
+        span.set_attribute("narwhal.migrations", rec.migrations)
         span.set_attribute("narwhal.backend_ids", rec.backend_ids)
         if rec.model is not None:
             span.set_attribute("narwhal.model", rec.model)

@@ -134,6 +134,7 @@ def traced(fleet: FakeFleet, receiver: Receiver, tmp_path_factory: pytest.TempPa
         fleet, engines, tmp_path_factory.mktemp("traced"),
         env={"OTEL_BSP_SCHEDULE_DELAY": "100"},  # export within 0.1 s rather than the default 5 s
         tracing={"enabled": True, "endpoint": receiver.url, "service_name": "narwhal-test"},
+        recovery={"max_migrations": 1},
     )
     yield proc
     proc.stop()
@@ -201,6 +202,22 @@ async def test_a_failed_leg_carries_its_reason_and_a_new_trace_starts_without_a_
     assert prefill.status == server.status == STATUS_ERROR
     assert prefill.attributes["narwhal.reason"] == server.attributes["narwhal.reason"] == "engine_5xx"
     assert server.attributes["http.response.status_code"] == 502
+
+
+async def test_a_migrated_stream_has_a_span_per_leg(traced: RouterProcess, receiver: Receiver) -> None:
+    trace_id = os.urandom(16).hex()
+    reply = await send(traced.url, "/v1/completions",
+                       completion(unique_prompt(), max_tokens=5, fake={"decode": {"close_after": 2}}),
+                       headers={"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"})
+    assert reply.status == 200 and reply.events[-1] == b"[DONE]"
+    spans = receiver.trace(trace_id, 7)
+    decodes = sorted((s for s in spans if s.name == "narwhal.decode"), key=lambda s: s.attributes["narwhal.attempt"])
+    assert [s.attributes["narwhal.migration"] for s in decodes] == [0, 1]
+    assert decodes[0].status == STATUS_ERROR and decodes[0].attributes["narwhal.reason"] == "engine_disconnect"
+    assert decodes[1].status != STATUS_ERROR
+    assert sum(s.name == "narwhal.prefill" for s in spans) == 2
+    server = next(s for s in spans if s.name == "POST /v1/completions")
+    assert server.attributes["narwhal.migrations"] == 1 and "narwhal.reason" not in server.attributes
 
 
 def test_an_invalid_tracestate_is_dropped_and_the_client_trace_continued(
