@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         dead_consumer.print_dead_consumer(rep["dead_consumer"])
         failed = failed or bool(rep["dead_consumer"]["failed"])
         # A consumer killed under slow streams: with migrations on, every stream it carried completes.
-        rep["killed_consumer"] = killed_consumer.run_killed_consumer(Chaos(args), 8.0 if args.quick else 12.0,
+        rep["killed_consumer"] = killed_consumer.run_killed_consumer(Chaos(args), 6.0 if args.quick else 12.0,
                                                                      args.concurrency)
         killed_consumer.print_killed_consumer(rep["killed_consumer"])
         failed = failed or bool(rep["killed_consumer"]["failed"])

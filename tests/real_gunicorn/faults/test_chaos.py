@@ -74,3 +74,13 @@ def test_a_poison_storm_leaves_clean_requests_served(quick_run: QuickRun) -> Non
     # sample caught every producer quarantined or out, so placement's fallback was needed.
     assert storm["poisoned_outcomes"].get("ok", 0) == 0
     assert storm["roles"]["producer"]["all_out_or_quarantined"] > 0, storm["roles"]
+
+
+@pytest.mark.timeout(240)
+def test_a_consumer_killed_under_load_cuts_no_stream(quick_run: QuickRun) -> None:
+    # Issue 48: with migrations on, every stream running on the killed consumer completes whole.
+    _, report = quick_run
+    sequence = report["killed_consumer"]
+    assert sequence["failed"] == [], sequence["failed"]
+    assert sequence["in_flight_at_kill"] >= 8 and sequence["migrations"] >= 1, sequence
+    assert sequence["cut_streams"] == 0, sequence["outcomes"]
