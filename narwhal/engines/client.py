@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
-from typing import Any, Literal, Unpack, cast
+from typing import Any, Literal, Unpack
 
 import orjson
 
@@ -183,9 +183,9 @@ class EngineClient:
         (:mod:`narwhal.engines.relay`); the generator then also yields ``b""`` when ``sink``
         reported the client behind: wait for the client to drain, then go on iterating.
         """
-        max_age_s = options.pop("max_age_s", None)
+        max_age_s = options.get("max_age_s")
         descriptor = checked_handoff(result, options.get("endpoint") or result.endpoint, max_age_s)
-        leg = self.decode_leg(result, consumer, body, descriptor, **cast(LegOptions, options))  # max_age_s popped
+        leg = self.decode_leg(result, consumer, body, descriptor, **options)
         try:
             whole = await leg.open()
             if whole is not None:

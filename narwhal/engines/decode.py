@@ -91,12 +91,11 @@ class LegOptions(TypedDict, total=False):
     endpoint: Endpoint | None
     headers: Mapping[str, str] | None
     sink: Sink | None
+    max_age_s: float | None  # the handoff's age bound: its request must be written before it
 
 
 class DecodeOptions(LegOptions, total=False):
-    """A leg's options and the handoff's age bound (``EngineClient.decode``, which checks it)."""
-
-    max_age_s: float | None
+    """A leg's options (``EngineClient.decode`` also checks the handoff against ``max_age_s``)."""
 
 
 def checked_handoff(
@@ -125,7 +124,7 @@ class DecodeLeg:
     __slots__ = (
         "_ctx", "_name", "_url", "_endpoint", "_request_id", "_headers", "_payload", "streaming", "_deadline",
         "_sink", "_loop", "_first_bound", "_conn", "_framer", "_held", "_state", "_timer", "_relay", "_passed",
-        "_error", "_dialect", "_wire",
+        "_error", "_dialect", "_wire", "_write_bound", "_expiry",
     )
 
     def __init__(
@@ -137,9 +136,12 @@ class DecodeLeg:
         endpoint: Endpoint | None = None,
         headers: Mapping[str, str] | None = None,
         sink: Sink | None = None,
+        max_age_s: float | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         """Build the body around ``descriptor``, already checked (:func:`checked_handoff`);
+        ``max_age_s``: the handoff's age bound, which its request's connect and send must beat
+        (SPEC §11: a request written after the lease could read blocks given to another);
         ``loop``: the running loop, when the caller holds it (see ``engines.timers``)."""
         decode_endpoint = endpoint or result.endpoint
         self._endpoint = decode_endpoint.path
@@ -154,6 +156,13 @@ class DecodeLeg:
         # a whole answer is bounded by the deadline only.
         first_s = ctx.first_token_timeout_s if stream else 0.0
         self._first_bound = failures.leg_bound(self._loop.time(), first_s, deadline)
+        # A handoff's request must be written before it is max_age_s old; a same-worker or local
+        # decode (no descriptor) has no lease, and no bound but its own.
+        self._expiry: tuple[PrefillResult, float] | None = None
+        self._write_bound = self._first_bound
+        if descriptor is not None and max_age_s is not None:
+            self._expiry = (result, max_age_s)
+            self._write_bound = min(self._first_bound, self._loop.time() + max_age_s - result.age())
         # Every wait on the wire runs inside it; its wait moves to SILENCE with the first token.
         self._wire = failures.WireFailures(self._name, "decode", deadline, Wait.FIRST_TOKEN,
                                            ctx.first_token_timeout_s, self._first_bound)
@@ -174,8 +183,7 @@ class DecodeLeg:
         assert self._state is NEW, f"decode leg: open() in {self._state.name}"
         head = self._ctx.engine_headers(self._request_id, self._headers)
         with self._wire:
-            conn = self._conn = await self._ctx.post(self._url, self._endpoint, head, self._payload,
-                                                     deadline=self._first_bound)
+            conn = self._conn = await self._written(head)
             assert SENT in NEXT[self._state], illegal(self._state, SENT)
             self._state = SENT
             try:  # a stream's head and first events in one wakeup, under the first token's bound
@@ -196,6 +204,17 @@ class DecodeLeg:
             assert AWAITING in NEXT[self._state], illegal(self._state, AWAITING)
             self._state = AWAITING  # its wire's terminal was set with the 200 head
         return data
+
+    async def _written(self, head: bytes) -> Connection:
+        """The request on its way (connected and sent), before the handoff's age runs out: a
+        connect or send that would end later is abandoned as ``handoff_expired``, never written."""
+        try:
+            return await self._ctx.post(self._url, self._endpoint, head, self._payload, deadline=self._write_bound)
+        except TimeoutError:
+            if self._expiry is not None and self._write_bound < self._first_bound \
+                    and self._loop.time() >= self._write_bound:
+                raise failures.expired(*self._expiry) from None
+            raise
 
     async def next_span(self) -> bytes | Literal[Signal.END, Signal.BEHIND]:
         """The next bytes for the client — whole SSE events, the first span holding the first

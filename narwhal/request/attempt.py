@@ -295,7 +295,7 @@ class Attempts:
         try:
             leg = self.client.decode_leg(
                 result, resv.consumer, req.body, descriptor, stream=req.stream, deadline=req.deadline,
-                headers=life.forward, sink=sink,
+                headers=life.forward, sink=sink, max_age_s=self.settings.handoff.max_age_s,
             )
             resv.decode_sent()
             whole = await leg.open()

@@ -285,3 +285,49 @@ async def test_a_release_the_consumer_fails_is_failed(engines: tuple[FakeEngine,
     body = faulty(decode={"status": 500})
     result = await client.prefill(Ref(p), ENDPOINT, body, request_id="rid-500")
     assert await client.release(result, Ref(d), body) == "failed"  # it had the handoff: not retried elsewhere
+
+
+class _StalledConnects:
+    """A listening socket whose backlog is full and never accepted: a connect to it stalls
+    (the kernel drops its SYNs), as to a consumer that hangs or a network that black-holes."""
+
+    def __init__(self) -> None:
+        import socket
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(0)
+        self.fillers = []
+        for _ in range(4):  # fill the queue: later connects wait for a slot that never comes
+            s = socket.socket()
+            s.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                s.connect(self.sock.getsockname())
+            self.fillers.append(s)
+        self.name = "d-stalled"
+        self.url = "http://127.0.0.1:%d" % self.sock.getsockname()[1]
+
+    def close(self) -> None:
+        for s in (*self.fillers, self.sock):
+            s.close()
+
+
+async def test_a_decode_that_cannot_be_written_before_the_handoff_expires_is_never_written(
+    engines: tuple[FakeEngine, FakeEngine]
+) -> None:
+    """SPEC §13: the decode's connect and send are bounded by the handoff's remaining age, as a
+    release's are: past it, handoff_expired (nobody's fault), not a first-token timeout later."""
+    p, _ = engines
+    client = EngineClient.for_settings(EngineSettings(first_token_timeout_s=5, decode_read_timeout_s=5))
+    stalled = _StalledConnects()
+    try:
+        result = await client.prefill(Ref(p), ENDPOINT, BODY, request_id="rid-age")
+        result.started_at -= 9.7  # 0.3 s of a 10 s max_age_s left
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(EngineError) as failed:
+            await collect(client.decode(result, stalled, BODY, stream=True, max_age_s=10.0))
+        took = asyncio.get_running_loop().time() - started
+        assert failed.value.reason == "handoff_expired" and failed.value.counts is False
+        assert 0.2 <= took < 2.0  # the handoff's bound, not the 5 s first-token bound
+    finally:
+        stalled.close()
+        await client.close()
