@@ -197,6 +197,15 @@ _PREFILL_CACHED = PREFILL_TOKENS.labels("cached")
 _PREFILL_COMPUTED = PREFILL_TOKENS.labels("computed")
 
 
+def count_handoff_fate(fate: str) -> None:
+    """A probe's or preflight's handoff that nobody decoded (``engines.control_decode``): given
+    back to a consumer (released) or left to the lease (abandoned); other fates count nothing."""
+    if fate == "released":
+        HANDOFFS_RELEASED.inc()
+    elif fate == "abandoned":
+        HANDOFFS_ABANDONED.inc()
+
+
 def publish_build_info(version: str, engine_version: str) -> None:
     """Set ``narwhal_build_info`` for this process (a worker, at start; never on a request)."""
     BUILD_INFO.labels(version, engine_version).set(1)

@@ -124,7 +124,7 @@ class DecodeLeg:
     __slots__ = (
         "_ctx", "_name", "_url", "_endpoint", "_request_id", "_headers", "_payload", "streaming", "_deadline",
         "_sink", "_loop", "_first_bound", "_conn", "_framer", "_held", "_state", "_timer", "_relay", "_passed",
-        "_error", "_dialect", "_wire", "_write_bound", "_expiry",
+        "_error", "_dialect", "_wire", "_expiry",
     )
 
     def __init__(
@@ -158,11 +158,11 @@ class DecodeLeg:
         self._first_bound = failures.leg_bound(self._loop.time(), first_s, deadline)
         # A handoff's request must be written before it is max_age_s old; a same-worker or local
         # decode (no descriptor) has no lease, and no bound but its own.
-        self._expiry: tuple[PrefillResult, float] | None = None
-        self._write_bound = self._first_bound
+        self._expiry: tuple[float, PrefillResult, float] | None = None
         if descriptor is not None and max_age_s is not None:
-            self._expiry = (result, max_age_s)
-            self._write_bound = min(self._first_bound, self._loop.time() + max_age_s - result.age())
+            by = self._loop.time() + max_age_s - result.age()
+            if by < self._first_bound:
+                self._expiry = (by, result, max_age_s)
         # Every wait on the wire runs inside it; its wait moves to SILENCE with the first token.
         self._wire = failures.WireFailures(self._name, "decode", deadline, Wait.FIRST_TOKEN,
                                            ctx.first_token_timeout_s, self._first_bound)
@@ -207,14 +207,16 @@ class DecodeLeg:
 
     async def _written(self, head: bytes) -> Connection:
         """The request on its way (connected and sent), before the handoff's age runs out: a
-        connect or send that would end later is abandoned as ``handoff_expired``, never written."""
-        try:
-            return await self._ctx.post(self._url, self._endpoint, head, self._payload, deadline=self._write_bound)
-        except TimeoutError:
-            if self._expiry is not None and self._write_bound < self._first_bound \
-                    and self._loop.time() >= self._write_bound:
-                raise failures.expired(*self._expiry) from None
-            raise
+        connect or send that would end later is abandoned as ``handoff_expired`` (the wire's
+        ``expiry``), never written."""
+        expiry = self._expiry
+        if expiry is None:
+            return await self._ctx.post(self._url, self._endpoint, head, self._payload, deadline=self._first_bound)
+        wire = self._wire
+        wire.expiry, wire.bound = expiry, expiry[0]
+        conn = await self._ctx.post(self._url, self._endpoint, head, self._payload, deadline=expiry[0])
+        wire.expiry, wire.bound = None, self._first_bound
+        return conn
 
     async def next_span(self) -> bytes | Literal[Signal.END, Signal.BEHIND]:
         """The next bytes for the client — whole SSE events, the first span holding the first

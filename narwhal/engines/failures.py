@@ -76,10 +76,12 @@ class WireFailures:
     None: none); ``wait`` and ``seconds``: what the leg waits for now and its timeout (for the
     message); ``bound``: when the current wait ends; ``terminal``: None until the response head
     was read, then the terminal event the body owes (a connection lost after the head is a
-    disconnect before it). The leg moves ``wait``, ``seconds``, ``bound`` and ``terminal`` as it
-    goes. Exceptions other than the wire's pass through unchanged."""
+    disconnect before it); ``expiry``: while a decode's request is being written, the handoff's
+    own bound (loop time), its result and ``max_age_s`` — a wait that ends there is the handoff's
+    expiry, not the engine's fault. The leg moves ``wait``, ``seconds``, ``bound``, ``terminal``
+    and ``expiry`` as it goes. Exceptions other than the wire's pass through unchanged."""
 
-    __slots__ = ("name", "phase", "deadline", "wait", "seconds", "bound", "terminal")
+    __slots__ = ("name", "phase", "deadline", "wait", "seconds", "bound", "terminal", "expiry")
 
     def __init__(
         self, name: str, phase: Phase, deadline: float | None, wait: Wait, seconds: float, bound: float
@@ -87,6 +89,7 @@ class WireFailures:
         self.name, self.phase, self.deadline = name, phase, deadline
         self.wait, self.seconds, self.bound = wait, seconds, bound
         self.terminal: str | None = None
+        self.expiry: tuple[float, PrefillResult, float] | None = None
 
     def __enter__(self) -> WireFailures:
         return self
@@ -105,8 +108,11 @@ class WireFailures:
             raise transport_error(exc, self.name, self.phase) from None
 
     def timed_out(self, bound: float) -> NarwhalError:
-        """The request's deadline if that is what ran out, else the reason of the wait."""
+        """The request's deadline if that is what ran out, the handoff's age if that did, else
+        the reason of the wait."""
         wait, name = self.wait, self.name
+        if self.expiry is not None and bound <= self.expiry[0]:
+            return expired(self.expiry[1], self.expiry[2])
         if self.deadline is not None and bound >= self.deadline:
             return DeadlineExceeded(wait.deadline_message.format(name=name))
         return EngineError(wait.message.format(name=name, seconds=self.seconds), reason=wait.reason, engine=name,

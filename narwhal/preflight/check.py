@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import sys
 import time
 import uuid
@@ -56,6 +55,7 @@ from narwhal.engines.control import (
     parse_models,
     parse_version,
 )
+from narwhal.engines.control_decode import decode_to_end, give_back
 from narwhal.errors import DeadlineExceeded, NarwhalError
 from narwhal.fleet import Engine, Fleet, compat
 from narwhal.preflight import causes
@@ -255,7 +255,8 @@ class _Preflight:
                 handoff.descriptor, producer=engine.name, prefill_endpoint=ENDPOINT.path, decode_endpoint=ENDPOINT.path
             )
         except InvalidHandoff as exc:
-            return Check(FAIL, f"connector mismatch: {exc.message}")  # sent nowhere (SPEC §3 step 5)
+            self._abandoned(engine.name, "its descriptor is invalid")  # sent nowhere (SPEC §3 step 5)
+            return Check(FAIL, f"connector mismatch: {exc.message}")
         self.handoffs[engine.name] = (handoff, body)
         if (tp := tp_size_of(handoff.descriptor)) is not None:
             self.tp[engine.name] = tp
@@ -282,8 +283,9 @@ class _Preflight:
         if not permitted:  # no permitted consumer passed: any healthy reader of the same connector
             permitted = [d for d in self.fleet.engines if d.can_decode and d.connector == p.connector
                          and by_name[d.name].ok and compat.compatible(p, d)]
-        if permitted:  # else nothing can free it now: the producer's lease will
-            await self.client.release(handoff, permitted[0], body, max_age_s=self.settings.handoff.max_age_s)
+        # The first that takes it in time frees it now; else the producer's lease will (abandoned).
+        if await give_back(self.client, handoff, body, permitted, self.settings.handoff.max_age_s) == "abandoned":
+            self._abandoned(name, "no consumer took it back in time")
 
     async def _pair(self, p: Engine, d: Engine, by_name: dict[str, EngineResult]) -> PairResult:
         result = PairResult(p.name, d.name)
@@ -304,7 +306,7 @@ class _Preflight:
         async with self.gate:
             started = time.monotonic()
             try:
-                await self._transfer(p, d, common[0], result)
+                await self._transfer(p, d, common[0], result, by_name)
             except DeadlineExceeded:
                 result.verdict, result.reason = FAIL, f"transfer failed: no [DONE] within {self.timeout:g}s"
             except NarwhalError as exc:
@@ -315,18 +317,31 @@ class _Preflight:
             result.reason += causes.tp_cause(p.name, self.tp.get(p.name), d.name, self.tp.get(d.name))
         return result
 
-    async def _transfer(self, p: Engine, d: Engine, model: str, result: PairResult) -> None:
+    async def _transfer(self, p: Engine, d: Engine, model: str, result: PairResult,
+                        by_name: dict[str, EngineResult]) -> None:
+        """One handoff from ``p`` decoded on ``d`` to ``[DONE]``, under the request path's handoff
+        rules (``engines.control_decode``); raises what ended it otherwise."""
         crossed = p is not d  # P = D: a same-worker decode, no descriptor (SPEC §3 step 3)
         body = _probe_body(model)
         handoff = await self.client.prefill(p, ENDPOINT, body, request_id=_request_id(), crossed=crossed)
         if crossed:
             result.note = causes.localhost_note(p, d, handoff.descriptor)
         deadline = asyncio.get_running_loop().time() + self.timeout
+        # Where a handoff d never received may go back: another consumer of p that passed.
+        others = [c for c in p.permitted_consumers if c is not d and by_name[c.name].ok and compat.compatible(p, c)]
         # An invalid descriptor raises before any request: it is sent nowhere, as in the router.
-        stream = self.client.decode(handoff, d, {**body, "stream": True}, stream=True, deadline=deadline)
-        async with contextlib.aclosing(stream) as spans:
-            async for _ in spans:
-                pass  # decode() returns only after [DONE]; every other ending raises
+        decoded = await decode_to_end(self.client, handoff, d, {**body, "stream": True}, deadline=deadline,
+                                      max_age_s=self.settings.handoff.max_age_s, release_to=others)
+        if decoded.handoff == "abandoned":
+            self._abandoned(p.name, f"{d.name} never received it and no other consumer took it in time")
+        if decoded.error is not None:
+            raise decoded.error
+
+    def _abandoned(self, producer: str, why: str) -> None:
+        """A preflight handoff nobody decoded or released: counted where the operator reads the run
+        (a warning; preflight runs in the master before any fork, where no metric may be touched)."""
+        self.report.warnings.append(f"{producer}: a preflight handoff was abandoned ({why}): "
+                                    "its blocks wait for the producer's lease")
 
 
 def _skip(result: EngineResult, checks: list[str]) -> None:

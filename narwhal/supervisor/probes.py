@@ -29,17 +29,18 @@ a check that cannot reach an engine the request path reaches would eject a healt
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 
+from narwhal import metrics
 from narwhal.engines import endpoints
 from narwhal.engines.client import EngineClient
 from narwhal.engines.connector import PrefillResult
 from narwhal.engines.control import ControlClient, ControlError, VersionPin
+from narwhal.engines.control_decode import decode_to_end, give_back
 from narwhal.errors import EngineError, NarwhalError
 from narwhal.fleet import Engine, Fleet, compat
 from narwhal.settings import Settings
@@ -162,9 +163,9 @@ class Prober:
                                 decode_endpoint=ENDPOINT.path)
         except EngineError as exc:
             return exc.message
-        if consumers:  # give the handoff back: the producer frees its blocks now
-            await self.client.release(result, consumers[0], self._body(model),
-                                      max_age_s=self.settings.handoff.max_age_s)
+        # Give the handoff back (the producer frees its blocks now), else it is abandoned.
+        metrics.count_handoff_fate(await give_back(self.client, result, self._body(model), consumers,
+                                                   self.settings.handoff.max_age_s))
         return ""
 
     async def _consumer_probe(self, engine: Engine, probed: _Probed, model: str, original: str | None) -> Verdict:
@@ -185,17 +186,18 @@ class Prober:
         except NarwhalError as exc:  # the producer leg failed: nothing learned about the consumer
             return INCONCLUSIVE, f"prefill on {producer.name}: {_why(exc)}"
         loop = asyncio.get_running_loop()
-        stream = self.client.decode(result, engine, self._body(model), stream=True,
-                                    deadline=loop.time() + self.timeout)
-        try:
-            async with contextlib.aclosing(stream):
-                async for _ in stream:
-                    pass
-        except EngineError as exc:
-            return (INCONCLUSIVE if exc.reason == "invalid_handoff" else FAIL), f"decode: {_why(exc)}"
-        except NarwhalError as exc:
-            return FAIL, f"decode: {_why(exc)}"
-        return PASS, ""
+        others = [c for c in producer.permitted_consumers  # where a handoff it never received may go back
+                  if c is not engine and self.admitted(c) and compat.compatible(producer, c)] if crossed else []
+        decoded = await decode_to_end(self.client, result, engine, self._body(model),
+                                      deadline=loop.time() + self.timeout, max_age_s=self.settings.handoff.max_age_s,
+                                      release_to=others)
+        metrics.count_handoff_fate(decoded.handoff)
+        failed = decoded.error
+        if failed is None:
+            return PASS, ""
+        if isinstance(failed, EngineError) and failed.reason in ("invalid_handoff", "handoff_expired"):
+            return INCONCLUSIVE, f"decode: {_why(failed)}"  # the producer's handoff, not this consumer
+        return FAIL, f"decode: {_why(failed)}"
 
 
 class _Probed:

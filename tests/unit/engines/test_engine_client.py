@@ -287,28 +287,15 @@ async def test_a_release_the_consumer_fails_is_failed(engines: tuple[FakeEngine,
     assert await client.release(result, Ref(d), body) == "failed"  # it had the handoff: not retried elsewhere
 
 
-class _StalledConnects:
-    """A listening socket whose backlog is full and never accepted: a connect to it stalls
-    (the kernel drops its SYNs), as to a consumer that hangs or a network that black-holes."""
+class _Stalled:
+    """A consumer whose every connect hangs (``DeadEngine``, not refusing): a host gone silent."""
 
     def __init__(self) -> None:
-        import socket
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(0)
-        self.fillers = []
-        for _ in range(4):  # fill the queue: later connects wait for a slot that never comes
-            s = socket.socket()
-            s.setblocking(False)
-            with contextlib.suppress(BlockingIOError):
-                s.connect(self.sock.getsockname())
-            self.fillers.append(s)
-        self.name = "d-stalled"
-        self.url = "http://127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.dead = DeadEngine(refusing=False)
+        self.name, self.url = "d-stalled", self.dead.url
 
     def close(self) -> None:
-        for s in (*self.fillers, self.sock):
-            s.close()
+        self.dead.close()
 
 
 async def test_a_decode_that_cannot_be_written_before_the_handoff_expires_is_never_written(
@@ -318,7 +305,7 @@ async def test_a_decode_that_cannot_be_written_before_the_handoff_expires_is_nev
     release's are: past it, handoff_expired (nobody's fault), not a first-token timeout later."""
     p, _ = engines
     client = EngineClient.for_settings(EngineSettings(first_token_timeout_s=5, decode_read_timeout_s=5))
-    stalled = _StalledConnects()
+    stalled = _Stalled()
     try:
         result = await client.prefill(Ref(p), ENDPOINT, BODY, request_id="rid-age")
         result.started_at -= 9.7  # 0.3 s of a 10 s max_age_s left
