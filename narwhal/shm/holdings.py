@@ -216,6 +216,13 @@ class Holdings(Mapped[HoldingsLayout]):
         self._set_u64(off, done)
         self._set_u64(GENERATION_OFFSET, self.generation + 1)
 
+    def writes_seen(self) -> int:
+        """How many section writes this reader sees completed, over every section: a publish
+        writes one section (its sequence two higher) and then adds one to the generation, so
+        once every publish is visible this equals the generation (``HoldingsReader.current``)."""
+        layout, u64 = self.layout, self._u64
+        return sum(u64(layout.section_offset(e)) >> 1 for e in range(layout.sections))
+
     def section_seq(self, engine: int) -> int:
         """``engine``'s section sequence (odd while being written); 0 for an engine without a section."""
         return self._u64(self.layout.section_offset(engine)) if engine < self.layout.sections else 0

@@ -51,11 +51,25 @@ class HoldingsReader:
         self._generation = -1  # read the sections whose sequence is unknown at the next placement
 
     def current(self) -> list[Held | None]:
-        """Each producer's holdings as last published, re-read only when the generation moved."""
+        """Each producer's holdings as last published, re-read only when the generation moved.
+
+        A generation is taken as seen only once the sections show every write it counts. Why:
+        the supervisor writes a section (its sequence, two higher, after the body) and then adds
+        one to the generation, but on aarch64 nothing orders those stores for another core
+        (CPython emits no fences: ``shm.records``), so a worker may see the new generation
+        before the section, read the old sequence, keep the old holdings — and, had it taken
+        the generation as seen, keep them until the next publish. Each completed write adds one
+        to its section's ``seq >> 1`` (a write under way, or one a dead supervisor left odd, adds
+        nothing until its section is written whole), so the sum over every section counts the
+        completed writes a reader sees (``Holdings.writes_seen``). Fewer than the generation: a
+        write it counts is not visible yet, and the next placement reads again. At least as
+        many: every write it counts is visible, or a later write is, whose own bump moves the
+        generation again."""
         holdings = self.holdings
         generation = U64.unpack_from(holdings.mm, GENERATION_OFFSET)[0]  # Holdings.generation, one call not three
         if generation != self._generation:
-            self._generation = generation  # read first: a publish after this bumps it again
+            # Read first: a publish after this bumps it again. Not taken while a write it counts is unseen.
+            self._generation = generation if holdings.writes_seen() >= generation else -1
             for i, stamp in enumerate(self.stamps):
                 seq = holdings.section_seq(i)
                 if seq != self._seqs[i]:

@@ -143,3 +143,23 @@ def test_a_section_seen_under_a_newer_seq_than_its_body_was_written_for_is_not_t
     seq = h.section_seq(1)
     h.mm[off : off + 8] = (seq + 2).to_bytes(8, "little")  # the next generation's seq, the old body
     assert h.read(1, P0) is None
+
+
+def test_a_generation_seen_before_its_section_is_read_again() -> None:
+    """aarch64 (SPEC §13): a worker may see the generation's bump before the section it
+    counts. It must not take the generation as seen with the old section, or it keeps stale
+    holdings until the next publish."""
+    h = _region()
+    reader = HoldingsReader(h, [P0])
+    h.publish(0, P0, 1, [5], None, None, None, 0.0)
+    assert reader.current()[0] is not None
+    off = h.layout.section_offset(0)
+    old = bytes(h.mm[off : off + h.layout.section_offset(1) - off])
+    h.publish(0, P0, 1, [6, 5], None, None, None, 0.0)
+    new = bytes(h.mm[off : off + len(old)])
+    h.mm[off : off + len(old)] = old  # the bump is visible, the section's new write not yet
+    stale = reader.current()[0]
+    assert stale is not None and stale.keys == frozenset({5})
+    h.mm[off : off + len(new)] = new  # the write arrives; the generation does not move again
+    fresh = reader.current()[0]
+    assert fresh is not None and fresh.keys == frozenset({5, 6})
