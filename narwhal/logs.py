@@ -9,7 +9,9 @@ The one-line settings errors stay plain: they are written before any format is k
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import sys
 import time
 
@@ -62,3 +64,25 @@ def configure_logging(settings: LogSettings) -> None:
     logger.handlers[:] = [handler]
     logger.setLevel(settings.level.upper())
     logger.propagate = False
+
+
+def first_across_processes(key: str) -> bool:
+    """True for the first process of this router to ask with ``key``, False for every later ask,
+    in any worker, for the router's life (reloads included): "once per engine" warnings are once
+    across the router, not once per worker (SPEC §13). The mark is a file created with
+    ``O_EXCL`` in the router's own directory (the metrics' multiprocess directory, which the
+    master makes per run): atomic across processes, and asked only on the rare path of a
+    warning. Without that directory (one process), every ask is the first: the caller's own
+    memory keeps it once."""
+    directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not directory:
+        return True
+    name = ".once-" + hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:32]
+    try:
+        os.close(os.open(os.path.join(directory, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        return False
+    except OSError:
+        return True  # the directory went away or is not ours to write: warn rather than stay silent
+    return True
+

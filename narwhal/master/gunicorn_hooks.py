@@ -43,7 +43,7 @@ def _prepare_metrics_dir() -> None:
     if path:
         os.makedirs(path, exist_ok=True)
         for name in os.listdir(path):
-            if name.endswith(".db"):
+            if name.endswith(".db") or name.startswith(".once-"):  # a run's metrics, and its once-marks (logs)
                 os.unlink(os.path.join(path, name))
         os.environ[_OWNED_ENV] = "external"
     else:

@@ -38,6 +38,7 @@ from narwhal.engines.relay import Signal, Sink
 from narwhal.errors import EngineError, NarwhalError
 from narwhal.fleet import Engine
 from narwhal.fleet.placement import Reservation
+from narwhal.logs import first_across_processes
 from narwhal.reasons import Reason
 from narwhal.request.accesslog import AccessRecord
 from narwhal.request.admission import ClientRequest
@@ -322,13 +323,16 @@ class Attempts:
                 _observe_start(ttft_s, first_byte_s, age)
 
 
-_MODE_WARNED: set[str] = set()  # producers whose descriptor's transfer mode this worker warned about
+_MODE_WARNED: set[str] = set()  # producers whose disagreement this worker has seen (no file asked again)
 
 
 def _mode_disagrees(producer: Engine, said: Any) -> None:
     """SPEC §11: a producer's descriptor names another transfer mode than its setting: a warning,
-    once per engine (per worker): the pairs are chosen by the setting, so fix one or the other."""
-    if producer.name not in _MODE_WARNED:
-        _MODE_WARNED.add(producer.name)
+    once per engine across the router (SPEC §13: the first worker to see it says it): the pairs
+    are chosen by the setting, so fix one or the other."""
+    if producer.name in _MODE_WARNED:
+        return
+    _MODE_WARNED.add(producer.name)
+    if first_across_processes(f"transfer-mode {producer.name} {said!r} {producer.transfer_mode}"):
         log.warning("engine %s: its handoffs say transfer_mode %r, its engines[].transfer_mode is %r: pairs "
                     "are chosen by the setting", producer.name, said, producer.transfer_mode)
