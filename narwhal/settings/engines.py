@@ -58,18 +58,34 @@ def parse_version_pin(text: str) -> SpecifierSet:
 
 Role = Literal["producer", "consumer", "both"]
 
+# The longest an entry's fields may be, in characters (SPEC §13: any entry the settings accept
+# fits the shared tables; shm.descriptors sizes its slots from these, and a test builds the
+# largest entry they allow and writes it).
+NAME_PATTERN = r"^[A-Za-z0-9_.\-]+$"  # an engine's name, and each of kv_peers (engine names)
+MAX_NAME = 64
+MAX_URL = 1024
+MAX_WAVE = 64
+MAX_CONNECTOR = 128
+MAX_PEERS = 64
+MAX_MODELS = 32
+MAX_MODEL = 100
+
 
 class EngineSpec(Section):
     """One ``[[engines]]`` entry; the one place an engine's role is read (:attr:`can_prefill`, :attr:`can_decode`)."""
-    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
-    url: str
+    name: Annotated[str, Field(min_length=1, max_length=MAX_NAME, pattern=NAME_PATTERN)]
+    url: Annotated[str, Field(max_length=MAX_URL)]
     role: Role
-    wave: str | None = None
+    wave: Annotated[str, Field(max_length=MAX_WAVE)] | None = None
     max_inflight_prefill: Annotated[int, Field(ge=1)] | None = None
     max_inflight_decode: Annotated[int, Field(ge=1)] | None = None
-    kv_connector: str | None = None
-    kv_peers: list[str] | None = None
-    models: list[str] | None = None
+    kv_connector: Annotated[str, Field(max_length=MAX_CONNECTOR)] | None = None
+    # Bounded so that every entry these accept fits its shared-memory descriptor (shm.descriptors,
+    # sized from these bounds): 64 peers, 32 model names of 100 characters.
+    kv_peers: Annotated[list[Annotated[str, Field(max_length=MAX_NAME, pattern=NAME_PATTERN)]],
+                        Field(max_length=MAX_PEERS)] | None = None
+    models: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_MODEL)]],
+                      Field(max_length=MAX_MODELS)] | None = None
     transfer_mode: Literal["pull", "push"] = "pull"  # NIXL's; a pair needs the same (SPEC §11)
 
     @field_validator("url", "wave", "kv_connector", "kv_peers", "models")

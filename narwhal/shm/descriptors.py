@@ -9,10 +9,14 @@ supervisor for discovered ones. The descriptor is written *before* its table ent
 LIVE and the table epoch moves, so a reader that sees the entry finds its descriptor (read
 under the seqlock and CRC like every record: a torn or not yet visible copy is read again).
 
-Why JSON in a fixed 1 KiB slot: it is read only when the table epoch moves (engines came or
-went), never per request, and it keeps the entry's own validation (``EngineSpec``) the one
-definition of an engine; an entry whose JSON does not fit (a very long ``kv_peers``) is
-refused by the writer with one line.
+Why JSON in a fixed slot: it is read only when the table epoch moves (engines came or went),
+never per request, and it keeps the entry's own validation (``EngineSpec``) the one definition
+of an engine. The slot (24 KiB, ``shm.layout.DESCRIPTOR_SIZE``) holds the largest entry the
+settings accept (SPEC §13: any entry they accept fits — their bounds, ``settings.engines``,
+allow 64 ``kv_peers`` and 32 model names of 100 characters; ``tests/unit/shm/
+test_table_runtime.py`` writes the largest). A memfd's pages are taken only when written: the
+slots of engines that never came cost no memory. A description that still does not fit (a
+bound raised without the slot) is refused by the writer with one line, never written torn.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ from narwhal.request.migration.splice import MessagesSplice, Splice
 
 log = logging.getLogger("narwhal.request.migration")
 
-READ_EVERY_BYTES = 64 * 1024
+READ_EVERY_BYTES = 16 * 1024
 """A transcript reads its spans once they hold this much: memory follows the text, not the framing."""
 
 

@@ -55,5 +55,24 @@ def test_a_live_slot_whose_descriptor_is_another_engines_is_left_out(shared: Sha
 
 def test_a_description_that_does_not_fit_is_refused() -> None:
     with pytest.raises(descriptors.DescriptorTooLong):
-        descriptors.encode({"name": "a", "kv_peers": ["d" * 60] * 20}, "file")
+        descriptors.encode({"name": "a", "kv_peers": ["d" * 60] * 400}, "file")
     assert descriptors.ROOM == L.DESCRIPTOR_SIZE - 14
+
+
+def test_the_largest_entry_the_settings_accept_fits_its_descriptor(shared: SharedFleet) -> None:
+    """SPEC §13: any entry the settings accept fits, whatever its characters (4 UTF-8 bytes, or a
+    quote JSON escapes, at every place a field allows one)."""
+    from narwhal.settings import engines as E
+
+    wide = "\U0001f600"  # four bytes in UTF-8: the most a character costs in the JSON
+    entry = E.EngineSpec.model_validate({
+        "name": "n" * E.MAX_NAME, "url": "http://" + wide * (E.MAX_URL - 7), "role": "both",
+        "wave": wide * E.MAX_WAVE, "kv_connector": wide * E.MAX_CONNECTOR,
+        "max_inflight_prefill": 2**62, "max_inflight_decode": 2**62, "transfer_mode": "push",
+        "kv_peers": ["p" * E.MAX_NAME] * E.MAX_PEERS, "models": [wide * E.MAX_MODEL] * E.MAX_MODELS,
+    }).model_dump()  # as the master writes it (gunicorn_hooks), nulls and all
+    blob = descriptors.encode(entry, "dns:" + "d" * 253)
+    descriptors.write(shared.region, 0, blob)
+    assert descriptors.read(shared.region, 0) == (entry, "dns:" + "d" * 253)
+    quoted = {**entry, "models": ['"' * E.MAX_MODEL] * E.MAX_MODELS}  # escaped: two bytes each
+    descriptors.encode(quoted, "file")
