@@ -94,6 +94,12 @@ HANDOFFS_ABANDONED = Counter(
 STREAM_ABORTED = Counter(
     "narwhal_stream_aborted_total", "Client streams ended after HTTP 200 without [DONE]", ["reason"]
 )
+SLOW_CLIENTS_CUT = Counter(
+    "narwhal_slow_clients_cut_total",
+    "Clients cut for reading too slowly: write_timeout (nothing read for server.client_write_timeout_s) or "
+    "buffers_full (the worker's server.max_buffered_mib held for clients behind)",
+    ["why"],
+)
 CLIENT_DISCONNECTS = Counter("narwhal_client_disconnects_total", "Clients that went away before the end")
 # SPEC §3.2: how pairs were chosen, and what the producers' prefix caches saved.
 LOCAL_DECODES = Counter(

@@ -9,7 +9,8 @@ HTTP 200 and the headers go out only with the first generated token (SPEC §3 st
 that, spans relayed from the engine's data callback go straight to the client's transport
 through the :class:`ClientSink`, framed as aiohttp frames the rest of the body. A client that
 does not read for ``server.client_write_timeout_s`` is dropped: its buffer stops growing and
-the engine stream is closed, as for any departed client. Writes that cannot wait (small, into
+the engine stream is closed, as for any departed client; and the clients that are behind may
+hold only so much of the worker's memory together (``request.stream_buffers``). Writes that cannot wait (small, into
 an empty buffer: the usual case, the first token's included) arm no timer at all; the write
 timer itself is made only when a write first has to wait, and the sink reads the response's
 framing only when it first relays a span (most unpaced streams end in their first span), and
@@ -27,6 +28,8 @@ from multidict import CIMultiDict
 from narwhal.engines.dialects import Dialect
 from narwhal.engines.timers import LazyTimeout
 from narwhal.errors import NarwhalError
+from narwhal.request import stream_buffers
+from narwhal.request.stream_buffers import StreamBuffers
 
 # Copied per stream: cheaper than building the header set from a dict each time.
 SSE_HEADERS = CIMultiDict({"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -77,11 +80,12 @@ class ClientStream:
 
     __slots__ = (
         "request", "request_id", "response", "committed", "sink", "stream", "_writes", "_write_timeout_s", "dialect",
-        "_direct",
+        "_direct", "_buffers",
     )
 
     def __init__(
-        self, request: web.Request, request_id: str, write_timeout_s: float, dialect: Dialect | None = None
+        self, request: web.Request, request_id: str, write_timeout_s: float, dialect: Dialect | None = None,
+        buffers: StreamBuffers | None = None,
     ) -> None:
         self.request = request
         self.dialect = dialect  # shapes the router's own errors for this endpoint's clients
@@ -93,6 +97,7 @@ class ClientStream:
         self._writes: LazyTimeout | None = None
         self._write_timeout_s = write_timeout_s
         self._direct = False  # the stream's head and first span went out: later spans may take the sink
+        self._buffers = buffers  # the worker's budget for clients that are behind (request.stream_buffers)
 
     def relay_sink(self) -> ClientSink:
         """The sink a streamed decode hands its spans to once the stream is committed."""
@@ -179,13 +184,30 @@ class ClientStream:
         return transport is not None and size <= _UNBLOCKED_WRITE and not transport.get_write_buffer_size()
 
     async def _bounded(self, writes: LazyTimeout, client_io: Awaitable[None]) -> None:
+        """Wait for the client to take ``client_io``, within the write bound and the worker's
+        stream buffers (``request.stream_buffers``): a client too slow for either is cut."""
+        transport = self.request.transport
+        charge = 0
+        if self._buffers is not None:
+            try:
+                charge = self._buffers.charge(transport.get_write_buffer_size() if transport is not None else 0)
+            except stream_buffers.BuffersFull:
+                if hasattr(client_io, "close"):
+                    client_io.close()  # never awaited: nothing of it runs
+                if transport is not None:
+                    transport.abort()
+                raise
         bound = asyncio.get_running_loop().time() + self._write_timeout_s
         try:
             await writes.wait(client_io, bound)
         except TimeoutError:
             if self.request.transport is not None:
                 self.request.transport.abort()
+            stream_buffers.cut("write_timeout")
             raise ConnectionResetError("the client stopped reading its stream") from None
+        finally:
+            if self._buffers is not None:
+                self._buffers.release(charge)
 
 
 async def _prepare_and_end(response: web.Response, request: web.Request) -> None:

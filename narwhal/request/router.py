@@ -45,6 +45,7 @@ from narwhal.request.migration import Migration
 from narwhal.request.outcomes import Outcomes
 from narwhal.request.passthrough import Passthrough
 from narwhal.request.slot_wait import WaitingPlacement
+from narwhal.request.stream_buffers import StreamBuffers
 from narwhal.settings import Settings
 
 log = logging.getLogger("narwhal.request.router")
@@ -99,6 +100,8 @@ class Router:
         self.attempts = Attempts(settings, placement, client, outcomes, self._spawn)
         self.passthrough = Passthrough(settings, fleet, placement, client, outcomes)
         self._support = EndpointSupport(fleet)  # which endpoints the engines' releases serve, how
+        # What this worker's clients that are behind may hold together (request.stream_buffers).
+        self.buffers = StreamBuffers(settings.server.max_buffered_mib << 20)
         self._active: set[asyncio.Task[Any] | None] = set()  # client requests being handled
         self._stopping = False
         self._drain_timer: asyncio.Future[None] | None = None
@@ -120,7 +123,7 @@ class Router:
         rec = AccessRecord(request_id=client_request_id(request), endpoint=path, client=request.remote,
                            trace_id=None if traceparent is None else trace_id_of(traceparent))
         client = ClientStream(
-            request, rec.request_id, self.settings.server.client_write_timeout_s, endpoint.dialect
+            request, rec.request_id, self.settings.server.client_write_timeout_s, endpoint.dialect, self.buffers
         )
         task = asyncio.current_task(loop)
         self._active.add(task)

@@ -51,6 +51,8 @@ class ServerSettings(Section):
     max_header_bytes: Annotated[int, Field(ge=1024)] = 16 * 1024
     body_read_timeout_s: PositiveFloat = 10
     client_write_timeout_s: PositiveFloat = 30
+    # What the streams waiting for slow clients may hold together, per worker (request.stream_buffers).
+    max_buffered_mib: Annotated[int, Field(ge=1)] = 256
     graceful_timeout_s: PositiveFloat = 30
     keepalive_s: PositiveFloat = 75
     max_engines: Annotated[int, Field(ge=1, le=4096)] = 64
