@@ -15,7 +15,8 @@ Evidence, in the order the supervisor sees it (the last word wins):
 * the supervisor's own control reads (``/health``, ``/metrics``): no connection says
   unreachable, any HTTP answer says reachable; a read that timed out says nothing (a busy
   engine's ``/metrics`` can answer after its short bound);
-* a readmission (a probe that passed, an operator's readmit) says reachable.
+* a readmission by a probe that passed says reachable (``supervisor.checks``); an operator's
+  readmit says nothing of the wire (the next read does).
 
 Why apart from :mod:`.breaker`: reachability is a fact about the wire, not blame. An ambiguous
 crossed decode charges nobody, yet the refused connection is the consumer's; an ejected engine's

@@ -45,19 +45,19 @@ class Checks:
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def connected(self, engine: Engine, answered: bool, refused: bool) -> None:
-        """A control read's word on reaching ``engine`` (``fleet.reachability``): an answer says
-        reachable, no connection unreachable, a timeout nothing. An engine that answers again
-        after refusing connections may be a new process — a rolling upgrade's next release — so
-        it stays unreachable until its ``/version`` (and models) are read again
-        (``supervisor.models``): placing it on its old version would pair it with engines it can
-        no longer hand off to (SPEC §11)."""
+        """A control read's word on reaching ``engine`` (``fleet.reachability``): no connection says
+        unreachable, any HTTP answer reachable (whatever its status), a timeout nothing. An engine
+        that answers again after refusing connections may be a new process — a rolling upgrade's
+        next release — so its ``/version`` and models are read again (``supervisor.models``,
+        paced: at most a round per engine per ``health_interval_s``); a ``/version`` it cannot
+        give leaves its version unknown, never the engine unreachable (SPEC §13)."""
         if refused:
             self.reach.saw(engine.name, False)
         elif answered:
-            if self.reach.unreachable(engine.name) and self.models is not None:
-                self.models.reread(engine)  # clears it once /version answers
-            else:
-                self.reach.saw(engine.name, True)
+            came_back = self.reach.unreachable(engine.name)
+            self.reach.saw(engine.name, True)
+            if came_back and self.models is not None:
+                self.models.reread(engine)
 
     def start_probes(self, prober: Prober, now: float) -> None:
         """Start every probe the breakers say is due, unless that engine's last one still runs."""
@@ -96,6 +96,8 @@ class Checks:
             log.info("probe of %s (%s): %s", engine.name, plan.kind, result)
         metrics.PROBES.labels(engine.name, result).inc()
         self.breakers.probe_result(engine.name, result, self._clock())
+        if result == "pass":  # it answered every leg of the probe: a readmission says reachable
+            self.reach.saw(engine.name, True)
 
     def _spawn_health(self, prober: Prober, engine: Engine) -> None:
         self._spawn(self._health(prober, engine))

@@ -64,9 +64,6 @@ log = logging.getLogger("narwhal.supervisor.models")
 READ_TIMEOUT_S = 5.0  # one /v1/models read; an engine slower than this is asked again later
 RETRY_S = 1.0
 REFRESH_S = 30.0
-# A re-read version reaches every worker within this: two of their checks (worker.following's
-# FOLLOW_S, 0.25 s; tests/unit/supervisor/test_model_reader.py holds the two together).
-CLEAR_AFTER_S = 0.6
 SPREAD_S = 0.25  # a round's reads start over this (a batch per pass of the loop), the first at the next pass
 _OUT = frozenset({State.EJECTED, State.PROBING, State.DRAINING})
 
@@ -97,9 +94,9 @@ class ModelReader:
         self._generate: dict[str, int] = {}  # by engine name: M.GENERATE_SERVED or _REFUSED, as last read
         # by engine name: (max_model_len, first model's root) from its /v1/models, as last read
         self._cards: dict[str, tuple[int | None, str | None]] = {}
-        self._recheck: set[str] = set()  # answering again after refusing: reachable once /version is read
-        self._rechecked: set[str] = set()  # read: reachable after CLEAR_AFTER_S (tick)
-        self._clear_at: dict[str, float] = {}
+        self._recheck: set[str] = set()  # answering again after refusing: its /version read again
+        self._round_at: dict[str, float] = {}  # by engine name: when its last round of reads started
+        self._held: set[str] = set()  # wanted, but their last round is too recent: read when it allows
         self._reading: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._changed = False  # an answer changed something: publish at the next pass
@@ -162,24 +159,18 @@ class ModelReader:
         if self._changed:
             self._changed = False
             self.publish()
-        self._clear_rechecked(now)
-        due = [e for e in dict.fromkeys(due) if e.name not in self._reading
-               and not (e.models_configured and e.name in self._versions)]
+        # Answering again after refusing, or wanted at an earlier pass its pace held back.
+        due += [e for e in engines if e.name in self._recheck or e.name in self._held]
+        # At most one round per engine per health_interval_s (SPEC §13): what is not due yet waits.
+        pace = self.sup.settings.recovery.health_interval_s
+        wanted = [e for e in dict.fromkeys(due) if e.name not in self._reading
+                  and not (e.models_configured and e.name in self._versions and e.name not in self._recheck)]
+        due = [e for e in wanted if now - self._round_at.get(e.name, -pace) >= pace]
+        self._held = {e.name for e in wanted} - {e.name for e in due}
         if due:
             self._reading.update(e.name for e in due)
+            self._round_at.update((e.name, now) for e in due)
             self.sup.rounds.spread([functools.partial(self._start, e) for e in due], SPREAD_S)
-
-    def _clear_rechecked(self, now: float) -> None:
-        """Engines whose version was read again count as reachable once the workers, who follow
-        the models generation every 0.25 s, have had time to take the version up: until then a
-        worker could pair them by the version they ran before (SPEC §11)."""
-        for name in self._rechecked:
-            self._clear_at.setdefault(name, now + CLEAR_AFTER_S)
-        self._rechecked.clear()
-        for name, at in list(self._clear_at.items()):
-            if at <= now:
-                del self._clear_at[name]
-                self.sup.reach.saw(name, True)
 
     def _start(self, engine: Engine) -> None:
         if self._stopped():  # a round still being spread when the supervisor stopped
@@ -234,18 +225,21 @@ class ModelReader:
         return M.fit_version(parse_version(body)) if status == 200 else None
 
     def reread(self, engine: Engine) -> None:
-        """Read ``engine``'s ``/version`` and models again now (it answers again after refusing
-        connections: maybe a new process); it counts as reachable once ``/version`` answered."""
+        """Read ``engine``'s ``/version`` and models again (it answers again after refusing
+        connections: maybe a new process), at the next pass its pace allows (``tick``)."""
         self._recheck.add(engine.name)
-        if engine.name not in self._reading and not self._stopped():
-            self._reading.add(engine.name)
-            self._start(engine)
 
     def settle_version(self, engine: Engine, version: str | None) -> None:
-        """One read's ``/version`` (None: no answer: the last one stands); a change is published."""
-        if version is not None and engine.name in self._recheck:
+        """One read's ``/version`` (None: no usable answer); a change is published. A routine
+        read without one leaves the last version standing (a busy engine); a read after the
+        engine refused connections leaves it unknown: a new process's release is not its old one
+        (SPEC §13: unknown, not unreachable)."""
+        if engine.name in self._recheck:
             self._recheck.discard(engine.name)
-            self._rechecked.add(engine.name)  # reachable once the workers follow the new version (tick)
+            if version is None and self._versions.pop(engine.name, None) is not None:
+                self._changed = True
+                self.sup.fleet.set_version(engine, None)
+                log.warning("engine %s answers again but not its /version: its vLLM version is unknown", engine.name)
         if version is None or self._versions.get(engine.name) == version:
             return
         self._versions[engine.name] = version

@@ -7,8 +7,9 @@ Each engine goes the way an operator upgrades one: drain it (admin API), wait fo
 end, stop it, start the new release, wait until the router shows its new version, readmit it.
 The order keeps a compatible pair serving at every step: a consumer first (it idles until a
 producer of its version comes), then both producers, then the last consumer. The router learns
-the new version because the restarted engine refused connections and then answered again: it
-counts as reachable only once its ``/version`` is read again (``Supervisor.connected``)."""
+the new version because the restarted engine refused connections and then answered again: its
+``/version`` is read again (``Checks.connected``), and the test readmits it only once the router
+shows the new version."""
 
 from __future__ import annotations
 

@@ -74,7 +74,7 @@ class FakeProber:
 @pytest.fixture
 def settings() -> Settings:
     return Settings.model_validate({
-        "recovery": {"health_interval_s": 3600, "readmission": "health"},
+        "recovery": {"health_interval_s": 1.0, "readmission": "health"},
         "placement": {"load_interval_s": 0},
         "engines": ENGINES,
     })
@@ -164,8 +164,12 @@ async def test_a_readmitted_engine_is_read_again_through_the_loop_and_its_new_mo
     await settle(loop.models)
     assert sorted(control.reads) == ["d0", "p0"]  # not read while out
     sup.breakers.readmit("d0", now)
-    sup.step(loop)
-    await settle(loop.models)
+    # Read again once its pace allows (a round per engine per health_interval_s, 1 s here).
+    end = time.monotonic() + 5
+    while sorted(control.reads) != ["d0", "d0", "p0"] and time.monotonic() < end:
+        sup.step(loop)
+        await settle(loop.models)
+        await asyncio.sleep(0.05)
     sup.step(loop)  # the pass after the answer publishes it
     assert sorted(control.reads) == ["d0", "d0", "p0"]  # the readmitted one only
     worker.check()
@@ -208,13 +212,6 @@ async def test_a_restarted_supervisor_starts_from_what_its_predecessor_published
         M.GENERATE_SERVED)
 
 
-def test_a_reread_version_is_followed_by_every_worker_before_its_engine_counts_as_reachable() -> None:
-    from narwhal.supervisor.models import CLEAR_AFTER_S
-    from narwhal.worker.following import FOLLOW_S
-
-    assert CLEAR_AFTER_S > 2 * FOLLOW_S
-
-
 async def test_an_engine_refusing_generate_reaches_the_workers_and_a_silent_one_keeps_its_word(
     shared: SharedFleet, settings: Settings
 ) -> None:
@@ -239,3 +236,50 @@ async def test_an_engine_refusing_generate_reaches_the_workers_and_a_silent_one_
     reader.tick(now)
     worker.check()
     assert not worker.fleet.by_name["d0"].generate_refused
+
+
+async def test_an_engine_answering_again_is_reachable_at_once_and_read_again_at_its_pace(
+    shared: SharedFleet, settings: Settings
+) -> None:
+    """SPEC §13: reachable means it answered (any status); its /version is read again, a round per
+    engine per health_interval_s however many control reads see it (before: every load read, ten
+    a second, started another round while it stayed unreachable); a /version it cannot give
+    leaves its version unknown, not the engine unreachable."""
+    sup = Supervisor(shared, settings)
+    control = FakeControl(p0=["m-one"], d0=["m-one"])
+    reader = sup.checks.models = ModelReader(sup, control)
+    d0 = sup.fleet.by_name["d0"]
+    now = 1000.0
+    reader.tick(now)
+    await settle(reader, now)
+    assert d0.version == VERSION and control.version_reads.count("d0") == 1
+    sup.checks.connected(d0, answered=False, refused=True)  # a stopped process
+    assert sup.reach.unreachable("d0")
+    control.answers["d0"] = None  # the new process answers its /health, not its /version
+    for step in range(10):  # ten control reads within the pace (health_interval_s is 1 s here)
+        sup.checks.connected(d0, answered=True, refused=False)
+        assert not sup.reach.unreachable("d0")  # any answer: reachable
+        reader.tick(now + 0.2 + step * 0.07)
+        await settle(reader)
+    assert control.version_reads.count("d0") == 1  # paced: its last round was under 1 s ago
+    reader.tick(now + settings.recovery.health_interval_s + 0.1)
+    await settle(reader, now + settings.recovery.health_interval_s + 0.2)
+    assert control.version_reads.count("d0") == 2  # one round once its pace allows
+    assert d0.version is None and not sup.reach.unreachable("d0")  # unknown, and reachable
+
+
+def test_a_readmission_by_probe_marks_the_engine_reachable(shared: SharedFleet, settings: Settings) -> None:
+    sup = Supervisor(shared, settings)
+    sup.reach.saw("d0", False)
+
+    class Passing:
+        async def probe(self, *args: object) -> tuple[str, str]:
+            return "pass", ""
+
+    async def run() -> None:
+        plan = type("Plan", (), {"engine": "d0", "kind": "probe", "as_producer": False, "as_consumer": True,
+                                 "producer": None})()
+        await sup.checks._probe(Passing(), sup.fleet.by_name["d0"], plan)  # type: ignore[arg-type]
+
+    asyncio.run(run())
+    assert not sup.reach.unreachable("d0")
