@@ -37,7 +37,7 @@ from typing import Any
 import aiohttp
 
 from narwhal.testing.harness import FakeFleet, RouterProcess, write_config
-from perf.chaos import checks, dead_consumer, killed_consumer, storm
+from perf.chaos import checks, dead_consumer, killed_consumer, soak, storm
 from perf.chaos.faults import (
     ADMIN_TOKEN,
     CLIENT_SLACK_S,
@@ -366,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--storm-s", type=float, default=None, help="storm seconds (default 20, --quick 8)")
     p.add_argument("--storm-concurrency", type=int, default=None, help="storm clients (default 64, --quick 32)")
     p.add_argument("--out", default=None, help="directory for chaos.json and the router logs")
+    p.add_argument("--soak-minutes", type=float, default=None,
+                   help="run only the soak for this long (perf/chaos/soak.py)")
     args = p.parse_args(argv)
     args.requests = args.requests or (300 if args.quick else 2000)
     args.concurrency = args.concurrency or (16 if args.quick else 64)
@@ -375,6 +377,12 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     failed = False
     rep: dict[str, Any] = {"args": vars(args)}
+    if args.soak_minutes:  # the fault mix for a long time: nothing may grow
+        rep["soak"] = soak.run_soak(Chaos(args), args.soak_minutes, args.concurrency)
+        soak.print_soak(rep["soak"])
+        with open(os.path.join(args.out, "chaos.json"), "w") as f:
+            json.dump(rep, f, indent=2, default=str)
+        return 1 if rep["soak"]["failed"] else 0
     if not args.poison_storm:
         rep = run(args)
         failed = bool(rep["violations"] or rep["leaks"] or rep["request_faults_missing"]
