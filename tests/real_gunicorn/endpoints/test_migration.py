@@ -92,15 +92,16 @@ async def test_a_cut_completion_stream_is_the_unbroken_one(migrating: RouterProc
     assert reply.text == expected_text(7)
 
 
-async def test_a_cut_generate_stream_continues_by_tokens(migrating: RouterProcess, fleet: FakeFleet) -> None:
-    ids = [17, 4, 99, 23, 5]
+@pytest.mark.parametrize("cut", sorted(CUTS))
+async def test_a_cut_generate_stream_continues_by_tokens(migrating: RouterProcess, fleet: FakeFleet, cut: str) -> None:
+    ids = [17, 4, 99, 23, 5, len(cut)]
     body = {"model": MODEL, "token_ids": ids, "stream": True, "sampling_params": {"max_tokens": 6, "min_tokens": 4},
             "stream_options": {"include_usage": True}}
-    reply = await _same_as_unbroken(migrating, "/inference/v1/generate", body, CLOSE, id_key="request_id")
+    reply = await _same_as_unbroken(migrating, "/inference/v1/generate", body, CUTS[cut], id_key="request_id")
     out = [t for e in reply.events if e != b"[DONE]" for c in orjson.loads(e)["choices"] for t in c["token_ids"]]
     assert out == list(range(1000, 1006))
     decodes = [r for name in ("d0", "d1") for r in fleet.control_request("GET", f"/engines/{name}/requests")[
-        "requests"] if r["phase"] == "decode" and r["body"].get("token_ids", [])[:5] == ids]
+        "requests"] if r["phase"] == "decode" and r["body"].get("token_ids", [])[:6] == ids]
     continued = [r["body"] for r in decodes if len(r["body"]["token_ids"]) > len(ids)]
     assert continued and continued[-1]["token_ids"] == [*ids, 1000, 1001, 1002]
     assert continued[-1]["sampling_params"] == {"max_tokens": 3, "min_tokens": 1}
@@ -121,12 +122,12 @@ async def test_the_continuation_asks_vllm_to_continue_the_final_message(
     assert continued_on != cut_on  # the consumer that cut it was avoided
 
 
-def _anthropic_stream(url: str, tag: str) -> tuple[str, str | None, int, list[str]]:
+def _anthropic_stream(url: str, tag: str, fault: dict[str, Any]) -> tuple[str, str | None, int, list[str]]:
     client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
     kinds: list[str] = []
     with client.messages.stream(model=MODEL, max_tokens=7, system="be brief",
                                 messages=[{"role": "user", "content": tag + " hello"}],
-                                extra_body={"narwhal_fake": CLOSE}) as stream:
+                                extra_body={"narwhal_fake": fault}) as stream:
         for event in stream:
             kinds.append(event.type)
         final = stream.get_final_message()
@@ -135,8 +136,10 @@ def _anthropic_stream(url: str, tag: str) -> tuple[str, str | None, int, list[st
     return text, final.stop_reason, final.usage.output_tokens, kinds
 
 
-async def test_a_cut_messages_stream_continues_through_the_chat_form(migrating: RouterProcess) -> None:
-    text, stop, output_tokens, kinds = await asyncio.to_thread(_anthropic_stream, migrating.url, uuid.uuid4().hex)
+@pytest.mark.parametrize("cut", sorted(CUTS))
+async def test_a_cut_messages_stream_continues_through_the_chat_form(migrating: RouterProcess, cut: str) -> None:
+    text, stop, output_tokens, kinds = await asyncio.to_thread(_anthropic_stream, migrating.url, uuid.uuid4().hex,
+                                                               CUTS[cut])
     assert text == expected_text(7)
     assert stop == "max_tokens" and output_tokens == 7
     assert kinds.count("message_start") == 1 and kinds.count("content_block_start") == 1
@@ -155,20 +158,65 @@ async def test_the_openai_sdk_reads_a_migrated_stream_whole(migrating: RouterPro
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 9
 
 
+def _kill_its_consumer(fleet: FakeFleet, prompt: str) -> str:
+    killed = next(n for n in ("d0", "d1") if any(r["phase"] == "decode" for r in records(fleet, n, prompt)))
+    fleet.control_request("POST", f"/engines/{killed}/stop")
+    return killed
+
+
+SLOW = {"decode": {"token_delay_s": 0.1}}
+
+
 async def test_a_consumer_killed_mid_stream_is_left_behind(migrating: RouterProcess, fleet: FakeFleet) -> None:
     prompt = unique_prompt()
     client = AsyncOpenAI(base_url=migrating.url + "/v1", api_key="unused", max_retries=0)
     stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, stream=True,
-                                             extra_body={"narwhal_fake": {"decode": {"token_delay_s": 0.1}}})
+                                             extra_body={"narwhal_fake": SLOW})
     text, killed = "", None
     async for chunk in stream:
         text += chunk.choices[0].text
         if killed is None and text == expected_text(3):
-            killed = next(n for n in ("d0", "d1") if any(r["phase"] == "decode" for r in records(fleet, n, prompt)))
-            fleet.control_request("POST", f"/engines/{killed}/stop")
+            killed = _kill_its_consumer(fleet, prompt)
     await client.close()
     assert text == expected_text(12)
     assert killed is not None
+
+
+async def test_a_chat_whose_consumer_is_killed_reads_whole_in_the_sdk(
+    migrating: RouterProcess, fleet: FakeFleet
+) -> None:
+    prompt = unique_prompt()
+    client = AsyncOpenAI(base_url=migrating.url + "/v1", api_key="unused", max_retries=0)
+    stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                                  max_tokens=10, stream=True, extra_body={"narwhal_fake": SLOW})
+    text, roles, killed = "", 0, None
+    async for chunk in stream:
+        roles += chunk.choices[0].delta.role is not None
+        text += chunk.choices[0].delta.content or ""
+        if killed is None and text == expected_text(3):
+            killed = _kill_its_consumer(fleet, prompt)
+    await client.close()
+    assert text == expected_text(10) and roles == 1 and killed is not None
+
+
+def _anthropic_killed(url: str, fleet: FakeFleet, tag: str) -> tuple[str, str | None]:
+    client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+    text, killed = "", None
+    with client.messages.stream(model=MODEL, max_tokens=9, messages=[{"role": "user", "content": tag + " hi"}],
+                                extra_body={"narwhal_fake": SLOW}) as stream:
+        for piece in stream.text_stream:
+            text += piece
+            if killed is None and text == expected_text(3):
+                killed = _kill_its_consumer(fleet, tag)
+    client.close()
+    return text, killed
+
+
+async def test_a_messages_stream_whose_consumer_is_killed_reads_whole(
+    migrating: RouterProcess, fleet: FakeFleet
+) -> None:
+    text, killed = await asyncio.to_thread(_anthropic_killed, migrating.url, fleet, uuid.uuid4().hex)
+    assert text == expected_text(9) and killed is not None
 
 
 async def test_two_cuts_with_one_migration_end_with_the_second_fault(migrating: RouterProcess) -> None:

@@ -17,7 +17,7 @@ import pytest
 
 from narwhal.testing.harness import FakeFleet
 from tests.real_gunicorn.placement.test_upgrade_probes import _state
-from tests.real_gunicorn.support import MODEL, TOKEN, scrape, start_router, wait_until
+from tests.real_gunicorn.support import MODEL, TOKEN, engine_entry, scrape, start_router, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -54,7 +54,7 @@ async def test_a_probe_never_decodes_a_handoff_past_its_age(
         wait_until(lambda: any("narwhal probe" in str(r["body"]) for r in fleet.control_request(
             "GET", "/engines/hp0/requests")["requests"] if r["phase"] == "prefill"), 15, "a probe's prefill")
         wait_until(lambda: _abandoned(scrape(router)) >= 2, 15, "probe handoffs counted abandoned")
-        assert await _state(router, "hd0") in ("ejected", "probing")
+        assert (await engine_entry(router, "hd0"))["state"] in ("ejected", "probing")
         decodes = [r for r in fleet.control_request("GET", "/engines/hd0/requests")["requests"]
                    if r["body"].get("kv_transfer_params")]
         assert decodes == []  # never a late read
