@@ -313,7 +313,7 @@ class Attempts:
                 self.releases.end(ending, result, req, resv)
             raise
         except (asyncio.CancelledError, ConnectionError):
-            if not client.committed:
+            if life.state is not S.STREAMING:  # before this leg's output (a continuation's too)
                 self.releases.end(Ending.CLIENT_LEFT_BEFORE_ANSWER, result, req, resv)
             raise
         finally:

@@ -23,14 +23,20 @@ def test_a_stream_cut_early_with_no_fault_to_explain_it_is_a_violation() -> None
     assert (res.verdict, res.problem) == ("violation", "2 tokens before terminal, expected 5")
 
 
-def test_a_consumer_stopped_mid_stream_explains_fewer_tokens_but_never_more() -> None:
+def test_a_consumer_stopped_mid_stream_explains_fewer_tokens_and_a_continuation_cut_again() -> None:
     stop = [Window("stop_consumer", "cd1", start=6.59, end=9.1)]
     fewer = _cut_after(2)
     judge(fewer, _close_after_five(), stop, strict=False)
     assert fewer.verdict == "allowed"
-    more = _cut_after(7)
+    more = _cut_after(7)  # continued after the cut at 5 (a migration), then cut by the stop
     judge(more, _close_after_five(), stop, strict=False)
-    assert (more.verdict, more.problem) == ("violation", "7 tokens before terminal, expected 5")
+    assert more.verdict == "allowed"
+    unexplained = _cut_after(7)
+    judge(unexplained, _close_after_five(), [], strict=False)
+    assert (unexplained.verdict, unexplained.problem) == ("violation", "7 tokens before terminal, expected 5")
+    too_many = _cut_after(17)  # never more than asked
+    judge(too_many, _close_after_five(), stop, strict=False)
+    assert too_many.verdict == "violation"
     exact = _cut_after(5)
     judge(exact, _close_after_five(), [], strict=False)
     assert exact.verdict == "allowed"
