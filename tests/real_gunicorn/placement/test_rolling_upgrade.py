@@ -8,8 +8,8 @@ end, stop it, start the new release, wait until the router shows its new version
 The order keeps a compatible pair serving at every step: a consumer first (it idles until a
 producer of its version comes), then both producers, then the last consumer. The router learns
 the new version because the restarted engine refused connections and then answered again: its
-``/version`` is read again (``Checks.connected``), and the test readmits it only once the router
-shows the new version."""
+``/version`` is read again (``Checks.connected``), and the test readmits it only once every
+worker shows the new version (docs/deploy.md "A rolling upgrade")."""
 
 from __future__ import annotations
 
@@ -20,12 +20,14 @@ import pytest
 
 from narwhal.testing.harness import FakeFleet, RouterProcess
 from tests.real_gunicorn.support import (
+    AUTH,
     MODEL,
     TOKEN,
     admin,
     completion,
     engine_entry,
     send,
+    sessions_per_worker,
     start_router,
     unique_prompt,
     wait_state,
@@ -68,7 +70,9 @@ async def _upgrade(router: RouterProcess, fleet: FakeFleet, name: str) -> None:
     fleet.control_request("POST", f"/engines/{name}/stop")
     await _until(lambda: _field(router, name, "unreachable", True), f"{name} seen down")
     fleet.control_request("POST", f"/engines/{name}/start?restart=1&version={NEW}")  # a process of the new release
-    await _until(lambda: _field(router, name, "version", NEW), f"{name}'s new version")
+    # Every worker shows the new version before the readmit: each follows the published version
+    # within 0.25 s, and a worker that still had the old one would pair it with the old release.
+    await _until(lambda: _every_worker_shows(router, name, NEW), f"{name}'s new version in every worker")
     await _until(lambda: _field(router, name, "unreachable", False), f"{name} reachable again")
     await admin(router, "POST", f"/admin/engines/{name}/readmit")
     await wait_state(router, name, "admitted")
@@ -77,6 +81,16 @@ async def _upgrade(router: RouterProcess, fleet: FakeFleet, name: str) -> None:
 async def _idle(router: RouterProcess, name: str) -> bool:
     inflight = (await engine_entry(router, name))["inflight"]
     return bool(inflight["prefill"] == 0 and inflight["decode"] == 0)
+
+
+async def _every_worker_shows(router: RouterProcess, name: str, version: str) -> bool:
+    async with sessions_per_worker(router, 2) as sessions:
+        for session in sessions.values():
+            async with session.get(router.url + "/admin/engines", headers=AUTH) as resp:
+                entry = next(e for e in (await resp.json())["engines"] if e["name"] == name)
+            if entry["version"] != version:
+                return False
+    return True
 
 
 async def _field(router: RouterProcess, name: str, key: str, expected: object) -> bool:
