@@ -69,7 +69,7 @@ def configure_logging(settings: LogSettings) -> None:
 def first_across_processes(key: str) -> bool:
     """True for the first process of this router to ask with ``key``, False for every later ask,
     in any worker, for the router's life (reloads included): "once per engine" warnings are once
-    across the router, not once per worker (SPEC §13). The mark is a file created with
+    across the router, not once per worker (docs/behaviour.md). The mark is a file created with
     ``O_EXCL`` in the router's own directory (the metrics' multiprocess directory, which the
     master makes per run): atomic across processes, and asked only on the rare path of a
     warning. Without that directory (one process), every ask is the first: the caller's own

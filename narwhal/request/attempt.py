@@ -328,7 +328,7 @@ _MODE_WARNED: set[str] = set()  # producers whose disagreement this worker has s
 
 def _mode_disagrees(producer: Engine, said: Any) -> None:
     """SPEC §11: a producer's descriptor names another transfer mode than its setting: a warning,
-    once per engine across the router (SPEC §13: the first worker to see it says it): the pairs
+    once per engine across the router (docs/behaviour.md: the first worker to see it says it): the pairs
     are chosen by the setting, so fix one or the other."""
     if producer.name in _MODE_WARNED:
         return

@@ -58,7 +58,7 @@ def parse_version_pin(text: str) -> SpecifierSet:
 
 Role = Literal["producer", "consumer", "both"]
 
-# The longest an entry's fields may be, in characters (SPEC §13: any entry the settings accept
+# The longest an entry's fields may be, in characters (docs/behaviour.md: any entry the settings accept
 # fits the shared tables; shm.descriptors sizes its slots from these, and a test builds the
 # largest entry they allow and writes it).
 NAME_PATTERN = r"^[A-Za-z0-9_.\-]+$"  # an engine's name, and each of kv_peers (engine names)

@@ -12,7 +12,7 @@ under the seqlock and CRC like every record: a torn or not yet visible copy is r
 Why JSON in a fixed slot: it is read only when the table epoch moves (engines came or went),
 never per request, and it keeps the entry's own validation (``EngineSpec``) the one definition
 of an engine. The slot (24 KiB, ``shm.layout.DESCRIPTOR_SIZE``) holds the largest entry the
-settings accept (SPEC §13: any entry they accept fits — their bounds, ``settings.engines``,
+settings accept (docs/behaviour.md: any entry they accept fits — their bounds, ``settings.engines``,
 allow 64 ``kv_peers`` and 32 model names of 100 characters; ``tests/unit/shm/
 test_table_runtime.py`` writes the largest). A memfd's pages are taken only when written: the
 slots of engines that never came cost no memory. A description that still does not fit (a

@@ -50,7 +50,7 @@ class Checks:
         that answers again after refusing connections may be a new process — a rolling upgrade's
         next release — so its ``/version`` and models are read again (``supervisor.models``,
         paced: at most a round per engine per ``health_interval_s``); a ``/version`` it cannot
-        give leaves its version unknown, never the engine unreachable (SPEC §13)."""
+        give leaves its version unknown, never the engine unreachable (docs/behaviour.md)."""
         if refused:
             self.reach.saw(engine.name, False)
         elif answered:

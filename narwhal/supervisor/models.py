@@ -161,7 +161,7 @@ class ModelReader:
             self.publish()
         # Answering again after refusing, or wanted at an earlier pass its pace held back.
         due += [e for e in engines if e.name in self._recheck or e.name in self._held]
-        # At most one round per engine per health_interval_s (SPEC §13): what is not due yet waits.
+        # At most one round per engine per health_interval_s (docs/behaviour.md): what is not due yet waits.
         pace = self.sup.settings.recovery.health_interval_s
         wanted = [e for e in dict.fromkeys(due) if e.name not in self._reading
                   and not (e.models_configured and e.name in self._versions and e.name not in self._recheck)]
@@ -233,7 +233,7 @@ class ModelReader:
         """One read's ``/version`` (None: no usable answer); a change is published. A routine
         read without one leaves the last version standing (a busy engine); a read after the
         engine refused connections leaves it unknown: a new process's release is not its old one
-        (SPEC §13: unknown, not unreachable)."""
+        (docs/behaviour.md: unknown, not unreachable)."""
         if engine.name in self._recheck:
             self._recheck.discard(engine.name)
             if version is None and self._versions.pop(engine.name, None) is not None:

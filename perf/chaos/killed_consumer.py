@@ -7,8 +7,9 @@ are cut mid-way, and it refuses every connection after. With migrations on, each
 continues on the other consumer: every request that got its 200 must end with its full stream,
 every token once (the fake continues exactly where the output stopped, and ``classify`` checks
 the count). A terminal event is a violation. A request that met the dead consumer before its
-first token may fail as SPEC §4 permits (502 ``engine_unreachable`` past its one retry): counted,
-not judged. Afterwards the consumer serves again, nothing is held and no handoff is stranded.
+first token may fail as docs/behaviour.md's failure table permits (502 ``engine_unreachable``
+past its one retry): counted, not judged. Afterwards the consumer serves again, nothing is
+held and no handoff is stranded.
 
 Why ``retry_budget_ratio`` 0.6: a continuation takes the request's slot in the fleet-wide retry
 budget, as a retry does, and a lost consumer of two cuts about half the streams in flight at

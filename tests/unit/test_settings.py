@@ -184,7 +184,7 @@ def test_the_start_refuses_a_handoff_age_at_the_lease_with_one_line(tmp_path: Pa
 
 
 def test_an_entry_beyond_the_bounds_that_fit_the_shared_tables_is_one_line(tmp_path: Path) -> None:
-    # SPEC §13: every entry the settings accept fits the descriptors; one beyond their bounds is
+    # docs/behaviour.md: every entry the settings accept fits the descriptors; one beyond their bounds is
     # refused by the settings, naming the key (before: a dozen long names stopped on_starting).
     models = ", ".join(f'"org/m{i}"' for i in range(33))
     path = tmp_path / "narwhal.toml"

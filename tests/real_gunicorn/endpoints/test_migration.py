@@ -258,7 +258,7 @@ async def test_migrations_are_counted_with_their_stall(migrating: RouterProcess)
 
 
 async def test_no_migrations_leave_the_terminal_event(router: RouterProcess) -> None:
-    """The package's routers run with ``max_migrations = 0``: SPEC §4 unchanged."""
+    """The package's routers run with ``max_migrations = 0``: docs/behaviour.md's failure table unchanged."""
     reply = await send(router.url, "/v1/completions", completion(unique_prompt(), max_tokens=8, fake=CLOSE))
     assert reply.text == expected_text(3)
     assert terminal_error(reply)["type"] == "engine_disconnect"

@@ -78,7 +78,7 @@ def test_a_poison_storm_leaves_clean_requests_served(quick_run: QuickRun) -> Non
 
 @pytest.mark.timeout(240)
 def test_a_consumer_killed_under_load_cuts_no_stream(quick_run: QuickRun) -> None:
-    # Issue 48: with migrations on, every stream running on the killed consumer completes whole.
+    # Migration: with migrations on, every stream running on the killed consumer completes whole.
     _, report = quick_run
     sequence = report["killed_consumer"]
     assert sequence["failed"] == [], sequence["failed"]

@@ -1,5 +1,5 @@
 """Slow clients hold a bounded share of the router's memory, in total (docs/behaviour.md
-"Slow clients"; SPEC §13).
+"Slow clients"; docs/behaviour.md).
 
 Clients that send a stream request and then stop reading leave their streams waiting; each
 waiting stream holds its transport buffer and a paused engine connection. With

@@ -1,4 +1,4 @@
-"""Any engine entry the settings accept fits the shared tables (SPEC §13; docs/settings.md).
+"""Any engine entry the settings accept fits the shared tables (docs/behaviour.md; docs/settings.md).
 
 An entry with 64 ``kv_peers`` and 32 model names of 100 characters used to stop the start
 (``its description is over 1010 bytes``): the descriptor slot was a fixed 1 KiB. The router

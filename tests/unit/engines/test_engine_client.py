@@ -301,7 +301,7 @@ class _Stalled:
 async def test_a_decode_that_cannot_be_written_before_the_handoff_expires_is_never_written(
     engines: tuple[FakeEngine, FakeEngine]
 ) -> None:
-    """SPEC §13: the decode's connect and send are bounded by the handoff's remaining age, as a
+    """docs/behaviour.md: the decode's connect and send are bounded by the handoff's remaining age, as a
     release's are: past it, handoff_expired (nobody's fault), not a first-token timeout later."""
     p, _ = engines
     client = EngineClient.for_settings(EngineSettings(first_token_timeout_s=5, decode_read_timeout_s=5))

@@ -146,7 +146,7 @@ def test_a_section_seen_under_a_newer_seq_than_its_body_was_written_for_is_not_t
 
 
 def test_a_generation_seen_before_its_section_is_read_again() -> None:
-    """aarch64 (SPEC §13): a worker may see the generation's bump before the section it
+    """aarch64 (docs/behaviour.md): a worker may see the generation's bump before the section it
     counts. It must not take the generation as seen with the old section, or it keeps stale
     holdings until the next publish."""
     h = _region()

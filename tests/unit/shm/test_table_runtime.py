@@ -60,7 +60,7 @@ def test_a_description_that_does_not_fit_is_refused() -> None:
 
 
 def test_the_largest_entry_the_settings_accept_fits_its_descriptor(shared: SharedFleet) -> None:
-    """SPEC §13: any entry the settings accept fits, whatever its characters (4 UTF-8 bytes, or a
+    """docs/behaviour.md: any entry the settings accept fits, whatever its characters (4 UTF-8 bytes, or a
     quote JSON escapes, at every place a field allows one)."""
     from narwhal.settings import engines as E
 

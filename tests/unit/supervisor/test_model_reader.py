@@ -241,7 +241,7 @@ async def test_an_engine_refusing_generate_reaches_the_workers_and_a_silent_one_
 async def test_an_engine_answering_again_is_reachable_at_once_and_read_again_at_its_pace(
     shared: SharedFleet, settings: Settings
 ) -> None:
-    """SPEC §13: reachable means it answered (any status); its /version is read again, a round per
+    """docs/behaviour.md: reachable means it answered (any status); its /version is read again, a round per
     engine per health_interval_s however many control reads see it (before: every load read, ten
     a second, started another round while it stayed unreachable); a /version it cannot give
     leaves its version unknown, not the engine unreachable."""
