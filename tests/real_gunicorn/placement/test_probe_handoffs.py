@@ -9,14 +9,13 @@ is counted abandoned. Once the producer is quick again, the next probe readmits 
 
 from __future__ import annotations
 
-import asyncio
 import re
 from collections.abc import Iterator
 
 import pytest
 
 from narwhal.testing.harness import FakeFleet
-from tests.real_gunicorn.placement.test_upgrade_probes import _state
+from tests.real_gunicorn.placement.test_upgrade_probes import _admitted_within
 from tests.real_gunicorn.support import MODEL, TOKEN, engine_entry, scrape, start_router, wait_until
 
 pytestmark = pytest.mark.timeout(90)
@@ -59,10 +58,8 @@ async def test_a_probe_never_decodes_a_handoff_past_its_age(
                    if r["body"].get("kv_transfer_params")]
         assert decodes == []  # never a late read
         fleet.control_request("DELETE", "/engines/hp0/faults")
-        for _ in range(150):
-            if await _state(router, "hd0") == "admitted":
-                break
-            await asyncio.sleep(0.1)
-        assert await _state(router, "hd0") == "admitted"
+        # One look that shows it admitted is the pass: two looks may reach two workers, and the
+        # second may not have followed the models generation yet.
+        await _admitted_within(router, "hd0", 15)
     finally:
         router.stop()
