@@ -79,18 +79,20 @@ class Case(NamedTuple):
     concurrency: int
     token_delay_s: float | None = None
     system_chars: int | None = None  # chat: a system prompt this long (0: none) before the user's message
+    tokens: int = 16
 
 
 # The three shapes the layout issue promised to keep (the default), and the chat pair of issue 24:
 # what a 4,000-character system prompt costs over a short chat (perf's chat_c32 and chat_long).
 CASES = (Case("stream_c1", 1), Case("stream_c32", 32), Case("paced_c64", 64, 0.01),
-         Case("chat_c32", 32, system_chars=0), Case("chat_long", 32, system_chars=LONG_SYSTEM_CHARS))
+         Case("chat_c32", 32, system_chars=0), Case("chat_long", 32, system_chars=LONG_SYSTEM_CHARS),
+         Case("paced_long_c128", 128, 0.02, tokens=128))
 DEFAULT_CASES = "stream_c1,stream_c32,paced_c64"
 
 
 def _body(case: Case) -> tuple[str, bytes]:
     """The path and the bytes every request of ``case`` sends."""
-    body: dict[str, Any] = {"model": MODEL, "stream": True, "max_tokens": 16}
+    body: dict[str, Any] = {"model": MODEL, "stream": True, "max_tokens": case.tokens}
     if case.system_chars is None:
         path, body["prompt"] = "/v1/completions", "hello " * 20
     else:

@@ -63,6 +63,11 @@ class Workload:
     def body(self) -> bytes:
         return orjson.dumps(self.data())
 
+    def paced_s(self) -> float:
+        """How long the fake engine takes to send one answer's tokens (0 when it is not paced)."""
+        delay = (self.fault or {}).get("decode", {}).get("token_delay_s", 0.0)
+        return float(delay) * self.tokens
+
     def prefill_body(self) -> bytes:
         """The producer leg as a PD proxy sends it (SPEC §3 step 3), for the client-side PD floor."""
         data = self.data()
@@ -199,7 +204,12 @@ async def run_round(
     errors: Counter[str] = Counter()
     stop = False
 
-    async def user() -> None:
+    # Paced users start spread over one answer's length, so answers end evenly through the
+    # window instead of in bunches of ``concurrency`` (a window would count 3 bunches or 4).
+    stagger_s = workload.paced_s() / concurrency
+
+    async def user(i: int) -> None:
+        await asyncio.sleep(i * stagger_s)
         while not stop:
             out = await one_request(session, full_url, body, stream, timeout_s, pd)
             if out.ok:
@@ -208,7 +218,7 @@ async def run_round(
                 errors[out.error] += 1
                 await asyncio.sleep(0.01)  # an erroring target must not turn into a busy loop
 
-    tasks = [asyncio.ensure_future(user()) for _ in range(concurrency)]
+    tasks = [asyncio.ensure_future(user(i)) for i in range(concurrency)]
     try:
         before, after = await _window(
             groups, warmup_s, duration_s, lambda: len(done_at) + sum(errors.values()) >= concurrency

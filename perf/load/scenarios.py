@@ -27,6 +27,8 @@ TARGETS = ("narwhal", "baseline", "direct", "direct-pd", "peer")
 WITH_FLOOR = (*TARGETS, "aiohttp-floor")
 STREAM = Workload(COMPLETIONS, stream=True, tokens=16)
 PACED = Workload(COMPLETIONS, stream=True, tokens=16, fault=PACED_FAULT)
+# A longer answer at a slower pace: 128 tokens 20 ms apart, 2.56 s an answer.
+PACED_LONG = Workload(COMPLETIONS, stream=True, tokens=128, fault={"decode": {"token_delay_s": 0.02}})
 LONG_SYSTEM_CHARS = 4000
 
 
@@ -83,6 +85,12 @@ def _load_scenarios(quick: bool, big: int) -> list[Scenario]:
         ),
         Scenario("stream_c128", "streaming completions, 16 tokens, c=128", workload=STREAM, concurrency=128),
         Scenario("paced_c128", "paced decode 10 ms/token, 16 tokens, c=128", workload=PACED, concurrency=128),
+        Scenario("paced_c512", "paced decode 10 ms/token, 16 tokens, c=512", workload=PACED, concurrency=512,
+                 warmup_s=0.8 if quick else 1.0),
+        # --quick: 32 tokens (0.64 s an answer), so the smoke run does not wait on 2.56 s answers.
+        Scenario("paced_long_c128", "paced decode 20 ms/token, 128 tokens, c=128",
+                 workload=replace(PACED_LONG, tokens=32) if quick else PACED_LONG,
+                 concurrency=128, warmup_s=0.7 if quick else 3.0),
         Scenario(
             "paced_c1000",
             f"paced decode 10 ms/token, 16 tokens, c={big}",
