@@ -124,7 +124,7 @@ class DecodeLeg:
     __slots__ = (
         "_ctx", "_name", "_url", "_endpoint", "_request_id", "_headers", "_payload", "streaming", "_deadline",
         "_sink", "_loop", "_first_bound", "_conn", "_framer", "_held", "_state", "_timer", "_relay", "_passed",
-        "_error", "_dialect", "_wire", "_expiry",
+        "_error", "_dialect", "_wire", "_expiry", "_out_at",
     )
 
     def __init__(
@@ -174,6 +174,7 @@ class DecodeLeg:
         self._relay: DirectRelay | None = None  # built when first needed: short streams never are
         self._passed = 0  # spans returned after the first token
         self._error: EngineError | None = None  # raised on the call after the output before it
+        self._out_at: float | None = None  # when next_span last returned bytes (loop time)
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -239,9 +240,11 @@ class DecodeLeg:
                 continue
             if self._state is STREAMING and not self._dialect.may_end(span):
                 self._passed += 1
+                self._out_at = self._loop.time()
                 return span
             out = await self._classify(span)
             if out is not None:
+                self._out_at = self._loop.time()
                 return out
         return Signal.END
 
@@ -260,6 +263,15 @@ class DecodeLeg:
     def ended(self) -> bool:
         """The stream reached its terminal event cleanly: the last span may end the client's body."""
         return self._state is ENDED
+
+    @property
+    def last_at(self) -> float | None:
+        """When the last bytes for the client were read (loop time; the relay's are read in its
+        callback and written at once), None before any: where a cut's stall starts."""
+        relay = self._relay
+        if relay is None or not relay.spans:
+            return self._out_at
+        return relay.last_at if self._out_at is None else max(relay.last_at, self._out_at)
 
     @property
     def relayed(self) -> int:

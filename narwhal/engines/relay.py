@@ -134,6 +134,11 @@ class DirectRelay:
         self._conn.sink = None
         self._conn.wake()
 
+    @property
+    def last_at(self) -> float:
+        """When the last engine bytes arrived (loop time), or the relay last started."""
+        return self._last
+
     def _bound(self) -> float:
         return leg_bound(self._last, self._read_timeout, self._deadline)  # silence counts from the last byte
 

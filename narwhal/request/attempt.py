@@ -73,11 +73,12 @@ async def _stream(
     age: float | None, tap: UsageTap | None, migration: Migration | None,
 ) -> web.StreamResponse:
     """Relay an opened stream to the client until its terminal event (SPEC §3 step 7, §2.1);
-    recorded for a stream that may migrate, and a continuation's rewritten (``migration``)."""
+    a continuation's spans rewritten (``migration``), and a cut's last output noted for it."""
     rec = life.rec
     observed = ended = False
     first_byte_s = None  # this attempt's, when it committed the stream (a continuation did not)
     spans = 0
+    edit = migration.passing if migration is not None and migration.editing else None
     try:
         while (span := await leg.next_span()) is not Signal.END:
             if not spans and life.state is not S.STREAMING:
@@ -91,7 +92,7 @@ async def _stream(
             # The span with the terminal event goes out with the end of the chunked body: one
             # write, one client wakeup, instead of a separate 5-byte terminator.
             ended = leg.ended
-            if migration is not None and not (span := migration.passing(span)) and not ended:
+            if edit is not None and not (span := edit(span)) and not ended:
                 continue  # a continuation's metadata, not repeated
             await client.write(span, eof=ended)
             spans += 1
@@ -105,6 +106,10 @@ async def _stream(
             await client.write(b"", eof=True)
         _observe_stream_end(rec, started, spans + leg.relayed, tap)
         return client.stream
+    except BaseException:
+        if migration is not None and life.state is S.STREAMING and (last_at := leg.last_at) is not None:
+            migration.last_at = last_at  # this leg's output reached the client: a cut's stall starts here
+        raise
     finally:
         if not observed:
             _observe_start(ttft_s, first_byte_s, age)
@@ -285,13 +290,14 @@ class Attempts:
         streaming = False  # _stream observes the start histograms itself
         sink: Sink | None = None
         tap: UsageTap | None = None
-        recording: Migration | None = None
         if req.stream:
-            sink = client.relay_sink()
+            sink = outlet = client.relay_sink()
+            if migration is not None:
+                outlet.transcript = migration.transcript  # the client's writes keep what it was sent
             if wants_usage(req.body):
                 sink = tap = UsageTap(sink)
             if migration is not None:
-                sink = recording = migration.sink(sink)
+                sink = migration.sink(sink)  # a continuation's rewrite in front, while one runs
         first_byte_s: float | None = None
         try:
             leg = self.client.decode_leg(
@@ -305,7 +311,7 @@ class Attempts:
                 rec.completion_tokens = completion_tokens(whole)
                 return await client.send_whole(whole)
             streaming = True
-            return await _stream(client, leg, life, started, ttft_s, age, tap, recording)
+            return await _stream(client, leg, life, started, ttft_s, age, tap, migration)
         except NarwhalError as exc:
             # Never sent (the consumer never saw the handoff), or refused by a consumer that keeps it.
             ending = decode_ending(exc, leg is None or leg.sent, resv.consumer, req.endpoint is GENERATE)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from multidict import CIMultiDict
@@ -30,6 +31,9 @@ from narwhal.engines.timers import LazyTimeout
 from narwhal.errors import NarwhalError
 from narwhal.request import stream_buffers
 from narwhal.request.stream_buffers import StreamBuffers
+
+if TYPE_CHECKING:
+    from narwhal.request.migration.transcript import Transcript
 
 # Copied per stream: cheaper than building the header set from a dict each time.
 SSE_HEADERS = CIMultiDict({"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -47,15 +51,18 @@ class _SSEResponse(web.StreamResponse):
 class ClientSink:
     """Writes relayed spans (``narwhal.engines.relay``) straight to the client's transport,
     framed as aiohttp frames the rest of the response (chunked on HTTP/1.1). Used only after
-    the first token went out through aiohttp, so headers and ordering are already settled."""
+    the first token went out through aiohttp, so headers and ordering are already settled.
+    A stream that may migrate has its ``transcript`` keep each span written: here, where the
+    span goes out, rather than in a sink of its own in front (one call per span, not two)."""
 
-    __slots__ = ("_transport", "_chunked", "_high", "stream")
+    __slots__ = ("_transport", "_chunked", "_high", "stream", "transcript")
 
     def __init__(self, request: web.Request) -> None:
         self._transport = request.transport
         self._chunked = True
         self._high = -1  # not read yet: most streams end in their first span and never relay
         self.stream: web.StreamResponse | None = None  # set once the stream is committed
+        self.transcript: Transcript | None = None  # what the client was sent, for a migration
 
     def _settle(self) -> None:
         assert self.stream is not None
@@ -72,6 +79,8 @@ class ClientSink:
             transport.write(b"%x\r\n%b\r\n" % (len(span), span) if self._chunked else span)
         except (OSError, RuntimeError):  # raised inside the engine's data callback: never let it out
             return False
+        if self.transcript is not None:
+            self.transcript.keep(span)
         return transport.get_write_buffer_size() <= self._high
 
 
@@ -145,6 +154,8 @@ class ClientStream:
             return
         stream = self.response
         assert stream is not None
+        if self.sink is not None and self.sink.transcript is not None:
+            self.sink.transcript.keep(data)
         if self._cannot_wait(len(data)):
             await (stream.write_eof(data) if eof else stream.write(data))
         else:

@@ -10,19 +10,18 @@ one stream, every token once and in order (docs/behaviour.md "Migration").
 
 The parts, per request:
 
-- the transcript: the spans the client was sent — references, no parsing on the way (the
-  relay's rule: no JSON work per chunk) — read (``seen``) only when a cut asks for a
-  continuation, or a batch at a time once they pass :data:`READ_EVERY_BYTES`, so a long stream
-  keeps its text, not its SSE framing;
-- each attempt's sink in front of the client's: the continuation's rewrite, when there is one,
-  then the transcript, then the client;
+- the transcript (``transcript``): the spans the client was sent, kept by the client's own
+  writes (``request.client_stream``) with no parsing on the way (the relay's rule: no JSON work
+  per chunk), and read (``seen``) only when a cut asks for a continuation;
+- in front of the client's sink while a continuation runs, its rewrite (``splice``): only a
+  continuation's spans are parsed and re-encoded;
 - whether a cut continues (the reason, the count, the deadline; the router asks the budget),
   and the continuation request.
 
 All three are one :class:`Migration` per stream: one object, no allocation per attempt or span.
 
-Invariant: a stream that never migrates pays one list append and one clock read per span; the
-JSON work happens only on a cut, and on the spans of a continuation.
+Invariant: a stream that never migrates pays one call per span (the transcript's ``keep``) and
+no sink of its own; the JSON work happens only on a cut, and on the spans of a continuation.
 """
 
 from __future__ import annotations
@@ -40,19 +39,16 @@ from narwhal.request.admission import ClientRequest
 from narwhal.request.migration.forms import KINDS, NotContinued, continuation
 from narwhal.request.migration.seen import Seen
 from narwhal.request.migration.splice import MessagesSplice, Splice
+from narwhal.request.migration.transcript import Transcript
 
 log = logging.getLogger("narwhal.request.migration")
 
-READ_EVERY_BYTES = 16 * 1024
-"""A transcript reads its spans once they hold this much: memory follows the text, not the framing."""
-
-
 class Migration:
     """One stream's continuations: the transcript of what its client was sent (kept unparsed,
-    read when a cut asks), the count, the next continuation request; and, for each attempt,
-    the sink in front of the client's (``sink``): the continuation's rewrite, the record, the client."""
+    read when a cut asks), the count, the next continuation request; and, while a continuation
+    runs, the sink in front of the client's (``sink``) that rewrites its spans."""
 
-    __slots__ = ("count", "_limit", "_prompt", "_kind", "_spans", "_size", "_seen", "last_at", "clock",
+    __slots__ = ("count", "_limit", "_prompt", "_kind", "transcript", "_seen", "last_at", "clock",
                  "_inner", "_edit", "_stalled")
 
     def __init__(self, kind: str, limit: int, prompt: dict[str, Any], clock: Callable[[], float]) -> None:
@@ -60,10 +56,9 @@ class Migration:
         self._limit = limit
         self._prompt = prompt  # the prompt fields' values (the body may hold them encoded)
         self._kind = kind
-        self._spans: list[bytes] = []  # sent to the client, not read yet
-        self._size = 0
+        self.transcript = Transcript()  # what the client was sent, kept by the client's writes
         self._seen: Seen | None = None  # what the spans read so far said
-        self.last_at: float | None = None  # when the last span went out (loop time)
+        self.last_at: float | None = None  # when the cut leg's last output went out (loop time)
         self.clock = clock
         self._inner: Sink | None = None  # the attempt's sink behind this one (the client's)
         self._edit: Callable[[bytes], bytes] | None = None  # the current continuation's rewrite
@@ -77,10 +72,18 @@ class Migration:
             return None
         return cls(kind, limit, req.prompt, clock)
 
-    # -- the attempt's sink -------------------------------------------------------------------
+    # -- a continuation's sink ----------------------------------------------------------------
 
-    def sink(self, inner: Sink) -> Migration:
-        """This stream as the sink of the attempt starting now, in front of ``inner``."""
+    @property
+    def editing(self) -> bool:
+        """A continuation runs: its spans are rewritten (``passing``) before the client sees them."""
+        return self._edit is not None
+
+    def sink(self, inner: Sink) -> Sink:
+        """The sink of the attempt starting now: ``inner`` itself, or this stream's rewrite in
+        front of it while a continuation runs."""
+        if self._edit is None:
+            return inner
         self._inner = inner
         return self
 
@@ -90,19 +93,12 @@ class Migration:
         return self._inner(span) if span else True
 
     def passing(self, span: bytes) -> bytes:
-        """What of ``span`` goes to the client (a continuation's rewrite), recorded as sent."""
-        if self._edit is not None:
-            span = self._edit(span)
-            if not span:
-                return span
-            if self._stalled is not None:
-                metrics.TALLY.observe(metrics.MIGRATION_STALL_SAMPLES, self.clock() - self._stalled)
-                self._stalled = None
-        self._spans.append(span)
-        self._size += len(span)
-        self.last_at = self.clock()
-        if self._size > READ_EVERY_BYTES:
-            self.read()
+        """What of a continuation's ``span`` goes to the client (``b""``: metadata not repeated)."""
+        assert self._edit is not None
+        span = self._edit(span)
+        if span and self._stalled is not None:
+            metrics.TALLY.observe(metrics.MIGRATION_STALL_SAMPLES, self.clock() - self._stalled)
+            self._stalled = None
         return span
 
     def read(self) -> Seen:
@@ -110,10 +106,7 @@ class Migration:
         seen = self._seen
         if seen is None:
             seen = self._seen = Seen(self._kind)
-        if self._spans:
-            seen.absorb(self._spans)
-            self._spans, self._size = [], 0
-        return seen
+        return self.transcript.read(seen)
 
     # -- a cut --------------------------------------------------------------------------------
 
@@ -132,6 +125,6 @@ class Migration:
             return None
         kind = self._kind
         self._edit = MessagesSplice(seen, prompt_tokens) if kind == "messages" else Splice(kind, seen, prompt_tokens)
-        self._stalled = self.last_at
+        self._stalled = self.last_at if self.last_at is not None else now
         self.count += 1
         return dataclasses.replace(req, endpoint=endpoint, body=body, stream=True)

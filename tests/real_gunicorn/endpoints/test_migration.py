@@ -107,6 +107,18 @@ async def test_a_cut_generate_stream_continues_by_tokens(migrating: RouterProces
     assert continued[-1]["sampling_params"] == {"max_tokens": 3, "min_tokens": 1}
 
 
+async def test_a_long_stream_continues_with_all_of_its_output(migrating: RouterProcess, fleet: FakeFleet) -> None:
+    """200 tokens cut after 190: the transcript's older spans were compacted on the way
+    (``migration.transcript``: past 16 KiB), and the continuation still carries every token."""
+    prompt = unique_prompt()
+    body = chat(prompt, max_tokens=200)
+    reply = await _same_as_unbroken(migrating, "/v1/chat/completions", body, {"decode": {"close_after": 190}})
+    assert len(reply.raw) > 2 * 16 * 1024 and reply.text == expected_text(200)
+    continued = [r["body"] for name in ("d0", "d1") for r in records(fleet, name, prompt)
+                 if r["phase"] == "decode" and r["body"].get("continue_final_message")]
+    assert [c["messages"][-1] for c in continued] == [{"role": "assistant", "content": expected_text(190)}]
+
+
 async def test_the_continuation_asks_vllm_to_continue_the_final_message(
     migrating: RouterProcess, fleet: FakeFleet
 ) -> None:

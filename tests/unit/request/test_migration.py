@@ -13,10 +13,11 @@ from narwhal.errors import EngineError
 from narwhal.fake_engine.continuation import start_of
 from narwhal.reasons import migrates
 from narwhal.request.admission import ClientRequest
-from narwhal.request.migration import READ_EVERY_BYTES, Migration
+from narwhal.request.migration import Migration
 from narwhal.request.migration.forms import NotContinued, continuation
 from narwhal.request.migration.seen import Seen
 from narwhal.request.migration.splice import MessagesSplice, Splice
+from narwhal.request.migration.transcript import COMPACT_AT_BYTES, Transcript
 
 
 def _data(obj: Any) -> bytes:
@@ -144,14 +145,18 @@ def test_a_messages_splice_writes_anthropics_events() -> None:
         "usage": {"input_tokens": 4, "output_tokens": 2}}
 
 
-def test_a_long_transcript_is_read_as_it_grows() -> None:
-    migration = Migration.of(_request(), 1, lambda: 1.0)
-    assert migration is not None
-    chunk = _data({"id": "c", "choices": [{"index": 0, "text": "x" * 1000}]})
-    for _ in range(READ_EVERY_BYTES // len(chunk) + 1):
-        migration.passing(chunk)
-    assert migration._seen is not None and migration._seen.tokens > 0  # read without being asked
-    assert migration.read().tokens == READ_EVERY_BYTES // len(chunk) + 1
+def test_a_long_transcript_is_compacted_and_read_whole_in_order() -> None:
+    transcript = Transcript()
+    chunks = [_data({"id": "c", "choices": [{"index": 0, "text": f" t{i}" + "x" * 200}]}) for i in range(300)]
+    for chunk in chunks:
+        transcript.keep(chunk)
+    assert transcript.size <= COMPACT_AT_BYTES < sum(map(len, chunks))  # older spans left the raw list
+    assert len(transcript.spans) < len(chunks)
+    seen = transcript.read(Seen("completions"))
+    assert seen.tokens == 300 and seen.output == "".join(f" t{i}" + "x" * 200 for i in range(300))
+    assert transcript.read(Seen("completions")).tokens == 0  # each span is read once
+    transcript.keep(chunks[0])
+    assert seen is transcript.read(seen) and seen.tokens == 301  # and a later read adds to the last
 
 
 @pytest.mark.parametrize(("reason", "status", "continues"), [
@@ -172,8 +177,7 @@ def test_a_cut_continues_while_the_count_and_deadline_allow() -> None:
     req = _request()
     migration = Migration.of(req, 1, lambda: 5.0)
     assert migration is not None
-    outlet = migration.sink(lambda span: True)
-    outlet(_data({"id": "c", "choices": [{"index": 0, "text": " t0"}]}))
+    migration.transcript.keep(_data({"id": "c", "choices": [{"index": 0, "text": " t0"}]}))
     cut = EngineError("gone", reason="engine_disconnect", engine="d0", phase="decode", status=502)
     after = migration.after(cut, req, now=6.0, prompt_tokens=1)
     assert after is not None and after.body["prompt"] == "Once t0" and after.body["max_tokens"] == 3
@@ -221,7 +225,7 @@ async def test_a_continuation_that_finds_no_pair_ends_with_the_cut() -> None:
         legs.append(leg)
         if len(legs) == 1:
             client.committed = True
-            migration.sink(lambda span: True)(_data({"id": "c", "choices": [{"index": 0, "text": " t0"}]}))
+            migration.transcript.keep(_data({"id": "c", "choices": [{"index": 0, "text": " t0"}]}))
             raise cut
         raise NarwhalError("no engine", reason="no_engine")
 
