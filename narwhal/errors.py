@@ -10,7 +10,8 @@ The hierarchy::
         └── EngineClientError    an engine's 4xx: passed through, never counted against it
 
 Engine errors are raised by the engine client (``narwhal.engines``), which maps transport
-failures and the stream rules of SPEC §4 onto these reasons; each reason's status, retry rule
+failures and the stream rules of docs/behaviour.md "Failure semantics" onto these reasons; each reason's status, retry
+rule
 and breaker weight are in ``narwhal.reasons``.
 """
 
@@ -84,7 +85,7 @@ class EngineError(NarwhalError):
 
     counts = True
     pair: tuple[str, str] | None = None
-    connect_failed = False  # no connection could be made: the engine is unreachable (SPEC §6)
+    connect_failed = False  # no connection could be made: the engine is unreachable (docs/behaviour.md "Recovery")
 
     def __init__(
         self,

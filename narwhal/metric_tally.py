@@ -91,7 +91,7 @@ class Tally:
         for counter, amount in counts.items():
             try:
                 counter.inc(amount)
-            except ValueError:  # a negative amount: one bad count is dropped, never the flush (issue 40)
+            except ValueError:  # a negative amount: one bad count is dropped, never the flush
                 log.warning("a metric count of %r was not written: counters only go up", amount)
         for pending in self._hists.values():
             buckets = pending.buckets

@@ -1,4 +1,5 @@
-"""Prometheus metrics (SPEC §8), in multiprocess mode so every worker's samples are scraped.
+"""Prometheus metrics (docs/operations.md "Following a request"), in multiprocess mode so every worker's samples are
+scraped.
 
 ``PROMETHEUS_MULTIPROC_DIR`` must be in the environment before ``prometheus_client`` is
 first imported in a process: the gunicorn master sets it (``narwhal.master.gunicorn_hooks``) before
@@ -101,7 +102,7 @@ SLOW_CLIENTS_CUT = Counter(
     ["why"],
 )
 CLIENT_DISCONNECTS = Counter("narwhal_client_disconnects_total", "Clients that went away before the end")
-# SPEC §3.2: how pairs were chosen, and what the producers' prefix caches saved.
+# docs/behaviour.md "Placement": how pairs were chosen, and what the producers' prefix caches saved.
 LOCAL_DECODES = Counter(
     "narwhal_local_decodes_total", "Attempts decoded on a consumer alone, without a remote prefill (short prompts)"
 )
@@ -115,7 +116,7 @@ PLACEMENTS = Counter(
     "Producers chosen, by why: held, rendezvous, affinity, affinity_overflow, least_loaded, saturated",
     ["producer_choice"],
 )
-# Written by the supervisor, which judges each prefill's reported cached tokens (SPEC §3.3).
+# Written by the supervisor, which judges each prefill's reported cached tokens (docs/behaviour.md "Placement").
 HOLDINGS_PREDICTIONS = Counter(
     "narwhal_holdings_predictions_total",
     "Prefills whose reported cached tokens matched the holdings' prediction within one block (exact), "
@@ -126,7 +127,7 @@ HOLDINGS_PREDICTIONS = Counter(
 # Written by the supervisor (the only process that knows breaker state).
 ENGINE_INFO = Gauge(
     "narwhal_engine_info",
-    "1 for each engine with the vLLM version its /version reports (SPEC §11); 0 for a version it no longer runs",
+    "1 for each engine with the vLLM version its /version reports; 0 for a version it no longer runs",
     ["engine", "role", "version"],
     multiprocess_mode="livemax",
 )
@@ -144,7 +145,8 @@ BUILD_INFO = Gauge(
     ["version", "engine_version"],
     multiprocess_mode="livemax",
 )
-# Written by the supervisor (SPEC §10): discovered engines by source (file, dns) and state
+# Written by the supervisor (docs/behaviour.md "Engines that come and go"): discovered engines by source (file, dns)
+# and state
 # (active, probing, draining, refused: narwhal.supervisor.discovery).
 DISCOVERY_ENGINES = Gauge(
     "narwhal_discovery_engines",
@@ -222,7 +224,7 @@ def multiprocess_dir() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 
-# Series labelled with an engine: a forgotten engine's go with it (SPEC §10).
+# Series labelled with an engine: a forgotten engine's go with it (docs/behaviour.md "Engines that come and go").
 _BY_ENGINE = ((ENGINE_STATE, ("role",)), (ENGINE_INFLIGHT, ("phase",)))
 
 

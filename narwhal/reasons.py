@@ -1,7 +1,8 @@
-"""Every reason the router can give for an outcome, in one table (SPEC §2, §4, §5, §6).
+"""Every reason the router can give for an outcome, in one table (docs/behaviour.md "The request path", "Failure
+semantics", "Recovery").
 
 A reason decides four things: the HTTP status a client sees, whether a fresh attempt may cure
-it before visible output (§5), whether it may count against an engine's breaker (§6), and the
+it before visible output ("Recovery"), whether it may count against an engine's breaker ("Recovery"), and the
 code it travels under in shared memory (outcome reports and engine records). Each of those
 used to be its own list in its own module, and nothing tied them together; now each is
 derived from :data:`TABLE`, and ``tests/unit/test_reasons.py`` checks that every reason the
@@ -25,7 +26,9 @@ from dataclasses import dataclass
 
 
 class Retry(enum.Enum):
-    """When a reason's failure may be retried on another engine, before visible output (SPEC §5)."""
+    """When a reason's failure may be retried on another engine, before visible output (docs/behaviour.md
+    "Recovery").
+    """
 
     NEVER = "never"
     ALWAYS = "always"  # a transient fault before visible output (connect, 5xx, timeouts, …)
@@ -74,7 +77,7 @@ class Rule:
     name: str
     status: int | None  # fixed HTTP status; None: the engine's or the error object's own
     retry: Retry
-    counts: bool  # may count against the engine it is charged to (SPEC §6)
+    counts: bool  # may count against the engine it is charged to (docs/behaviour.md "Recovery")
     ring_code: int | None  # its code in shared memory; None: never reported to the supervisor
 
 

@@ -82,7 +82,7 @@ class Case(NamedTuple):
     tokens: int = 16
 
 
-# The three shapes the layout issue promised to keep (the default), and the chat pair of issue 24:
+# The three shapes the house's refactors kept level (the default), and the chat pair:
 # what a 4,000-character system prompt costs over a short chat (perf's chat_c32 and chat_long).
 CASES = (Case("stream_c1", 1), Case("stream_c32", 32), Case("paced_c64", 64, 0.01),
          Case("chat_c32", 32, system_chars=0), Case("chat_long", 32, system_chars=LONG_SYSTEM_CHARS),

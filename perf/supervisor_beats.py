@@ -2,7 +2,7 @@
 
 Why: the master's keeper kills a supervisor whose beat is older than ``STALE_S`` (3 s), so the
 longest gap between beats is the margin a fleet of that size leaves. With 32 engines and 2
-workers on 2 cores one start in four lost its supervisor this way (issue 25), on an idle fleet.
+workers on 2 cores one start in four lost its supervisor this way, on an idle fleet.
 
 How: for each fleet size, one fake-engine process hosting N engines (half producers, half
 consumers, every pair permitted), the router under real gunicorn with its defaults (preflight at

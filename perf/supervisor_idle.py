@@ -2,7 +2,7 @@
 
 Why: the supervisor's work is per unit of time (a pass of its loop every 20 ms, ``/metrics`` of
 every engine every ``placement.load_interval_s``), so it is paid whether requests come or not,
-and at c=1 it is a visible share of the router's CPU per request (issue 24: 22 ms/s idle).
+and at c=1 it is a visible share of the router's CPU per request (22 ms/s idle).
 
 How: one fake-engine process hosting N engines (half producers, half consumers, every pair
 permitted) and the router under real gunicorn with its defaults and 2 workers. After the start

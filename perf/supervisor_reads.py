@@ -1,7 +1,7 @@
 """The supervisor's load reads one at a time: CPU and Python calls per ``/metrics`` read.
 
 Why: every ``placement.load_interval_s`` (0.1 s) the supervisor reads every placeable engine's
-``/metrics`` (SPEC §3.2), so at 32 engines it makes 320 reads a second, most of its idle cost.
+``/metrics`` (docs/behaviour.md "Placement"), so at 32 engines it makes 320 reads a second, most of its idle cost.
 This runs the real ``LoadReader._read`` (the pooled HTTP/1.1 exchange, the parse, the load record
 written to a real shared region) back to back against a small aiohttp server in its own process
 answering the series placement reads, padded with histogram lines to ``--body-kib`` (a real

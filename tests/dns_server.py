@@ -10,7 +10,7 @@ a test changes the fleet by rewriting the file (atomically: write, then rename):
 
 A name that is absent answers NXDOMAIN; a name whose value is ``"SERVFAIL"`` answers SERVFAIL.
 Built on dnslib (a well-kept DNS package) so that the router's resolver meets real DNS
-messages, never a patched resolver (SPEC §10).
+messages, never a patched resolver (docs/behaviour.md "Engines that come and go").
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Why literals and not the product's own constants: a test that compared the router's bodies with
 ``narwhal.engines.connector.PREFILL_KV_PARAMS`` would pass whatever that constant became. These
-are what vLLM's own P/D proxy sends (VLLM-PROTOCOL.md), typed in by hand."""
+are what vLLM's own P/D proxy sends (vLLM's sources), typed in by hand."""
 
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ failure becomes a reason is :mod:`narwhal.engines.failures`, the one place for t
 
 Timeouts are deadlines (loop time, ``failures.leg_bound``) enforced by the connection, one
 timer per exchange, so "the first token within N seconds" covers connect and response headers
-too (SPEC §4); after the headers each relay read has its own bound, so no total timeout ever
+too (docs/behaviour.md "Failure semantics"); after the headers each relay read has its own bound, so no total timeout
+ever
 ends a long generation.
 """
 
@@ -37,7 +38,7 @@ ReleaseOutcome = Literal["released", "failed", "unreachable", "expired"]
 ``failed``, it was sent and the consumer failed or went silent (it had the handoff: another
 consumer must not pull it too), or there was no descriptor; ``unreachable``, nothing was sent
 (connecting failed or ran out of time), so another consumer may still take it; ``expired``,
-nothing was sent because the handoff reached ``handoff.max_age_s`` (SPEC §11: the producer's
+nothing was sent because the handoff reached ``handoff.max_age_s`` (docs/decisions.md "vLLM releases": the producer's
 lease may be over and its blocks someone else's), so nobody may take it."""
 
 
@@ -210,8 +211,10 @@ class EngineClient:
         the producer's KV blocks now instead of at its lease or abort timeout.
 
         Bounded by ``first_token_timeout_s``; the answer is discarded. The descriptor is sent as
-        it is: a caller on the request path validates it first. With ``max_age_s`` (SPEC §3 step
-        8, §11), only a handoff younger than that is sent, and its request must be on its way
+        it is: a caller on the request path validates it first. With ``max_age_s`` (docs/behaviour.md "The request
+        path" step
+        8, docs/decisions.md "vLLM releases"), only a handoff younger than that is sent, and its request must be on its
+        way
         before that age: a later read could take blocks the producer already gave to another
         request. See :data:`ReleaseOutcome`.
         """
@@ -256,7 +259,8 @@ class EngineClient:
         deadline: float | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> tuple[int, bytes, str]:
-        """POST ``body`` to ``path`` on ``engine`` (``/tokenize``, ``/v1/embeddings`` …, SPEC §2.1)
+        """POST ``body`` to ``path`` on ``engine`` (``/tokenize``, ``/v1/embeddings`` …, docs/behaviour.md "The other
+        P/D endpoints")
         and return its 2xx answer: status, body and content type, to relay as they are.
 
         One request, no descriptor, bounded by ``first_token_timeout_s`` and ``deadline`` (loop
@@ -311,7 +315,7 @@ def _prefill_result(result: PrefillResult, status: int, data: bytes) -> PrefillR
     # Each endpoint reports the prompt's cached part in its own usage field.
     usage = dialect.prompt_usage(answer.get("usage"))
     result.prompt_tokens, result.cached_tokens = usage
-    if type(result.descriptor) is dict:  # vLLM 0.33 says it in the handoff too (SPEC §11)
+    if type(result.descriptor) is dict:  # vLLM 0.33 says it in the handoff too (docs/decisions.md "vLLM releases")
         _from_descriptor(result, result.descriptor)
     return result
 
@@ -319,7 +323,8 @@ def _prefill_result(result: PrefillResult, status: int, data: bytes) -> PrefillR
 def _from_descriptor(result: PrefillResult, descriptor: dict[str, Any]) -> None:
     """The producer's cache hits (``remote_prefill_cached_tokens``, whenever present) and the
     prompt's tokens (``remote_num_tokens``, where usage said none) from a 0.33 descriptor: a
-    holdings source without ``--enable-prompt-tokens-details`` (SPEC §11, §3.3 source 2). Not a
+    holdings source without ``--enable-prompt-tokens-details`` (docs/decisions.md "vLLM releases", "Placement" source
+    2). Not a
     whole number in range: unknown, the usage's word stands."""
     cached = token_count(descriptor.get("remote_prefill_cached_tokens"))
     if cached is not None:

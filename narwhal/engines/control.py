@@ -5,11 +5,11 @@ Invariant: every connection to an engine — both legs and releases (``client`` 
 load reads and model discovery — verifies the engine with the context :func:`ssl_context`
 builds from ``engine.ca_file``, sends the ``Authorization`` of :func:`auth_headers`, and
 every ``/v1/models`` and ``/version`` answer is read by :func:`parse_models` and
-:func:`parse_version`. SPEC §2 asks for the CA "on every connection to an engine".
+:func:`parse_version`. docs/behaviour.md "The request path" asks for the CA "on every connection to an engine".
 
 Why one module: each caller used to build its own context and header. The supervisor's
 session forgot the CA, so an ``https://`` fleet behind a private CA was ejected by its own
-health checks (issue 16) while the request path served it fine. A fix made to one copy is
+health checks while the request path served it fine. A fix made to one copy is
 not a fix; a caller that does not come through here has no TLS and no key, which shows.
 
 The control reads (``GET /health``, ``/version``, ``/v1/models``, and whether
@@ -64,7 +64,7 @@ class EngineRef(Protocol):
 def ssl_context(ca_file: str = "") -> ssl.SSLContext:
     """The context that verifies ``https://`` engines.
 
-    With ``ca_file`` only that bundle is trusted (a private CA, as SPEC §7 means it), else the
+    With ``ca_file`` only that bundle is trusted (a private CA, as docs/settings.md means it), else the
     system store. Hostname checks stay on either way: a CA-signed certificate for another
     host is refused too. A new context per call: a reload may point at a new bundle.
     """
@@ -72,7 +72,8 @@ def ssl_context(ca_file: str = "") -> ssl.SSLContext:
 
 
 def auth_headers(settings: EngineSettings) -> dict[str, str]:
-    """``Authorization: Bearer <engine.api_key>`` when a key is set (SPEC §2), else nothing.
+    """``Authorization: Bearer <engine.api_key>`` when a key is set (docs/behaviour.md "The request path"), else
+    nothing.
 
     The client's own Authorization never gets here: engines see only the engine key.
     """
@@ -145,7 +146,7 @@ def parse_version(body: bytes) -> str | None:
 
 
 class VersionPin:
-    """``engine_contract.engine_version`` (SPEC §6): a PEP 440 version or specifier set.
+    """``engine_contract.engine_version`` (docs/behaviour.md "Recovery"): a PEP 440 version or specifier set.
 
     Settings already refused anything else, so building one never fails. A version pin ``V``
     is the specifier ``==V`` (:func:`narwhal.settings.engines.parse_version_pin`): ``0.11`` equals
@@ -179,11 +180,12 @@ class VersionPin:
 # ---------------------------------------------------------------------- the client
 
 
-UNREACHABLE = "unreachable"  # a ControlError's reason when no connection was made (SPEC §6's unreachable)
+# a ControlError's reason when no connection was made (docs/behaviour.md "Recovery"'s unreachable)
+UNREACHABLE = "unreachable"
 
 
 GENERATE_PATH = "/inference/v1/generate"
-# SPEC §11: what preflight and /admin/engines say of an engine that answers 403 there.
+# docs/decisions.md "vLLM releases": what preflight and /admin/engines say of an engine that answers 403 there.
 SCALE_OUT_REFUSAL = "answers 403 on /inference/v1/generate: vLLM runs without --enable-scale-out"
 
 
@@ -268,7 +270,7 @@ class PooledReader:
     """``get`` as :class:`ControlClient` answers it, over the data plane's pooled HTTP/1.1 client.
 
     For the one control read made many times a second: the supervisor's ``/metrics`` of every
-    engine each ``placement.load_interval_s`` (SPEC §3.2). Through aiohttp's client a read of a
+    engine each ``placement.load_interval_s`` (docs/behaviour.md "Placement"). Through aiohttp's client a read of a
     fake engine's ``/metrics`` cost ~330 µs of CPU, through this ~160 µs (2,000 reads each on
     this 2-core VM): at 10 Hz per engine that is the supervisor's largest steady cost. The same
     TLS context, the same key, the same whole-exchange bound and the same :class:`ControlError`.

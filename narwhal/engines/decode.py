@@ -1,10 +1,11 @@
 """One decode leg, the engine's side: open it, then take spans until the stream has ended.
 
-A :class:`DecodeLeg` reads the consumer's answer and applies the stream rules of SPEC §4 in
+A :class:`DecodeLeg` reads the consumer's answer and applies the stream rules of docs/behaviour.md "Failure semantics"
+in
 named steps — :meth:`open` (POST, read the head under the first-token timer),
 :meth:`next_span` (the next bytes for the client), :meth:`close` (pool or close the
 connection). What the client sees is decided by its caller; what the engine did is decided
-here. Before any leg, :func:`checked_handoff` is the handoff's own step (SPEC §3 step 5).
+here. Before any leg, :func:`checked_handoff` is the handoff's own step (docs/behaviour.md "The request path" step 5).
 
 The hot path: after the first token, spans that cannot end the stream are handed to the
 caller's *sink* from the connection's data callback (``narwhal.engines.relay``), so a long
@@ -72,7 +73,8 @@ _RELAY_AFTER = 1
 @dataclass(frozen=True, slots=True)
 class DecodeContext:
     """What a decode leg needs of the client that made it, and nothing more: the pool's ``post``,
-    the engine headers and the two timeouts of SPEC §4. Built once per client (not per leg);
+    the engine headers and the two timeouts of docs/behaviour.md "Failure semantics". Built once per client (not per
+    leg);
     the leg imports nothing from ``engines.client``, so the two modules no longer import each
     other."""
 
@@ -101,7 +103,8 @@ class DecodeOptions(LegOptions, total=False):
 def checked_handoff(
     result: PrefillResult, decode_endpoint: Endpoint, max_age_s: float | None
 ) -> dict[str, Any] | None:
-    """SPEC §3 step 5, and step 6's age rule: the descriptor a decode on ``decode_endpoint`` may
+    """docs/behaviour.md "The request path" step 5, and step 6's age rule: the descriptor a decode on
+    ``decode_endpoint`` may
     carry (None when the prefill was not crossed: a same-worker or local decode carries none),
     or raise ``invalid_handoff`` (the NixlConnector rules in order) or ``handoff_expired``. Its
     own step, before any leg is built: what an attempt does with a refused handoff (count it
@@ -141,7 +144,7 @@ class DecodeLeg:
     ) -> None:
         """Build the body around ``descriptor``, already checked (:func:`checked_handoff`);
         ``max_age_s``: the handoff's age bound, which its request's connect and send must beat
-        (SPEC §11: a request written after the lease could read blocks given to another);
+        (docs/decisions.md "vLLM releases": a request written after the lease could read blocks given to another);
         ``loop``: the running loop, when the caller holds it (see ``engines.timers``)."""
         decode_endpoint = endpoint or result.endpoint
         self._endpoint = decode_endpoint.path
@@ -152,7 +155,8 @@ class DecodeLeg:
         self._payload = orjson.dumps(dialect.decode_body(body, result.request_id, descriptor))
         self.streaming, self._deadline, self._sink = stream, deadline, sink
         self._loop = loop or asyncio.get_running_loop()
-        # Streams: connecting and the response head spend the first token's budget (SPEC §4);
+        # Streams: connecting and the response head spend the first token's budget (docs/behaviour.md "Failure
+        # semantics");
         # a whole answer is bounded by the deadline only.
         first_s = ctx.first_token_timeout_s if stream else 0.0
         self._first_bound = failures.leg_bound(self._loop.time(), first_s, deadline)

@@ -1,4 +1,5 @@
-"""The one registry of the router's client endpoints (SPEC §2.1): every POST route, once.
+"""The one registry of the router's client endpoints (docs/behaviour.md "The other P/D endpoints"): every POST route,
+once.
 
 An :class:`Endpoint` is a path, whether it takes the P/D path or is passed through to one
 engine, and its :class:`~narwhal.engines.dialects.Dialect` — the endpoint's admission checks,

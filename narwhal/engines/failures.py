@@ -2,7 +2,8 @@
 
 The one place that turns what the wire reports (``narwhal.engines.http1``'s exceptions, a
 status, an error object inside a stream, a clock that ran out) into :class:`EngineError` with
-its reason, engine, leg and message (SPEC §2, §4). Messages name engines by name, never by URL.
+its reason, engine, leg and message (docs/behaviour.md "The request path", "Failure semantics"). Messages name engines
+by name, never by URL.
 Each reason's status, retry rule and breaker weight are in ``narwhal.reasons``.
 
 The wire's exceptions are mapped by one context manager, :class:`WireFailures`, that every leg
@@ -170,7 +171,8 @@ def status_error(status: int, data: bytes, name: str, phase: Phase) -> EngineErr
 def stream_error(err: dict[str, Any], name: str, phase: Phase = "decode") -> EngineError:
     """An error the engine reported inside a 200 (a stream's error event, or a whole answer's
     own failure, ``Dialect.whole_error``): its ``code`` when that is a status, else 502; counted
-    against the engine on ``phase`` only when 5xx (SPEC §2.1, §4, §6)."""
+    against the engine on ``phase`` only when 5xx (docs/behaviour.md "The other P/D endpoints", "Failure semantics",
+    "Recovery")."""
     code = err.get("code")
     status = code if type(code) is int and 400 <= code <= 599 else 502
     message = err.get("message")
@@ -203,7 +205,7 @@ def disconnected(name: str, terminal: str = "[DONE]") -> EngineError:
 
 
 def done_before_token(name: str, terminal: str = "[DONE]") -> EngineError:
-    """``terminal`` is the bare name of the endpoint's terminal event (SPEC §2.1)."""
+    """``terminal`` is the bare name of the endpoint's terminal event (docs/behaviour.md "The other P/D endpoints")."""
     return EngineError(
         f"stream ended with {terminal} before any token arrived", reason=Reason.DONE_BEFORE_TOKEN, engine=name,
         phase="decode",

@@ -24,7 +24,8 @@ module does just that, in a few steps per request:
 TCP_NODELAY is set by the event loop itself (uvloop and asyncio do it for every TCP transport);
 ``tests/unit/engines/test_http1.py`` checks it on the upstream sockets rather than setting it twice.
 
-Errors are three classes, mapped to SPEC reasons in exactly one place (``engines.client``):
+Errors are three classes, mapped to the router's reasons (``narwhal.reasons``) in exactly one place
+(``engines.client``):
 :class:`ConnectFailed` (nothing was sent), :class:`ConnectionLost` (the connection ended before
 the whole response), :class:`ProtocolError` (bytes that are not HTTP/1.1).
 

@@ -24,7 +24,7 @@ Invariants, and why they hold:
   takes them; headers over ``MAX_HEAD`` bytes fail the exchange.
 
 The error classes live here too (the connection raises all but ``ConnectFailed``) and are
-re-exported by ``engines.http1``; ``engines.client`` maps them to SPEC reasons.
+re-exported by ``engines.http1``; ``engines.client`` maps them to the router's reasons.
 """
 
 from __future__ import annotations
@@ -380,7 +380,7 @@ class Connection(asyncio.Protocol):
         stops or restarts resets its connections, and the loop may run the next request before
         it reads the reset. That request would go out on a dead connection and fail as "closed
         the connection before a response", where a fresh connection says the truth: refused
-        (unreachable, SPEC §6), or accepted by the engine's new process. One ``poll`` per reuse."""
+        (unreachable, docs/behaviour.md "Recovery"), or accepted by the engine's new process. One ``poll`` per reuse."""
         if self._fd < 0:
             return False
         poller = select.poll()

@@ -1,6 +1,6 @@
 """What an engine says about its own load: the few series of vLLM's ``/metrics`` placement reads.
 
-SPEC §3.2. The names, as vLLM's own ``vllm/v1/metrics/loggers.py`` declares them (checked
+docs/behaviour.md "Placement". The names, as vLLM's own ``vllm/v1/metrics/loggers.py`` declares them (checked
 against the source; one gauge per engine index, labelled ``model_name`` and ``engine``):
 
 * ``vllm:num_requests_running`` — requests in the model's execution batches;
@@ -9,7 +9,7 @@ against the source; one gauge per engine index, labelled ``model_name`` and ``en
   older engines (before 0.10) call it ``vllm:gpu_cache_usage_perc``, which 0.9 still exports
   beside the new name as a deprecated copy. The new name wins when both are present.
 
-For the holdings (SPEC §3.3), :func:`parse_capacity` reads ``vllm:cache_config_info`` and
+For the holdings (docs/behaviour.md "Placement"), :func:`parse_capacity` reads ``vllm:cache_config_info`` and
 :func:`parse_prefill` the engine's own prefill counters, as the same ``loggers.py`` declares them
 (checked against the source): the histogram ``vllm:request_prefill_time_seconds`` (its ``_sum``
 and ``_count``; a request's first token less its scheduling, observed when it finishes, the
@@ -94,7 +94,7 @@ def parse_load(text: str | bytes) -> EngineLoad | None:
             continue  # NaN (a gauge never set), Inf, or nonsense: not a figure to place by
         name = match.group(1)
         if name not in sums and value > _KV_MAX:
-            continue  # a usage share past 1 is no share: unknown, not "full" (issue 40 item 12)
+            continue  # a usage share past 1 is no share: unknown, not "full"
         seen = True
         if name in sums:
             sums[name] += value
@@ -140,7 +140,8 @@ _CONFIG = CACHE_CONFIG.encode() + b"{"
 
 
 def parse_capacity(text: str | bytes) -> int | None:
-    """The KV capacity in tokens from ``vllm:cache_config_info`` (SPEC §3.3 source 3, §11), or
+    """The KV capacity in tokens from ``vllm:cache_config_info`` (docs/behaviour.md "Placement" source 3,
+    docs/decisions.md "vLLM releases"), or
     None when unknown. Pure and total: whatever an engine sends, a number or None.
 
     One series per data-parallel engine (label ``engine``); labels are read by their whole
@@ -196,7 +197,8 @@ def _positive(value: bytes | None) -> int | None:
     return number if number > 0 else None
 
 
-# The engine's own prefill rate (SPEC §3.3, ``supervisor.holdings.engine_rate``): vLLM's prefill-time
+# The engine's own prefill rate (docs/behaviour.md "Placement", ``supervisor.holdings.engine_rate``): vLLM's
+# prefill-time
 # histogram (``RequestStateStats``: first token less scheduled, observed when a request finishes;
 # the batch queue's wait is ``vllm:request_queue_time_seconds``, not this) and its prefix-cache
 # counters in tokens (counted as the scheduler looks a request up), declared in the same

@@ -7,7 +7,7 @@ a separator can be split across TCP reads, and aiohttp's line reader refuses lin
 The relay never re-encodes an event. :class:`SSEFramer` returns *spans* of complete events
 (bytes exactly as received, CRLF normalised to LF) so they can be written to the client in
 one piece, and the classification helpers look into an event only as far as the stream
-rules of SPEC §4 require:
+rules of docs/behaviour.md "Failure semantics" require:
 
 * before the first generated token every event is parsed (once, with orjson) to tell a
   generated token from metadata;
@@ -27,7 +27,7 @@ DONE_EVENT = b"data: [DONE]\n\n"
 _SEP = b"\n\n"
 # One event may be this large (a first chunk with the prompt's logprobs can run to megabytes); an
 # engine that sends more without a blank line is broken, and each byte it sent reset the silence
-# timer: the framer would have held it without bound (issue 40 item 11).
+# timer: the framer would have held it without bound.
 MAX_EVENT_BYTES = 16 << 20
 
 

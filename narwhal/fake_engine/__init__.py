@@ -1,13 +1,13 @@
-"""A fake vLLM engine that speaks the disaggregated (prefill/decode) wire format (SPEC §9).
+"""A fake vLLM engine that speaks the disaggregated (prefill/decode) wire format (docs/behaviour.md "Fake engines").
 
 Why it exists: the router's hard cases — a producer whose KV blocks stay pinned, a consumer that
 cannot read them, a stream that stalls, errors inside HTTP 200 streams, malformed descriptors —
 are rare on real GPUs and impossible to trigger on demand. The fake imitates vLLM's OpenAI server
-and NixlConnector faithfully (see VLLM-PROTOCOL.md section A) and lets tests inject each fault per
+and NixlConnector faithfully (see vLLM's OpenAI server and NixlConnector) and lets tests inject each fault per
 engine or per request, while staying cheap enough for the perf suite.
 
 Engine routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/messages``,
-``POST /v1/responses``, ``POST /inference/v1/generate`` (VLLM-PROTOCOL.md B), ``GET /health``,
+``POST /v1/responses``, ``POST /inference/v1/generate`` (vLLM's `vllm/entrypoints/` for each route), ``GET /health``,
 ``/version``, ``/v1/models``, ``/load``, ``/metrics``, ``/fake/stats``, ``POST /fake/kv/read``, and
 the passthrough routes ``POST /tokenize``, ``/detokenize``, ``/v1/embeddings``, ``/pooling``,
 ``/score``, ``/v1/score``, ``/rerank``, ``/v1/rerank`` (``passthrough.py``).
@@ -21,7 +21,8 @@ models, ``state.EngineModel``; a PUT changes the keys it names), ``GET|PUT|DELET
 empty prefix cache; ``&version=V``: of another release; ``&scale_out=0|1``: without or with
 ``--enable-scale-out``), ``POST /reset`` (also stops background load).
 
-Load and cache models (SPEC §9), each off by default (``--max-num-seqs``, ``--prefill-s-per-token``,
+Load and cache models (docs/behaviour.md "Fake engines"), each off by default (``--max-num-seqs``,
+``--prefill-s-per-token``,
 ``--prefix-cache``, ``--kv-blocks``): a batch limit with FIFO waiting and background load
 (``batch``), a prefix cache of chained 16-token blocks (``prefix``; a token is then 4 characters of
 the prompt), a prefill cost per uncached token on one prefill lane, all applied per request by

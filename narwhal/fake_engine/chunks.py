@@ -14,7 +14,8 @@ Invariant: every completion body and frame the fake sends is built here and nowh
 writes them, ``generate`` picks them), so matching vLLM byte for byte is this module's job alone.
 It is a leaf: it imports nothing from the rest of the fake.
 
-Shapes follow vLLM's OpenAI server (VLLM-PROTOCOL.md A.4): completions frames carry ``text``,
+Shapes follow vLLM's OpenAI server (vLLM's OpenAI server, `vllm/entrypoints/openai/`): completions frames carry
+``text``,
 ``logprobs``, ``finish_reason``, ``stop_reason`` and ``"usage": null``; chat frames carry a
 ``delta`` and are serialized with ``exclude_unset`` so a plain content chunk has no ``stop_reason``
 while the final one does.
@@ -137,8 +138,8 @@ class ModelTemplates:
 class ChunkShape:
     """What a release's chunk holds beyond the token, and whether every chunk carries usage.
 
-    0.11 and 0.33 build the same chunk objects but serialize them differently (VLLM-PROTOCOL.md
-    §D): 0.33's choices gained ``weight_versions`` and its chunks ``kv_transfer_params`` (null
+    0.11 and 0.33 build the same chunk objects but serialize them differently (each release's
+    ``protocol.py``): 0.33's choices gained ``weight_versions`` and its chunks ``kv_transfer_params`` (null
     unless the request produced a descriptor, which a decode does not); 0.11's completions are
     dumped without ``exclude_unset``, so every default shows. ``continuous_prompt`` is the prompt's
     token count when ``stream_options.continuous_usage_stats`` asked for usage on every chunk

@@ -1,4 +1,4 @@
-"""Fault specifications for the fake vLLM engine (SPEC §9).
+"""Fault specifications for the fake vLLM engine (docs/behaviour.md "Fake engines").
 
 Why pydantic with ``extra="forbid"``: fault specs arrive from tests over HTTP (per request inside
 the body's ``narwhal_fake`` key, or engine-wide through the control server). A typo such as

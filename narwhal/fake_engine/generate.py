@@ -250,7 +250,7 @@ async def _pull_for(engine: EngineState, request: web.Request, req: ParsedReques
 def _pull_params(request: web.Request, engine: EngineState, req: ParsedRequest) -> dict[str, Any]:
     """The descriptor to pull by. A 0.11 descriptor names no ``remote_request_id``: that release's
     consumer notifies the producer under its *own* request id, which matches the producer's only
-    because a router sends both legs the same ``X-Request-Id`` (VLLM-PROTOCOL.md A.3)."""
+    because a router sends both legs the same ``X-Request-Id`` (vLLM's own P/D proxy, which sends both legs one id)."""
     params = req.kv_params
     assert params is not None
     if "remote_request_id" in params:

@@ -1,6 +1,7 @@
 """Imitation of NixlConnector's KV handoff: the producer's descriptor and the consumer's pull.
 
-What vLLM does (VLLM-PROTOCOL.md A.2–A.5): a prefill sent with ``do_remote_decode: true`` finishes,
+What vLLM does (vLLM's NixlConnector and scheduler, `vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py`):
+a prefill sent with ``do_remote_decode: true`` finishes,
 but its KV blocks stay allocated on the producer (``delay_free_blocks``) until a consumer READs
 them through the NIXL side channel, or until the lease (``kv_lease_duration``, default 30 s)
 expires. A read of blocks that are gone is only logged and the decode goes on ("late read"). A read
@@ -38,11 +39,12 @@ def producer_descriptor(
     cached_tokens: int = 0,
 ) -> Any:
     """The producer's handoff in the key set of the engine's release (``fake_engine.release``,
-    VLLM-PROTOCOL.md A.2 and §D), corrupted on demand.
+    vLLM's NixlConnector, `nixl_connector.py`, in each release), corrupted on demand.
 
     Allocates and holds the blocks when a usable descriptor is returned; ``MISSING`` means "omit
     the key". A corrupted descriptor holds nothing: no consumer could ever read or free it, so a
-    router is right to send it nowhere (SPEC §3 step 5), and held blocks must stay a measure of
+    router is right to send it nowhere (docs/behaviour.md "The request path" step 5), and held blocks must stay a
+    measure of
     what a *router* strands.
     """
     if fault == "missing":
@@ -101,7 +103,7 @@ def _release_keys(engine: EngineState, desc: dict[str, Any], prompt_tokens: int,
             "transfer_mode": engine.transfer_mode,
             "remote_prefill_cached_tokens": cached_tokens,
         })
-        if engine.transfer_mode == "push":  # push_scheduler: neither of these (VLLM-PROTOCOL §D)
+        if engine.transfer_mode == "push":  # push_scheduler: neither of these (vLLM 0.33's `nixl_connector.py`)
             del desc["remote_blocks_expiry_time"], desc["remote_registration_generation"]
         elif not engine.release.since_033:  # a real 0.32 engine's fourteen keys (the real tier)
             del desc["remote_registration_generation"]

@@ -1,6 +1,6 @@
 """Reading ``/v1/messages``, ``/v1/responses`` and ``/inference/v1/generate`` requests as vLLM does.
 
-The fields and refusals that matter to a router (VLLM-PROTOCOL.md B): Messages need ``messages``
+The fields and refusals that matter to a router (vLLM's `vllm/entrypoints/` for each route): Messages need ``messages``
 and a positive ``max_tokens``; Responses need ``input`` and read ``max_output_tokens`` and the
 body's ``request_id``; generate needs ``token_ids`` and a ``sampling_params`` object whose
 ``max_tokens`` bounds the output and refuses ``min_tokens > max_tokens``, and, like completions,

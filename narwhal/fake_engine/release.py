@@ -1,4 +1,4 @@
-"""What differs between the vLLM releases the fake imitates (SPEC §11, VLLM-PROTOCOL.md §D).
+"""What differs between the vLLM releases the fake imitates (docs/decisions.md "vLLM releases", vLLM 0.33's sources).
 
 One profile per imitated release, chosen by ``--vllm-version`` (default ``0.33.0``). Every shape
 here comes from the release's own sources, never from what the router accepts:

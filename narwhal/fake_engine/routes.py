@@ -1,7 +1,7 @@
 """The fake engine's small routes: vLLM's operational endpoints and the fake's own ``/fake/*``.
 
 These mirror what a router's probes and preflight touch on a real vLLM server
-(VLLM-PROTOCOL.md A.4): ``/health`` with an empty body (503 when the engine is dead),
+(vLLM's OpenAI server, `vllm/entrypoints/openai/`): ``/health`` with an empty body (503 when the engine is dead),
 ``/version``, ``/v1/models``, ``/load`` and a Prometheus ``/metrics`` in vLLM's naming. The heavy
 route, completions, lives in ``generate.py``.
 

@@ -57,7 +57,7 @@ def lookup(engine_id: str) -> EngineState | None:
 
 
 class EngineModel(BaseModel):
-    """The load and cache models of one engine (SPEC §9), each off by default.
+    """The load and cache models of one engine (docs/behaviour.md "Fake engines"), each off by default.
 
     ``kv_blocks`` is the KV capacity in blocks: the prefix cache's LRU bound, and the
     denominator of ``kv_cache_usage_perc`` (running requests' prompt blocks plus held handoff
@@ -71,7 +71,7 @@ class EngineModel(BaseModel):
     prefix_cache: bool = False  # also: tokens are 4-character pieces of the prompt text
     kv_blocks: int = Field(default=10000, ge=1)
     # False: ``/metrics`` leaves out ``vllm:cache_config_info``, as vLLM before 0.6 and some builds
-    # do (the router then knows no KV capacity, SPEC §3.3 source 3).
+    # do (the router then knows no KV capacity, docs/behaviour.md "Placement" source 3).
     cache_config_info: bool = True
     # The descriptor's ``tp_size``; as a consumer, vLLM 0.11's NixlConnector rule: its own TP must
     # be a multiple of the producer's, or the KV pull fails (``kv.consumer_pull``).
@@ -302,7 +302,8 @@ class EngineState:
             },
             "kv_reads": store.kv_reads,
             "late_reads": store.late_reads,
-            "expired_reads": store.late_reads,  # SPEC §11's name: reads of a handoff whose lease ran out
+            # docs/decisions.md "vLLM releases"'s name: reads of a handoff whose lease ran out
+            "expired_reads": store.late_reads,
             "incompatible_decodes": self.incompatible_decodes,
             "version": self.base_version,
             "transfer_mode": self.transfer_mode,

@@ -1,4 +1,4 @@
-"""The breakers' vocabulary and who a failed attempt counts against (SPEC §6 "blame").
+"""The breakers' vocabulary and who a failed attempt counts against (docs/behaviour.md "Recovery" "blame").
 
 The types that cross :mod:`narwhal.supervisor.breaker`'s boundary live here (and are re-exported there):
 :class:`State`, :class:`EngineInfo`, :class:`Outcome` in, :class:`ProbePlan` and
@@ -31,7 +31,7 @@ succeeds in that role (or is readmitted), not when it is charged, so a consumer 
 failing with two producers keeps being charged. For P, succeeding means a *crossed* handoff
 decoded to completion: its local and same-worker successes hand nothing over.
 
-What a stream decoded to ``[DONE]`` clears depends on what it proved (SPEC §6: "a prefill
+What a stream decoded to ``[DONE]`` clears depends on what it proved (docs/behaviour.md "Recovery": "a prefill
 that merely answered proves nothing about the handoff"). A producer's charge for handing its
 KV over (``invalid_handoff``, or a crossed decode explained by P) is a :attr:`Charge.handoff`:
 
@@ -45,7 +45,7 @@ local decode        the engine's         nothing: no prefill ran
 
 Were a same-worker or local success to clear handoff charges, an engine of role ``both`` whose
 crossed handoffs all fail would never be ejected while it serves short prompts itself, and
-the consumers it fails on would be charged in its place (issue 25). A lone ``both`` engine
+the consumers it fails on would be charged in its place. A lone ``both`` engine
 (no crossed partner) still has its prefill faults forgiven by its own successes.
 
 Permitted partners are counted without the engine itself: a same-worker pair never makes a
@@ -62,13 +62,14 @@ from typing import Literal
 
 RoleName = Literal["producer", "consumer"]
 
-# Reasons that never count, even if a report says ``counts=True`` (belt and braces: SPEC §4,
-# §6), come from the one table of reasons.
+# Reasons that never count, even if a report says ``counts=True`` (belt and braces: docs/behaviour.md "Failure
+# semantics",
+# "Recovery"), come from the one table of reasons.
 from narwhal.reasons import UNCOUNTED_REASONS  # noqa: E402, F401
 
 
 class State(enum.IntEnum):
-    """Values are those of the ``narwhal_engine_state`` gauge (SPEC §8)."""
+    """Values are those of the ``narwhal_engine_state`` gauge (docs/operations.md "Following a request")."""
 
     ADMITTED = 0
     QUARANTINED = 1
@@ -85,7 +86,7 @@ class EngineInfo:
     name: str
     role: str  # "producer" | "consumer" | "both"
     wave: str | None
-    permitted_consumers: frozenset[str]  # by configuration (SPEC §3 step 2)
+    permitted_consumers: frozenset[str]  # by configuration (docs/behaviour.md "The request path" step 2)
     permitted_producers: frozenset[str]
 
     @property
@@ -105,11 +106,11 @@ class Outcome:
     ok: bool  # decoded to completion ([DONE]): proves the handoff and the stream
     failed_engine: str | None  # the engine the fault was observed on (None when ok / not an engine fault)
     phase: str | None  # "prefill" | "decode": the leg that failed
-    reason: str | None  # SPEC §2 reason
+    reason: str | None  # docs/behaviour.md "The request path" reason
     counts: bool  # False for 4xx/429, client disconnects, client deadlines, handoff_expired
     before_first_token: bool  # for decode faults: failed before the first generated token?
     at: float  # completion time (reports are merged in this order)
-    # A local decode (SPEC §3.2): no prefill ran, ``producer`` is the consumer. Its success
+    # A local decode (docs/behaviour.md "Placement"): no prefill ran, ``producer`` is the consumer. Its success
     # proves the consumer and nothing about the engine as a producer.
     local: bool = False
 

@@ -1,4 +1,4 @@
-"""What Narwhal must know of an engine's vLLM release (SPEC §11): pure rules, no I/O.
+"""What Narwhal must know of an engine's vLLM release (docs/decisions.md "vLLM releases"): pure rules, no I/O.
 
 * **Compatible pairs.** NIXL's handshake compares a compatibility hash that includes the exact
   vLLM version string and the transfer mode (``nixl/metadata.py``

@@ -1,4 +1,5 @@
-"""Choosing the one engine a passthrough request goes to, and holding its slot (SPEC §2.1).
+"""Choosing the one engine a passthrough request goes to, and holding its slot (docs/behaviour.md "The other P/D
+endpoints").
 
 ``/tokenize``, ``/v1/embeddings``, ``/score``, ``/rerank`` … need no prefill and no handoff: one
 engine that serves the model answers them. Which one, and why:
@@ -9,7 +10,7 @@ engine that serves the model answers them. Which one, and why:
   take it now (out, quarantined, or at its cap).
 * **least loaded** within a tier, by the fleet-wide in-flight count of the phase the engine
   serves in (decode for an engine that can decode, prefill for a producer) plus, where fresh,
-  what the engine reports running and waiting beyond this host's legs (SPEC §3.2, the same
+  what the engine reports running and waiting beyond this host's legs (docs/behaviour.md "Placement", the same
   figures placement weighs), ties at random. :func:`choose` is that rule alone, over the
   counts it is given.
 * **a slot while it runs.** The request holds one in-flight slot of that same phase
@@ -117,7 +118,7 @@ class SingleEngine:
         loads = placement.current_loads()
         extra = None if loads is None else loads.extra
         order = choose(engines, view.admitted, prefills, decodes, self._rng, extra=extra)
-        if not order and view.any_avoided():  # quarantined, then unreachable ones last (SPEC §5, §6)
+        if not order and view.any_avoided():  # quarantined, then unreachable ones last (docs/behaviour.md "Recovery")
             rank = {e.index: (view.unreachable(e), view.quarantine_left(e)) for e in engines}
             order = choose(engines, view.placeable, prefills, decodes, self._rng, lambda e: rank[e.index], extra)
         for engine in order:

@@ -1,11 +1,11 @@
-"""Which engines cannot be reached now (SPEC §6, round 4): pure state the supervisor keeps.
+"""Which engines cannot be reached now (docs/behaviour.md "Recovery", round 4): pure state the supervisor keeps.
 
 An engine whose last connection attempt failed is *unreachable* until a connection to it
 succeeds again. Placement weighs this above load and above the breaker's state whenever it has
 to fall back (``narwhal.fleet.placement.fallback``): a consumer that refuses connections fails
 fast, so it looks least loaded, and quarantine and ``max_ejected_fraction`` never take the last
 engines of a role out, so without this rule a dead consumer took every request while a live one,
-ejected for stream faults but reachable, was held out by the cap (issue 40).
+ejected for stream faults but reachable, was held out by the cap.
 
 Evidence, in the order the supervisor sees it (the last word wins):
 

@@ -37,7 +37,7 @@ class Engine:
     peers: frozenset[str] | None  # the consumers a producer may hand off to; None: any
     models: frozenset[str] = frozenset()
     models_configured: bool = False
-    transfer_mode: str = "pull"  # engines[].transfer_mode: NIXL pull or push (SPEC §11)
+    transfer_mode: str = "pull"  # engines[].transfer_mode: NIXL pull or push (docs/decisions.md "vLLM releases")
     version: str | None = None  # the engine's /version as the supervisor read it; None: not yet
     enforce_versions: bool = True  # compat.enforce_versions: pairs need one vLLM version
     generate_refused: bool = False  # it answers 403 on /inference/v1/generate (no --enable-scale-out)
@@ -49,7 +49,7 @@ class Engine:
 
 
 def pair_permitted(p: Engine, d: Engine) -> bool:
-    """SPEC §3 step 2: roles, kv_peers, same connector; P = D only for role ``both``."""
+    """docs/behaviour.md "The request path" step 2: roles, kv_peers, same connector; P = D only for role ``both``."""
     if not (p.can_prefill and d.can_decode) or p.connector != d.connector:
         return False
     if p is d:
@@ -120,7 +120,7 @@ class Fleet:
 
     def set_version(self, engine: Engine, version: str | None) -> None:
         """The vLLM version ``engine`` reports (``/version``); placement's pairs move with ``version``
-        (SPEC §11: only engines of one version hand off)."""
+        (docs/decisions.md "vLLM releases": only engines of one version hand off)."""
         if engine.version != version:
             if version is not None:
                 log.info("engine %s runs vLLM %s", engine.name, version)
@@ -175,7 +175,7 @@ def _engine(index: int, spec: EngineSpec, connector: str, enforce_versions: bool
 class FleetView(Protocol):
     """What placement asks about breaker state: the one seam the supervisor fills in.
 
-    Two kinds of "not now" (SPEC §5, §6). *Out* — ejected, probing, draining, taken out by an
+    Two kinds of "not now" (docs/behaviour.md "Recovery"). *Out* — ejected, probing, draining, taken out by an
     operator — is hard: such an engine takes no new request. *Quarantined* — the supervisor's
     published QUARANTINED state or this worker's own quarantine after a failure it saw — is
     soft: placement steers around it while other engines can take the request, and uses it
@@ -203,7 +203,7 @@ class FleetView(Protocol):
         ...
 
     def unreachable(self, engine: Engine) -> bool:
-        """Did the engine's last connection attempt fail (SPEC §6, round 4)? Published by the
+        """Did the engine's last connection attempt fail (docs/behaviour.md "Recovery", round 4)? Published by the
         supervisor, or seen by this worker a moment ago."""
         ...
 

@@ -89,7 +89,7 @@ def _assign_engine_slots(settings: Settings) -> None:
     taken = {n for n, _ in static} | {u for _, u in static}
     try:
         # Every description encoded before the table is touched: a refused one (too long) must
-        # leave a reload wholly unapplied, not half (issue 40 item 3).
+        # leave a reload wholly unapplied, not half.
         encoded = [descriptors.encode(spec.model_dump(), "static") for spec in settings.engines]
         with shared.locked(TABLE_LOCK):  # one table writer at a time: the supervisor writes it too
             kept = [] if not settings.discovery.enabled else [
@@ -254,9 +254,9 @@ def _hold_stop_signals_across_fork(server: Any) -> None:
 
 
 def create_holdings(settings: Settings, slots: int, engines: int | None = None) -> Any:
-    """The holdings region (SPEC §3.3) beside the fleet's, for a policy that wants it: a section
+    """The holdings region (docs/behaviour.md "Placement") beside the fleet's, for a policy that wants it: a section
     per engine slot (``engines``, default the configured engines), so a producer added by a reload
-    or by discovery has one (issue 40 item 11); ``placement.holdings_slots`` keys shared among
+    or by discovery has one; ``placement.holdings_slots`` keys shared among
     the configured producers (each producer that joins later gets a section as large: pages are
     committed only as a section fills)."""
     placement = settings.placement
@@ -288,7 +288,7 @@ def _watch_from_the_main_loop(server: Any, keeper: Any) -> None:
         # A SIGHUP reload waits in Arbiter.reload, calling only reap_workers every 0.1 s, until
         # the old workers are gone (up to the graceful timeout, while they finish streams): the
         # supervisor it stopped must be replaced from there too, not once the wait is over
-        # (issue 25: the old workers' reports met no supervisor, or one that dropped them).
+        # (the old workers' reports met no supervisor, or one that dropped them).
         reap_workers()
         keeper.check()
 

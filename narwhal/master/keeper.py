@@ -1,7 +1,7 @@
 """Starting, watching and restarting the supervisor from the gunicorn master.
 
 Invariant: while the master lives, a supervisor is running or is restarted within about a
-second — whatever killed the previous one (SPEC §1). Only the master can promise that: any
+second — whatever killed the previous one (docs/behaviour.md "Processes"). Only the master can promise that: any
 process below it can be OOM-killed, and a watcher that is itself killed watches nothing (the
 previous design forked a watchdog that forked the supervisor; a SIGKILL of the watchdog
 took the supervisor with it, for good). So the master watches the supervisor itself.

@@ -1,4 +1,4 @@
-"""Preflight at start-up (SPEC §6, ``preflight.on_start``): failing engines start ejected.
+"""Preflight at start-up (docs/behaviour.md "Recovery", ``preflight.on_start``): failing engines start ejected.
 
 Runs in the gunicorn master inside ``on_starting``, before the supervisor and the workers
 exist, so no request is ever placed on an engine that failed it. The verdicts are written as

@@ -1,6 +1,6 @@
 """``narwhal preflight``: check every engine against the contract, then every KV transfer.
 
-Why it exists (SPEC §6 "Preflight"): a disaggregated fleet fails in ways a health check never
+Why it exists (docs/behaviour.md "Recovery" "Preflight"): a disaggregated fleet fails in ways a health check never
 shows — a producer on the wrong vLLM version, a consumer serving another model, a producer whose
 descriptors belong to another connector, a NIXL side channel that advertises ``localhost`` to
 consumers on other hosts. Each of those only shows up when a real prefill is handed to a real
@@ -9,17 +9,17 @@ decode, so preflight does exactly that, once per role-permitted pair, before any
 Two phases, each concurrent (bounded by a semaphore):
 
 1. engines: ``/health`` → ``/version``, ``/v1/models`` and whether ``/inference/v1/generate``
-   answers 403 (together; a 403 is a warning, SPEC §11) → for producer-capable engines, a tiny
+   answers 403 (together; a 403 is a warning, docs/decisions.md "vLLM releases") → for producer-capable engines, a tiny
    prefill whose descriptor must validate (NixlConnector profile). The first failing check is
    the engine's reason; later checks are ``skip``.
 2. pairs: every producer→consumer pair ``pair_permitted`` allows, of compatible versions and
-   transfer modes (SPEC §11: others are skipped, not required, as placement never pairs them),
+   transfer modes (docs/decisions.md "vLLM releases": others are skipped, not required, as placement never pairs them),
    gets a fresh tiny prefill and a streamed decode to ``[DONE]`` through :class:`EngineClient`,
    exactly the router's path. At
    the same time the handoffs made in phase 1 are *released* to a healthy consumer, so no KV
    blocks stay pinned until the producer's lease.
 
-Transfer failures are then charged to engines with the rule of SPEC §6: a producer whose
+Transfer failures are then charged to engines with the rule of docs/behaviour.md "Recovery": a producer whose
 handoffs failed on two consumers (or on its only permitted consumer) fails, likewise a consumer
 that failed with two producers (or its only one); one broken producer never fails every
 consumer. The server calls :func:`run_preflight` at start and ejects ``failed_engines()``.
@@ -209,7 +209,8 @@ class _Preflight:
         if isinstance(version, Check):
             return version
         result.version = version
-        self.fleet.set_version(engine, version)  # the pairs phase tries compatible pairs only (SPEC §11)
+        # the pairs phase tries compatible pairs only (docs/decisions.md "vLLM releases")
+        self.fleet.set_version(engine, version)
         if self.pin is None:
             return Check(OK, f"{version} (not pinned)")
         if not self.pin.matches(version):
@@ -217,7 +218,8 @@ class _Preflight:
         return Check(OK, version)
 
     async def _generate(self, engine: Engine) -> Check | None:
-        """SPEC §11: an engine that answers 403 on ``/inference/v1/generate`` (vLLM 0.33 without
+        """docs/decisions.md "vLLM releases": an engine that answers 403 on ``/inference/v1/generate`` (vLLM 0.33
+        without
         ``--enable-scale-out``) serves everything else, so it does not fail; the check is a skip
         whose detail is the one line the report's warnings repeat. None: it serves generate."""
         if await self.control.generate_refused(engine):
@@ -255,7 +257,8 @@ class _Preflight:
                 handoff.descriptor, producer=engine.name, prefill_endpoint=ENDPOINT.path, decode_endpoint=ENDPOINT.path
             )
         except InvalidHandoff as exc:
-            self._abandoned(engine.name, "its descriptor is invalid")  # sent nowhere (SPEC §3 step 5)
+            # sent nowhere (docs/behaviour.md "The request path" step 5)
+            self._abandoned(engine.name, "its descriptor is invalid")
             return Check(FAIL, f"connector mismatch: {exc.message}")
         self.handoffs[engine.name] = (handoff, body)
         if (tp := tp_size_of(handoff.descriptor)) is not None:
@@ -313,7 +316,7 @@ class _Preflight:
                 result.verdict, result.reason = FAIL, f"transfer failed: {exc.message}"
             result.latency_ms = _ms_since(started)
         if result.verdict == FAIL and p is not d and compat.tp_multiple_rule(by_name[d.name].version):
-            # 0.11's rule only (SPEC §11): later releases accept heterogeneous TP
+            # 0.11's rule only (docs/decisions.md "vLLM releases"): later releases accept heterogeneous TP
             result.reason += causes.tp_cause(p.name, self.tp.get(p.name), d.name, self.tp.get(d.name))
         return result
 
@@ -321,7 +324,7 @@ class _Preflight:
                         by_name: dict[str, EngineResult]) -> None:
         """One handoff from ``p`` decoded on ``d`` to ``[DONE]``, under the request path's handoff
         rules (``engines.control_decode``); raises what ended it otherwise."""
-        crossed = p is not d  # P = D: a same-worker decode, no descriptor (SPEC §3 step 3)
+        crossed = p is not d  # P = D: a same-worker decode, no descriptor (docs/behaviour.md "The request path" step 3)
         body = _probe_body(model)
         handoff = await self.client.prefill(p, ENDPOINT, body, request_id=_request_id(), crossed=crossed)
         if crossed:

@@ -198,7 +198,7 @@ class PreflightReport:
 
 
 def charge_transfers(fleet: Fleet, report: PreflightReport) -> None:
-    """Charge failed transfers to engines as SPEC §6 charges crossed-decode failures."""
+    """Charge failed transfers to engines as docs/behaviour.md "Recovery" charges crossed-decode failures."""
     failed = [p for p in report.pairs if p.verdict == FAIL]
     for engine in fleet.engines:
         result = report.engine(engine.name)

@@ -1,4 +1,4 @@
-"""One JSON line per finished request (SPEC §8), whatever the log level.
+"""One JSON line per finished request (docs/operations.md "Following a request"), whatever the log level.
 
 Lines are orjson-encoded and buffered per worker, then written at most ``FLUSH_S`` after the
 request ended (or as soon as ``PIPE_BUF`` bytes wait): a write syscall per request was a
@@ -40,7 +40,7 @@ class AccessRecord:
     total_s: float | None = None
     reason: str | None = None
     stream: bool | None = None
-    # "disaggregated", "same_worker", "local" (SPEC §3.2), "passthrough" (one engine, no P/D);
+    # "disaggregated", "same_worker", "local" (docs/behaviour.md "Placement"), "passthrough" (one engine, no P/D);
     # None: never placed
     mode: str | None = None
     prompt_tokens: int | None = None  # of the prefill, as the producer reported them
@@ -54,7 +54,9 @@ class AccessRecord:
     trace_id: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """The line's JSON fields in their documented order (SPEC §8), stamped with the wall clock now."""
+        """The line's JSON fields in their documented order (docs/operations.md "Following a request"), stamped with
+        the wall clock now.
+        """
         return {
             "ts": round(time.time(), 6),
             "request_id": self.request_id,

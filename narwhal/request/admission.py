@@ -56,8 +56,8 @@ class ClientRequest:
     deadline: float  # loop.time() units
     forward: dict[str, str]
     affinity: int | None = None  # the prefix-affinity key's hash (narwhal.request.affinity)
-    local: bool = False  # a prompt short enough to skip the remote prefill (SPEC §3.2)
-    blocks: PrefixBlocks | None = None  # policy "held": the prompt's prefix block keys (SPEC §3.3)
+    local: bool = False  # a prompt short enough to skip the remote prefill (docs/behaviour.md "Placement")
+    blocks: PrefixBlocks | None = None  # policy "held": the prompt's prefix block keys (docs/behaviour.md "Placement")
     # The prompt fields' values once ``body`` holds them encoded (``embed_prompt``): what a
     # stream's continuation is built from (narwhal.request.migration).
     prompt: dict[str, Any] = field(default_factory=dict)
@@ -95,7 +95,8 @@ def _valid_tracestate(value: str) -> bool:
 
 def trace_context(request: web.Request, parent: str | None) -> dict[str, str]:
     """The client's ``traceparent`` / ``tracestate`` to send on both legs, each only when it is
-    valid W3C trace context: printable ASCII within W3C's lengths (SPEC §2). An invalid one is
+    valid W3C trace context: printable ASCII within W3C's lengths (docs/behaviour.md "The request path"). An invalid
+    one is
     dropped, not refused: tracing is the client's convenience, never a reason to fail its
     request, and an engine must never see bytes the router cannot vouch for. ``parent``: the
     ``traceparent`` header as the router read it for the access log (None: not sent), read once."""

@@ -1,4 +1,5 @@
-"""What placement learns from the prompt at admission: the affinity key and local decode (SPEC §3.2).
+"""What placement learns from the prompt at admission: the affinity key and local decode (docs/behaviour.md
+"Placement").
 
 The prompt text as the engine would see it, from the parsed body: each endpoint's dialect
 returns it from its start (``Dialect.affinity_text``: completions ``prompt`` — a string, the
@@ -69,7 +70,7 @@ def block_hints(
 
 
 def prefix_blocks(endpoint: Endpoint, body: dict[str, Any], settings: PlacementSettings) -> PrefixBlocks | None:
-    """The prompt's prefix blocks for policy ``held`` (SPEC §3.3), None when it has no full block.
+    """The prompt's prefix blocks for policy ``held`` (docs/behaviour.md "Placement"), None when it has no full block.
 
     The text is read to one character past ``max_prefix_chars``, so a reporter can tell a whole
     prompt (its length gives characters per token) from a cut one; keys are computed lazily."""

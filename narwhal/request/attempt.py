@@ -1,9 +1,11 @@
-"""One attempt, read top to bottom as SPEC §3's steps: :meth:`Attempts.run` reserves the pair (2),
+"""One attempt, read top to bottom as docs/behaviour.md "The request path"'s steps: :meth:`Attempts.run` reserves the
+pair (2),
 runs the prefill (3, ``_prefill``), reads its result (4, ``_prefilled``), checks the handoff as a
 step of its own (5, and step 6's age rule: ``_handoff``, over ``engines.decode.checked_handoff``),
 decodes and relays (6-7, ``_decode``), reports the outcome and gives back the reservation (8).
 
-An attempt is one prefill and one decode on a pair placed together (SPEC §3). Its life is an
+An attempt is one prefill and one decode on a pair placed together (docs/behaviour.md "The request path"). Its life is
+an
 :class:`~narwhal.request.attempt_state.AttemptLife`: every step is a move the state table allows
 (placed → prefilling → handed_off → decoding → streaming → done / failed / detached), and an
 observer (tracing) learns the attempt from those moves. The attempt owns both phase
@@ -72,7 +74,8 @@ async def _stream(
     client: ClientStream, leg: DecodeLeg, life: AttemptLife, started: float, ttft_s: float | None,
     age: float | None, tap: UsageTap | None, migration: Migration | None,
 ) -> web.StreamResponse:
-    """Relay an opened stream to the client until its terminal event (SPEC §3 step 7, §2.1);
+    """Relay an opened stream to the client until its terminal event (docs/behaviour.md "The request path" step 7, "The
+    other P/D endpoints");
     a continuation's spans rewritten (``migration``), and a cut's last output noted for it."""
     rec = life.rec
     observed = ended = False
@@ -126,7 +129,9 @@ def _observe_stream_end(rec: AccessRecord, started: float, spans: int, tap: Usag
 
 
 class Attempts:
-    """Runs one attempt of a request, SPEC §3 steps 2-8 in order (:meth:`run`); the router retries."""
+    """Runs one attempt of a request, docs/behaviour.md "The request path" steps 2-8 in order (:meth:`run`); the router
+    retries.
+    """
 
     def __init__(
         self,
@@ -149,7 +154,8 @@ class Attempts:
         self, client: ClientStream, req: ClientRequest, rec: AccessRecord, started: float, avoid: frozenset[str],
         migration: Migration | None = None,
     ) -> web.StreamResponse:
-        """One attempt, SPEC §3's steps in order (step 1, admission, was the router's); raises
+        """One attempt, docs/behaviour.md "The request path"'s steps in order (step 1, admission, was the router's);
+        raises
         what the router retries or answers. ``migration``: the stream's, when it may continue
         after a cut (its transcript records what the client is sent; ``req`` may be a continuation)."""
         resv = await self.placement.reserve(req.model, req.deadline, avoid, req.affinity, req.local, req.blocks)
@@ -159,7 +165,7 @@ class Attempts:
         rec.backend_ids.append(request_id)
         life = AttemptLife(resv, rec, request_id, req.forward, self.observer)
         try:
-            if resv.local:  # a local decode (SPEC §3.2): no prefill, no handoff
+            if resv.local:  # a local decode (docs/behaviour.md "Placement"): no prefill, no handoff
                 life.result = self._local(req, resv, rec, request_id)
                 ttft_s = descriptor = None
             else:
@@ -197,7 +203,7 @@ class Attempts:
 
     @staticmethod
     def _local(req: ClientRequest, resv: Reservation, rec: AccessRecord, request_id: str) -> PrefillResult:
-        """A local decode's result of its own: the consumer, and no descriptor (SPEC §3.2)."""
+        """A local decode's result of its own: the consumer, and no descriptor (docs/behaviour.md "Placement")."""
         rec.mode = "local"
         metrics.TALLY.counts[metrics.LOCAL_DECODES] += 1
         consumer = resv.consumer
@@ -210,7 +216,8 @@ class Attempts:
         return loop
 
     def _prefill(self, req: ClientRequest, life: AttemptLife) -> Awaitable[PrefillResult]:
-        """SPEC §3 step 3: the prefill leg on the producer, as the awaitable of its PrefillResult.
+        """docs/behaviour.md "The request path" step 3: the prefill leg on the producer, as the awaitable of its
+        PrefillResult.
         A plain function returning the leg's coroutine: no frame of its own to resume on every
         wakeup of the prefill."""
         resv = life.resv
@@ -238,7 +245,8 @@ class Attempts:
         self, req: ClientRequest, resv: Reservation, rec: AccessRecord, result: PrefillResult, started: float,
         migration: Migration | None,
     ) -> float | None:
-        """SPEC §3 step 4: what the PrefillResult says (TTFT, returned; tokens; the producer's
+        """docs/behaviour.md "The request path" step 4: what the PrefillResult says (TTFT, returned; tokens; the
+        producer's
         holdings report). A continuation's prefill leaves the request's TTFT and prompt alone."""
         resv.release_prefill()
         metrics.count_prefill_tokens(result.prompt_tokens, result.cached_tokens)
@@ -256,9 +264,10 @@ class Attempts:
     def _handoff(
         self, req: ClientRequest, resv: Reservation, result: PrefillResult, ttft_s: float | None
     ) -> dict[str, Any] | None:
-        """SPEC §3 step 5 (none for a same-worker decode) and step 6's age rule: the descriptor
+        """docs/behaviour.md "The request path" step 5 (none for a same-worker decode) and step 6's age rule: the
+        descriptor
         the decode carries. A rejected one is sent nowhere (counted abandoned: a malformed one
-        could crash a consumer), and so is an expired one (SPEC §11)."""
+        could crash a consumer), and so is an expired one (docs/decisions.md "vLLM releases")."""
         try:
             descriptor = checked_handoff(result, result.endpoint, self.settings.handoff.max_age_s)
             if descriptor is not None and descriptor.get("transfer_mode", resv.producer.transfer_mode) \
@@ -281,7 +290,8 @@ class Attempts:
         ttft_s: float | None,
         migration: Migration | None,
     ) -> web.StreamResponse:
-        """Decode on the consumer and relay what it sends (SPEC §3 steps 6-7). ``life.rec`` is
+        """Decode on the consumer and relay what it sends (docs/behaviour.md "The request path" steps 6-7).
+        ``life.rec`` is
         only written: what the client was sent is ``client.committed``."""
         resv, rec, result = life.resv, life.rec, life.result
         assert result is not None  # the prefill's, or a local decode's own
@@ -333,7 +343,8 @@ _MODE_WARNED: set[str] = set()  # producers whose disagreement this worker has s
 
 
 def _mode_disagrees(producer: Engine, said: Any) -> None:
-    """SPEC §11: a producer's descriptor names another transfer mode than its setting: a warning,
+    """docs/decisions.md "vLLM releases": a producer's descriptor names another transfer mode than its setting: a
+    warning,
     once per engine across the router (docs/behaviour.md: the first worker to see it says it): the pairs
     are chosen by the setting, so fix one or the other."""
     if producer.name in _MODE_WARNED:

@@ -1,4 +1,4 @@
-"""Where an attempt is in its life, and the only ways it may move on (SPEC §3 steps 2-8).
+"""Where an attempt is in its life, and the only ways it may move on (docs/behaviour.md "The request path" steps 2-8).
 
 One attempt is one prefill and one decode on a pair placed together. Its life, as a table:
 
@@ -10,9 +10,10 @@ One attempt is one prefill and one decode on a pair placed together. Its life, a
 
 - ``placed``: the pair is reserved (both phase slots held).
 - ``prefilling``: the one-token prefill is on the producer.
-- ``handed_off``: the producer answered; its descriptor is being checked (SPEC §3 steps 4-5).
+- ``handed_off``: the producer answered; its descriptor is being checked (docs/behaviour.md "The request path" steps
+  4-5).
 - ``decoding``: the decode is on its way to the consumer (a local decode starts here).
-- ``streaming``: output reached the client: from here on nothing is retried (SPEC §5).
+- ``streaming``: output reached the client: from here on nothing is retried (docs/behaviour.md "Recovery").
 - ``done`` / ``failed``: the attempt ended. ``detached``: the client left mid-prefill and a
   background task owns the reservation and the handoff (``narwhal.request.handoff_release``).
 
@@ -52,7 +53,8 @@ class AttemptState(enum.StrEnum):
 S = AttemptState
 
 NEXT: dict[AttemptState, frozenset[AttemptState]] = {
-    S.PLACED: frozenset({S.PREFILLING, S.DECODING, S.FAILED}),  # DECODING: a local decode (SPEC §3.2)
+    # DECODING: a local decode (docs/behaviour.md "Placement")
+    S.PLACED: frozenset({S.PREFILLING, S.DECODING, S.FAILED}),
     S.PREFILLING: frozenset({S.HANDED_OFF, S.FAILED, S.DETACHED}),
     S.HANDED_OFF: frozenset({S.DECODING, S.FAILED}),  # FAILED: the handoff is invalid or expired
     S.DECODING: frozenset({S.STREAMING, S.DONE, S.FAILED}),  # DONE: a whole (non-streaming) answer

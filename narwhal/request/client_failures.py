@@ -1,4 +1,5 @@
-"""What the client sees of every failure, decided in one place (SPEC §2.1, §4).
+"""What the client sees of every failure, decided in one place (docs/behaviour.md "The other P/D endpoints", "Failure
+semantics").
 
 The engine side has one mapping of what the wire reports to reasons
 (``narwhal.engines.failures``); this module is its client-side twin: it turns whatever ended a
@@ -83,7 +84,7 @@ def client_gone(client: ClientStream, rec: AccessRecord) -> web.StreamResponse:
 
 def _shape(request: web.Request) -> dialects.Dialect | None:
     """The endpoint's error shape, whatever refused the request: Anthropic's on /v1/messages
-    (SPEC §2.1), OpenAI's everywhere else."""
+    (docs/behaviour.md "The other P/D endpoints"), OpenAI's everywhere else."""
     endpoint = BY_PATH.get(request.path)
     return None if endpoint is None else endpoint.dialect
 

@@ -1,4 +1,5 @@
-"""Every way a handoff that will not be decoded ends, in one table (SPEC §3 step 8, §11).
+"""Every way a handoff that will not be decoded ends, in one table (docs/behaviour.md "The request path" step 8,
+docs/decisions.md "vLLM releases").
 
 A producer's vLLM pins a prompt's KV blocks from the prefill until a consumer pulls them (or
 its ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` runs out, minutes later). So every handoff an attempt
@@ -12,7 +13,7 @@ consumer that pulls and frees the blocks, or, when no consumer could read it, co
 - the chosen consumer last when connecting to it just failed (it is probably unreachable).
 
 Where a release goes: the chosen consumer and the producer's other compatible consumers
-(``Placement.release_consumers``, SPEC §11's pair rule), the first that can be reached. Only
+(``Placement.release_consumers``, docs/decisions.md "vLLM releases"'s pair rule), the first that can be reached. Only
 when none can, or the descriptor does not validate (a malformed one could crash a consumer's
 EngineCore), is it counted abandoned. A release holds no reservation slot: it lasts
 milliseconds, and waiting for a slot would keep the blocks pinned while clients wait behind it.
@@ -65,7 +66,8 @@ RULES: dict[Ending, Rule] = {
     Ending.NOT_SENT_CONSUMER_FAULT: Rule(release=True, chosen_first=False),
     # The consumer never saw it; the deadline says nothing about the consumer.
     Ending.NOT_SENT_DEADLINE: Rule(release=True),
-    # SPEC §11 "a consumer's refusal": it answered, so it is reachable, and a release is one token.
+    # docs/decisions.md "vLLM releases" "a consumer's refusal": it answered, so it is reachable, and a release is one
+    # token.
     Ending.CONSUMER_REFUSED: Rule(release=True),
     # The consumer may never have queued the request.
     Ending.CLIENT_LEFT_BEFORE_ANSWER: Rule(release=True),
@@ -155,7 +157,7 @@ class HandoffReleases:
             validate_descriptor(result.descriptor, producer=result.producer, prefill_endpoint=result.endpoint.path,
                                 decode_endpoint=result.endpoint.path)
         except InvalidHandoff:
-            metrics.HANDOFFS_ABANDONED.inc()  # sent nowhere (SPEC §3 step 5)
+            metrics.HANDOFFS_ABANDONED.inc()  # sent nowhere (docs/behaviour.md "The request path" step 5)
             return
         outcome = "unreachable"
         for consumer in consumers:

@@ -1,7 +1,8 @@
 """Request ids: the client's ``x-request-id`` when usable, else a new one; backend ids per attempt.
 
 A client's id is used only when it is printable ASCII of at most ``_MAX_REQUEST_ID`` characters
-(SPEC §2); anything else is replaced by a new id, never refused: the id is echoed in a response
+(docs/behaviour.md "The request path"); anything else is replaced by a new id, never refused: the id is echoed in a
+response
 header and logged, and only ASCII survives every hop unchanged (aiohttp decodes header bytes as
 UTF-8, with undecodable bytes as surrogates that no encoder accepts).
 

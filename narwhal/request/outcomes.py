@@ -1,10 +1,10 @@
 """Where the outcome of every attempt is reported: the one place breakers learn from.
 
 Workers report; the supervisor merges the reports into failure streaks in order of
-completion time and applies the blame rules of SPEC §6 (so an ambiguous crossed-decode fault
+completion time and applies the blame rules of docs/behaviour.md "Recovery" (so an ambiguous crossed-decode fault
 is not charged here). What a worker does at once, without waiting for the supervisor, is
-quarantine an engine a failure is unambiguously charged to (SPEC §5), and avoid an engine it
-could not connect to (SPEC §6: unreachable, whoever the fault is charged to).
+quarantine an engine a failure is unambiguously charged to (docs/behaviour.md "Recovery"), and avoid an engine it
+could not connect to (docs/behaviour.md "Recovery": unreachable, whoever the fault is charged to).
 """
 
 from __future__ import annotations
@@ -24,20 +24,26 @@ class Reporter(Protocol):
     A report is the pair and, for a failure, the error itself (its phase, reason and whether it
     counts) with the engine it names: what a report carries is decided by the error, once.
     ``local``: a local decode (the pair is the consumer twice), whose success proves nothing
-    about the engine as a producer (SPEC §6).
+    about the engine as a producer (docs/behaviour.md "Recovery").
     """
 
     def report(
         self, producer: Engine, consumer: Engine, *, error: EngineError | None = None,
         failed: Engine | None = None, before_first_token: bool = False, local: bool = False,
     ) -> None:
-        """Hand one attempt's outcome to the supervisor, which keeps the streaks (SPEC §6); never awaits."""
+        """Hand one attempt's outcome to the supervisor, which keeps the streaks (docs/behaviour.md "Recovery"); never
+        awaits.
+        """
 
     def quarantine(self, engine: Engine, seconds: float) -> None:
-        """Keep ``engine`` out of placement for ``seconds`` now, not waiting for the supervisor (SPEC §5)."""
+        """Keep ``engine`` out of placement for ``seconds`` now, not waiting for the supervisor (docs/behaviour.md
+        "Recovery").
+        """
 
     def mark_unreachable(self, engine: Engine) -> None:
-        """A connection to ``engine`` just failed: placement avoids it now, not waiting for the supervisor (SPEC §6)."""
+        """A connection to ``engine`` just failed: placement avoids it now, not waiting for the supervisor
+        (docs/behaviour.md "Recovery").
+        """
 
 
 class PrefillSink(Protocol):
@@ -62,7 +68,7 @@ class Outcomes:
         self.prefills = prefills
 
     def prefilled(self, producer: Engine, blocks: PrefixBlocks, result: PrefillResult, queued_chars: int) -> None:
-        """A completed prefill for the holdings (SPEC §3.3): its producer, engine id, block keys
+        """A completed prefill for the holdings (docs/behaviour.md "Placement"): its producer, engine id, block keys
         (finished here, off the client's critical path: the attempt schedules this call for after
         the decode is on its way) and what the producer said it cached."""
         if self.prefills is None:

@@ -1,4 +1,5 @@
-"""The passthrough routes: one request to one engine, its answer relayed (SPEC §2, §2.1).
+"""The passthrough routes: one request to one engine, its answer relayed (docs/behaviour.md "The request path", "The
+other P/D endpoints").
 
 ``/tokenize``, ``/detokenize``, ``/v1/embeddings``, ``/pooling``, ``/score``, ``/v1/score``,
 ``/rerank`` and ``/v1/rerank`` (the registry's ``passthrough`` endpoints,
@@ -7,12 +8,13 @@ admits every other (client key, deadline, body read once and parsed once, 4xx in
 shape), picks one engine serving the model (:mod:`narwhal.fleet.passthrough`: consumers first,
 least loaded, a slot held while it runs), sends it the body re-encoded from the parsed dict with
 no ``kv_transfer_params``, and relays the engine's 2xx answer — status, bytes and content type
-— untouched. Engine errors take the §2 mapping (``narwhal.engines.failures``); failures that
+— untouched. Engine errors take the "The request path" mapping (``narwhal.engines.failures``); failures that
 count go to the engine's breaker through :class:`narwhal.request.outcomes.Outcomes`, as a leg's
 do, charged in the role the engine served in. A success resets no streak: an answered
 ``/tokenize`` proves no more about decoding than a passed health check.
 
-No retries: the SPEC sends these to *one* engine, and each is cheap for a client to repeat.
+No retries: each goes to *one* engine (docs/behaviour.md "Passthrough routes"), and each is cheap for a client to
+repeat.
 The router (``narwhal.request.router``) owns what every request shares: the access-log line
 (``mode: "passthrough"``), ``narwhal_requests_total``, ``x-request-id``, client disconnects and
 the graceful drain.

@@ -1,7 +1,7 @@
 """One client request from admission to its last byte: the attempts, their retries, the drain.
 
 The router admits the request (``narwhal.request.admission``), runs attempts
-(``narwhal.request.attempt``) until one succeeds or a failure may not be retried (SPEC §5: a
+(``narwhal.request.attempt``) until one succeeds or a failure may not be retried (docs/behaviour.md "Recovery": a
 transient fault before visible output, while the deadline and the fleet-wide retry budget
 allow, avoiding the engines that just failed), and turns what is left into the client's
 answer: an HTTP error before the 200 was committed, one terminal SSE error event after it
@@ -187,7 +187,7 @@ class Router:
         self, client: ClientStream, req: ClientRequest, rec: AccessRecord, started: float
     ) -> web.StreamResponse:
         """Attempts until one succeeds or a failure may not be tried again: retried before
-        visible output (SPEC §5), continued after it (docs/behaviour.md "Migration")."""
+        visible output (docs/behaviour.md "Recovery"), continued after it (docs/behaviour.md "Migration")."""
         state = self.state
         avoid: set[str] = set()
         retrying = False
@@ -214,7 +214,7 @@ class Router:
                         if migration is not None:
                             after = migration.after(exc, req, loop.time(), rec.prompt_tokens)
                         if after is None:
-                            raise  # §4's terminal event
+                            raise  # "Failure semantics"'s terminal event
                     elif not self._retryable(exc, req, attempts, client):
                         raise
                     if not retrying:
@@ -237,7 +237,9 @@ class Router:
             state.request_finished()
 
     def _retryable(self, exc: EngineError, req: ClientRequest, attempts: int, client: ClientStream) -> bool:
-        """May a fresh attempt cure ``exc`` (SPEC §5)? Never once output went out (that is a migration's call)."""
+        """May a fresh attempt cure ``exc`` (docs/behaviour.md "Recovery")? Never once output went out (that is a
+        migration's call).
+        """
         if attempts > self.recovery.max_retries or client.committed:
             return False
         return retryable(exc.reason, exc.status) and asyncio.get_running_loop().time() < req.deadline

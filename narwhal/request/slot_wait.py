@@ -1,4 +1,5 @@
-"""The bounded wait for a free slot, shared by P/D pairs and passthrough engines (SPEC §3 step 2).
+"""The bounded wait for a free slot, shared by P/D pairs and passthrough engines (docs/behaviour.md "The request path"
+step 2).
 
 The choice itself is pure and lives in ``narwhal.fleet`` (:class:`~narwhal.fleet.placement.Placement`,
 :class:`~narwhal.fleet.passthrough.SingleEngine`: reserve now or say no); waiting awaits, so it

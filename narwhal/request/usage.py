@@ -1,6 +1,6 @@
 """The decode's ``completion_tokens``, read from the engine's bytes without parsing them.
 
-The relay never parses the events it passes on (SPEC §3 step 7), and a whole answer is sent
+The relay never parses the events it passes on (docs/behaviour.md "The request path" step 7), and a whole answer is sent
 as received, so the count is found by a byte search from the end: vLLM writes ``usage`` last
 in a non-streaming body, and in a stream (only when the client asked for
 ``stream_options.include_usage``) in the last event before ``[DONE]``; with

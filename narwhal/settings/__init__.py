@@ -94,7 +94,7 @@ class HandoffSettings(Section):
 
     ``lease_s`` states the producers' KV lease (vLLM's ``kv_lease_duration``, default 30 s):
     past it vLLM frees a finished prefill's blocks, and a late reader takes whatever they hold
-    by then (SPEC §11). So ``max_age_s`` must stay below it; the margin is the time a decode or
+    by then (docs/decisions.md "vLLM releases"). So ``max_age_s`` must stay below it; the margin is the time a decode or
     release needs to reach the consumer."""
     max_age_s: PositiveFloat = 20
     lease_s: PositiveFloat = 30
@@ -113,11 +113,13 @@ _DEPRECATION_SAID: list[bool] = []
 
 
 class PlacementSettings(Section):
-    """``[placement]``: the wait for a slot, engine load readings, affinity, the producer policy (SPEC §3.2, §3.3)."""
+    """``[placement]``: the wait for a slot, engine load readings, affinity, the producer policy (docs/behaviour.md
+    "Placement").
+    """
     queue_timeout_s: NonNegativeFloat = 5
     max_queue: Annotated[int, Field(ge=0)] = 1024
     retry_after_s: Annotated[int, Field(ge=0)] = 1
-    # SPEC §3.2: engine-reported load, prefix affinity, local decode.
+    # docs/behaviour.md "Placement": engine-reported load, prefix affinity, local decode.
     load_interval_s: NonNegativeFloat = 0.1  # 0: engines' /metrics are never read
     load_stale_s: PositiveFloat = 2
     kv_saturated: Annotated[float, Field(gt=0, le=1)] = 0.95
@@ -126,7 +128,7 @@ class PlacementSettings(Section):
     affinity_min_chars: Annotated[int, Field(ge=0)] = 64
     affinity_load_factor: Annotated[float, Field(ge=1)] = 1.25
     local_prefill_chars: Annotated[int, Field(ge=0)] = 0  # 0: never skip the remote prefill
-    # SPEC §3.3: placement that knows what each producer holds.
+    # docs/behaviour.md "Placement": placement that knows what each producer holds.
     policy: Literal["held", "affinity", "least_loaded"] = "held"
     block_chars: Annotated[int, Field(ge=16, le=1 << 16)] = 256
     max_prefix_chars: Annotated[int, Field(ge=16, le=1 << 24)] = 65536
@@ -151,7 +153,7 @@ class PlacementSettings(Section):
     @property
     def placement_policy(self) -> str:
         """The producer rule in force: ``policy``, except that ``prefix_affinity = false`` means
-        ``least_loaded`` whatever ``policy`` says (SPEC §3.3)."""
+        ``least_loaded`` whatever ``policy`` says (docs/behaviour.md "Placement")."""
         return self.policy if self.prefix_affinity else "least_loaded"
 
 
@@ -197,7 +199,9 @@ def _tracing_installed() -> bool:
 
 
 class RecoverySettings(Section):
-    """``[recovery]``: breakers, quarantine, retries and their budget, readmission, waves (SPEC §5, §6)."""
+    """``[recovery]``: breakers, quarantine, retries and their budget, readmission, waves (docs/behaviour.md
+    "Recovery").
+    """
     eject_after: Annotated[int, Field(ge=1)] = 3
     failure_quarantine_s: NonNegativeFloat = 0
     max_retries: Annotated[int, Field(ge=0, le=10)] = 0

@@ -1,19 +1,20 @@
-"""The ``[discovery]`` settings (SPEC §10): where engines that come and go are read from.
+"""The ``[discovery]`` settings (docs/behaviour.md "Engines that come and go"): where engines that come and go are read
+from.
 
 Why a module of its own: the sources are a small language (a watched file, DNS names with their
 role and port) whose rules — an SRV name carries its own ports, a plain one needs ``port`` — are
 checked here, at start, in one line naming the key, so the supervisor's loop never meets a
 source it cannot read for a reason the operator could have been told at start.
 
-Chosen where SPEC §10 is silent (README "Engines that come and go"):
+Chosen where docs/behaviour.md "Engines that come and go" is silent (README "Engines that come and go"):
 
 * ``resolver`` — ``HOST:PORT`` of the DNS server to ask (empty: the host's ``/etc/resolv.conf``).
   An operator needs it where the cluster DNS is not the host's (a router outside the cluster),
   and the tests use it to ask a real server on 127.0.0.1 instead of patching a resolver.
 * ``max_inflight_prefill`` / ``max_inflight_decode`` on a DNS name — the caps of every engine
   its records list (the pods of one StatefulSet are alike), as an ``[[engines]]`` entry has them.
-* ``max_engines`` — the engine slots of the shared-memory layout once a source is set (SPEC's
-  default 256); with no source, ``server.max_engines`` sizes them as before.
+* ``max_engines`` — the engine slots of the shared-memory layout once a source is set (default
+  256); with no source, ``server.max_engines`` sizes them as before.
 """
 
 from __future__ import annotations

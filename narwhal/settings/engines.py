@@ -2,7 +2,7 @@
 
 An entry is the one place an engine's role is read (:attr:`EngineSpec.can_prefill`,
 :attr:`EngineSpec.can_decode`); the contract's version pin is parsed when the settings load, so
-a pin nothing can meet stops the start instead of failing every probe later (SPEC §6). The
+a pin nothing can meet stops the start instead of failing every probe later (docs/behaviour.md "Recovery"). The
 fleet-wide rules over entries (unique names and URLs, permitted pairs) are
 ``narwhal.settings.Settings``'s, which sees them all.
 """
@@ -19,7 +19,9 @@ from narwhal.settings.section import Section
 
 
 class EngineContract(Section):
-    """``[engine_contract]``, optional: the model, version pin and connector every engine must meet (SPEC §6)."""
+    """``[engine_contract]``, optional: the model, version pin and connector every engine must meet (docs/behaviour.md
+    "Recovery").
+    """
     model: str = ""
     engine_version: str = ""  # a PEP 440 version ("0.11.0") or specifier set (">=0.10,<0.12")
     kv_connector: str = "NixlConnector"
@@ -28,14 +30,15 @@ class EngineContract(Section):
     @classmethod
     def _pin_parses(cls, value: str) -> str:
         # Checked here, not when the first probe runs: a pin nothing can meet would pass the
-        # start and then fail every probe and preflight forever (issue 16).
+        # start and then fail every probe and preflight forever.
         if value.strip():
             parse_version_pin(value)
         return value
 
 
 def parse_version_pin(text: str) -> SpecifierSet:
-    """``engine_contract.engine_version`` parsed (SPEC §6) as a PEP 440 specifier set; ValueError names what is wrong.
+    """``engine_contract.engine_version`` parsed (docs/behaviour.md "Recovery") as a PEP 440 specifier set; ValueError
+    names what is wrong.
 
     A pin that starts with an operator or holds a comma is a specifier set, anything else a
     single version: so ``>=zero`` is reported as a bad specifier, not as a bad version. A
@@ -86,7 +89,7 @@ class EngineSpec(Section):
                         Field(max_length=MAX_PEERS)] | None = None
     models: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_MODEL)]],
                       Field(max_length=MAX_MODELS)] | None = None
-    transfer_mode: Literal["pull", "push"] = "pull"  # NIXL's; a pair needs the same (SPEC §11)
+    transfer_mode: Literal["pull", "push"] = "pull"  # NIXL's; a pair needs the same (docs/decisions.md "vLLM releases")
 
     @field_validator("url", "wave", "kv_connector", "kv_peers", "models")
     @classmethod

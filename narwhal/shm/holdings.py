@@ -1,4 +1,4 @@
-"""Prefix holdings in shared memory (SPEC §3.3): what each producer is believed to hold.
+"""Prefix holdings in shared memory (docs/behaviour.md "Placement"): what each producer is believed to hold.
 
 A memfd of its own, created by the gunicorn master beside the fleet region and inherited the
 same way (no name, nothing left after ``kill -9``); kept apart from the fleet layout so the two
@@ -17,7 +17,7 @@ change independently. ::
         tokens, duration, the queued work it was placed behind, and the prompt's block keys
         (at most M)
     work        W × E × u32   per worker slot and engine, written only by that worker: the
-        uncached characters of its prefill legs in flight there (SPEC §3.3's queued work)
+        uncached characters of its prefill legs in flight there (docs/behaviour.md "Placement"'s queued work)
 
 Invariants, and why:
 
@@ -144,7 +144,7 @@ class Held:
 
 
 class PrefillReport(NamedTuple):
-    """A completed prefill, as a worker reports it (SPEC §3.3, source 1 and 2). A named tuple,
+    """A completed prefill, as a worker reports it (docs/behaviour.md "Placement", source 1 and 2). A named tuple,
     not a frozen dataclass: one is made per request on each side of the ring, and a frozen
     dataclass's ``__init__`` sets each of its ten fields through ``object.__setattr__``, several
     times the cost of a tuple (the supervisor decodes every worker's)."""
@@ -201,7 +201,7 @@ class Holdings(Mapped[HoldingsLayout]):
         seq = self._u64(off)
         self._set_u64(off, seq | 1)  # odd: being written
         body = struct.pack(f"<{len(keys) + 2 * len(pairs)}Q", *keys, *(v for pair in pairs for v in pair))
-        # A capacity the u32 cannot hold (an engine reporting 2^32 blocks or more, issue 40 item 2)
+        # A capacity the u32 cannot hold (an engine reporting 2^32 blocks or more)
         # is stored as the largest one it can: far beyond any section's room, so no bound at all.
         capacity = NONE32 if capacity_blocks is None else min(max(capacity_blocks, 0), NONE32 - 1)
         head = _SECTION.pack(stamp, len(keys), capacity, 0,
@@ -331,7 +331,7 @@ class Holdings(Mapped[HoldingsLayout]):
     def clear_work(self, slot: int) -> None:
         """A slot whose worker is gone (it was their one writer): no prefill work queued by it is
         left counted on any producer. The master calls it as it frees the slot (``child_exit``),
-        which it nearly always does before the supervisor's sweep (issue 40 item 10)."""
+        which it nearly always does before the supervisor's sweep."""
         if slot >= self.layout.slots:
             return
         for engine in range(self.layout.sections):

@@ -33,7 +33,7 @@ Every "per engine" above is per engine *slot*, an engine's place in the engine t
 follows its identity across reloads (``shm.table``), never its position in a settings file.
 
 W is :data:`WORKER_SLOTS` (512) whatever ``server.workers`` is: a reload that raises the count
-runs every new worker beside the old ones still draining, and each needs a slot (issue 25:
+runs every new worker beside the old ones still draining, and each needs a slot (with
 8 slots for 4 → 8 workers left new workers on per-process state for good, and an admin
 ``eject`` answered while some workers still used the engine). An unclaimed slot costs no
 memory (the memfd's pages are allocated when first written) and no time: scans stop at the
@@ -48,7 +48,7 @@ need no checksum, but are written and read as one copy of their bytes (:func:`st
 :meth:`Region.u64` …), never with ``struct.pack_into``: CPython's ``pack_into`` first zeroes
 the field in place, then writes it a byte at a time, so a reader in another process could see
 0 or a half-written value. The heartbeat read as 0 is "never beat": a keeper that met one
-killed a healthy supervisor (issue 25; 11,429 of 20.5 M reads against a writer beating 2,000
+killed a healthy supervisor (11,429 of 20.5 M reads against a writer beating 2,000
 times a second saw a heartbeat over a second old).
 
 The memfd also carries byte-range ``lockf`` locks (beyond its end, so they never cover data):

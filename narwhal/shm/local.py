@@ -15,7 +15,7 @@ from narwhal.fleet.placement import LocalInflight
 
 
 class Quarantine(dict[int, float]):
-    """This process's quarantine at once (SPEC §5): engine index -> monotonic deadline.
+    """This process's quarantine at once (docs/behaviour.md "Recovery"): engine index -> monotonic deadline.
 
     Shared by :class:`LocalFleetState` and the worker's view (``shm.worker``), which both put an
     engine here the moment a failure is charged to it, before any supervisor hears of it. A

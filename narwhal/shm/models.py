@@ -1,6 +1,6 @@
 """Each engine's models in shared memory: what the supervisor read from its ``/v1/models``.
 
-SPEC §2: an engine's models come from its ``/v1/models`` at start and at every readmission.
+docs/behaviour.md "The request path": an engine's models come from its ``/v1/models`` at start and at every readmission.
 The supervisor reads them (``supervisor.models``) and publishes one record per engine slot
 (``shm.layout``), then bumps the models generation; workers only read (``worker.models_follow``):
 when the generation moved, never per request. One writer, the supervisor, so no lock.
@@ -9,7 +9,7 @@ A record is ``seq u64 | version u64, identity hash u32, status u8, count u8, eng
 u8, generate u8, max model len u32, root length u8, engine version, root, names | crc32`` under
 the seqlock of ``shm.records`` (a torn or reordered copy is read again), each name a u8 length
 and its UTF-8 bytes. The engine version is
-the engine's ``/version`` (SPEC §11: which engines may pair), read with its models, at most
+the engine's ``/version`` (docs/decisions.md "vLLM releases": which engines may pair), read with its models, at most
 :data:`MAX_VERSION_BYTES` bytes (a longer answer is no version); ``generate`` is whether it
 answers 403 on ``/inference/v1/generate`` (``GENERATE_*``), which ``/admin/engines`` shows.
 ``max_model_len`` is the engine's context length and ``root`` its first model's ``root`` (its

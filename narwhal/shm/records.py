@@ -1,6 +1,6 @@
 """Checksummed records in the shared region: engine breaker state, engine load, outcome reports.
 
-Correct without x86's ordering (issue 25: GH200 and GB200 hosts are aarch64). CPython emits no
+Correct without x86's ordering (GH200 and GB200 hosts are aarch64). CPython emits no
 memory fences: on aarch64 another process may see one process's stores in any order, and its
 own loads may be reordered too. Two guards, together, make a record read exact anyway:
 
@@ -129,7 +129,7 @@ class EngineRecord:
 
 RECORD_BY_OPERATOR = 1
 RECORD_WAITING_FOR_WAVE = 2
-RECORD_UNREACHABLE = 4  # its last connection attempt failed (fleet.reachability, SPEC §6)
+RECORD_UNREACHABLE = 4  # its last connection attempt failed (fleet.reachability, docs/behaviour.md "Recovery")
 
 
 def _opt(value: float) -> float | None:
@@ -173,7 +173,7 @@ LOAD_BYTES = _SEQ_BYTES + _LOAD.size + 4
 
 @dataclass(frozen=True, slots=True)
 class LoadRecord:
-    """An engine's last ``/metrics`` reading (SPEC §3.2), written only by the supervisor.
+    """An engine's last ``/metrics`` reading (docs/behaviour.md "Placement"), written only by the supervisor.
 
     ``read_at`` is ``time.monotonic()``: one clock for every process of the host, so a worker
     judges the reading's age without a wall clock that may step."""
@@ -213,7 +213,8 @@ KIND_OUTCOME = 0
 KIND_EJECT = 1
 KIND_READMIT = 2
 KIND_DRAIN = 3
-KIND_LOCAL_OUTCOME = 4  # an outcome of a local decode: proves nothing about a producer (SPEC §3.2, §6)
+# an outcome of a local decode: proves nothing about a producer (docs/behaviour.md "Placement", "Recovery")
+KIND_LOCAL_OUTCOME = 4
 
 FLAG_OK = 1
 FLAG_COUNTS = 2

@@ -266,7 +266,7 @@ class SharedFleet:
     def engine_seen(self, engine: int) -> int:
         """This host's legs on the engine that the engine itself can count: its prefills and its
         decodes less those reserved with a pair whose decode leg is not sent yet (the prefill
-        still runs). What the load reader takes out of the engine's own report (SPEC §3.2)."""
+        still runs). What the load reader takes out of the engine's own report (docs/behaviour.md "Placement")."""
         u32, layout, seen = self.region.u32, self.layout, 0
         for slot in range(self.in_use()):  # one pass: each slot's owner looked at once, not thrice
             if self.slot_pid(slot):

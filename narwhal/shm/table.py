@@ -6,7 +6,7 @@ cap locks — is keyed by the engine's *slot* in this table, never by its positi
 engine list. An engine's identity is its name and URL.
 
 Invariant: an identity keeps its slot for as long as any live process may refer to it, and a
-slot is never given to another identity while one may. Why (issue 25): a SIGHUP reload that
+slot is never given to another identity while one may. Why: a SIGHUP reload that
 removed an engine shifted the positions of the engines after it; old workers still streaming
 reported position ``i``, and the new supervisor charged those reports, failure streaks,
 ejections and caps to whichever engine was now ``i``. Keyed by slot, an old worker's report
@@ -16,7 +16,7 @@ matches no engine of the new list and is dropped.
 * Written by the gunicorn master, in :meth:`EngineTable.assign`, at start and at each
   reload, before it forks the processes that will read it: kept identities keep their slots,
   new ones take a free slot, removed ones are *retired* (their slot is still theirs).
-* With discovery on (SPEC §10), also by the supervisor at run time:
+* With discovery on (docs/behaviour.md "Engines that come and go"), also by the supervisor at run time:
   :meth:`EngineTable.spare_slot` and :meth:`EngineTable.make_live` give a discovered engine a
   slot, :meth:`EngineTable.retire` retires a drained one, each moving the epoch.
   **One writer at a time**: every write of the table (and of its descriptors,

@@ -54,7 +54,7 @@ from narwhal.shm.table import LIVE, record_hash, worker_epoch
 ADMITTED_STATES = frozenset({0, 5})  # admitted, degraded
 QUARANTINED = 1
 BREAKER_OUT_STATES = frozenset({2, 3})  # ejected, probing: the breaker's (draining is the operator's)
-PLACEABLE_STATES = ADMITTED_STATES | {QUARANTINED}  # quarantine is soft (SPEC §5); 2-4 are out
+PLACEABLE_STATES = ADMITTED_STATES | {QUARANTINED}  # quarantine is soft (docs/behaviour.md "Recovery"); 2-4 are out
 _PHASE = {"prefill": 0, "decode": 1}
 
 

@@ -1,4 +1,4 @@
-"""Circuit breakers, quarantine, probes and readmission of engines (SPEC §5, §6): pure state.
+"""Circuit breakers, quarantine, probes and readmission of engines (docs/behaviour.md "Recovery"): pure state.
 
 The supervisor owns one :class:`Breakers`. It feeds it the workers' reports in completion order
 (:meth:`~Breakers.record`), its own health checks (:meth:`~Breakers.health_failed`), probe
@@ -38,7 +38,7 @@ Invariants (checked on every engine a call touched):
   :attr:`Breakers.changes` with every change but time's: between two moves a success repeated
   changes nothing; tick and due_probes act only from ``readmission.earliest``'s deadline on.
 
-Rules decided where the SPEC is silent:
+Rules decided where the contract is silent (docs/decisions.md):
 
 * Reports about an engine that is out (EJECTED, PROBING) change nothing for it (stale
   evidence: only a probe or the operator readmits). Unknown names in reports are ignored;
@@ -65,7 +65,7 @@ Rules decided where the SPEC is silent:
 Deliberately left out: a timeout for a probe whose result never comes (the supervisor owns
 probe tasks and always reports); carrying ambiguity sets and probe schedules across a
 supervisor restart (:meth:`Breakers.restore` takes the published statuses only); half-open
-trickle admission (SPEC §6 readmits on a probe, not on sampled traffic); any decay of streaks
+trickle admission (docs/behaviour.md "Recovery" readmits on a probe, not on sampled traffic); any decay of streaks
 or ambiguity sets with time (only successes, probes and the operator reset them).
 """
 

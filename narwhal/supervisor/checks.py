@@ -1,5 +1,5 @@
 """The supervisor's checks of engines: readmission probes and health checks, and what a control
-read says of reaching an engine (SPEC §5, §6).
+read says of reaching an engine (docs/behaviour.md "Recovery").
 
 Invariant: the loop's pass (``supervisor.main``) only *starts* a check; each runs in a task of
 its own and reports to the breakers when it ends, so no engine, however slow, delays the

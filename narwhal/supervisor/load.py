@@ -1,4 +1,4 @@
-"""Reading the engines' own load (SPEC §3.2): every admitted engine's ``/metrics``, published.
+"""Reading the engines' own load (docs/behaviour.md "Placement"): every admitted engine's ``/metrics``, published.
 
 Every ``placement.load_interval_s`` the supervisor starts one read per admitted engine, all
 in parallel, each bounded by the interval, with the TLS context and engine key of every other
@@ -9,7 +9,7 @@ with the time it was read and this host's in-flight legs on the engine at that m
 the engine counted among its own (``SharedFleet.engine_seen``: not a decode reserved for a
 prefill that still runs); then the load generation is bumped, so workers pick it up
 on their next placement, lock-free. With the holdings (policy ``held``), each reading's
-capacity and prefill counters go to them too (``on_reading``: SPEC §3.3's capacity bound and the
+capacity and prefill counters go to them too (``on_reading``: docs/behaviour.md "Placement"'s capacity bound and the
 engine-reported prefill rate, ``supervisor.holdings.engine_rate``).
 
 Invariants, and why:
@@ -60,10 +60,11 @@ class LoadReader:
     ) -> None:
         self.shared = shared
         self.control = control
-        # The holdings' (SPEC §3.3) share of each reading: the capacity bound, the prefill counters.
+        # The holdings' (docs/behaviour.md "Placement") share of each reading: the capacity bound, the prefill counters.
         self.on_reading = on_reading
         self.rounds = rounds  # the loop's, whose passes start a round's reads; None: all at once
-        self.on_connect = on_connect  # (engine, answered, refused): each read's word on reachability (SPEC §6)
+        # (engine, answered, refused): each read's word on reachability (docs/behaviour.md "Recovery")
+        self.on_connect = on_connect
         self._reading: set[str] = set()
         self._failing: set[str] = set()
         self._warned_at: dict[str, float] = {}
@@ -120,7 +121,7 @@ class LoadReader:
         self._failing.discard(engine.name)
         # This host's legs on the engine now: the engine counted them too, and placement adds
         # them exactly from shared memory, so they are taken out of the reading there. Not the
-        # decodes reserved for prefills still running: the engine has not seen those (issue 25).
+        # decodes reserved for prefills still running: the engine has not seen those.
         at = self.shared.engine_slot(engine.name, engine.url)  # its engine slot (shm.table)
         if at is None:
             return

@@ -68,7 +68,7 @@ log = logging.getLogger("narwhal.supervisor")
 _LOAD_READ_STATES = frozenset({State.ADMITTED, State.DEGRADED, State.QUARANTINED, State.DRAINING})
 # Producers that take no homes: placement sends them no new prefill (fleet.placement.homes).
 _NO_HOMES = frozenset({State.EJECTED, State.PROBING, State.DRAINING})
-LOOP_S = 0.02  # ejections reach every worker within one loop: ~20 ms, against SPEC's 100 ms
+LOOP_S = 0.02  # ejections reach every worker within one loop: ~20 ms, well under docs/behaviour.md "Processes"'s 100 ms
 SWEEP_S = 0.25
 EXPORT_S = 1.0
 
@@ -108,7 +108,8 @@ class Supervisor:
         self.specs = {spec.name: spec for _, spec in members}
         self.breakers = ChangingBreakers(self._infos(), settings.recovery,
                                          has_contract=settings.engine_contract is not None)
-        self.reach = Reachability()  # whose last connection attempt failed (SPEC §6): published as a flag
+        # whose last connection attempt failed (docs/behaviour.md "Recovery"): published as a flag
+        self.reach = Reachability()
         self.models: ModelReader | None = None  # set by run(): the engines' /version and /v1/models
         self._map_slots()
         self._outcome_rings = RingIndexes(shared.layout.slot_offset(0) + L.SLOT_RING_WRITE, shared.layout.slot_size)
@@ -167,7 +168,7 @@ class Supervisor:
         self.fleet.replace(members)
         self.specs = {spec.name: spec for _, spec in members}
         self.breakers.reshape(self._infos(), joining, self._clock())
-        if self.model is not None:  # a discovered producer gets its section (issue 40 item 11)
+        if self.model is not None:  # a discovered producer gets its section
             self.model.reshape(self._holdings_stamps(), self.fleet.engines)
         for name in self.reach.names():
             if name not in self.fleet.by_name:  # gone from the fleet: nothing is remembered of it
@@ -234,11 +235,13 @@ class Supervisor:
                     self.model.forget(engine.index)
                 if state in _NO_HOMES:
                     out.add(engine.index)
-            self.model.out = frozenset(out)  # no homes there: placement would not send them (issue 40)
+            self.model.out = frozenset(out)  # no homes there: placement would not send them
         self.export_states()
 
     def export_states(self) -> None:
-        """Engine states as gauges at every publish: within one loop of ``/admin/engines`` (SPEC §8)."""
+        """Engine states as gauges at every publish: within one loop of ``/admin/engines`` (docs/operations.md
+        "Following a request").
+        """
         for engine in self.fleet.engines:
             metrics.ENGINE_STATE.labels(engine.name, engine.role).set(int(self.breakers.status(engine.name).state))
 
@@ -249,7 +252,9 @@ class Supervisor:
         return self.breakers.admitted(engine.name, self._clock())
 
     def _placeable(self, engine: Engine) -> bool:
-        """Admitted or quarantined (placement's fallback, SPEC §5): whose load placement may weigh."""
+        """Admitted or quarantined (placement's fallback, docs/behaviour.md "Recovery"): whose load placement may
+        weigh.
+        """
         return self.breakers.status(engine.name).state in _LOAD_READ_STATES
 
     # -- reports ----------------------------------------------------------------------------------
@@ -263,7 +268,7 @@ class Supervisor:
             apply_reports(reports, self._by_slot, self.breakers, self._clock(), self._successes, self.reach)
 
     def drain_prefills(self) -> None:
-        """The workers' completed prefills into the holdings (SPEC §3.3), then what changed
+        """The workers' completed prefills into the holdings (docs/behaviour.md "Placement"), then what changed
         published. Each prefill with reported cached tokens is judged once, in order of completion
         across workers: judged in ring order, a prefill that hit what another worker's finished a
         moment earlier would read as ``under`` and that one's as ``over``."""
@@ -376,7 +381,7 @@ class Supervisor:
     async def _passes(self, loop: Loop) -> None:
         """``step`` now and then LOOP_S after each pass ends, until cancelled or a pass raises.
         A timer callback of the event loop, not a task around ``asyncio.sleep``: a pass then costs
-        no task step, coroutine resumption or future of its own (issue 24: ``perf.supervisor_pass``,
+        no task step, coroutine resumption or future of its own (``perf.supervisor_pass``,
         4 engines, 13.3 → 12.4 ms/s)."""
         events = asyncio.get_running_loop()
         failed: asyncio.Future[None] = events.create_future()

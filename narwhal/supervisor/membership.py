@@ -1,4 +1,5 @@
-"""Breakers for a fleet whose engines come and go at run time (SPEC §10). Pure, like the breakers.
+"""Breakers for a fleet whose engines come and go at run time (docs/behaviour.md "Engines that come and go"). Pure,
+like the breakers.
 
 :class:`ChangingBreakers` is :class:`~narwhal.supervisor.breaker.Breakers` plus :meth:`~ChangingBreakers.reshape`:
 the engines become a new list, each keeping its breaker record (streaks, ejections, quarantine,

@@ -1,6 +1,7 @@
 """Model discovery, run by the supervisor alone: each engine's ``/v1/models``, into shared memory.
 
-SPEC §2: which engine serves which model is read from its ``/v1/models`` at start and at every
+docs/behaviour.md "The request path": which engine serves which model is read from its ``/v1/models`` at start and at
+every
 readmission (``engines[].models``, when set, is taken as it is and never read). The supervisor
 reads; the workers only read the result (``shm.models``, followed by ``worker.models_follow``):
 one reader per host instead of one per worker, and every worker sees the same models.
@@ -11,7 +12,7 @@ An engine is read:
   so nothing flaps while it reads again);
 * when it is readmitted — out (ejected, probing, draining) and then serving again — so an
   engine restarted with another model is seen as it comes back; and when it joins at run time
-  (discovery, SPEC §10), as its first probe starts;
+  (discovery, docs/behaviour.md "Engines that come and go"), as its first probe starts;
 * every :data:`RETRY_S` while it never answered (an engine down at start is picked up as it
   comes), and every engine every :data:`REFRESH_S`: a model swap that no readmission saw (an
   engine restarted between two health checks) still shows.
@@ -90,7 +91,8 @@ class ModelReader:
         self.control = control
         self.session: aiohttp.ClientSession | None = None  # closed: the supervisor stopped, no read starts
         self._known: dict[str, Known] = {}  # by engine name: what was last published for it
-        self._versions: dict[str, str] = {}  # by engine name: its /version as last read (SPEC §11)
+        # by engine name: its /version as last read (docs/decisions.md "vLLM releases")
+        self._versions: dict[str, str] = {}
         self._generate: dict[str, int] = {}  # by engine name: M.GENERATE_SERVED or _REFUSED, as last read
         # by engine name: (max_model_len, first model's root) from its /v1/models, as last read
         self._cards: dict[str, tuple[int | None, str | None]] = {}
@@ -248,7 +250,7 @@ class ModelReader:
 
     def settle_generate(self, engine: Engine, refused: bool | None) -> None:
         """Whether ``engine`` answered 403 on ``/inference/v1/generate`` (None: no answer: the last
-        word stands); a change is published and logged once (SPEC §11)."""
+        word stands); a change is published and logged once (docs/decisions.md "vLLM releases")."""
         if refused is None:
             return
         state = M.GENERATE_REFUSED if refused else M.GENERATE_SERVED

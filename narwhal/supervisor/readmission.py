@@ -1,4 +1,4 @@
-"""The way back for an ejected engine (SPEC §6): the probe schedule and whole-wave restart.
+"""The way back for an ejected engine (docs/behaviour.md "Recovery"): the probe schedule and whole-wave restart.
 
 Split from :mod:`narwhal.supervisor.breaker`, which owns every transition and calls these; the
 same rules as there hold here: pure, no I/O, no clock (``now`` is an argument), and nothing

@@ -5,7 +5,7 @@ Invariants, and why:
 * A pass drains only the rings a worker wrote since the last one. Whether a ring has news is one
   look at every claimed slot's write and read index together (:class:`RingIndexes`: one
   ``unpack_from`` over the slots, however many there are), not a drain per slot: an idle pass,
-  fifty a second, drained every slot's outcome ring and holdings ring for nothing (issue 24).
+  fifty a second, drained every slot's outcome ring and holdings ring for nothing.
   The look is only a hint: a write index read mid-store can at worst defer its ring to the next
   pass, 20 ms later, and the drain itself reads both indexes as ever (``SharedFleet.drain``).
 * Reports reach the breakers in completion order, exactly as before (:func:`apply_reports`), but

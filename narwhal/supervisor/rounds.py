@@ -11,14 +11,14 @@ Why: the heartbeat shares one event loop with the rounds of engine reads (``/met
 at once, a round's first steps ran back to back in one pass, and its answers, arriving together,
 in the next: the longest gap between beats grew with the fleet, by about half a millisecond of
 CPU per engine per round on an idle 2-core host, and by the host's contention on a busy one
-(issue 25: the master took a supervisor of 32 engines for wedged). Batched and spread over
+(the master took a supervisor of 32 engines for wedged). Batched and spread over
 part of the round's period, the work of one pass is bounded by the batch, and the engines'
 answers come spread too.
 
 Why on the loop's passes, not a task sleeping between batches: each sleep woke the process
 once more between passes, and each wake-up of an otherwise idle process is paid in full (a task
 step, a timer, cold caches): at 32 engines, ten rounds a second, that was about 4 ms of CPU a
-second (issue 24). The passes happen anyway.
+second. The passes happen anyway.
 """
 
 from __future__ import annotations

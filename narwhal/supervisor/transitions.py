@@ -1,4 +1,4 @@
-"""One log line per breaker transition and per change of reachability (issue 40).
+"""One log line per breaker transition and per change of reachability.
 
 Why: an operator who sees traffic move from one engine to another must be able to read why in
 the log: which engine, which state it entered, and the evidence. Before this, nothing said an

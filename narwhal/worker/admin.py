@@ -1,4 +1,4 @@
-"""The admin API (SPEC §2): the fleet as the supervisor sees it, and operator actions.
+"""The admin API (docs/behaviour.md "The request path"): the fleet as the supervisor sees it, and operator actions.
 
 Registered only when ``server.admin_token`` is set, so without one the routes answer 404
 ``not_found`` like any unknown route. Tokens are compared in constant time.
@@ -52,15 +52,17 @@ def engine_view(router: Router, state: WorkerFleetState | LocalFleetState, engin
         "role": engine.role,
         "wave": engine.wave,
         "models": sorted(engine.models),
-        "version": engine.version,  # its /version as the supervisor read it (SPEC §11); null: not yet
+        # its /version as the supervisor read it (docs/decisions.md "vLLM releases"); null: not yet
+        "version": engine.version,
         "transfer_mode": engine.transfer_mode,
-        # SPEC §11: an endpoint it answers 403 on, in the line preflight writes (vLLM without --enable-scale-out)
+        # docs/decisions.md "vLLM releases": an endpoint it answers 403 on, in the line preflight writes (vLLM without
+        # --enable-scale-out)
         "refused_endpoints": {GENERATE_PATH: SCALE_OUT_REFUSAL} if engine.generate_refused else {},
         "state": "admitted",
         "failure_streak": 0,
         "ejections": 0,
         "quarantined_until": None,
-        "unreachable": state.unreachable(engine),  # its last connection attempt failed (SPEC §6)
+        "unreachable": state.unreachable(engine),  # its last connection attempt failed (docs/behaviour.md "Recovery")
         "inflight": {"prefill": totals_p[engine.index], "decode": totals_d[engine.index]},
         "last_failure": None,
         "load": None,
@@ -90,7 +92,7 @@ def engine_view(router: Router, state: WorkerFleetState | LocalFleetState, engin
 
 
 def workers_view(state: WorkerFleetState | LocalFleetState) -> dict[str, int]:
-    """How many workers an action reaches, and how many run (issue 25: an ``eject`` that answered
+    """How many workers an action reaches, and how many run (an ``eject`` that answered
     "ejected" while workers beyond the layout's slots still used the engine)."""
     shared = shm.SHARED
     if shared is None:
@@ -110,7 +112,7 @@ def children_of(pid: int) -> list[int]:
 
 
 def _holdings_view(router: Router, engine: Engine) -> dict[str, Any] | None:
-    """What the supervisor believes the producer holds (SPEC §3.3); null without policy
+    """What the supervisor believes the producer holds (docs/behaviour.md "Placement"); null without policy
     ``held``, for a consumer, or before anything was published for it."""
     source = router.placement.holdings
     readings = source.current() if source is not None else ()
@@ -128,7 +130,7 @@ def _holdings_view(router: Router, engine: Engine) -> dict[str, Any] | None:
 
 
 def _load_view(reading: LoadRecord | None) -> dict[str, Any] | None:
-    """The engine's last ``/metrics`` reading (SPEC §3.2), however old: ``age_s`` says how old
+    """The engine's last ``/metrics`` reading (docs/behaviour.md "Placement"), however old: ``age_s`` says how old
     (placement ignores it past ``placement.load_stale_s``); null when there never was one."""
     if reading is None:
         return None

@@ -160,7 +160,7 @@ async def _startup(app: web.Application) -> None:
     if models is not None:
         await models.first()  # the supervisor's first read of each engine, bounded
         app[_TASKS].append(asyncio.ensure_future(models.keep_following()))
-    if follower is not None:  # engines that come and go (SPEC §10)
+    if follower is not None:  # engines that come and go (docs/behaviour.md "Engines that come and go")
         app[_TASKS].append(asyncio.ensure_future(follower.keep_following()))
     app[_TASKS].append(asyncio.ensure_future(metrics.TALLY.keep_flushing()))
     # Everything built so far lives as long as the worker: keep it out of the garbage
@@ -204,7 +204,7 @@ def build_app(settings: Settings) -> web.Application:
     app[_TASKS] = []
     app[_VERSION_BODY] = orjson.dumps(version_document(settings))
     app[_SERVED] = served
-    for endpoint in ENDPOINTS:  # every POST route, P/D and passthrough (SPEC §2.1)
+    for endpoint in ENDPOINTS:  # every POST route, P/D and passthrough (docs/behaviour.md "The other P/D endpoints")
         app.router.add_post(endpoint.path, guard.route(endpoint, served))
     for path, handler in (("/v1/models", _models), ("/health", _health), ("/ready", _ready),
                           ("/version", _version), ("/metrics", _metrics)):

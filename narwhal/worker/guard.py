@@ -2,7 +2,8 @@
 
 Invariant: whatever refuses a request (the router, aiohttp's 404/405/413, the header limit's 431,
 an unhandled exception's 500) answers in the endpoint's error shape (OpenAI's, Anthropic's on
-``/v1/messages``; SPEC §2.1) with ``x-narwhal-error`` and an ``x-request-id``, never a traceback.
+``/v1/messages``; docs/behaviour.md "The other P/D endpoints") with ``x-narwhal-error`` and an ``x-request-id``, never
+a traceback.
 
 Why not an aiohttp middleware: aiohttp runs middlewares for the whole application, and an app with
 one also gets aiohttp's own ``_fix_request_current_app`` frame on every request: Python calls

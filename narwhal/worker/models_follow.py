@@ -91,7 +91,7 @@ class ModelsFollower:
             elif rec.name_hash == record_hash(engine.name, engine.url):
                 models = frozenset(rec.models)
                 engine.models_read = rec.status != M.PENDING  # /admin/engines: "admitted" only from then
-                if rec.engine_version is not None:  # SPEC §11: which engines may pair
+                if rec.engine_version is not None:  # docs/decisions.md "vLLM releases": which engines may pair
                     self.fleet.set_version(engine, rec.engine_version)
                 engine.generate_refused = rec.generate == M.GENERATE_REFUSED  # shown by /admin/engines
                 engine.max_model_len = rec.max_model_len  # the router's /v1/models lists them

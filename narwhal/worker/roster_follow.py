@@ -1,4 +1,5 @@
-"""A worker following a fleet that changes at run time (discovery, SPEC §10), through shared memory.
+"""A worker following a fleet that changes at run time (discovery, docs/behaviour.md "Engines that come and go"),
+through shared memory.
 
 With a ``[discovery]`` source, a worker's engines are not its settings' ``[[engines]]`` but the
 LIVE entries of the engine table and their descriptors (``shm.table``, ``shm.descriptors``):

@@ -1,4 +1,4 @@
-"""A dead consumer must not take the traffic (SPEC §6 round 4, issue 40 item 1).
+"""A dead consumer must not take the traffic (docs/behaviour.md "Recovery" round 4).
 
 The sequence: consumer d0 is ejected for stream faults (it cuts every stream after the first
 token), then healed, its readmission probe still seconds away; then consumer d1 is killed (it
@@ -7,7 +7,7 @@ every request went to the dead d1 (a refusing engine fails fast and looks least 
 answered 502 while d0, alive and healthy, was held out: 300 of 300 in 0.26 s. Now d1 is
 unreachable and comes last, after d0, which is ejected but reachable, so the clean requests sent
 while d1 is down are served: at least :data:`MIN_CLEAN_SHARE` of them. The first requests to meet
-d1 dead fail as SPEC §4 permits (502 ``engine_unreachable``): the share is what is judged.
+d1 dead fail as docs/behaviour.md "Failure semantics" permits (502 ``engine_unreachable``): the share is what is judged.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def verdict(rep: dict[str, Any]) -> list[str]:
     if not rep["ejected"]:
         failed.append(f"{rep['faulty']} was never ejected: the sequence did not happen")
     # The requests in flight to the dead consumer when it dies, and the first each client sends
-    # before it is known unreachable, fail as SPEC §4 permits (502 engine_unreachable, past the
+    # before it is known unreachable, fail as docs/behaviour.md "Failure semantics" permits (502 engine_unreachable,
+    # past the
     # retry budget): the share is the judged figure, not each reply.
     if rep.get("clean_success_share", 0.0) < MIN_CLEAN_SHARE:
         failed.append(f"clean_success_share {rep.get('clean_success_share')} < {MIN_CLEAN_SHARE} "

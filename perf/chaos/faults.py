@@ -1,7 +1,8 @@
 """The chaos suite's fault catalogue and the contract check of one client-visible reply.
 
-Why a separate module: the catalogue is the suite's statement of SPEC §4/§5 — for each fault a
-request can carry (a ``narwhal_fake`` body key, SPEC §9), what the client is allowed to see.
+Why a separate module: the catalogue is the suite's statement of docs/behaviour.md "Failure semantics"/"Recovery" — for
+each fault a
+request can carry (a ``narwhal_fake`` body key, docs/behaviour.md "Fake engines"), what the client is allowed to see.
 Keeping it next to the reply checker (:func:`classify`, :func:`judge`), away from process
 orchestration, makes the promises easy to review: every allowed (status, type) pair is written
 once, here.
@@ -103,7 +104,7 @@ def _varying_fault(kind: str, rng: random.Random, n: int, k: int) -> _Fault:
         return "decode", {"silence_after": k, "silence_s": 1.6, "heartbeat_s": 0.25}, set(), n, None
     if kind.startswith("descriptor_"):
         target = kind[len("descriptor_"):]
-        if target == "localhost":  # remote_host "localhost" is a valid, non-empty host (§3 step 5)
+        if target == "localhost":  # remote_host "localhost" is a valid, non-empty host ("The request path" step 5)
             return "prefill", {"descriptor": target}, set(), n, None
         return "prefill", {"descriptor": target}, {"http:502:invalid_handoff"}, None, None
     if kind == "empty":
@@ -118,7 +119,8 @@ def _varying_fault(kind: str, rng: random.Random, n: int, k: int) -> _Fault:
 def make_expectation(
     rng: random.Random, producers: list[str], consumers: list[str], kind: str | None = None
 ) -> Expectation:
-    """One seeded per-request fault (``kind``, else a random one) and the outcomes SPEC §4/§5
+    """One seeded per-request fault (``kind``, else a random one) and the outcomes docs/behaviour.md "Failure
+    semantics"/"Recovery"
     allow for it."""
     n = rng.randint(4, 8)
     kind = kind or rng.choice(KINDS)
@@ -147,7 +149,7 @@ def clean_expectation(rng: random.Random) -> Expectation:
 
 def poison_expectation(rng: random.Random) -> Expectation:
     """A fault that follows the request (no ``only_engine``): every engine that serves it fails,
-    in a way breakers count (SPEC §6) — a prefill 500 (charged to the producer) or, half the
+    in a way breakers count (docs/behaviour.md "Recovery") — a prefill 500 (charged to the producer) or, half the
     time, an in-stream 500 error before the first token (a crossed decode fault: charged to the
     consumer or the producer once blame settles). A retry meets it again."""
     n = rng.randint(4, 8)
@@ -165,7 +167,7 @@ KINDS = [
     "descriptor_no_engine_id", "descriptor_bad_blocks", "descriptor_mooncake", "descriptor_lmcache",
     "descriptor_bad_port", "descriptor_localhost", "empty", "short", "slow_tokens",
 ]
-# Faults that are retryable before visible output (SPEC §5): with only_engine, retry may succeed.
+# Faults that are retryable before visible output (docs/behaviour.md "Recovery"): with only_engine, retry may succeed.
 ONLY_ENGINE_OK = {
     "p_5xx", "d_5xx", "p_reset", "d_reset", "p_timeout", "d_first_token", "done_before_token",
     "close_before_token", "descriptor_null", "descriptor_bad_blocks", "descriptor_mooncake",

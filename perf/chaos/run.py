@@ -1,4 +1,4 @@
-"""Chaos suite: drive Narwhal through every SPEC §9 fault and check every reply and every leak.
+"""Chaos suite: drive Narwhal through every docs/behaviour.md "Fake engines" fault and check every reply and every leak.
 
 Why: unit and integration tests pin each failure mapping in isolation; production breaks in
 combinations — a fault on one request while an engine is down, a breaker ejecting mid-burst, a
@@ -216,7 +216,7 @@ class Chaos:
         """Every engine stopped (refusing connections) was seen out of placement meanwhile.
 
         Health flaps are not checked: a 503 /health counts as a failure, but an engine that still
-        completes streams has its streak reset by them (SPEC §6: the check is for *idle* dead
+        completes streams has its streak reset by them (docs/behaviour.md "Recovery": the check is for *idle* dead
         engines), so under traffic a flapping engine may rightly stay admitted."""
         problems = []
         restarts = [w for w in self.windows if w.kind in ("kill_supervisor", "sighup")]
@@ -224,7 +224,7 @@ class Chaos:
             if w.kind not in ("stop_producer", "stop_consumer") or w.engine is None:
                 continue
             if any(r.start <= w.end and r.end + 1.0 >= w.start for r in restarts):
-                continue  # no breakers while the supervisor restarts (SPEC §1): not checkable
+                continue  # no breakers while the supervisor restarts (docs/behaviour.md "Processes"): not checkable
             seen = {st[w.engine] for t, st in self.samples if w.start <= t <= w.end + 1.0}
             if seen and seen <= {"admitted"}:
                 problems.append(f"{w.engine} stayed admitted through {w.kind} ({w.end - w.start:.1f} s)")
@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     for run_ in rep["poison_storm"]:
         print_storm(run_)
         failed = failed or bool(run_["failed"])
-    if not args.poison_storm:  # a consumer ejected for faults, then the other one killed (SPEC §6)
+    if not args.poison_storm:  # a consumer ejected for faults, then the other one killed (docs/behaviour.md "Recovery")
         rep["dead_consumer"] = dead_consumer.run_dead_consumer(Chaos(args), 8.0 if args.quick else 20.0,
                                                                args.concurrency)
         dead_consumer.print_dead_consumer(rep["dead_consumer"])

@@ -1,6 +1,6 @@
 """Poison storm: faults that follow requests must not take the fleet away from clean ones.
 
-Why (issue 16, SPEC §5): a prompt that makes every engine fail charges a failure — and with
+Why (docs/behaviour.md "Recovery"): a prompt that makes every engine fail charges a failure — and with
 ``recovery.failure_quarantine_s`` a quarantine — to whichever engine serves it. When such
 requests are frequent, every engine of a role is quarantined nearly all the time; if placement
 treated quarantine like ejection, clean requests would be answered 503 ``no_engine`` although

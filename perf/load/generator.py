@@ -69,7 +69,9 @@ class Workload:
         return float(delay) * self.tokens
 
     def prefill_body(self) -> bytes:
-        """The producer leg as a PD proxy sends it (SPEC §3 step 3), for the client-side PD floor."""
+        """The producer leg as a PD proxy sends it (docs/behaviour.md "The request path" step 3), for the client-side
+        PD floor.
+        """
         data = self.data()
         data.update(stream=False, max_tokens=1, ignore_eos=True, kv_transfer_params=PREFILL_KV)
         return orjson.dumps(data)

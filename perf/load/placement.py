@@ -1,7 +1,8 @@
-"""The placement scenarios (SPEC §3.2): each its own fleet and routers, variants interleaved by round.
+"""The placement scenarios (docs/behaviour.md "Placement"): each its own fleet and routers, variants interleaved by
+round.
 
 Why their own processes: placement is judged on what the engines model (prefix cache, prefill
-cost, batch limit, background load; SPEC §9), which the router-cost scenarios must not have on,
+cost, batch limit, background load; docs/behaviour.md "Fake engines"), which the router-cost scenarios must not have on,
 and on router settings that differ per variant (affinity on/off, engine-reported load on/off,
 local decode on/off). So every scenario starts its fleets with the models it needs and one
 router per variant, runs the variants in rotating order every round (as ``perf/load/scenarios`` does),

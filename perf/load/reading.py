@@ -33,7 +33,9 @@ class Outcome:
 
 
 def _is_token(event: bytes) -> bool:
-    """Does this SSE event carry generated output (SPEC §4: text, content, finish_reason …)?"""
+    """Does this SSE event carry generated output (docs/behaviour.md "Failure semantics": text, content, finish_reason
+    …)?
+    """
     for line in event.split(b"\n"):
         if not line.startswith(b"data:"):
             continue

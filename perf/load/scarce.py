@@ -1,4 +1,4 @@
-"""``prefix_scarce`` (issue 21): placement when each producer's KV holds only 2–3 of the shared prompts.
+"""``prefix_scarce``: placement when each producer's KV holds only 2–3 of the shared prompts.
 
 Why its own module beside ``perf/load/placement.py``: the rows here are not variants of one router but
 different placements of the same load, some of which are no Narwhal router at all: the three
@@ -15,7 +15,7 @@ while the other rows run.
 Per row beside the placement figures: every producer's prefills, uncached prompt tokens, cached
 share and prefill share over the measured windows (its stats' counters at the window's edges), and
 in the slow variant the slow producer's prefills and its uncached tokens (its prefill work, what
-issue 21's target is judged by: README "Choices where the spec is silent") each ÷ a fast one's.
+the target is judged by: perf/README.md "Scarce KV") each ÷ a fast one's.
 """
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ def _endpoint_scenarios() -> list[Scenario]:
             workload=Workload(CHAT, stream=True, tokens=16),
             concurrency=32,
         ),
-        # The same with a 4,000-character system prompt: what a long prompt costs over chat_c32 (issue 24).
+        # The same with a 4,000-character system prompt: what a long prompt costs over chat_c32.
         Scenario(
             "chat_long",
             "streaming chat completions, 4,000-character system prompt, 16 tokens, c=32",
@@ -169,7 +169,9 @@ def _memory_scenario(big: int) -> Scenario:
 
 
 def placement_scenarios(quick: bool) -> list[Scenario]:
-    """SPEC §3.2's scenarios (``perf/load/placement.py``): run when named, each with its own fleets."""
+    """docs/behaviour.md "Placement"'s scenarios (``perf/load/placement.py``): run when named, each with its own
+    fleets.
+    """
     c = 16 if quick else 32
     warmup = 0.5 if quick else 1.0
     return [

@@ -1,4 +1,4 @@
-"""``prefix_scarce`` in the report: every row's figures, and issue 21's targets as PASS/FAIL lines.
+"""``prefix_scarce`` in the report: every row's figures, and the scenario's targets as PASS/FAIL lines.
 
 Why apart from ``perf/report/placement.py``: these targets compare ``held`` with rows that are
 not variants of one router (the ideal placement, the peer's best policy, two replicas), and a row

@@ -1,5 +1,6 @@
 """The three other P/D endpoints as the real-gunicorn tests speak them: request bodies, the
-generated text of a reply, and the exact error shapes SPEC §2.1 gives each endpoint."""
+generated text of a reply, and the exact error shapes docs/behaviour.md "The other P/D endpoints" gives each
+endpoint."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ class Endpoint:
         return body
 
     def prefill_of(self, body: dict, request_id: str) -> dict:
-        """What SPEC §2.1 says the producer receives for ``body``."""
+        """What docs/behaviour.md "The other P/D endpoints" says the producer receives for ``body``."""
         out = {k: v for k, v in body.items() if k != "kv_transfer_params"}
         out["stream"] = False
         out["kv_transfer_params"] = PREFILL_KV

@@ -11,7 +11,8 @@ import pytest
 from narwhal.testing.harness import FakeFleet, RouterProcess
 from tests.real_gunicorn.support import ENGINES, FLEET_ARGS, start_router, wait_until
 
-# The vLLM releases the fake imitates (SPEC §11): the request-path suites run on a fleet of each.
+# The vLLM releases the fake imitates (docs/decisions.md "vLLM releases"): the request-path suites run on a fleet of
+# each.
 RELEASES = ("0.11.0", "0.33.0")
 
 

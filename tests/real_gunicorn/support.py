@@ -55,7 +55,8 @@ def start_router(
         "preflight": {"on_start": False},
         "log": {"access_log": str(tmp / "access.log"), "level": "warning"},
         # Fault tests inject many failures: breakers stay out of their way unless a test
-        # (test_supervisor) is about breakers. A stream cut after its first token ends as SPEC §4
+        # (test_supervisor) is about breakers. A stream cut after its first token ends as docs/behaviour.md "Failure
+        # semantics"
         # says unless a test is about migrations (test_migration turns them on).
         "recovery": {"eject_after": 1000, "max_migrations": 0},
     }

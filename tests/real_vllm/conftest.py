@@ -83,7 +83,8 @@ def router_config(pair: list[RealEngine], **sections: dict[str, object]) -> str:
         "engine": {"prefill_timeout_s": 60, "first_token_timeout_s": 60, "decode_read_timeout_s": 30},
         "preflight": {"on_start": False},
         # Faults are injected on purpose here: no breaker takes the only pair out meanwhile. One
-        # pair has nowhere to continue a cut stream: SPEC §4's terminal event (test_real_stops).
+        # pair has nowhere to continue a cut stream: docs/behaviour.md "Failure semantics"'s terminal event
+        # (test_real_stops).
         "recovery": {"eject_after": 1000, "health_interval_s": 60, "max_migrations": 0},
         "engine_contract": {"model": MODEL, "engine_version": VERSION},
         "log": {"level": "info"},

@@ -1,6 +1,6 @@
 """Every public class, function and method in narwhal/ has a docstring saying what it is for.
 
-Why a test (issue 22 item 5): a newcomer reads a name's one line to learn what it is for and the
+Why a test: a newcomer reads a name's one line to learn what it is for and the
 invariant it keeps; a name without one sends them into its body. Public is a name not starting
 with ``_``, at module level or in a public class (methods included); dunders and private names
 are left alone. ``NOT_YET`` lists the modules being refactored while the docstrings were written;
@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "narwhal"
 
-# Under refactor (issue 22 items 1-3) when the docstrings went in: the lead documents each as its
+# Under refactor when the docstrings went in: the lead documents each as its
 # refactor lands and removes it here; the set shrinks to empty.
 NOT_YET: set[str] = set()
 

@@ -2,7 +2,7 @@
 most 80, in narwhal/, perf/ and tests/. The house *aims* at about 300 and 40 by splitting along
 concepts; this test only catches what has plainly outgrown that. Why a backstop and not the
 aim: a cap at the aim made modules pile up exactly at it, and commits cut docstrings and blank
-lines to fit (issue 39), which is the opposite of what the sizes are for. Why a test at all: a
+lines to fit, which is the opposite of what the sizes are for. Why a test at all: a
 module one can read in one sitting and a function one can hold in one's head are what let the
 next person change them; past those sizes they only grow. ``OVER_FOR_NOW`` names what is
 still over while it is being split; it may only shrink (a listed place back under its limit

@@ -1,6 +1,6 @@
 """Every repository path the docs, the deploy files and the code's comments name exists.
 
-Why (issue 23 item 7): the systemd unit pointed at a test module that had moved and the
+Why: the systemd unit pointed at a test module that had moved and the
 Dockerfile at a test that lived elsewhere; a reader following them found nothing. Every tracked
 text file is read; a path is a token starting with one of the repository's top-level folders
 (``narwhal/``, ``tests/``, ``deploy/``, ``perf/``, ``.ci/``, ``.github/``). It counts as found if
@@ -10,8 +10,10 @@ ignored by git (generated output such as ``perf/results/``).
 
 from __future__ import annotations
 
+import io
 import re
 import subprocess
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,3 +63,43 @@ def test_the_operator_docs_cite_no_file_the_operator_does_not_have() -> None:
     for doc in (ROOT / "README.md", ROOT / "deploy" / "README.md"):
         cited = [line for line in doc.read_text().splitlines() if "SPEC" in line]
         assert cited == [], doc.name
+
+
+# What the code may cite: its own docs. The contract's text outside the repository (the SPEC, the
+# protocol notes) and the tracker's issues are not in a clone; a reader must be able to follow
+# every reference, so comments and docstrings cite docs/*.md by section instead.
+_OUTSIDE = re.compile(r"\bSPEC\b|\bissues? [0-9]+|VLLM-PROTOCOL|NOTES\.md")
+_CITED_SECTION = re.compile(r'docs/(\w+)\.md "([^"\n]+)"')
+
+
+def _comments_and_strings(text: str) -> list[tuple[int, str]]:
+    """Every comment and string literal of a Python source, with its first line (names are code, not text)."""
+    found: list[tuple[int, str]] = []
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type in (tokenize.COMMENT, tokenize.STRING):
+            found.append((tok.start[0], tok.string))
+    return found
+
+
+def _sections(doc: str) -> list[str]:
+    """A doc's headings and its bold run-in headings (``**Endpoints per release.**``), as cited."""
+    text = (ROOT / "docs" / f"{doc}.md").read_text()
+    heads = [line.lstrip("#").strip() for line in text.splitlines() if line.startswith("#")]
+    return heads + re.findall(r"\*\*([^*\n]+)\*\*", text)
+
+
+def test_the_code_cites_only_what_the_repository_holds() -> None:
+    outside: list[str] = []
+    unknown: list[str] = []
+    for name, text in _tracked_texts().items():
+        if not name.endswith(".py") or not name.startswith(("narwhal/", "tests/", "perf/")):
+            continue
+        for line, piece in _comments_and_strings(text):
+            if name != "tests/unit/test_references.py" and _OUTSIDE.search(piece):
+                outside.append(f"{name}:{line}")
+            for doc, section in _CITED_SECTION.findall(piece):
+                if not (ROOT / "docs" / f"{doc}.md").exists() or not any(
+                        s.startswith(section) for s in _sections(doc)):
+                    unknown.append(f'{name}:{line}: docs/{doc}.md "{section}"')
+    assert outside == []
+    assert unknown == []

@@ -1,4 +1,4 @@
-"""Settings (SPEC §7): valid loads, file errors, unknown keys and invalid values, each a one-line error naming
+"""Settings (docs/settings.md): valid loads, file errors, unknown keys and invalid values, each a one-line error naming
 the key."""
 
 from __future__ import annotations
@@ -338,7 +338,7 @@ def test_engine_url_trailing_slash_is_stripped(tmp_path: Path) -> None:
 def test_handoff_max_age_at_or_below_prefill_timeout_is_allowed(
     tmp_path: Path, toml: str, environ: dict[str, str]
 ) -> None:
-    # Advice, not a rule (SPEC §7 writes it as a comment): the router warns at start-up and
+    # Advice, not a rule (docs/settings.md writes it as a comment): the router warns at start-up and
     # expires slow handoffs with 504 handoff_expired, which is what such a setting asks for.
     s = load_settings(write(tmp_path, toml), environ=environ)
     assert s.handoff.max_age_s <= s.engine.prefill_timeout_s

@@ -1,5 +1,5 @@
 """``[discovery]`` wired into the settings: the layout's engine slots, and the start refused
-with one line when there is nothing to route to (SPEC §10)."""
+with one line when there is nothing to route to (docs/behaviour.md "Engines that come and go")."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def test_discovery_is_a_section_of_the_settings(tmp_path: Path) -> None:
     s = load_settings(write(tmp_path, toml), environ={})
     assert s.discovery.enabled and s.discovery.interval_s == 1
     assert [d.name for d in s.discovery.dns] == ["vllm-prefill.ai.svc.cluster.local"]
-    assert s.engine_slots == 256  # discovery.max_engines, SPEC's default once a source is set
+    assert s.engine_slots == 256  # discovery.max_engines' default once a source is set
 
 
 def test_without_a_source_the_slots_are_server_max_engines(tmp_path: Path) -> None:

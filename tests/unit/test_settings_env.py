@@ -1,6 +1,6 @@
-"""``NARWHAL_`` variables of every kind (SPEC §7): a bad one is one line naming the variable and
+"""``NARWHAL_`` variables of every kind (docs/settings.md): a bad one is one line naming the variable and
 the form expected, through ``load_settings`` and through the real start-up paths (``narwhal
-serve`` and ``gunicorn -c gunicorn.conf.py``), never a traceback (issue 25 item 9)."""
+serve`` and ``gunicorn -c gunicorn.conf.py``), never a traceback."""
 
 from __future__ import annotations
 

@@ -82,7 +82,7 @@ NOT_A_VERSION_TOML = '[engine_contract]\nmodel = "m"\nengine_version = "not a ve
 
 
 def test_an_engine_version_that_is_no_pep440_version_stops_the_start(tmp_path: Path) -> None:
-    # It used to start, and then every probe failed forever (issue 16).
+    # It used to start, and then every probe failed forever.
     assert error_of(tmp_path, NOT_A_VERSION_TOML) == NOT_A_VERSION
     assert error_of(tmp_path, '[engine_contract]\nengine_version = "0.11.*"\n') == (
         "engine_contract.engine_version: invalid PEP 440 version '0.11.*' (expected a version such as 0.11.0 "

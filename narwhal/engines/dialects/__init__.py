@@ -1,4 +1,5 @@
-"""One description per P/D endpoint of what its stream and bodies look like (SPEC §2.1).
+"""One description per P/D endpoint of what its stream and bodies look like (docs/behaviour.md "The other P/D
+endpoints").
 
 Each :class:`Dialect` answers whatever differs between endpoints (admission, the legs, the
 relay, the router's errors), so there is one request path for all of them. Which path has

@@ -1,7 +1,8 @@
 """What every endpoint's stream description shares: the interface, OpenAI's error shapes, helpers.
 
 A :class:`Dialect` says, for one P/D endpoint, everything the request path must know that
-differs between endpoints (SPEC §2.1): the prefill, decode and release bodies, the admission
+differs between endpoints (docs/behaviour.md "The other P/D endpoints"): the prefill, decode and release bodies, the
+admission
 checks and the affinity text, which events are generated output, the valid terminal event, how
 an in-stream error is recognised and its status, and how the router's own errors are shaped
 for that endpoint's clients. The request path (``narwhal.engines.decode``,
@@ -10,7 +11,8 @@ of it.
 
 Why byte probes: after the first token, the relay looks at a span only when ``may_end`` says
 its bytes could hold the terminal event or an error — a ``in`` test or two on bytes, no parse
-— so a long stream costs the same per chunk on every endpoint (SPEC §4, ARCHITECTURE's hot path).
+— so a long stream costs the same per chunk on every endpoint (docs/behaviour.md "Failure semantics", ARCHITECTURE's
+hot path).
 
 Invariant: every method is pure (no I/O, no clock); ``classify`` returns an error object
 normalised to ``{"code": int | None, "message": str}`` so ``failures.stream_error`` maps it
@@ -47,7 +49,7 @@ MAX_TOKENS_COUNTED = 1 << 32  # a token count at or past this is no count an eng
 
 def token_count(value: Any) -> int | None:
     """``value`` when it is a token count an engine could report: an int (bools are not) in
-    ``[0, 2^32)``; anything else is unknown (issue 40 item 6: a negative count stopped a worker's
+    ``[0, 2^32)``; anything else is unknown (a negative count stopped a worker's
     metric flush for good)."""
     return value if type(value) is int and 0 <= value < MAX_TOKENS_COUNTED else None
 

@@ -3,7 +3,7 @@
 Frames are ``event: <type>\\ndata: <json>``; the stream ends with ``event: message_stop``, which
 vLLM follows with ``data: [DONE]`` (also after an error event). That ``[DONE]`` is not part of
 Anthropic's protocol, so nothing requires it and the router drops what follows the terminal
-event: an Anthropic client sees Anthropic's stream. Generated output (SPEC §2.1): a
+event: an Anthropic client sees Anthropic's stream. Generated output (docs/behaviour.md "The other P/D endpoints"): a
 ``content_block_delta`` of text, thinking or tool input, a ``tool_use`` ``content_block_start``,
 and a ``message_delta`` carrying ``stop_reason`` (an immediate end of sequence is a valid empty
 answer). An in-stream error is ``event: error`` in Anthropic's shape, or OpenAI's
@@ -35,7 +35,7 @@ from narwhal.errors import NarwhalError
 
 MESSAGES = "/v1/messages"
 
-# The Anthropic error type a client sees for each status (SPEC §2.1).
+# The Anthropic error type a client sees for each status (docs/behaviour.md "The other P/D endpoints").
 _TYPE_OF_STATUS = {
     400: "invalid_request_error", 408: "invalid_request_error", 415: "invalid_request_error",
     401: "authentication_error", 403: "permission_error", 404: "not_found_error",

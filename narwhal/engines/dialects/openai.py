@@ -5,7 +5,7 @@ events, ``narwhal.engines.connector`` rewrites their prefill); they are descript
 request path asks every endpoint the same questions. ``/inference/v1/generate`` is vLLM's
 tokens-in route (``vllm/entrypoints/serve/disagg``): ``token_ids`` and a ``sampling_params``
 object in, chat-style frames whose choices carry ``token_ids`` out, ``[DONE]`` at the end, errors
-as ``data: {"error": ...}`` (SPEC §2.1).
+as ``data: {"error": ...}`` (docs/behaviour.md "The other P/D endpoints").
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ def _ids_text(ids: list[Any], limit: int) -> str:
 
 
 class Completions(Dialect, endpoint=COMPLETIONS, prompt_fields=("prompt",)):
-    """Completions and chat: the rules of SPEC §3–§4 as ``engines.sse`` and ``connector`` hold them."""
+    """Completions and chat: the rules of docs/behaviour.md "The request path"–"Failure semantics" as ``engines.sse``
+    and ``connector`` hold them.
+    """
 
     __slots__ = ()
 
@@ -66,7 +68,7 @@ class Completions(Dialect, endpoint=COMPLETIONS, prompt_fields=("prompt",)):
         return {"model": model, "prompt": prompt, "max_tokens": 2}
 
     def prefill_body(self, body: dict[str, Any], request_id: str, crossed: bool) -> dict[str, Any]:
-        """``connector.prefill_body``: the rewrite of SPEC §3."""
+        """``connector.prefill_body``: the rewrite of docs/behaviour.md "The request path"."""
         return connector.prefill_body(body, crossed=crossed)
 
     def release_body(self, body: dict[str, Any], request_id: str, descriptor: dict[str, Any]) -> dict[str, Any]:

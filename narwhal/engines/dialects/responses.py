@@ -2,7 +2,7 @@
 
 Frames are ``event: <type>\\ndata: <json>``; a valid stream ends with ``response.completed``
 (status ``completed`` or ``incomplete``) or ``response.incomplete``, never with ``[DONE]``.
-Generated output (SPEC §2.1): text, reasoning and function-call argument deltas, an
+Generated output (docs/behaviour.md "The other P/D endpoints"): text, reasoning and function-call argument deltas, an
 ``output_item.added`` of a function call that carries arguments, and ``output_item.done`` (the
 analogue of a ``finish_reason``). An in-stream error is ``event: error`` or ``response.failed``,
 with its ``code`` as the status when it is one, else 502.

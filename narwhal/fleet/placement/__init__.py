@@ -1,4 +1,5 @@
-"""Placement (SPEC §3 step 2, §3.2, §3.3): which producer and consumer take a request, and their slots.
+"""Placement (docs/behaviour.md "The request path" step 2, "Placement"): which producer and consumer take a request,
+and their slots.
 
 A policy per module behind one interface, the choice pure (no I/O; counts, engine reports,
 clock and randomness come in through arguments and protocols):
@@ -11,8 +12,8 @@ clock and randomness come in through arguments and protocols):
   consumer; policy ``least_loaded``);
 * :mod:`.affinity` — bounded-load rendezvous hashing of the affinity key (policy ``affinity``);
 * :mod:`.held` — policy ``held`` (the default): the producer with the least estimated time to
-  handoff, knowing what each holds (SPEC §3.3);
-* :mod:`.blocks` — the prompt's chained prefix block keys (SPEC §3.3), computed lazily;
+  handoff, knowing what each holds (docs/behaviour.md "Placement");
+* :mod:`.blocks` — the prompt's chained prefix block keys (docs/behaviour.md "Placement"), computed lazily;
 * :mod:`.load` — engine-reported load as placement weighs it (fresh readings only);
 * :mod:`.reservation` — in-flight counts and the slots an attempt holds.
 """

@@ -1,4 +1,5 @@
-"""Prefix affinity: the same prompt prefix goes to the same producer (SPEC §3.2); policy ``affinity``.
+"""Prefix affinity: the same prompt prefix goes to the same producer (docs/behaviour.md "Placement"); policy
+``affinity``.
 
 Rendezvous (highest-random-weight) hashing of (key, engine name), with bounded load: the
 candidates are ranked by a hash of the pair, and the first in rank whose prefill load is at

@@ -1,6 +1,6 @@
-"""Prefix block keys (SPEC §3.3): chained 64-bit keys over fixed-size blocks of the prompt text.
+"""Prefix block keys (docs/behaviour.md "Placement"): chained 64-bit keys over fixed-size blocks of the prompt text.
 
-The affinity text (SPEC §3.2, not cut at ``affinity_chars``) is cut into blocks of
+The affinity text (docs/behaviour.md "Placement", not cut at ``affinity_chars``) is cut into blocks of
 ``placement.block_chars`` characters, up to ``placement.max_prefix_chars``; only full blocks
 are keyed (a partial last block is nothing a producer can have cached for another prompt).
 Block k's key covers blocks 0..k, so two prompts share key k exactly when their first k+1

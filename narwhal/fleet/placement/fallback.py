@@ -2,7 +2,7 @@
 
 The first look (the hot path) takes only *admitted* engines: not out, not quarantined, not
 unreachable. When it finds no pair, and the view says some engine is avoided, this second look
-runs (SPEC §5, §6 round 4), with its own notion of usable and an order that outweighs load:
+runs (docs/behaviour.md "Recovery" round 4), with its own notion of usable and an order that outweighs load:
 
 ====  ===========================================================  =============================
 tier  engines                                                      within the tier
@@ -17,7 +17,7 @@ tier  engines                                                      within the ti
 Why: a consumer that refuses connections fails fast, so it looks least loaded, and quarantine
 and ``max_ejected_fraction`` never take the last engines of a role out, so before this rule a
 dead consumer took every request while a live one, ejected for stream faults but reachable, was
-held out by the cap (issue 40: 300 of 300 requests answered 502 in 0.26 s). Ejected engines are
+held out by the cap (300 of 300 requests answered 502 in 0.26 s). Ejected engines are
 used only in a role's panic, never merely because the others are full: a full fleet waits for a
 slot (``placement.queue_timeout_s``) rather than spilling onto engines the breaker took out.
 When no engine of a role is placeable at all, nothing changes: the model has no pair, 503

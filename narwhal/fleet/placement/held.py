@@ -1,4 +1,5 @@
-"""Policy ``held`` (SPEC §3.3, the default): the producer that will hand off soonest, knowing what each holds.
+"""Policy ``held`` (docs/behaviour.md "Placement", the default): the producer that will hand off soonest, knowing what
+each holds.
 
 For each candidate producer: *matched* = the characters of the longest leading run of this
 prompt's blocks it is believed to hold (the supervisor's holdings, read from shared memory);
@@ -14,7 +15,7 @@ wins; candidates within ``placement.affinity_slack`` of it are ordered home firs
 (``homes``), then by the rendezvous rank of the prompt's first block key, so workers and
 replicas that know nothing yet (every estimate equal) still agree.
 
-Deviations from SPEC §3.3 (README "Placement"), each measured with ``perf.scarce_sim``:
+Deviations from docs/behaviour.md "Placement" (README "Placement"), each measured with ``perf.scarce_sim``:
 
 * A miss counts ``MISS_WEIGHT`` (9) times its uncached characters: its prefill, and the queue it
   holds up behind it on an engine that prefills one batch at a time; counted once, a short queue

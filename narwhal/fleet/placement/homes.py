@@ -1,4 +1,4 @@
-"""Homes for the live prefixes (SPEC §3.3, README "Placement"): where every replica sends a prefix.
+"""Homes for the live prefixes (docs/behaviour.md "Placement", README "Placement"): where every replica sends a prefix.
 
 Why: the holdings a replica learns are its own traffic's. Two router replicas with requests
 alternating each learn only where *they* put a prefix, so each keeps its own copy on a producer
@@ -50,7 +50,7 @@ Invariants, and why:
   affinity's hot spot again).
 * Bounded: at most ``MAX_HOMES`` prefixes, the longest first when there are more.
 * Cheap to repeat: the supervisor assigns every 0.1 s. Ranking 4,096 prefixes over 32 producers
-  is 131,072 rendezvous scores (60-75 ms on the 2-core test machine, issue 40 item 11); a
+  is 131,072 rendezvous scores (60-75 ms on the 2-core test machine); a
   prefix's rank changes only when the producers do, so :class:`Ranks` keeps each one between
   calls and a call scores only the prefixes new since the last (the same homes, measured in
   ``tests/unit/fleet/test_homes.py``).

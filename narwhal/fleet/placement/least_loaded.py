@@ -3,7 +3,7 @@
 It orders every consumer, and as policy ``least_loaded`` (:class:`LeastLoaded`) the producers,
 ignoring prefixes.
 
-SPEC §3.2. An engine's load for a phase is this host's fleet-wide in-flight legs of that
+docs/behaviour.md "Placement". An engine's load for a phase is this host's fleet-wide in-flight legs of that
 phase on it plus, where fresh, what it reports running and waiting (``load.Loads.extra``).
 An engine whose fresh KV usage is at or above ``placement.kv_saturated`` is chosen only when
 every candidate is saturated: more requests there would preempt running ones.

@@ -1,4 +1,4 @@
-"""Engine-reported load as placement weighs it: fresh readings only (SPEC §3.2).
+"""Engine-reported load as placement weighs it: fresh readings only (docs/behaviour.md "Placement").
 
 The supervisor publishes each engine's last ``/metrics`` reading with the time it was read;
 this module turns those readings into what the choice needs, per engine index: the extra load

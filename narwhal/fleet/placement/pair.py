@@ -1,4 +1,5 @@
-"""Choosing a producer and a consumer together, and holding both phase slots (SPEC §3 step 2, §3.2, §5).
+"""Choosing a producer and a consumer together, and holding both phase slots (docs/behaviour.md "The request path" step
+2, "Placement", "Recovery").
 
 Invariants, and why:
 
@@ -7,11 +8,11 @@ Invariants, and why:
 * An engine that is *out* (ejected, probing, draining) is never chosen. A *quarantined* one
   (the supervisor's QUARANTINED state, or this worker's own quarantine after a failure it saw)
   is chosen only when no pair of engines that are not quarantined can take the request; then
-  quarantine is ignored, the engine whose quarantine ends first first (SPEC §5). Quarantine
+  quarantine is ignored, the engine whose quarantine ends first first (docs/behaviour.md "Recovery"). Quarantine
   steers traffic away; it must never empty a role, because a fault that follows requests (a
   prompt every engine fails on) quarantines every engine in turn, and treating quarantine as
-  ejection would then answer clean requests 503 ``no_engine`` on a healthy fleet (issue 16).
-* An *unreachable* engine (its last connection attempt failed, SPEC §6) is never in the first
+  ejection would then answer clean requests 503 ``no_engine`` on a healthy fleet.
+* An *unreachable* engine (its last connection attempt failed, docs/behaviour.md "Recovery") is never in the first
   pass either, and comes last in the second, after ejected engines that are reachable, which
   themselves join only when every placeable engine of their role is unreachable
   (:mod:`.fallback`): being unreachable outweighs load and breaker state.
@@ -21,7 +22,7 @@ Invariants, and why:
 * The choice itself is pure (no I/O): counts come through :class:`InflightCounts`, engine
   reports through a :class:`LoadSource`, the clock and the randomness are injected.
 
-Which pair (SPEC §3.2, §3.3): with policy ``held`` (the default) and a prompt of at least one
+Which pair (docs/behaviour.md "Placement"): with policy ``held`` (the default) and a prompt of at least one
 block, producers by estimated time to handoff knowing what each holds (:mod:`.held`); else by
 prefix affinity when the request has a key (:mod:`.affinity`), else least loaded
 (:mod:`.least_loaded`); the consumer least loaded among
@@ -61,7 +62,7 @@ def _producer_of(candidate: Candidate) -> Engine:
 
 
 class Placement:
-    """Chooses a (producer, consumer) pair and reserves it, without waiting (SPEC §3.2, §3.3).
+    """Chooses a (producer, consumer) pair and reserves it, without waiting (docs/behaviour.md "Placement").
 
     Invariant: a returned :class:`Reservation` holds its pair's phase slots (a local decode: the
     decode slot only) until released; ``None`` means no permitted pair has room now (the caller waits)."""
@@ -92,7 +93,7 @@ class Placement:
         )
         self._hashes = fleet.by_index(lambda e: affinity.key_hash(e.name))
         self.policy = policy_named(settings.placement_policy)  # the producers' order (placement.policy)
-        self.holdings = holdings  # what each producer holds (SPEC §3.3), for a policy that wants it
+        self.holdings = holdings  # what each producer holds (docs/behaviour.md "Placement"), for a policy that wants it
         # The last held ordering's (matched, uncached, queued) characters, by position.
         self._facts: list[tuple[int, int, int]] = []
 
@@ -218,7 +219,7 @@ class Placement:
         self, model: str, avoid: frozenset[str], second: Fallback | None, key: int | None,
         loads: Loads | None, blocks: PrefixBlocks | None = None,
     ) -> Reservation | None:
-        """A consumer alone, for a local decode (SPEC §3.2): least loaded, saturated last."""
+        """A consumer alone, for a local decode (docs/behaviour.md "Placement"): least loaded, saturated last."""
         decodes = self.inflight.totals("decode")
         usable = self.view.admitted if second is None else second.consumer_ok
         rank = None if second is None else second.rank
@@ -251,7 +252,7 @@ class Placement:
         until an engine's models change, so built once per model rather than per request."""
         self._refresh()
         found = self._by_model.get(model)
-        if found is None:  # the compatible pairs only (SPEC §11: versions and transfer modes)
+        if found is None:  # the compatible pairs only (docs/decisions.md "vLLM releases": versions and transfer modes)
             found = tuple(
                 (p, tuple(d for d in p.permitted_consumers if model in d.models and compat.compatible(p, d)))
                 for p in self.fleet.engines
@@ -285,7 +286,7 @@ class Placement:
 
     def incompatibility(self, model: str) -> str | None:
         """Why ``model`` has no pair when engines in service could pair but for their versions or
-        transfer modes (SPEC §11: the 503's detail; the compatible ones, if any, are out), else
+        transfer modes (docs/decisions.md "vLLM releases": the 503's detail; the compatible ones, if any, are out), else
         None."""
         view = self.view
         if self.has_pair(model):
@@ -300,14 +301,16 @@ class Placement:
                 "version and transfer mode (" + "; ".join(reasons) + ")")
 
     def release_consumers(self, producer: Engine, chosen: Engine, model: str, *, chosen_first: bool) -> list[Engine]:
-        """Where an undecoded handoff of ``producer`` may be released, in order (SPEC §3 step 8):
+        """Where an undecoded handoff of ``producer`` may be released, in order (docs/behaviour.md "The request path"
+        step 8):
         the chosen consumer, then the producer's other permitted consumers that serve ``model``:
         admitted, then quarantined, then ejected by their breaker (a release is one tiny
         non-streaming decode: a consumer ejected for stream faults may still free the blocks,
         and stranding them pins the producer's KV for its whole lease), unreachable ones last;
         the chosen one last instead when it was just found unreachable. A permitted consumer
         shares the producer's connector, so any of them can pull the blocks. Nothing is
-        reserved (``narwhal.request.attempt`` says why). Only compatible consumers (SPEC §11): NIXL
+        reserved (``narwhal.request.attempt`` says why). Only compatible consumers (docs/decisions.md "vLLM releases"):
+        NIXL
         refuses the handshake of any other, and the blocks would stay pinned."""
         view = self.view
         others = [d for d in producer.permitted_consumers

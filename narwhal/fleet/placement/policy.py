@@ -1,4 +1,4 @@
-"""What a producer policy is (SPEC §3.2, §3.3): one interface, whatever rule orders the producers.
+"""What a producer policy is (docs/behaviour.md "Placement"): one interface, whatever rule orders the producers.
 
 A policy orders the candidate producers of one placement and says why each is where it is (the
 ``producer_choice`` label of the access log). It asks for what it needs once, at construction
@@ -75,7 +75,7 @@ class Policy(Protocol):
 
     name: str
     wants_key: bool  # the prompt's affinity key (``request.affinity``)
-    wants_blocks: bool  # the prompt's prefix block keys (SPEC §3.3)
+    wants_blocks: bool  # the prompt's prefix block keys (docs/behaviour.md "Placement")
     wants_holdings: bool  # the holdings region and the prefill reports that feed it
 
     def keeps_saturated(self, asked: Asked) -> Callable[[Candidate], bool] | None:

@@ -1,4 +1,4 @@
-"""The producer policies by the name ``placement.policy`` gives them (SPEC §3.2, §3.3).
+"""The producer policies by the name ``placement.policy`` gives them (docs/behaviour.md "Placement").
 
 A new policy is a module implementing :class:`~narwhal.fleet.placement.policy.Policy` and one line
 here; ``placement.policy`` then accepts its name (``tests/unit/fleet/test_policies.py`` holds the

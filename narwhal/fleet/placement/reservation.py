@@ -2,14 +2,14 @@
 
 Invariant: every slot reserved is released exactly once, however the attempt ends:
 :class:`Reservation` makes releasing idempotent, so cleanup code can simply release
-everything in ``finally``. A local decode (SPEC §3.2) holds a decode slot only: its
+everything in ``finally``. A local decode (docs/behaviour.md "Placement") holds a decode slot only: its
 ``producer`` is its consumer, for naming and reports, and no prefill slot was ever taken.
 
 A pair's decode slot is taken with its prefill's, before the prefill runs, and counted as
 *unsent* until its leg goes to the consumer (:meth:`Reservation.decode_sent`) or the slot is
 released: the consumer cannot count a request it has not seen, so the load reader must not take
-it out of the consumer's own report (SPEC §3.2). Taking it out made a consumer busy elsewhere
-look idle exactly while prefills for it ran (issue 25).
+it out of the consumer's own report (docs/behaviour.md "Placement"). Taking it out made a consumer busy elsewhere
+look idle exactly while prefills for it ran.
 
 Counts live behind :class:`InflightCounts`: in a gunicorn worker the fleet-wide shared-memory
 counts of :class:`narwhal.shm.worker.WorkerFleetState`, elsewhere this process's own

@@ -2,7 +2,7 @@
 
 A decode that fails after its client saw output — the engine disconnected, sent a 5xx, fell
 silent, or (for a continuation not yet under way) could not be reached — used to end with the
-terminal event of docs/behaviour.md "Faults after the first token". With
+terminal event docs/behaviour.md "Failure semantics" gives a fault after the first token. With
 ``recovery.max_migrations`` > 0 the router instead runs a fresh attempt (a new prefill and
 handoff, the failed consumer avoided) that asks vLLM to continue the output so far
 (``forms``), and rewrites what it sends into the stream the client was reading (``splice``):

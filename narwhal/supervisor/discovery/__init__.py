@@ -1,4 +1,5 @@
-"""Discovery in the supervisor (SPEC §10): read the sources, follow them through shared memory.
+"""Discovery in the supervisor (docs/behaviour.md "Engines that come and go"): read the sources, follow them through
+shared memory.
 
 Every ``discovery.interval_s`` the sources are read in a task of their own — the file in a
 daemon thread and each DNS name, both bounded by the interval (at most 5 s) — so no read delays
@@ -73,7 +74,9 @@ def gauge_source(source: str) -> str:
 
 
 class Discovery:
-    """SPEC §10 in the supervisor: sources read off the loop, their last good sets applied to the table."""
+    """docs/behaviour.md "Engines that come and go" in the supervisor: sources read off the loop, their last good sets
+    applied to the table.
+    """
 
     def __init__(self, sup: Supervisor, settings: Settings) -> None:
         self.sup = sup
@@ -109,7 +112,7 @@ class Discovery:
             self._task = asyncio.ensure_future(self._read_all())
             self._task.add_done_callback(self._read_done)
             if self._deferred or self._refused:
-                self._fresh = True  # a slot or a name may have freed meanwhile (issue 40 item 7)
+                self._fresh = True  # a slot or a name may have freed meanwhile
         if self._fresh:
             self._fresh = False
             try:
@@ -135,7 +138,7 @@ class Discovery:
             except (SourceUnreadable, SourceInvalid) as exc:
                 self._warn(source, exc)
                 continue
-            except Exception as exc:  # whatever a source sends, the others are still read (issue 40 item 4)
+            except Exception as exc:  # whatever a source sends, the others are still read
                 self._warn(source, SourceInvalid(f"{type(exc).__name__}: {exc}"))
                 continue
             self._warned.pop(source, None)
@@ -185,7 +188,7 @@ class Discovery:
     def _join(self, members: Iterable[Member]) -> None:
         """Join ``members``, each in a spare slot; one the table cannot take yet is deferred (said
         once) and tried again every interval, so it joins as soon as a draining engine is forgotten
-        or a retired slot may be reused, with no change of its source needed (issue 40 item 7)."""
+        or a retired slot may be reused, with no change of its source needed."""
         sup = self.sup
         deferred: dict[str, str] = {}
         for member in members:

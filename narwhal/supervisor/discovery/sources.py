@@ -1,4 +1,4 @@
-"""Reading the discovery sources (SPEC §10): a watched engines file, DNS names.
+"""Reading the discovery sources (docs/behaviour.md "Engines that come and go"): a watched engines file, DNS names.
 
 Each read answers the engines a source names now, or raises :class:`SourceUnreadable` (the
 file is gone or does not parse, the DNS server does not answer: keep the last good set, warn)
@@ -89,7 +89,7 @@ def _entries(path: str, document: Any) -> list[EngineSpec]:
         if "name" not in entry and isinstance(entry.get("url"), str) and isinstance(entry.get("role"), str):
             try:
                 entry = {**entry, "name": engine_name(entry["role"], entry["url"].rstrip("/"))}
-            except ValueError as exc:  # urlsplit: a port out of range or not a number (issue 40 item 4)
+            except ValueError as exc:  # urlsplit: a port out of range or not a number
                 raise SourceInvalid(f"{path}: engines.{i}.url: {exc}") from None
         try:
             specs.append(EngineSpec(**entry))

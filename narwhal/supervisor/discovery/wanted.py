@@ -1,4 +1,5 @@
-"""The fleet discovery wants: static engines plus what the sources found (SPEC §10). Pure.
+"""The fleet discovery wants: static engines plus what the sources found (docs/behaviour.md "Engines that come and
+go"). Pure.
 
 Invariants:
 

@@ -1,4 +1,4 @@
-"""The supervisor's model of what each producer holds (SPEC §3.3), from four sources.
+"""The supervisor's model of what each producer holds (docs/behaviour.md "Placement"), from four sources.
 
 1. *What was sent*: every completed prefill, reported by its worker through the holdings ring
    (``narwhal.shm.holdings``) with its producer and its prompt's block keys: the producer now
@@ -96,7 +96,8 @@ class HoldingsModel:
         self.fit = Fit()  # duration against uncached characters, every producer's unqueued prefills
 
     def reshape(self, stamps: Sequence[int | None], engines: Sequence[Named]) -> None:
-        """The engines changed (discovery, SPEC §10): per index, a producer whose stamp stays keeps
+        """The engines changed (discovery, docs/behaviour.md "Engines that come and go"): per index, a producer whose
+        stamp stays keeps
         what it is believed to hold; a new one starts with nothing, a gone one has no section."""
         old = self.producers
         self.producers = [

@@ -1,4 +1,5 @@
-"""A producer's prefill rate as the engine reports it (SPEC §3.3): the same for every router replica.
+"""A producer's prefill rate as the engine reports it (docs/behaviour.md "Placement"): the same for every router
+replica.
 
 Why: the rate the holdings learn (``supervisor.holdings``) comes from this replica's round trips,
 so two replicas learn two rates, and homes scaled by them differ by replica (``fleet.placement.homes``

@@ -1,4 +1,4 @@
-"""The rate the ``held`` estimate places each producer by (SPEC §3.3): the fleet's learned rate,
+"""The rate the ``held`` estimate places each producer by (docs/behaviour.md "Placement"): the fleet's learned rate,
 at the producer's engine-reported rate class.
 
 Why: a replica learns rates from its own round trips (``supervisor.holdings``), and with more than

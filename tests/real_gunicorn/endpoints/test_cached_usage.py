@@ -1,4 +1,4 @@
-"""SPEC §3.2 "What the prefill cached" for every P/D endpoint, through real gunicorn: the
+"""docs/behaviour.md "Placement" "What the prefill cached" for every P/D endpoint, through real gunicorn: the
 producer's cached tokens, each endpoint in its own usage field (responses
 ``input_tokens_details.cached_tokens``, messages ``cache_read_input_tokens``), reach the access
 log's ``prompt_tokens`` / ``cached_tokens`` and ``narwhal_prefill_tokens_total``.
@@ -75,7 +75,9 @@ async def test_cached_tokens_of_each_endpoint_reach_the_access_log_and_the_count
     first, second = lines
     assert (first["prompt_tokens"], first["cached_tokens"]) == (
         text_tokens(prompt_text(bodies[0], chat=False, kind=path.rsplit("/", 1)[1])),
-        0,  # responses' usage says 0; messages leave the key out, and 0.33's descriptor says 0 (SPEC §11)
+        # responses' usage says 0; messages leave the key out, and 0.33's descriptor says 0 (docs/decisions.md "vLLM
+        # releases")
+        0,
     )
     assert (second["prompt_tokens"], second["cached_tokens"]) == (prompt_tokens, cached_tokens)
     expected = {"cached": float(cached_tokens),

@@ -2,7 +2,7 @@
 
 After a few spans the decode stream is relayed inside the connection's data callback; these
 tests pace the fake engine (a token every 10 ms, so every token is its own span) and put each
-stream rule of SPEC §4 *after* the relay has taken over: full text in order, the end, an
+stream rule of docs/behaviour.md "Failure semantics" *after* the relay has taken over: full text in order, the end, an
 engine that closes, goes silent, keeps a stream alive with metadata, or reports an error, the
 request deadline, and a client that reads slowly enough to fill the router's buffers.
 """

@@ -1,4 +1,5 @@
-"""The real SDKs as clients of a real-gunicorn router and fake fleet (SPEC §2.1): the ``openai``
+"""The real SDKs as clients of a real-gunicorn router and fake fleet (docs/behaviour.md "The other P/D endpoints"): the
+``openai``
 SDK streams a Responses call, the ``anthropic`` SDK streams a Messages call, and the Anthropic
 SDK's ``x-api-key`` is a client key on /v1/messages that never reaches an engine."""
 

@@ -1,4 +1,5 @@
-"""The other P/D endpoints through real gunicorn (SPEC §2.1): /v1/messages, /v1/responses and
+"""The other P/D endpoints through real gunicorn (docs/behaviour.md "The other P/D endpoints"): /v1/messages,
+/v1/responses and
 /inference/v1/generate on the same request path as chat, each judged by its own stream rules.
 
 Every test runs on a fleet of each vLLM release that hands off on these endpoints (0.32.0, then
@@ -270,7 +271,7 @@ async def test_messages_engine_error_types_map_to_statuses(router: RouterProcess
 async def test_messages_engine_4xx_in_anthropic_shape_passes_through(router: RouterProcess) -> None:
     # The consumer's own refusal (max_tokens beyond its context: the one-token prefill passes), which
     # a one-token release of the handoff does not repeat: on 0.11 Narwhal's release frees the blocks,
-    # on 0.33 the consumer does (SPEC §11); the module's end checks no producer holds any.
+    # on 0.33 the consumer does (docs/decisions.md "vLLM releases"); the module's end checks no producer holds any.
     reply = await send(router.url, MESSAGES.path, MESSAGES.body(uuid.uuid4().hex, max_tokens=2_000_000))
     assert reply.status == 400
     assert reply.headers["x-narwhal-error"] == "engine_client_error"
@@ -325,7 +326,8 @@ async def test_a_responses_prefill_that_failed_is_the_engines_error_not_a_bad_ha
 ) -> None:
     # Issue 25 item 11: a 200 Response with "status": "failed" once became invalid_handoff (no
     # descriptor in it), charged to the producer as a bad handoff. It is the engine's own error,
-    # mapped as an in-stream one (SPEC §2.1): its code or 502; counted against p2 only when 5xx.
+    # mapped as an in-stream one (docs/behaviour.md "The other P/D endpoints"): its code or 502; counted against p2
+    # only when 5xx.
     def failures() -> tuple[float, float]:
         text = scrape(solo_router)
         return tuple(  # type: ignore[return-value]

@@ -1,4 +1,6 @@
-"""SPEC §2 routes, admission (§3 step 1), metrics and the access log, through real gunicorn."""
+"""docs/behaviour.md "The request path" routes, admission ("The request path" step 1), metrics and the access log,
+through real gunicorn.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""SPEC §11 "the lease", §3 step 6 and 8 through real gunicorn: a handoff is decoded or released
+"""docs/decisions.md "vLLM releases" "the lease", "The request path" step 6 and 8 through real gunicorn: a handoff is
+decoded or released
 only while younger than ``handoff.max_age_s``, kept below the producers' KV lease. A prefill that
 answers after that age gets 504 ``handoff_expired``, its handoff goes nowhere (counted abandoned),
 the producer frees the blocks at its lease, and no consumer ever reads them late: the fake counts

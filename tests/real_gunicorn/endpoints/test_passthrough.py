@@ -1,4 +1,5 @@
-"""The passthrough routes (SPEC §2, §2.1) through real gunicorn: one engine, no P/D.
+"""The passthrough routes (docs/behaviour.md "The request path", "The other P/D endpoints") through real gunicorn: one
+engine, no P/D.
 
 Two routers. ``router``: p0 → d0, d1, client keys, an engine key, a small body limit and a long
 first-token bound (so a deliberately slow request is slow, not failed). ``solo``: p1 → d2, both
@@ -35,7 +36,7 @@ from tests.real_gunicorn.support import (
     wait_until,
 )
 
-# Every test on a fleet of each vLLM release the fake imitates (SPEC §11).
+# Every test on a fleet of each vLLM release the fake imitates (docs/decisions.md "vLLM releases").
 fleet = release_fleet()
 
 KEY = {"Authorization": "Bearer client-key"}
@@ -283,7 +284,7 @@ async def test_a_refusing_engine_is_unreachable_and_placed_last(solo: RouterProc
     seen = solo.log_text().count("engine d2: unreachable")
     fleet.control_request("POST", "/engines/d2/stop")
     try:
-        # SPEC §6 (round 4): once d2 refused a connection it is unreachable and comes last, so the
+        # docs/behaviour.md "Recovery" (round 4): once d2 refused a connection it is unreachable and comes last, so the
         # producer takes the next requests instead of d2 answering every one 502.
         reply, _ = await _tokenize(solo)
         assert (reply.status, reply.headers["x-narwhal-error"]) == (502, "engine_unreachable"), reply.raw

@@ -36,7 +36,8 @@ from tests.real_gunicorn.support import (
 
 RELEASES = ["0.11.0", "0.21.0", "0.33.0"]
 COUNTERS = ("narwhal_handoffs_released_total", "narwhal_handoffs_abandoned_total")
-# The producer's descriptor keys of each release (VLLM-PROTOCOL.md A.2, §D; SPEC §11).
+# The producer's descriptor keys of each release (vLLM's NixlConnector, `nixl_connector.py`, in each release;
+# docs/decisions.md "vLLM releases").
 KEYS_0_11 = ["do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id", "remote_host",
              "remote_port", "tp_size"]
 KEYS_0_21 = ["do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id", "remote_request_id",
@@ -91,7 +92,8 @@ async def test_every_endpoint_decodes_the_producers_descriptor_unchanged(
     if version == "0.11.0":  # nothing reached the producer for what 0.11 cannot hand off
         paths = [r["path"] for r in records(fleet, "vp0", tag)]
         assert not set(paths) & {*NO_ROUTE_0_11, *ALONE_0_11}, paths
-    # Every decode carried exactly what its prefill answered (SPEC §3 step 5: opaque keys kept).
+    # Every decode carried exactly what its prefill answered (docs/behaviour.md "The request path" step 5: opaque keys
+    # kept).
     decodes = [r for r in fleet.control_request("GET", "/engines/vd0/requests")["requests"]
                if r["body"].get("kv_transfer_params", {}).get("do_remote_prefill")]
     assert len(decodes) >= handed
@@ -203,7 +205,7 @@ async def test_continuous_usage_reaches_the_client_on_every_chunk(
 ) -> None:
     """guidellm and aiperf's ``--per-chunk-usage`` ask for ``continuous_usage_stats``: the running
     usage the consumer writes on every chunk reaches the client's SDK, and the access log counts
-    the last one (SPEC §3 step 7's relay, VLLM-PROTOCOL.md's chunk shapes of each release)."""
+    the last one (docs/behaviour.md "The request path" step 7's relay, vLLM's chunk shapes of each release)."""
     version, _, router = release
     options: Any = {"include_usage": True, "continuous_usage_stats": True}
     rid = f"cont-{path}-{version}-{unique_prompt(2).replace(' ', '-')}"
@@ -235,7 +237,7 @@ async def _entry_when(router: RouterProcess, name: str, predicate: Any, what: st
 
 
 async def test_admin_engines_names_an_engine_refusing_generate(release: tuple[str, FakeFleet, RouterProcess]) -> None:
-    """SPEC §11: a consumer restarted without ``--enable-scale-out`` answers 403 on
+    """docs/decisions.md "vLLM releases": a consumer restarted without ``--enable-scale-out`` answers 403 on
     ``/inference/v1/generate`` on 0.33 (0.11 serves it regardless): ``/admin/engines`` says so in
     preflight's line once the supervisor has read the new process, and forgets it once the
     engine is restarted with the flag."""
@@ -267,7 +269,8 @@ async def test_admin_engines_names_an_engine_refusing_generate(release: tuple[st
 async def test_the_consumer_gets_the_producers_descriptor_byte_for_byte(
     release: tuple[str, FakeFleet, RouterProcess], shape: str | None
 ) -> None:
-    """SPEC §11: every key of the release's descriptor, in the producer's order, and 0.33's block
+    """docs/decisions.md "vLLM releases": every key of the release's descriptor, in the producer's order, and 0.33's
+    block
     ids of every valid shape (``[[3, 4]]``, ``[[]]``, ``[[], [3, 4]]``; 0.11: a flat list) reach
     the consumer as the producer wrote them; then the blocks are freed."""
     version, fleet, router = release

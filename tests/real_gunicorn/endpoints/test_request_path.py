@@ -1,4 +1,4 @@
-"""SPEC §3 through real gunicorn (2 workers) and real fake engines over HTTP."""
+"""docs/behaviour.md "The request path" through real gunicorn (2 workers) and real fake engines over HTTP."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from tests.real_gunicorn.support import (
 )
 from tests.wire import PREFILL_KV
 
-# Every test on a fleet of each vLLM release the fake imitates (SPEC §11).
+# Every test on a fleet of each vLLM release the fake imitates (docs/decisions.md "vLLM releases").
 fleet = release_fleet()
 
 PRODUCERS = ["p0", "p1"]
@@ -70,7 +70,7 @@ async def test_stream_completion_prefills_then_decodes_with_the_descriptor(
     assert kv["remote_engine_id"] == producer_stats["engine_id"]
     assert kv["remote_port"] == int(fleet.engines[pname].rsplit(":", 1)[1])
     assert kv["do_remote_prefill"] is True and kv["do_remote_decode"] is False
-    if producer_stats["version"] == "0.11.0":  # its seven keys (VLLM-PROTOCOL.md §D), a flat block list
+    if producer_stats["version"] == "0.11.0":  # its seven keys (vLLM 0.33's sources), a flat block list
         assert sorted(kv) == sorted(("do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
                                      "remote_host", "remote_port", "tp_size"))
         assert all(type(b) is int for b in kv["remote_block_ids"])

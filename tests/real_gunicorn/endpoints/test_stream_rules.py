@@ -1,4 +1,4 @@
-"""SPEC §4 through real gunicorn: stream rules, timeouts and the exact failure mapping.
+"""docs/behaviour.md "Failure semantics" through real gunicorn: stream rules, timeouts and the exact failure mapping.
 
 Router timeouts here (conftest.TIMEOUTS): prefill 2.5 s, first token 2.5 s, between chunks
 1.5 s; ``solo_router`` has ``decode_read_timeout_s = 0``.

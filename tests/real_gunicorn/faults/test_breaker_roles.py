@@ -1,4 +1,4 @@
-"""SPEC §6 through real gunicorn: which success resets which streak of an engine of role ``both``.
+"""docs/behaviour.md "Recovery" through real gunicorn: which success resets which streak of an engine of role ``both``.
 
 Its own fleet: ``rb0`` (role ``both``) and ``rp0`` produce, ``rd0`` and ``rd1`` consume (each
 with two producers, so a consumer is charged only on evidence against it). ``rb0`` also serves a

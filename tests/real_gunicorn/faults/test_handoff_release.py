@@ -1,11 +1,12 @@
-"""SPEC §3 step 8 through real gunicorn: a handoff whose decode was never sent — the consumer
+"""docs/behaviour.md "The request path" step 8 through real gunicorn: a handoff whose decode was never sent — the
+consumer
 refused the connection, or connecting outlasted the first-token timeout or the request's
 deadline — is released through another consumer that can pull it, so the producer's blocks are
-freed now, not at its lease (issue 25 item 2).
+freed now, not at its lease.
 
 A fleet of its own (``rp0`` → ``rd0``) and a consumer nothing answers at (``rdx``, a
 :class:`DeadEngine` on 127.0.0.1: refusing for one router, a connect that hangs for the other).
-A refusing consumer is placed only until it is known unreachable (SPEC §6, round 4: then it comes
+A refusing consumer is placed only until it is known unreachable (docs/behaviour.md "Recovery", round 4: then it comes
 last): that router reads no load and checks no health, so the first refusal is the first word on
 it, and the test sends until a request meets it.
 ``rd0`` serves background load (another replica's requests, which only its ``/metrics`` shows),
@@ -47,7 +48,7 @@ COUNTERS = ("narwhal_handoffs_released_total", "narwhal_handoffs_abandoned_total
 
 @pytest.fixture(scope="module", params=RELEASES, ids=[f"vllm-{r}" for r in RELEASES])
 def rel_fleet(request: pytest.FixtureRequest) -> Iterator[FakeFleet]:
-    """The module's fleet, of each vLLM release the fake imitates (SPEC §11)."""
+    """The module's fleet, of each vLLM release the fake imitates (docs/decisions.md "vLLM releases")."""
     fleet = FakeFleet.start([PRODUCER, GOOD], args=["--model", MODEL, "--lease-s", "60", "--block-size", "4",
                                                     "--vllm-version", request.param])
     try:

@@ -1,4 +1,4 @@
-"""An engine that answers garbage, through real gunicorn (issue 40 item 12: nothing an engine sends
+"""An engine that answers garbage, through real gunicorn (nothing an engine sends
 may raise in a loop).
 
 ``hx`` is a stand-in for a broken or malicious engine on 127.0.0.1: every answer, on every route
@@ -9,8 +9,9 @@ negative cached tokens, SSE without a blank line, half events, ``[DONE]`` first.
 both producer and consumer beside a healthy pair (``gp0`` → ``gd0``, a fleet of their own with a
 short lease: a handoff ``hx`` took for decoding and never read is freed by it, as vLLM's would be).
 
-The property, over a bounded load: every answer is a 200, an engine's own 4xx passed on (SPEC
-§4), or one of the 5xx SPEC §4 maps an engine fault to (never a 500 the router made); ``/metrics``
+The property, over a bounded load: every answer is a 200, an engine's own 4xx passed on (docs/behaviour.md
+"Failure semantics"), or one of the 5xx docs/behaviour.md "Failure semantics" maps an engine fault to (never a 500 the
+router made); ``/metrics``
 answers 200 every time it is scraped; no process is replaced (the supervisor and the workers keep
 their pids); no traceback is logged; and once ``hx``'s breaker has taken it out, every request
 is served by the healthy pair.
@@ -46,7 +47,7 @@ SEED = 40_12
 LEASE_S = 3  # the healthy producer's lease: what a garbage consumer never read is freed by it
 REQUESTS = 120
 CONCURRENCY = 4
-ENGINE_FAULT_STATUSES = {502, 503, 504}  # SPEC §4's mapping of an engine's failure
+ENGINE_FAULT_STATUSES = {502, 503, 504}  # docs/behaviour.md "Failure semantics"'s mapping of an engine's failure
 
 
 def _json_value(rng: random.Random, depth: int = 0) -> Any:

@@ -1,8 +1,8 @@
-"""Quarantine steers traffic away but never empties a role (SPEC §5), through real gunicorn.
+"""Quarantine steers traffic away but never empties a role (docs/behaviour.md "Recovery"), through real gunicorn.
 
 One producer, two consumers, ``failure_quarantine_s = 30`` (nothing ends during the test), no
 retries, breakers that never eject. A consumer is quarantined by a real failure: a stream the
-engine closes after its first token, which counts against the consumer at once (SPEC §6), in
+engine closes after its first token, which counts against the consumer at once (docs/behaviour.md "Recovery"), in
 the worker that saw it and fleet-wide once the supervisor publishes.
 """
 

@@ -1,4 +1,6 @@
-"""Retries, quarantine, fleet-wide caps and process kills through real gunicorn (SPEC §1, §3, §5)."""
+"""Retries, quarantine, fleet-wide caps and process kills through real gunicorn (docs/behaviour.md "Processes", "The
+request path", "Recovery").
+"""
 
 from __future__ import annotations
 
@@ -234,7 +236,7 @@ async def test_a_wedged_supervisor_is_replaced_once(retry_router: RouterProcess)
 async def test_a_consumer_is_probed_with_a_handoff_from_its_original_producer(
     fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    # Two consumers, so a producer is never charged for its only consumer's faults (SPEC §6);
+    # Two consumers, so a producer is never charged for its only consumer's faults (docs/behaviour.md "Recovery");
     # sd1 is drained, so every decode goes to sd0.
     engines = [{"name": n, "role": "producer"} for n in PRODUCERS]
     engines += [{"name": n, "role": "consumer"} for n in CONSUMERS]

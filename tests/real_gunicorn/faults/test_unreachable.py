@@ -1,4 +1,4 @@
-"""A dead engine never absorbs a role's traffic (SPEC §6, round 4; issue 40 item 1), through real
+"""A dead engine never absorbs a role's traffic (docs/behaviour.md "Recovery", round 4), through real
 gunicorn: a consumer ejected for stream faults (reachable), the other one stopped (refusing every
 connection) and kept in by ``max_ejected_fraction``. Before the fix every request went to the
 dead one and answered 502 ``engine_unreachable`` while the live one was held out."""
@@ -58,7 +58,8 @@ async def test_a_dead_consumer_does_not_take_the_traffic_while_the_other_is_ejec
     assert "engine sd1: unreachable (its last connection attempt failed)" in log
 
     fleet.control_request("POST", "/engines/sd1/start")
-    # Its /metrics answer again, then its /version is read again (SPEC §11: maybe a new release)
+    # Its /metrics answer again, then its /version is read again (docs/decisions.md "vLLM releases": maybe a new
+    # release)
     # and the workers take that up: reachable within a few load reads, usually under 1 s. The
     # bound is 20 s: in 2 of about 25 full-suite runs it took over 10 s (not understood yet: the
     # log below says what the supervisor saw when it fails).

@@ -1,4 +1,6 @@
-"""SPEC §8 metrics after faulty traffic through 2 workers: each counter moves by exactly what happened."""
+"""docs/operations.md "Following a request" metrics after faulty traffic through 2 workers: each counter moves by
+exactly what happened.
+"""
 
 from __future__ import annotations
 

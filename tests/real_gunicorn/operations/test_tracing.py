@@ -223,7 +223,8 @@ async def test_a_migrated_stream_has_a_span_per_leg(traced: RouterProcess, recei
 def test_an_invalid_tracestate_is_dropped_and_the_client_trace_continued(
     traced: RouterProcess, receiver: Receiver, fleet: FakeFleet
 ) -> None:
-    # SPEC §2: invalid trace context is dropped, never a 5xx; the valid traceparent still counts.
+    # docs/behaviour.md "The request path": invalid trace context is dropped, never a 5xx; the valid traceparent still
+    # counts.
     trace_id, client_span = os.urandom(16).hex(), os.urandom(8).hex()
     prompt = unique_prompt()
     answer = http_request(traced, "POST", "/v1/completions", orjson.dumps(completion(prompt, max_tokens=2)),

@@ -1,4 +1,4 @@
-"""The fake engines' load and cache models as the real router sees them (SPEC §3.2, §9).
+"""The fake engines' load and cache models as the real router sees them (docs/behaviour.md "Placement", "Fake engines").
 
 The contract between the fake and the router: a consumer made busy behind the router's back
 (background load, which only the engine's ``/metrics`` shows) reaches ``/admin/engines`` as that

@@ -1,4 +1,5 @@
-"""SPEC §3.2 through real gunicorn: engine-reported load, prefix affinity, local decode, cached tokens.
+"""docs/behaviour.md "Placement" through real gunicorn: engine-reported load, prefix affinity, local decode, cached
+tokens.
 
 Its own fleet (the fake's prefix cache on, which the session fleet must not have) and one
 router with 2 workers reading the engines' ``/metrics`` every 100 ms. Prompts of 40 to 63
@@ -56,7 +57,7 @@ def router(cache_fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> 
     proc = start_router(
         cache_fleet, _engines(PRODUCERS, CONSUMERS), tmp_path_factory.mktemp("placement"),
         server={"workers": 2, "admin_token": TOKEN},
-        # §3.2's rules under test: the rendezvous affinity rule, not §3.3's default (test_holdings).
+        # "Placement"'s rules under test: the rendezvous affinity rule, not "Placement"'s default (test_holdings).
         placement={"load_interval_s": 0.1, "load_stale_s": 2, "local_prefill_chars": LOCAL_CHARS,
                    "policy": "affinity"},
     )
@@ -247,7 +248,8 @@ async def test_cached_tokens_reach_the_access_log_and_the_counter(
     first, second = lines
     assert first["mode"] == second["mode"] == "disaggregated"
     assert first["producer"] == second["producer"]
-    assert first["cached_tokens"] == 0  # a miss: 0.33's descriptor says 0 hits (SPEC §11), usage says nothing
+    # a miss: 0.33's descriptor says 0 hits (docs/decisions.md "vLLM releases"), usage says nothing
+    assert first["cached_tokens"] == 0
     assert isinstance(second["cached_tokens"], int) and second["cached_tokens"] >= 17 * 16
     assert first["prompt_tokens"] == second["prompt_tokens"] > second["cached_tokens"]
     expected = {

@@ -1,4 +1,5 @@
-"""SPEC §3.2 through real gunicorn: a decode slot reserved before its prefill is not yet the engine's.
+"""docs/behaviour.md "Placement" through real gunicorn: a decode slot reserved before its prefill is not yet the
+engine's.
 
 Its own fleet. ``qp0`` produces ``fake-model`` for ``qd0`` and ``qd1``; ``qp1`` produces a second
 model only ``qd0`` also serves, so requests for it put decode reservations on ``qd0`` and

@@ -1,4 +1,5 @@
-"""Phase reservations (SPEC §3 steps 2 and 8) and client keys (§2) through real gunicorn.
+"""Phase reservations (docs/behaviour.md "The request path" steps 2 and 8) and client keys ("The request path") through
+real gunicorn.
 
 The capped router has one worker: reservations are per worker until the supervisor's
 shared-memory counts land, and one worker makes "the cap is held" exact here.

@@ -1,4 +1,4 @@
-"""A rolling upgrade under load (SPEC §11, issue 38): producers and consumers move one by one
+"""A rolling upgrade under load (docs/decisions.md "vLLM releases"): producers and consumers move one by one
 from vLLM 0.32.0 to 0.33.0 while requests run. NIXL hands off only between engines of one
 version, so Narwhal pairs only compatible engines: every request is served, the fakes count 0
 ``incompatible_decodes``, and no breaker charges an engine.

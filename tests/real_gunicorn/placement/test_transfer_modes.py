@@ -1,4 +1,4 @@
-"""SPEC §11 through real gunicorn: a pull producer is never paired with a push consumer (NIXL's
+"""docs/decisions.md "vLLM releases" through real gunicorn: a pull producer is never paired with a push consumer (NIXL's
 compatibility hash holds the transfer mode), even when the push consumer is the idle one; with no
 compatible consumer left the client gets 503 ``no_engine`` whose detail says why.
 

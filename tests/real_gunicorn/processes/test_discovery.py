@@ -1,4 +1,5 @@
-"""Engines that come and go (SPEC §10) through real gunicorn: a watched file edited on disk, a
+"""Engines that come and go (docs/behaviour.md "Engines that come and go") through real gunicorn: a watched file edited
+on disk, a
 real DNS server process on 127.0.0.1; no worker restarts, no lost request."""
 
 from __future__ import annotations

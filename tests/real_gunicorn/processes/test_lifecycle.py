@@ -1,4 +1,6 @@
-"""Signals and worker recycling under real gunicorn (SPEC §1 "Signals", issue: graceful lifecycle)."""
+"""Signals and worker recycling under real gunicorn (docs/behaviour.md "Processes" "Signals", issue: graceful
+lifecycle).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Which engine serves which model comes from the supervisor (SPEC §2, issue 22 item 3), through
+"""Which engine serves which model comes from the supervisor (docs/behaviour.md "The request path"),
+through
 real gunicorn with 2 workers: the supervisor reads the engine's ``/v1/models`` once at its start
 (the workers never do), both workers list what it read and refuse any other model with 404
 ``model_not_found``; an engine restarted with another model is read again as it is readmitted,

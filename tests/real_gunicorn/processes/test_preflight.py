@@ -1,5 +1,5 @@
-"""``narwhal preflight`` through the real CLI against a fake fleet (SPEC §6 "Preflight"), one of
-each vLLM release the fake imitates (0.11.0, then 0.33.0, SPEC §11), pinned to its version: the
+"""``narwhal preflight`` through the real CLI against a fake fleet (docs/behaviour.md "Recovery" "Preflight"), one of
+each vLLM release the fake imitates (0.11.0, then 0.33.0, docs/decisions.md "vLLM releases"), pinned to its version: the
 tests are written once; where the releases differ (0.11's TP rule) the test says so.
 
 The fleet is this module's own (``pf-*`` names), so injected faults never disturb the other
@@ -9,7 +9,7 @@ released every handoff it made (except where a fault makes the release impossibl
 short lease cleans up).
 
 Decision recorded here: a producer whose transfers fail on two consumers (``kv_read_fails``) gets
-an engine row ``fail`` with reason ``transfers to … failed`` (SPEC §6 blame), while a single
+an engine row ``fail`` with reason ``transfers to … failed`` (docs/behaviour.md "Recovery" blame), while a single
 failed pair charges no engine: only the pair row fails.
 """
 
@@ -168,7 +168,8 @@ def test_a_consumer_whose_tp_is_no_multiple_of_the_producers_is_named_as_the_cau
 ) -> None:
     # Issue 23 item 2: vLLM 0.11's NixlConnector refuses a consumer whose TP is not a multiple of
     # the producer's, and its answer says nothing about TP; the fake fails those pulls the same way.
-    # Later releases accept heterogeneous TP (SPEC §11): every pair passes and nothing names TP.
+    # Later releases accept heterogeneous TP (docs/decisions.md "vLLM releases"): every pair passes and nothing names
+    # TP.
     engines = [("pf-p0", "producer"), ("pf-d0", "consumer"), ("pf-d1", "consumer"), ("pf-b0", "both")]
     tp = {"pf-p0": 2, "pf-d0": 2, "pf-d1": 1, "pf-b0": 1}
     try:
@@ -201,7 +202,7 @@ def test_a_consumer_whose_tp_is_no_multiple_of_the_producers_is_named_as_the_cau
 def test_an_engine_refusing_generate_is_one_warning_and_incompatible_pairs_are_not_tried(
     pf_fleet: FakeFleet, tmp_path: Path
 ) -> None:
-    """SPEC §11: pf-d1 restarted as vLLM 0.32.0 without ``--enable-scale-out`` answers 403 on
+    """docs/decisions.md "vLLM releases": pf-d1 restarted as vLLM 0.32.0 without ``--enable-scale-out`` answers 403 on
     ``/inference/v1/generate``: one warning line names it, and it still passes (it serves every
     other endpoint). Its pairs with the producers of the fleet's release are skipped as
     incompatible, never tried, so no engine is charged and the run passes."""
@@ -270,7 +271,7 @@ def test_a_pep440_specifier_pin(pf_fleet: FakeFleet, tmp_path: Path) -> None:
     expected["engine pf-p1"] = ("fail", "version 0.12.1 does not match >=0.10,<0.12", "-")
     expected["pair pf-p1 -> pf-d0"] = ("skip", "producer pf-p1 failed", "-")
     expected["pair pf-p1 -> pf-d1"] = ("skip", "producer pf-p1 failed", "-")
-    # Admitted by the pin, yet of other versions than their consumers: never paired (SPEC §11).
+    # Admitted by the pin, yet of other versions than their consumers: never paired (docs/decisions.md "vLLM releases").
     expected["pair pf-p0 -> pf-d0"] = ("skip", "incompatible: vLLM 0.10.5 and 0.11.1.dev3+g0123abc", "-")
     expected["pair pf-p0 -> pf-d1"] = ("skip", "incompatible: vLLM 0.10.5 and 0.11.0", "-")
     assert _rows(proc.stdout) == expected
@@ -287,7 +288,7 @@ def test_a_bare_pin_is_met_by_local_builds_of_that_version(pf_fleet: FakeFleet, 
     assert proc.returncode == 0, proc.stdout + proc.stderr
     expected = _all_ok(["pf-p0", "pf-d0", "pf-d1"], ["pf-p0 -> pf-d0"])
     # Both meet the pin, but NIXL's compatibility hash holds the whole version string: two builds
-    # cannot hand off, so the pair is never tried (SPEC §11).
+    # cannot hand off, so the pair is never tried (docs/decisions.md "vLLM releases").
     expected["pair pf-p0 -> pf-d1"] = ("skip", f"incompatible: vLLM {v}+cu126 and {v}+cu121", "-")
     assert _rows(proc.stdout) == expected
     config = _config(pf_fleet, tmp_path, engines=[FOUR[0], FOUR[2], FOUR[3]],
@@ -316,7 +317,7 @@ def test_same_worker_pair_and_a_short_timeout(pf_fleet: FakeFleet, tmp_path: Pat
     assert _rows(proc.stdout) == _all_ok(["pf-b0", "pf-d0"], ["pf-b0 -> pf-b0", "pf-b0 -> pf-d0"])
     same = pf_fleet.control_request("GET", "/engines/pf-b0/requests")["requests"]
     # The engine check's and the crossed pair's prefills ask for a descriptor; the same-worker
-    # prefill must not (SPEC §3 step 3).
+    # prefill must not (docs/behaviour.md "The request path" step 3).
     prefills = sorted("kv_transfer_params" in r["body"] for r in same if r["phase"] == "prefill")
     assert prefills == [False, True, True]
 

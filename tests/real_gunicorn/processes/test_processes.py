@@ -1,4 +1,4 @@
-"""The router's processes under real gunicorn (SPEC §1, §8; issue 16 items 1, 5, 6, 7).
+"""The router's processes under real gunicorn (docs/behaviour.md "Processes", docs/operations.md "Following a request").
 
 * every kill of what is not a worker ends with a supervisor running again, found by its
   title, that does the supervisor's work (operator actions, ejections), with the workers

@@ -1,4 +1,4 @@
-"""Shared state that follows a SIGHUP reload (issue 25 items 3 and 6), under real gunicorn.
+"""Shared state that follows a SIGHUP reload, under real gunicorn.
 
 A reload starts new workers on the new settings while old ones finish their streams: every new
 worker must find a slot in shared memory, and what old workers report must land on the engine

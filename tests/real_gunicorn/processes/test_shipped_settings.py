@@ -1,5 +1,5 @@
 """The settings Narwhal ships (``deploy/narwhal.toml`` and the TOML inside the Kubernetes ConfigMap)
-start a router under real gunicorn that admits a fleet of vLLM 0.33.0 fakes (SPEC §11: nothing
+start a router under real gunicorn that admits a fleet of vLLM 0.33.0 fakes (docs/decisions.md "vLLM releases": nothing
 shipped may pin out a supported release, and the example contract names the release the recipes
 run).
 

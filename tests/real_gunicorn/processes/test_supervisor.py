@@ -1,4 +1,5 @@
-"""The supervisor and shared fleet state through real gunicorn with 3 workers (SPEC §1, §5, §6).
+"""The supervisor and shared fleet state through real gunicorn with 3 workers (docs/behaviour.md "Processes",
+"Recovery").
 
 Workers are told apart by keep-alive connections: a connection stays with the worker that
 accepted it, and ``/health`` names that worker's pid. So "three failures seen by three

@@ -1,4 +1,5 @@
-"""Whatever headers a client sends, the router never answers 5xx or logs a traceback (SPEC §2).
+"""Whatever headers a client sends, the router never answers 5xx or logs a traceback (docs/behaviour.md "The request
+path").
 
 One router under real gunicorn (p2 → d2, client keys and an admin token, 2 workers). Headers
 travel as the client's bytes (``http.client``, not aiohttp's client, which re-encodes them):

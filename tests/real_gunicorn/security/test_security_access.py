@@ -143,7 +143,8 @@ async def test_admin_api_answers_the_right_token(auth_router: RouterProcess, fle
 async def test_client_keys_are_required_on_v1(
     auth_router: RouterProcess, fleet: FakeFleet, auth: str | None, method: str, path: str
 ) -> None:
-    # SPEC §2: with server.api_keys set, all of /v1/* requires `Authorization: Bearer <key>`,
+    # docs/behaviour.md "The request path": with server.api_keys set, all of /v1/* requires `Authorization: Bearer
+    # <key>`,
     # GET /v1/models included.
     prompt = unique_prompt()
     body = None

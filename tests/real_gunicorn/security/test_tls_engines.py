@@ -1,4 +1,5 @@
-"""``https://`` engines (SPEC §2): the router trusts ``engine.ca_file``, and refuses an untrusted one.
+"""``https://`` engines (docs/behaviour.md "The request path"): the router trusts ``engine.ca_file``, and refuses an
+untrusted one.
 
 A private CA and a server certificate for 127.0.0.1 are made with the openssl command line;
 a fake fleet serves them, and a router under gunicorn streams through it. A router without

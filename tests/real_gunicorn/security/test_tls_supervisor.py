@@ -1,4 +1,4 @@
-"""``https://`` engines behind a private CA through the supervisor (SPEC §2, §6; issue 16 item 3).
+"""``https://`` engines behind a private CA through the supervisor (docs/behaviour.md "The request path", "Recovery").
 
 The CA applies on every connection to an engine, not only on the request legs: preflight,
 the workers' model discovery, the supervisor's health checks, lifecycle validation and

@@ -17,7 +17,7 @@ DEPLOY_GUIDE = ROOT / "docs" / "deploy.md"  # the real-engine recipe and product
 
 
 def operator_docs() -> str:
-    """What an operator reads: the README and the guides in ``docs/`` (issue 39: the README
+    """What an operator reads: the README and the guides in ``docs/`` (the README
     keeps the essentials and points at the guides), as one text."""
     return "\n".join(p.read_text() for p in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))))
 UNIT = DEPLOY / "systemd" / "narwhal.service"

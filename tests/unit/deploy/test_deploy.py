@@ -32,7 +32,7 @@ from tests.unit.deploy.deploy_support import (
     operator_docs,
 )
 
-# SPEC §8, plus the supervisor's restart counter the alerts need.
+# docs/operations.md "Following a request", plus the supervisor's restart counter the alerts need.
 SPEC_FAMILIES = [
     "narwhal_requests_total", "narwhal_ttft_seconds", "narwhal_first_byte_seconds",
     "narwhal_handoff_age_seconds", "narwhal_attempts_total", "narwhal_retries_total",

@@ -192,7 +192,7 @@ def _container(statefulset: dict[str, Any]) -> dict[str, Any]:
 
 def test_the_kubernetes_engines_are_found_through_their_headless_services(tmp_path: Path) -> None:
     """The ConfigMap names no engine: each ``[[discovery.dns]]`` name is an engine StatefulSet's
-    headless Service, on its pods' port, with the role its pods serve (SPEC §10)."""
+    headless Service, on its pods' port, with the role its pods serve (docs/behaviour.md "Engines that come and go")."""
     settings = _settings(yaml.safe_load((K8S / "configmap.yaml").read_text())["data"]["narwhal.toml"], tmp_path)
     replicas = yaml.safe_load((K8S / "deployment.yaml").read_text())["spec"]["replicas"]
     docs = _engine_docs()

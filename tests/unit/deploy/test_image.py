@@ -83,7 +83,7 @@ def test_the_dockerfile_has_a_build_stage_and_a_slim_runtime_stage() -> None:
     # The base's Python is the oldest the package supports.
     assert PYPROJECT["requires-python"] == ">=3.11"
     assert [args for kw, args in build if kw == "COPY"] == ["pyproject.toml README.md LICENSE ./", "narwhal ./narwhal"]
-    # The tracing extra too (issue 23 item 4): [tracing] enabled = true works in the image.
+    # The tracing extra too: [tracing] enabled = true works in the image.
     assert _one(build, "RUN") == "pip wheel --no-cache-dir --wheel-dir /wheels '.[tracing]'"
     assert all(kw != "ADD" for stage in (build, final) for kw, _ in stage)
 
@@ -111,7 +111,7 @@ def test_the_entry_point_and_port_are_the_deployments() -> None:
     assert json.loads(_one(final, "CMD")) == container["args"] == ["serve", "--config", "/etc/narwhal/narwhal.toml"]
     port = container["ports"][0]["containerPort"]
     assert _one(final, "EXPOSE") == str(port) == "8700"
-    # All interfaces (issue 23 item 5): the settings' 127.0.0.1 is unreachable from outside.
+    # All interfaces: the settings' 127.0.0.1 is unreachable from outside.
     env = shlex.split(_one(final, "ENV"))
     assert f"NARWHAL_SERVER__BIND=0.0.0.0:{port}" in env
     assert _one(final, "STOPSIGNAL") == "SIGTERM"

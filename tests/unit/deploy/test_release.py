@@ -1,6 +1,6 @@
 """How Narwhal is installed: commands that work, a release workflow, and CI installing the wheel.
 
-Why (issue 23 item 3): the README, ``deploy/README.md`` and the systemd unit said ``pip install
+Why: the README, ``deploy/README.md`` and the systemd unit said ``pip install
 narwhal-router``, a name the package registry does not have. The docs now install from a clone or
 a wheel; a tag builds the sdist, the wheel and the image with no token in the repository
 (trusted publishing); ``.ci/run`` builds the wheel and runs it from a fresh venv.

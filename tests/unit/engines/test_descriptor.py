@@ -1,4 +1,5 @@
-"""The KV handoff descriptor's validation (SPEC §3 step 5, NixlConnector format): what is accepted as
+"""The KV handoff descriptor's validation (docs/behaviour.md "The request path" step 5, NixlConnector format): what is
+accepted as
 is, what is refused and why, in which order the rules apply."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Each endpoint's stream description on real vLLM event text (SPEC §2.1): classification of
+"""Each endpoint's stream description on real vLLM event text (docs/behaviour.md "The other P/D endpoints"):
+classification of
 events, terminal detection, in-stream errors and their statuses, the bodies and error shapes."""
 
 from __future__ import annotations

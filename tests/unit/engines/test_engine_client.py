@@ -1,4 +1,6 @@
-"""The public Python API (SPEC §3 "Python API"): EngineClient and PrefillResult, in process."""
+"""The public Python API (docs/behaviour.md "The request path" "Python API"): EngineClient and PrefillResult, in
+process.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The ``/metrics`` reader (SPEC §3.2) on vLLM's own exposition text: the three series placement
+"""The ``/metrics`` reader (docs/behaviour.md "Placement") on vLLM's own exposition text: the three series placement
 reads, summed over label sets (KV usage: their mean), the old name, and bodies that are not
 what they should be."""
 
@@ -146,7 +146,7 @@ def test_a_body_that_starts_with_a_sample() -> None:
     assert parse_load("vllm:num_requests_running 3\n") == EngineLoad(running=3.0, waiting=0.0, kv_usage=None)
 
 
-# -- the prefill counters (SPEC §3.3: the engine-reported prefill rate) ----------------------
+# -- the prefill counters (docs/behaviour.md "Placement": the engine-reported prefill rate) ----------------------
 
 PREFILL = """\
 # HELP vllm:request_prefill_time_seconds Histogram of time spent in PREFILL phase for request.
@@ -213,7 +213,7 @@ def test_capacity_from_0_33_labels_by_their_whole_names() -> None:
 
 
 def test_a_kv_usage_past_one_is_unknown_not_full() -> None:
-    """vLLM's ``kv_cache_usage_perc`` is 1 - free/total: 7 is no reading (issue 40 item 12: out of
+    """vLLM's ``kv_cache_usage_perc`` is 1 - free/total: 7 is no reading (out of
     range is unknown), where clamping it made a broken engine look saturated for good."""
     body = b'vllm:num_requests_running{engine="0"} 1\nvllm:kv_cache_usage_perc{engine="0"} 7\n'
     assert parse_load(body) == EngineLoad(running=1.0, waiting=0.0, kv_usage=None)

@@ -1,4 +1,4 @@
-"""Each P/D endpoint's prefill usage, read in its own field names (SPEC §3.2, §3.3 source 2)."""
+"""Each P/D endpoint's prefill usage, read in its own field names (docs/behaviour.md "Placement" source 2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SSE framing and the stream facts of SPEC §4 (narwhal/engines/sse.py)."""
+"""SSE framing and the stream facts of docs/behaviour.md "Failure semantics" (narwhal/engines/sse.py)."""
 
 from __future__ import annotations
 

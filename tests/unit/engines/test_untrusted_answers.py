@@ -1,4 +1,4 @@
-"""Nothing an engine sends may raise out of the parsers that read it (issue 40 item 12): a number
+"""Nothing an engine sends may raise out of the parsers that read it: a number
 out of range, a wrong type or a huge value is *unknown*, never an exception that could stop a
 loop (the supervisor's load reads, a worker's metric flush, the request path). Property tests
 over arbitrary bodies, each parser with its declared outcome."""

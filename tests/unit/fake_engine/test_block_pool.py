@@ -1,4 +1,5 @@
-"""The fake's prefix cache as vLLM's block pool (SPEC §9, §3.3): a block a running request uses is
+"""The fake's prefix cache as vLLM's block pool (docs/behaviour.md "Fake engines", "Placement"): a block a running
+request uses is
 never evicted, free blocks go least recently freed first (a request's tail before its prefix),
 a shared prefix counts once; ``vllm:cache_config_info``; each endpoint's cached tokens in its own
 usage field; a prefill cost per engine."""

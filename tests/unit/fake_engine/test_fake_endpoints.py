@@ -1,5 +1,5 @@
 """The fake engine's /v1/messages, /v1/responses and /inference/v1/generate, against what vLLM
-sends (VLLM-PROTOCOL.md B): event names and order, field names, error shapes, and
+sends (vLLM's `vllm/entrypoints/` for each route): event names and order, field names, error shapes, and
 ``kv_transfer_params`` present or absent exactly as vLLM writes it."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ an edge (Python imports ``narwhal.fake_engine`` before any ``narwhal.fake_engine
 package's ``__init__``, which imports the top of the stack.
 
 The fake also shares no code with the router (it must keep imitating vLLM's wire format on its
-own, SPEC §9): from ``narwhal`` it imports ``narwhal.fake_engine.*`` only.
+own, docs/behaviour.md "Fake engines"): from ``narwhal`` it imports ``narwhal.fake_engine.*`` only.
 
 Run as a script to print the import graph and the sizes.
 """

@@ -1,4 +1,4 @@
-"""The fake vLLM engine's wire format and its imitation of the KV handoff (VLLM-PROTOCOL.md)."""
+"""The fake vLLM engine's wire format and its imitation of the KV handoff (vLLM's sources)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The fake engine's load and cache models (SPEC §9): prefix cache, prefill cost, batch FIFO,
+"""The fake engine's load and cache models (docs/behaviour.md "Fake engines"): prefix cache, prefill cost, batch FIFO,
 ``/metrics`` and the background load knob, as pure objects and through the engine's routes."""
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""The fake imitates each vLLM release (SPEC §11, ``narwhal.fake_engine.release``): 0.33 by default,
+"""The fake imitates each vLLM release (docs/decisions.md "vLLM releases", ``narwhal.fake_engine.release``): 0.33 by
+default,
 0.11 with ``--vllm-version 0.11.0``. Each expectation is the release's own shape
-(VLLM-PROTOCOL.md A.2 and §D), never what the router accepts."""
+(vLLM's NixlConnector, `nixl_connector.py`, in each release), never what the router accepts."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """What the placement tests share: a fleet view, engine readings and a clock the test sets,
-and a Placement built over them (SPEC §3.2, §3.3: every test decides exactly what placement sees)."""
+and a Placement built over them (docs/behaviour.md "Placement": every test decides exactly what placement sees)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The worker's memo of block keys (``blocks.KeyMemo``): the same keys as hashing, fewer hashes.
 
-SPEC §3.3 wants the same keys in every process and replica, so a memo may change what a
+docs/behaviour.md "Placement" wants the same keys in every process and replica, so a memo may change what a
 request costs and never what it computes: each test compares with a ``PrefixBlocks`` without
 one, and counts the BLAKE2b calls the memo saved."""
 

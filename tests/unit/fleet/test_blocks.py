@@ -1,5 +1,5 @@
-"""Prefix block keys (SPEC §3.3), pure: chained over fixed blocks, lazy, the same in every process;
-and the §7 settings that drive them and the choice of policy."""
+"""Prefix block keys (docs/behaviour.md "Placement"), pure: chained over fixed blocks, lazy, the same in every process;
+and the docs/settings.md settings that drive them and the choice of policy."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def test_keys_do_not_depend_on_pythonhashseed() -> None:
     assert len(outputs) == 1 and str(PrefixBlocks(TEXT * 3, 256, 65536).keys()) + "\n" in outputs
 
 
-# -- the §7 settings ------------------------------------------------------------------------------
+# -- the docs/settings.md settings ------------------------------------------------------------------------------
 
 
 def test_placement_settings_defaults() -> None:
@@ -93,7 +93,7 @@ def test_invalid_placement_settings_name_the_key(values: dict[str, Any], key: st
 
 
 @pytest.mark.parametrize(("values", "policy"), [
-    ({}, "held"),  # the default (SPEC §7)
+    ({}, "held"),  # the default (docs/settings.md)
     ({"prefix_affinity": False}, "least_loaded"),
     ({"policy": "affinity"}, "affinity"),
     ({"policy": "least_loaded"}, "least_loaded"),

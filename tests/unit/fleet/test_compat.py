@@ -1,4 +1,4 @@
-"""SPEC §11's rules about vLLM releases (``narwhal.fleet.compat``) and placement's pair filter:
+"""docs/decisions.md "vLLM releases"'s rules about vLLM releases (``narwhal.fleet.compat``) and placement's pair filter:
 NIXL hands off only between engines of one version and one transfer mode."""
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ def test_with_no_compatible_consumer_the_model_has_no_pair_and_the_detail_says_w
 
 
 def test_an_undecoded_handoff_is_released_only_through_a_compatible_consumer() -> None:
-    """SPEC §3 step 8 with §11: a release is a decode too; an incompatible consumer's handshake
+    """docs/behaviour.md "The request path" step 8 with docs/decisions.md "vLLM releases": a release is a decode too;
+    an incompatible consumer's handshake
     fails and the blocks stay pinned, so releases never go there."""
     placement, *_ = build([{"name": "p0", "role": "producer"}, {"name": "d0", "role": "consumer"},
                            {"name": "d1", "role": "consumer"}, {"name": "d2", "role": "consumer",

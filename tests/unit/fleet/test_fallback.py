@@ -1,4 +1,4 @@
-"""Placement's second look (SPEC §5, §6 round 4): unreachable engines last, after ejected ones
+"""Placement's second look (docs/behaviour.md "Recovery" round 4): unreachable engines last, after ejected ones
 that are reachable, which join only in a role's panic (``narwhal.fleet.placement.fallback``)."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ def _eject(view, name: str) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_a_dead_consumer_does_not_take_traffic_while_an_ejected_reachable_one_is_held_out_by_the_cap() -> None:
-    # issue 40's minimal case: d0 ejected for stream faults (reachable), d1 killed (kept in by the cap)
+    # The minimal case that once answered 502 to every request: d0 ejected for stream faults (reachable), d1 killed
+    # (kept in by the cap)
     placement, _, _, _, view = fleet_of(producers=1, consumers=2)
     _eject(view, "d0")
     view.down.add("d1")

@@ -1,4 +1,4 @@
-"""The ``held`` policy (SPEC §3.3), pure: the least estimated time to handoff, near-ties by
+"""The ``held`` policy (docs/behaviour.md "Placement"), pure: the least estimated time to handoff, near-ties by
 rendezvous rank of the prompt's first block key, labels ``held`` / ``rendezvous`` /
 ``least_loaded``; the clock is the test's (stale load readings are judged by it)."""
 

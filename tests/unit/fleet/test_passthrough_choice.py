@@ -1,4 +1,6 @@
-"""The passthrough engine choice (SPEC §2.1): consumers first, least loaded, caps, quarantine soft."""
+"""The passthrough engine choice (docs/behaviour.md "The other P/D endpoints"): consumers first, least loaded, caps,
+quarantine soft.
+"""
 
 from __future__ import annotations
 

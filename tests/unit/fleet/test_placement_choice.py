@@ -1,4 +1,4 @@
-"""The choice of SPEC §3.2, pure: engine-reported load, saturation, prefix affinity, local decode.
+"""The choice of docs/behaviour.md "Placement", pure: engine-reported load, saturation, prefix affinity, local decode.
 
 Counts are :class:`LocalInflight`, engine reports a :class:`Readings` source, the clock and the
 randomness are injected: every test decides exactly what placement sees.

@@ -1,5 +1,5 @@
-"""The producer policies behind one interface (``fleet.placement.policy``, ``.registry``; issue 39
-item 2): the settings' choices are the registry's names, each policy says what it wants of a
+"""The producer policies behind one interface (``fleet.placement.policy``, ``.registry``): the settings' choices are
+the registry's names, each policy says what it wants of a
 request, saturation is set aside once for every policy, and ``prefix_affinity`` is a deprecated
 alias said once."""
 

@@ -1,6 +1,6 @@
 """gunicorn's ``child_exit`` in the master (``narwhal.master.gunicorn_hooks``): a worker gone frees
-its slot and, with the holdings, the prefill work it had queued on producers (issue 40 item 10:
-the work stayed counted, since the master frees the slot before the supervisor's sweep could)."""
+its slot and, with the holdings, the prefill work it had queued on producers (the
+work stayed counted, since the master frees the slot before the supervisor's sweep could)."""
 
 from __future__ import annotations
 

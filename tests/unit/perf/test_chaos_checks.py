@@ -2,7 +2,7 @@
 
 Why: the fake keeps a bounded list of request records per engine. A storm overran it: a
 producer's oldest prefills then had no decode record left on the consumers and were reported
-"never decoded nor released" (issue 25 item 1), though every one had been decoded.
+"never decoded nor released", though every one had been decoded.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """prefix_scarce's pure parts: the workload's Zipf and multi-turn shape, the ideal assignment and
-its requests, the per-producer figures, issue 21's target checks, and the load loop's alternation."""
+its requests, the per-producer figures, the scenario's target checks, and the load loop's alternation."""
 
 from __future__ import annotations
 

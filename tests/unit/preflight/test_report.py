@@ -1,6 +1,6 @@
 """Preflight's verdicts as data (``preflight.report``) and its pure rules (``preflight.check``):
 which skips fail a run, the table and JSON the CLI prints, how failed transfers are charged to
-engines (SPEC §6's crossed-decode rule), and the notes for localhost descriptors and TP
+engines (docs/behaviour.md "Recovery"'s crossed-decode rule), and the notes for localhost descriptors and TP
 mismatches. The real runs against fake engines are tests/real_gunicorn/processes/test_preflight.py."""
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Admission: parse the body once, refuse what the router cannot honour (SPEC §2, §3 step 1)."""
+"""Admission: parse the body once, refuse what the router cannot honour (docs/behaviour.md "The request path" step
+1).
+"""
 
 from __future__ import annotations
 

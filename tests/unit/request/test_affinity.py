@@ -1,4 +1,4 @@
-"""The affinity key and local decode, decided once at admission from the parsed body (SPEC §3.2)."""
+"""The affinity key and local decode, decided once at admission from the parsed body (docs/behaviour.md "Placement")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""What admission takes from a client's headers (SPEC §2): W3C trace context only when valid,
+"""What admission takes from a client's headers (docs/behaviour.md "The request path"): W3C trace context only when
+valid,
 the client's request id only when printable ASCII of at most 128 characters, a credential as
 the bytes sent. None of it can raise, whatever the header holds.
 

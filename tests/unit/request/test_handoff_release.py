@@ -1,4 +1,5 @@
-"""The handoffs an attempt leaves undecoded (``narwhal.request.handoff_release``, SPEC §3 step 8),
+"""The handoffs an attempt leaves undecoded (``narwhal.request.handoff_release``, docs/behaviour.md "The request path"
+step 8),
 decided by what the client was sent (``committed``) and whether the decode went out (``sent``),
 not by a log: released through a consumer that can pull them, or abandoned, and where a release
 goes when a consumer cannot be reached."""
@@ -38,7 +39,8 @@ def _delta(before: tuple[float, float]) -> tuple[float, float]:
 
 
 async def test_an_expired_handoff_is_sent_nowhere_and_counted_abandoned() -> None:
-    engines = Engines(age_s=10_000.0)  # older than handoff.max_age_s: the lease may be over (SPEC §11)
+    # older than handoff.max_age_s: the lease may be over (docs/decisions.md "vLLM releases")
+    engines = Engines(age_s=10_000.0)
     attempts, state, reports, spawned = setup_attempts(engines)
     before = _handoff_counts()
     with pytest.raises(EngineError) as failed:
@@ -84,7 +86,8 @@ async def test_a_client_gone_before_the_first_token_has_its_handoff_released() -
     assert engines.releases == ["d0"] and held(state) == ([0, 0], [0, 0])
 
 
-# -- a handoff the consumer never saw (SPEC §3 step 8): released through a consumer that can pull it --
+# -- a handoff the consumer never saw (docs/behaviour.md "The request path" step 8): released through a consumer that
+# can pull it --
 
 
 async def _run_to_failure(engines: Engines, fault: type[BaseException]) -> tuple[str, list[Any], LocalFleetState]:
@@ -171,7 +174,9 @@ async def test_an_abandoned_prefill_releases_its_handoff_to_the_chosen_consumer_
 
 
 async def _refused_by_the_consumer(version: str | None) -> tuple[Engines, list[Any]]:
-    """A decode the consumer (of ``version``) answers 400 before any output (SPEC §11 "a consumer's refusal")."""
+    """A decode the consumer (of ``version``) answers 400 before any output (docs/decisions.md "vLLM releases" "a
+    consumer's refusal").
+    """
     refusal = EngineClientError("max_tokens is too large", engine="d0", phase="decode", status=400)
     engines = Engines(leg=Leg([], fail_at=refusal))
     attempts, state, _, spawned = setup_attempts(engines)

@@ -3,7 +3,8 @@
 Each test drives :class:`Outcomes` with a real worker view on a real shared region, then reads
 back exactly what the supervisor will drain from the worker's ring (pair, failed engine, ring
 reason code, flags, time) and what the worker did at once: quarantine the engine a failure is
-unambiguously charged to (SPEC §5), and nothing for an uncounted or ambiguous one (SPEC §6).
+unambiguously charged to (docs/behaviour.md "Recovery"), and nothing for an uncounted or ambiguous one
+(docs/behaviour.md "Recovery").
 The clock is a fake, so every time and every quarantine bound is exact.
 """
 
@@ -145,7 +146,7 @@ def test_an_uncounted_failure_is_reported_uncounted_and_quarantines_nothing(
     assert not state.any_avoided()
 
 
-# One failure each (SPEC §5, §6): the pair, the failing leg (engine, phase, reason, whether it
+# One failure each (docs/behaviour.md "Recovery"): the pair, the failing leg (engine, phase, reason, whether it
 # counts), before the first token or not, the quarantine setting; what the ring carries (pair,
 # failed engine, ring reason code, flags) and which engine this worker takes out at once.
 # Ring codes never move: engine_5xx 2, engine_disconnect 4, engine_stream_error 10.

@@ -1,4 +1,6 @@
-"""Admission of a passthrough body (SPEC §2.1): parsed once, transfer params dropped, the model resolved."""
+"""Admission of a passthrough body (docs/behaviour.md "The other P/D endpoints"): parsed once, transfer params dropped,
+the model resolved.
+"""
 
 from __future__ import annotations
 

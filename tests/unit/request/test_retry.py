@@ -1,4 +1,4 @@
-"""The retry decision (SPEC §5): a transient fault before visible output, within max_retries and
+"""The retry decision (docs/behaviour.md "Recovery"): a transient fault before visible output, within max_retries and
 the deadline; 429 and in-stream 5xx by status; never once the client has output."""
 
 from __future__ import annotations

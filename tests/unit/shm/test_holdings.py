@@ -1,4 +1,4 @@
-"""The holdings region (SPEC §3.3): sections one writer publishes and workers read lock-free,
+"""The holdings region (docs/behaviour.md "Placement"): sections one writer publishes and workers read lock-free,
 stamped with the engine's identity; the prefill rings workers report to."""
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Engine load in shared memory (SPEC §3.2): the supervisor's records, the workers' lock-free view."""
+"""Engine load in shared memory (docs/behaviour.md "Placement"): the supervisor's records, the workers' lock-free
+view.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""The engine table written at run time (discovery, SPEC §10): slots, epochs, descriptors."""
+"""The engine table written at run time (discovery, docs/behaviour.md "Engines that come and go"): slots, epochs,
+descriptors.
+"""
 
 from __future__ import annotations
 

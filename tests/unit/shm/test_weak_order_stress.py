@@ -1,4 +1,4 @@
-"""One writer publishes, several readers check every copy (issue 25: shared memory on aarch64).
+"""One writer publishes, several readers check every copy (shared memory on aarch64).
 
 The writer is the supervisor's part: engine records and load records under their seqlock, each
 carrying the generation it is published under, the header generations bumped after them, and

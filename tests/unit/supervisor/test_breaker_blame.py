@@ -1,4 +1,4 @@
-"""Breakers' streaks and blame (SPEC §5): who a fault charges, crossed decodes, same-worker and
+"""Breakers' streaks and blame (docs/behaviour.md "Recovery"): who a fault charges, crossed decodes, same-worker and
 local pairs; injected times."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Quarantine, the eject cap and the probe schedule (SPEC §5, §6): injected times, no sleeps."""
+"""Quarantine, the eject cap and the probe schedule (docs/behaviour.md "Recovery"): injected times, no sleeps."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Whole-wave restart, operator actions, a supervisor restart's restore, and the status version
-(SPEC §6): injected times."""
+(docs/behaviour.md "Recovery"): injected times."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Discovery sources read for real (SPEC §10): files edited on disk, a DNS server process on 127.0.0.1."""
+"""Discovery sources read for real (docs/behaviour.md "Engines that come and go"): files edited on disk, a DNS server
+process on 127.0.0.1.
+"""
 
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ def test_a_json_file_reads_the_same(tmp_path: Path) -> None:
      '[[engines]]\nname = "x"\nurl = "http://h:2"\nrole = "consumer"\n', "duplicate engine name 'x'"),
     ('[engines]\nurl = "http://h:1"\n', "engines: expected a list of entries ([[engines]])"),
     ('[server]\nworkers = 3\n', "expected only [[engines]] entries"),
-    # issue 40 item 4: an unnamed entry's port out of range raised a plain ValueError
+    # an unnamed entry's port out of range raised a plain ValueError
     ('[[engines]]\nurl = "http://h:99999"\nrole = "producer"\n', "engines.0.url: Port out of range 0-65535"),
 ])
 def test_a_file_that_parses_but_is_wrong_is_refused_with_the_entry_and_key(

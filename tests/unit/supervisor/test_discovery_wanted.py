@@ -1,4 +1,6 @@
-"""The wanted fleet from static engines and discovered ones (SPEC §10): pure rules."""
+"""The wanted fleet from static engines and discovered ones (docs/behaviour.md "Engines that come and go"): pure
+rules.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The engine-reported prefill rate (``supervisor.holdings.engine_rate``, SPEC §3.3): differences of the
+"""The engine-reported prefill rate (``supervisor.holdings.engine_rate``, docs/behaviour.md "Placement"): differences
+of the
 engine's counters over spans of finished prefills, the best of the last spans, a restart's
 counters starting again from 0."""
 

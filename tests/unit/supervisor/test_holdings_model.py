@@ -1,4 +1,4 @@
-"""The supervisor's holdings model (SPEC §3.3): what was sent, corrected by cached tokens
+"""The supervisor's holdings model (docs/behaviour.md "Placement"): what was sent, corrected by cached tokens
 (``over`` / ``under`` / ``exact``), bounded by capacity and by the room, dropped on restart;
 the learned prefill rate; and ``vllm:cache_config_info`` read as a capacity."""
 

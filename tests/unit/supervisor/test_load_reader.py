@@ -1,4 +1,6 @@
-"""The supervisor's load reads (SPEC §3.2): in parallel, never waited for, failures publish nothing."""
+"""The supervisor's load reads (docs/behaviour.md "Placement"): in parallel, never waited for, failures publish
+nothing.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Engines joining and leaving the breakers and the roster at run time (SPEC §10): pure rules."""
+"""Engines joining and leaving the breakers and the roster at run time (docs/behaviour.md "Engines that come and go"):
+pure rules.
+"""
 
 from __future__ import annotations
 

@@ -34,7 +34,8 @@ VERSION = "0.33.0"
 
 class FakeControl:
     """``/v1/models`` answered at once from ``answers`` (None: unreachable); every read counted.
-    ``/version`` (read with them, SPEC §11) answers ``VERSION``, for engines[].models ones too."""
+    ``/version`` (read with them, docs/decisions.md "vLLM releases") answers ``VERSION``, for engines[].models ones
+    too."""
 
     def __init__(self, **answers: list[str] | None) -> None:
         self.answers = answers
@@ -215,7 +216,7 @@ async def test_a_restarted_supervisor_starts_from_what_its_predecessor_published
 async def test_an_engine_refusing_generate_reaches_the_workers_and_a_silent_one_keeps_its_word(
     shared: SharedFleet, settings: Settings
 ) -> None:
-    """SPEC §11: an engine answering 403 on ``/inference/v1/generate`` is published with its
+    """docs/decisions.md "vLLM releases": an engine answering 403 on ``/inference/v1/generate`` is published with its
     models; a worker's engine carries it (``/admin/engines``); no answer keeps the last word, and
     a restart with ``--enable-scale-out`` clears it at the next read."""
     control = FakeControl(p0=["m-one"], d0=["m-one"])

@@ -1,4 +1,4 @@
-"""The supervisor's heartbeat while a round of engine reads runs (issue 25): the real loop
+"""The supervisor's heartbeat while a round of engine reads runs: the real loop
 (``Supervisor.run``) on a real shared region, its ``/metrics`` reads answered in-process."""
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The app's error shaping in-process (``worker.guard.Guard``: each route's wrapper and the resource
 that takes what no route does, not a middleware): every refusal in the endpoint's
-error shape (SPEC §2.1: OpenAI's, Anthropic's on ``/v1/messages``) with ``x-narwhal-error`` and
+error shape (docs/behaviour.md "The other P/D endpoints": OpenAI's, Anthropic's on ``/v1/messages``) with
+``x-narwhal-error`` and
 an ``x-request-id``; aiohttp's own refusals (404, 405, 413) as the router's reasons; an
 unhandled exception a 500 ``internal_error`` that says nothing of the traceback; the header
 limit a 431. The same behaviours through real gunicorn are in tests/real_gunicorn/security/ and

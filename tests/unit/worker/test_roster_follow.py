@@ -1,4 +1,6 @@
-"""A worker following the engine table at run time (SPEC §10): its roster, its noted epoch."""
+"""A worker following the engine table at run time (docs/behaviour.md "Engines that come and go"): its roster, its
+noted epoch.
+"""
 
 from __future__ import annotations
 

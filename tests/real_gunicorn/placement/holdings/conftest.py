@@ -1,4 +1,4 @@
-"""The holdings tests' fleet and routers (SPEC §3.3): a fleet of fakes with their KV cache models,
+"""The holdings tests' fleet and routers (docs/behaviour.md "Placement"): a fleet of fakes with their KV cache models,
 the module's router over it, and a fresh pair for the tests whose choices depend on which
 producers are full, which a module's shared fleet fills as its tests go."""
 
@@ -15,7 +15,7 @@ from tests.real_gunicorn.placement.holdings import holdings_support as hs
 
 @pytest.fixture(scope="module", params=RELEASES, ids=[f"vllm-{r}" for r in RELEASES])
 def hfleet(request: pytest.FixtureRequest) -> Iterator[FakeFleet]:
-    """The module's fleet, of each vLLM release the fake imitates (SPEC §11): 0.11 teaches the
+    """The module's fleet, of each vLLM release the fake imitates (docs/decisions.md "vLLM releases"): 0.11 teaches the
     holdings through usage's cached tokens, 0.33 through the descriptor's too."""
     yield from hs.module_fleet(request.param)
 

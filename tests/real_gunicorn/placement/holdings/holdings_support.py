@@ -1,4 +1,4 @@
-"""What the ``test_holdings_*`` modules share (SPEC §3.3 through real gunicorn): their fleet, their
+"""What the ``test_holdings_*`` modules share (docs/behaviour.md "Placement" through real gunicorn): their fleet, their
 router, their prefixes, and reading holdings and prediction counters.
 
 Each module has its own fleet: 4 producers with the fake's prefix cache at 160 blocks of 16

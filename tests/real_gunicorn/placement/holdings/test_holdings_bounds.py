@@ -1,4 +1,4 @@
-"""SPEC §3.3 through real gunicorn, bounds: capacity from ``vllm:cache_config_info``, the slots
+"""docs/behaviour.md "Placement" through real gunicorn, bounds: capacity from ``vllm:cache_config_info``, the slots
 without it, a full table, and a slower producer's learned rate (``holdings_support`` says what
 the fleet is)."""
 

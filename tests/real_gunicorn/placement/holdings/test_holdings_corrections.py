@@ -1,4 +1,4 @@
-"""SPEC §3.3 through real gunicorn, corrections: an eviction the engine's cached tokens reveal
+"""docs/behaviour.md "Placement" through real gunicorn, corrections: an eviction the engine's cached tokens reveal
 (``over``), after which a prefix moves; a restarted producer; a restarted supervisor
 (``holdings_support`` says what the fleet is)."""
 
@@ -55,7 +55,7 @@ async def test_a_smaller_cache_the_router_has_not_seen_shows_as_over_and_the_oth
     """Two live prefixes on one producer; its KV cut to one prefix's worth and emptied. The next
     prefill of one of them reports nothing cached where both were predicted (``over``), the
     holdings there drop to what that prefill put back, and the other prefix, which no longer
-    fits beside it, is placed on another producer (its home moved, SPEC §3.3 / README)."""
+    fits beside it, is placed on another producer (its home moved, docs/behaviour.md "Placement" / README)."""
     router, hfleet = fresh
     stays, moves = _two_prefixes_ranking_the_same_producer_first()
     holder = hs.favourites(stays)[0]

@@ -1,4 +1,4 @@
-"""SPEC §3.3 through real gunicorn: a producer slower by its own ``/metrics`` (the engine-reported
+"""docs/behaviour.md "Placement" through real gunicorn: a producer slower by its own ``/metrics`` (the engine-reported
 prefill rate, ``supervisor.holdings.engine_rate``) takes fewer homes, so every replica sends it less.
 
 The fleet: two producers with the fake's prefix cache at 160 blocks of 16 tokens (40 of our

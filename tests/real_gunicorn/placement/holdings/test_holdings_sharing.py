@@ -1,4 +1,4 @@
-"""SPEC §3.3 through real gunicorn, what is shared: holdings every worker reads, what a second
+"""docs/behaviour.md "Placement" through real gunicorn, what is shared: holdings every worker reads, what a second
 replica learns from cached tokens, and each policy setting's labels (``holdings_support`` says
 what the fleet is)."""
 
