@@ -1,18 +1,19 @@
 """Every reason the router can give for an outcome, in one table (docs/behaviour.md "The request path", "Failure
 semantics", "Recovery").
 
-A reason decides four things: the HTTP status a client sees, whether a fresh attempt may cure
-it before visible output ("Recovery"), whether it may count against an engine's breaker ("Recovery"), and the
-code it travels under in shared memory (outcome reports and engine records). Each of those
-used to be its own list in its own module, and nothing tied them together; now each is
-derived from :data:`TABLE`, and ``tests/unit/test_reasons.py`` checks that every reason the
-code raises is in it.
+A reason decides five things: the HTTP status a client sees, whether a fresh attempt may cure
+it before visible output ("Recovery"), whether it may count against an engine's breaker
+("Recovery"), the code it travels under in shared memory (outcome reports and engine records),
+and its lines in the fault table the README and docs/behaviour.md show (rendered from here by
+``narwhal.fault_table``; a test fails when a committed copy differs). Each used to be its own
+list in its own module, the table a copy in two docs; now a reason is defined once, as a member
+of :class:`Reason` that carries its :class:`Rule`, and the lists below are derived from it.
+``tests/unit/test_reasons.py`` checks that every reason the code raises is one of them.
 
-:class:`Reason` names the same reasons for the code that raises them: a ``StrEnum``, so a
-member *is* its string (``Reason.ENGINE_5XX == "engine_5xx"``) wherever it travels — metric
-labels, log lines, the ``x-narwhal-error`` header, shared memory's ring codes — and a typo is an
-``AttributeError`` at import instead of an unknown reason at run time. The test proves the enum
-and the table list the same names.
+:class:`Reason` is a ``StrEnum``, so a member *is* its string (``Reason.ENGINE_5XX ==
+"engine_5xx"``) wherever it travels — metric labels, log lines, the ``x-narwhal-error`` header,
+shared memory's ring codes — and a typo is an ``AttributeError`` at import instead of an unknown
+reason at run time.
 
 Ring codes are part of the shared-memory layout: a ``SIGHUP`` reload runs new workers against
 the master's region, beside a supervisor that may be older. A code, once given, never changes
@@ -36,86 +37,121 @@ class Retry(enum.Enum):
     IF_5XX = "if_5xx"  # an error inside a 200 stream: only the engine's own (5xx) fault
 
 
-class Reason(enum.StrEnum):
-    """Every reason in :data:`TABLE`, by name, for raise sites (equal to its string)."""
-
-    BAD_REQUEST = "bad_request"
-    UNAUTHORIZED = "unauthorized"
-    MODEL_NOT_FOUND = "model_not_found"
-    NOT_FOUND = "not_found"
-    METHOD_NOT_ALLOWED = "method_not_allowed"
-    REQUEST_TIMEOUT = "request_timeout"
-    PAYLOAD_TOO_LARGE = "payload_too_large"
-    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
-    HEADER_TOO_LARGE = "header_too_large"
-    NO_ENGINE = "no_engine"
-    NOT_IMPLEMENTED = "not_implemented"
-    SHUTTING_DOWN = "shutting_down"
-    INTERNAL_ERROR = "internal_error"
-    ENGINE_UNREACHABLE = "engine_unreachable"
-    ENGINE_5XX = "engine_5xx"
-    INVALID_HANDOFF = "invalid_handoff"
-    ENGINE_DISCONNECT = "engine_disconnect"
-    DONE_BEFORE_TOKEN = "done_before_token"
-    PREFILL_TIMEOUT = "prefill_timeout"
-    FIRST_TOKEN_TIMEOUT = "first_token_timeout"
-    DECODE_SILENCE = "decode_silence"
-    ENGINE_STREAM_ERROR = "engine_stream_error"
-    ENGINE_CLIENT_ERROR = "engine_client_error"
-    HANDOFF_EXPIRED = "handoff_expired"
-    DEADLINE_EXCEEDED = "deadline_exceeded"
-    CLIENT_DISCONNECT = "client_disconnect"
-    HEALTH_CHECK = "health_check"
-    PROBE = "probe"
-    PREFLIGHT = "preflight"
+Row = tuple[str, str]  # a line of the fault table: what happened, what a client sees
 
 
 @dataclass(frozen=True, slots=True)
 class Rule:
-    """What one reason decides."""
+    """What one reason decides (its :class:`Reason` member carries it)."""
 
     name: str
     status: int | None  # fixed HTTP status; None: the engine's or the error object's own
     retry: Retry
     counts: bool  # may count against the engine it is charged to (docs/behaviour.md "Recovery")
     ring_code: int | None  # its code in shared memory; None: never reported to the supervisor
+    rows: tuple[Row, ...] = ()  # its lines in the fault table (``narwhal.fault_table``)
 
 
-TABLE: tuple[Rule, ...] = (
+class Reason(enum.StrEnum):
+    """Every reason, each defined once: its string (the member's name, lower case), its HTTP
+    status (None: the engine's or the error object's own), when a fresh attempt may cure it,
+    whether it may count against an engine, its ring code, and its lines in the fault table."""
+
+    rule: Rule
+
+    def __new__(cls, value: str, status: int | None, retry: Retry, counts: bool, ring_code: int | None,
+                *rows: Row) -> Reason:
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.rule = Rule(value, status, retry, counts, ring_code, rows)
+        return member
+
     # the client's fault, or the router's own refusal: never an engine's
-    Rule("bad_request", 400, Retry.NEVER, False, None),
-    Rule("unauthorized", 401, Retry.NEVER, False, None),
-    Rule("model_not_found", 404, Retry.NEVER, False, None),
-    Rule("not_found", 404, Retry.NEVER, False, None),
-    Rule("method_not_allowed", 405, Retry.NEVER, False, None),
-    Rule("request_timeout", 408, Retry.NEVER, False, None),
-    Rule("payload_too_large", 413, Retry.NEVER, False, None),
-    Rule("unsupported_media_type", 415, Retry.NEVER, False, None),
-    Rule("header_too_large", 431, Retry.NEVER, False, None),
-    Rule("no_engine", 503, Retry.NEVER, False, None),
-    Rule("not_implemented", 501, Retry.NEVER, False, None),  # no engine's release serves the endpoint
-    Rule("shutting_down", 503, Retry.NEVER, False, None),
-    Rule("internal_error", 500, Retry.NEVER, False, None),
+    BAD_REQUEST = "bad_request", 400, Retry.NEVER, False, None
+    UNAUTHORIZED = "unauthorized", 401, Retry.NEVER, False, None
+    MODEL_NOT_FOUND = (
+        "model_not_found", 404, Retry.NEVER, False, None, ("a model no engine serves", "404 `model_not_found`"),
+    )
+    NOT_FOUND = "not_found", 404, Retry.NEVER, False, None
+    METHOD_NOT_ALLOWED = "method_not_allowed", 405, Retry.NEVER, False, None
+    REQUEST_TIMEOUT = "request_timeout", 408, Retry.NEVER, False, None
+    PAYLOAD_TOO_LARGE = "payload_too_large", 413, Retry.NEVER, False, None
+    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type", 415, Retry.NEVER, False, None
+    HEADER_TOO_LARGE = "header_too_large", 431, Retry.NEVER, False, None
+    NO_ENGINE = (
+        "no_engine", 503, Retry.NEVER, False, None,
+        ("no producer and consumer of one vLLM version and transfer mode",
+         "503 `no_engine`, the detail says which versions or modes differ"),
+        ("no admitted engine or free reservation in time; every engine of the model out",
+         "503 `no_engine` with `Retry-After`"),
+    )
+    NOT_IMPLEMENTED = (
+        "not_implemented", 501, Retry.NEVER, False, None,
+        ("no engine serving the model has the endpoint's route in its vLLM release (0.11: Messages, generate)",
+         "501 `not_implemented`"),
+    )
+    SHUTTING_DOWN = (
+        "shutting_down", 503, Retry.NEVER, False, None,
+        ("the router stops (SIGTERM) and a stream outlives 85 % of the graceful timeout",
+         "terminal event `shutting_down` (503)"),
+    )
+    INTERNAL_ERROR = "internal_error", 500, Retry.NEVER, False, None
     # an engine's fault or answer
-    Rule("engine_unreachable", 502, Retry.ALWAYS, True, 1),
-    Rule("engine_5xx", 502, Retry.ALWAYS, True, 2),
-    Rule("invalid_handoff", 502, Retry.ALWAYS, True, 3),
-    Rule("engine_disconnect", 502, Retry.ALWAYS, True, 4),
-    Rule("done_before_token", 502, Retry.ALWAYS, True, 5),
-    Rule("prefill_timeout", 504, Retry.ALWAYS, True, 6),
-    Rule("first_token_timeout", 504, Retry.ALWAYS, True, 7),
-    Rule("decode_silence", 504, Retry.NEVER, True, 8),  # only after visible output
-    Rule("engine_stream_error", None, Retry.IF_5XX, True, 10),  # counts when 5xx or code absent
-    Rule("engine_client_error", None, Retry.IF_429, False, 11),  # 4xx and 429: never counted
+    ENGINE_UNREACHABLE = (
+        "engine_unreachable", 502, Retry.ALWAYS, True, 1,
+        ("connection refused / reset before a response", "502 `engine_unreachable`"),
+    )
+    ENGINE_5XX = "engine_5xx", 502, Retry.ALWAYS, True, 2, ("engine 5xx (either leg)", "502 `engine_5xx`")
+    INVALID_HANDOFF = (
+        "invalid_handoff", 502, Retry.ALWAYS, True, 3,
+        ("descriptor invalid", "502 `invalid_handoff`, detail `invalid handoff: <reason>`"),
+    )
+    ENGINE_DISCONNECT = (
+        "engine_disconnect", 502, Retry.ALWAYS, True, 4, ("stream closed before `[DONE]`", "502 `engine_disconnect`"),
+    )
+    DONE_BEFORE_TOKEN = (
+        "done_before_token", 502, Retry.ALWAYS, True, 5,
+        ("`[DONE]` before any token", "502 `done_before_token`, detail `stream ended with [DONE] before any token "
+                                      "arrived`"),
+    )
+    PREFILL_TIMEOUT = (
+        "prefill_timeout", 504, Retry.ALWAYS, True, 6,
+        ("prefill slower than `engine.prefill_timeout_s`", "504 `prefill_timeout`"),
+    )
+    FIRST_TOKEN_TIMEOUT = (
+        "first_token_timeout", 504, Retry.ALWAYS, True, 7,
+        ("no token within `engine.first_token_timeout_s` (connect + headers included)", "504 `first_token_timeout`"),
+    )
+    DECODE_SILENCE = (  # only after visible output
+        "decode_silence", 504, Retry.NEVER, True, 8,
+        ("silence after the first token > `engine.decode_read_timeout_s`",
+         "504 `decode_silence`, detail `engine went silent between tokens…`"),
+    )
+    ENGINE_STREAM_ERROR = (  # counts when 5xx or code absent
+        "engine_stream_error", None, Retry.IF_5XX, True, 10,
+        ("error object inside a 200 stream", "its own `code` (502 when absent), `type: engine_stream_error`"),
+    )
+    ENGINE_CLIENT_ERROR = (  # 4xx and 429: never counted
+        "engine_client_error", None, Retry.IF_429, False, 11,
+        ("engine 4xx (429 included)", "the engine's status and message, `type: engine_client_error`"),
+    )
     # the request's own clock or its client
-    Rule("handoff_expired", 504, Retry.ALWAYS, False, 9),
-    Rule("deadline_exceeded", 504, Retry.NEVER, False, 12),
-    Rule("client_disconnect", None, Retry.NEVER, False, 15),
+    HANDOFF_EXPIRED = (
+        "handoff_expired", 504, Retry.ALWAYS, False, 9,
+        ("handoff older than `handoff.max_age_s`",
+         "504 `handoff_expired` (the handoff is sent nowhere: its lease may be over)"),
+    )
+    DEADLINE_EXCEEDED = (
+        "deadline_exceeded", 504, Retry.NEVER, False, 12, ("request deadline ran out", "504 `deadline_exceeded`"),
+    )
+    CLIENT_DISCONNECT = "client_disconnect", None, Retry.NEVER, False, 15
     # the supervisor's own verdicts (engine records' last_failure)
-    Rule("health_check", None, Retry.NEVER, True, 13),
-    Rule("probe", None, Retry.NEVER, True, 14),
-    Rule("preflight", None, Retry.NEVER, True, 16),
-)
+    HEALTH_CHECK = "health_check", None, Retry.NEVER, True, 13
+    PROBE = "probe", None, Retry.NEVER, True, 14
+    PREFLIGHT = "preflight", None, Retry.NEVER, True, 16
+
+
+TABLE: tuple[Rule, ...] = tuple(member.rule for member in Reason)
 
 BY_NAME: dict[str, Rule] = {r.name: r for r in TABLE}
 
