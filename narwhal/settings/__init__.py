@@ -44,18 +44,30 @@ that raises the count (4 → 8: 12 workers at once) must find a slot for every n
 class ServerSettings(Section):
     """``[server]``: where and how the workers listen, how many, and their limits (bodies, headers, timeouts)."""
     bind: str = "127.0.0.1:8700"  # no engine's port: vLLM (and Triton, Ray Serve) default to 8000, the demo 8080
+    """`HOST:PORT`, `unix:PATH` or `fd://N` (8700: no engine's default port; the image binds `0.0.0.0:8700`)"""
     workers: Annotated[int, Field(ge=1, le=MAX_WORKERS)] = 2
+    """gunicorn worker processes"""
     admin_token: str = ""
+    """admin API bearer token (empty: admin API off)"""
     api_keys: list[str] = []
+    """client keys for `/v1/*` (empty: no client auth)"""
     max_body_bytes: Annotated[int, Field(ge=1024)] = 8 * 1024 * 1024
+    """larger bodies get 413"""
     max_header_bytes: Annotated[int, Field(ge=1024)] = 16 * 1024
+    """all headers together; larger get 431"""
     body_read_timeout_s: PositiveFloat = 10
+    """slower bodies get 408"""
     client_write_timeout_s: PositiveFloat = 30
-    # What the streams waiting for slow clients may hold together, per worker (request.stream_buffers).
+    """a client that does not read its stream this long is dropped"""
     max_buffered_mib: Annotated[int, Field(ge=1)] = 256
+    """what the streams waiting for slow clients may hold together, per worker (each waiting stream counts its client's
+    buffer and 256 KiB for the engine side); past it, the next slow client is cut (docs/behaviour.md "Slow clients")"""
     graceful_timeout_s: PositiveFloat = 30
+    """gunicorn graceful timeout"""
     keepalive_s: PositiveFloat = 75
+    """client keep-alive (above typical LB idle timeouts)"""
     max_engines: Annotated[int, Field(ge=1, le=4096)] = 64
+    """room for engines added by a reload (without a discovery source)"""
 
     @field_validator("bind")
     @classmethod
@@ -71,15 +83,22 @@ class ServerSettings(Section):
 class RequestSettings(Section):
     """``[request]``: the deadline a client request gets at admission, for all its attempts."""
     deadline_s: PositiveFloat = 600
+    """per-request deadline from arrival (a client may ask for less with `x-narwhal-deadline-s`)"""
 
 
 class EngineSettings(Section):
     """``[engine]``: the legs' timeouts and how the router reaches engines (their key, the CA file)."""
     prefill_timeout_s: PositiveFloat = 30
+    """bound on the prefill leg"""
     first_token_timeout_s: PositiveFloat = 30
+    """decode start (connect included) to first generated token"""
     decode_read_timeout_s: NonNegativeFloat = 20
+    """silence allowed between chunks after the first token; 0 = deadline only"""
     api_key: str = ""
+    """sent to engines as `Authorization: Bearer`"""
     ca_file: str = ""
+    """CA bundle for `https://` engines (only it is trusted), on every engine connection: both legs, releases,
+    discovery, preflight, health checks, probes"""
 
     @field_validator("ca_file")
     @classmethod
@@ -97,7 +116,10 @@ class HandoffSettings(Section):
     by then (docs/decisions.md "vLLM releases"). So ``max_age_s`` must stay below it; the margin is the time a decode or
     release needs to reach the consumer."""
     max_age_s: PositiveFloat = 20
+    """older handoffs are neither decoded (504 `handoff_expired`) nor released; must be below `handoff.lease_s`"""
     lease_s: PositiveFloat = 30
+    """the producers' `kv_lease_duration` (vLLM 0.33/0.34); for 0.20/0.21 engines, whose unread blocks wait
+    `VLLM_NIXL_ABORT_REQUEST_TIMEOUT` (480 s), or 0.11 (120 s), set it to that"""
 
     @model_validator(mode="after")
     def _below_the_lease(self) -> HandoffSettings:
@@ -117,23 +139,41 @@ class PlacementSettings(Section):
     "Placement").
     """
     queue_timeout_s: NonNegativeFloat = 5
+    """wait for a free pair before 503"""
     max_queue: Annotated[int, Field(ge=0)] = 1024
+    """requests waiting per worker before an immediate 503"""
     retry_after_s: Annotated[int, Field(ge=0)] = 1
+    """`Retry-After` on 503"""
     # docs/behaviour.md "Placement": engine-reported load, prefix affinity, local decode.
     load_interval_s: NonNegativeFloat = 0.1  # 0: engines' /metrics are never read
+    """engines' `/metrics` read this often by the supervisor (0: never)"""
     load_stale_s: PositiveFloat = 2
+    """older readings are not used (at least `load_interval_s`)"""
     kv_saturated: Annotated[float, Field(gt=0, le=1)] = 0.95
+    """KV usage at which an engine is chosen only if every candidate is (0–1]"""
     prefix_affinity: bool = True  # deprecated: ``policy`` says it (false: "least_loaded"); one warning
+    """deprecated (one warning at start): `policy` chooses the rule; `false` still means `policy = "least_loaded"`"""
     affinity_chars: Annotated[int, Field(ge=1, le=1 << 20)] = 1024
+    """how much of the prompt text forms the key"""
     affinity_min_chars: Annotated[int, Field(ge=0)] = 64
+    """shorter prompts have no key (at most `affinity_chars`)"""
     affinity_load_factor: Annotated[float, Field(ge=1)] = 1.25
+    """a prefix's producer is passed over above this × mean prefill load + 1 (≥ 1)"""
     local_prefill_chars: Annotated[int, Field(ge=0)] = 0  # 0: never skip the remote prefill
+    """prompts shorter than this skip the remote prefill (0: never)"""
     # docs/behaviour.md "Placement": placement that knows what each producer holds.
     policy: Literal["held", "affinity", "least_loaded"] = "held"
+    """the producer rule: `held` (what each producer holds, the least estimated time to handoff), `affinity`
+    (bounded-load rendezvous), `least_loaded` (prefixes ignored; also what `prefix_affinity = false` means)"""
     block_chars: Annotated[int, Field(ge=16, le=1 << 16)] = 256
+    """prefix block size for holdings' block keys (16–65536)"""
     max_prefix_chars: Annotated[int, Field(ge=16, le=1 << 24)] = 65536
+    """the prompt text beyond this is not keyed (≥ `block_chars`)"""
     holdings_slots: Annotated[int, Field(ge=1, le=1 << 24)] = 65536
+    """shared-memory entries for the configured producers' holdings together (each producer added later by discovery or
+    a reload gets a section as large)"""
     affinity_slack: Annotated[float, Field(ge=0, le=10)] = 0.1
+    """candidates within this fraction of the best estimated time to handoff are ordered by rendezvous rank"""
 
     @model_validator(mode="after")
     def _affinity_fits(self) -> PlacementSettings:
@@ -160,13 +200,17 @@ class PlacementSettings(Section):
 class PreflightSettings(Section):
     """``[preflight]``: whether the master runs preflight at start (failed engines start ejected)."""
     on_start: bool = True
+    """run preflight at start: failing engines start ejected"""
 
 
 class LogSettings(Section):
     """``[log]``: level, JSON or text lines, and the access log's target (``-``: stderr, empty: none)."""
     level: Literal["debug", "info", "warning", "error", "critical"] = "info"
+    """the level of the router's own log lines"""
     format: Literal["json", "text"] = "json"
+    """the form of the router's own log lines: `json` (one object a line) or `text`"""
     access_log: str = "-"
+    """one JSON line per request: `-` stderr, a path, or `""` for none"""
 
 
 class TracingSettings(Section):
@@ -176,9 +220,16 @@ class TracingSettings(Section):
     (``narwhal.request.tracing`` resolves them, in the worker): set here, Narwhal's value wins."""
 
     enabled: bool = False
+    """OpenTelemetry spans (docs/operations.md "Tracing"); needs the `tracing` extra"""
     endpoint: Annotated[str, Field(pattern=r"^https?://[^\s/]+(/\S*)?$")] | None = None
+    """the OTLP/HTTP traces URL, used as given (`http://` or `https://`); unset: `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`,
+    else `OTEL_EXPORTER_OTLP_ENDPOINT` + `/v1/traces`, else `http://127.0.0.1:4318/v1/traces`"""
     service_name: Annotated[str, Field(min_length=1)] | None = None
+    """the resource's `service.name`; unset: `OTEL_SERVICE_NAME` (or `service.name` in `OTEL_RESOURCE_ATTRIBUTES`), else
+    `narwhal`"""
     sample_ratio: Annotated[float, Field(ge=0, le=1)] | None = None
+    """share of new traces kept (a client's sampled flag wins); unset: the sampler `OTEL_TRACES_SAMPLER` (`_ARG`) names,
+    else parent-based at `OTEL_TRACES_SAMPLER_ARG` or 1.0"""
 
     @model_validator(mode="after")
     def _extra_installed(self) -> TracingSettings:
@@ -203,19 +254,33 @@ class RecoverySettings(Section):
     "Recovery").
     """
     eject_after: Annotated[int, Field(ge=1)] = 3
+    """consecutive failures that eject an engine"""
     failure_quarantine_s: NonNegativeFloat = 0
+    """seconds placement steers around an engine that just failed, while others can serve (0: off)"""
     max_retries: Annotated[int, Field(ge=0, le=10)] = 0
+    """extra attempts before visible output"""
     # Continuations of a stream cut after visible output (docs/behaviour.md "Migration"); 0: none.
     max_migrations: Annotated[int, Field(ge=0, le=10)] = 1
+    """continuations of a stream cut after visible output, on another pair (docs/behaviour.md "Migration"); 0: the
+    terminal event"""
     retry_budget_ratio: Annotated[float, Field(ge=0, le=1)] = 0.2
+    """share of in-flight requests that may be retries, fleet-wide"""
     retry_budget_min: Annotated[int, Field(ge=0)] = 3
+    """retries always allowed in flight, whatever the share (the budget's floor)"""
     readmit_interval_s: PositiveFloat = 5
+    """probe cadence after an ejection, doubling per ejection up to `readmit_interval_max_s`"""
     readmit_interval_max_s: PositiveFloat = 60
+    """the longest probe cadence after repeated ejections"""
     health_interval_s: PositiveFloat = 5
+    """health checks of admitted engines"""
     max_ejected_fraction: Annotated[float, Field(ge=0, le=1)] = 1.0
+    """share of a role that may be ejected; beyond it engines stay `degraded`"""
     whole_wave_restart: bool = True
+    """readmit a fully ejected wave together"""
     wave_hold_s: NonNegativeFloat = 120
+    """how long a fully ejected wave waits for all its engines; after it, whoever passed is readmitted"""
     readmission: Literal["auto", "probe", "health"] = "auto"
+    """`auto` (probe with a contract, health without), `probe`, `health`"""
 
 
 class CompatSettings(Section):
@@ -224,11 +289,14 @@ class CompatSettings(Section):
     # ``kv_connector_extra_config.enforce_handshake_compat: false`` (a rolling upgrade across
     # releases whose KV layout did not change). Transfer modes must still agree.
     enforce_versions: bool = True
+    """pair only engines of one vLLM version; false for fleets that run vLLM's
+    `kv_connector_extra_config.enforce_handshake_compat: false` (transfer modes must still agree)"""
 
 
 class Settings(BaseSettings):
     """Every section, validated as a whole and frozen; a ``NARWHAL_`` variable wins over the TOML file."""
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", frozen=True)
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", frozen=True,
+                                      use_attribute_docstrings=True)
 
     server: ServerSettings = ServerSettings()
     request: RequestSettings = RequestSettings()
@@ -242,7 +310,13 @@ class Settings(BaseSettings):
     discovery: DiscoverySettings = DiscoverySettings()
     compat: CompatSettings = CompatSettings()
     engine_contract: EngineContract | None = None
+    """`model`, `engine_version` (a PEP 440 version `V`, which means `==V`, or a specifier set;
+    anything else stops the start; see below), `kv_connector`"""
     engines: list[EngineSpec] = []
+    """`name`, `url`, `role` (`producer`/`consumer`/`both`), optional `wave`, `max_inflight_prefill`,
+    `max_inflight_decode`, `kv_connector`, `kv_peers`, `models`, `transfer_mode`; bounded so every entry fits the
+    shared tables: `name` and each of `kv_peers` 64 characters (letters, digits, `_.-`), `url` 1,024, `wave` 64,
+    `kv_connector` 128, at most 64 `kv_peers` and 32 `models` of 100 characters each"""
 
     @model_validator(mode="after")
     def _fleet_is_consistent(self) -> Settings:

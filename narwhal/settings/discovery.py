@@ -50,13 +50,19 @@ class DnsSource(BaseModel):
 class DiscoverySettings(BaseModel):
     """``[discovery]``: engines beside the static ``[[engines]]``, re-read every ``interval_s``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     interval_s: Annotated[float, Field(gt=0, le=3600)] = 5
+    """each discovery source is re-read this often; changes apply within it"""
     file: str = ""
+    """a watched TOML (or `.json`) file of `[[engines]]` entries (`""`: none)"""
     dns: list[DnsSource] = []
+    """`[[discovery.dns]]` entries: `name` (A/AAAA records are engines), `port` or `srv = true`, `role`, `scheme`,
+    optional `max_inflight_prefill` / `max_inflight_decode` for every engine it lists"""
     resolver: str = ""
+    """`HOST:PORT` of the DNS server to ask (`""`: the host's `/etc/resolv.conf`)"""
     max_engines: Annotated[int, Field(ge=1, le=4096)] = DEFAULT_DISCOVERED_SLOTS
+    """the shared layout's engine slots once a source is set (static and discovered together)"""
 
     @field_validator("resolver")
     @classmethod

@@ -22,4 +22,5 @@ NonNegativeFloat = Annotated[float, Field(ge=0)]
 class Section(BaseModel):
     """A settings section (``[server]``, ``[[engines]]`` …): frozen, unknown keys refused."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # A field's docstring (the string under it) is its description: docs/settings.md is rendered from them.
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)

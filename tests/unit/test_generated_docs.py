@@ -1,8 +1,10 @@
-"""Docs rendered from the code's own tables match what is committed (``narwhal.fault_table``).
+"""Docs rendered from the code's own tables match what is committed (``narwhal.fault_table``,
+``narwhal.settings.reference``).
 
 Why: the fault table lived in two docs and the copies drifted from each other and from the
-code. Each copy is now rendered from ``narwhal.reasons``; this fails when one differs, and says
-the command that rewrites them.
+code; docs/settings.md gave a default that had changed and left a key out. Each is now rendered
+from the code (the reasons; the settings models' defaults and field docstrings); this fails when
+a committed copy differs, and says the command that rewrites it.
 """
 
 from __future__ import annotations
@@ -10,9 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
 from narwhal import fault_table
 from narwhal.reasons import TABLE, Reason
+from narwhal.settings import Settings, reference
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,3 +41,24 @@ def test_the_table_shows_every_fault_a_client_can_meet_from_an_engine() -> None:
 def test_a_doc_without_the_markers_is_refused() -> None:
     with pytest.raises(ValueError, match="markers"):
         fault_table.rewrite("| what happened | client sees |\n")
+
+
+def test_the_settings_table_is_the_rendered_one() -> None:
+    text = (ROOT / reference.DOC).read_text()
+    assert reference.rewrite(text) == text, "docs/settings.md: run `python -m narwhal.settings.reference --write`"
+
+
+def test_every_setting_is_described_with_its_default() -> None:
+    table = reference.render()
+    assert "| `handoff.max_age_s` | 20 |" in table and "| `handoff.lease_s` | 30 |" in table  # once drifted
+    assert len(reference.rows()) == sum(
+        len(f.annotation.model_fields) if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel) else 1
+        for f in Settings.model_fields.values())
+
+
+def test_a_setting_without_a_description_is_refused() -> None:
+    class Bare(BaseModel):
+        key: int = 1
+
+    with pytest.raises(ValueError, match="x.key: no description"):
+        reference._description("x.key", Bare.model_fields["key"])
