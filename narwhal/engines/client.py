@@ -22,13 +22,13 @@ from typing import Any, Literal, Unpack
 import orjson
 
 from narwhal.engines import failures
-from narwhal.engines.connector import PrefillResult
 from narwhal.engines.control import EngineRef, auth_line, ssl_context
 from narwhal.engines.decode import DecodeContext, DecodeLeg, DecodeOptions, LegOptions, checked_handoff
 from narwhal.engines.dialects.base import token_count
 from narwhal.engines.endpoints import Endpoint
 from narwhal.engines.failures import Wait
 from narwhal.engines.http1 import Connection, UpstreamPool, header_lines
+from narwhal.engines.prefill_result import PrefillResult
 from narwhal.engines.relay import Signal
 from narwhal.errors import EngineError, Phase
 from narwhal.settings import EngineSettings

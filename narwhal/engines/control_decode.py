@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from narwhal.engines.client import EngineClient
-from narwhal.engines.connector import PrefillResult
 from narwhal.engines.control import EngineRef
 from narwhal.engines.decode import DecodeLeg, checked_handoff
+from narwhal.engines.prefill_result import PrefillResult
 from narwhal.engines.relay import Signal
 from narwhal.errors import NarwhalError
 from narwhal.reasons import Reason

@@ -39,7 +39,7 @@ from typing import Any, Literal, Required, TypedDict
 import orjson
 
 from narwhal.engines import failures, sse
-from narwhal.engines.connector import PrefillResult, validate_descriptor
+from narwhal.engines.connector import validate_descriptor
 from narwhal.engines.control import EngineRef
 from narwhal.engines.dialects.base import event_name
 from narwhal.engines.endpoints import Endpoint
@@ -58,6 +58,7 @@ from narwhal.engines.leg_state import (
     LegState,
     illegal,
 )
+from narwhal.engines.prefill_result import PrefillResult
 from narwhal.engines.relay import DirectRelay, Signal, Sink
 from narwhal.engines.timers import LazyTimeout
 from narwhal.errors import EngineError

@@ -31,8 +31,8 @@ from typing import Any
 import orjson
 
 from narwhal.engines import sse
-from narwhal.engines.connector import PrefillResult
 from narwhal.engines.http1 import ConnectFailed, UpstreamError
+from narwhal.engines.prefill_result import PrefillResult
 from narwhal.errors import DeadlineExceeded, EngineClientError, EngineError, NarwhalError, Phase
 from narwhal.reasons import Reason
 

@@ -192,7 +192,7 @@ class UpstreamPool:
         try:
             async with asyncio.timeout_at(None if deadline == math.inf else deadline):
                 _, conn = await loop.create_connection(
-                    lambda: Connection(self, origin),
+                    lambda: Connection(self, origin.key),
                     origin.host,
                     origin.port,
                     ssl=origin.ssl,
@@ -207,7 +207,7 @@ class UpstreamPool:
 
     def _put(self, conn: Connection) -> None:
         conn.idle_since = now = time.monotonic()
-        idle = self._idle.setdefault(conn.origin.key, [])
+        idle = self._idle.setdefault(conn.key, [])
         cutoff = now - self._idle_s
         while idle and idle[0].idle_since <= cutoff:  # oldest first: drop what went stale
             idle.pop(0).close()
@@ -215,7 +215,7 @@ class UpstreamPool:
 
     def _forget(self, conn: Connection) -> None:
         self._open.discard(conn)
-        idle = self._idle.get(conn.origin.key)
+        idle = self._idle.get(conn.key)
         if idle and conn in idle:
             idle.remove(conn)
 

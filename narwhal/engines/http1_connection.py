@@ -34,12 +34,9 @@ import math
 import re
 import select
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
 import httptools
-
-if TYPE_CHECKING:  # the pool creates connections; a connection only reports back to it
-    from narwhal.engines.http1 import Origin, UpstreamPool
 
 HIGH_WATER = 256 * 1024
 MAX_HEAD = 64 * 1024  # status line and headers: an engine sending more is broken, not verbose
@@ -83,12 +80,25 @@ def _head_end(head: bytes) -> int:
     return len(head) if end == -1 else end
 
 
+class Pool(Protocol):
+    """What a connection reports back to: the pool that made it (``engines.http1.UpstreamPool``).
+
+    A protocol here, not an import of the pool: the pool makes connections and the connection
+    only tells it two things, so the arrow points one way (the pool's module imports this one)."""
+
+    def _put(self, conn: Connection) -> None:
+        """A response ended cleanly on ``conn``: keep it for the next request to ``conn.key``."""
+
+    def _forget(self, conn: Connection) -> None:
+        """``conn`` closed: drop it, idle or not."""
+
+
 class Connection(asyncio.Protocol):
     """One keep-alive connection and the response currently being read on it."""
 
-    def __init__(self, pool: UpstreamPool, origin: Origin) -> None:
+    def __init__(self, pool: Pool, key: str) -> None:
         self._pool = pool
-        self.origin = origin
+        self.key = key  # the origin's (``scheme://host:port``): where the pool keeps it when idle
         self._loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self._waiter: asyncio.Future[None] | None = None

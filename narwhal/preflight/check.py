@@ -42,7 +42,6 @@ from narwhal.engines.client import EngineClient
 from narwhal.engines.connector import (
     NIXL,
     InvalidHandoff,
-    PrefillResult,
     tp_size_of,
     validate_descriptor,
 )
@@ -56,6 +55,7 @@ from narwhal.engines.control import (
     parse_version,
 )
 from narwhal.engines.control_decode import decode_to_end, give_back
+from narwhal.engines.prefill_result import PrefillResult
 from narwhal.errors import DeadlineExceeded, NarwhalError
 from narwhal.fleet import Engine, Fleet, compat
 from narwhal.preflight import causes

@@ -33,9 +33,9 @@ from aiohttp import web
 
 from narwhal import metrics
 from narwhal.engines.client import EngineClient
-from narwhal.engines.connector import PrefillResult
 from narwhal.engines.decode import DecodeLeg, checked_handoff
 from narwhal.engines.endpoints import GENERATE
+from narwhal.engines.prefill_result import PrefillResult
 from narwhal.engines.relay import Signal, Sink
 from narwhal.errors import EngineError, NarwhalError
 from narwhal.fleet import Engine

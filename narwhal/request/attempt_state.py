@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from narwhal.engines.connector import PrefillResult
+    from narwhal.engines.prefill_result import PrefillResult
     from narwhal.fleet.placement import Reservation
     from narwhal.request.accesslog import AccessRecord
 

@@ -29,7 +29,8 @@ from typing import Any
 
 from narwhal import metrics
 from narwhal.engines.client import EngineClient
-from narwhal.engines.connector import InvalidHandoff, PrefillResult, validate_descriptor
+from narwhal.engines.connector import InvalidHandoff, validate_descriptor
+from narwhal.engines.prefill_result import PrefillResult
 from narwhal.errors import EngineClientError, EngineError, NarwhalError
 from narwhal.fleet import Engine, compat
 from narwhal.fleet.placement import Reservation

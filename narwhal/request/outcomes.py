@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from narwhal import metrics
-from narwhal.engines.connector import PrefillResult
+from narwhal.engines.prefill_result import PrefillResult
 from narwhal.errors import EngineError
 from narwhal.fleet import Engine, Fleet
 from narwhal.fleet.placement.blocks import PrefixBlocks

@@ -38,9 +38,9 @@ import aiohttp
 from narwhal import metrics
 from narwhal.engines import endpoints
 from narwhal.engines.client import EngineClient
-from narwhal.engines.connector import PrefillResult
 from narwhal.engines.control import ControlClient, ControlError, VersionPin
 from narwhal.engines.control_decode import decode_to_end, give_back
+from narwhal.engines.prefill_result import PrefillResult
 from narwhal.errors import EngineError, NarwhalError
 from narwhal.fleet import Engine, Fleet, compat
 from narwhal.settings import Settings

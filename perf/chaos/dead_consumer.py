@@ -16,13 +16,11 @@ import asyncio
 import os
 import random
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from perf.chaos import checks, storm
+from perf.chaos.driver import Chaos
 from perf.chaos.faults import ADMIN_TOKEN, CONSUMERS
-
-if TYPE_CHECKING:
-    from perf.chaos.run import Chaos
 
 MIN_CLEAN_SHARE = 0.99
 RECOVERY: dict[str, Any] = {"failure_quarantine_s": 1.0, "max_retries": 1, "eject_after": 3,

@@ -26,15 +26,13 @@ import os
 import time
 import urllib.request
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 
 from perf.chaos import storm
+from perf.chaos.driver import Chaos
 from perf.chaos.faults import CLIENT_SLACK_S, CONSUMERS, DEADLINE_S, Expectation, Result
-
-if TYPE_CHECKING:
-    from perf.chaos.run import Chaos
 
 TOKENS = 24
 TOKEN_DELAY_S = 0.1

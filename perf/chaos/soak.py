@@ -24,11 +24,12 @@ import itertools
 import os
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 
 from perf.chaos import checks
+from perf.chaos.driver import ENGINE_EVENTS, LEASE_S, MAX_FDS_GROWTH, MAX_RSS_GROWTH_KB, PROCESS_EVENTS, Chaos
 from perf.chaos.faults import (
     CLIENT_SLACK_S,
     CONSUMERS,
@@ -39,9 +40,6 @@ from perf.chaos.faults import (
     clean_expectation,
     make_expectation,
 )
-
-if TYPE_CHECKING:
-    from perf.chaos.run import Chaos
 
 EVENT_EVERY_S = 20.0
 SAMPLE_EVERY_S = 60.0
@@ -102,7 +100,6 @@ async def _drive(chaos: Chaos, seconds: float, concurrency: int, engine_events: 
 
 def run_soak(chaos: Chaos, minutes: float, concurrency: int) -> dict[str, Any]:
     """The soak on ``chaos`` (not started yet); always stops what it started."""
-    from perf.chaos.run import ENGINE_EVENTS, LEASE_S, MAX_FDS_GROWTH, MAX_RSS_GROWTH_KB, PROCESS_EVENTS
 
     rep: dict[str, Any] = {"minutes": minutes, "concurrency": concurrency, "samples": [], "failed": []}
     try:

@@ -28,11 +28,12 @@ import os
 import random
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 
 from perf.chaos import checks
+from perf.chaos.driver import Chaos
 from perf.chaos.faults import (
     ADMIN_TOKEN,
     CLIENT_SLACK_S,
@@ -44,9 +45,6 @@ from perf.chaos.faults import (
     clean_expectation,
     poison_expectation,
 )
-
-if TYPE_CHECKING:  # perf.chaos.run imports this module: the type only, no import cycle at run time
-    from perf.chaos.run import Chaos
 
 POISON_SHARE = 0.5
 MIN_CLEAN_SHARE = 0.99

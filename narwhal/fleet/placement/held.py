@@ -44,11 +44,12 @@ Invariants, and why:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 from narwhal.fleet import Engine
 from narwhal.fleet.placement.affinity import Affinity, score
 from narwhal.fleet.placement.blocks import PrefixBlocks
+from narwhal.fleet.placement.holdings_source import HeldReading
 from narwhal.fleet.placement.policy import Asked, Candidate, Ordered, producer_index
 
 T = TypeVar("T")
@@ -58,48 +59,6 @@ MISS_WEIGHT = 9.0  # a miss: its own prefill, and the requests queued behind it 
 # A live block evicted: prefilled again by a later request, which waits as above, and the prefix
 # it belonged to is then scattered between two producers (twice the miss's weight: measured).
 EVICT_WEIGHT = 18.0
-
-
-class HeldReading(Protocol):
-    """One producer's published holdings (``narwhal.shm.holdings.Held``)."""
-
-    @property
-    def keys(self) -> frozenset[int]:
-        """The block keys the producer is believed to hold."""
-    @property
-    def blocks(self) -> int:
-        """How many blocks that is."""
-    @property
-    def capacity_blocks(self) -> int | None:
-        """Its KV capacity in blocks of ``block_chars`` (reported, else learned from its evictions); None: unknown."""
-    @property
-    def chars_per_token(self) -> float | None:
-        """Characters per token its prefills showed; None before any."""
-    @property
-    def prefill_chars_per_s(self) -> float | None:
-        """Its prefill rate to place by (uncached characters per second); None before any."""
-    @property
-    def mean_uncached_chars(self) -> float:
-        """The mean uncached characters of its prefills: the work a request not ours stands for."""
-    @property
-    def hot_blocks(self) -> int:
-        """Blocks reused in the last few seconds: the live part of ``blocks``."""
-    @property
-    def homes(self) -> dict[int, int] | None:
-        """The live prefixes homed here, first block key to blocks; None for none."""
-
-
-class HoldingsSource(Protocol):
-    """Per engine index, the holdings published for it (None: none), and this host's prefill
-    work in flight (uncached characters of its prefill legs), which placement adds to and takes
-    back as legs start and end."""
-
-    def current(self) -> Sequence[HeldReading | None]:
-        """Per engine index, its published holdings (None: none)."""
-    def work(self) -> Sequence[int]:
-        """Per engine index, this host's uncached prefill characters in flight on it."""
-    def add_work(self, engine: int, chars: int) -> None:
-        """Add ``chars`` (negative: take back) to ``engine``'s work in flight."""
 
 
 def keys_of(readings: Sequence[HeldReading | None], index: int) -> frozenset[int]:

@@ -43,9 +43,10 @@ from collections.abc import Callable
 from typing import Any
 
 from narwhal.fleet import Engine, Fleet, FleetView, compat
-from narwhal.fleet.placement import affinity, held, least_loaded
+from narwhal.fleet.placement import affinity, least_loaded
 from narwhal.fleet.placement.blocks import PrefixBlocks
 from narwhal.fleet.placement.fallback import Fallback, fallback, reachable_first
+from narwhal.fleet.placement.holdings_source import HoldingsSource
 from narwhal.fleet.placement.load import LoadCache, Loads, LoadSource
 from narwhal.fleet.placement.policy import Asked, Candidate, Choice, producer_index, saturated, split_saturated
 from narwhal.fleet.placement.registry import policy_named
@@ -76,7 +77,7 @@ class Placement:
         rng: random.Random | None = None,
         loads: LoadSource | None = None,
         clock: Callable[[], float] = time.monotonic,
-        holdings: held.HoldingsSource | None = None,
+        holdings: HoldingsSource | None = None,
     ) -> None:
         self.fleet = fleet
         self.view = view

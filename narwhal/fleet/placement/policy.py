@@ -27,15 +27,13 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from narwhal.fleet import Engine
 from narwhal.fleet.placement.blocks import PrefixBlocks
+from narwhal.fleet.placement.holdings_source import HoldingsSource
 from narwhal.fleet.placement.load import Loads
 from narwhal.settings import PlacementSettings
-
-if TYPE_CHECKING:  # the policies' modules import this one: their names only for the types here
-    from narwhal.fleet.placement.held import HoldingsSource
 
 Candidate = tuple[Engine, tuple[Engine, ...]]  # a producer and its permitted consumers
 Choice = Callable[[int, Engine], str]  # (position in the order, producer) -> producer_choice

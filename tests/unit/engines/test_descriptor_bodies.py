@@ -10,10 +10,10 @@ import pytest
 
 from narwhal.engines import endpoints
 from narwhal.engines.connector import (
-    PrefillResult,
     prefill_body,
     release_body,
 )
+from narwhal.engines.prefill_result import PrefillResult
 from tests.unit.engines.descriptor_support import (
     client_body,
     decode_body,

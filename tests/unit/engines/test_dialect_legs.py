@@ -12,7 +12,7 @@ from aiohttp.test_utils import TestServer
 
 from narwhal.engines import endpoints
 from narwhal.engines.client import EngineClient
-from narwhal.engines.connector import PrefillResult
+from narwhal.engines.prefill_result import PrefillResult
 from narwhal.engines.relay import Signal
 from narwhal.errors import EngineError
 from narwhal.settings import EngineSettings

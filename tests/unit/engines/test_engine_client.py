@@ -15,7 +15,7 @@ from aiohttp import web
 
 from narwhal.engines import endpoints
 from narwhal.engines.client import EngineClient, _prefill_result
-from narwhal.engines.connector import PrefillResult
+from narwhal.engines.prefill_result import PrefillResult
 from narwhal.errors import DeadlineExceeded, EngineClientError, EngineError
 from narwhal.fake_engine import FakeEngine
 from narwhal.settings import EngineSettings

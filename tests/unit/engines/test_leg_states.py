@@ -16,8 +16,8 @@ from aiohttp.test_utils import TestServer
 
 from narwhal.engines import decode, endpoints, leg_state
 from narwhal.engines.client import EngineClient
-from narwhal.engines.connector import PrefillResult
 from narwhal.engines.leg_state import NEXT, LegState
+from narwhal.engines.prefill_result import PrefillResult
 from narwhal.engines.relay import Signal
 from narwhal.errors import EngineError
 from narwhal.settings import EngineSettings

@@ -12,8 +12,8 @@ import pytest
 
 from narwhal.engines import endpoints
 from narwhal.engines.client import EngineClient
-from narwhal.engines.connector import PrefillResult
 from narwhal.engines.http1 import ConnectionLost, UpstreamPool
+from narwhal.engines.prefill_result import PrefillResult
 from narwhal.errors import EngineError
 from narwhal.reasons import Reason
 from narwhal.settings import EngineSettings

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from narwhal.engines import endpoints
-from narwhal.engines.connector import PrefillResult
+from narwhal.engines.prefill_result import PrefillResult
 from narwhal.engines.relay import Signal
 from narwhal.errors import EngineError, NarwhalError
 from narwhal.fleet import Engine, Fleet

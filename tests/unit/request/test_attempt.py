@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from narwhal.engines import endpoints
-from narwhal.engines.connector import PrefillResult
+from narwhal.engines.prefill_result import PrefillResult
 from narwhal.errors import EngineError
 from narwhal.request.accesslog import AccessRecord
 from narwhal.request.admission import ClientRequest

@@ -1,0 +1,54 @@
+"""What the ``held`` policy reads of each producer's holdings: the interface, not the policy.
+
+The holdings themselves live in shared memory (``narwhal.shm.holdings``, written by the
+supervisor); placement reads them through these two protocols. They have a module of their own
+because the policy protocol (``policy.Asked`` carries a source) and the policy (``held``) both
+name them: kept in ``held``, the protocol module imported the policy that imports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+
+class HeldReading(Protocol):
+    """One producer's published holdings (``narwhal.shm.holdings.Held``)."""
+
+    @property
+    def keys(self) -> frozenset[int]:
+        """The block keys the producer is believed to hold."""
+    @property
+    def blocks(self) -> int:
+        """How many blocks that is."""
+    @property
+    def capacity_blocks(self) -> int | None:
+        """Its KV capacity in blocks of ``block_chars`` (reported, else learned from its evictions); None: unknown."""
+    @property
+    def chars_per_token(self) -> float | None:
+        """Characters per token its prefills showed; None before any."""
+    @property
+    def prefill_chars_per_s(self) -> float | None:
+        """Its prefill rate to place by (uncached characters per second); None before any."""
+    @property
+    def mean_uncached_chars(self) -> float:
+        """The mean uncached characters of its prefills: the work a request not ours stands for."""
+    @property
+    def hot_blocks(self) -> int:
+        """Blocks reused in the last few seconds: the live part of ``blocks``."""
+    @property
+    def homes(self) -> dict[int, int] | None:
+        """The live prefixes homed here, first block key to blocks; None for none."""
+
+
+class HoldingsSource(Protocol):
+    """Per engine index, the holdings published for it (None: none), and this host's prefill
+    work in flight (uncached characters of its prefill legs), which placement adds to and takes
+    back as legs start and end."""
+
+    def current(self) -> Sequence[HeldReading | None]:
+        """Per engine index, its published holdings (None: none)."""
+    def work(self) -> Sequence[int]:
+        """Per engine index, this host's uncached prefill characters in flight on it."""
+    def add_work(self, engine: int, chars: int) -> None:
+        """Add ``chars`` (negative: take back) to ``engine``'s work in flight."""
