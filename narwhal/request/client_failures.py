@@ -50,10 +50,12 @@ def shutting_down() -> NarwhalError:
     return NarwhalError("the router is shutting down", reason=Reason.SHUTTING_DOWN)
 
 
-def error_response(exc: NarwhalError, request_id: str, dialect: dialects.Dialect | None = None) -> web.Response:
-    """The router's own error before the 200, in the endpoint's shape (OpenAI's by default)."""
+def error_response(exc: NarwhalError, request_id: str | None, dialect: dialects.Dialect | None = None) -> web.Response:
+    """The router's own error before the 200, in the endpoint's shape (OpenAI's by default);
+    ``request_id`` None: a request whose bytes the HTTP parser refused, which has none."""
     headers = exc.headers()
-    headers["x-request-id"] = request_id
+    if request_id is not None:
+        headers["x-request-id"] = request_id
     body = exc.body() if dialect is None else dialect.error_body(exc)
     return web.Response(status=exc.status, body=body, content_type="application/json", headers=headers)
 

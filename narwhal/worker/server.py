@@ -20,8 +20,9 @@ from aiohttp.http_exceptions import LineTooLong
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from narwhal.errors import error_body
+from narwhal.errors import NarwhalError
 from narwhal.reasons import Reason
+from narwhal.request.client_failures import error_response
 from narwhal.worker.accept import BalancedSite, ConnectionShare
 
 log = logging.getLogger("narwhal.worker.server")
@@ -47,12 +48,8 @@ class _Handler(RequestHandler):
         else:
             reason, status, text = Reason.BAD_REQUEST, 400, "malformed HTTP request"
         log.debug("refused a malformed request: %s", exc)
-        resp = web.Response(
-            status=status,
-            body=error_body(text, reason, status),
-            content_type="application/json",
-            headers={"x-narwhal-error": reason},
-        )
+        # The request's bytes are what was refused: no header of it is trusted, so no id is echoed.
+        resp = error_response(NarwhalError(text, reason=reason, status=status), None)
         resp.force_close()
         return resp
 

@@ -80,7 +80,7 @@ async def test_oversized_headers_are_431(router: RouterProcess) -> None:
     headers = {f"x-pad-{i}": "v" * 1000 for i in range(20)}
     reply = await send(router.url, "/v1/completions", completion("x"), headers=headers)
     assert reply.status == 431
-    assert error_of(reply)["type"] == "header_too_large"
+    assert error_of(reply)["type"] == "header_too_large" and reply.headers["x-narwhal-error"] == "header_too_large"
 
 
 async def test_unknown_route_and_admin_without_token_are_404_not_found(router: RouterProcess) -> None:
