@@ -270,9 +270,9 @@ class PooledReader:
     """``get`` as :class:`ControlClient` answers it, over the data plane's pooled HTTP/1.1 client.
 
     For the one control read made many times a second: the supervisor's ``/metrics`` of every
-    engine each ``placement.load_interval_s`` (docs/behaviour.md "Placement"). Through aiohttp's client a read of a
-    fake engine's ``/metrics`` cost ~330 µs of CPU, through this ~160 µs (2,000 reads each on
-    this 2-core VM): at 10 Hz per engine that is the supervisor's largest steady cost. The same
+    engine each ``placement.load_interval_s`` (docs/behaviour.md "Placement"). Through this a read
+    costs about half the CPU it did through aiohttp's client (perf/RESULTS.md "Figures behind the
+    code's choices"): at 10 Hz per engine that is the supervisor's largest steady cost. The same
     TLS context, the same key, the same whole-exchange bound and the same :class:`ControlError`.
     """
 

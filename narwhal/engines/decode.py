@@ -67,7 +67,8 @@ _DRAIN_S = 1.0
 # The direct relay has a fixed cost per stream (a timer, a wakeup for the end). The span after
 # the first token still takes the caller's path: in an unpaced stream it usually holds the
 # whole rest and [DONE], which the caller writes with the end of the body at no extra cost.
-# Measured (A/B, perf suite): 1 beats 3 by ~5 % unpaced and 5-11 % paced; 0 costs ~10 % unpaced.
+# Measured (A/B, perf suite): 1 beats 3 and 0, unpaced and paced (perf/RESULTS.md "Figures behind
+# the code's choices").
 _RELAY_AFTER = 1
 
 

@@ -61,7 +61,7 @@ def _sample_re(names: tuple[bytes, ...]) -> re.Pattern[bytes]:
     """A sample line of one of ``names`` from its start: name, optional {labels} (quoted values
     may hold braces and escapes), value; a timestamp may follow. Possessive runs: a label set
     parses one way only, so nothing is given back, and a run of characters is one step, not one
-    per character (4x faster)."""
+    per character (several times faster: perf/RESULTS.md "Figures behind the code's choices")."""
     alternatives = b"|".join(re.escape(n) for n in names)
     return re.compile(b"(" + alternatives + rb')(?:\{(?:[^"}\n]++|"(?:[^"\\\n]++|\\.)*+")*+\})?[ \t]+(\S+)')
 

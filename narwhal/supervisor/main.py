@@ -381,8 +381,8 @@ class Supervisor:
     async def _passes(self, loop: Loop) -> None:
         """``step`` now and then LOOP_S after each pass ends, until cancelled or a pass raises.
         A timer callback of the event loop, not a task around ``asyncio.sleep``: a pass then costs
-        no task step, coroutine resumption or future of its own (``perf.supervisor_pass``,
-        4 engines, 13.3 → 12.4 ms/s)."""
+        no task step, coroutine resumption or future of its own (``perf.supervisor_pass``; figures in
+        perf/RESULTS.md "Figures behind the code's choices")."""
         events = asyncio.get_running_loop()
         failed: asyncio.Future[None] = events.create_future()
         timer: asyncio.TimerHandle | None = None

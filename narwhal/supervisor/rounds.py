@@ -9,16 +9,16 @@ heartbeat, the merge of the workers' reports — comes round between batches.
 Why: the heartbeat shares one event loop with the rounds of engine reads (``/metrics`` every
 ``placement.load_interval_s``, ``/health`` every ``recovery.health_interval_s``). Started all
 at once, a round's first steps ran back to back in one pass, and its answers, arriving together,
-in the next: the longest gap between beats grew with the fleet, by about half a millisecond of
-CPU per engine per round on an idle 2-core host, and by the host's contention on a busy one
-(the master took a supervisor of 32 engines for wedged). Batched and spread over
+in the next: the longest gap between beats grew with the fleet (perf/RESULTS.md "Figures behind
+the code's choices") and with the host's contention (the master took a supervisor of 32 engines
+for wedged). Batched and spread over
 part of the round's period, the work of one pass is bounded by the batch, and the engines'
 answers come spread too.
 
 Why on the loop's passes, not a task sleeping between batches: each sleep woke the process
 once more between passes, and each wake-up of an otherwise idle process is paid in full (a task
-step, a timer, cold caches): at 32 engines, ten rounds a second, that was about 4 ms of CPU a
-second. The passes happen anyway.
+step, a timer, cold caches), measurably so at 32 engines (perf/RESULTS.md "Figures behind the
+code's choices"). The passes happen anyway.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 
-BATCH = 8  # checks started per pass of the loop: ~4 ms of CPU for the heaviest read measured
+BATCH = 8  # checks started per pass of the loop: a pass's work stays bounded (perf/RESULTS.md)
 
 
 class Rounds:

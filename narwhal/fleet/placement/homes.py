@@ -50,7 +50,8 @@ Invariants, and why:
   affinity's hot spot again).
 * Bounded: at most ``MAX_HOMES`` prefixes, the longest first when there are more.
 * Cheap to repeat: the supervisor assigns every 0.1 s. Ranking 4,096 prefixes over 32 producers
-  is 131,072 rendezvous scores (60-75 ms on the 2-core test machine); a
+  is 131,072 rendezvous scores (tens of milliseconds: perf/RESULTS.md "Figures behind the code's
+  choices"); a
   prefix's rank changes only when the producers do, so :class:`Ranks` keeps each one between
   calls and a call scores only the prefixes new since the last (the same homes, measured in
   ``tests/unit/fleet/test_homes.py``).

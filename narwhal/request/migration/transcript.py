@@ -5,13 +5,13 @@ without a cut. So the spans are kept as they went out — references, no parsing
 rule of no JSON work per chunk — and read only when a cut asks.
 
 Why compress instead of reading a long stream's spans as they pile up: reading is an
-``orjson.loads`` and a dozen dict lookups per event, ~2.5 µs a token on the perf host, which
-made a 128-token paced stream's transcript half of the worker's Python calls for the request
-(``python -m perf.callcount --cases paced_long_c128``). Most of a span's bytes are the SSE and
-JSON framing that repeats in every event, so once :data:`COMPACT_AT_BYTES` are kept they go
-into one ``zlib`` block (level 1: ~0.9 µs a token, one C call per block, 20-50× smaller): the
-memory a long stream holds stays near what reading kept (its text as a list of strings), and
-the CPU is a third of it. A cut decompresses and reads every block once.
+``orjson.loads`` and a dozen dict lookups per event, which made a 128-token paced stream's
+transcript half of the worker's Python calls for the request (``python -m perf.callcount
+--cases paced_long_c128``). Most of a span's bytes are the SSE and JSON framing that repeats in
+every event, so once :data:`COMPACT_AT_BYTES` are kept they go into one ``zlib`` block (level 1,
+one C call per block, many times smaller): the memory a long stream holds stays near what
+reading kept (its text as a list of strings), at a fraction of the CPU (perf/RESULTS.md "Paced
+streams beside vllm-router"). A cut decompresses and reads every block once.
 
 Invariant: spans are kept in the order they were sent, each once; :meth:`Transcript.read`
 hands every one of them to the reader exactly once, in that order.

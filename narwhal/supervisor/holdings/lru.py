@@ -4,7 +4,7 @@ A completed prefill's report carries its prompt's block keys (a 4,000-character 
 has 16, ``max_prefix_chars`` allows 256): the model asks how many leading ones were held when
 it started (:func:`leading`), makes them all the most recently used (:func:`touch`) and marks
 the ones it hit as reused (:func:`reused`). Key by key that is three ``OrderedDict`` steps per
-block for every request, ~0.24 µs a block (``apply`` 18.8 µs a report at 64 blocks, 7.4 at 16). A
+block for every request (perf/RESULTS.md "Figures behind the code's choices" has its cost). A
 producer's traffic mostly repeats a prefix (a tenant's system prompt): the run of blocks its
 last prefill hit (``hot_head``) is then the next one's too, and is kept whole —
 
