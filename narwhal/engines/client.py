@@ -22,6 +22,7 @@ from typing import Any, Literal, Unpack
 import orjson
 
 from narwhal.engines import failures
+from narwhal.engines.connector import CheckedHandoff
 from narwhal.engines.control import EngineRef, auth_line, ssl_context
 from narwhal.engines.decode import DecodeContext, DecodeLeg, DecodeOptions, LegOptions, checked_handoff
 from narwhal.engines.dialects.base import token_count
@@ -162,7 +163,7 @@ class EngineClient:
         return _prefill_result(result, status, data)
 
     def decode_leg(
-        self, result: PrefillResult, consumer: EngineRef, body: dict[str, Any], descriptor: dict[str, Any] | None,
+        self, result: PrefillResult, consumer: EngineRef, body: dict[str, Any], descriptor: CheckedHandoff | None,
         **options: Unpack[LegOptions],
     ) -> DecodeLeg:
         """The decode as an object with named steps (``narwhal.engines.decode``), carrying

@@ -13,12 +13,17 @@ Rule order matters: the first failing rule decides the detail (docs/behaviour.md
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NewType
 
 from narwhal.errors import EngineError
 from narwhal.reasons import Reason
 
 NIXL = "NixlConnector"
+
+CheckedHandoff = NewType("CheckedHandoff", dict[str, Any])
+"""A descriptor that passed :func:`validate_descriptor`: the only kind a decode leg takes
+(``engines.decode.DecodeLeg``), so an unchecked dict cannot reach a consumer (the type checker
+refuses it; at run time it is the same dict, unchanged)."""
 
 # Keys that belong to other connectors' descriptors: seeing one means the producer is not
 # running the connector this router was configured for.
@@ -108,7 +113,7 @@ _CHECKED = ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port"
 
 def validate_descriptor(
     descriptor: Any, *, producer: str, prefill_endpoint: str, decode_endpoint: str
-) -> dict[str, Any]:
+) -> CheckedHandoff:
     """Check a NixlConnector descriptor; return it unchanged or raise :class:`InvalidHandoff`.
 
     A descriptor is decoded JSON, once per request on the request path: its values are tested
@@ -131,7 +136,7 @@ def validate_descriptor(
         raise InvalidHandoff("malformed field remote_request_id", engine=producer)
     if prefill_endpoint != decode_endpoint:
         raise InvalidHandoff("endpoint mismatch", engine=producer)
-    return descriptor
+    return CheckedHandoff(descriptor)
 
 
 def tp_size_of(descriptor: Any) -> int | None:

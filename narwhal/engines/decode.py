@@ -39,7 +39,7 @@ from typing import Any, Literal, Required, TypedDict
 import orjson
 
 from narwhal.engines import failures, sse
-from narwhal.engines.connector import validate_descriptor
+from narwhal.engines.connector import CheckedHandoff, validate_descriptor
 from narwhal.engines.control import EngineRef
 from narwhal.engines.dialects.base import event_name
 from narwhal.engines.endpoints import Endpoint
@@ -104,7 +104,7 @@ class DecodeOptions(LegOptions, total=False):
 
 def checked_handoff(
     result: PrefillResult, decode_endpoint: Endpoint, max_age_s: float | None
-) -> dict[str, Any] | None:
+) -> CheckedHandoff | None:
     """docs/behaviour.md "The request path" step 5, and step 6's age rule: the descriptor a decode on
     ``decode_endpoint`` may
     carry (None when the prefill was not crossed: a same-worker or local decode carries none),
@@ -134,7 +134,7 @@ class DecodeLeg:
 
     def __init__(
         self, ctx: DecodeContext, result: PrefillResult, consumer: EngineRef, body: dict[str, Any],
-        descriptor: dict[str, Any] | None,
+        descriptor: CheckedHandoff | None,
         *,
         stream: bool,
         deadline: float | None = None,

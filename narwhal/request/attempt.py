@@ -33,6 +33,7 @@ from aiohttp import web
 
 from narwhal import metrics
 from narwhal.engines.client import EngineClient
+from narwhal.engines.connector import CheckedHandoff
 from narwhal.engines.decode import DecodeLeg, checked_handoff
 from narwhal.engines.endpoints import GENERATE
 from narwhal.engines.prefill_result import PrefillResult
@@ -263,10 +264,9 @@ class Attempts:
 
     def _handoff(
         self, req: ClientRequest, resv: Reservation, result: PrefillResult, ttft_s: float | None
-    ) -> dict[str, Any] | None:
-        """docs/behaviour.md "The request path" step 5 (none for a same-worker decode) and step 6's age rule: the
-        descriptor
-        the decode carries. A rejected one is sent nowhere (counted abandoned: a malformed one
+    ) -> CheckedHandoff | None:
+        """docs/behaviour.md "The request path" step 5 (none for a same-worker decode) and step 6's
+        age rule: the descriptor the decode carries. A rejected one is sent nowhere (counted abandoned: a malformed one
         could crash a consumer), and so is an expired one (docs/decisions.md "vLLM releases")."""
         try:
             descriptor = checked_handoff(result, result.endpoint, self.settings.handoff.max_age_s)
@@ -285,7 +285,7 @@ class Attempts:
         client: ClientStream,
         req: ClientRequest,
         life: AttemptLife,
-        descriptor: dict[str, Any] | None,
+        descriptor: CheckedHandoff | None,
         started: float,
         ttft_s: float | None,
         migration: Migration | None,
