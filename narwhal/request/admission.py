@@ -279,16 +279,28 @@ def parse(raw: bytes, endpoint: Endpoint, fleet: Fleet) -> tuple[dict[str, Any],
     return body, resolve_model(body, fleet), bool(body.get("stream"))
 
 
+def parse_passthrough(raw: bytes, fleet: Fleet) -> tuple[dict[str, Any], str]:
+    """A passthrough route's body (client ``kv_transfer_params`` removed) and the model it is for:
+    only ``model`` is the router's business, every other field is the engine's to validate."""
+    body = parse_object(raw)
+    return body, resolve_model(body, fleet)
+
+
 async def admit(
     request: web.Request, endpoint: Endpoint, settings: Settings, fleet: Fleet, arrival: float,
     traceparent: str | None,
 ) -> ClientRequest:
     """Key, deadline and body checked once, before anything is placed; a ``RequestError`` (4xx) if not.
-    ``traceparent``: the header as the router read it (:func:`trace_context`)."""
+    ``traceparent``: the header as the router read it (:func:`trace_context`). The one door of
+    every route: a passthrough route's body is only an object naming a model (every other field
+    is its engine's to validate), and its answer is relayed whole."""
     check_api_key(request, settings.server.api_keys, x_api_key=endpoint.x_api_key)
     deadline = request_deadline(request, settings, arrival)
     raw = await read_body(request, settings)
-    body, model, stream = parse(raw, endpoint, fleet)
+    if endpoint.passthrough:
+        (body, model), stream = parse_passthrough(raw, fleet), False
+    else:
+        body, model, stream = parse(raw, endpoint, fleet)
     return ClientRequest(
         endpoint=endpoint, body=body, model=model, stream=stream, deadline=deadline,
         forward=trace_context(request, traceparent),

@@ -23,22 +23,13 @@ the graceful drain.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from aiohttp import web
 
 from narwhal.engines.client import EngineClient
 from narwhal.errors import EngineError
-from narwhal.fleet import Fleet
 from narwhal.request.accesslog import AccessRecord
-from narwhal.request.admission import (
-    check_api_key,
-    parse_object,
-    read_body,
-    request_deadline,
-    resolve_model,
-    trace_context,
-)
+from narwhal.request.admission import ClientRequest
 from narwhal.request.ids import new_id
 from narwhal.request.outcomes import Outcomes
 from narwhal.request.slot_wait import WaitingEngine, WaitingPlacement
@@ -47,39 +38,23 @@ from narwhal.settings import Settings
 MODE = "passthrough"  # the access log's "mode" for these routes
 
 
-def parse_body(raw: bytes, fleet: Fleet) -> tuple[dict[str, Any], str]:
-    """The body as a dict (client ``kv_transfer_params`` removed) and the model it is for.
-
-    Only ``model`` is the router's business; every other field is the engine's to validate."""
-    body = parse_object(raw)
-    return body, resolve_model(body, fleet)
-
-
 class Passthrough:
     """The passthrough routes' handler: one engine per request, no retries; the router owns the rest."""
 
     def __init__(
-        self, settings: Settings, fleet: Fleet, placement: WaitingPlacement, client: EngineClient, outcomes: Outcomes
+        self, settings: Settings, placement: WaitingPlacement, client: EngineClient, outcomes: Outcomes
     ) -> None:
         self.settings = settings
-        self.fleet = fleet
         self.client = client
         self.outcomes = outcomes
         self.engines = WaitingEngine(placement)
 
-    async def serve(
-        self, request: web.Request, endpoint: str, rec: AccessRecord, arrival: float, started: float,
-        traceparent: str | None,
-    ) -> web.Response:
-        """Admit, reserve one engine, send, relay; ``arrival`` in loop time, ``started`` in
-        ``perf_counter`` time; ``traceparent`` as the router read it. Raises ``NarwhalError`` for
-        the router to answer."""
+    async def serve(self, req: ClientRequest, rec: AccessRecord, started: float) -> web.Response:
+        """Reserve one engine, send, relay ``req`` (admitted by ``admission.admit``, the one door);
+        ``started`` in ``perf_counter`` time. Raises ``NarwhalError`` for the router to answer."""
         rec.mode = MODE
-        settings = self.settings
-        check_api_key(request, settings.server.api_keys)
-        deadline = request_deadline(request, settings, arrival)
-        body, model = parse_body(await read_body(request, settings), self.fleet)
-        rec.model = model
+        rec.model = model = req.model
+        deadline = req.deadline
         slot = await self.engines.reserve(model, deadline)
         engine = slot.engine
         rec.attempts = 1
@@ -87,10 +62,10 @@ class Passthrough:
             rec.consumer = engine.name
         else:
             rec.producer = engine.name
-        forward = trace_context(request, traceparent)
         try:
             status, data, content_type = await self.client.passthrough(
-                engine, endpoint, body, request_id=new_id(), phase=slot.phase, deadline=deadline, headers=forward
+                engine, req.endpoint.path, req.body, request_id=new_id(), phase=slot.phase, deadline=deadline,
+                headers=req.forward,
             )
         except EngineError as exc:
             # The request was sent to this engine alone: whatever failed failed there.

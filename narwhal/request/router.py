@@ -98,7 +98,7 @@ class Router:
         # This worker's block keys already computed, never shared (a policy that wants blocks).
         self._key_memo = KeyMemo(MEMO_BLOCKS) if self._policy.wants_blocks else None
         self.attempts = Attempts(settings, placement, client, outcomes, self._spawn)
-        self.passthrough = Passthrough(settings, fleet, placement, client, outcomes)
+        self.passthrough = Passthrough(settings, placement, client, outcomes)
         self._support = EndpointSupport(fleet)  # which endpoints the engines' releases serve, how
         # What this worker's clients that are behind may hold together (request.stream_buffers).
         self.buffers = StreamBuffers(settings.server.max_buffered_mib << 20)
@@ -129,10 +129,10 @@ class Router:
         self._active.add(task)
         try:
             response: web.StreamResponse
+            req = await admit(request, endpoint, self.settings, self.fleet, arrival, traceparent)
             if endpoint.passthrough:
-                response = await self.passthrough.serve(request, path, rec, arrival, started, traceparent)
+                response = await self.passthrough.serve(req, rec, started)
             else:
-                req = await admit(request, endpoint, self.settings, self.fleet, arrival, traceparent)
                 req.affinity, req.local, req.blocks = request_hints(
                     endpoint, req.body, self.settings.placement, self._policy, self._key_memo)
                 support = self._support.of(req.model, path)

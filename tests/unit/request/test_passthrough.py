@@ -1,5 +1,5 @@
-"""Admission of a passthrough body (docs/behaviour.md "The other P/D endpoints"): parsed once, transfer params dropped,
-the model resolved.
+"""Admission of a passthrough body (docs/behaviour.md "Passthrough routes"; ``admission.admit`` takes
+it through ``parse_passthrough``): parsed once, transfer params dropped, the model resolved.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from narwhal.errors import RequestError
 from narwhal.fleet import Fleet
-from narwhal.request.passthrough import parse_body
+from narwhal.request.admission import parse_passthrough as parse_body
 from narwhal.settings import Settings
 
 
