@@ -40,6 +40,11 @@ from dataclasses import dataclass
 from narwhal.shm import layout as L
 from narwhal.shm.records import read_framed, write_framed
 
+READ_TIMEOUT_S = 5.0
+"""One ``/v1/models`` read by the supervisor: an engine slower than this is asked again later. A
+wire constant both sides need: the workers' first wait for the records allows for it
+(``worker.models_follow``)."""
+
 PENDING = 0  # published before its first read ended: a worker starting waits for the read
 ANSWERED = 1  # the names are the engine's /v1/models answer
 UNANSWERED = 2  # read, and no answer yet: no models until it answers

@@ -20,7 +20,7 @@ An engine is read:
 Invariants, and why:
 
 * The loop never waits: reads are tasks, one per engine at most, each bounded by
-  :data:`READ_TIMEOUT_S`, started from the loop's pass (``tick``), which only compares, and
+  :data:`~narwhal.shm.models.READ_TIMEOUT_S`, started from the loop's pass (``tick``), which only compares, and
   started a batch at a time (``supervisor.rounds``), so a large fleet's round delays no beat.
 * An engine that stops answering keeps the models it last answered with: whether it takes
   requests is its breaker's call, not this module's. One that never answered serves none.
@@ -62,7 +62,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("narwhal.supervisor.models")
 
-READ_TIMEOUT_S = 5.0  # one /v1/models read; an engine slower than this is asked again later
 RETRY_S = 1.0
 REFRESH_S = 30.0
 SPREAD_S = 0.25  # a round's reads start over this (a batch per pass of the loop), the first at the next pass
@@ -112,7 +111,7 @@ class ModelReader:
     @classmethod
     def over(cls, sup: Supervisor, session: aiohttp.ClientSession) -> ModelReader:
         """A reader through ``session`` (the supervisor's: TLS and the engine key, ``engines.control``)."""
-        reader = cls(sup, ControlClient(session, sup.settings.engine, READ_TIMEOUT_S))
+        reader = cls(sup, ControlClient(session, sup.settings.engine, M.READ_TIMEOUT_S))
         reader.session = session
         return reader
 

@@ -31,12 +31,11 @@ from narwhal.shm import models as M
 from narwhal.shm.records import RecordBusy
 from narwhal.shm.shared import SharedFleet
 from narwhal.shm.table import LIVE, record_hash
-from narwhal.supervisor.models import READ_TIMEOUT_S
 from narwhal.worker import following
 
 log = logging.getLogger("narwhal.worker.models")
 
-START_WAIT_S = READ_TIMEOUT_S + 3.0  # the supervisor's first read, and its start beside ours
+START_WAIT_S = M.READ_TIMEOUT_S + 3.0  # the supervisor's first read, and its start beside ours
 _START_POLL_S = 0.02
 
 

@@ -68,6 +68,15 @@ def test_imports_point_down() -> None:
     assert upward == []
 
 
+def test_the_workers_code_never_imports_the_supervisors() -> None:
+    # Two processes that share memory, not code paths: what both sides must agree on (a record's
+    # form, a read's timeout) lives in narwhal/shm/, which each imports.
+    crossing = [f"{_module(path)} imports {target}"
+                for top in ("worker", "request") for path in (ROOT / top).rglob("*.py")
+                for target in _imports(path) if target.startswith("narwhal.supervisor")]
+    assert crossing == []
+
+
 def test_the_check_sees_an_upward_import() -> None:
     assert _layer("narwhal.engines.client") > _layer("narwhal.request.router")
     assert _layer("narwhal.fleet.placement") > _layer("narwhal.shm.worker")
