@@ -15,6 +15,7 @@ package's (decode_read_timeout_s 1.5 s). Every module ends with no KV block held
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from typing import Any
 
@@ -258,9 +259,26 @@ async def test_a_responses_stream_is_not_continued(migrating: RouterProcess) -> 
     assert access_line(migrating, reply.headers["x-request-id"])["migrations"] == 0
 
 
+def _settled_stalls(router: RouterProcess) -> float:
+    """The stall count once no earlier request's observation is still on its way: the request
+    path adds its histogram samples up and writes them every 0.25 s (``narwhal.metric_tally``),
+    so an earlier test's stall can land after this test's first scrape. Two reads 0.3 s apart
+    that agree mean every completed request's sample is in."""
+    last = [value(scrape(router), "narwhal_migration_stall_seconds_count")]
+
+    def steady() -> bool:
+        time.sleep(0.3)
+        now = value(scrape(router), "narwhal_migration_stall_seconds_count")
+        steady, last[0] = now == last[0], now
+        return steady
+
+    wait_until(steady, 5, "the stall count settled")
+    return last[0]
+
+
 async def test_migrations_are_counted_with_their_stall(migrating: RouterProcess) -> None:
     before = value(scrape(migrating), "narwhal_migrations_total", reason="engine_disconnect")
-    stalls = value(scrape(migrating), "narwhal_migration_stall_seconds_count")
+    stalls = _settled_stalls(migrating)
     reply = await send(migrating.url, "/v1/completions", completion(unique_prompt(), max_tokens=6, fake=CLOSE))
     assert reply.text == expected_text(6)
     wait_until(lambda: value(scrape(migrating), "narwhal_migrations_total", reason="engine_disconnect") == before + 1,
