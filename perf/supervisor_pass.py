@@ -48,6 +48,7 @@ async def _passes(engines: int, seconds: float) -> tuple[float, float]:
     from narwhal.settings import Settings
     from narwhal.shm.shared import SharedFleet
     from narwhal.supervisor.load import LoadReader
+    from narwhal.supervisor.loop import Loop, run
     from narwhal.supervisor.main import Supervisor
 
     half = engines // 2
@@ -61,18 +62,18 @@ async def _passes(engines: int, seconds: float) -> tuple[float, float]:
     shared.claim_slot(os.getpid())
     shared.claim_slot(1)  # a second worker (pid 1 lives), as with server.workers = 2
     supervisor = Supervisor(shared, settings, holdings=create_holdings(settings, shared.layout.slots))
-    running = asyncio.ensure_future(supervisor.run())  # the real loop, as the supervisor process runs it
+    running = asyncio.ensure_future(run(supervisor))  # the real loop, as the supervisor process runs it
     await asyncio.sleep(1.0)  # its start first: imports, the first publish, caches
     start, began = procs.self_cpu_ns(), time.monotonic()
     await asyncio.sleep(seconds)
     cpu = (procs.self_cpu_ns() - start) / 1e6 / (time.monotonic() - began)
     running.cancel()
     await asyncio.gather(running, return_exceptions=True)
-    loop = supervisor.start(_Prober(), LoadReader(shared, PooledReader(settings.engine, 1.0)))  # type: ignore[arg-type]
+    loop = Loop.start(supervisor, _Prober(), LoadReader(shared, PooledReader(settings.engine, 1.0)))  # type: ignore[arg-type]
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(CALL_PASSES):
-        supervisor.step(loop)
+        loop.step()
     profile.disable()
     calls = sum(entry.callcount for entry in profile.getstats())
     return cpu, calls / CALL_PASSES

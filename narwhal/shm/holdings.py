@@ -71,7 +71,7 @@ class Torn:
 TORN = Torn()
 
 
-def identity(name: str, url: str) -> int:
+def section_stamp(name: str, url: str) -> int:
     """The stamp of an engine's section: its name and URL, the same in every process."""
     return zlib.crc32(f"{name}\0{url}".encode())
 

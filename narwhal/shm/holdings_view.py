@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from narwhal.shm.column_sums import ColumnSums
-from narwhal.shm.holdings import GENERATION_OFFSET, NONE32, Held, Holdings, Torn, engine_id_hash, identity
+from narwhal.shm.holdings import GENERATION_OFFSET, NONE32, Held, Holdings, Torn, engine_id_hash, section_stamp
 from narwhal.shm.layout import U64
 
 
@@ -24,7 +24,7 @@ def stamps_by_index(engines: Sequence[tuple[int, str, str]]) -> list[int]:
     no engine is (with discovery an index is a slot, and slots in use need not be contiguous)."""
     stamps = [0] * (max((index for index, _, _ in engines), default=-1) + 1)
     for index, name, url in engines:
-        stamps[index] = identity(name, url)
+        stamps[index] = section_stamp(name, url)
     return stamps
 
 

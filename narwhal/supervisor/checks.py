@@ -1,7 +1,7 @@
 """The supervisor's checks of engines: readmission probes and health checks, and what a control
 read says of reaching an engine (docs/behaviour.md "Recovery").
 
-Invariant: the loop's pass (``supervisor.main``) only *starts* a check; each runs in a task of
+Invariant: the loop's pass (``supervisor.loop``) only *starts* a check; each runs in a task of
 its own and reports to the breakers when it ends, so no engine, however slow, delays the
 heartbeat. A probe runs at most once at a time per engine; a check of an engine forgotten
 meanwhile (discovery) changes nothing. A crashing probe is an inconclusive one, never the end

@@ -1,65 +1,52 @@
-"""The supervisor: the only writer of breaker state, run in its own process.
+"""The supervisor's state, and the edge where its decisions take effect: the one writer of breaker state.
 
-Its loop, a pass (`Supervisor.step`, which never awaits) every LOOP_S; time is an injected clock,
-so a test drives the passes with a fake one (tests/unit/supervisor/test_supervisor_loop.py):
+It holds the fleet as the supervisor knows it (each engine at its slot in the shared table), the
+breakers, the reachability and the holdings' model; its loop (``supervisor.loop``) calls it a pass
+at a time. Invariants, and why:
 
-1. beat (the master's keeper reads the heartbeat: a stale one means a wedged loop);
-2. read every worker's outcome ring, merge the reports in order of completion time and feed
-   them to the breakers (operator actions travel the same rings);
-3. let time pass in the breakers (quarantine and wave-hold expiry), start due probes;
-4. once any status changed, publish every engine record, then bump the generation, so workers
-   re-read the records on their next request: an ejection is visible fleet-wide within one
-   loop period (~20 ms) of the report that caused it; the state gauges follow at once.
-
-Less often: health checks of admitted engines, reading their load (``supervisor.load``, every
-``placement.load_interval_s``) and their models (``supervisor.models``: at start, at readmission),
-sweeping slots of dead workers, exporting the in-flight gauges. A (re)started supervisor takes
-the last published records as its starting state, so a restart loses no ejection.
+* **Decisions in, effects at the edge.** Discovery and the model reader decide from what they
+  read and return decisions (``supervisor.membership``'s ``Join``/``Drain``/``Readmit``/``Forget``,
+  ``supervisor.models``'s ``ModelsRead``/``ModelsPublished``); the breakers decide from the
+  reports. Only the methods here write shared memory (:meth:`Supervisor.publish`,
+  :meth:`Supervisor.apply_membership`, :meth:`Supervisor.apply_models`), so who wrote a record is
+  never in doubt and the deciding parts are tested with no region at all.
+* **Publish once per change**: once any status changed, every engine record is written under the
+  next generation, then the generation is bumped, so workers re-read the records on their next
+  request: an ejection is visible fleet-wide within one loop period (~20 ms) of the report that
+  caused it; the state gauges follow at once.
+* **A restart loses nothing**: a (re)started supervisor takes the last published records as its
+  starting state (``supervisor.engine_records``), so a restart loses no ejection.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 from narwhal import metrics
-from narwhal.engines.control import PooledReader, open_session
 from narwhal.fleet import Engine, Fleet
 from narwhal.fleet.reachability import Reachability
 from narwhal.settings import Settings
 from narwhal.settings.engines import EngineSpec
+from narwhal.shm import descriptors
 from narwhal.shm import layout as L
-from narwhal.shm.holdings import Holdings, identity
-from narwhal.shm.records import (
-    RECORD_BY_OPERATOR,
-    RECORD_UNREACHABLE,
-    RECORD_WAITING_FOR_WAVE,
-    EngineRecord,
-    RecordBusy,
-    Report,
-    read_record,
-    write_record,
-)
+from narwhal.shm import models as M
+from narwhal.shm.holdings import Holdings, section_stamp
+from narwhal.shm.layout import TABLE_LOCK
+from narwhal.shm.records import RecordBusy, Report, read_record, write_record
 from narwhal.shm.shared import SharedFleet, alive
-from narwhal.shm.table import record_hash
-from narwhal.supervisor.breaker import EngineInfo, EngineStatus, State
+from narwhal.shm.table import TableFull, identity, record_hash
+from narwhal.supervisor import engine_records
+from narwhal.supervisor.breaker import EngineInfo, State
 from narwhal.supervisor.checks import Checks
 from narwhal.supervisor.holdings import HoldingsModel
-from narwhal.supervisor.load import LoadReader
-from narwhal.supervisor.membership import ChangingBreakers
-from narwhal.supervisor.models import ModelReader
-from narwhal.supervisor.probes import Prober
+from narwhal.supervisor.membership import ChangingBreakers, Decision, Drain, Forget, Join, Readmit
+from narwhal.supervisor.models import ModelReader, ModelsPublished, ModelsRead
 from narwhal.supervisor.reports import RingIndexes, Successes, apply_reports
 from narwhal.supervisor.rounds import Rounds
 from narwhal.supervisor.transitions import log_transitions
-
-if TYPE_CHECKING:  # discovery is imported only when enabled (dnspython)
-    from narwhal.supervisor.discovery import Discovery
 
 log = logging.getLogger("narwhal.supervisor")
 
@@ -69,27 +56,10 @@ _LOAD_READ_STATES = frozenset({State.ADMITTED, State.DEGRADED, State.QUARANTINED
 # Producers that take no homes: placement sends them no new prefill (fleet.placement.homes).
 _NO_HOMES = frozenset({State.EJECTED, State.PROBING, State.DRAINING})
 LOOP_S = 0.02  # ejections reach every worker within one loop: ~20 ms, well under docs/behaviour.md "Processes"'s 100 ms
-SWEEP_S = 0.25
-EXPORT_S = 1.0
-
-
-@dataclass
-class Loop:
-    """What the loop's passes carry from one to the next: the checkers and when each is next due."""
-
-    prober: Prober
-    loads: LoadReader
-    discovery: Discovery | None
-    pid: int
-    next_health: float
-    next_load: float = 0.0
-    next_sweep: float = 0.0
-    next_export: float = 0.0
-    models: ModelReader | None = None  # the engines' /v1/models (run: it reads over the session)
 
 
 class Supervisor:
-    """The supervisor's state and loop: the one writer of breaker, load and holdings records."""
+    """The supervisor's state and its edge: the one writer of breaker, model and holdings records."""
 
     def __init__(self, shared: SharedFleet, settings: Settings, holdings: Holdings | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -110,7 +80,7 @@ class Supervisor:
                                          has_contract=settings.engine_contract is not None)
         # whose last connection attempt failed (docs/behaviour.md "Recovery"): published as a flag
         self.reach = Reachability()
-        self.models: ModelReader | None = None  # set by run(): the engines' /version and /v1/models
+        self.models: ModelReader | None = None  # set by read_models: the engines' /version and /v1/models
         self._map_slots()
         self._outcome_rings = RingIndexes(shared.layout.slot_offset(0) + L.SLOT_RING_WRITE, shared.layout.slot_size)
         self._successes = Successes()
@@ -136,7 +106,7 @@ class Supervisor:
         stamps: list[int | None] = [None] * self.holdings.layout.sections
         for e in self.fleet.engines:
             if e.can_prefill and e.index < len(stamps):
-                stamps[e.index] = identity(e.name, e.url)
+                stamps[e.index] = section_stamp(e.name, e.url)
         return stamps
 
     def _infos(self) -> list[EngineInfo]:
@@ -157,6 +127,10 @@ class Supervisor:
         self._slot: dict[str, int] = {name: slot for name, slot in slots.items() if slot is not None}
         self._by_slot: dict[int, Engine] = {self._slot[e.name]: e for e in self.fleet.engines}
         self._span = max(self._slot.values(), default=-1) + 1
+
+    def now(self) -> float:
+        """The supervisor's clock: every decision's time (a fake one in the loop's tests)."""
+        return self._clock()
 
     def slot_of(self, engine: Engine) -> int:
         """The engine's slot in the shared table: where its records sit (``shm.table``)."""
@@ -185,24 +159,12 @@ class Supervisor:
                 rec = read_record(self.shared.region, self.slot_of(engine), writer_gone=True)
             except RecordBusy:
                 continue
-            if rec is None or rec.name_hash != record_hash(engine.name, engine.url):
+            was = engine_records.restored(engine, rec, self._wall)
+            if was is None:
                 continue
-            self.breakers.restore(
-                EngineStatus(
-                    name=engine.name,
-                    state=State(rec.state),
-                    failure_streak=rec.failure_streak,
-                    ejections=rec.ejections,
-                    quarantined_until=None if rec.quarantined_until is None else rec.quarantined_until - self._wall,
-                    last_failure_reason=rec.last_failure_reason,
-                    last_failure_at=None if rec.last_failure_at is None else rec.last_failure_at - self._wall,
-                ),
-                now,
-                by_operator=bool(rec.flags & RECORD_BY_OPERATOR),
-                waiting=bool(rec.flags & RECORD_WAITING_FOR_WAVE),
-            )
-            self._states[engine.name] = State(rec.state)
-            if rec.flags & RECORD_UNREACHABLE:
+            self.breakers.restore(was.status, now, by_operator=was.by_operator, waiting=was.waiting)
+            self._states[engine.name] = was.status.state
+            if was.unreachable:
                 self.reach.saw(engine.name, False)
         self.reach.take_changes()  # taken over, not news
 
@@ -210,20 +172,8 @@ class Supervisor:
         """Every engine's record under the next generation, then the bump: workers re-read once they see it."""
         version = self.shared.generation + 1  # each record carries it: shm.worker waits for it
         for engine in self.fleet.engines:
-            st = self.breakers.status(engine.name)
-            write_record(self.shared.region, self.slot_of(engine), EngineRecord(
-                version=version,
-                state=int(st.state),
-                failure_streak=st.failure_streak,
-                ejections=st.ejections,
-                quarantined_until=None if st.quarantined_until is None else st.quarantined_until + self._wall,
-                last_failure_reason=st.last_failure_reason,
-                last_failure_at=None if st.last_failure_at is None else st.last_failure_at + self._wall,
-                name_hash=record_hash(engine.name, engine.url),
-                flags=(RECORD_BY_OPERATOR if self.breakers.ejected_by_operator(engine.name) else 0)
-                | (RECORD_WAITING_FOR_WAVE if self.breakers.waiting_for_wave(engine.name) else 0)
-                | (RECORD_UNREACHABLE if self.reach.unreachable(engine.name) else 0),
-            ))
+            write_record(self.shared.region, self.slot_of(engine),
+                         engine_records.record(engine, self.breakers, self.reach, version, self._wall))
         self.shared.bump_generation()
         self._published = (self.breakers.version, self.reach.version)
         log_transitions(self.fleet.engines, self.breakers, self.reach, self._states, self.settings.recovery)
@@ -238,6 +188,11 @@ class Supervisor:
             self.model.out = frozenset(out)  # no homes there: placement would not send them
         self.export_states()
 
+    def publish_if_moved(self) -> None:
+        """Publish once any breaker or reachability moved since the last publish."""
+        if (self.breakers.version, self.reach.version) != self._published:
+            self.publish()
+
     def export_states(self) -> None:
         """Engine states as gauges at every publish: within one loop of ``/admin/engines`` (docs/operations.md
         "Following a request").
@@ -251,7 +206,7 @@ class Supervisor:
             return False
         return self.breakers.admitted(engine.name, self._clock())
 
-    def _placeable(self, engine: Engine) -> bool:
+    def placeable(self, engine: Engine) -> bool:
         """Admitted or quarantined (placement's fallback, docs/behaviour.md "Recovery"): whose load placement may
         weigh.
         """
@@ -316,90 +271,109 @@ class Supervisor:
         """A control read's word on reaching ``engine`` (:meth:`Checks.connected`)."""
         self.checks.connected(engine, answered, refused)
 
-    def start(self, prober: Prober, loads: LoadReader) -> Loop:
-        """Take over the last published state and publish it: what a (re)started loop begins with."""
-        self.restore()
-        if self.model is not None and self.holdings is not None:
-            self.model.restore(self.holdings)
-        self.publish()
-        discovery = None
-        if self.settings.discovery.enabled:  # imported only then: dnspython costs a static fleet's start nothing
-            from narwhal.supervisor.discovery import Discovery
+    # -- what discovery reads of the running fleet (supervisor.discovery.Running) -----------------
 
-            discovery = Discovery(self, self.settings)
-        next_health = self._clock() + self.settings.recovery.health_interval_s
-        return Loop(prober, loads, discovery, os.getpid(), next_health)
+    @property
+    def slots(self) -> int:
+        """How many engines the shared table holds at most."""
+        return self.shared.layout.engines
 
-    def step(self, loop: Loop) -> None:
-        """One pass of the loop (the module's opening text): never awaits, so the beat goes on;
-        what must wait (probes, health checks, load reads, discovery) is started, not awaited."""
-        self.shared.beat(loop.pid)
-        self.drain()
-        self.drain_prefills()
-        now = self._clock()
-        self.breakers.tick(now)
-        self.checks.start_probes(loop.prober, now)
-        if now >= loop.next_health:
-            health_every = self.settings.recovery.health_interval_s
-            loop.next_health = now + health_every
-            # A batch per pass of the loop (supervisor.rounds), not the whole fleet at once.
-            self.rounds.spread(self.checks.health_round(loop.prober, now), min(health_every / 2, 1.0))
-        load_every = self.settings.placement.load_interval_s
-        if load_every > 0 and now >= loop.next_load:
-            loop.next_load = now + load_every
-            loop.loads.start_round((e for e in self.fleet.engines if self._placeable(e)), load_every / 2)
-        self.rounds.run()
-        if loop.discovery is not None:
-            loop.discovery.tick(now)  # a read is started, never awaited here
-        if now >= loop.next_sweep:
-            loop.next_sweep = now + SWEEP_S
-            self.sweep()
-            if loop.discovery is not None:
-                loop.discovery.sweep()
-        if (self.breakers.version, self.reach.version) != self._published:
-            self.publish()
-        if loop.models is not None:  # after the publish: a readmission is read once it is published
-            loop.models.tick(now)
-        if now >= loop.next_export:
-            loop.next_export = now + EXPORT_S
-            self.export()
+    def state(self, name: str) -> State:
+        """``name``'s breaker state now."""
+        return self.breakers.status(name).state
 
-    async def run(self) -> None:
-        """A pass (``step``) every LOOP_S until cancelled; reads and probes run in tasks, so no I/O delays the beat."""
-        # engine.ca_file and the engine key come with the session (engines.control): health checks
-        # and probes must reach engines as the request path does, or an https fleet is ejected.
-        async with open_session(self.settings.engine) as session:
-            load_every = self.settings.placement.load_interval_s
-            # Each read bounded by the interval: a round never outlives the next one's start.
-            loads = LoadReader(self.shared, PooledReader(self.settings.engine, load_every or 1.0),
-                               on_reading=None if self.model is None else self.model.engine_read, rounds=self.rounds,
-                               on_connect=self.connected)
-            loop = self.start(Prober(self.settings, self.fleet, session, self.admitted), loads)
-            loop.models = self.models = self.checks.models = ModelReader.over(self, session)
-            await self._passes(loop)
+    def joining(self, name: str) -> bool:
+        """Is ``name`` still in its first checks (PROBING since it joined)?"""
+        return self.breakers.joining(name)
 
-    async def _passes(self, loop: Loop) -> None:
-        """``step`` now and then LOOP_S after each pass ends, until cancelled or a pass raises.
-        A timer callback of the event loop, not a task around ``asyncio.sleep``: a pass then costs
-        no task step, coroutine resumption or future of its own (``perf.supervisor_pass``; figures in
-        perf/RESULTS.md "Figures behind the code's choices")."""
-        events = asyncio.get_running_loop()
-        failed: asyncio.Future[None] = events.create_future()
-        timer: asyncio.TimerHandle | None = None
+    # -- the edge: decisions applied ------------------------------------------------------------
 
-        def one_pass() -> None:
-            nonlocal timer
+    def apply_membership(self, decisions: Iterable[Decision], refused: Callable[[Join, str, bool], None]) -> None:
+        """Discovery's decisions taken up (``supervisor.discovery``); a join the table cannot take
+        told back through ``refused(join, why, passing)``."""
+        for decision in decisions:
+            if isinstance(decision, Drain):
+                self.breakers.drain(decision.name, self._clock())
+            elif isinstance(decision, Readmit):
+                self.breakers.readmit(decision.name, self._clock())
+            elif isinstance(decision, Join):
+                self._join(decision, refused)
+            else:
+                self._forget(decision)
+
+    def _join(self, join: Join, refused: Callable[[Join, str, bool], None]) -> None:
+        """Under the table lock: a spare slot, the descriptor there, the engine PROBING and its record
+        published, and only then the entry LIVE (a worker taking it up finds both)."""
+        spec, source = join.spec, join.source
+        ident = identity(spec.name, spec.url)
+        with self.shared.locked(TABLE_LOCK):  # one table writer at a time (shm.table)
             try:
-                self.step(loop)
-            except Exception as exc:  # the run ends with it, as the awaited loop did
-                if not failed.done():
-                    failed.set_exception(exc)
+                blob = descriptors.encode(spec.model_dump(), source)
+                slot = self.shared.table.spare_slot(ident, self.shared.oldest_worker_epoch())
+            except (TableFull, descriptors.DescriptorTooLong, TypeError, ValueError) as exc:
+                refused(join, str(exc), isinstance(exc, TableFull))
                 return
-            timer = events.call_later(LOOP_S, one_pass)
+            descriptors.write(self.shared.region, slot, blob)
+            members_now = [(e.index, self.specs[e.name]) for e in self.fleet.engines] + [(slot, spec)]
+            self.sources[spec.name] = source
+            self.set_engines(members_now, {spec.name})
+            self.publish()  # its PROBING record before the entry turns LIVE
+            self.shared.table.make_live(slot, ident)
+        log.info("discovery: %s: engine %s at %s joins (slot %d), probing", source, spec.name, spec.url, slot)
 
-        one_pass()
-        try:
-            await failed
-        finally:
-            if timer is not None:
-                timer.cancel()
+    def _forget(self, forget: Forget) -> None:
+        engine = self.fleet.by_name[forget.name]
+        with self.shared.locked(TABLE_LOCK):
+            members = [(e.index, self.specs[e.name]) for e in self.fleet.engines if e.name != engine.name]
+            self.set_engines(members, set())
+            self.shared.table.retire(engine.index)
+        self.shared.forget_slots()  # its slot may go to another engine: no look-up may keep it
+        self.sources.pop(engine.name, None)
+        metrics.forget_engine(engine.name, engine.role)
+        log.info("discovery: engine %s at %s drained and forgotten (slot %d retired)",
+                 engine.name, engine.url, engine.index)
+
+    def read_models(self, reader: ModelReader) -> ModelReader:
+        """Take ``reader`` up as the engines' model reader, from what a predecessor published."""
+        published = []
+        for engine in self.fleet.engines:
+            try:  # no supervisor is writing now: a record left mid-write counts if whole
+                rec = M.read_models(self.shared.region, self.slot_of(engine), writer_gone=True)
+            except RecordBusy:
+                continue
+            if rec is not None and rec.name_hash == record_hash(engine.name, engine.url):
+                published.append((engine, rec))
+        self.apply_models(reader.restore(published))
+        self.models = self.checks.models = reader
+        return reader
+
+    def tick_models(self, now: float) -> None:
+        """The model reader's pass: what it decided, applied."""
+        if self.models is not None:
+            self.apply_models(self.models.tick(now, self.fleet, self.breakers))
+
+    def apply_models(self, decisions: Iterable[ModelsRead | ModelsPublished]) -> None:
+        """The model reader's decisions taken up: the fleet's models and versions (what probes and
+        pairing read here), and the records published under the next models generation."""
+        for decision in decisions:
+            if isinstance(decision, ModelsRead):
+                engine = decision.engine
+                if decision.models is not None:
+                    self.fleet.set_models(engine, decision.models)  # logs the change; probes' fallback model
+                if decision.version_moved:
+                    self._set_version(engine, decision.version)
+                continue
+            version = M.generation(self.shared.region) + 1
+            for engine, rec in decision.records:
+                M.write_models(self.shared.region, self.slot_of(engine), replace(rec, version=version))
+            M.bump_generation(self.shared.region)
+
+    def _set_version(self, engine: Engine, version: str | None) -> None:
+        old = engine.version
+        self.fleet.set_version(engine, version)
+        if version is None:
+            return
+        if old is not None and old != version:
+            # A multiprocess series cannot be removed (its file keeps it): the old version reads 0.
+            metrics.ENGINE_INFO.labels(engine.name, engine.role, old).set(0)
+        metrics.ENGINE_INFO.labels(engine.name, engine.role, version).set(1)

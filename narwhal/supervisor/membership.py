@@ -17,18 +17,57 @@ wave, like any readmission). Operator actions work on it as on any engine.
 Why a subclass here rather than more of ``breaker.py``: the state machine stays one module a
 reader can hold in mind; membership is a separate question (who is there), asked only when a
 discovery source changed.
+
+The decisions discovery makes (``supervisor.discovery``) are this module's vocabulary too:
+:class:`Join`, :class:`Drain`, :class:`Readmit`, :class:`Forget`, applied by the supervisor's
+loop alone (``Supervisor.apply_membership``). They live here, not beside discovery, because the
+loop imports them whether discovery runs or not, and discovery's sources bring dnspython.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from narwhal.fleet.blame import EngineInfo, ProbePlan, State
+from narwhal.settings.engines import EngineSpec
 from narwhal.supervisor.breaker import Breakers
 from narwhal.supervisor.readmission import BreakerRecord, Wave, probe_plan
 
 JOIN_KIND_CONTRACT = "probe"  # lifecycle and the transfer probe (supervisor.probes)
 JOIN_KIND = "lifecycle"  # without a contract: /health and /v1/models
+
+
+@dataclass(frozen=True, slots=True)
+class Join:
+    """A found engine to take up: a spare slot, its descriptor there, PROBING, then LIVE."""
+
+    spec: EngineSpec
+    source: str  # where it was found: ``file``, ``dns:NAME``
+
+
+@dataclass(frozen=True, slots=True)
+class Drain:
+    """An engine no source names any more: no new legs, the in-flight ones finish."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Readmit:
+    """A draining engine named again: it serves again."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Forget:
+    """A drained engine no worker holds a leg on: its slot retired, its breaker and series gone."""
+
+    name: str
+
+
+Decision = Join | Drain | Readmit | Forget
 
 
 class ChangingBreakers(Breakers):

@@ -24,6 +24,11 @@ Invariants, and why:
   started a batch at a time (``supervisor.rounds``), so a large fleet's round delays no beat.
 * An engine that stops answering keeps the models it last answered with: whether it takes
   requests is its breaker's call, not this module's. One that never answered serves none.
+* Decisions out, effects at the loop: :meth:`ModelReader.tick` returns what the reads changed
+  (:class:`ModelsRead`: an engine's models or version for the fleet) and, when anything did, the
+  records to publish (:class:`ModelsPublished`). The reader never touches the fleet or shared
+  memory; the supervisor's loop applies both (``Supervisor.apply_models``), so the loop is the
+  one writer of every record and a test drives the reader with no supervisor at all.
 * A round is published only when something changed, at most once per pass of the loop (a
   round's answers come together): every engine's record is rewritten under the next models
   generation, then the generation is bumped (``shm.models``: workers wait for
@@ -36,12 +41,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Coroutine, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import aiohttp
 
-from narwhal import metrics
 from narwhal.engines.control import (
     SCALE_OUT_REFUSAL,
     ControlClient,
@@ -51,14 +56,12 @@ from narwhal.engines.control import (
     parse_models,
     parse_version,
 )
-from narwhal.fleet import Engine
+from narwhal.fleet import Engine, Fleet
+from narwhal.settings import EngineSettings
 from narwhal.shm import models as M
-from narwhal.shm.records import RecordBusy
 from narwhal.shm.table import record_hash
-from narwhal.supervisor.breaker import State
-
-if TYPE_CHECKING:
-    from narwhal.supervisor.main import Supervisor
+from narwhal.supervisor.breaker import EngineStatus, State
+from narwhal.supervisor.rounds import Rounds
 
 log = logging.getLogger("narwhal.supervisor.models")
 
@@ -71,23 +74,57 @@ Known = tuple[int, int, tuple[str, ...]]  # identity hash, status (shm.models), 
 
 
 class ControlGet(Protocol):
-    """What the reader needs of a control client (``engines.control.ControlClient``)."""
+    """What the reader asks of an engine (``engines.control.ControlClient``; a fake in the tests)."""
 
     async def get(self, engine: EngineRef, path: str) -> tuple[int, bytes]:
-        """``(status, body)`` of ``GET path``; ``ControlError`` when there is no answer."""
+        """``path``'s status and body, or ``ControlError``."""
         ...
 
     async def generate_refused(self, engine: EngineRef) -> bool | None:
-        """Whether ``engine`` answers 403 on ``/inference/v1/generate``; None: no answer."""
+        """Whether ``/inference/v1/generate`` answers 403 (None: no answer)."""
         ...
 
 
-class ModelReader:
-    """Reads the engines' ``/v1/models`` and publishes them; the supervisor's loop calls :meth:`tick`."""
+class BreakerStates(Protocol):
+    """What the reader reads of the breakers: whether an engine is out, and whether any moved."""
 
-    def __init__(self, sup: Supervisor, control: ControlGet) -> None:
-        self.sup = sup
+    @property
+    def version(self) -> int:
+        """Moves with every change of any engine's state."""
+        ...
+
+    def status(self, name: str) -> EngineStatus:
+        """``name``'s status now."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ModelsRead:
+    """What reads changed of one engine, for the fleet: its models, or its vLLM version."""
+
+    engine: Engine
+    models: frozenset[str] | None = None  # the models it serves now; None: as they were
+    version_moved: bool = False  # its version is news: ``version`` (None: unknown again)
+    version: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelsPublished:
+    """Every engine's record, to be written under the next models generation, then the bump."""
+
+    records: tuple[tuple[Engine, M.ModelsRecord], ...]  # each record's ``version`` is set as it is written
+
+
+Decision = ModelsRead | ModelsPublished
+
+
+class ModelReader:
+    """Reads the engines' ``/v1/models`` and says what changed; the supervisor's loop calls :meth:`tick`."""
+
+    def __init__(self, control: ControlGet, rounds: Rounds, pace_s: float) -> None:
         self.control = control
+        self.rounds = rounds  # the loop's batches: the reads start a batch per pass
+        self.pace_s = pace_s  # at most a round of reads per engine per this (recovery.health_interval_s)
         self.session: aiohttp.ClientSession | None = None  # closed: the supervisor stopped, no read starts
         self._known: dict[str, Known] = {}  # by engine name: what was last published for it
         # by engine name: its /version as last read (docs/decisions.md "vLLM releases")
@@ -100,47 +137,58 @@ class ModelReader:
         self._held: set[str] = set()  # wanted, but their last round is too recent: read when it allows
         self._reading: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._done: list[tuple[Engine, str | None, bool | None, list[str] | None]] = []  # reads ended since
+        self._news: list[ModelsRead] = []  # what settling them changed, for the fleet
         self._changed = False  # an answer changed something: publish at the next pass
         self._out: dict[str, bool] = {}  # by engine name: out at the last look (readmission = out, then not)
         self._breakers_seen = -1
         self._engines_seen: list[Engine] | None = None
         self._next_refresh = 0.0  # due at the first tick: the supervisor's start
         self._next_retry = 0.0
-        self._restore()
 
     @classmethod
-    def over(cls, sup: Supervisor, session: aiohttp.ClientSession) -> ModelReader:
+    def over(cls, session: aiohttp.ClientSession, engine: EngineSettings, rounds: Rounds,
+             pace_s: float) -> ModelReader:
         """A reader through ``session`` (the supervisor's: TLS and the engine key, ``engines.control``)."""
-        reader = cls(sup, ControlClient(session, sup.settings.engine, M.READ_TIMEOUT_S))
+        reader = cls(ControlClient(session, engine, M.READ_TIMEOUT_S), rounds, pace_s)
         reader.session = session
         return reader
 
     def _stopped(self) -> bool:
         return self.session is not None and self.session.closed
 
-    def _restore(self) -> None:
-        """Take what a previous supervisor published for the engines still known (none at first start)."""
-        for engine in self.sup.fleet.engines:
-            try:  # no supervisor is writing now: a record left mid-write counts if whole
-                rec = M.read_models(self.sup.shared.region, self.sup.slot_of(engine), writer_gone=True)
-            except RecordBusy:
-                continue
-            ident = record_hash(engine.name, engine.url)
-            if rec is not None and rec.name_hash == ident and rec.status in (M.ANSWERED, M.UNANSWERED):
-                self._known[engine.name] = (ident, rec.status, rec.models)
-                self.sup.fleet.set_models(engine, frozenset(rec.models))
-            if rec is not None and rec.name_hash == ident and rec.engine_version is not None:
+    def restore(self, published: Iterable[tuple[Engine, M.ModelsRecord]]) -> list[ModelsRead]:
+        """Take what a previous supervisor published for the engines still known (none at first
+        start: ``published`` holds the whole records whose identity is the engine's); returns what
+        the fleet is to take up of it."""
+        taken = []
+        for engine, rec in published:
+            models = None
+            if rec.status in (M.ANSWERED, M.UNANSWERED):
+                self._known[engine.name] = (rec.name_hash, rec.status, rec.models)
+                models = frozenset(rec.models)
+            if rec.engine_version is not None:
                 self._versions[engine.name] = rec.engine_version
-                self._set_version(engine, rec.engine_version)
-            if rec is not None and rec.name_hash == ident and rec.generate != M.GENERATE_UNKNOWN:
+            if rec.generate != M.GENERATE_UNKNOWN:
                 self._generate[engine.name] = rec.generate
-            if rec is not None and rec.name_hash == ident and (rec.max_model_len or rec.root):
+            if rec.max_model_len or rec.root:
                 self._cards[engine.name] = (rec.max_model_len, rec.root)
+            if models is not None or rec.engine_version is not None:
+                taken.append(ModelsRead(engine, models, rec.engine_version is not None, rec.engine_version))
+        return taken
 
-    def tick(self, now: float) -> None:
-        """Publish what changed since the last pass (answers, engines), then start the reads due now (never awaited)."""
-        engines = self.sup.fleet.engines
-        due = self._readmitted()
+    def tick(self, now: float, fleet: Fleet, breakers: BreakerStates) -> list[Decision]:
+        """The reads ended since settled, what changed returned (and published once any did); then
+        the reads due now started, never awaited."""
+        engines = fleet.engines
+        for engine, version, refused, answer in self._done:
+            if fleet.by_name.get(engine.name) is engine:  # not forgotten or replaced meanwhile
+                self.settle_version(engine, version)
+                self.settle_generate(engine, refused)
+                if not engine.models_configured:
+                    self.settle(engine, answer)
+        self._done.clear()
+        due = self._readmitted(engines, breakers)
         if engines is not self._engines_seen:  # the start, or engines joined or left (discovery)
             self._engines_seen = engines
             idents = {e.name: record_hash(e.name, e.url) for e in engines}
@@ -157,13 +205,19 @@ class ModelReader:
             self._next_retry = now + RETRY_S
             due += [e for e in engines if self._known.get(e.name, (0, M.PENDING))[1] != M.ANSWERED
                     or e.name not in self._versions]
+        decisions: list[Decision] = list(self._news)
+        self._news.clear()
         if self._changed:
             self._changed = False
-            self.publish()
+            decisions.append(self.records(engines))
+        self._start_due(now, engines, due)
+        return decisions
+
+    def _start_due(self, now: float, engines: list[Engine], due: list[Engine]) -> None:
         # Answering again after refusing, or wanted at an earlier pass its pace held back.
         due += [e for e in engines if e.name in self._recheck or e.name in self._held]
         # At most one round per engine per health_interval_s (docs/behaviour.md): what is not due yet waits.
-        pace = self.sup.settings.recovery.health_interval_s
+        pace = self.pace_s
         wanted = [e for e in dict.fromkeys(due) if e.name not in self._reading
                   and not (e.models_configured and e.name in self._versions and e.name not in self._recheck)]
         due = [e for e in wanted if now - self._round_at.get(e.name, -pace) >= pace]
@@ -171,7 +225,7 @@ class ModelReader:
         if due:
             self._reading.update(e.name for e in due)
             self._round_at.update((e.name, now) for e in due)
-            self.sup.rounds.spread([functools.partial(self._start, e) for e in due], SPREAD_S)
+            self.rounds.spread([functools.partial(self._start, e) for e in due], SPREAD_S)
 
     def _start(self, engine: Engine) -> None:
         if self._stopped():  # a round still being spread when the supervisor stopped
@@ -184,14 +238,13 @@ class ModelReader:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _readmitted(self) -> list[Engine]:
+    def _readmitted(self, engines: list[Engine], breakers: BreakerStates) -> list[Engine]:
         """Engines serving again after being out since the last look (only when a breaker moved)."""
-        breakers = self.sup.breakers
         if breakers.version == self._breakers_seen:
             return []
         self._breakers_seen = breakers.version
         back = []
-        for engine in self.sup.fleet.engines:
+        for engine in engines:
             out = breakers.status(engine.name).state in _OUT
             if self._out.get(engine.name) and not out:
                 back.append(engine)
@@ -199,6 +252,7 @@ class ModelReader:
         return back
 
     async def _read(self, engine: Engine) -> None:
+        """One engine's reads, kept for the next pass to settle (the loop's, never the task's)."""
         version: str | None = None
         refused: bool | None = None
         try:
@@ -212,11 +266,7 @@ class ModelReader:
             answer = None
         finally:
             self._reading.discard(engine.name)
-        if self.sup.fleet.by_name.get(engine.name) is engine:  # not forgotten or replaced meanwhile
-            self.settle_version(engine, version)
-            self.settle_generate(engine, refused)
-            if not engine.models_configured:
-                self.settle(engine, answer)
+        self._done.append((engine, version, refused, answer))
 
     async def _version(self, engine: Engine) -> str | None:
         try:
@@ -239,13 +289,13 @@ class ModelReader:
             self._recheck.discard(engine.name)
             if version is None and self._versions.pop(engine.name, None) is not None:
                 self._changed = True
-                self.sup.fleet.set_version(engine, None)
+                self._news.append(ModelsRead(engine, version_moved=True, version=None))
                 log.warning("engine %s answers again but not its /version: its vLLM version is unknown", engine.name)
         if version is None or self._versions.get(engine.name) == version:
             return
         self._versions[engine.name] = version
         self._changed = True
-        self._set_version(engine, version)
+        self._news.append(ModelsRead(engine, version_moved=True, version=version))
 
     def settle_generate(self, engine: Engine, refused: bool | None) -> None:
         """Whether ``engine`` answered 403 on ``/inference/v1/generate`` (None: no answer: the last
@@ -259,14 +309,6 @@ class ModelReader:
             log.warning("engine %s %s: requests there fail with its 403", engine.name, SCALE_OUT_REFUSAL)
         self._generate[engine.name] = state
         self._changed = True
-
-    def _set_version(self, engine: Engine, version: str) -> None:
-        old = engine.version
-        self.sup.fleet.set_version(engine, version)
-        if old is not None and old != version:
-            # A multiprocess series cannot be removed (its file keeps it): the old version reads 0.
-            metrics.ENGINE_INFO.labels(engine.name, engine.role, old).set(0)
-        metrics.ENGINE_INFO.labels(engine.name, engine.role, version).set(1)
 
     async def _answer(self, engine: Engine) -> list[str] | None:
         try:
@@ -301,13 +343,12 @@ class ModelReader:
         if new != old:
             self._known[engine.name] = new
             self._changed = True
-            self.sup.fleet.set_models(engine, frozenset(new[2]))  # logs the change; probes' fallback model
+            self._news.append(ModelsRead(engine, models=frozenset(new[2])))  # probes' fallback model too
 
-    def publish(self) -> None:
-        """Every engine's record under the next models generation, then the bump (``shm.models``)."""
-        region = self.sup.shared.region
-        version = M.generation(region) + 1
-        for engine in self.sup.fleet.engines:
+    def records(self, engines: list[Engine]) -> ModelsPublished:
+        """Every engine's record as the reader knows it (``shm.models``), its generation set as it is written."""
+        out = []
+        for engine in engines:
             ident = record_hash(engine.name, engine.url)
             models: tuple[str, ...] = ()
             if engine.models_configured:
@@ -315,7 +356,6 @@ class ModelReader:
             else:
                 _, status, models = self._known.get(engine.name, (ident, M.PENDING, ()))
             context, root = self._cards.get(engine.name, (None, None))
-            M.write_models(region, self.sup.slot_of(engine),
-                           M.ModelsRecord(version, ident, status, models, self._versions.get(engine.name),
-                                          self._generate.get(engine.name, M.GENERATE_UNKNOWN), context, root))
-        M.bump_generation(region)
+            out.append((engine, M.ModelsRecord(0, ident, status, models, self._versions.get(engine.name),
+                                               self._generate.get(engine.name, M.GENERATE_UNKNOWN), context, root)))
+        return ModelsPublished(tuple(out))

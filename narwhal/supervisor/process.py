@@ -1,6 +1,6 @@
 """The supervisor process's own body (``run_supervisor``), what the master's keeper forks
 (``narwhal.master.keeper``): its title in ``ps``, the death signal that ends it with the master,
-the master's settings, a fresh event loop running ``supervisor.main`` until signalled."""
+the master's settings, a fresh event loop running ``supervisor.loop`` until signalled."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ def run_supervisor(shared: SharedFleet, *, restarted: bool) -> None:
     from narwhal import metrics
     from narwhal.logs import configure_logging
     from narwhal.settings import current_or_load
+    from narwhal.supervisor.loop import run
     from narwhal.supervisor.main import Supervisor
 
     set_title(TITLE)
@@ -58,7 +59,7 @@ def run_supervisor(shared: SharedFleet, *, restarted: bool) -> None:
         done = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
             loop.add_signal_handler(sig, done.set)
-        runner = asyncio.ensure_future(supervisor.run())
+        runner = asyncio.ensure_future(run(supervisor))
         waiter = asyncio.ensure_future(done.wait())
         await asyncio.wait({runner, waiter}, return_when=asyncio.FIRST_COMPLETED)
         runner.cancel()

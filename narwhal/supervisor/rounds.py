@@ -1,6 +1,6 @@
 """A round of per-engine checks, started a batch at a time: no pass of the loop runs all of it.
 
-Invariant: one pass of the supervisor's loop (``Supervisor.step``, which calls
+Invariant: one pass of the supervisor's loop (``supervisor.loop.Loop.step``, which calls
 :meth:`Rounds.run`) starts at most :data:`BATCH` checks of a round, whatever the fleet's size,
 unless the round has more batches than there are passes in the time it is to be started
 within; then as few more per pass as fit it in that time. So the loop's own work — its

@@ -6,7 +6,9 @@ they are arrows of the design too, only deferred. What was untied, and how: the 
 reports to its pool through a protocol (``engines.http1_connection.Pool``); a prefill's result
 left the connector's rules (``engines.prefill_result``); the holdings' interface left the
 ``held`` policy (``fleet.placement.holdings_source``); the chaos phases' driver left the command
-(``perf.chaos.driver``).
+(``perf.chaos.driver``); the supervisor's discovery and model reader return decisions the loop
+applies, reading the running fleet through a protocol (``supervisor.discovery.Running``), and
+never import the supervisor (``supervisor.main``).
 """
 
 from __future__ import annotations
@@ -15,10 +17,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-# The supervisor's subsystems still take the Supervisor itself (for its fleet, table and
-# breakers); their decisions returned to the loop instead is the next step (ARCHITECTURE.md).
-KNOWN = [frozenset({"narwhal.supervisor.checks", "narwhal.supervisor.discovery", "narwhal.supervisor.main",
-                    "narwhal.supervisor.models"})]
+KNOWN: list[frozenset[str]] = []
 
 
 def _modules() -> dict[str, Path]:

@@ -42,21 +42,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 from narwhal import metrics
+from narwhal.fleet import Fleet
 from narwhal.settings import Settings
 from narwhal.settings.engines import EngineSpec
-from narwhal.shm import descriptors
-from narwhal.shm.layout import TABLE_LOCK
-from narwhal.shm.table import TableFull, identity
 from narwhal.supervisor.breaker import State
 from narwhal.supervisor.discovery.sources import DnsReader, FileReader, SourceInvalid, SourceUnreadable
 from narwhal.supervisor.discovery.wanted import STATIC, Member, change, wanted_fleet
-
-if TYPE_CHECKING:
-    from narwhal.supervisor.main import Supervisor
+from narwhal.supervisor.membership import Decision, Drain, Forget, Join, Readmit
 
 log = logging.getLogger("narwhal.discovery")
 
@@ -64,8 +60,36 @@ WARN_EVERY_S = 60.0
 STATES = ("active", "probing", "draining", "refused")
 
 
-class _NotYet(Exception):
-    """A discovered engine the table cannot take yet, for a reason that will pass (its name held)."""
+class Running(Protocol):
+    """What discovery reads of the running fleet (the supervisor's), never changing it."""
+
+    @property
+    def fleet(self) -> Fleet:
+        """The engines now, each at its engine slot."""
+        ...
+
+    @property
+    def sources(self) -> Mapping[str, str]:
+        """Engine name -> the source it came from (``static``, ``file``, ``dns:NAME``)."""
+        ...
+
+    @property
+    def specs(self) -> Mapping[str, EngineSpec]:
+        """Engine name -> its ``[[engines]]`` entry."""
+        ...
+
+    @property
+    def slots(self) -> int:
+        """How many engines the shared table holds at most."""
+        ...
+
+    def state(self, name: str) -> State:
+        """``name``'s breaker state now."""
+        ...
+
+    def joining(self, name: str) -> bool:
+        """Is ``name`` still in its first checks (PROBING since it joined)?"""
+        ...
 
 
 def gauge_source(source: str) -> str:
@@ -75,11 +99,10 @@ def gauge_source(source: str) -> str:
 
 class Discovery:
     """docs/behaviour.md "Engines that come and go" in the supervisor: sources read off the loop, their last good sets
-    applied to the table.
+    compared with the running fleet into decisions the loop applies.
     """
 
-    def __init__(self, sup: Supervisor, settings: Settings) -> None:
-        self.sup = sup
+    def __init__(self, running: Running, settings: Settings) -> None:
         self.settings = settings.discovery
         self.static = list(settings.engines)
         self.order = (["file"] if self.settings.file else []) + [f"dns:{d.name}" for d in self.settings.dns]
@@ -87,38 +110,41 @@ class Discovery:
         self._dns = DnsReader(self.settings, bound_s) if self.settings.dns else None
         self._file = FileReader(self.settings.file, bound_s) if self.settings.file else None
         by_source: dict[str, list[EngineSpec]] = {source: [] for source in self.order}
-        for engine in sup.fleet.engines:  # what the table holds from each source: its last good set
-            source = sup.sources.get(engine.name, STATIC)
+        for engine in running.fleet.engines:  # what the table holds from each source: its last good set
+            source = running.sources.get(engine.name, STATIC)
             if source in by_source:
-                by_source[source].append(_spec_of(sup, engine.name))
+                by_source[source].append(running.specs[engine.name])
         self.last_good = by_source
         self._warned: dict[str, tuple[float, str]] = {}
         self._task: asyncio.Task[None] | None = None
         self._next_read = 0.0
-        self._fresh = True  # apply once at start: the table's set against the static entries
+        self._fresh = True  # decide once at start: the table's set against the static entries
         self._refused: list[str] = []
         self._refused_by_source: dict[str, int] = {}
         # URL -> the line said: engines the table could not take yet (no spare slot, or their name
-        # still held by a draining engine); applied again every interval until they join.
+        # still held by a draining engine); decided again every interval until they join.
         self._deferred: dict[str, str] = {}
+        self._said: dict[str, str] = {}  # the deferred lines said before this decision: said once
         self.draining: dict[str, int] = {}  # engine -> sweeps seen with no leg on it
 
     # -- reading -------------------------------------------------------------------------------
 
-    def tick(self, now: float) -> None:
-        """From the loop: start the next read when due (never two at once); apply what came."""
+    def tick(self, now: float, running: Running) -> list[Decision]:
+        """From the loop: start the next read when due (never two at once); decide on what came."""
         if self._task is None and now >= self._next_read:
             self._next_read = now + self.settings.interval_s
             self._task = asyncio.ensure_future(self._read_all())
             self._task.add_done_callback(self._read_done)
             if self._deferred or self._refused:
                 self._fresh = True  # a slot or a name may have freed meanwhile
-        if self._fresh:
-            self._fresh = False
-            try:
-                self.apply()
-            except Exception:  # a defect here must not stop the supervisor (it would restart, and read the same)
-                log.exception("discovery: applying the sources failed; the fleet stays as it was")
+        if not self._fresh:
+            return []
+        self._fresh = False
+        try:
+            return self.decide(running)
+        except Exception:  # a defect here must not stop the supervisor (it would restart, and read the same)
+            log.exception("discovery: deciding on the sources failed; the fleet stays as it was")
+            return []
 
     def _read_done(self, task: asyncio.Task[None]) -> None:
         self._task = None
@@ -156,115 +182,83 @@ class Discovery:
             kind = "refused" if isinstance(exc, SourceInvalid) else "unreadable"
             log.warning("discovery: %s %s, keeping its last good set (%d engines): %s", source, kind, kept, why)
 
-    # -- applying ------------------------------------------------------------------------------
+    # -- deciding ------------------------------------------------------------------------------
 
-    def apply(self) -> None:
-        """The wanted fleet against the current one: the gone drained, those named again readmitted, the new joined."""
-        sup = self.sup
-        current = {e.url for e in sup.fleet.engines}
+    def decide(self, running: Running) -> list[Decision]:
+        """The wanted fleet against the running one: the gone drained, those named again
+        readmitted, the new joined (a name still held by a draining engine deferred)."""
+        fleet = running.fleet
+        current = {e.url for e in fleet.engines}
         wanted = wanted_fleet(self.static, {s: self.last_good.get(s, []) for s in self.order}, current,
-                              sup.shared.layout.engines)
+                              running.slots)
         if wanted.refused != self._refused:
             for line in wanted.refused:
                 log.warning("%s", line)
         self._refused, self._refused_by_source = wanted.refused, dict(wanted.refused_by_source)
         moved = change(current, wanted)
-        by_url = {e.url: e for e in sup.fleet.engines}
+        by_url = {e.url: e for e in fleet.engines}
         wanted_urls = wanted.urls()
-        now = time.monotonic()
+        decisions: list[Decision] = []
         for url in moved.removed:
             engine = by_url[url]
-            if sup.sources.get(engine.name, STATIC) != STATIC and engine.name not in self.draining:
+            if running.sources.get(engine.name, STATIC) != STATIC and engine.name not in self.draining:
                 log.info("discovery: engine %s at %s is gone from its source: draining", engine.name, url)
                 self.draining[engine.name] = 0
-                sup.breakers.drain(engine.name, now)
-        for name in [n for n in self.draining if n in sup.fleet.by_name and sup.fleet.by_name[n].url in wanted_urls]:
+                decisions.append(Drain(engine.name))
+        for name in [n for n in self.draining if n in fleet.by_name and fleet.by_name[n].url in wanted_urls]:
             log.info("discovery: engine %s is named again: readmitted", name)
             del self.draining[name]
-            sup.breakers.readmit(name, now)
-        self._join([m for m in moved.added if m.source != STATIC])
-        self.export()
-
-    def _join(self, members: Iterable[Member]) -> None:
-        """Join ``members``, each in a spare slot; one the table cannot take yet is deferred (said
-        once) and tried again every interval, so it joins as soon as a draining engine is forgotten
-        or a retired slot may be reused, with no change of its source needed."""
-        sup = self.sup
-        deferred: dict[str, str] = {}
-        for member in members:
-            spec, source = member.spec, member.source
-            ident = identity(spec.name, spec.url)
-            holder = sup.fleet.by_name.get(spec.name)
-            with sup.shared.locked(TABLE_LOCK):  # one table writer at a time (shm.table)
-                try:
-                    if holder is not None:  # its old self, draining under another URL
-                        raise _NotYet(f"its name is still {holder.url}'s, draining")
-                    blob = descriptors.encode(spec.model_dump(), source)
-                    slot = sup.shared.table.spare_slot(ident, sup.shared.oldest_worker_epoch())
-                except (_NotYet, TableFull, descriptors.DescriptorTooLong, TypeError, ValueError) as exc:
-                    line = f"discovery: {source}: engine {spec.name!r} at {spec.url} is refused: {exc}"
-                    if self._deferred.get(spec.url) != line:
-                        log.warning("%s%s", line, "; it joins when a slot frees"
-                                    if isinstance(exc, (_NotYet, TableFull)) else "")
-                    deferred[spec.url] = line
-                    self._refused_by_source[source] = self._refused_by_source.get(source, 0) + 1
-                    continue
-                descriptors.write(sup.shared.region, slot, blob)
-                members_now = [(e.index, _spec_of(sup, e.name)) for e in sup.fleet.engines] + [(slot, spec)]
-                sup.sources[spec.name] = source
-                sup.set_engines(members_now, {spec.name})
-                sup.publish()  # its PROBING record before the entry turns LIVE
-                sup.shared.table.make_live(slot, ident)
-            log.info("discovery: %s: engine %s at %s joins (slot %d), probing", source, spec.name, spec.url, slot)
-        self._deferred = deferred
-
-    def sweep(self) -> None:
-        """Every sweep: forget the draining engines no worker holds a leg on (two sweeps running);
-        the gauge follows the engines' states."""
-        sup = self.sup
-        if not self.draining:
-            self.export()
-            return
-        totals = sup.shared.totals(sup.shared.layout.engines)
-        for name in list(self.draining):
-            engine = sup.fleet.by_name.get(name)
-            if engine is None:
-                del self.draining[name]
+            decisions.append(Readmit(name))
+        self._said, self._deferred = self._deferred, {}
+        for member in moved.added:
+            if member.source == STATIC:
                 continue
-            if sup.breakers.status(name).state is not State.DRAINING:  # the operator readmitted it
+            holder = fleet.by_name.get(member.spec.name)
+            if holder is not None:  # its old self, draining under another URL
+                self.refused(member, f"its name is still {holder.url}'s, draining", passing=True)
+            else:
+                decisions.append(Join(member.spec, member.source))
+        return decisions
+
+    def refused(self, member: Member | Join, why: str, passing: bool) -> None:
+        """A join the table could not take (``passing``: for a reason that passes, a slot or a name
+        held): said once, and tried again every interval, so it joins as soon as a draining engine
+        is forgotten or a retired slot may be reused, with no change of its source needed."""
+        spec, source = member.spec, member.source
+        line = f"discovery: {source}: engine {spec.name!r} at {spec.url} is refused: {why}"
+        if self._said.get(spec.url) != line and self._deferred.get(spec.url) != line:
+            log.warning("%s%s", line, "; it joins when a slot frees" if passing else "")
+        self._deferred[spec.url] = line
+        self._refused_by_source[source] = self._refused_by_source.get(source, 0) + 1
+
+    def sweep(self, running: Running, totals: Sequence[int]) -> list[Decision]:
+        """Every sweep: forget the draining engines no worker holds a leg on (two sweeps running;
+        ``totals``: the in-flight legs, two per engine slot); the gauge follows the engines' states."""
+        forget: list[Decision] = []
+        for name in list(self.draining):
+            engine = running.fleet.by_name.get(name)
+            if engine is None or running.state(name) is not State.DRAINING:  # gone, or the operator readmitted it
                 del self.draining[name]
                 continue
             at = engine.index
             busy = totals[2 * at] or totals[2 * at + 1]
             self.draining[name] = 0 if busy else self.draining[name] + 1
             if self.draining[name] >= 2:
-                self._forget(name)
-        self.export()
+                del self.draining[name]
+                self._fresh = True  # its slot and its name free: a deferred engine may join at once
+                forget.append(Forget(name))
+        return forget
 
-    def _forget(self, name: str) -> None:
-        sup = self.sup
-        engine = sup.fleet.by_name[name]
-        with sup.shared.locked(TABLE_LOCK):
-            members = [(e.index, _spec_of(sup, e.name)) for e in sup.fleet.engines if e.name != name]
-            sup.set_engines(members, set())
-            sup.shared.table.retire(engine.index)
-        sup.shared.forget_slots()  # its slot may go to another engine: no look-up may keep it
-        del self.draining[name]
-        sup.sources.pop(name, None)
-        self._fresh = True  # its slot and its name are free: a deferred engine may join at once
-        metrics.forget_engine(name, engine.role)
-        log.info("discovery: engine %s at %s drained and forgotten (slot %d retired)", name, engine.url, engine.index)
-
-    def export(self) -> None:
+    def export(self, running: Running) -> None:
         """Discovered engines per source and state (active, probing, draining, refused) as gauges."""
         counts = {(gauge_source(s), state): 0 for s in self.order for state in STATES}
-        for engine in self.sup.fleet.engines:
-            source = self.sup.sources.get(engine.name, STATIC)
+        for engine in running.fleet.engines:
+            source = running.sources.get(engine.name, STATIC)
             if source == STATIC:
                 continue
             if engine.name in self.draining:
                 key = "draining"
-            elif self.sup.breakers.joining(engine.name):
+            elif running.joining(engine.name):
                 key = "probing"
             else:
                 key = "active"
@@ -273,7 +267,3 @@ class Discovery:
             counts[(gauge_source(source), "refused")] = counts.get((gauge_source(source), "refused"), 0) + n
         for (source, state), n in counts.items():
             metrics.DISCOVERY_ENGINES.labels(source, state).set(n)
-
-
-def _spec_of(sup: Supervisor, name: str) -> EngineSpec:
-    return sup.specs[name]

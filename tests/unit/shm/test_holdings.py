@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 import struct
 
-from narwhal.shm.holdings import SECTION_HEAD, Holdings, HoldingsLayout, PrefillReport, engine_id_hash, identity
+from narwhal.shm.holdings import SECTION_HEAD, Holdings, HoldingsLayout, PrefillReport, engine_id_hash, section_stamp
 from narwhal.shm.holdings_view import HoldingsReader, WorkerHoldings
 
-P0 = identity("p0", "http://10.0.0.1:8100")
+P0 = section_stamp("p0", "http://10.0.0.1:8100")
 
 
 def _region(**kw: int) -> Holdings:
@@ -26,7 +26,7 @@ def test_a_published_section_reads_back_for_its_engine_only() -> None:
     assert (held.keys, held.blocks, held.capacity_blocks, held.prefill_chars_per_s, held.chars_per_token,
             held.mean_uncached_chars, held.engine_id) == (frozenset({1, 2, 3}), 3, 1000, 250_000.0, 3.9, 1200.0, 77)
     # Another engine list's section (a reload moved p0's index): not this engine's.
-    assert h.read(0, identity("p0", "http://10.0.0.2:8100")) is None
+    assert h.read(0, section_stamp("p0", "http://10.0.0.2:8100")) is None
     h.publish(0, P0, 77, list(range(20)), None, None, None, 0.0)
     again = h.read(0, P0)
     assert again is not None and again.blocks == 8 and again.capacity_blocks is None  # cut to the room
@@ -46,7 +46,7 @@ def test_a_torn_section_is_not_read_as_holdings() -> None:
 
 def test_the_reader_decodes_a_section_again_only_when_it_moved() -> None:
     h = _region()
-    reader = HoldingsReader(h, [P0, identity("d0", "http://10.0.0.3:8200")])
+    reader = HoldingsReader(h, [P0, section_stamp("d0", "http://10.0.0.3:8200")])
     assert reader.current() == [None, None]
     h.publish(0, P0, 1, [5], None, None, None, 0.0)
     first = reader.current()[0]

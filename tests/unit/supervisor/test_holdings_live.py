@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 from narwhal.fleet.placement import homes
 from narwhal.fleet.placement.affinity import key_hash, rank
-from narwhal.shm.holdings import Holdings, HoldingsLayout, PrefillReport, identity
+from narwhal.shm.holdings import Holdings, HoldingsLayout, PrefillReport, section_stamp
 from narwhal.supervisor.holdings import HOT_S, PUBLISH_S, HoldingsModel
 from narwhal.supervisor.holdings.fit import Fit
 
 NAMES = ["p0", "p1", "d0"]
-P0, P1 = identity("p0", "http://p0"), identity("p1", "http://p1")
+P0, P1 = section_stamp("p0", "http://p0"), section_stamp("p1", "http://p1")
 
 
 def _model(room: int = 256) -> HoldingsModel:

@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from narwhal.shm.holdings import PrefillReport, identity
+from narwhal.shm.holdings import PrefillReport, section_stamp
 from narwhal.supervisor import holdings as holdings_module
 from narwhal.supervisor.holdings import HOT_S, HoldingsModel, ProducerHoldings
 from narwhal.supervisor.holdings import producer as producer_module
 
-STAMPS = [identity("p0", "http://p0"), identity("p1", "http://p1")]
+STAMPS = [section_stamp("p0", "http://p0"), section_stamp("p1", "http://p1")]
 
 
 def _leading(p: ProducerHoldings, keys: tuple[int, ...], started: float) -> int:

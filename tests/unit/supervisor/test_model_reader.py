@@ -20,6 +20,7 @@ from narwhal.shm import models as M
 from narwhal.shm.shared import SharedFleet
 from narwhal.shm.table import record_hash
 from narwhal.supervisor.load import LoadReader
+from narwhal.supervisor.loop import Loop
 from narwhal.supervisor.main import Supervisor
 from narwhal.supervisor.models import REFRESH_S, RETRY_S, ModelReader
 from narwhal.worker.models_follow import ModelsFollower
@@ -81,15 +82,22 @@ def settings() -> Settings:
     })
 
 
-async def settle(reader: ModelReader, now: float | None = None) -> None:
+def reading(shared: SharedFleet, settings: Settings, control: FakeControl) -> tuple[Supervisor, ModelReader]:
+    """A supervisor taking up a reader through ``control``, as its run would."""
+    sup = Supervisor(shared, settings)
+    return sup, sup.read_models(ModelReader(control, sup.rounds, settings.recovery.health_interval_s))
+
+
+async def settle(sup: Supervisor, now: float | None = None) -> None:
     """Start the reads a tick queued (the loop's passes would, ``supervisor.rounds``) and run them
-    to their end (the fake answers at once), then the pass that publishes their answers (``now``:
-    the clock of that pass; no read is due at it)."""
-    while reader.sup.rounds.under_way or reader._tasks:
-        reader.sup.rounds.run()
-        await asyncio.gather(*reader._tasks)
+    to their end (the fake answers at once), then the pass that settles and publishes their
+    answers (``now``: the clock of that pass; no read is due at it)."""
+    assert sup.models is not None
+    while sup.rounds.under_way or sup.models._tasks:
+        sup.rounds.run()
+        await asyncio.gather(*sup.models._tasks)
     if now is not None:
-        reader.tick(now)
+        sup.tick_models(now)
 
 
 def models_of(fleet: Fleet) -> dict[str, set[str]]:
@@ -104,19 +112,19 @@ async def test_the_start_reads_each_engine_once_and_workers_take_the_models_up(
     shared: SharedFleet, settings: Settings
 ) -> None:
     control = FakeControl(p0=["m-one"], d0=["m-one", "lora-a"])
-    reader = ModelReader(Supervisor(shared, settings), control)
+    sup, _ = reading(shared, settings, control)
     worker = follower(shared, settings)
     assert worker.unread() == ["p0", "d0"]  # nothing published yet: a starting worker waits
     now = time.monotonic()
-    reader.tick(now)
+    sup.tick_models(now)
     assert worker.unread() == ["p0", "d0"]  # published PENDING, reads under way
-    await settle(reader, now)
+    await settle(sup, now)
     assert sorted(control.reads) == ["d0", "p0"]  # engines[].models set: never read
     assert worker.unread() == []
     worker.check()
     assert models_of(worker.fleet) == {"p0": {"m-one"}, "d0": {"m-one", "lora-a"}, "c0": {"fixed"}}
     assert worker.fleet.served_models == {"m-one", "lora-a", "fixed"}
-    assert models_of(reader.sup.fleet) == models_of(worker.fleet)  # the supervisor's probes pick from them too
+    assert models_of(sup.fleet) == models_of(worker.fleet)  # the supervisor's probes pick from them too
     # Every engine's /version, an engines[].models one's too: published with the models.
     assert sorted(control.version_reads) == ["c0", "d0", "p0"]
     assert {e.name: e.version for e in worker.fleet.engines} == {"p0": VERSION, "d0": VERSION, "c0": VERSION}
@@ -126,23 +134,23 @@ async def test_an_engine_that_never_answered_is_asked_every_retry_and_one_that_s
     shared: SharedFleet, settings: Settings
 ) -> None:
     control = FakeControl(p0=["m-one"], d0=None)
-    reader, worker, now = ModelReader(Supervisor(shared, settings), control), follower(shared, settings), 1000.0
-    reader.tick(now)
-    await settle(reader, now)
+    (sup, _), worker, now = reading(shared, settings, control), follower(shared, settings), 1000.0
+    sup.tick_models(now)
+    await settle(sup, now)
     assert worker.unread() == []  # d0 was asked: a starting worker does not wait for it any more
     worker.check()
     assert models_of(worker.fleet)["d0"] == set()
-    reader.tick(now + RETRY_S / 2)
+    sup.tick_models(now + RETRY_S / 2)
     assert len(control.reads) == 2
     control.answers["d0"] = ["m-one"]
-    reader.tick(now + RETRY_S)
-    await settle(reader, now + RETRY_S)
+    sup.tick_models(now + RETRY_S)
+    await settle(sup, now + RETRY_S)
     assert control.reads[2:] == ["d0"]  # only the one that never answered
     worker.check()
     assert models_of(worker.fleet)["d0"] == {"m-one"}
     control.answers["p0"] = None
-    reader.tick(now + REFRESH_S)
-    await settle(reader, now + REFRESH_S)
+    sup.tick_models(now + REFRESH_S)
+    await settle(sup, now + REFRESH_S)
     assert sorted(control.reads[3:]) == ["d0", "p0"]  # every engine, now and then
     worker.check()
     assert models_of(worker.fleet)["p0"] == {"m-one"}  # unreachable, it keeps what it answered
@@ -153,25 +161,25 @@ async def test_a_readmitted_engine_is_read_again_through_the_loop_and_its_new_mo
 ) -> None:
     sup = Supervisor(shared, settings)
     control = FakeControl(p0=["m-one"], d0=["m-one"])
-    loop = sup.start(FakeProber(), LoadReader(shared, PooledReader(settings.engine, 1.0)))  # type: ignore[arg-type]
-    loop.models = ModelReader(sup, control)
+    loop = Loop.start(sup, FakeProber(), LoadReader(shared, PooledReader(settings.engine, 1.0)))  # type: ignore[arg-type]
+    sup.read_models(ModelReader(control, sup.rounds, settings.recovery.health_interval_s))
     worker = follower(shared, settings)
-    sup.step(loop)
-    await settle(loop.models)
+    loop.step()
+    await settle(sup)
     now = time.monotonic()
     sup.breakers.eject("d0", now)  # out: restarted with another model meanwhile
     control.answers["d0"] = ["m-two"]
-    sup.step(loop)
-    await settle(loop.models)
+    loop.step()
+    await settle(sup)
     assert sorted(control.reads) == ["d0", "p0"]  # not read while out
     sup.breakers.readmit("d0", now)
     # Read again once its pace allows (a round per engine per health_interval_s, 1 s here).
     end = time.monotonic() + 5
     while sorted(control.reads) != ["d0", "d0", "p0"] and time.monotonic() < end:
-        sup.step(loop)
-        await settle(loop.models)
+        loop.step()
+        await settle(sup)
         await asyncio.sleep(0.05)
-    sup.step(loop)  # the pass after the answer publishes it
+    loop.step()  # the pass after the answer publishes it
     assert sorted(control.reads) == ["d0", "d0", "p0"]  # the readmitted one only
     worker.check()
     assert models_of(worker.fleet) == {"p0": {"m-one"}, "d0": {"m-two"}, "c0": {"fixed"}}
@@ -182,11 +190,11 @@ async def test_a_bound_that_bites_is_logged_once_per_change_of_the_answer(
 ) -> None:
     long = "x" * (M.MAX_MODEL_BYTES + 1)
     control = FakeControl(p0=["m-one", long], d0=["m-one"])
-    reader, worker = ModelReader(Supervisor(shared, settings), control), follower(shared, settings)
+    (sup, _), worker = reading(shared, settings, control), follower(shared, settings)
     caplog.set_level(logging.INFO, "narwhal.supervisor.models")
     for now in (0.0, REFRESH_S, 2 * REFRESH_S):  # the same answer three times
-        reader.tick(now)
-        await settle(reader, now)
+        sup.tick_models(now)
+        await settle(sup, now)
     refused = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert refused == [f"engine p0: 1 model name(s) over {M.MAX_MODEL_BYTES} bytes left out ('{'x' * 40}...')"]
     worker.check()
@@ -196,11 +204,12 @@ async def test_a_bound_that_bites_is_logged_once_per_change_of_the_answer(
 async def test_a_restarted_supervisor_starts_from_what_its_predecessor_published(
     shared: SharedFleet, settings: Settings
 ) -> None:
-    first = ModelReader(Supervisor(shared, settings), FakeControl(p0=["m-one"], d0=["m-two"]))
-    first.tick(0.0)
+    first, _ = reading(shared, settings, FakeControl(p0=["m-one"], d0=["m-two"]))
+    first.tick_models(0.0)
     await settle(first, 0.0)
-    again = ModelReader(Supervisor(shared, settings), FakeControl())  # the engines do not answer it
-    again.tick(0.0)  # its first round is published at once, before any read ended
+    again, _ = reading(shared, settings, FakeControl())  # the engines do not answer it
+    assert models_of(again.fleet)["d0"] == {"m-two"}  # its own probes pick from them at once
+    again.tick_models(0.0)  # its first round is published at once, before any read ended
     worker = follower(shared, settings)
     assert worker.unread() == []
     worker.check()
@@ -221,20 +230,20 @@ async def test_an_engine_refusing_generate_reaches_the_workers_and_a_silent_one_
     a restart with ``--enable-scale-out`` clears it at the next read."""
     control = FakeControl(p0=["m-one"], d0=["m-one"])
     control.refusing = {"d0"}
-    reader = ModelReader(Supervisor(shared, settings), control)
+    sup, reader = reading(shared, settings, control)
     worker = follower(shared, settings)
     now = time.monotonic()
-    reader.tick(now)
-    await settle(reader, now)
+    sup.tick_models(now)
+    await settle(sup, now)
     worker.check()
     assert {e.name: e.generate_refused for e in worker.fleet.engines} == {"p0": False, "d0": True, "c0": False}
-    d0 = reader.sup.fleet.by_name["d0"]
+    d0 = sup.fleet.by_name["d0"]
     reader.settle_generate(d0, None)  # no answer this time: it still refuses
-    reader.publish()
+    sup.tick_models(now)
     worker.check()
     assert worker.fleet.by_name["d0"].generate_refused
     reader.settle_generate(d0, False)  # restarted with --enable-scale-out
-    reader.tick(now)
+    sup.tick_models(now)
     worker.check()
     assert not worker.fleet.by_name["d0"].generate_refused
 
@@ -246,13 +255,12 @@ async def test_an_engine_answering_again_is_reachable_at_once_and_read_again_at_
     engine per health_interval_s however many control reads see it (before: every load read, ten
     a second, started another round while it stayed unreachable); a /version it cannot give
     leaves its version unknown, not the engine unreachable."""
-    sup = Supervisor(shared, settings)
     control = FakeControl(p0=["m-one"], d0=["m-one"])
-    reader = sup.checks.models = ModelReader(sup, control)
+    sup, _ = reading(shared, settings, control)
     d0 = sup.fleet.by_name["d0"]
     now = 1000.0
-    reader.tick(now)
-    await settle(reader, now)
+    sup.tick_models(now)
+    await settle(sup, now)
     assert d0.version == VERSION and control.version_reads.count("d0") == 1
     sup.checks.connected(d0, answered=False, refused=True)  # a stopped process
     assert sup.reach.unreachable("d0")
@@ -260,11 +268,11 @@ async def test_an_engine_answering_again_is_reachable_at_once_and_read_again_at_
     for step in range(10):  # ten control reads within the pace (health_interval_s is 1 s here)
         sup.checks.connected(d0, answered=True, refused=False)
         assert not sup.reach.unreachable("d0")  # any answer: reachable
-        reader.tick(now + 0.2 + step * 0.07)
-        await settle(reader)
+        sup.tick_models(now + 0.2 + step * 0.07)
+        await settle(sup)
     assert control.version_reads.count("d0") == 1  # paced: its last round was under 1 s ago
-    reader.tick(now + settings.recovery.health_interval_s + 0.1)
-    await settle(reader, now + settings.recovery.health_interval_s + 0.2)
+    sup.tick_models(now + settings.recovery.health_interval_s + 0.1)
+    await settle(sup, now + settings.recovery.health_interval_s + 0.2)
     assert control.version_reads.count("d0") == 2  # one round once its pace allows
     assert d0.version is None and not sup.reach.unreachable("d0")  # unknown, and reachable
 

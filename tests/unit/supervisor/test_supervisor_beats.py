@@ -13,6 +13,7 @@ import pytest
 from narwhal.engines.control import PooledReader
 from narwhal.settings import Settings
 from narwhal.shm.shared import SharedFleet
+from narwhal.supervisor.loop import run
 from narwhal.supervisor.main import Supervisor
 from narwhal.supervisor.rounds import BATCH, Rounds
 
@@ -50,7 +51,7 @@ async def test_beats_go_on_while_a_round_of_reads_of_a_large_fleet_runs(
     monkeypatch.setattr(PooledReader, "get", get)
     monkeypatch.setattr(shared, "beat", lambda pid: (beats.append(time.monotonic()), real_beat(pid)))
     shared.assign_engines([(e["name"], e["url"]) for e in settings.model_dump()["engines"]])
-    task = asyncio.ensure_future(Supervisor(shared, settings).run())
+    task = asyncio.ensure_future(run(Supervisor(shared, settings)))
     try:
         end = time.monotonic() + 20
         while reads < ENGINES and time.monotonic() < end:

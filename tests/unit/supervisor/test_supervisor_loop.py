@@ -1,4 +1,4 @@
-"""The supervisor's loop a pass at a time (``Supervisor.step``) on a real shared region, its time a
+"""The supervisor's loop a pass at a time (``Loop.step``) on a real shared region, its time a
 fake clock: a worker's failure reports eject an engine fleet-wide within one pass, the probe is
 started only when the readmission interval has passed on that clock, a passing probe readmits,
 and health checks start once per ``health_interval_s``. No sleep decides anything: the fake
@@ -21,7 +21,8 @@ from narwhal.shm.shared import SharedFleet
 from narwhal.shm.worker import WorkerFleetState
 from narwhal.supervisor.breaker import State
 from narwhal.supervisor.load import LoadReader
-from narwhal.supervisor.main import Loop, Supervisor
+from narwhal.supervisor.loop import Loop
+from narwhal.supervisor.main import Supervisor
 
 READMIT_S = 5.0
 HEALTH_S = 30.0
@@ -72,7 +73,7 @@ def started(shared: SharedFleet, settings: Settings) -> tuple[Supervisor, Loop, 
     clock, prober = FakeClock(), FakeProber()
     supervisor = Supervisor(shared, settings, clock=clock)
     loads = LoadReader(shared, PooledReader(settings.engine, 1.0))
-    return supervisor, supervisor.start(prober, loads), clock, prober  # type: ignore[arg-type]
+    return supervisor, Loop.start(supervisor, prober, loads), clock, prober  # type: ignore[arg-type]
 
 
 def state_in_shared_memory(shared: SharedFleet, slot: int) -> State:
@@ -113,20 +114,20 @@ async def test_reports_eject_within_a_pass_and_a_probe_readmits_after_the_interv
     assert slot is not None and state_in_shared_memory(shared, slot) is State.ADMITTED
     generation = shared.generation
     d0 = charge_d0(supervisor, worker, clock)
-    supervisor.step(loop)
+    loop.step()
     assert state_in_shared_memory(shared, slot) is State.EJECTED
     assert shared.generation > generation  # workers re-read the records on their next request
     assert not worker.admitted(d0)
 
     clock.now += READMIT_S - 0.5
-    supervisor.step(loop)
+    loop.step()
     await settle(supervisor)
     assert prober.probes == []  # not yet due on the supervisor's clock
     clock.now += 1.0
-    supervisor.step(loop)
+    loop.step()
     await settle(supervisor)
     assert prober.probes == [("d0", "health")]
-    supervisor.step(loop)  # the probe's verdict is published by the next pass
+    loop.step()  # the probe's verdict is published by the next pass
     assert state_in_shared_memory(shared, slot) is State.ADMITTED
     assert worker.admitted(d0)
 
@@ -137,19 +138,19 @@ async def test_a_failed_probe_keeps_the_engine_out_and_the_next_comes_one_interv
     supervisor, loop, clock, prober = started(shared, settings)
     worker = WorkerFleetState(shared, shared.claim_slot(os.getpid()) or 0, Fleet(settings))
     d0 = charge_d0(supervisor, worker, clock)
-    supervisor.step(loop)
+    loop.step()
     prober.verdict = "fail"
     clock.now += READMIT_S + 0.5
-    supervisor.step(loop)
+    loop.step()
     await settle(supervisor)
-    supervisor.step(loop)
+    loop.step()
     assert prober.probes == [("d0", "health")] and not worker.admitted(d0)
     clock.now += READMIT_S - 0.5  # a failed probe keeps the interval (it doubles per ejection)
-    supervisor.step(loop)
+    loop.step()
     await settle(supervisor)
     assert len(prober.probes) == 1
     clock.now += 1.0
-    supervisor.step(loop)
+    loop.step()
     await settle(supervisor)
     assert prober.probes == [("d0", "health")] * 2 and not worker.admitted(d0)
 
@@ -158,22 +159,22 @@ async def test_health_checks_start_once_per_interval_for_admitted_engines(
     shared: SharedFleet, settings: Settings
 ) -> None:
     supervisor, loop, clock, prober = started(shared, settings)
-    supervisor.step(loop)
+    loop.step()
     await settle(supervisor)
     assert prober.health == []  # the first round is one interval after the start
     clock.now += HEALTH_S
-    supervisor.step(loop)
+    loop.step()
     await settle(supervisor)
     assert sorted(prober.health) == ["d0", "d1", "p0"]
     clock.now += HEALTH_S / 2
-    supervisor.step(loop)
+    loop.step()
     await settle(supervisor)
     assert len(prober.health) == 3
 
 
 def test_every_pass_beats_with_the_supervisors_pid(shared: SharedFleet, settings: Settings) -> None:
     supervisor, loop, _, _ = started(shared, settings)
-    supervisor.step(loop)
+    loop.step()
     assert shared.supervisor_pid == os.getpid() and shared.heartbeat_age_s < 5
 
 
@@ -188,12 +189,12 @@ async def test_a_refused_connection_is_published_unreachable_logged_and_cleared_
     refused.connect_failed = True
     caplog.set_level("INFO", logger="narwhal.supervisor.breakers")
     worker.report(p0, d1, error=refused, failed=d1, before_first_token=True)
-    supervisor.step(loop)
+    loop.step()
     assert worker.unreachable(d1) and not worker.admitted(d1)
     assert worker.placeable(d1)  # still placeable: last resort, never removed
     assert "engine d1: unreachable (its last connection attempt failed)" in caplog.text
     supervisor.connected(d1, answered=True, refused=False)  # a /metrics or /health answer
-    supervisor.step(loop)
+    loop.step()
     assert not worker.unreachable(d1) and worker.admitted(d1)
     assert "engine d1: reachable again" in caplog.text
 
@@ -205,13 +206,13 @@ async def test_every_breaker_transition_is_one_log_line_with_its_engine_state_an
     worker = WorkerFleetState(shared, shared.claim_slot(os.getpid()) or 0, Fleet(settings))
     caplog.set_level("INFO", logger="narwhal.supervisor.breakers")
     charge_d0(supervisor, worker, clock)
-    supervisor.step(loop)
+    loop.step()
     lines = [r.getMessage() for r in caplog.records if r.name == "narwhal.supervisor.breakers"]
     assert lines == ["engine d0 (consumer): admitted -> ejected: 2 failure(s) in a row, last engine_5xx; ejection 1"]
     clock.now += READMIT_S + 0.5
-    supervisor.step(loop)
+    loop.step()
     await settle(supervisor)
-    supervisor.step(loop)
+    loop.step()
     lines = [r.getMessage() for r in caplog.records if r.name == "narwhal.supervisor.breakers"]
     assert lines[1:] == ["engine d0 (consumer): ejected -> probing: readmission probe under way",
                          "engine d0 (consumer): probing -> admitted: streak cleared"]
