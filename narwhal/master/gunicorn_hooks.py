@@ -12,11 +12,11 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import signal
 import sys
 import tempfile
 from typing import Any
 
+from narwhal.master import arbiter
 from narwhal.settings import (
     MAX_WORKERS,
     Settings,
@@ -29,7 +29,6 @@ from narwhal.settings import (
 
 # Nothing here may import prometheus_client (or narwhal.metrics, narwhal.worker.app) at module level:
 # it must first be imported after PROMETHEUS_MULTIPROC_DIR is set.
-from narwhal.worker.lifecycle import STOP_SIGNALS
 
 _PROM_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # Not NARWHAL_-prefixed: every NARWHAL_ variable must be a setting.
@@ -228,29 +227,7 @@ def on_starting(server: Any) -> None:
     keeper = SupervisorKeeper(shm.SHARED)
     keeper.start()
     _KEEPER[:] = [keeper]
-    _watch_from_the_main_loop(server, keeper)
-    _hold_stop_signals_across_fork(server)
-
-
-def _hold_stop_signals_across_fork(server: Any) -> None:
-    """A worker is forked with the master's signal handlers and keeps them until aiohttp
-    replaces them; its loop's handlers then only fire once the loop runs (uvloop learns of a
-    signal through its self-pipe, opened when it starts running). A stop signal in between
-    (a stop right after a fork: TTIN, a reload, a replaced worker) was lost, and the master,
-    which signals once, waited out the whole graceful timeout before killing the worker.
-    So the master forks with the stop signals blocked: it takes its own as soon as the fork
-    returns, and the worker's stay pending until its loop runs (``worker.lifecycle``)."""
-    spawn_worker, master = server.spawn_worker, os.getpid()
-
-    def spawn_worker_holding_stop_signals() -> Any:
-        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        try:
-            return spawn_worker()
-        finally:
-            if os.getpid() == master:  # the worker leaves spawn_worker by SystemExit, still blocked
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-
-    server.spawn_worker = spawn_worker_holding_stop_signals
+    arbiter.adapt(server, keeper)
 
 
 def create_holdings(settings: Settings, slots: int, engines: int | None = None) -> Any:
@@ -271,41 +248,6 @@ def create_holdings(settings: Settings, slots: int, engines: int | None = None) 
     entry_keys = min(placement.max_prefix_chars // placement.block_chars, 4096)
     sections = max(engines if engines is not None else 0, len(settings.engines))
     return Holdings.create(HoldingsLayout(sections=sections, keys=keys, slots=slots, entry_keys=entry_keys))
-
-
-def _watch_from_the_main_loop(server: Any, keeper: Any) -> None:
-    """gunicorn has no periodic master hook; its main loop calls ``manage_workers`` at least
-    once a second and after every signal (SIGCHLD included), and a reload's wait for the old
-    workers calls ``reap_workers``: the keeper's check rides on both
-    (see ``narwhal.supervisor.process``). ``stop``, the master's way out, ends the restarts."""
-    manage_workers, reap_workers = server.manage_workers, server.reap_workers
-
-    def manage_workers_and_supervisor() -> None:
-        manage_workers()
-        keeper.check()
-
-    def reap_workers_and_supervisor() -> None:
-        # A SIGHUP reload waits in Arbiter.reload, calling only reap_workers every 0.1 s, until
-        # the old workers are gone (up to the graceful timeout, while they finish streams): the
-        # supervisor it stopped must be replaced from there too, not once the wait is over
-        # (the old workers' reports met no supervisor, or one that dropped them).
-        reap_workers()
-        keeper.check()
-
-    server.manage_workers = manage_workers_and_supervisor
-    server.reap_workers = reap_workers_and_supervisor
-    stop = server.stop
-
-    def stop_restarting_then_stop(graceful: bool = True) -> None:
-        # Arbiter.stop is the master's way out (SIGTERM, SIGINT, SIGQUIT, a crash) and calls
-        # reap_workers while the workers drain. A supervisor that signal also reached (systemd's
-        # default KillMode=control-group signals every process of the unit) must not be forked
-        # again from there, to log engine discovery after "Shutting down"; one the signal did not
-        # reach keeps serving the draining workers until on_exit stops it.
-        keeper.stopping = True
-        stop(graceful)
-
-    server.stop = stop_restarting_then_stop
 
 
 def on_reload(server: Any) -> None:

@@ -8,7 +8,7 @@ hands it to gunicorn.
 
 Invariants, and why:
 
-* A worker is forked with the stop signals blocked (the master's
+* A worker is forked with the stop signals blocked (``master.arbiter``'s
   ``_hold_stop_signals_across_fork``): one sent while it boots stays pending, and is taken once
   its loop runs, so a worker stopped right after its fork stops as soon as it is up instead of
   being killed at the end of the graceful timeout.
@@ -56,7 +56,7 @@ def post_worker_init(worker: Any) -> None:
         loop.call_later(accept.ACCEPTED_GRACE_S, _wake, worker)
 
     loop.add_signal_handler(signal.SIGTERM, on_term)
-    # The stop signals the master blocked across the fork (the master's _hold_stop_signals_across_fork): taken
+    # The stop signals the master blocked across the fork (master.arbiter): taken
     # once the loop runs, so one sent while the worker booted reaches on_term (or aiohttp's
     # handlers) and the worker stops as soon as it is up, instead of serving on.
     loop.call_soon(signal.pthread_sigmask, signal.SIG_UNBLOCK, STOP_SIGNALS)
