@@ -11,32 +11,20 @@ against — is in :mod:`narwhal.fleet.blame`, with the types that cross this mod
 (re-exported here: :class:`State`, :class:`EngineInfo`, :class:`Outcome`, :class:`ProbePlan`,
 :class:`EngineStatus`).
 
-State machine (one per engine)::
+One engine's record and the moves of its state machine, with the machine drawn and its
+invariants, are :mod:`narwhal.supervisor.breaker_record`; the way back (probe schedule, whole-wave
+restart) is :mod:`narwhal.supervisor.readmission`. What is the fleet's, and so here: who a
+report charges (through blame, with the ambiguity it remembers), whether the ejection cap allows
+one more, the waves, and the version the supervisor publishes by. A health failure counts in
+every role of the engine.
 
-    ADMITTED/DEGRADED --charged failure, quarantine_s > 0--> QUARANTINED
-    QUARANTINED --tick at the deadline--> ADMITTED, or DEGRADED while a streak >= eject_after
-    ADMITTED/QUARANTINED/DEGRADED --a streak reaches eject_after, the cap allows--> EJECTED
-    ADMITTED --a streak reaches eject_after, max_ejected_fraction forbids, no quarantine--> DEGRADED
-    DEGRADED --success resets the streak--> ADMITTED
-    EJECTED --due_probes at next_probe_at--> PROBING --"fail"/"inconclusive"--> EJECTED
-    PROBING --"pass"--> ADMITTED, or EJECTED *waiting for its wave* (whole-wave restart)
-    waiting --every wave member passed, or wave_hold_s since the first pass--> ADMITTED
-    any --operator eject--> EJECTED (not probed);  any --drain--> DRAINING;  any --readmit--> ADMITTED
+Invariants of the fleet, beside each record's (checked on every engine a call touched):
 
-Streaks are kept per role (``failure_streak`` shows the larger; either reaching ``eject_after``
-ejects); a passed probe resets both, a success what it proved (the table in :mod:`.blame`). A
-health failure counts in every role of the engine.
-
-Invariants (checked on every engine a call touched):
-
-* ``quarantined_until`` is set exactly when the state is QUARANTINED;
-* ADMITTED means every streak is below ``eject_after``; DEGRADED means one is not;
-* a probe is scheduled (``next_probe_at``) only for an engine that is EJECTED or PROBING, was
-  ejected by the breaker (not by the operator) and is not waiting for its wave;
-* an engine waiting for its wave is EJECTED and has a wave;
 * :attr:`Breakers.version` moves by one exactly when some :class:`EngineStatus` changed;
   :attr:`Breakers.changes` with every change but time's: between two moves a success repeated
   changes nothing; tick and due_probes act only from ``readmission.earliest``'s deadline on.
+* ``ejected / engines of that role <= max_ejected_fraction`` after every breaker ejection (the
+  operator's are not capped).
 
 Rules decided where the contract is silent (docs/decisions.md):
 
@@ -75,7 +63,8 @@ from collections.abc import Sequence
 
 from narwhal.fleet.blame import EngineInfo, EngineStatus, Outcome, Pending, ProbePlan, RoleName, State, charges, counted
 from narwhal.settings import RecoverySettings
-from narwhal.supervisor.readmission import OUT, SERVING, BreakerRecord, Wave, earliest, probe_interval, probe_plan
+from narwhal.supervisor.breaker_record import OUT, SERVING, BreakerRecord
+from narwhal.supervisor.readmission import Wave, earliest, probe_interval, probe_plan
 
 __all__ = ["Breakers", "EngineInfo", "EngineStatus", "Outcome", "ProbePlan", "State"]
 
@@ -143,8 +132,7 @@ class Breakers:
         for rec in self._engines.values():
             if rec.state is State.QUARANTINED and rec.quarantined_until is not None and rec.quarantined_until <= now:
                 self._touched.add(rec.info.name)
-                rec.quarantined_until = None
-                rec.state = State.DEGRADED if self._over(rec) else State.ADMITTED
+                rec.end_quarantine(self._settings.eject_after)
         for wave in self._waves.values():
             self._settle(wave, now)
         self._commit()
@@ -213,9 +201,7 @@ class Breakers:
         """No new requests (in-flight ones finish); only :meth:`readmit` undoes it."""
         rec = self._engines[engine]
         self._touched.add(engine)
-        rec.state = State.DRAINING
-        rec.quarantined_until = rec.next_probe_at = None
-        rec.waiting = rec.by_operator = False
+        rec.drain()
         self._settle_wave_of(rec, now)
         self._commit()
 
@@ -245,7 +231,7 @@ class Breakers:
         elif status.state is not State.QUARANTINED or status.quarantined_until is None:
             rec.quarantined_until = None
             if rec.state is not State.DRAINING:
-                rec.state = State.DEGRADED if self._over(rec) else State.ADMITTED
+                rec.end_quarantine(self._settings.eject_after)
         self._commit()
 
     # ------------------------------------------------------------------------------ queries
@@ -284,9 +270,6 @@ class Breakers:
         rec = self._engines.get(engine)
         return rec is not None and rec.state in OUT
 
-    def _over(self, rec: BreakerRecord) -> bool:
-        return max(rec.streak.values()) >= self._settings.eject_after
-
     def _succeeded(self, engine: str, role: RoleName) -> None:
         rec = self._engines.get(engine)
         if rec is None or rec.state in OUT:
@@ -303,8 +286,7 @@ class Breakers:
     def _lower_streak(self, rec: BreakerRecord, role: RoleName, to: int) -> None:
         if rec.lower_streak(role, to):
             self._touched.add(rec.info.name)
-            if rec.state is State.DEGRADED and not self._over(rec):
-                rec.state = State.ADMITTED
+            rec.recover(self._settings.eject_after)
 
     def _charge(
         self, engine: str, roles: Sequence[RoleName], now: float, reason: str | None, original: str | None,
@@ -314,21 +296,14 @@ class Breakers:
         if rec is None or rec.state in OUT:
             return
         self._touched.add(engine)
-        for role in roles:
-            rec.streak[role] += 1
-        if handoff:
-            rec.handoff_streak += 1
-        rec.last_failure_reason, rec.last_failure_at = reason, now
-        rec.original_producer = original
+        rec.charge(roles, now, reason, original, handoff)
         if rec.state is State.DRAINING:
             return
-        over = self._over(rec)
+        over = rec.over(self._settings.eject_after)
         if over and self._may_eject(rec):
             self._eject(rec, now, by_operator=False)
         elif self._settings.failure_quarantine_s > 0:
-            until = now + self._settings.failure_quarantine_s
-            rec.state = State.QUARANTINED
-            rec.quarantined_until = until if rec.quarantined_until is None else max(until, rec.quarantined_until)
+            rec.quarantine(now + self._settings.failure_quarantine_s)
         elif over:
             rec.state = State.DEGRADED
 
@@ -342,19 +317,11 @@ class Breakers:
 
     def _eject(self, rec: BreakerRecord, now: float, *, by_operator: bool) -> None:
         self._touched.add(rec.info.name)
-        rec.state = State.EJECTED
-        rec.ejections += 1
-        rec.quarantined_until = None
-        rec.by_operator = by_operator
-        rec.waiting = False
-        rec.next_probe_at = None if by_operator else now + self.probe_interval(rec.ejections)
+        rec.eject(None if by_operator else now + self.probe_interval(rec.ejections + 1), by_operator=by_operator)
 
     def _readmit(self, rec: BreakerRecord, now: float) -> None:
         self._touched.add(rec.info.name)
-        rec.state, rec.readmitted_at = State.ADMITTED, now
-        rec.clear_streaks()
-        rec.quarantined_until = rec.next_probe_at = rec.original_producer = None
-        rec.by_operator = rec.waiting = False
+        rec.readmit(now)
         self._pending.clear(rec.info.name)
 
     def _wave_of(self, rec: BreakerRecord) -> Wave | None:
@@ -383,7 +350,7 @@ class Breakers:
         changed = False
         for name in self._touched:
             rec = self._engines[name]
-            self._check(rec)
+            rec.check(self._settings.eject_after)
             status = rec.status()
             if status != self._status[name]:
                 self._status[name] = status
@@ -391,10 +358,3 @@ class Breakers:
         self._touched.clear()
         if changed:
             self.version += 1
-
-    def _check(self, rec: BreakerRecord) -> None:
-        assert (rec.quarantined_until is not None) == (rec.state is State.QUARANTINED), rec
-        assert rec.state not in SERVING or self._over(rec) == (rec.state is State.DEGRADED), rec
-        assert rec.next_probe_at is None or (rec.state in OUT and not rec.by_operator and not rec.waiting), rec
-        assert not rec.waiting or (rec.state is State.EJECTED and rec.info.wave is not None), rec
-        assert 0 <= rec.handoff_streak <= rec.streak["producer"], rec

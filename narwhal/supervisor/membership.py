@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from narwhal.fleet.blame import EngineInfo, ProbePlan, State
 from narwhal.settings.engines import EngineSpec
 from narwhal.supervisor.breaker import Breakers
-from narwhal.supervisor.readmission import BreakerRecord, Wave, probe_plan
+from narwhal.supervisor.breaker_record import BreakerRecord
+from narwhal.supervisor.readmission import Wave, probe_plan
 
 JOIN_KIND_CONTRACT = "probe"  # lifecycle and the transfer probe (supervisor.probes)
 JOIN_KIND = "lifecycle"  # without a contract: /health and /v1/models

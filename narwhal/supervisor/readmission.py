@@ -1,6 +1,7 @@
 """The way back for an ejected engine (docs/behaviour.md "Recovery"): the probe schedule and whole-wave restart.
 
-Split from :mod:`narwhal.supervisor.breaker`, which owns every transition and calls these; the
+Split from :mod:`narwhal.supervisor.breaker`, which owns every transition and calls these (one
+engine's moves are :mod:`narwhal.supervisor.breaker_record`'s); the
 same rules as there hold here: pure, no I/O, no clock (``now`` is an argument), and nothing
 here bumps the breakers' version or skips their invariant check (the breaker marks what a call
 touched and checks it after).
@@ -22,74 +23,11 @@ Invariant kept here: a held member has no probe scheduled and its wave has a ``h
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from narwhal.fleet.blame import EngineInfo, EngineStatus, ProbePlan, RoleName, State
+from narwhal.fleet.blame import ProbePlan, State
 from narwhal.settings import RecoverySettings
-
-OUT = (State.EJECTED, State.PROBING)
-SERVING = (State.ADMITTED, State.DEGRADED)
-
-
-@dataclass
-class BreakerRecord:
-    """One engine's breaker state (changed by :class:`~narwhal.supervisor.breaker.Breakers` only)."""
-
-    info: EngineInfo
-    state: State = State.ADMITTED
-    streak: dict[RoleName, int] = field(default_factory=lambda: {"producer": 0, "consumer": 0})
-    # Of the producer streak, the handoff charges (``Charge.handoff``): what a same-worker
-    # success leaves standing; only a crossed success clears them.
-    handoff_streak: int = 0
-    ejections: int = 0
-    quarantined_until: float | None = None
-    last_failure_reason: str | None = None
-    last_failure_at: float | None = None
-    original_producer: str | None = None  # of the last charged failure, when it was crossed
-    by_operator: bool = False
-    next_probe_at: float | None = None
-    waiting: bool = False  # passed readmission, held for its wave
-    joining: bool = False  # discovered at run time, not yet through its first checks (supervisor.membership)
-    # When it last came back: evidence gathered before then (a health check sent while it was
-    # out and answered after) is stale and charges nothing.
-    readmitted_at: float = float("-inf")
-
-    def clear_streaks(self) -> None:
-        """Both role streaks and the handoff streak to zero: a readmission, or a take-over's fresh start."""
-        self.streak = {"producer": 0, "consumer": 0}
-        self.handoff_streak = 0
-
-    def lower_streak(self, role: RoleName, to: int) -> bool:
-        """The role's streak down to ``to`` (its handoff charges with it); whether it moved."""
-        if self.streak[role] <= to:
-            return False
-        self.streak[role] = to
-        if role == "producer":
-            self.handoff_streak = min(self.handoff_streak, to)
-        return True
-
-    def take_over(self, status: EngineStatus) -> None:
-        """What a previous supervisor published, as this record's: the streak in every role,
-        none of it a handoff charge (those are lost with the old process); no probe, no hold."""
-        self.clear_streaks()
-        for role in self.info.roles:
-            self.streak[role] = status.failure_streak
-        self.ejections, self.original_producer = status.ejections, None
-        self.last_failure_reason, self.last_failure_at = status.last_failure_reason, status.last_failure_at
-        self.state, self.quarantined_until, self.next_probe_at = status.state, status.quarantined_until, None
-        self.by_operator = self.waiting = False
-
-    def status(self) -> EngineStatus:
-        """The record as published: the larger role streak is the failure streak."""
-        return EngineStatus(
-            name=self.info.name,
-            state=self.state,
-            failure_streak=max(self.streak.values()),
-            ejections=self.ejections,
-            quarantined_until=self.quarantined_until,
-            last_failure_reason=self.last_failure_reason,
-            last_failure_at=self.last_failure_at,
-        )
+from narwhal.supervisor.breaker_record import OUT, BreakerRecord
 
 
 def probe_interval(settings: RecoverySettings, ejections: int) -> float:
