@@ -34,14 +34,15 @@ import itertools
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from narwhal.engines.endpoints import BY_PATH
 from narwhal.fake_engine.prefix import prompt_text, text_tokens
 from narwhal.fleet import Fleet
 from narwhal.fleet.placement import LocalInflight, Placement, Reservation
-from narwhal.fleet.placement.blocks import PrefixBlocks
-from narwhal.request.affinity import request_hints
+from narwhal.fleet.placement.registry import build
+from narwhal.request.affinity import prepared
 from narwhal.settings import Settings
 from narwhal.shm.holdings import Held, PrefillReport
 from narwhal.supervisor.holdings import HoldingsModel
@@ -126,7 +127,7 @@ class Host:
         self.reports: list[PrefillReport] = []
         self.placements = [
             Placement(fleet, _AllAdmitted(), self.inflight, settings.placement, random.Random(seed * 100 + w),
-                      loads=self, clock=lambda: loop.now, holdings=self)
+                      loads=self, clock=lambda: loop.now, policy=build(settings.placement, self))
             for w in range(workers)
         ]
 
@@ -146,6 +147,14 @@ class Host:
 
     def add_work(self, engine: int, chars: int) -> None:
         self.work_chars[engine] = max(self.work_chars[engine] + chars, 0)
+
+    def report_prefill(
+        self, producer: int, engine_id: str | None, prompt_chars: int, prompt_tokens: int | None,
+        cached_tokens: int | None, duration_s: float, keys: list[int], queued_chars: int = 0, at: float = 0.0,
+    ) -> None:
+        """A worker's report, as its ring carries it to the supervisor (every engine one stamp here)."""
+        self.reports.append(PrefillReport(producer, 1, 1, prompt_chars, prompt_tokens, cached_tokens, duration_s,
+                                          tuple(keys), queued_chars, at))
 
     # the supervisor's Holdings.publish
     def publish(self, engine: int, stamp: int, engine_id: int, keys: list[int], capacity_blocks: int | None,
@@ -246,14 +255,14 @@ def _edges(loop: Loop, producers: Sequence[Producer], window: tuple[float, float
 
 
 def _placed(host: Host, rng: random.Random, body: dict[str, Any],
-            settings: Settings) -> tuple[Reservation, Host, PrefixBlocks | None]:
+            settings: Settings) -> tuple[Reservation, Host, Placement]:
     """A request placed by one of ``host``'s workers (at random), as the router's admission and
-    placement would: its reservation, the host, and its block keys (a policy that wants them)."""
+    placement would: its reservation, the host, and the placement (whose policy hears of its prefill)."""
     placement = host.placements[rng.randrange(len(host.placements))]
-    key, _, blocks = request_hints(CHAT, body, settings.placement, placement.policy)
-    resv = placement.try_place(MODEL_NAME, frozenset(), key, False, blocks)
+    _, note = prepared(CHAT, body, settings.placement, placement.policy)
+    resv = placement.try_place(MODEL_NAME, frozenset(), note, False)
     assert resv is not None, "no caps in this fleet: a pair is always free"
-    return resv, host, blocks
+    return resv, host, placement
 
 
 def simulate(variant: Variant, row: str, seed: int = 0, warmup_s: float = 1.0, duration_s: float = 3.0,
@@ -282,21 +291,21 @@ def simulate(variant: Variant, row: str, seed: int = 0, warmup_s: float = 1.0, d
         tokens = text_tokens(text)
         n = next(counter)
         if row == "ideal":
-            index, resv, host, blocks = assignment[source.system_of(u)], None, hosts[0], None
+            index, resv, host, placement = assignment[source.system_of(u)], None, hosts[0], None
         else:
-            resv, host, blocks = _placed(hosts[n % len(hosts)], rng, body, settings)
+            resv, host, placement = _placed(hosts[n % len(hosts)], rng, body, settings)
             index = resv.producer.index
         p = producers[index]
 
         def prefilled(cached: int) -> None:
             def answered() -> None:
                 now = loop.now
-                if resv is not None:
+                if resv is not None and placement is not None:
                     resv.release_prefill()
-                    if blocks is not None:
-                        host.reports.append(PrefillReport(
-                            index, 1, 1, 0 if blocks.cut else len(blocks.text), tokens, cached, now - placed_at,
-                            tuple(blocks.keys()), resv.queued_chars, now))
+                    if resv.note is not None:  # as the router's attempt does: the policy reports it
+                        placement.policy.prefilled(resv, SimpleNamespace(
+                            descriptor=None, prompt_tokens=tokens, cached_tokens=cached,
+                            started_at=placed_at, finished_at=now))
                 if window[0] <= sent and now <= window[1] + 1.0 and sent < window[1]:
                     tally.ttft.append(now - sent)
                     tally.requests += 1

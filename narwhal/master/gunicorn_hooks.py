@@ -231,23 +231,22 @@ def on_starting(server: Any) -> None:
 
 
 def create_holdings(settings: Settings, slots: int, engines: int | None = None) -> Any:
-    """The holdings region (docs/behaviour.md "Placement") beside the fleet's, for a policy that wants it: a section
-    per engine slot (``engines``, default the configured engines), so a producer added by a reload
-    or by discovery has one; ``placement.holdings_slots`` keys shared among
-    the configured producers (each producer that joins later gets a section as large: pages are
-    committed only as a section fills)."""
-    placement = settings.placement
-    from narwhal.fleet.placement.registry import policy_named
+    """The holdings region (docs/behaviour.md "Placement") beside the fleet's, when the placement
+    policy asks for one (``Policy.region``: the master knows no policy): a section per engine slot
+    (``engines``, default the configured engines), so a producer added by a reload or by
+    discovery has one; the region's keys shared among the configured producers (each producer
+    that joins later gets a section as large: pages are committed only as a section fills)."""
+    from narwhal.fleet.placement.registry import region
 
-    if not policy_named(placement.placement_policy).wants_holdings:
+    need = region(settings.placement)
+    if need is None:
         return None
     from narwhal.shm.holdings import Holdings, HoldingsLayout
 
     producers = sum(1 for e in settings.engines if e.role != "consumer")
-    keys = max(placement.holdings_slots // max(producers, 1), 1)
-    entry_keys = min(placement.max_prefix_chars // placement.block_chars, 4096)
+    keys = max(need.keys // max(producers, 1), 1)
     sections = max(engines if engines is not None else 0, len(settings.engines))
-    return Holdings.create(HoldingsLayout(sections=sections, keys=keys, slots=slots, entry_keys=entry_keys))
+    return Holdings.create(HoldingsLayout(sections=sections, keys=keys, slots=slots, entry_keys=need.entry_keys))
 
 
 def on_reload(server: Any) -> None:

@@ -32,7 +32,6 @@ from aiohttp.http_exceptions import HttpProcessingError
 from narwhal.engines.endpoints import Endpoint
 from narwhal.errors import RequestError
 from narwhal.fleet import Fleet
-from narwhal.fleet.placement.blocks import PrefixBlocks
 from narwhal.reasons import Reason
 from narwhal.request.ids import printable_ascii
 from narwhal.settings import Settings
@@ -55,9 +54,8 @@ class ClientRequest:
     stream: bool
     deadline: float  # loop.time() units
     forward: dict[str, str]
-    affinity: int | None = None  # the prefix-affinity key's hash (narwhal.request.affinity)
     local: bool = False  # a prompt short enough to skip the remote prefill (docs/behaviour.md "Placement")
-    blocks: PrefixBlocks | None = None  # policy "held": the prompt's prefix block keys (docs/behaviour.md "Placement")
+    note: Any = None  # the placement policy's, carried unread (narwhal.request.affinity)
     # The prompt fields' values once ``body`` holds them encoded (``embed_prompt``): what a
     # stream's continuation is built from (narwhal.request.migration).
     prompt: dict[str, Any] = field(default_factory=dict)

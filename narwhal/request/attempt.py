@@ -159,7 +159,7 @@ class Attempts:
         raises
         what the router retries or answers. ``migration``: the stream's, when it may continue
         after a cut (its transcript records what the client is sent; ``req`` may be a continuation)."""
-        resv = await self.placement.reserve(req.model, req.deadline, avoid, req.affinity, req.local, req.blocks)
+        resv = await self.placement.reserve(req.model, req.deadline, avoid, req.note, req.local)
         producer, consumer = resv.producer, resv.consumer  # 2. placement: the pair, both slots held
         rec.producer, rec.consumer = (None if resv.local else producer.name), consumer.name
         request_id = backend_id(rec.request_id, rec.attempts)
@@ -255,11 +255,11 @@ class Attempts:
         if migration is None or not migration.count:
             rec.ttft_s = ttft_s = time.perf_counter() - started
             rec.prompt_tokens, rec.cached_tokens = result.prompt_tokens, result.cached_tokens
-        if req.blocks is not None:
-            rec.predicted_cached_chars = resv.predicted_chars
-            # Runs at the decode's first wait: the keys are finished off the critical path.
-            self._running_loop().call_soon(self.outcomes.prefilled, resv.producer, req.blocks, result,
-                                           resv.queued_chars)
+        note = resv.note
+        if note is not None:  # the placement policy keeps something of it (policy.Placed)
+            rec.predicted_cached_chars = note.predicted_cached_chars
+            # Runs at the decode's first wait: what the policy does of it is off the critical path.
+            self._running_loop().call_soon(self.placement.policy.prefilled, resv, result)
         return ttft_s
 
     def _handoff(

@@ -9,13 +9,11 @@ could not connect to (docs/behaviour.md "Recovery": unreachable, whoever the fau
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 from narwhal import metrics
-from narwhal.engines.prefill_result import PrefillResult
 from narwhal.errors import EngineError
 from narwhal.fleet import Engine, Fleet
-from narwhal.fleet.placement.blocks import PrefixBlocks
 
 
 class Reporter(Protocol):
@@ -46,40 +44,13 @@ class Reporter(Protocol):
         """
 
 
-class PrefillSink(Protocol):
-    """Where completed prefills go for the holdings (``shm.holdings_view.WorkerHoldings``)."""
-
-    def report_prefill(
-        self, producer: int, engine_id: str | None, prompt_chars: int, prompt_tokens: int | None,
-        cached_tokens: int | None, duration_s: float, keys: list[int], queued_chars: int = 0, at: float = 0.0,
-    ) -> None:
-        """Record one completed prefill (what it cached, how long it took) for the holdings; never awaits."""
-
-
 class Outcomes:
     """Turns each attempt's end into reports, failure counters and quarantines: breakers' one source."""
 
-    def __init__(
-        self, fleet: Fleet, reporter: Reporter, quarantine_s: float, prefills: PrefillSink | None = None
-    ) -> None:
+    def __init__(self, fleet: Fleet, reporter: Reporter, quarantine_s: float) -> None:
         self.fleet = fleet
         self.reporter = reporter
         self.quarantine_s = quarantine_s
-        self.prefills = prefills
-
-    def prefilled(self, producer: Engine, blocks: PrefixBlocks, result: PrefillResult, queued_chars: int) -> None:
-        """A completed prefill for the holdings (docs/behaviour.md "Placement"): its producer, engine id, block keys
-        (finished here, off the client's critical path: the attempt schedules this call for after
-        the decode is on its way) and what the producer said it cached."""
-        if self.prefills is None:
-            return
-        descriptor: Any = result.descriptor
-        engine_id = descriptor.get("remote_engine_id") if isinstance(descriptor, dict) else None
-        self.prefills.report_prefill(
-            producer.index, engine_id if isinstance(engine_id, str) else None, 0 if blocks.cut else len(blocks.text),
-            result.prompt_tokens, result.cached_tokens, max(result.finished_at - result.started_at, 0.0),
-            blocks.keys(), queued_chars, result.finished_at,
-        )
 
     def success(self, producer: Engine, consumer: Engine, *, local: bool = False) -> None:
         """An attempt decoded to completion: the stream is proven, and the handoff if there was

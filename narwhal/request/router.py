@@ -32,12 +32,11 @@ from narwhal.engines.endpoints import Endpoint
 from narwhal.errors import EngineError, NarwhalError, RequestError
 from narwhal.fleet import Fleet
 from narwhal.fleet.endpoint_support import NONE, PD, EndpointSupport
-from narwhal.fleet.placement.blocks import MEMO_BLOCKS, KeyMemo
 from narwhal.reasons import Reason, retryable
 from narwhal.request import client_failures
 from narwhal.request.accesslog import AccessLog, AccessRecord
 from narwhal.request.admission import ClientRequest, admit, embed_prompt
-from narwhal.request.affinity import request_hints
+from narwhal.request.affinity import prepared
 from narwhal.request.attempt import Attempts
 from narwhal.request.client_stream import ClientStream
 from narwhal.request.ids import client_request_id, trace_id_of
@@ -95,8 +94,6 @@ class Router:
         self.access_log = parts.access_log
         self._background: set[asyncio.Task[Any]] = set()
         self._policy = placement.policy
-        # This worker's block keys already computed, never shared (a policy that wants blocks).
-        self._key_memo = KeyMemo(MEMO_BLOCKS) if self._policy.wants_blocks else None
         self.attempts = Attempts(settings, placement, client, outcomes, self._spawn)
         self.passthrough = Passthrough(settings, placement, client, outcomes)
         self._support = EndpointSupport(fleet)  # which endpoints the engines' releases serve, how
@@ -133,8 +130,7 @@ class Router:
             if endpoint.passthrough:
                 response = await self.passthrough.serve(req, rec, started)
             else:
-                req.affinity, req.local, req.blocks = request_hints(
-                    endpoint, req.body, self.settings.placement, self._policy, self._key_memo)
+                req.local, req.note = prepared(endpoint, req.body, self.settings.placement, self._policy)
                 support = self._support.of(req.model, path)
                 if support is not PD:  # the engines' release cannot hand off here (0.11 and Responses, …)
                     req.local = self._served_alone(support, req.model, path)

@@ -24,7 +24,6 @@ from typing import Any, TypeVar
 from narwhal.errors import PlacementError
 from narwhal.fleet.passthrough import EngineSlot, SingleEngine
 from narwhal.fleet.placement import Placement, Reservation
-from narwhal.fleet.placement.blocks import PrefixBlocks
 from narwhal.fleet.placement.reservation import PhaseName
 from narwhal.fleet.roster import Engine
 
@@ -88,11 +87,12 @@ class WaitingPlacement(Placement):
         self.queue = Queue()  # requests waiting for a pair on this worker
 
     async def reserve(
-        self, model: str, deadline: float, avoid: frozenset[str] = frozenset(), key: int | None = None,
-        local: bool = False, blocks: PrefixBlocks | None = None,
+        self, model: str, deadline: float, avoid: frozenset[str] = frozenset(), note: Any = None,
+        local: bool = False,
     ) -> Reservation:
-        """Wait (bounded) for a pair; raise ``no_engine`` when none frees in time."""
-        found = self._place(model, avoid, key, local, blocks)
+        """Wait (bounded) for a pair; raise ``no_engine`` when none frees in time (``note``: the
+        policy's, carried unread)."""
+        found = self._place(model, avoid, note, local)
         if found is not None:
             return found
         loop = asyncio.get_running_loop()
@@ -106,7 +106,7 @@ class WaitingPlacement(Placement):
             )
         give_up = min(loop.time() + self.settings.queue_timeout_s, deadline)
         return await self.queue.wait_for(
-            lambda: self._place(model, avoid, key, local, blocks), self._until_freed, give_up, model, retry_after
+            lambda: self._place(model, avoid, note, local), self._until_freed, give_up, model, retry_after
         )
 
     async def _until_freed(self, at_most_s: float) -> None:

@@ -137,15 +137,15 @@ class _TracedPlacement:
         self._tracer = tracer
 
     async def reserve(
-        self, model: str, deadline: float, avoid: frozenset[str] = frozenset(), key: int | None = None,
-        local: bool = False, blocks: Any = None,
+        self, model: str, deadline: float, avoid: frozenset[str] = frozenset(), note: Any = None,
+        local: bool = False,
     ) -> Reservation:
         with self._tracer.start_as_current_span(
             "narwhal.placement", record_exception=False, set_status_on_exception=False,
             attributes={"narwhal.model": model, "narwhal.avoid": sorted(avoid), "narwhal.local": local},
         ) as span:
             try:
-                resv: Reservation = await self._inner.reserve(model, deadline, avoid, key, local, blocks)
+                resv: Reservation = await self._inner.reserve(model, deadline, avoid, note, local)
             except BaseException as exc:
                 _failed(span, exc)
                 raise

@@ -66,7 +66,7 @@ def engine_view(router: Router, state: WorkerFleetState | LocalFleetState, engin
         "inflight": {"prefill": totals_p[engine.index], "decode": totals_d[engine.index]},
         "last_failure": None,
         "load": None,
-        "holdings": _holdings_view(router, engine),
+        "holdings": router.placement.policy.describe(engine),  # what the placement policy knows of it
     }
     if isinstance(state, WorkerFleetState):
         entry["load"] = _load_view(state.load_readings()[engine.index])
@@ -109,24 +109,6 @@ def children_of(pid: int) -> list[int]:
             return [int(p) for p in f.read().split()]
     except OSError:
         return []
-
-
-def _holdings_view(router: Router, engine: Engine) -> dict[str, Any] | None:
-    """What the supervisor believes the producer holds (docs/behaviour.md "Placement"); null without policy
-    ``held``, for a consumer, or before anything was published for it."""
-    source = router.placement.holdings
-    readings = source.current() if source is not None else ()
-    held = readings[engine.index] if engine.index < len(readings) and engine.can_prefill else None
-    if held is None:
-        return None
-    return {
-        "blocks": held.blocks,
-        "capacity_blocks": held.capacity_blocks,
-        "chars_per_token": held.chars_per_token,
-        "prefill_chars_per_s": held.prefill_chars_per_s,
-        "hot_blocks": held.hot_blocks,  # reused in the last few seconds: the live part of blocks
-        "homes": len(held.homes or ()),  # live prefixes every replica sends here first
-    }
 
 
 def _load_view(reading: LoadRecord | None) -> dict[str, Any] | None:

@@ -14,6 +14,7 @@ import os
 from narwhal import shm
 from narwhal.engines.client import EngineClient
 from narwhal.fleet import Fleet
+from narwhal.fleet.placement.registry import build
 from narwhal.request.accesslog import AccessLog
 from narwhal.request.outcomes import Outcomes
 from narwhal.request.router import Router, RouterParts
@@ -38,9 +39,10 @@ def compose(settings: Settings) -> tuple[Fleet, WorkerFleetState | LocalFleetSta
     parts = RouterParts(
         settings=settings,
         fleet=fleet,
-        placement=WaitingPlacement(fleet, state, state, settings.placement, loads=loads, holdings=holdings),
+        placement=WaitingPlacement(fleet, state, state, settings.placement, loads=loads,
+                                   policy=build(settings.placement, holdings)),
         client=EngineClient.for_settings(settings.engine),
-        outcomes=Outcomes(fleet, state, settings.recovery.failure_quarantine_s, prefills=holdings),
+        outcomes=Outcomes(fleet, state, settings.recovery.failure_quarantine_s),
         state=state,
         access_log=AccessLog(settings.log.access_log),
     )

@@ -23,7 +23,17 @@ from typing import TypeVar
 
 from narwhal.fleet import Engine
 from narwhal.fleet.placement import least_loaded
-from narwhal.fleet.placement.policy import Asked, Candidate, Ordered, by_affinity, by_load, producer_index
+from narwhal.fleet.placement.policy import (
+    Asked,
+    Candidate,
+    KeepsNothing,
+    Ordered,
+    PromptText,
+    by_affinity,
+    by_load,
+    producer_index,
+)
+from narwhal.settings import PlacementSettings
 
 T = TypeVar("T")
 
@@ -65,14 +75,28 @@ def bounded_order(
     return within + [item for item, _ in over], len(within), ranked[0]
 
 
-class Affinity:
-    """Policy ``affinity``: producers in the bounded-load rendezvous order of the prompt's key;
-    least loaded when the prompt has none (shorter than ``affinity_min_chars``)."""
+def prompt_key(prompt: PromptText, settings: PlacementSettings) -> int | None:
+    """The prompt's affinity key: the hash of its first ``affinity_chars`` characters; None for
+    a prompt shorter than ``affinity_min_chars`` or an endpoint without prompt text. At most
+    ``affinity_chars`` characters are read, so a 100 KiB prompt costs what a 1 KiB one does."""
+    head = prompt(settings.affinity_chars)
+    if head is None or len(head) < settings.affinity_min_chars:
+        return None
+    return key_hash(head)
+
+
+class Affinity(KeepsNothing):
+    """Policy ``affinity``: producers in the bounded-load rendezvous order of the prompt's key
+    (its note); least loaded when the prompt has none (shorter than ``affinity_min_chars``)."""
 
     name = "affinity"
-    wants_key = True
-    wants_blocks = False
-    wants_holdings = False
+
+    def __init__(self, settings: PlacementSettings, holdings: object = None) -> None:
+        self.settings = settings  # the holdings are not read
+
+    def prepare(self, prompt: PromptText) -> int | None:
+        """The prompt's affinity key (:func:`prompt_key`), its note."""
+        return prompt_key(prompt, self.settings)
 
     def keeps_saturated(self, asked: Asked) -> Callable[[Candidate], bool] | None:
         """None: a saturated producer takes no prefix while others have room."""
@@ -80,7 +104,7 @@ class Affinity:
 
     def order(self, candidates: list[Candidate], asked: Asked) -> Ordered:
         """The key's bounded-load order; by load without a key. A lone candidate is the key's favourite."""
-        key = asked.key
+        key: int | None = asked.note
         if key is None or len(candidates) < 2:
             ordered = least_loaded.order(candidates, asked.load, producer_index, None, asked.rng)
             return Ordered(ordered, by_load if key is None else by_affinity)

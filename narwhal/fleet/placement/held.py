@@ -44,13 +44,26 @@ Invariants, and why:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from narwhal.fleet import Engine
-from narwhal.fleet.placement.affinity import Affinity, score
-from narwhal.fleet.placement.blocks import PrefixBlocks
-from narwhal.fleet.placement.holdings_source import HeldReading
-from narwhal.fleet.placement.policy import Asked, Candidate, Ordered, producer_index
+from narwhal.fleet.placement.affinity import Affinity, key_hash, score
+from narwhal.fleet.placement.blocks import MEMO_BLOCKS, KeyMemo, PrefixBlocks
+from narwhal.fleet.placement.holdings_source import HeldReading, HoldingsSource
+from narwhal.fleet.placement.policy import (
+    Asked,
+    Candidate,
+    HoldingsRegion,
+    Ordered,
+    PrefillFacts,
+    PromptText,
+    producer_index,
+)
+from narwhal.settings import PlacementSettings
+
+if TYPE_CHECKING:
+    from narwhal.fleet.placement.reservation import Reservation
 
 T = TypeVar("T")
 
@@ -199,35 +212,71 @@ def choice_label(matched: int, anyone_held: bool) -> str:
     return "least_loaded" if anyone_held else "rendezvous"
 
 
+@dataclass(slots=True)
+class HeldPlaced:
+    """A reservation's note under ``held`` (``Reservation.note``): the prompt's blocks and what
+    placement reckoned of the chosen producer."""
+
+    blocks: PrefixBlocks
+    predicted_cached_chars: int | None  # the prompt's characters it was believed to hold (None: not reckoned)
+    queued_chars: int  # the queued prefill work reckoned ahead of it there
+    work: int  # its uncached characters, counted as this host's queued work there until the prefill ends
+
+
 class Held:
-    """Policy ``held``: producers by :func:`order` when the prompt has a full block; a shorter
-    prompt by the affinity rule (:class:`~narwhal.fleet.placement.affinity.Affinity`)."""
+    """Policy ``held``: producers by :func:`order` when the prompt has a full block (its note is
+    the prompt's :class:`~narwhal.fleet.placement.blocks.PrefixBlocks`); a shorter prompt by the
+    affinity rule (:class:`~narwhal.fleet.placement.affinity.Affinity`, its note the key).
+
+    ``holdings``: what each producer holds and this host's prefill work on each, and where
+    finished prefills are reported (the worker's view of the holdings region); None outside
+    gunicorn, where it places by rendezvous rank and load alone."""
 
     name = "held"
-    wants_key = True  # a prompt shorter than a block still goes by its affinity key
-    wants_blocks = True
-    wants_holdings = True
 
-    def __init__(self) -> None:
-        self._short = Affinity()
+    def __init__(self, settings: PlacementSettings, holdings: HoldingsSource | None = None) -> None:
+        self.settings = settings
+        self.holdings = holdings
+        self._short = Affinity(settings)
+        self._memo = KeyMemo(MEMO_BLOCKS)  # this worker's block keys already computed, never shared
+
+    @staticmethod
+    def region(settings: PlacementSettings) -> HoldingsRegion:
+        """The holdings region: ``holdings_slots`` keys shared among the configured producers, a
+        prefill report's keys up to ``max_prefix_chars`` (at most 4096 blocks)."""
+        return HoldingsRegion(settings.holdings_slots, min(settings.max_prefix_chars // settings.block_chars, 4096))
+
+    def prepare(self, prompt: PromptText) -> PrefixBlocks | int | None:
+        """The prompt's prefix blocks when it has a full block, read to one character past
+        ``max_prefix_chars`` (so a reporter tells a whole prompt from a cut one; keys computed
+        lazily); else its affinity key (a prompt shorter than a block still goes by it)."""
+        settings = self.settings
+        head = prompt(settings.max_prefix_chars + 1)
+        if head is None:
+            return None
+        if len(head) >= settings.block_chars:
+            return PrefixBlocks(head, settings.block_chars, settings.max_prefix_chars, self._memo)
+        if len(head) < settings.affinity_min_chars:
+            return None
+        return key_hash(head[: settings.affinity_chars])
 
     def keeps_saturated(self, asked: Asked) -> Callable[[Candidate], bool] | None:
         """A saturated producer that holds the prompt's first block, or is its home, stays a
         candidate: a scarce KV is always nearly full of cached prefixes, and a hit shares them."""
-        blocks = asked.blocks
-        if blocks is None or not blocks.count:
+        blocks = asked.note
+        if not isinstance(blocks, PrefixBlocks) or not blocks.count:
             return None
-        source = asked.holdings
+        source = self.holdings
         readings = source.current() if source is not None else ()
         first = blocks.key(0)
         return lambda c: holds_first(readings, c[0].index, first)
 
     def order(self, candidates: list[Candidate], asked: Asked) -> Ordered:
         """The least estimated time to handoff first, near-ties by rendezvous rank (:func:`order`)."""
-        blocks = asked.blocks
-        if blocks is None or not blocks.count or not candidates:
+        blocks = asked.note
+        if not isinstance(blocks, PrefixBlocks) or not blocks.count or not candidates:
             return self._short.order(candidates, asked)
-        source = asked.holdings
+        source = self.holdings
         readings: Sequence[HeldReading | None]
         if source is not None:
             readings, work = source.current(), source.work()
@@ -246,3 +295,59 @@ class Held:
             return choice_label(facts[position][0], anyone)
 
         return Ordered(ordered, choice, facts)
+
+    def placed(self, resv: Reservation, note: Any, ordered: Ordered, position: int) -> None:
+        """A prompt with blocks keeps them and what was reckoned of its producer; its uncached
+        characters count as this host's queued work there until its prefill ends. A producer
+        tried last (set aside as saturated) matched nothing; one the fallback's pass chose was
+        not reckoned at all."""
+        if not isinstance(note, PrefixBlocks):
+            return
+        facts: list[tuple[int, int, int]] | None = ordered.kept
+        if facts is None:
+            resv.note = HeldPlaced(note, None, 0, 0)
+            return
+        matched, uncached, queued = facts[position] if position < len(facts) else (0, len(note.text), 0)
+        work = uncached if self.holdings is not None else 0
+        if work:
+            self.holdings.add_work(resv.producer.index, work)  # type: ignore[union-attr]
+        resv.note = HeldPlaced(note, matched, queued, work)
+
+    def prefilled(self, resv: Reservation, result: PrefillFacts) -> None:
+        """The finished prefill for the holdings (docs/behaviour.md "Placement"): its producer,
+        engine id, block keys (finished here, off the client's critical path) and what the
+        producer said it cached."""
+        if self.holdings is None:
+            return
+        placed: HeldPlaced = resv.note
+        blocks = placed.blocks
+        descriptor = result.descriptor
+        engine_id = descriptor.get("remote_engine_id") if isinstance(descriptor, dict) else None
+        self.holdings.report_prefill(
+            resv.producer.index, engine_id if isinstance(engine_id, str) else None,
+            0 if blocks.cut else len(blocks.text), result.prompt_tokens, result.cached_tokens,
+            max(result.finished_at - result.started_at, 0.0), blocks.keys(), placed.queued_chars, result.finished_at,
+        )
+
+    def released(self, resv: Reservation) -> None:
+        """Its prefill ended: its uncached characters are no longer queued there."""
+        placed: HeldPlaced = resv.note
+        if placed.work and self.holdings is not None:
+            self.holdings.add_work(resv.producer.index, -placed.work)
+        placed.work = 0
+
+    def describe(self, engine: Engine) -> dict[str, Any] | None:
+        """What the supervisor believes the producer holds (docs/behaviour.md "Placement"); None for a
+        consumer, without the holdings, or before anything was published for it."""
+        readings = self.holdings.current() if self.holdings is not None else ()
+        held = readings[engine.index] if engine.index < len(readings) and engine.can_prefill else None
+        if held is None:
+            return None
+        return {
+            "blocks": held.blocks,
+            "capacity_blocks": held.capacity_blocks,
+            "chars_per_token": held.chars_per_token,
+            "prefill_chars_per_s": held.prefill_chars_per_s,
+            "hot_blocks": held.hot_blocks,  # reused in the last few seconds: the live part of blocks
+            "homes": len(held.homes or ()),  # live prefixes every replica sends here first
+        }

@@ -1,9 +1,9 @@
 """What the ``held`` policy reads of each producer's holdings: the interface, not the policy.
 
 The holdings themselves live in shared memory (``narwhal.shm.holdings``, written by the
-supervisor); placement reads them through these two protocols. They have a module of their own
-because the policy protocol (``policy.Asked`` carries a source) and the policy (``held``) both
-name them: kept in ``held``, the protocol module imported the policy that imports it.
+supervisor); the ``held`` policy reads them, and reports its finished prefills, through these two
+protocols. They have a module of their own so that the holdings' side of shared memory
+(``shm.holdings_view``) and the tests' sources name them without importing the policy.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class HeldReading(Protocol):
 class HoldingsSource(Protocol):
     """Per engine index, the holdings published for it (None: none), and this host's prefill
     work in flight (uncached characters of its prefill legs), which placement adds to and takes
-    back as legs start and end."""
+    back as legs start and end; and where finished prefills go."""
 
     def current(self) -> Sequence[HeldReading | None]:
         """Per engine index, its published holdings (None: none)."""
@@ -52,3 +52,8 @@ class HoldingsSource(Protocol):
         """Per engine index, this host's uncached prefill characters in flight on it."""
     def add_work(self, engine: int, chars: int) -> None:
         """Add ``chars`` (negative: take back) to ``engine``'s work in flight."""
+    def report_prefill(
+        self, producer: int, engine_id: str | None, prompt_chars: int, prompt_tokens: int | None,
+        cached_tokens: int | None, duration_s: float, keys: list[int], queued_chars: int = 0, at: float = 0.0,
+    ) -> None:
+        """Record one completed prefill (what it cached, how long it took) for the supervisor; never awaits."""

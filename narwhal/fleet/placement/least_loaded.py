@@ -21,7 +21,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from narwhal.fleet.placement.load import Loads
-from narwhal.fleet.placement.policy import Asked, Candidate, Ordered, by_load, producer_index
+from narwhal.fleet.placement.policy import Asked, Candidate, KeepsNothing, Ordered, PromptText, by_load, producer_index
+from narwhal.settings import PlacementSettings
 
 T = TypeVar("T")
 
@@ -69,13 +70,17 @@ def all_saturated(indexes: Sequence[int], loads: Loads | None) -> bool:
     return all(saturated[i] for i in indexes)
 
 
-class LeastLoaded:
+class LeastLoaded(KeepsNothing):
     """Policy ``least_loaded``: producers by load alone (the prompt is not read)."""
 
     name = "least_loaded"
-    wants_key = False
-    wants_blocks = False
-    wants_holdings = False
+
+    def __init__(self, settings: PlacementSettings | None = None, holdings: object = None) -> None:
+        pass  # nothing of the settings or the holdings is read
+
+    def prepare(self, prompt: PromptText) -> None:
+        """Nothing: the prompt is not read."""
+        return None
 
     def keeps_saturated(self, asked: Asked) -> Callable[[Candidate], bool] | None:
         """None: a saturated producer goes after every other."""

@@ -22,13 +22,11 @@ Invariants, and why:
 * The choice itself is pure (no I/O): counts come through :class:`InflightCounts`, engine
   reports through a :class:`LoadSource`, the clock and the randomness are injected.
 
-Which pair (docs/behaviour.md "Placement"): with policy ``held`` (the default) and a prompt of at least one
-block, producers by estimated time to handoff knowing what each holds (:mod:`.held`); else by
-prefix affinity when the request has a key (:mod:`.affinity`), else least loaded
-(:mod:`.least_loaded`); the consumer least loaded among
+Which pair (docs/behaviour.md "Placement"): producers in the policy's order (:mod:`.policy`, by
+``placement.policy``), which it gives from the request's note; the consumer least loaded among
 the producer's permitted consumers; saturated engines last; ties at random. A local decode
 (:meth:`Placement.reserve` with ``local``) reserves a consumer only. With
-``load_interval_s = 0`` and no key, this is exactly the least-in-flight choice of before.
+``load_interval_s = 0`` and no note, this is exactly the least-in-flight choice of before.
 
 Pure: :meth:`Placement.try_place` reserves a pair now or says no. The bounded wait for a pair
 (``placement.queue_timeout_s``, never past the deadline, at most ``placement.max_queue``
@@ -44,12 +42,19 @@ from typing import Any
 
 from narwhal.fleet import Engine, Fleet, FleetView, compat
 from narwhal.fleet.placement import affinity, least_loaded
-from narwhal.fleet.placement.blocks import PrefixBlocks
 from narwhal.fleet.placement.fallback import Fallback, fallback, reachable_first
-from narwhal.fleet.placement.holdings_source import HoldingsSource
 from narwhal.fleet.placement.load import LoadCache, Loads, LoadSource
-from narwhal.fleet.placement.policy import Asked, Candidate, Choice, producer_index, saturated, split_saturated
-from narwhal.fleet.placement.registry import policy_named
+from narwhal.fleet.placement.policy import (
+    Asked,
+    Candidate,
+    Choice,
+    Ordered,
+    Policy,
+    producer_index,
+    saturated,
+    split_saturated,
+)
+from narwhal.fleet.placement.registry import build
 from narwhal.fleet.placement.reservation import InflightCounts, PhaseName, Reservation
 from narwhal.settings import PlacementSettings
 
@@ -77,7 +82,7 @@ class Placement:
         rng: random.Random | None = None,
         loads: LoadSource | None = None,
         clock: Callable[[], float] = time.monotonic,
-        holdings: HoldingsSource | None = None,
+        policy: Policy | None = None,
     ) -> None:
         self.fleet = fleet
         self.view = view
@@ -93,34 +98,32 @@ class Placement:
             if loads is not None and settings.load_interval_s > 0 else None
         )
         self._hashes = fleet.by_index(lambda e: affinity.key_hash(e.name))
-        self.policy = policy_named(settings.placement_policy)  # the producers' order (placement.policy)
-        self.holdings = holdings  # what each producer holds (docs/behaviour.md "Placement"), for a policy that wants it
-        # The last held ordering's (matched, uncached, queued) characters, by position.
-        self._facts: list[tuple[int, int, int]] = []
+        # The producers' order (placement.policy), built with whatever it owns (registry.build).
+        self.policy = policy if policy is not None else build(settings)
 
     def current_loads(self) -> Loads | None:
         """The engines' reported loads still fresh enough to place by; None when load reads are off."""
         return None if self._loads is None else self._loads.current()
 
     def try_place(
-        self, model: str, avoid: frozenset[str] = frozenset(), key: int | None = None, local: bool = False,
-        blocks: PrefixBlocks | None = None,
+        self, model: str, avoid: frozenset[str] = frozenset(), note: Any = None, local: bool = False,
     ) -> Reservation | None:
-        """Reserve a permitted pair (or, ``local``, a consumer) serving ``model`` now, or None.
+        """Reserve a permitted pair (or, ``local``, a consumer) serving ``model`` now, or None;
+        ``note``: what the policy's ``prepare`` kept of the request.
 
-        Engines not quarantined first; quarantined ones only when those cannot take it."""
+        Engines not quarantined first; quarantined ones only when those cannot take it (by the
+        fallback's rank, the note unread)."""
         loads = self.current_loads()
         pick = self._pick_local if local else self._pick
-        found = pick(model, avoid, None, key, loads, blocks)
+        found = pick(model, avoid, None, note, loads)
         if found is None and self.view.any_avoided():
             producers = () if local else [p for p, _ in self._candidates(model)]
             second = fallback(self.view, self.fleet, producers, self._consumers(model))
-            found = pick(model, avoid, second, None, loads, None)
+            found = pick(model, avoid, second, note, loads)
         return found
 
     def _pick(
-        self, model: str, avoid: frozenset[str], second: Fallback | None, key: int | None,
-        loads: Loads | None, blocks: PrefixBlocks | None = None,
+        self, model: str, avoid: frozenset[str], second: Fallback | None, note: Any, loads: Loads | None,
     ) -> Reservation | None:
         """One pass. The first (``second`` None): engines admitted, by affinity or load. The
         second: the engines :mod:`.fallback` allows, by its rank, then load."""
@@ -149,7 +152,8 @@ class Placement:
         last = None if second is None else second.down
         groups = [candidates] if last is None else reachable_first(candidates, _producer_of, last)
         for group in groups:  # reachable producers before unreachable ones, whatever the policy says
-            ordered, choice_of = self._order(group, prefill_load, key, loads, blocks)
+            # The fallback's pass orders by its rank, the note unread; the policy still keeps it.
+            ordered, choice_of, kept = self._order(group, prefill_load, note if second is None else None, loads)
             for position, (p, serving) in enumerate(ordered):
                 if p.max_inflight_prefill is not None and prefills[p.index] >= p.max_inflight_prefill:
                     continue
@@ -162,13 +166,16 @@ class Placement:
                 if not consumers:
                     continue
                 d = least_loaded.pick(consumers, decode_load, _engine_index, loads, self._rng, last)
-                resv = self._reserve(p, d, choice_of(position, p), position)
+                resv = self._reserve(p, d, choice_of(position, p), note, kept, position)
                 if resv is not None:
                     return resv
         return None
 
-    def _reserve(self, p: Engine, d: Engine, choice: str, position: int) -> Reservation | None:
-        """Both phase slots of the chosen pair, or None (and neither) when one is taken meanwhile."""
+    def _reserve(
+        self, p: Engine, d: Engine, choice: str, note: Any, kept: Ordered, position: int,
+    ) -> Reservation | None:
+        """Both phase slots of the chosen pair, or None (and neither) when one is taken meanwhile;
+        the policy told which of its order it was (``Policy.placed``)."""
         inflight = self.inflight
         if not inflight.try_reserve(p, "prefill", p.max_inflight_prefill):
             return None
@@ -176,17 +183,12 @@ class Placement:
             inflight.release(p, "prefill")
             return None
         resv = Reservation(self, p, d, choice)
-        if self._facts:
-            resv.predicted_chars, uncached, resv.queued_chars = self._facts[position]
-            if self.holdings is not None and uncached:
-                resv.work = uncached  # this host's queued prefill work there, until it ends
-                self.holdings.add_work(p.index, uncached)
+        self.policy.placed(resv, note, kept, position)
         return resv
 
     def _order(
-        self, candidates: list[Candidate], load: Callable[[Candidate], Any], key: int | None, loads: Loads | None,
-        blocks: PrefixBlocks | None = None,
-    ) -> tuple[list[Candidate], Choice]:
+        self, candidates: list[Candidate], load: Callable[[Candidate], Any], note: Any, loads: Loads | None,
+    ) -> tuple[list[Candidate], Choice, Ordered]:
         """The producers in the order to try them, and the ``producer_choice`` of each: the
         policy's order (:mod:`.policy`), saturated producers it does not keep after all others.
 
@@ -194,31 +196,26 @@ class Placement:
         order runs among them (a prefix still goes where its blocks are cached, which needs the
         least new KV), and the choice is ``saturated``."""
         policy = self.policy
-        asked = Asked(load, loads, key, blocks, self._hashes, self.holdings, self._rng, self.settings)
+        asked = Asked(load, loads, note, self._hashes, self._rng, self.settings)
         if loads is not None and loads.any_saturated:  # the usual case has nothing to set aside
             front, rest, every = split_saturated(candidates, loads, policy.keeps_saturated(asked))
         else:
             front, rest, every = candidates, [], False
         ordered = policy.order(front, asked)
-        self._facts = facts = ordered.facts
         if every:
-            return ordered.candidates, saturated
+            return ordered.candidates, saturated, ordered
         if not rest:
-            return ordered.candidates, ordered.choice
+            return ordered.candidates, ordered.choice, ordered
         tried_last = least_loaded.order(rest, load, producer_index, None, self._rng)
-        if facts:  # the policy labels by its facts: those set aside matched nothing
-            facts += [(0, len(blocks.text) if blocks is not None else 0, 0)] * len(rest)
-            return ordered.candidates + tried_last, ordered.choice
         within, label = len(front), ordered.choice
 
         def choice(position: int, producer: Engine) -> str:
             return label(position, producer) if position < within else "least_loaded"
 
-        return ordered.candidates + tried_last, choice
+        return ordered.candidates + tried_last, choice, ordered
 
     def _pick_local(
-        self, model: str, avoid: frozenset[str], second: Fallback | None, key: int | None,
-        loads: Loads | None, blocks: PrefixBlocks | None = None,
+        self, model: str, avoid: frozenset[str], second: Fallback | None, note: Any, loads: Loads | None,
     ) -> Reservation | None:
         """A consumer alone, for a local decode (docs/behaviour.md "Placement"): least loaded, saturated last."""
         decodes = self.inflight.totals("decode")
@@ -326,19 +323,16 @@ class Placement:
             return any(self.view.placeable(d) for d in self._consumers(model))
         return self.has_pair(model)
 
-    def _place(
-        self, model: str, avoid: frozenset[str], key: int | None, local: bool, blocks: PrefixBlocks | None = None
-    ) -> Reservation | None:
+    def _place(self, model: str, avoid: frozenset[str], note: Any, local: bool) -> Reservation | None:
         # Avoid the engines that just failed, where others exist.
-        found = self.try_place(model, avoid, key, local, blocks)
+        found = self.try_place(model, avoid, note, local)
         if found is None and avoid:
-            found = self.try_place(model, frozenset(), key, local, blocks)
+            found = self.try_place(model, frozenset(), note, local)
         return found
 
-    def release_work(self, engine: Engine, chars: int) -> None:
-        """A held prefill leg ended: its uncached characters are no longer queued there."""
-        if self.holdings is not None:
-            self.holdings.add_work(engine.index, -chars)
+    def released(self, resv: Reservation) -> None:
+        """A reservation with a note gave its prefill slot back: its policy hears of it."""
+        self.policy.released(resv)
 
     def _release(self, engine: Engine, phase: PhaseName) -> None:
         """A slot of this worker is free again (``narwhal.request.slot_wait`` wakes its waiters)."""

@@ -1,11 +1,16 @@
 """What a producer policy is (docs/behaviour.md "Placement"): one interface, whatever rule orders the producers.
 
+A policy owns its data. The request path hands it the prompt once (:meth:`Policy.prepare`) and
+carries what it returns, the *note*, unread: to placement (``Asked.note``), and, once a pair is
+reserved, as the reservation's note (:meth:`Policy.placed` sets ``Reservation.note``); the
+policy's hooks then see the reservation through its life (:meth:`Policy.prefilled`,
+:meth:`Policy.released`), and the admin API asks it what it knows of an engine
+(:meth:`Policy.describe`). What it needs beyond the request (the holdings, for ``held``) it is
+given when it is built (:mod:`.registry`). The policies are :mod:`.least_loaded`,
+:mod:`.affinity` and :mod:`.held`; a new one is its module and one line in :mod:`.registry`.
+
 A policy orders the candidate producers of one placement and says why each is where it is (the
-``producer_choice`` label of the access log). It asks for what it needs once, at construction
-(:attr:`Policy.wants_key`: the prompt's affinity key; :attr:`Policy.wants_blocks`: its prefix
-block keys; :attr:`Policy.wants_holdings`: the holdings region), and reads everything else from
-the :class:`Asked` of the placement. The policies are :mod:`.least_loaded`, :mod:`.affinity` and
-:mod:`.held`; :mod:`.registry` names them, and a new one is its module and one line there.
+``producer_choice`` label of the access log).
 
 Saturation is one rule applied once, before any policy (:func:`split_saturated`): a producer at
 ``placement.kv_saturated`` KV usage is tried only after every other, unless the policy keeps it
@@ -16,28 +21,29 @@ is ``saturated``. The producers set aside are tried last, least loaded first
 
 Invariants, and why:
 
-* Pure: no I/O, no clock, no shared state; counts, readings, holdings, hashes and the randomness
-  come in through :class:`Asked`, so a policy is judged offline (``perf.scarce_sim``) exactly as
-  it runs.
-* The request path has no branch for any policy: it asks the policy what it wants.
+* Pure: no I/O, no clock, no shared state but what it was built with; counts, readings, hashes
+  and the randomness come in through :class:`Asked`, so a policy is judged offline
+  (``perf.scarce_sim``) exactly as it runs.
+* The request path has no branch for any policy and reads no note: it carries them.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from narwhal.fleet import Engine
-from narwhal.fleet.placement.blocks import PrefixBlocks
-from narwhal.fleet.placement.holdings_source import HoldingsSource
 from narwhal.fleet.placement.load import Loads
 from narwhal.settings import PlacementSettings
 
+if TYPE_CHECKING:
+    from narwhal.fleet.placement.reservation import Reservation
+
 Candidate = tuple[Engine, tuple[Engine, ...]]  # a producer and its permitted consumers
 Choice = Callable[[int, Engine], str]  # (position in the order, producer) -> producer_choice
-Facts = tuple[int, int, int]  # (matched, uncached, queued) characters: policy held's, else none
+PromptText = Callable[[int], "str | None"]  # the prompt text's first n characters; None: the endpoint has none
 
 
 def producer_index(candidate: Candidate) -> int:
@@ -51,36 +57,118 @@ class Asked:
 
     load: Callable[[Candidate], Any]  # a candidate's prefill load (this host's legs, reported load)
     loads: Loads | None  # the engines' fresh readings; None when load reads are off
-    key: int | None  # the prompt's affinity key (policies that want it)
-    blocks: PrefixBlocks | None  # the prompt's prefix blocks (policies that want them)
+    note: Any  # what the policy's prepare kept of the request (None: nothing)
     hashes: Sequence[int]  # per engine index, its name's rendezvous hash
-    holdings: HoldingsSource | None  # what each producer holds (policies that want it)
     rng: random.Random
     settings: PlacementSettings
 
 
 @dataclass(slots=True)
 class Ordered:
-    """The producers in the order to try them, each one's label, and (``held``) its facts."""
+    """The producers in the order to try them, each one's label, and what the policy keeps of
+    this ordering for :meth:`Policy.placed` (``held``: each position's facts; None: nothing)."""
 
     candidates: list[Candidate]
     choice: Choice
-    facts: list[Facts] = field(default_factory=list)
+    kept: Any = None
+
+
+class PrefillFacts(Protocol):
+    """What a finished prefill says, as a policy's :meth:`Policy.prefilled` reads it
+    (``engines.prefill_result.PrefillResult``)."""
+
+    @property
+    def descriptor(self) -> dict[str, Any] | None:
+        """The producer's handoff descriptor (its ``remote_engine_id``); None: none."""
+    @property
+    def prompt_tokens(self) -> int | None:
+        """The prompt's tokens, as the producer counted them."""
+    @property
+    def cached_tokens(self) -> int | None:
+        """Of them, the ones its prefix cache held."""
+    @property
+    def started_at(self) -> float:
+        """When the prefill started (monotonic)."""
+    @property
+    def finished_at(self) -> float:
+        """When it finished (monotonic)."""
+
+
+class Placed(Protocol):
+    """A reservation's note, as the request path may ask it (``Reservation.note``)."""
+
+    @property
+    def predicted_cached_chars(self) -> int | None:
+        """The prompt's characters the chosen producer was believed to hold (the access log's field)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HoldingsRegion:
+    """Shared memory a policy asks the master for (``Policy.region``): the holdings region
+    (``shm.holdings``), its size in block keys. The master creates it before any fork, the
+    supervisor keeps it, each worker's view reaches the policy as its ``holdings``."""
+
+    keys: int  # block keys for the configured producers' sections together
+    entry_keys: int  # block keys one prefill report carries at most
 
 
 class Policy(Protocol):
-    """A producer policy: what it wants of the request, and the order it gives."""
+    """A producer policy: what it keeps of a request, the order it gives, and what it does as the
+    reservation lives. Built by :mod:`.registry` as ``cls(settings, holdings)``."""
 
     name: str
-    wants_key: bool  # the prompt's affinity key (``request.affinity``)
-    wants_blocks: bool  # the prompt's prefix block keys (docs/behaviour.md "Placement")
-    wants_holdings: bool  # the holdings region and the prefill reports that feed it
+
+    @staticmethod
+    def region(settings: PlacementSettings) -> HoldingsRegion | None:
+        """The shared memory it needs (None: none), asked by the master before any fork."""
+
+    def prepare(self, prompt: PromptText) -> Any:
+        """What this policy keeps of the request (its note; None: nothing), read from the prompt
+        text once; never read by the request path."""
 
     def keeps_saturated(self, asked: Asked) -> Callable[[Candidate], bool] | None:
         """Which saturated candidates stay among the others (None: none do)."""
 
     def order(self, candidates: list[Candidate], asked: Asked) -> Ordered:
         """``candidates`` (none set aside for saturation) in the order to try them."""
+
+    def placed(self, resv: Reservation, note: Any, ordered: Ordered, position: int) -> None:
+        """The pair at ``position`` of ``ordered`` is reserved for the request ``note`` was kept
+        of (``ordered`` came from another note on the fallback's pass, which orders by rank):
+        the reservation's note set (``Reservation.note``: a :class:`Placed`, or None)."""
+
+    def prefilled(self, resv: Reservation, result: PrefillFacts) -> None:
+        """The reservation's prefill finished (called off the client's critical path, and only
+        for a reservation with a note)."""
+
+    def released(self, resv: Reservation) -> None:
+        """The reservation's prefill slot was given back (only for one with a note)."""
+
+    def describe(self, engine: Engine) -> dict[str, Any] | None:
+        """What the policy knows of ``engine``, for the admin API (None: nothing)."""
+
+
+class KeepsNothing:
+    """The hooks of a policy that keeps nothing past the order it gives: no reservation note, no
+    shared memory."""
+
+    @staticmethod
+    def region(settings: PlacementSettings) -> HoldingsRegion | None:
+        """No shared memory."""
+        return None
+
+    def placed(self, resv: Reservation, note: Any, ordered: Ordered, position: int) -> None:
+        """Nothing kept: the reservation's note stays None."""
+
+    def prefilled(self, resv: Reservation, result: PrefillFacts) -> None:
+        """Never called: no reservation of this policy has a note."""
+
+    def released(self, resv: Reservation) -> None:
+        """Never called: no reservation of this policy has a note."""
+
+    def describe(self, engine: Engine) -> dict[str, Any] | None:
+        """Nothing known of an engine beyond what placement reads of every engine."""
+        return None
 
 
 def split_saturated(

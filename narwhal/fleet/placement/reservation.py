@@ -18,7 +18,7 @@ counts of :class:`narwhal.shm.worker.WorkerFleetState`, elsewhere this process's
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from narwhal.fleet import Engine
 
@@ -88,7 +88,8 @@ class _Releaser(Protocol):
 
     def _release(self, engine: Engine, phase: PhaseName) -> None: ...
 
-    def release_work(self, engine: Engine, chars: int) -> None: ...
+    def released(self, resv: Reservation) -> None:
+        """The reservation's prefill slot was given back: its policy hears of it (``Policy.released``)."""
 
 
 class Reservation:
@@ -98,8 +99,8 @@ class Reservation:
     ``affinity``, ``affinity_overflow``, ``least_loaded``, ``saturated``, ``held``,
     ``rendezvous``, or ``local`` for a local decode, which chose no producer at all."""
 
-    __slots__ = ("producer", "consumer", "detached", "choice", "crossed", "local", "predicted_chars", "queued_chars",
-                 "work", "_placement", "_prefill_held", "_decode_held", "_unsent")
+    __slots__ = ("producer", "consumer", "detached", "choice", "crossed", "local", "note", "_placement",
+                 "_prefill_held", "_decode_held", "_unsent")
 
     def __init__(
         self, placement: _Releaser, producer: Engine, consumer: Engine, choice: str = "least_loaded",
@@ -112,9 +113,9 @@ class Reservation:
         # Plain fields, not properties: the request path reads them several times per attempt.
         self.crossed = producer is not consumer  # the KV crosses to another engine (not same-worker)
         self.local = local  # a local decode: no producer chosen, no prefill slot
-        self.predicted_chars: int | None = None  # policy "held": the prompt's characters believed cached
-        self.queued_chars = 0  # policy "held": the queued prefill work reckoned ahead of it
-        self.work = 0  # policy "held": its uncached characters, counted as queued on the producer
+        # The placement policy's, set when the pair was reserved (``Policy.placed``), read by it
+        # alone: the request path carries it (None: the policy keeps nothing of this reservation).
+        self.note: Any = None
         self._placement = placement
         self._prefill_held = not local
         self._decode_held = True
@@ -129,12 +130,11 @@ class Reservation:
             self._placement.inflight.unsent_decode(self.consumer, -1)
 
     def release_prefill(self) -> None:
-        """Give back the prefill slot and the queued work it counted on the producer; idempotent."""
+        """Give back the prefill slot (its policy told, when it keeps a note); idempotent."""
         if self._prefill_held:
             self._prefill_held = False
-            if self.work:
-                self._placement.release_work(self.producer, self.work)
-                self.work = 0
+            if self.note is not None:
+                self._placement.released(self)
             self._placement._release(self.producer, "prefill")
 
     def release_decode(self) -> None:

@@ -10,6 +10,7 @@ from narwhal.fleet import Fleet
 from narwhal.fleet.placement import LocalInflight, Placement, Reservation
 from narwhal.fleet.placement.affinity import key_hash, rank
 from narwhal.fleet.placement.blocks import PrefixBlocks
+from narwhal.fleet.placement.held import Held as HeldPolicy
 from narwhal.settings import Settings
 from narwhal.shm.holdings import Held
 from tests.unit.fleet.placement_support import MODEL, Clock, FakeView, Readings
@@ -24,6 +25,7 @@ class FakeHoldings:
     def __init__(self, engines: int) -> None:
         self.held: list[Held | None] = [None] * engines
         self.queued = [0] * engines  # this host's in-flight prefill work, in uncached characters
+        self.reports: list[tuple[Any, ...]] = []  # the prefills the policy reported, as it reported them
 
     def set(self, index: int, keys: list[int], rate: float | None = None, mean: float = 0.0) -> None:
         self.held[index] = Held(frozenset(keys), len(keys), None, 4.0, rate, mean, 1)
@@ -37,6 +39,9 @@ class FakeHoldings:
     def add_work(self, engine: int, chars: int) -> None:
         self.queued[engine] += chars
 
+    def report_prefill(self, producer: int, *report: Any) -> None:
+        self.reports.append((producer, *report))
+
 
 def build_held(seed: int = 0, **placement: Any) -> tuple[Placement, FakeHoldings, Readings, Clock, LocalInflight]:
     engines = [{"name": n, "role": "producer"} for n in PRODUCERS] + [{"name": "d0", "role": "consumer"}]
@@ -46,7 +51,7 @@ def build_held(seed: int = 0, **placement: Any) -> tuple[Placement, FakeHoldings
     holdings, readings, clock = FakeHoldings(len(fleet.engines)), Readings(fleet), Clock()
     inflight = LocalInflight(len(fleet.engines))
     built = Placement(fleet, FakeView(), inflight, settings.placement, random.Random(seed), loads=readings,
-                      clock=clock, holdings=holdings)
+                      clock=clock, policy=HeldPolicy(settings.placement, holdings))
     return built, holdings, readings, clock, inflight
 
 
@@ -55,7 +60,7 @@ def prompt_blocks(text: str = PREFIX + "the user's question") -> PrefixBlocks:
 
 
 def place_blocks(placement: Placement, blocks: PrefixBlocks) -> Reservation:
-    found = placement.try_place(MODEL, frozenset(), None, False, blocks)
+    found = placement.try_place(MODEL, frozenset(), blocks, False)
     assert found is not None
     return found
 

@@ -4,6 +4,7 @@ rendezvous rank of the prompt's first block key, labels ``held`` / ``rendezvous`
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 from narwhal.fleet.placement.blocks import PrefixBlocks
@@ -25,7 +26,8 @@ def test_nothing_held_anywhere_every_placement_agrees_on_the_rendezvous_favourit
     for seed in range(5):  # other workers and replicas: other random streams, the same choice
         placement, *_ = build_held(seed)
         found = place_blocks(placement, prompt_blocks())
-        assert (found.producer.name, found.choice, found.predicted_chars) == (ranked(blocks)[0], "rendezvous", 0)
+        assert (found.producer.name, found.choice, found.note.predicted_cached_chars) == (
+            ranked(blocks)[0], "rendezvous", 0)
 
 
 def test_the_producer_holding_the_prefix_wins_and_says_how_much_it_holds() -> None:
@@ -34,7 +36,7 @@ def test_the_producer_holding_the_prefix_wins_and_says_how_much_it_holds() -> No
     other = ranked(blocks)[-1]  # not the one rank alone would pick
     holdings.set(PRODUCERS.index(other), blocks.keys()[:5])
     found = place_blocks(placement, prompt_blocks())
-    assert (found.producer.name, found.choice, found.predicted_chars) == (other, "held", 5 * 256)
+    assert (found.producer.name, found.choice, found.note.predicted_cached_chars) == (other, "held", 5 * 256)
 
 
 def test_a_holder_with_a_long_queue_loses_to_an_idle_producer_that_hands_off_sooner() -> None:
@@ -114,8 +116,8 @@ def test_saturation_sends_last_only_the_producers_that_would_compute_the_prompt(
 
 def test_a_prompt_without_a_full_block_is_placed_by_the_affinity_rule_or_load() -> None:
     placement, *_ = build_held()
-    found = placement.try_place(MODEL, frozenset(), None, False, None)
-    assert found is not None and found.choice == "least_loaded" and found.predicted_chars is None
+    found = placement.try_place(MODEL, frozenset(), None, False)
+    assert found is not None and found.choice == "least_loaded" and found.note is None  # nothing to keep
 
 
 def test_this_hosts_prefills_in_flight_count_by_their_own_uncached_characters() -> None:
@@ -126,19 +128,19 @@ def test_this_hosts_prefills_in_flight_count_by_their_own_uncached_characters() 
     first = place_blocks(placement, prompt_blocks())
     # Held: it computes only the prompt's tail, and that much is now queued there until the leg ends.
     tail = len(blocks.text) - blocks.count * 256
-    assert (first.producer.name, first.work, first.queued_chars) == (holder, tail, 0)
+    assert (first.producer.name, first.note.work, first.note.queued_chars) == (holder, tail, 0)
     assert holdings.queued[PRODUCERS.index(holder)] == tail
     # Its own queued legs are cheap hits: a second one still goes there (the fleet's mean of
     # 3,000 characters a request would have sent it away).
     again = place_blocks(placement, prompt_blocks())
-    assert (again.producer.name, again.queued_chars) == (holder, tail)
+    assert (again.producer.name, again.note.queued_chars) == (holder, tail)
     # A real backlog there, over MISS_WEIGHT times the prompt (a miss elsewhere counts its
     # uncached characters that many times): the idle favourite now.
     backlog = int(MISS_WEIGHT * len(blocks.text)) + 1
     holdings.queued[PRODUCERS.index(holder)] = backlog
     assert place_blocks(placement, prompt_blocks()).producer.name == second
     first.release_prefill()
-    assert holdings.queued[PRODUCERS.index(holder)] == backlog - tail and first.work == 0
+    assert holdings.queued[PRODUCERS.index(holder)] == backlog - tail and first.note.work == 0
 
 
 def _order_args(items: list[int], reading: Held | None, ours: float, others: float) -> tuple[Any, ...]:
@@ -159,3 +161,23 @@ def test_a_lone_candidate_gets_the_facts_it_would_get_beside_one_with_no_holding
             assert alone == [0] and facts == [pair_facts[both.index(0)]]
     matched = 3 * 256
     assert order(*_order_args([0], holder, 10.0, 2.0))[1] == [(matched, len(blocks.text) - matched, 1410)]
+
+
+def test_the_policy_reports_each_finished_prefill_with_what_it_reckoned_and_releases_its_work() -> None:
+    placement, holdings, *_ = build_held()
+    blocks = prompt_blocks()
+    holder = ranked(blocks)[-1]
+    holdings.set(PRODUCERS.index(holder), blocks.keys()[:5])
+    resv = place_blocks(placement, prompt_blocks())
+    assert (resv.producer.name, resv.note.predicted_cached_chars) == (holder, 5 * 256)
+    uncached = len(blocks.text) - 5 * 256
+    assert holdings.queued[PRODUCERS.index(holder)] == uncached
+    result = SimpleNamespace(descriptor={"remote_engine_id": "engine-7"}, prompt_tokens=500, cached_tokens=320,
+                             started_at=10.0, finished_at=10.25)
+    placement.policy.prefilled(resv, result)
+    assert holdings.reports == [(PRODUCERS.index(holder), "engine-7", len(blocks.text), 500, 320, 0.25,
+                                 blocks.keys(), 0, 10.25)]
+    resv.release()  # the prefill slot back: its uncached characters are no longer queued there
+    assert holdings.queued[PRODUCERS.index(holder)] == 0 and resv.note.work == 0
+    resv.release()  # idempotent
+    assert holdings.queued[PRODUCERS.index(holder)] == 0

@@ -40,7 +40,7 @@ def test_a_new_prefix_goes_where_the_cache_is_full_of_stale_blocks_not_live_ones
     for i, name in enumerate(PRODUCERS):
         holdings.held[i] = _held(_filler(40, 10**6 * (i + 1)), hot=40 if name != stale else 0)
     found = place_blocks(placement, prompt_blocks())
-    assert (found.producer.name, found.choice, found.predicted_chars) == (stale, "rendezvous", 0)
+    assert (found.producer.name, found.choice, found.note.predicted_cached_chars) == (stale, "rendezvous", 0)
     assert live != stale
 
 
@@ -52,7 +52,7 @@ def test_a_prefix_nobody_holds_goes_to_its_home_over_the_rendezvous_favourite() 
         holdings.held[i] = _held([], homes={blocks.key(0): blocks.count} if name == home else None)
     found = place_blocks(placement, prompt_blocks())
     # Reckoned held for the estimate; what it predicts stays what is known (nothing).
-    assert (found.producer.name, found.predicted_chars, found.choice) == (home, 0, "rendezvous")
+    assert (found.producer.name, found.note.predicted_cached_chars, found.choice) == (home, 0, "rendezvous")
 
 
 def test_the_home_beats_a_copy_this_replica_keeps_elsewhere() -> None:
@@ -89,7 +89,7 @@ def test_other_replicas_requests_count_at_that_producers_own_mean_uncached_chara
         holdings.held[i] = _held([], mean={hits: 50.0, misses: 2000.0}.get(name, 4000.0))
     readings.set(**{name: Reading(clock.now, running=2.0) for name in PRODUCERS})
     found = place_blocks(placement, prompt_blocks())
-    assert (found.producer.name, found.queued_chars) == (hits, 100)
+    assert (found.producer.name, found.note.queued_chars) == (hits, 100)
 
 
 def test_a_producer_at_half_the_rate_loses_a_new_prefix_its_rank_would_give_it() -> None:

@@ -1,7 +1,7 @@
-"""The producer policies behind one interface (``fleet.placement.policy``, ``.registry``): the settings' choices are
-the registry's names, each policy says what it wants of a
-request, saturation is set aside once for every policy, and ``prefix_affinity`` is a deprecated
-alias said once."""
+"""The producer policies behind one interface (``fleet.placement.policy``, ``.registry``): the
+settings' choices are the registry's names, each policy keeps what its rule needs of a request
+(its note) and asks for the shared memory it needs, saturation is set aside once for every
+policy, and ``prefix_affinity`` is a deprecated alias said once."""
 
 from __future__ import annotations
 
@@ -13,9 +13,13 @@ import pytest
 
 from narwhal import settings as settings_module
 from narwhal.fleet import Engine
-from narwhal.fleet.placement import affinity, held, least_loaded
-from narwhal.fleet.placement.policy import Asked, Candidate, Ordered, split_saturated
-from narwhal.fleet.placement.registry import POLICIES, policy_named
+from narwhal.fleet.placement import affinity
+from narwhal.fleet.placement.affinity import Affinity
+from narwhal.fleet.placement.blocks import PrefixBlocks
+from narwhal.fleet.placement.held import Held
+from narwhal.fleet.placement.least_loaded import LeastLoaded
+from narwhal.fleet.placement.policy import Asked, Candidate, HoldingsRegion, Ordered, split_saturated
+from narwhal.fleet.placement.registry import POLICIES, build, region
 from narwhal.settings import PlacementSettings
 
 
@@ -36,20 +40,42 @@ def _candidates(n: int) -> list[Candidate]:
 
 def test_the_settings_choices_are_the_registrys_names() -> None:
     assert set(get_args(PlacementSettings.model_fields["policy"].annotation)) == set(POLICIES)
-    for name, make in POLICIES.items():
-        policy = make()
-        assert policy.name == name
-        assert policy_named(name).name == name
+    for name in POLICIES:
+        assert build(PlacementSettings(policy=name)).name == name  # type: ignore[arg-type]
 
 
-def test_each_policy_says_what_it_wants_of_a_request() -> None:
-    wants = {name: (p.wants_key, p.wants_blocks, p.wants_holdings) for name, p in
-             ((n, policy_named(n)) for n in POLICIES)}
-    assert wants == {"held": (True, True, True), "affinity": (True, False, False),
-                     "least_loaded": (False, False, False)}
-    assert isinstance(policy_named("held"), held.Held)
-    assert isinstance(policy_named("affinity"), affinity.Affinity)
-    assert isinstance(policy_named("least_loaded"), least_loaded.LeastLoaded)
+def _prompt(text: str | None, read: list[int]) -> Any:
+    def head(limit: int) -> str | None:
+        read.append(limit)
+        return None if text is None else text[:limit]
+    return head
+
+
+def test_each_policy_keeps_what_its_rule_needs_of_the_prompt_and_nothing_more() -> None:
+    settings = PlacementSettings()
+    long, medium, short = "s" * 600, "m" * 100, "x" * 10
+    read: list[int] = []
+    assert LeastLoaded(settings).prepare(_prompt(long, read)) is None and read == []  # never read
+    assert Affinity(settings).prepare(_prompt(long, read)) == affinity.key_hash(long[: settings.affinity_chars])
+    assert read == [settings.affinity_chars]  # no more than the key's characters
+    assert Affinity(settings).prepare(_prompt(short, read)) is None  # under affinity_min_chars: no key
+    policy = Held(settings)
+    blocks = policy.prepare(_prompt(long, read))
+    assert isinstance(blocks, PrefixBlocks) and blocks.count == 600 // settings.block_chars
+    assert read[-1] == settings.max_prefix_chars + 1  # one past: a cut prompt is told from a whole one
+    assert policy.prepare(_prompt(medium, read)) == affinity.key_hash(medium)  # no full block: the key
+    assert policy.prepare(_prompt(short, read)) is None
+    assert policy.prepare(_prompt(None, read)) is None  # an endpoint without prompt text
+
+
+def test_only_held_asks_the_master_for_shared_memory() -> None:
+    settings = PlacementSettings(holdings_slots=4096, block_chars=256, max_prefix_chars=65536)
+    assert region(PlacementSettings(policy="held", holdings_slots=4096)) == HoldingsRegion(4096, 256)
+    assert {name: cls.region(settings) is None for name, cls in POLICIES.items()} == {
+        "held": False, "affinity": True, "least_loaded": True}
+    assert isinstance(build(PlacementSettings(policy="held")), Held)
+    assert isinstance(build(PlacementSettings(policy="affinity")), Affinity)
+    assert isinstance(build(PlacementSettings(policy="least_loaded")), LeastLoaded)
 
 
 def test_saturation_is_set_aside_once_unless_the_policy_keeps_it_or_every_candidate_is_saturated() -> None:
@@ -66,19 +92,19 @@ def test_saturation_is_set_aside_once_unless_the_policy_keeps_it_or_every_candid
 
 def test_a_policy_orders_only_what_it_is_given_and_labels_its_choice() -> None:
     cands = _candidates(3)
-    asked = Asked(load=lambda c: [5, 1, 3][c[0].index], loads=None, key=None, blocks=None,
-                  hashes=[affinity.key_hash(c[0].name) for c in cands], holdings=None, rng=random.Random(1),
-                  settings=PlacementSettings())
-    ordered = policy_named("least_loaded").order(list(cands), asked)
+    settings = PlacementSettings()
+    asked = Asked(load=lambda c: [5, 1, 3][c[0].index], loads=None, note=None,
+                  hashes=[affinity.key_hash(c[0].name) for c in cands], rng=random.Random(1), settings=settings)
+    ordered = LeastLoaded(settings).order(list(cands), asked)
     assert isinstance(ordered, Ordered) and [c[0].name for c in ordered.candidates] == ["p1", "p2", "p0"]
-    assert ordered.choice(0, ordered.candidates[0][0]) == "least_loaded" and ordered.facts == []
-    asked.key = affinity.key_hash("a long shared system prompt")
+    assert ordered.choice(0, ordered.candidates[0][0]) == "least_loaded" and ordered.kept is None
+    asked.note = key = affinity.key_hash("a long shared system prompt")
     asked.load = lambda c: 1  # every producer within the bound: the rendezvous rank alone
-    keyed = policy_named("affinity").order(list(cands), asked)
-    favourite = affinity.rank([c[0].name for c in cands], asked.key, affinity.key_hash)[0]
+    keyed = Affinity(settings).order(list(cands), asked)
+    favourite = affinity.rank([c[0].name for c in cands], key, affinity.key_hash)[0]
     assert keyed.candidates[0][0].name == favourite and keyed.choice(0, keyed.candidates[0][0]) == "affinity"
     # held without a block to go by: the affinity rule, as the key says
-    assert [c[0].name for c in policy_named("held").order(list(cands), asked).candidates] == [
+    assert [c[0].name for c in Held(settings).order(list(cands), asked).candidates] == [
         c[0].name for c in keyed.candidates]
 
 

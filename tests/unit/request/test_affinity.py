@@ -1,4 +1,5 @@
-"""The affinity key and local decode, decided once at admission from the parsed body (docs/behaviour.md "Placement")."""
+"""Local decode and the placement policy's note, decided once at admission from the parsed body (docs/behaviour.md
+"Placement"): the request path hands the policy the prompt and carries what it keeps."""
 
 from __future__ import annotations
 
@@ -9,16 +10,30 @@ import pytest
 from narwhal.engines import endpoints
 from narwhal.engines.endpoints import CHAT, COMPLETIONS
 from narwhal.fleet.placement.affinity import key_hash
-from narwhal.fleet.placement.blocks import MEMO_BLOCKS, KeyMemo
-from narwhal.fleet.placement.registry import policy_named
-from narwhal.request.affinity import block_hints, placement_hints, prompt_head, request_hints
+from narwhal.fleet.placement.blocks import PrefixBlocks
+from narwhal.fleet.placement.registry import build
+from narwhal.request.affinity import prepared, prompt_head
 from narwhal.settings import PlacementSettings
 
 LONG = "You are a careful assistant who answers in French. " * 40  # ~2 KiB
 
 
 def _settings(**values: Any) -> PlacementSettings:
-    return PlacementSettings(**values)
+    return PlacementSettings(**{"policy": "affinity", **values})
+
+
+def placement_hints(endpoint: Any, body: dict[str, Any], settings: PlacementSettings) -> tuple[Any, bool]:
+    """(the note, local decode), as the request path gets them (policy ``affinity`` unless told)."""
+    local, note = prepared(endpoint, body, settings, build(settings))
+    return note, local
+
+
+def block_hints(endpoint: Any, body: dict[str, Any], settings: PlacementSettings, policy: Any = None) -> Any:
+    """(the key, local decode, the blocks) under policy ``held``: its note is one or the other."""
+    held = settings.model_copy(update={"policy": "held"})
+    local, note = prepared(endpoint, body, held, policy or build(held))
+    blocks = note if isinstance(note, PrefixBlocks) else None
+    return (None if blocks is not None else note), local, blocks
 
 
 def test_completions_prompt_forms_the_key_cut_to_affinity_chars() -> None:
@@ -56,8 +71,7 @@ def test_affinity_off_no_key_and_nothing_read(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr(type(COMPLETIONS.dialect), "affinity_text", boom)
     for settings in (_settings(prefix_affinity=False), _settings(policy="least_loaded")):
-        policy = policy_named(settings.placement_policy)
-        assert request_hints(COMPLETIONS, {"prompt": LONG}, settings, policy) == (None, False, None)
+        assert prepared(COMPLETIONS, {"prompt": LONG}, settings, build(settings)) == (False, None)
 
 
 def test_local_decode_below_local_prefill_chars() -> None:
@@ -89,7 +103,7 @@ def test_the_other_pd_endpoints_key_on_their_dialects_text(endpoint: str, body: 
     assert placement_hints(registered, body, _settings(local_prefill_chars=len(text) + 1)) == (None, True)
 
 
-def test_block_hints_read_the_prompt_once_for_blocks_key_and_local() -> None:
+def test_held_keeps_the_prompts_blocks_else_its_key_and_local_decode_comes_first() -> None:
     completions = COMPLETIONS
     key, local, blocks = block_hints(completions, {"prompt": LONG}, _settings())
     assert (key, local) == (None, False) and blocks is not None  # blocks place it: no key needed
@@ -104,10 +118,10 @@ def test_block_hints_read_the_prompt_once_for_blocks_key_and_local() -> None:
 
 
 def test_block_hints_with_the_workers_memo_give_the_same_keys() -> None:
-    memo = KeyMemo(MEMO_BLOCKS)
     body = {"messages": [{"role": "system", "content": LONG}, {"role": "user", "content": "and now?"}]}
-    plain = block_hints(CHAT, body, _settings())[2]
+    plain = block_hints(CHAT, body, _settings())[2]  # a policy of its own: a memo of its own
+    policy = build(_settings(policy="held"))  # the worker's: its memo kept across requests
     for _ in range(2):  # the second from the memo
-        blocks = block_hints(CHAT, body, _settings(), memo)[2]
+        blocks = block_hints(CHAT, body, _settings(), policy)[2]
         assert plain is not None and blocks is not None and blocks.keys() == plain.keys()
-    assert len(memo.table) == plain.count
+    assert len(policy._memo.table) == plain.count
