@@ -119,7 +119,7 @@ class Host:
         self.published: list[Held | None] = [None] * len(fleet.engines)
         self.work_chars = [0] * len(fleet.engines)
         stamps = [1 if e.can_prefill else None for e in fleet.engines]
-        self.model = HoldingsModel(stamps, settings.placement.holdings_slots, settings.placement.block_chars,
+        self.model = HoldingsModel(stamps, settings.placement.held.holdings_slots, settings.placement.held.block_chars,
                                    fleet.engines)
         for e in fleet.engines:
             if e.can_prefill:

@@ -15,7 +15,6 @@ Why this module is stricter than pydantic-settings out of the box:
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import tomllib
@@ -28,6 +27,8 @@ from narwhal.settings import hints as settings_hints
 from narwhal.settings.discovery import DiscoverySettings
 from narwhal.settings.engines import EngineContract, EngineSpec
 from narwhal.settings.env import CONFIG_ENV, ENV_PREFIX, check_environment, source_of
+from narwhal.settings.placement import HeldSettings as HeldSettings
+from narwhal.settings.placement import PlacementSettings as PlacementSettings
 from narwhal.settings.section import NonNegativeFloat, PositiveFloat, Section
 
 
@@ -129,72 +130,6 @@ class HandoffSettings(Section):
                 "a handoff decoded or released after the producers' KV lease reads blocks that may "
                 "already hold another request's KV")
         return self
-
-
-_DEPRECATION_SAID: list[bool] = []
-
-
-class PlacementSettings(Section):
-    """``[placement]``: the wait for a slot, engine load readings, affinity, the producer policy (docs/behaviour.md
-    "Placement").
-    """
-    queue_timeout_s: NonNegativeFloat = 5
-    """wait for a free pair before 503"""
-    max_queue: Annotated[int, Field(ge=0)] = 1024
-    """requests waiting per worker before an immediate 503"""
-    retry_after_s: Annotated[int, Field(ge=0)] = 1
-    """`Retry-After` on 503"""
-    # docs/behaviour.md "Placement": engine-reported load, prefix affinity, local decode.
-    load_interval_s: NonNegativeFloat = 0.1  # 0: engines' /metrics are never read
-    """engines' `/metrics` read this often by the supervisor (0: never)"""
-    load_stale_s: PositiveFloat = 2
-    """older readings are not used (at least `load_interval_s`)"""
-    kv_saturated: Annotated[float, Field(gt=0, le=1)] = 0.95
-    """KV usage at which an engine is chosen only if every candidate is (0–1]"""
-    prefix_affinity: bool = True  # deprecated: ``policy`` says it (false: "least_loaded"); one warning
-    """deprecated (one warning at start): `policy` chooses the rule; `false` still means `policy = "least_loaded"`"""
-    affinity_chars: Annotated[int, Field(ge=1, le=1 << 20)] = 1024
-    """how much of the prompt text forms the key"""
-    affinity_min_chars: Annotated[int, Field(ge=0)] = 64
-    """shorter prompts have no key (at most `affinity_chars`)"""
-    affinity_load_factor: Annotated[float, Field(ge=1)] = 1.25
-    """a prefix's producer is passed over above this × mean prefill load + 1 (≥ 1)"""
-    local_prefill_chars: Annotated[int, Field(ge=0)] = 0  # 0: never skip the remote prefill
-    """prompts shorter than this skip the remote prefill (0: never)"""
-    # docs/behaviour.md "Placement": placement that knows what each producer holds.
-    policy: Literal["held", "affinity", "least_loaded"] = "held"
-    """the producer rule: `held` (what each producer holds, the least estimated time to handoff), `affinity`
-    (bounded-load rendezvous), `least_loaded` (prefixes ignored; also what `prefix_affinity = false` means)"""
-    block_chars: Annotated[int, Field(ge=16, le=1 << 16)] = 256
-    """prefix block size for holdings' block keys (16–65536)"""
-    max_prefix_chars: Annotated[int, Field(ge=16, le=1 << 24)] = 65536
-    """the prompt text beyond this is not keyed (≥ `block_chars`)"""
-    holdings_slots: Annotated[int, Field(ge=1, le=1 << 24)] = 65536
-    """shared-memory entries for the configured producers' holdings together (each producer added later by discovery or
-    a reload gets a section as large)"""
-    affinity_slack: Annotated[float, Field(ge=0, le=10)] = 0.1
-    """candidates within this fraction of the best estimated time to handoff are ordered by rendezvous rank"""
-
-    @model_validator(mode="after")
-    def _affinity_fits(self) -> PlacementSettings:
-        if self.affinity_min_chars > self.affinity_chars:
-            raise ValueError("affinity_min_chars must not exceed affinity_chars")
-        if 0 < self.load_stale_s < self.load_interval_s:
-            raise ValueError("load_stale_s must be at least load_interval_s")
-        if self.max_prefix_chars < self.block_chars:
-            raise ValueError("max_prefix_chars must be at least block_chars")
-        if "prefix_affinity" in self.model_fields_set and not _DEPRECATION_SAID:
-            _DEPRECATION_SAID.append(True)  # once per process, whatever reads the settings again
-            logging.getLogger("narwhal.settings").warning(
-                "placement.prefix_affinity is deprecated: placement.policy chooses the producer rule (%s)",
-                "it stands as set" if self.prefix_affinity else 'false means policy = "least_loaded"')
-        return self
-
-    @property
-    def placement_policy(self) -> str:
-        """The producer rule in force: ``policy``, except that ``prefix_affinity = false`` means
-        ``least_loaded`` whatever ``policy`` says (docs/behaviour.md "Placement")."""
-        return self.policy if self.prefix_affinity else "least_loaded"
 
 
 class PreflightSettings(Section):

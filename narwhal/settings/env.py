@@ -14,6 +14,10 @@ setting it names, through the settings model itself (no second list of names to 
   NARWHAL_SERVER__API_KEYS)``. Only JSON: a comma list would make a key holding a comma
   ambiguous, and one syntax is what pydantic-settings documents.
 
+A key a section moved into a table of its own (its model's ``MOVED``: ``placement.block_chars``
+is ``placement.held.block_chars``) is refused with the variable to set instead: a TOML file's
+old key is still read (the section takes it over), but a variable cannot be renamed silently.
+
 Plain values (numbers, booleans, strings) are pydantic's to judge; its errors are then named
 by :func:`source_of`. Names are matched case-insensitively, as pydantic-settings matches them.
 """
@@ -76,6 +80,10 @@ def _check_one(name: str, value: str, model: type[BaseModel]) -> None:
             raise ValueError(f"{name}: unknown setting; {'.'.join(path)} is set whole, in {_variable(path)}")
         fields = annotation.model_fields
         if part not in fields:
+            moved = getattr(annotation, "MOVED", {}).get(part)  # a key a section gave to a table of its own
+            if moved is not None:
+                now = [*path, *moved.split(".")]
+                raise ValueError(f"{name}: {'.'.join([*path, part])} moved to {'.'.join(now)}: set {_variable(now)}")
             setting = f" {'.'.join([*path, part])}" if path else ""
             raise ValueError(f"{name}: unknown setting{setting}")
         path.append(part)

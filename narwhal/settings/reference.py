@@ -46,15 +46,31 @@ def _description(key: str, field: FieldInfo) -> str:
     return " ".join(field.description.split())
 
 
+def _is_table(field: FieldInfo) -> bool:
+    model = field.annotation
+    return isinstance(model, type) and issubclass(model, BaseModel)
+
+
+def _keys(prefix: str, model: type[BaseModel]) -> list[tuple[str, str, str]]:
+    """A table's keys, a table within it (``[placement.held]``) key by key after its own."""
+    out, tables = [], []
+    for name, inner in model.model_fields.items():
+        key = f"{prefix}.{name}"
+        if _is_table(inner):
+            tables.append((key, inner))
+        else:
+            out.append((f"`{key}`", _default(inner), _description(key, inner)))
+    for key, inner in tables:
+        out += _keys(key, inner.annotation)  # type: ignore[arg-type]
+    return out
+
+
 def rows() -> list[tuple[str, str, str]]:
     """``(key, default, meaning)`` of every setting, sections in the models' order."""
     out = []
     for section, field in Settings.model_fields.items():
-        model = field.annotation
-        if isinstance(model, type) and issubclass(model, BaseModel):
-            for name, inner in model.model_fields.items():
-                key = f"{section}.{name}"
-                out.append((f"`{key}`", _default(inner), _description(key, inner)))
+        if _is_table(field):
+            out += _keys(section, field.annotation)  # type: ignore[arg-type]
         else:  # [engine_contract] and [[engines]]: their description lists their keys
             shown = "[[engines]]" if section == "engines" else f"[{section}]"
             out.append((f"`{shown}`", "none" if field.default in (None, []) else _default(field),

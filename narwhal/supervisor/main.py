@@ -95,8 +95,8 @@ class Supervisor:
                              for r in (("exact", "over", "under") if holdings is not None else ())}
         self.model: HoldingsModel | None = None
         if holdings is not None:
-            self.model = HoldingsModel(self._holdings_stamps(), holdings.layout.keys, settings.placement.block_chars,
-                                       self.fleet.engines)
+            self.model = HoldingsModel(self._holdings_stamps(), holdings.layout.keys,
+                                       settings.placement.held.block_chars, self.fleet.engines)
             rings = holdings.layout
             self._prefill_rings = RingIndexes(rings.ring_offset(0), rings.ring_offset(1) - rings.ring_offset(0))
 

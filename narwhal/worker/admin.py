@@ -83,7 +83,7 @@ def engine_view(router: Router, state: WorkerFleetState | LocalFleetState, engin
             if rec.last_failure_reason is not None:
                 entry["last_failure"] = {"reason": rec.last_failure_reason, "at": rec.last_failure_at}
             if entry["state"] == "admitted" and not (engine.models_configured or engine.models_read):
-                # Issue 40 item 8: admitted, but this worker has not taken up its models yet, so
+                # Admitted, but this worker has not taken up its models yet, so
                 # placement cannot use it: the answer says what placement does.
                 entry["state"] = "probing"
     elif engine.index in state.out:

@@ -203,7 +203,7 @@ SCARCE_ROWS = (
 
 
 def scarce_scenarios(quick: bool) -> list[Scenario]:
-    """Issue 21's scarce-KV scenario in its three variants: run when named (``prefix_scarce`` names all)."""
+    """The scarce-KV scenario in its three variants: run when named (``prefix_scarce`` names all)."""
     warmup = 0.5 if quick else 1.0
     titles = {
         "prefix_scarce_uniform": "8 shared prompts, 4 producers holding 2-3 each, multi-turn chats, uniform popularity",

@@ -24,7 +24,7 @@ RATIO_C32_FALLBACK = 0.41
 ADDED_TTFB_MS_C1 = 0.6
 PACED_RATIO = 0.97
 RSS_KIB_PER_STREAM = 100.0
-# Issue 24: router CPU per request against the peer's in the same run, and a long prompt's extra cost.
+# Router CPU per request against the peer's in the same run, and a long prompt's extra cost.
 CPU_VS_PEER = 0.9
 CPU_VS_PEER_SCENARIOS = ("stream_c1", "stream_c32", "stream_c128", "paced_c128", "chat_long")
 LONG_OVER_SHORT = 1.15

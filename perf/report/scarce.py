@@ -15,7 +15,7 @@ from perf.report.figures import dig, judged, ratio
 from perf.report.tables import Verdict, fmt, judged_section, section
 
 NAMES = ("prefix_scarce_uniform", "prefix_scarce_zipf", "prefix_scarce_slow")
-# Issue 21's thresholds.
+# The thresholds set for `held` on the scarce-KV scenario.
 HELD_SHARE_OF_IDEAL = 0.9
 TTFB_OF_IDEAL = 1.25
 TTFB_OF_PEER = 0.8

@@ -82,7 +82,7 @@ async def test_the_flush_loop_writes_within_its_period(monkeypatch: pytest.Monke
 
 
 def test_a_negative_count_is_dropped_and_the_rest_of_the_flush_written() -> None:
-    # Issue 40 item 6: Counter.inc(-n) raised in the flush, losing the counts swapped out with it.
+    # Counter.inc(-n) raised in the flush, losing the counts swapped out with it.
     registry = CollectorRegistry()
     plain, labelled, _ = _series(registry)
     tally = Tally()

@@ -68,7 +68,7 @@ def test_the_operator_docs_cite_no_file_the_operator_does_not_have() -> None:
 # What the code may cite: its own docs. The contract's text outside the repository (the SPEC, the
 # protocol notes) and the tracker's issues are not in a clone; a reader must be able to follow
 # every reference, so comments and docstrings cite docs/*.md by section instead.
-_OUTSIDE = re.compile(r"\bSPEC\b|\bissues? [0-9]+|VLLM-PROTOCOL|NOTES\.md")
+_OUTSIDE = re.compile(r"\bSPEC\b|(?i:\bissues? #?[0-9]+)|VLLM-PROTOCOL|NOTES\.md")
 _CITED_SECTION = re.compile(r'docs/(\w+)\.md "([^"\n]+)"')
 
 
@@ -103,3 +103,12 @@ def test_the_code_cites_only_what_the_repository_holds() -> None:
                     unknown.append(f'{name}:{line}: docs/{doc}.md "{section}"')
     assert outside == []
     assert unknown == []
+
+
+def test_the_docs_deploy_files_and_scripts_cite_only_what_the_repository_holds() -> None:
+    # Every tracked text beside the code: README, ARCHITECTURE, docs/, perf/*.md, deploy/'s
+    # settings, manifests, dashboards and alert rules, .ci/run.
+    outside = [f"{name}:{text.count(chr(10), 0, found.start()) + 1}"
+               for name, text in _tracked_texts().items()
+               if not name.endswith(".py") and (found := _OUTSIDE.search(text)) is not None]
+    assert outside == []

@@ -151,7 +151,7 @@ ENGINE = 'name = "p0"\nurl = "http://h:1"\nrole = "producer"\n'
 @pytest.mark.parametrize(
     ("toml", "message"),
     [
-        # Issue 23 item 6: pydantic said "Input should be a valid list" and "...instance of EngineSettings".
+        # Pydantic said "Input should be a valid list" and "...instance of EngineSettings".
         ("[engines]\n" + ENGINE, "engines: write [[engines]] (an array of tables, one per entry), not the single "
                                  "table [engines]"),
         ("[[engine]]\n" + ENGINE, "engine: [engine] is one table, not the array of tables [[engine]]; "

@@ -1,7 +1,7 @@
 """Prefix block keys (docs/behaviour.md "Placement"): chained 64-bit keys over fixed-size blocks of the prompt text.
 
 The affinity text (docs/behaviour.md "Placement", not cut at ``affinity_chars``) is cut into blocks of
-``placement.block_chars`` characters, up to ``placement.max_prefix_chars``; only full blocks
+``placement.held.block_chars`` characters, up to ``placement.held.max_prefix_chars``; only full blocks
 are keyed (a partial last block is nothing a producer can have cached for another prompt).
 Block k's key covers blocks 0..k, so two prompts share key k exactly when their first k+1
 blocks are equal, the way vLLM chains its block hashes: a producer can only hold block k of a

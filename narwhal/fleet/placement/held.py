@@ -11,7 +11,7 @@ shared memory by every worker), the others' requests each reckoned at that produ
 uncached characters per prefill (else the fleet's; this prompt's length while none is known).
 The rate is the one published for the producer (``supervisor.holdings.rate``: the learned rates'
 mean at its engine-reported class), else the candidates' mean, else 1. The least estimate
-wins; candidates within ``placement.affinity_slack`` of it are ordered home first
+wins; candidates within ``placement.held.affinity_slack`` of it are ordered home first
 (``homes``), then by the rendezvous rank of the prompt's first block key, so workers and
 replicas that know nothing yet (every estimate equal) still agree.
 
@@ -235,7 +235,8 @@ class Held:
     name = "held"
 
     def __init__(self, settings: PlacementSettings, holdings: HoldingsSource | None = None) -> None:
-        self.settings = settings
+        self.settings = settings  # what every policy shares (the affinity rule's, for a short prompt)
+        self.own = settings.held  # [placement.held]: its own table
         self.holdings = holdings
         self._short = Affinity(settings)
         self._memo = KeyMemo(MEMO_BLOCKS)  # this worker's block keys already computed, never shared
@@ -244,18 +245,19 @@ class Held:
     def region(settings: PlacementSettings) -> HoldingsRegion:
         """The holdings region: ``holdings_slots`` keys shared among the configured producers, a
         prefill report's keys up to ``max_prefix_chars`` (at most 4096 blocks)."""
-        return HoldingsRegion(settings.holdings_slots, min(settings.max_prefix_chars // settings.block_chars, 4096))
+        own = settings.held
+        return HoldingsRegion(own.holdings_slots, min(own.max_prefix_chars // own.block_chars, 4096))
 
     def prepare(self, prompt: PromptText) -> PrefixBlocks | int | None:
         """The prompt's prefix blocks when it has a full block, read to one character past
         ``max_prefix_chars`` (so a reporter tells a whole prompt from a cut one; keys computed
         lazily); else its affinity key (a prompt shorter than a block still goes by it)."""
-        settings = self.settings
-        head = prompt(settings.max_prefix_chars + 1)
+        own, settings = self.own, self.settings
+        head = prompt(own.max_prefix_chars + 1)
         if head is None:
             return None
-        if len(head) >= settings.block_chars:
-            return PrefixBlocks(head, settings.block_chars, settings.max_prefix_chars, self._memo)
+        if len(head) >= own.block_chars:
+            return PrefixBlocks(head, own.block_chars, own.max_prefix_chars, self._memo)
         if len(head) < settings.affinity_min_chars:
             return None
         return key_hash(head[: settings.affinity_chars])
@@ -288,7 +290,7 @@ class Held:
             readings, ours, others = (), (lambda c: 0.0), asked.load
         hashes = asked.hashes
         ordered, facts = order(candidates, blocks, readings, producer_index, lambda c: hashes[c[0].index],
-                               ours, others, asked.settings.affinity_slack)
+                               ours, others, self.own.affinity_slack)
         anyone = max(facts)[0] > 0  # a candidate matched something (facts lead with matched chars): one C call
 
         def choice(position: int, producer: Engine) -> str:

@@ -324,7 +324,7 @@ async def test_a_same_worker_decode_sends_no_transfer_parameters(
 async def test_a_responses_prefill_that_failed_is_the_engines_error_not_a_bad_handoff(
     solo_router: RouterProcess, fleet: FakeFleet, code: int | None, status: int, counted: float
 ) -> None:
-    # Issue 25 item 11: a 200 Response with "status": "failed" once became invalid_handoff (no
+    # A 200 Response with "status": "failed" once became invalid_handoff (no
     # descriptor in it), charged to the producer as a bad handoff. It is the engine's own error,
     # mapped as an in-stream one (docs/behaviour.md "The other P/D endpoints"): its code or 502; counted against p2
     # only when 5xx.

@@ -222,7 +222,7 @@ async def test_client_gone_during_prefill_releases_the_handoff(solo_router: Rout
 async def test_client_gone_during_prefill_with_a_malformed_descriptor_sends_it_nowhere(
     solo_router: RouterProcess, fleet: FakeFleet
 ) -> None:
-    # Issue 25 item 7: the handoff of an abandoned prefill is validated like any other before it
+    # The handoff of an abandoned prefill is validated like any other before it
     # goes to a consumer (a malformed one could crash a vLLM EngineCore): sent nowhere, abandoned.
     prompt = unique_prompt()
     counters = ("narwhal_handoffs_released_total", "narwhal_handoffs_abandoned_total")

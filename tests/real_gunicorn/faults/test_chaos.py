@@ -53,7 +53,7 @@ def test_quick_chaos_run_meets_every_promise(quick_run: QuickRun) -> None:
 
 @pytest.mark.timeout(240)
 def test_a_dead_consumer_takes_no_traffic_while_the_other_is_ejected_but_reachable(quick_run: QuickRun) -> None:
-    # Issue 40 item 1: before, nearly every request went to the dead consumer and answered 502.
+    # Before, nearly every request went to the dead consumer and answered 502.
     _, report = quick_run
     sequence = report["dead_consumer"]
     assert sequence["ejected"] and sequence["failed"] == [], sequence["failed"]

@@ -1,4 +1,4 @@
-"""Issue 15 item 3 through real gunicorn: a request followed from the client to the engines and
+"""Through real gunicorn: a request followed from the client to the engines and
 back — derived backend ids on both legs, the access log's upstream ids, client address and
 token counts, and the metrics an operator joins them with (model label, inter-token latency,
 requests in flight and queued)."""
@@ -83,7 +83,7 @@ async def test_backend_id_is_derived_and_logged_with_client_and_usage(corr: Rout
 async def test_with_tracing_off_the_access_log_names_the_clients_trace(
     corr: RouterProcess, fleet: FakeFleet, traceparent: str | None, expected: str | None
 ) -> None:
-    # Issue 23 item 4: the trace the engines' spans join, since the header reaches them unchanged.
+    # The trace the engines' spans join, since the header reaches them unchanged.
     prompt = unique_prompt()
     rid = "trace-" + prompt.split()[0]
     headers = {"x-request-id": rid} | ({"traceparent": traceparent} if traceparent else {})

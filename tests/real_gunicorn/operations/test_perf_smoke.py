@@ -90,7 +90,7 @@ def test_quick_run_works(tmp_path: Path) -> None:
     assert "aiohttp floor (`perf/load/floor_proxy.py`" in (tmp_path / "results.md").read_text()
     assert scenarios["workers"]["recommended_workers"] in scenarios["workers"]["workers"]
     assert len(doc["targets"]) == 12 and all(t["result"] in ("PASS", "FAIL", "n/a") for t in doc["targets"])
-    # Issue 24's ratios are judged from this run's own figures: the smoke has no peer, chat_long ran.
+    # The ratios are judged from this run's own figures: the smoke has no peer, chat_long ran.
     by_name = {t["target"]: t for t in doc["targets"]}
     assert by_name["router CPU per request ×peer, stream_c32"]["result"] == "n/a"
     assert isinstance(by_name["router CPU per request, chat_long ×chat_c32"]["narwhal"], float)

@@ -1,7 +1,7 @@
-"""Issue 15 item 4 end to end: real gunicorn with ``[tracing] enabled``, exporting over OTLP/HTTP
+"""End to end: real gunicorn with ``[tracing] enabled``, exporting over OTLP/HTTP
 to a receiver this test runs; the protobuf it gets is decoded with ``opentelemetry-proto`` and
 the span tree, names and attributes are checked, with the ``traceparent`` each engine received.
-Issue 23 item 4: a router whose ``[tracing]`` sets nothing but ``enabled`` takes the endpoint,
+A router whose ``[tracing]`` sets nothing but ``enabled`` takes the endpoint,
 the service name and the sampler from the standard ``OTEL_*`` variables, and the access log
 names each request's trace."""
 

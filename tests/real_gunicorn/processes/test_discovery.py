@@ -211,7 +211,7 @@ async def test_more_engines_than_slots_are_refused_with_one_line_and_counted(
 async def test_an_engine_waiting_for_a_slot_joins_when_its_old_self_is_forgotten(
     fleet: FakeFleet, tmp_path: Path
 ) -> None:
-    """Issue 40 item 7: at ``max_engines``, a pod replaced under a new IP (p1 moves to p2's URL)
+    """At ``max_engines``, a pod replaced under a new IP (p1 moves to p2's URL)
     waits while its old self drains, and joins once that one is forgotten, with no further change
     of the file: the join is tried again every interval while something waits."""
     engines_file = tmp_path / "engines.toml"
@@ -240,7 +240,7 @@ async def test_an_engine_waiting_for_a_slot_joins_when_its_old_self_is_forgotten
 
 
 async def test_admitted_in_the_admin_api_means_placement_uses_it(fleet: FakeFleet, tmp_path: Path) -> None:
-    """Issue 40 item 8: a discovered consumer showed ``admitted`` before the workers had its
+    """A discovered consumer showed ``admitted`` before the workers had its
     models, and 40 requests sent at once all went to the other one. Now every worker's answer
     says ``admitted`` only once its placement can use the engine: with d0 busy (another
     replica's load), the requests right after go to d1."""
@@ -263,7 +263,7 @@ async def test_admitted_in_the_admin_api_means_placement_uses_it(fleet: FakeFlee
 
 
 async def test_a_discovered_producer_has_holdings(fleet: FakeFleet, tmp_path: Path) -> None:
-    """Issue 40 item 11: the holdings region had a section per configured engine only, and none
+    """The holdings region had a section per configured engine only, and none
     at all with discovery, so ``held`` placed discovered producers by queued work and rank alone.
     Its sections are now one per engine slot: a producer that joins is learned like any other."""
     engines_file = tmp_path / "engines.toml"

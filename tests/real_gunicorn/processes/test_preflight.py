@@ -166,7 +166,7 @@ def test_one_failing_engine_fails_alone_and_its_pairs_say_why(
 def test_a_consumer_whose_tp_is_no_multiple_of_the_producers_is_named_as_the_cause(
     pf_fleet: FakeFleet, tmp_path: Path
 ) -> None:
-    # Issue 23 item 2: vLLM 0.11's NixlConnector refuses a consumer whose TP is not a multiple of
+    # vLLM 0.11's NixlConnector refuses a consumer whose TP is not a multiple of
     # the producer's, and its answer says nothing about TP; the fake fails those pulls the same way.
     # Later releases accept heterogeneous TP (docs/decisions.md "vLLM releases"): every pair passes and nothing names
     # TP.
@@ -278,7 +278,7 @@ def test_a_pep440_specifier_pin(pf_fleet: FakeFleet, tmp_path: Path) -> None:
 
 
 def test_a_bare_pin_is_met_by_local_builds_of_that_version(pf_fleet: FakeFleet, tmp_path: Path) -> None:
-    # Issue 25 item 10: CUDA builds of vLLM report 0.11.0+cu126; a pin of 0.11.0 means ==0.11.0,
+    # CUDA builds of vLLM report 0.11.0+cu126; a pin of 0.11.0 means ==0.11.0,
     # which PEP 440 says they meet. A pin naming a local label is met by that build alone.
     v = pf_fleet.version
     for name in ("pf-p0", "pf-d0"):

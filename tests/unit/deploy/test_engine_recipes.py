@@ -333,7 +333,7 @@ def test_engines_sharing_a_host_use_disjoint_http_and_side_channel_ports(recipe:
 
 
 def test_the_routers_default_port_is_no_engines(tmp_path: Path) -> None:
-    # Issue 23 item 5: 127.0.0.1:8000 was vLLM's own default port on a shared host.
+    # 127.0.0.1:8000 was vLLM's own default port on a shared host.
     from narwhal.demo import DEFAULT_PORT
     from narwhal.settings import ServerSettings
 

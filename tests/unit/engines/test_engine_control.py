@@ -355,7 +355,7 @@ ENGINE_VERSIONS = ("0.11.0", "0.11.0+cu126", "0.11.0+cu121.abc", "0.11", "0.11.1
 
 
 def test_a_bare_pin_means_pep440_equality_local_labels_included() -> None:
-    # Issue 25 item 10: a pin of 0.11.0 refused the CUDA build 0.11.0+cu126 that ==0.11.0 met.
+    # A pin of 0.11.0 refused the CUDA build 0.11.0+cu126 that ==0.11.0 met.
     # PEP 440: a version without a local label matches any local label of that version.
     for bare, spec in (("0.11.0", "==0.11.0"), ("0.11", "==0.11"), ("0.11.0+cu126", "==0.11.0+cu126")):
         assert [VersionPin(bare).matches(v) for v in ENGINE_VERSIONS] == [

@@ -4,6 +4,7 @@ and the docs/settings.md settings that drive them and the choice of policy."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import subprocess
 import sys
@@ -13,7 +14,8 @@ from typing import Any
 import pytest
 
 from narwhal.fleet.placement.blocks import PrefixBlocks
-from narwhal.settings import PlacementSettings, Settings
+from narwhal.settings import PlacementSettings, Settings, SettingsError, load_settings
+from narwhal.settings import placement as placement_settings
 from tests.unit.fleet.placement_support import KEY, PRODUCERS, fleet_of, place
 
 TEXT = "narwhal block keys, version 1. " * 20  # 620 characters: 2 full blocks of 256
@@ -75,21 +77,47 @@ def test_keys_do_not_depend_on_pythonhashseed() -> None:
 
 
 def test_placement_settings_defaults() -> None:
-    settings = PlacementSettings()
-    assert (settings.block_chars, settings.max_prefix_chars, settings.holdings_slots, settings.affinity_slack) == (
+    held = PlacementSettings().held
+    assert (held.block_chars, held.max_prefix_chars, held.holdings_slots, held.affinity_slack) == (
         256, 65536, 65536, 0.1)
 
 
 @pytest.mark.parametrize(("values", "key"), [
     ({"policy": "hold"}, "policy"),
-    ({"block_chars": 0}, "block_chars"),
-    ({"holdings_slots": 0}, "holdings_slots"),
-    ({"affinity_slack": -0.1}, "affinity_slack"),
-    ({"block_chars": 512, "max_prefix_chars": 300}, "max_prefix_chars"),
+    ({"held": {"block_chars": 0}}, "block_chars"),
+    ({"held": {"holdings_slots": 0}}, "holdings_slots"),
+    ({"held": {"affinity_slack": -0.1}}, "affinity_slack"),
+    ({"held": {"block_chars": 512, "max_prefix_chars": 300}}, "max_prefix_chars"),
+    ({"held": {"blocks": 4}}, "blocks"),
 ])
 def test_invalid_placement_settings_name_the_key(values: dict[str, Any], key: str) -> None:
     with pytest.raises(ValueError, match=key):
         PlacementSettings(**values)
+
+
+def test_the_held_keys_of_before_are_taken_into_their_table_said_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(placement_settings, "_MOVED_SAID", [])
+    with caplog.at_level(logging.WARNING, logger="narwhal.settings"):
+        moved = PlacementSettings.model_validate({"block_chars": 512, "held": {"max_prefix_chars": 1024}})
+        again = PlacementSettings.model_validate({"affinity_slack": 0.5})
+    assert (moved.held.block_chars, moved.held.max_prefix_chars, again.held.affinity_slack) == (512, 1024, 0.5)
+    assert [r.getMessage() for r in caplog.records] == [
+        "placement.block_chars moved to [placement.held]: read from there"]
+    with pytest.raises(ValueError, match=r"block_chars is set both in \[placement\] and in \[placement.held\]"):
+        PlacementSettings.model_validate({"block_chars": 512, "held": {"block_chars": 1024}})
+
+
+def test_a_variable_of_a_moved_key_is_refused_naming_the_one_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NARWHAL_PLACEMENT__BLOCK_CHARS", "512")
+    with pytest.raises(SettingsError) as refused:
+        load_settings(None)
+    assert str(refused.value) == ("NARWHAL_PLACEMENT__BLOCK_CHARS: placement.block_chars moved to "
+                                  "placement.held.block_chars: set NARWHAL_PLACEMENT__HELD__BLOCK_CHARS")
+    monkeypatch.delenv("NARWHAL_PLACEMENT__BLOCK_CHARS")
+    monkeypatch.setenv("NARWHAL_PLACEMENT__HELD__BLOCK_CHARS", "512")
+    assert load_settings(None).placement.held.block_chars == 512
 
 
 @pytest.mark.parametrize(("values", "policy"), [

@@ -98,7 +98,7 @@ def test_with_no_spare_room_a_slower_class_keeps_its_homes_so_replicas_agree_wha
 
 
 def test_kept_ranks_score_only_new_prefixes_and_give_the_same_homes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 40 item 11: 4,096 prefixes over 32 producers were ranked from scratch every 0.1 s
+    """4,096 prefixes over 32 producers were ranked from scratch every 0.1 s
     on the supervisor's loop (131,072 scores, 60-75 ms). Kept ranks score a prefix once while the
     producers stay; the homes are the ones a fresh assignment gives."""
     rng = random.Random(7)

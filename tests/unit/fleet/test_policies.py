@@ -11,7 +11,6 @@ from typing import Any, get_args
 
 import pytest
 
-from narwhal import settings as settings_module
 from narwhal.fleet import Engine
 from narwhal.fleet.placement import affinity
 from narwhal.fleet.placement.affinity import Affinity
@@ -21,6 +20,7 @@ from narwhal.fleet.placement.least_loaded import LeastLoaded
 from narwhal.fleet.placement.policy import Asked, Candidate, HoldingsRegion, Ordered, split_saturated
 from narwhal.fleet.placement.registry import POLICIES, build, region
 from narwhal.settings import PlacementSettings
+from narwhal.settings import placement as settings_module
 
 
 class _Loads:
@@ -61,16 +61,16 @@ def test_each_policy_keeps_what_its_rule_needs_of_the_prompt_and_nothing_more() 
     assert Affinity(settings).prepare(_prompt(short, read)) is None  # under affinity_min_chars: no key
     policy = Held(settings)
     blocks = policy.prepare(_prompt(long, read))
-    assert isinstance(blocks, PrefixBlocks) and blocks.count == 600 // settings.block_chars
-    assert read[-1] == settings.max_prefix_chars + 1  # one past: a cut prompt is told from a whole one
+    assert isinstance(blocks, PrefixBlocks) and blocks.count == 600 // settings.held.block_chars
+    assert read[-1] == settings.held.max_prefix_chars + 1  # one past: a cut prompt is told from a whole one
     assert policy.prepare(_prompt(medium, read)) == affinity.key_hash(medium)  # no full block: the key
     assert policy.prepare(_prompt(short, read)) is None
     assert policy.prepare(_prompt(None, read)) is None  # an endpoint without prompt text
 
 
 def test_only_held_asks_the_master_for_shared_memory() -> None:
-    settings = PlacementSettings(holdings_slots=4096, block_chars=256, max_prefix_chars=65536)
-    assert region(PlacementSettings(policy="held", holdings_slots=4096)) == HoldingsRegion(4096, 256)
+    settings = PlacementSettings(held={"holdings_slots": 4096})  # type: ignore[arg-type]
+    assert region(PlacementSettings(policy="held", held=settings.held)) == HoldingsRegion(4096, 256)
     assert {name: cls.region(settings) is None for name, cls in POLICIES.items()} == {
         "held": False, "affinity": True, "least_loaded": True}
     assert isinstance(build(PlacementSettings(policy="held")), Held)

@@ -134,7 +134,7 @@ def test_a_report_carries_when_it_finished_for_the_merge_across_workers() -> Non
 
 
 def test_a_section_seen_under_a_newer_seq_than_its_body_was_written_for_is_not_taken() -> None:
-    # Issue 40 item 9: on aarch64 a reader can see the new even seq before the new body. The CRC
+    # On aarch64 a reader can see the new even seq before the new body. The CRC
     # covers the seq it was published under (as shm.records' do), so the old body is refused.
     h = _region()
     h.publish(1, P0, 5, [42], None, None, None, 0.0)

@@ -91,7 +91,7 @@ def test_a_prefix_used_twice_within_hot_s_gets_a_home_and_loses_it_once_unused()
 
 
 def test_a_producer_out_of_placement_takes_no_homes_and_gives_back_its_own() -> None:
-    """Issue 40 item 11: a prefix's home on an ejected, probing or draining producer sent every
+    """A prefix's home on an ejected, probing or draining producer sent every
     replica's requests for it to the estimate alone; now its home moves to the next producer in
     its rank, and back when the producer serves again."""
     m = _model()

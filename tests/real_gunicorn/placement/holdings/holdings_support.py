@@ -82,10 +82,13 @@ def fresh_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Route
         fakes.stop()
 
 
-def start(hfleet: FakeFleet, tmp: Any, workers: int = 2, **placement: Any) -> RouterProcess:
-    """A router over the holdings fleet (``affinity_slack`` ``SLACK``: the module docstring says why)."""
+def start(hfleet: FakeFleet, tmp: Any, workers: int = 2, held: dict[str, Any] | None = None,
+          **placement: Any) -> RouterProcess:
+    """A router over the holdings fleet (``[placement.held]`` ``affinity_slack`` ``SLACK``: the
+    module docstring says why; ``held``: more of that table, ``placement``: of ``[placement]``)."""
     return start_router(hfleet, engines(), tmp, server={"workers": workers, "admin_token": TOKEN},
-                        placement={"load_interval_s": 0.1, "affinity_slack": SLACK, **placement})
+                        placement={"load_interval_s": 0.1, "held": {"affinity_slack": SLACK, **(held or {})},
+                                   **placement})
 
 
 def module_router(hfleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:

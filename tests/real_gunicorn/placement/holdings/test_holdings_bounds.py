@@ -51,12 +51,12 @@ async def test_without_cache_config_info_holdings_are_bounded_by_the_slots(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     """An engine whose ``/metrics`` has no ``vllm:cache_config_info`` (older vLLM): no capacity
-    known, so a producer's holdings are bounded by its share of ``placement.holdings_slots``
+    known, so a producer's holdings are bounded by its share of ``placement.held.holdings_slots``
     (80 for 4 producers: 20 keys each), whatever the engine holds."""
     fakes = hs.start_fleet()
     for name in PRODUCERS:
         fakes.set_model(name, cache_config_info=False)
-    proc = hs.start(fakes, tmp_path_factory.mktemp("noinfo"), workers=1, holdings_slots=80)
+    proc = hs.start(fakes, tmp_path_factory.mktemp("noinfo"), workers=1, held={"holdings_slots": 80})
     try:
         long_prompt = hs.make_prefix() + hs.make_prefix()  # 30 blocks: more than the 20 slots
         async with aiohttp.ClientSession() as session:
@@ -75,7 +75,7 @@ async def test_a_full_table_forgets_the_oldest_keys_without_an_error(
     hfleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     # 40 slots for 4 producers: 10 keys each, fewer than one prefix's 15 blocks.
-    proc = hs.start(hfleet, tmp_path_factory.mktemp("slots"), workers=1, holdings_slots=40)
+    proc = hs.start(hfleet, tmp_path_factory.mktemp("slots"), workers=1, held={"holdings_slots": 40})
     try:
         async with aiohttp.ClientSession() as session:
             prefix = hs.make_prefix()
@@ -101,7 +101,7 @@ async def test_a_slower_producer_gets_fewer_new_prefixes_once_its_rate_is_learne
     engines = [{"name": "rslow", "role": "producer"}, {"name": "rfast", "role": "producer"},
                {"name": "rd0", "role": "consumer"}]
     proc = start_router(fleet, engines, tmp_path_factory.mktemp("slow"), server={"workers": 1, "admin_token": TOKEN},
-                        placement={"load_interval_s": 0.1, "affinity_slack": 0.5})
+                        placement={"load_interval_s": 0.1, "held": {"affinity_slack": 0.5}})
     try:
         def ranked_first(name: str) -> str:
             while True:

@@ -63,7 +63,7 @@ async def test_a_producer_slower_by_its_engine_metrics_takes_fewer_homes(
         "--prefill-us-per-token", "10", "--prefill-us-per-token", "eslow=1000"])
     engines = [{"name": n, "role": "producer"} for n in PRODUCERS] + [{"name": "ed0", "role": "consumer"}]
     proc = start_router(fleet, engines, tmp_path_factory.mktemp("erate"), server={"workers": 1, "admin_token": TOKEN},
-                        placement={"load_interval_s": 0.1, "affinity_slack": 0.5})
+                        placement={"load_interval_s": 0.1, "held": {"affinity_slack": 0.5}})
     prefixes = [_ranked_first("eslow") for _ in range(2)]  # both rank the slow producer first
     sent = 0
     try:
