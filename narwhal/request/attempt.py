@@ -187,9 +187,8 @@ class Attempts:
             metrics.TALLY.counts[metrics.attempts_child("success")] += 1
             self.outcomes.success(producer, consumer, local=resv.local)
             return response
-        finally:
-            if not resv.detached:  # 8. cleanup (a detached reservation is its background task's)
-                resv.release()
+        # 8. cleanup: ending done or failed gave the slots back (attempt_state.ON_ENTRY); a
+        # detached reservation is its background task's.
 
     def _failed(
         self, exc: BaseException, producer: Engine, consumer: Engine, *, before_first_token: bool, local: bool
@@ -246,10 +245,10 @@ class Attempts:
         self, req: ClientRequest, resv: Reservation, rec: AccessRecord, result: PrefillResult, started: float,
         migration: Migration | None,
     ) -> float | None:
-        """docs/behaviour.md "The request path" step 4: what the PrefillResult says (TTFT, returned; tokens; the
-        producer's
-        holdings report). A continuation's prefill leaves the request's TTFT and prompt alone."""
-        resv.release_prefill()
+        """docs/behaviour.md "The request path" step 4: what the PrefillResult says (TTFT, returned;
+        tokens; the placement policy's report). A continuation's prefill leaves the request's TTFT
+        and prompt alone. The prefill slot goes back as the attempt moves on to ``handed_off``
+        (``attempt_state.ON_ENTRY``): nothing here awaits, so that is as soon as before."""
         metrics.count_prefill_tokens(result.prompt_tokens, result.cached_tokens)
         ttft_s = None
         if migration is None or not migration.count:
@@ -314,7 +313,6 @@ class Attempts:
                 result, resv.consumer, req.body, descriptor, stream=req.stream, deadline=req.deadline,
                 headers=life.forward, sink=sink, max_age_s=self.settings.handoff.max_age_s,
             )
-            resv.decode_sent()
             whole = await leg.open()
             if whole is not None:
                 rec.first_byte_s = first_byte_s = time.perf_counter() - started

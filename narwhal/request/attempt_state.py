@@ -17,6 +17,12 @@ One attempt is one prefill and one decode on a pair placed together. Its life, a
 - ``done`` / ``failed``: the attempt ended. ``detached``: the client left mid-prefill and a
   background task owns the reservation and the handoff (``narwhal.request.handoff_release``).
 
+What the reservation holds follows the same table (:data:`ON_ENTRY`): entering ``handed_off``
+gives the prefill slot back (the producer answered), entering ``decoding`` counts the decode as
+sent (the consumer counts it from here), ending ``done`` or ``failed`` gives back whatever is
+still held, and ``detached`` gives nothing back: the background task that now owns the
+reservation does. The reservation keeps no flag of the attempt's life beside this table.
+
 Why a table: the attempt's code (``narwhal.request.attempt``) moves through these states as it
 goes, and every move is checked against the table, so a new path that skips a step (a release
 forgotten on the way, a retry after output) fails loudly in the tests instead of quietly in a
@@ -27,6 +33,7 @@ methods. A move costs a dict lookup and an ``assert``: a handful per request, no
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -69,6 +76,28 @@ ENDED = frozenset(state for state, after in NEXT.items() if not after)
 """The states an attempt ends in: ``done``, ``failed`` and ``detached``."""
 
 
+def _release_prefill(resv: Reservation) -> None:
+    resv.release_prefill()
+
+
+def _decode_sent(resv: Reservation) -> None:
+    resv.decode_sent()
+
+
+def _release(resv: Reservation) -> None:
+    resv.release()
+
+
+ON_ENTRY: dict[AttemptState, Callable[[Reservation], None]] = {
+    S.HANDED_OFF: _release_prefill,  # the producer answered: its slot is free for the next prefill
+    S.DECODING: _decode_sent,  # the decode leg goes out: the consumer counts it from here
+    S.DONE: _release,
+    S.FAILED: _release,
+    # DETACHED: nothing; the background task that owns the reservation gives it back
+}
+"""What entering a state does to the attempt's reservation (each step idempotent)."""
+
+
 class AttemptObserver(Protocol):
     """Something that watches attempts move (``narwhal.request.tracing``), told of every move
     after it happened. It may replace ``life.forward``, the headers the next engine leg is
@@ -97,6 +126,9 @@ class AttemptLife:
         before = self.state
         assert state in NEXT[before], f"an attempt cannot go from {before.value} to {state.value}"
         self.state = state
+        entry = ON_ENTRY.get(state)
+        if entry is not None:
+            entry(self.resv)
         if self.observer is not None:
             self.observer.moved(self, before, error)
 

@@ -120,7 +120,6 @@ class HandoffReleases:
     def detach(self, rest: Awaitable[PrefillResult], req: ClientRequest, resv: Reservation) -> None:
         """The client left mid-prefill: let the prefill finish in the background, which now
         owns the reservation, and release its handoff then."""
-        resv.detached = True
         self.spawn(self._finish_detached(rest, req, resv))
 
     def _consumers(

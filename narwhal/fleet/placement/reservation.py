@@ -99,7 +99,7 @@ class Reservation:
     ``affinity``, ``affinity_overflow``, ``least_loaded``, ``saturated``, ``held``,
     ``rendezvous``, or ``local`` for a local decode, which chose no producer at all."""
 
-    __slots__ = ("producer", "consumer", "detached", "choice", "crossed", "local", "note", "_placement",
+    __slots__ = ("producer", "consumer", "choice", "crossed", "local", "note", "_placement",
                  "_prefill_held", "_decode_held", "_unsent")
 
     def __init__(
@@ -108,7 +108,6 @@ class Reservation:
     ) -> None:
         self.producer = producer
         self.consumer = consumer
-        self.detached = False  # True once a background task owns the release
         self.choice = choice
         # Plain fields, not properties: the request path reads them several times per attempt.
         self.crossed = producer is not consumer  # the KV crosses to another engine (not same-worker)

@@ -7,14 +7,43 @@ from typing import Any
 
 import pytest
 
+from narwhal.fleet.placement import LocalInflight, Reservation
 from narwhal.request.attempt_state import ENDED, NEXT, AttemptLife, AttemptState
 from narwhal.request.handoff_release import RULES, Ending
+from tests.unit.fleet.placement_support import fleet_of, place
 
 S = AttemptState
 
 
-def _life(observer: Any = None) -> AttemptLife:
-    return AttemptLife(resv=None, rec=None, request_id="r", forward={}, observer=observer)  # type: ignore[arg-type]
+def _life(observer: Any = None, resv: Reservation | None = None) -> AttemptLife:
+    if resv is None:
+        resv = place(fleet_of(producers=1, consumers=1)[0])
+    return AttemptLife(resv=resv, rec=None, request_id="r", forward={}, observer=observer)  # type: ignore[arg-type]
+
+
+def _held(inflight: LocalInflight) -> tuple[list[int], list[int], list[int]]:
+    """(prefill slots, decode slots, unsent decodes) per engine: p0, d0."""
+    return inflight.totals("prefill"), inflight.totals("decode"), list(inflight.unsent)
+
+
+@pytest.mark.parametrize(("path", "held"), [
+    ([], ([1, 0], [0, 1], [0, 1])),  # placed: both slots, the decode not sent yet
+    ([S.PREFILLING], ([1, 0], [0, 1], [0, 1])),
+    ([S.PREFILLING, S.HANDED_OFF], ([0, 0], [0, 1], [0, 1])),  # the producer answered: its slot is back
+    ([S.PREFILLING, S.HANDED_OFF, S.DECODING], ([0, 0], [0, 1], [0, 0])),  # sent: the consumer counts it
+    ([S.PREFILLING, S.HANDED_OFF, S.DECODING, S.STREAMING, S.DONE], ([0, 0], [0, 0], [0, 0])),
+    ([S.PREFILLING, S.FAILED], ([0, 0], [0, 0], [0, 0])),
+    ([S.PREFILLING, S.DETACHED], ([1, 0], [0, 1], [0, 1])),  # the background task's to give back
+])
+def test_the_reservation_follows_the_attempts_table(path: list[AttemptState], held: tuple[Any, ...]) -> None:
+    placement, _, _, inflight, _ = fleet_of(producers=1, consumers=1)
+    life = _life(resv=place(placement))
+    for state in path:
+        life.to(state)
+    assert _held(inflight) == held
+    life.end(RuntimeError("late"))  # an attempt that ended gives nothing back twice
+    if life.state is not S.DETACHED:
+        assert _held(inflight) == ([0, 0], [0, 0], [0, 0])
 
 
 def test_every_state_is_reachable_and_every_life_ends() -> None:
