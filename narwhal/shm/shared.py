@@ -21,12 +21,12 @@ import fcntl
 import os
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from narwhal.shm import descriptors
 from narwhal.shm import layout as L
-from narwhal.shm.records import ENTRY_BYTES, Report, pack_report, unpack_report
+from narwhal.shm.records import ENTRY_BYTES, LoadRecord, Report, pack_report, unpack_report, write_load
 from narwhal.shm.table import LIVE, EngineTable, identity
 
 
@@ -74,6 +74,16 @@ class SharedFleet:
     def bump_load_generation(self) -> None:
         """Supervisor only, after the round's load records were written."""
         self.region.set_u64(L.LOAD_GENERATION_OFFSET, self.load_generation + 1)
+
+    def publish_loads(self, readings: Sequence[tuple[int, LoadRecord]]) -> None:
+        """Supervisor's loop only: each (engine slot, load record) under the next load generation,
+        then the bump, once for them all (``shm.worker`` waits for the records to carry it)."""
+        if not readings:
+            return
+        version = self.load_generation + 1
+        for at, record in readings:
+            write_load(self.region, at, record, version=version)
+        self.bump_load_generation()
 
     def beat(self, pid: int) -> None:
         """Supervisor only: proves to the master's keeper that supervisor ``pid`` is alive and not wedged."""

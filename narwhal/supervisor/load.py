@@ -1,16 +1,19 @@
-"""Reading the engines' own load (docs/behaviour.md "Placement"): every admitted engine's ``/metrics``, published.
+"""Reading the engines' own load (docs/behaviour.md "Placement"): every admitted engine's ``/metrics``, for the loop
+to publish.
 
 Every ``placement.load_interval_s`` the supervisor starts one read per admitted engine, all
 in parallel, each bounded by the interval, with the TLS context and engine key of every other
 control read (``engines.control.PooledReader``: ``ControlClient``'s answer over the pooled
 HTTP/1.1 client, half its CPU per read). A reading is parsed
-(``narwhal.engines.load_metrics``) and written to the engine's load record in shared memory
-with the time it was read and this host's in-flight legs on the engine at that moment that
-the engine counted among its own (``SharedFleet.engine_seen``: not a decode reserved for a
-prefill that still runs); then the load generation is bumped, so workers pick it up
-on their next placement, lock-free. With the holdings (policy ``held``), each reading's
-capacity and prefill counters go to them too (``on_reading``: docs/behaviour.md "Placement"'s capacity bound and the
-engine-reported prefill rate, ``supervisor.holdings.engine_rate``).
+(``narwhal.engines.load_metrics``) into the engine's load record, with the time it was read and
+this host's in-flight legs on the engine at that moment that the engine counted among its own
+(``SharedFleet.engine_seen``: not a decode reserved for a prefill that still runs). The record
+waits for the loop's next pass, which writes every reading taken since and bumps the load
+generation once (``SharedFleet.publish_loads``: only the loop writes shared memory), so workers
+pick them up on their next placement, lock-free, within a pass (~20 ms) of the answer. With the
+holdings (policy ``held``), each reading's capacity and prefill counters go to them too
+(``on_reading``: docs/behaviour.md "Placement"'s capacity bound and the engine-reported prefill
+rate, ``supervisor.holdings.engine_rate``).
 
 Invariants, and why:
 
@@ -39,7 +42,7 @@ from typing import Any
 from narwhal.engines.control import UNREACHABLE, ControlClient, ControlError, PooledReader
 from narwhal.engines.load_metrics import PrefillCounters, parse_capacity, parse_load, parse_prefill
 from narwhal.fleet import Engine
-from narwhal.shm.records import LoadRecord, write_load
+from narwhal.shm.records import LoadRecord
 from narwhal.shm.shared import SharedFleet
 from narwhal.shm.table import record_hash
 from narwhal.supervisor.rounds import Rounds
@@ -69,6 +72,12 @@ class LoadReader:
         self._failing: set[str] = set()
         self._warned_at: dict[str, float] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._taken: list[tuple[int, LoadRecord]] = []  # (engine slot, record): read since the last take
+
+    def take(self) -> list[tuple[int, LoadRecord]]:
+        """The readings taken since the last call, for the loop to publish (``SharedFleet.publish_loads``)."""
+        taken, self._taken = self._taken, []
+        return taken
 
     def start_round(self, engines: Iterable[Engine], within_s: float = 0.0) -> None:
         """One read per engine not still being read, started a batch per pass of the loop over
@@ -126,12 +135,10 @@ class LoadReader:
         if at is None:
             return
         ours = self.shared.engine_seen(at)
-        record = LoadRecord(
+        self._taken.append((at, LoadRecord(
             time.monotonic(), reading.running, reading.waiting, reading.kv_usage, record_hash(engine.name, engine.url),
             ours,
-        )
-        write_load(self.shared.region, at, record, version=self.shared.load_generation + 1)
-        self.shared.bump_load_generation()
+        )))
 
     def cancel(self) -> None:
         """Cancel every read still running (the supervisor stopping)."""

@@ -10,8 +10,8 @@ Time is the supervisor's injected clock, so a test drives the passes with a fake
 3. lets time pass in the breakers (quarantine and wave-hold expiry), starts due probes;
 4. starts what is due of the rounds of reads: health checks, load (``supervisor.load``, every
    ``placement.load_interval_s``), discovery's sources, the engines' models;
-5. applies what the deciding parts returned (discovery's joins and leavings, the models read),
-   and publishes once any status changed (``supervisor.main``: the one writer).
+5. applies what the deciding parts returned (the load readings, discovery's joins and leavings,
+   the models read), and publishes once any status changed (``supervisor.main``: the one writer).
 
 Less often: sweeping slots of dead workers, forgetting drained engines, exporting the in-flight
 gauges. Whatever must wait (probes, health checks, reads) is started, never awaited, so the
@@ -86,6 +86,7 @@ class Loop:
             self.next_load = now + load_every
             self.loads.start_round((e for e in sup.fleet.engines if sup.placeable(e)), load_every / 2)
         sup.rounds.run()
+        sup.shared.publish_loads(self.loads.take())  # the readings that came since the last pass
         if self.discovery is not None:  # a read is started, never awaited here
             decided = self.discovery.tick(now, sup)
             if decided:

@@ -68,6 +68,8 @@ async def test_a_round_returns_at_once_and_publishes_only_good_readings(shared: 
     reader.start_round(fleet.engines)  # returns without awaiting any read
     for _ in range(50):
         await asyncio.sleep(0)
+    assert read_load(shared.region, 0) is None and shared.load_generation == 0  # read, not yet published
+    shared.publish_loads(reader.take())  # the loop's next pass
     ok = read_load(shared.region, 0)
     assert ok is not None and (ok.running, ok.waiting, ok.kv_usage, ok.name_hash) == (3.0, 1.0, 0.5, record_hash("ok", "http://127.0.0.1:1"))
     assert ok.ours == 3.0  # this host's legs on the engine when the answer came, those it can have seen
@@ -77,9 +79,13 @@ async def test_a_round_returns_at_once_and_publishes_only_good_readings(shared: 
     for _ in range(50):
         await asyncio.sleep(0)
     assert control.calls == Counter({"ok": 2, "down": 2, "html": 2, "five": 2, "hung": 1})
+    shared.publish_loads(reader.take())
+    assert shared.load_generation == 2
     control.release.set()
     for _ in range(50):
         await asyncio.sleep(0)
+    shared.publish_loads(reader.take())
+    shared.publish_loads(reader.take())  # nothing came since: no bump
     assert read_load(shared.region, 4) is not None and shared.load_generation == 3
     reader.cancel()
 
@@ -106,6 +112,7 @@ async def test_a_flapping_engine_logs_once_a_minute(shared: SharedFleet, caplog:
             reader.start_round(fleet.engines)
             for _ in range(20):
                 await asyncio.sleep(0)
+            shared.publish_loads(reader.take())
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["load of flap not read (timed out after 0.1s): placement uses its in-flight counts only"]
     assert read_load(shared.region, 0) is not None  # the good reads were published all along
