@@ -24,10 +24,11 @@ import orjson
 from narwhal.engines import failures
 from narwhal.engines.connector import CheckedHandoff
 from narwhal.engines.control import EngineRef, auth_line, ssl_context
-from narwhal.engines.decode import DecodeContext, DecodeLeg, DecodeOptions, LegOptions, checked_handoff
+from narwhal.engines.decode import DecodeContext, DecodeLeg, DecodeOptions, LegOptions
 from narwhal.engines.dialects.base import token_count
 from narwhal.engines.endpoints import Endpoint
 from narwhal.engines.failures import Wait
+from narwhal.engines.handoff_check import checked_handoff
 from narwhal.engines.http1 import Connection, UpstreamPool, header_lines
 from narwhal.engines.prefill_result import PrefillResult
 from narwhal.engines.relay import Signal
@@ -167,7 +168,7 @@ class EngineClient:
         **options: Unpack[LegOptions],
     ) -> DecodeLeg:
         """The decode as an object with named steps (``narwhal.engines.decode``), carrying
-        ``descriptor`` as :func:`~narwhal.engines.decode.checked_handoff` returned it: ``open()``,
+        ``descriptor`` as :func:`~narwhal.engines.handoff_check.checked_handoff` returned it: ``open()``,
         ``next_span()`` until ``Signal.END``, and ``close()`` always."""
         return DecodeLeg(self.decode_context, result, consumer, body, descriptor, loop=self._loop, **options)
 

@@ -23,7 +23,8 @@ from typing import Any, Literal
 
 from narwhal.engines.client import EngineClient
 from narwhal.engines.control import EngineRef
-from narwhal.engines.decode import DecodeLeg, checked_handoff
+from narwhal.engines.decode import DecodeLeg
+from narwhal.engines.handoff_check import checked_handoff
 from narwhal.engines.prefill_result import PrefillResult
 from narwhal.engines.relay import Signal
 from narwhal.errors import NarwhalError

@@ -5,7 +5,8 @@ in
 named steps — :meth:`open` (POST, read the head under the first-token timer),
 :meth:`next_span` (the next bytes for the client), :meth:`close` (pool or close the
 connection). What the client sees is decided by its caller; what the engine did is decided
-here. Before any leg, :func:`checked_handoff` is the handoff's own step (docs/behaviour.md "The request path" step 5).
+here. Before any leg, ``engines.handoff_check.checked_handoff`` is the handoff's own step
+(docs/behaviour.md "The request path" step 5): a leg takes only its ``CheckedHandoff``.
 
 The hot path: after the first token, spans that cannot end the stream are handed to the
 caller's *sink* from the connection's data callback (``narwhal.engines.relay``), so a long
@@ -39,7 +40,7 @@ from typing import Any, Literal, Required, TypedDict
 import orjson
 
 from narwhal.engines import failures, sse
-from narwhal.engines.connector import CheckedHandoff, validate_descriptor
+from narwhal.engines.connector import CheckedHandoff
 from narwhal.engines.control import EngineRef
 from narwhal.engines.dialects.base import event_name
 from narwhal.engines.endpoints import Endpoint
@@ -100,27 +101,6 @@ class LegOptions(TypedDict, total=False):
 
 class DecodeOptions(LegOptions, total=False):
     """A leg's options (``EngineClient.decode`` also checks the handoff against ``max_age_s``)."""
-
-
-def checked_handoff(
-    result: PrefillResult, decode_endpoint: Endpoint, max_age_s: float | None
-) -> CheckedHandoff | None:
-    """docs/behaviour.md "The request path" step 5, and step 6's age rule: the descriptor a decode on
-    ``decode_endpoint`` may
-    carry (None when the prefill was not crossed: a same-worker or local decode carries none),
-    or raise ``invalid_handoff`` (the NixlConnector rules in order) or ``handoff_expired``. Its
-    own step, before any leg is built: what an attempt does with a refused handoff (count it
-    abandoned, or release it) is the attempt's business, not the leg's. A same-worker decode has
-    no handoff and no lease: no age limit but the request's deadline."""
-    if not result.crossed:
-        return None
-    descriptor = validate_descriptor(
-        result.descriptor, producer=result.producer, prefill_endpoint=result.endpoint.path,
-        decode_endpoint=decode_endpoint.path,
-    )
-    if max_age_s is not None and result.age() > max_age_s:
-        raise failures.expired(result, max_age_s)
-    return descriptor
 
 
 class DecodeLeg:

@@ -1,7 +1,7 @@
 """One attempt, read top to bottom as docs/behaviour.md "The request path"'s steps: :meth:`Attempts.run` reserves the
 pair (2),
 runs the prefill (3, ``_prefill``), reads its result (4, ``_prefilled``), checks the handoff as a
-step of its own (5, and step 6's age rule: ``_handoff``, over ``engines.decode.checked_handoff``),
+step of its own (5, and step 6's age rule: ``_handoff``, over ``engines.handoff_check.checked_handoff``),
 decodes and relays (6-7, ``_decode``), reports the outcome and gives back the reservation (8).
 
 An attempt is one prefill and one decode on a pair placed together (docs/behaviour.md "The request path"). Its life is
@@ -34,8 +34,9 @@ from aiohttp import web
 from narwhal import metrics
 from narwhal.engines.client import EngineClient
 from narwhal.engines.connector import CheckedHandoff
-from narwhal.engines.decode import DecodeLeg, checked_handoff
+from narwhal.engines.decode import DecodeLeg
 from narwhal.engines.endpoints import GENERATE
+from narwhal.engines.handoff_check import checked_handoff
 from narwhal.engines.prefill_result import PrefillResult
 from narwhal.engines.relay import Signal, Sink
 from narwhal.errors import EngineError, NarwhalError
