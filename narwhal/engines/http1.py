@@ -43,16 +43,8 @@ import time
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
-from narwhal.engines.http1_connection import (
-    HIGH_WATER,
-    MAX_HEAD,
-    ConnectFailed,
-    Connection,
-    ConnectionLost,
-    DeadlinePassed,
-    ProtocolError,
-    UpstreamError,
-)
+from narwhal.engines.http1_connection import HIGH_WATER, MAX_HEAD, Connection
+from narwhal.engines.http1_errors import ConnectFailed, ConnectionLost, DeadlinePassed, ProtocolError, UpstreamError
 
 __all__ = [
     "HIGH_WATER",

@@ -23,8 +23,9 @@ Invariants, and why they hold:
 * buffering is bounded: above ``HIGH_WATER`` bytes unread the socket is paused until a reader
   takes them; headers over ``MAX_HEAD`` bytes fail the exchange.
 
-The error classes live here too (the connection raises all but ``ConnectFailed``) and are
-re-exported by ``engines.http1``; ``engines.client`` maps them to the router's reasons.
+What an exchange fails with is ``engines.http1_errors`` (the connection raises all but
+``ConnectFailed``), re-exported by ``engines.http1``; ``engines.failures`` maps them to the
+router's reasons.
 """
 
 from __future__ import annotations
@@ -38,33 +39,11 @@ from typing import Protocol, cast
 
 import httptools
 
+from narwhal.engines.http1_errors import ConnectionLost, DeadlinePassed, ProtocolError, UpstreamError
+
 HIGH_WATER = 256 * 1024
 MAX_HEAD = 64 * 1024  # status line and headers: an engine sending more is broken, not verbose
 _WRITE_JOINED_MAX = 64 * 1024  # above this, head and body go out with writev instead of a copy
-
-
-class UpstreamError(Exception):
-    """A transport failure talking to an engine."""
-
-
-class ConnectFailed(UpstreamError):
-    """No connection could be made: nothing was sent."""
-
-
-class ConnectionLost(UpstreamError):
-    """The connection ended before the whole response arrived."""
-
-    def __init__(self, message: str, *, got_headers: bool) -> None:
-        super().__init__(message)
-        self.got_headers = got_headers
-
-
-class ProtocolError(UpstreamError):
-    """The engine sent bytes that are not a valid HTTP/1.1 response."""
-
-
-class DeadlinePassed(TimeoutError):
-    """The exchange's deadline (``post(..., deadline=)``) passed: the connection was closed."""
 
 
 # A header line giving the body a length: Content-Length, or a Transfer-Encoding that

@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from narwhal.engines.http1_connection import UpstreamError
+from narwhal.engines.http1_errors import UpstreamError
 
 DONE_EVENT = b"data: [DONE]\n\n"
 _SEP = b"\n\n"
