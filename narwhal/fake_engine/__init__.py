@@ -51,13 +51,15 @@ there is no import cycle (``tests/unit/fake_engine/test_fake_engine_layout.py`` 
   ``control`` (control app), then ``fleet`` (process and CLI).
 
 Its modules: the fake vLLM engine, imitating vLLM 0.33 by default and 0.32, 0.21, 0.11 on demand
-(``continuation.py``: where a continued output starts, so it carries on exactly; ``release.py``:
-each release's descriptor keys, block ids, metrics labels, refusal cleanup, routes and generate
-gate, context rule, compatibility; ``stream_handoff.py`` a 0.33 streamed prefill's handoff on its
-last chunk), judged by real engines in ``tests/real_vllm/test_real_shapes.py``, with its load and
-cache models off by default (``prefix.py``, ``batch.py``, ``work.py``: prefix cache, prefill cost,
-batch limit, background load; ``histogram.py``: vLLM's request-phase histograms on its
-``/metrics``); shares no wire code with the router
+(``admit.py``: a generating request parsed and validated as vLLM does, recorded, its fault spec
+resolved; ``generate.py``: the order of its events after that; ``continuation.py``: where a
+continued output starts, so it carries on exactly; ``release.py``: each release's descriptor keys,
+block ids, metrics labels, refusal cleanup, routes and generate gate, context rule, compatibility;
+``stream_handoff.py`` a 0.33 streamed prefill's handoff on its last chunk), judged by real engines
+in ``tests/real_vllm/test_real_shapes.py``, with its load and cache models off by default
+(``prefix.py``, ``batch.py``, ``work.py``: prefix cache, prefill cost, batch limit, background load;
+``histogram.py``: vLLM's request-phase histograms on its ``/metrics``); shares no wire code with the
+router
 """
 
 from __future__ import annotations

@@ -35,35 +35,22 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from narwhal.fake_engine import continuation, frames_messages, kv, stream_handoff
+from narwhal.fake_engine import frames_messages, kv, stream_handoff
+from narwhal.fake_engine.admit import admit, release_unpulled
 from narwhal.fake_engine.chunks import ChunkShape, StreamFrames, completion_body, token_text
 from narwhal.fake_engine.emit import Emitter, drop_connection, error_response
-from narwhal.fake_engine.faults import FaultSpec, effective_spec
+from narwhal.fake_engine.faults import FaultSpec
 from narwhal.fake_engine.frames import ID_PREFIX, frames_for
 from narwhal.fake_engine.frames_responses import ResponsesFrames
-from narwhal.fake_engine.parse import ParsedRequest, RequestError, detect_phase, parse_request, validation_error
-from narwhal.fake_engine.parse_endpoints import parse_endpoint_request
+from narwhal.fake_engine.parse import ParsedRequest, validation_error
 from narwhal.fake_engine.state import EngineState
 from narwhal.fake_engine.work import Work
 
-NO_SPEC = FaultSpec()
 KV_FAILED = "KV transfer failed"
-RECORD_HEADERS = ("x-request-id", "authorization", "x-api-key", "traceparent", "tracestate", "content-type")
 
 
 def _wants_pull(req: ParsedRequest) -> bool:
     return req.kv_params is not None and req.kv_params.get("do_remote_prefill") is True
-
-
-def _release_unpulled(engine: EngineState, params: Any) -> None:
-    if isinstance(params, dict) and params.get("do_remote_prefill") is True and kv.pull_target(params):
-        engine.spawn(kv.pull(engine, params))
-
-
-def _parse(body: Any, kind: str, models: list[str], max_model_len: int, current: bool) -> ParsedRequest:
-    if kind in ("chat", "completions"):
-        return parse_request(body, kind == "chat", models, max_model_len, current)
-    return parse_endpoint_request(body, kind, models, max_model_len, current)
 
 
 def _http_error(req: ParsedRequest, status: int, message: str, flat: bool) -> web.Response:
@@ -76,40 +63,10 @@ def _http_error(req: ParsedRequest, status: int, message: str, flat: bool) -> we
 
 async def handle_completion(engine: EngineState, request: web.Request, kind: str) -> web.StreamResponse:
     """One request of a generating route ``kind``, in the order above; its record gets exactly one outcome."""
-    if engine.port is None:
-        # In-process test servers never tell the engine its port: learn it from the socket.
-        sockname = request.transport.get_extra_info("sockname") if request.transport else None
-        if sockname:
-            engine.port = sockname[1]
-    headers = {k: v for k in RECORD_HEADERS if (v := request.headers.get(k)) is not None}
-    raw = await request.read()
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        engine.count_request("decode")
-        rec = engine.record("decode", request.path, headers, None)
-        return _fail(rec, error_response(400, f"JSON decode error: {exc}"))
-    try:
-        req = _parse(body, kind, engine.models, engine.max_model_len, engine.release.current)
-    except RequestError as err:
-        phase = detect_phase(body) if isinstance(body, dict) else "decode"
-        engine.count_request(phase)
-        rec = engine.record(phase, request.path, headers, body)
-        # fake_engine.release: from 0.21.0, inside the chat, completions and responses handlers only.
-        if isinstance(body, dict) and engine.release.frees_refused and not err.validation and kind != "generate":
-            _release_unpulled(engine, body.get("kv_transfer_params"))
-        resp = error_response(err.status, err.message, err_type=err.err_type, param=err.param)
-        return _fail(rec, resp)
-
-    req.start = continuation.start_of(kind, body)
-    engine.count_request(req.phase)
-    rec = engine.record(req.phase, request.path, headers, body)
-    request_spec = None
-    if req.faults is not None:
-        request_spec = req.faults.prefill if req.phase == "prefill" else req.faults.decode
-    spec = effective_spec(engine.faults.for_phase(req.phase), request_spec, engine.name) or NO_SPEC
-    if spec.streams_only and not req.stream:
-        spec = NO_SPEC
+    admitted = await admit(engine, request, kind)
+    if isinstance(admitted, web.Response):
+        return admitted
+    req, body, rec, spec = admitted
 
     engine.active_requests += 1
     state = _State(rec, Work.prepare(engine, req, body))
@@ -135,12 +92,6 @@ async def handle_completion(engine: EngineState, request: web.Request, kind: str
         engine.active_requests -= 1
         if state.streaming:
             engine.active_streams -= 1
-
-
-def _fail(rec: dict[str, Any], resp: web.Response) -> web.Response:
-    rec["outcome"] = "error"
-    rec["status"] = resp.status
-    return resp
 
 
 class _State:
@@ -171,7 +122,7 @@ class _State:
         if self.streaming:
             engine.aborted_streams += 1
         if not self.pulled and _wants_pull(req):
-            _release_unpulled(engine, req.kv_params)
+            release_unpulled(engine, req.kv_params)
 
 
 async def _before_work(
@@ -264,7 +215,7 @@ def _refused(engine: EngineState, request: web.Request, req: ParsedRequest) -> N
     (``_with_kv_transfer_rejection_cleanup``) except on ``/inference/v1/generate``, whose handler
     it does not wrap; 0.11 does not, and they wait for its timeout."""
     if engine.release.frees_refused and req.kind != "generate" and _wants_pull(req):
-        _release_unpulled(engine, _pull_params(request, engine, req))
+        release_unpulled(engine, _pull_params(request, engine, req))
 
 
 async def _stream(
