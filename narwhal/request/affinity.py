@@ -48,6 +48,6 @@ def local_decode(endpoint: Endpoint, body: dict[str, Any], settings: PlacementSe
 
 def prepared(endpoint: Endpoint, body: dict[str, Any], settings: PlacementSettings, policy: Policy) -> tuple[bool, Any]:
     """(local decode, the policy's note) for one request, each read once."""
-    if local_decode(endpoint, body, settings):
+    if settings.local_prefill_chars and local_decode(endpoint, body, settings):
         return True, None
     return False, policy.prepare(partial(prompt_head, endpoint, body))

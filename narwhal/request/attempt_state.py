@@ -37,9 +37,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from narwhal.fleet.placement import Reservation
+
 if TYPE_CHECKING:
     from narwhal.engines.prefill_result import PrefillResult
-    from narwhal.fleet.placement import Reservation
     from narwhal.request.accesslog import AccessRecord
 
 
@@ -76,24 +77,15 @@ ENDED = frozenset(state for state, after in NEXT.items() if not after)
 """The states an attempt ends in: ``done``, ``failed`` and ``detached``."""
 
 
-def _release_prefill(resv: Reservation) -> None:
-    resv.release_prefill()
-
-
-def _decode_sent(resv: Reservation) -> None:
-    resv.decode_sent()
-
-
-def _release(resv: Reservation) -> None:
-    resv.release()
-
-
-ON_ENTRY: dict[AttemptState, Callable[[Reservation], None]] = {
-    S.HANDED_OFF: _release_prefill,  # the producer answered: its slot is free for the next prefill
-    S.DECODING: _decode_sent,  # the decode leg goes out: the consumer counts it from here
-    S.DONE: _release,
-    S.FAILED: _release,
-    # DETACHED: nothing; the background task that owns the reservation gives it back
+ON_ENTRY: dict[AttemptState, Callable[[Reservation], None] | None] = {
+    S.PLACED: None,
+    S.PREFILLING: None,
+    S.HANDED_OFF: Reservation.release_prefill,  # the producer answered: its slot is free for the next prefill
+    S.DECODING: Reservation.decode_sent,  # the decode leg goes out: the consumer counts it from here
+    S.STREAMING: None,
+    S.DONE: Reservation.release,
+    S.FAILED: Reservation.release,
+    S.DETACHED: None,  # the background task that owns the reservation gives it back
 }
 """What entering a state does to the attempt's reservation (each step idempotent)."""
 
@@ -126,7 +118,7 @@ class AttemptLife:
         before = self.state
         assert state in NEXT[before], f"an attempt cannot go from {before.value} to {state.value}"
         self.state = state
-        entry = ON_ENTRY.get(state)
+        entry = ON_ENTRY[state]  # every state is there: a subscript, not a method call
         if entry is not None:
             entry(self.resv)
         if self.observer is not None:

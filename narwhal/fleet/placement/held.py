@@ -256,9 +256,10 @@ class Held:
         head = prompt(own.max_prefix_chars + 1)
         if head is None:
             return None
-        if len(head) >= own.block_chars:
+        size = len(head)
+        if size >= own.block_chars:
             return PrefixBlocks(head, own.block_chars, own.max_prefix_chars, self._memo)
-        if len(head) < settings.affinity_min_chars:
+        if size < settings.affinity_min_chars:
             return None
         return key_hash(head[: settings.affinity_chars])
 
