@@ -311,9 +311,10 @@ class Held:
             resv.note = HeldPlaced(note, None, 0, 0)
             return
         matched, uncached, queued = facts[position] if position < len(facts) else (0, len(note.text), 0)
-        work = uncached if self.holdings is not None else 0
-        if work:
-            self.holdings.add_work(resv.producer.index, work)  # type: ignore[union-attr]
+        holdings, work = self.holdings, 0
+        if holdings is not None and uncached:
+            work = uncached
+            holdings.add_work(resv.producer.index, work)
         resv.note = HeldPlaced(note, matched, queued, work)
 
     def prefilled(self, resv: Reservation, result: PrefillFacts) -> None:
