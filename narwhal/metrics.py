@@ -74,6 +74,10 @@ MIGRATION_STALL = Histogram(
     "A migrated stream's pause: the last output before the cut to the first output after it",
     buckets=LATENCY_BUCKETS,
 )
+MIGRATION_BUDGET_EXHAUSTED = Counter(
+    "narwhal_migration_budget_exhausted_total",
+    "Streams not continued because the fleet-wide bound on streams migrating at once was reached",
+)
 RETRY_BUDGET_EXHAUSTED = Counter(
     "narwhal_retry_budget_exhausted_total", "Retries refused because the fleet-wide budget was spent"
 )

@@ -196,6 +196,15 @@ def expired(result: PrefillResult, max_age_s: float) -> EngineError:
     return error
 
 
+def unreadable(name: str) -> EngineError:
+    """A stream event the router had to rewrite (a continuation's) but could not read: the
+    engine's fault (502), counted against it, never a traceback in the relay."""
+    error = EngineError(f"engine {name} sent a stream event that could not be read",
+                        reason=Reason.ENGINE_STREAM_ERROR, engine=name, phase="decode", status=502)
+    error.counts = True
+    return error
+
+
 def disconnected(name: str, terminal: str = "[DONE]") -> EngineError:
     """A stream that ended (cleanly or not) before its terminal event: ``engine_disconnect``."""
     return EngineError(

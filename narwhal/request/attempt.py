@@ -32,6 +32,7 @@ from typing import Any
 from aiohttp import web
 
 from narwhal import metrics
+from narwhal.engines import failures
 from narwhal.engines.client import EngineClient
 from narwhal.engines.connector import CheckedHandoff
 from narwhal.engines.decode import DecodeLeg
@@ -92,13 +93,18 @@ async def _stream(
                     await client.commit_stream()
                 life.to(S.STREAMING)  # output reached the client: nothing is retried from here
             if span is Signal.BEHIND:  # the relay found the client behind: let it drain
+                if edit is not None and migration is not None and migration.unreadable:
+                    raise failures.unreadable(life.resv.consumer.name)
                 await client.drain()
                 continue
             # The span with the terminal event goes out with the end of the chunked body: one
             # write, one client wakeup, instead of a separate 5-byte terminator.
             ended = leg.ended
-            if edit is not None and not (span := edit(span)) and not ended:
-                continue  # a continuation's metadata, not repeated
+            if edit is not None and not (span := edit(span)):
+                if migration is not None and migration.unreadable:
+                    raise failures.unreadable(life.resv.consumer.name)
+                if not ended:
+                    continue  # a continuation's metadata, not repeated
             await client.write(span, eof=ended)
             spans += 1
             if tap is not None:
@@ -154,13 +160,14 @@ class Attempts:
 
     async def run(
         self, client: ClientStream, req: ClientRequest, rec: AccessRecord, started: float, avoid: frozenset[str],
-        migration: Migration | None = None,
+        migration: Migration | None = None, exclude: frozenset[str] = frozenset(),
     ) -> web.StreamResponse:
         """One attempt, docs/behaviour.md "The request path"'s steps in order (step 1, admission, was the router's);
         raises
         what the router retries or answers. ``migration``: the stream's, when it may continue
-        after a cut (its transcript records what the client is sent; ``req`` may be a continuation)."""
-        resv = await self.placement.reserve(req.model, req.deadline, avoid, req.note, req.local)
+        after a cut (its transcript records what the client is sent; ``req`` may be a continuation);
+        ``exclude``: engines never placed on (the consumers that cut the stream)."""
+        resv = await self.placement.reserve(req.model, req.deadline, avoid, req.note, req.local, exclude)
         producer, consumer = resv.producer, resv.consumer  # 2. placement: the pair, both slots held
         rec.producer, rec.consumer = (None if resv.local else producer.name), consumer.name
         request_id = backend_id(rec.request_id, rec.attempts)

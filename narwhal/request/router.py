@@ -45,10 +45,16 @@ from narwhal.request.outcomes import Outcomes
 from narwhal.request.passthrough import Passthrough
 from narwhal.request.slot_wait import WaitingPlacement
 from narwhal.request.stream_buffers import StreamBuffers
+from narwhal.request.usage import wants_usage
 from narwhal.settings import Settings
 
 log = logging.getLogger("narwhal.request.router")
 
+
+
+def _refused(exc: EngineError) -> bool:
+    """An engine's 4xx (a status or an in-stream error's code): the request's fault, not the engine's."""
+    return not exc.counts and exc.status is not None and 400 <= exc.status < 500
 
 
 class WorkerState(Protocol):
@@ -65,6 +71,12 @@ class WorkerState(Protocol):
 
     def retry_finished(self) -> None:
         """Pairs with a :meth:`try_start_retry` that returned True, once, when the request ends."""
+
+    def try_start_migration(self, ratio: float, minimum: int) -> bool:
+        """Mark a stream migrating if the fleet-wide bound allows; at most once per stream."""
+
+    def migration_finished(self) -> None:
+        """Pairs with a :meth:`try_start_migration` that returned True, once, when the stream ends."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +198,8 @@ class Router:
         visible output (docs/behaviour.md "Recovery"), continued after it (docs/behaviour.md "Migration")."""
         state = self.state
         avoid: set[str] = set()
-        retrying = False
+        cut_by: set[str] = set()  # the consumers that cut this stream: a continuation never goes back
+        retrying = migrating = False
         attempts = 0
         loop = self._loop
         assert loop is not None  # handle() took it
@@ -199,19 +212,30 @@ class Router:
                 attempts += 1
                 rec.attempts = attempts
                 try:
-                    return await self.attempts.run(client, leg, rec, started, frozenset(avoid), migration)
+                    return await self.attempts.run(client, leg, rec, started, frozenset(avoid), migration,
+                                                   frozenset(cut_by))
                 except NarwhalError as exc:
                     if not isinstance(exc, EngineError):
                         if cut is not None:  # a continuation found no pair, or no time: the cut ends it
                             raise cut from None
                         raise
-                    after = None  # the continuation, when output went out and the stream may go on
                     if client.committed:
-                        if migration is not None:
-                            after = migration.after(exc, req, loop.time(), rec.prompt_tokens)
-                        if after is None:
+                        if migration is None:
                             raise  # "Failure semantics"'s terminal event
-                    elif not self._retryable(exc, req, attempts, client):
+                        if migration.finished():  # the client has its whole answer: complete it
+                            return await self._complete(client, req, rec, migration)
+                        if cut is not None and not migration.continuing and _refused(exc):
+                            raise cut from None  # a continuation refused (4xx): the client never sent it
+                        after = self._continuation(exc, req, rec, migration, cut_by, migrating)
+                        if after is None:
+                            raise
+                        migrating = True
+                        avoid.add(exc.engine)
+                        leg, cut = after, exc
+                        rec.migrations += 1
+                        metrics.MIGRATIONS.labels(exc.reason).inc()
+                        continue
+                    if not self._retryable(exc, req, attempts, client):
                         raise
                     if not retrying:
                         if not state.try_start_retry(self.recovery.retry_budget_ratio, self.recovery.retry_budget_min):
@@ -219,18 +243,46 @@ class Router:
                             raise
                         retrying = True
                     avoid.add(exc.engine)
-                    if after is not None:
-                        leg, cut = after, exc
-                        rec.migrations += 1
-                        metrics.MIGRATIONS.labels(exc.reason).inc()
-                        continue
                     metrics.RETRIES.inc()
                     if exc.phase == "decode" and exc.pair is not None and exc.pair[0] != exc.pair[1]:
                         avoid.add(exc.pair[0])  # a pre-token crossed fault may be the producer's
         finally:
             if retrying:
                 state.retry_finished()
+            if migrating:
+                state.migration_finished()
             state.request_finished()
+
+    def _continuation(self, exc: EngineError, req: ClientRequest, rec: AccessRecord, migration: Migration,
+                      cut_by: set[str], migrating: bool) -> ClientRequest | None:
+        """The request that continues the stream ``exc`` cut, or None: the stream's own rules
+        (count, reason, deadline), then another consumer to go to, then the fleet's bound on
+        streams migrating at once (docs/decisions.md "Migration"), and only then the transcript."""
+        if not migration.may_continue(exc, req.deadline, asyncio.get_running_loop().time()):
+            return None
+        if exc.phase == "decode":
+            cut_by.add(exc.engine)
+        if not self.placement.servable(req.model, req.local, frozenset(cut_by)):
+            log.info("stream not continued after %s: no consumer but the one that cut it", exc.reason)
+            return None
+        if not migrating and not self.state.try_start_migration(self.recovery.migration_budget_ratio,
+                                                                 self.recovery.migration_budget_min):
+            metrics.MIGRATION_BUDGET_EXHAUSTED.inc()
+            return None
+        after = migration.after(exc, req, asyncio.get_running_loop().time(), rec.prompt_tokens)
+        if after is None and not migrating:
+            self.state.migration_finished()
+        return after
+
+    @staticmethod
+    async def _complete(client: ClientStream, req: ClientRequest, rec: AccessRecord,
+                        migration: Migration) -> web.StreamResponse:
+        """A stream cut after its finish went out is complete (docs/behaviour.md "Migration"): its
+        end goes out (the usage chunk from Narwhal's count when asked for and missing); the
+        consumer was charged the early close by its attempt."""
+        await client.write(migration.completion(wants_usage(req.body), rec.prompt_tokens), eof=True)
+        assert client.stream is not None
+        return client.stream
 
     def _retryable(self, exc: EngineError, req: ClientRequest, attempts: int, client: ClientStream) -> bool:
         """May a fresh attempt cure ``exc`` (docs/behaviour.md "Recovery")? Never once output went out (that is a

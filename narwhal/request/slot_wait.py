@@ -88,17 +88,17 @@ class WaitingPlacement(Placement):
 
     async def reserve(
         self, model: str, deadline: float, avoid: frozenset[str] = frozenset(), note: Any = None,
-        local: bool = False,
+        local: bool = False, exclude: frozenset[str] = frozenset(),
     ) -> Reservation:
         """Wait (bounded) for a pair; raise ``no_engine`` when none frees in time (``note``: the
-        policy's, carried unread)."""
-        found = self._place(model, avoid, note, local)
+        policy's, carried unread; ``exclude``: engines never used, as a migration's failed consumers)."""
+        found = self._place(model, avoid, note, local, exclude)
         if found is not None:
             return found
         loop = asyncio.get_running_loop()
         retry_after = self.settings.retry_after_s
         self.queue.refuse_if_full(self.settings.max_queue, retry_after)
-        if not self._servable(model, local):
+        if not self.servable(model, local, exclude):
             why = None if local else self.incompatibility(model)
             raise PlacementError(
                 f"no engine available for model {model!r}: {why or 'every engine serving it is out'}",
@@ -106,7 +106,7 @@ class WaitingPlacement(Placement):
             )
         give_up = min(loop.time() + self.settings.queue_timeout_s, deadline)
         return await self.queue.wait_for(
-            lambda: self._place(model, avoid, note, local), self._until_freed, give_up, model, retry_after
+            lambda: self._place(model, avoid, note, local, exclude), self._until_freed, give_up, model, retry_after
         )
 
     async def _until_freed(self, at_most_s: float) -> None:

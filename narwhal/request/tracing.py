@@ -138,14 +138,14 @@ class _TracedPlacement:
 
     async def reserve(
         self, model: str, deadline: float, avoid: frozenset[str] = frozenset(), note: Any = None,
-        local: bool = False,
+        local: bool = False, exclude: frozenset[str] = frozenset(),
     ) -> Reservation:
         with self._tracer.start_as_current_span(
             "narwhal.placement", record_exception=False, set_status_on_exception=False,
             attributes={"narwhal.model": model, "narwhal.avoid": sorted(avoid), "narwhal.local": local},
         ) as span:
             try:
-                resv: Reservation = await self._inner.reserve(model, deadline, avoid, note, local)
+                resv: Reservation = await self._inner.reserve(model, deadline, avoid, note, local, exclude)
             except BaseException as exc:
                 _failed(span, exc)
                 raise

@@ -198,6 +198,11 @@ class RecoverySettings(Section):
     max_migrations: Annotated[int, Field(ge=0, le=10)] = 1
     """continuations of a stream cut after visible output, on another pair (docs/behaviour.md "Migration"); 0: the
     terminal event"""
+    migration_budget_ratio: Annotated[float, Field(ge=0, le=1)] = 0.5
+    """share of in-flight requests that may be migrated streams at once, fleet-wide: the bound of a
+    storm of cuts (docs/decisions.md "Migration"); migrations never take the retry budget"""
+    migration_budget_min: Annotated[int, Field(ge=0)] = 32
+    """migrated streams always allowed at once, whatever the share (the bound's floor)"""
     retry_budget_ratio: Annotated[float, Field(ge=0, le=1)] = 0.2
     """share of in-flight requests that may be retries, fleet-wide"""
     retry_budget_min: Annotated[int, Field(ge=0)] = 3

@@ -94,7 +94,8 @@ SLOT_HEADER_SIZE = 64
 # slot header: pid u32, requests in flight u32, retries in flight u32, dropped reports u32,
 #              ring write index u64 (worker), ring read index u64 (supervisor),
 #              client connections u32 (worker; NOT_ACCEPTING while it accepts none),
-#              table epoch u32 (worker: the engine table's epoch its engines were mapped at)
+#              table epoch u32 (worker: the engine table's epoch its engines were mapped at),
+#              migrated streams in flight u32 (worker)
 SLOT_PID = 0
 SLOT_REQUESTS = 4
 SLOT_RETRIES = 8
@@ -103,6 +104,7 @@ SLOT_RING_WRITE = 16
 SLOT_RING_READ = 24
 SLOT_CONNECTIONS = 32
 SLOT_TABLE_EPOCH = 36
+SLOT_MIGRATIONS = 40
 NOT_ACCEPTING = 0xFFFFFFFF
 
 RING_ENTRY_SIZE = 32

@@ -61,6 +61,7 @@ class LocalFleetState(LocalInflight):
         self._unreachable = Quarantine()  # engines this process failed to connect to, a moment ago
         self._requests = 0
         self._retries = 0
+        self._migrations = 0
 
     def admitted(self, engine: Engine) -> bool:
         """Neither taken out by an operator nor quarantined (``FleetView``)."""
@@ -117,6 +118,17 @@ class LocalFleetState(LocalInflight):
     def retry_finished(self) -> None:
         """The request :meth:`try_start_retry` marked has ended: its share of the budget is free."""
         self._retries -= 1
+
+    def try_start_migration(self, ratio: float, minimum: int) -> bool:
+        """Mark a stream migrating if this process's bound allows (``ratio`` of requests, at least ``minimum``)."""
+        if self._migrations >= max(minimum, int(ratio * self._requests)):
+            return False
+        self._migrations += 1
+        return True
+
+    def migration_finished(self) -> None:
+        """The stream :meth:`try_start_migration` marked has ended."""
+        self._migrations -= 1
 
     def report(self, producer: Engine, consumer: Engine, **_: object) -> None:
         """No supervisor listens: outcomes only reach the metrics."""

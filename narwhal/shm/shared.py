@@ -213,7 +213,7 @@ class SharedFleet:
         base = self.layout.slot_offset(slot)
         start, size = self.layout.counts_offset(slot), self.layout.slot_counts_size
         self.mm[start : start + size] = bytes(size)
-        for field in (L.SLOT_REQUESTS, L.SLOT_RETRIES, L.SLOT_TABLE_EPOCH):  # epoch 0: holds every slot
+        for field in (L.SLOT_REQUESTS, L.SLOT_RETRIES, L.SLOT_MIGRATIONS, L.SLOT_TABLE_EPOCH):  # epoch 0: every slot
             self.region.set_u32(base + field, 0)
         self.region.set_u32(base + L.SLOT_CONNECTIONS, L.NOT_ACCEPTING)
         if not keep_ring:

@@ -100,6 +100,7 @@ class WorkerFleetState:
         self._unreachable = Quarantine()  # engines this worker just failed to connect to (shm.local)
         self._requests = 0
         self._retries = 0
+        self._migrations = 0
         # This slot's fields at fixed offsets, written several times per request: one
         # store_u32 each (never pack_into, which zeroes the field first: shm.layout), not a
         # chain of offset helpers (see SharedFleet for the layout).
@@ -343,6 +344,22 @@ class WorkerFleetState:
         """The request :meth:`try_start_retry` marked has ended: its share of the budget is free."""
         self._retries -= 1
         self.shared.set_slot_field(self.slot, L.SLOT_RETRIES, self._retries)
+
+    def try_start_migration(self, ratio: float, minimum: int) -> bool:
+        """Mark a stream migrating if the fleet-wide bound allows (``ratio`` of requests, at least
+        ``minimum``): its own count, not the retry budget's (docs/decisions.md "Migration")."""
+        inflight = self.shared.slot_field_total(L.SLOT_REQUESTS)
+        migrating = self.shared.slot_field_total(L.SLOT_MIGRATIONS)
+        if migrating >= max(minimum, int(ratio * inflight)):
+            return False
+        self._migrations += 1
+        self.shared.set_slot_field(self.slot, L.SLOT_MIGRATIONS, self._migrations)
+        return True
+
+    def migration_finished(self) -> None:
+        """The stream :meth:`try_start_migration` marked has ended: its share of the bound is free."""
+        self._migrations -= 1
+        self.shared.set_slot_field(self.slot, L.SLOT_MIGRATIONS, self._migrations)
 
     # -- client connections (narwhal.worker.accept.ConnectionShare) ----------------------------------
 

@@ -269,8 +269,9 @@ class Placement:
             )
         return found
 
-    def has_pair(self, model: str) -> bool:
-        """Is there a placeable, role-permitted pair for ``model`` (ignoring load)?
+    def has_pair(self, model: str, exclude: frozenset[str] = frozenset()) -> bool:
+        """Is there a placeable, role-permitted pair for ``model`` (ignoring load, and the engines
+        named in ``exclude``)?
 
         Quarantined engines count: placement uses them when nothing else can take a request,
         so a fleet whose every engine is quarantined still serves, and ``/ready`` (which asks
@@ -278,7 +279,8 @@ class Placement:
         once. Only engines that are out (ejected, probing, draining) make a model unservable."""
         placeable = self.view.placeable
         for p, consumers in self._candidates(model):
-            if placeable(p) and any(placeable(d) for d in consumers):
+            if placeable(p) and p.name not in exclude and any(
+                    placeable(d) and d.name not in exclude for d in consumers):
                 return True
         return False
 
@@ -318,16 +320,18 @@ class Placement:
         others.sort(key=lambda d: (view.unreachable(d), not view.placeable(d), not view.admitted(d)))
         return [chosen, *others] if chosen_first else [*others, chosen]
 
-    def _servable(self, model: str, local: bool) -> bool:
+    def servable(self, model: str, local: bool, exclude: frozenset[str] = frozenset()) -> bool:
+        """Could a reservation for ``model`` be made once slots free up, ``exclude`` never used?"""
         if local:
-            return any(self.view.placeable(d) for d in self._consumers(model))
-        return self.has_pair(model)
+            return any(self.view.placeable(d) and d.name not in exclude for d in self._consumers(model))
+        return self.has_pair(model, exclude)
 
-    def _place(self, model: str, avoid: frozenset[str], note: Any, local: bool) -> Reservation | None:
-        # Avoid the engines that just failed, where others exist.
-        found = self.try_place(model, avoid, note, local)
+    def _place(self, model: str, avoid: frozenset[str], note: Any, local: bool,
+               exclude: frozenset[str] = frozenset()) -> Reservation | None:
+        # Avoid the engines that just failed, where others exist; never the ones in ``exclude``.
+        found = self.try_place(model, avoid | exclude if exclude else avoid, note, local)
         if found is None and avoid:
-            found = self.try_place(model, frozenset(), note, local)
+            found = self.try_place(model, exclude, note, local)
         return found
 
     def released(self, resv: Reservation) -> None:

@@ -31,17 +31,22 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import orjson
+
 from narwhal import metrics
 from narwhal.engines.relay import Sink
+from narwhal.engines.sse import DONE_EVENT
 from narwhal.errors import EngineError
 from narwhal.reasons import migrates
 from narwhal.request.admission import ClientRequest
-from narwhal.request.migration.forms import KINDS, NotContinued, continuation
+from narwhal.request.migration.forms import KINDS, NotContinued, continuation, never_continued
 from narwhal.request.migration.seen import Seen
 from narwhal.request.migration.splice import MessagesSplice, Splice
 from narwhal.request.migration.transcript import Transcript
 
 log = logging.getLogger("narwhal.request.migration")
+
+_IDENTITY = ("id", "request_id", "object", "created", "model")  # what a usage chunk repeats of the stream's events
 
 class Migration:
     """One stream's continuations: the transcript of what its client was sent (kept unparsed,
@@ -49,10 +54,13 @@ class Migration:
     runs, the sink in front of the client's (``sink``) that rewrites its spans."""
 
     __slots__ = ("count", "_limit", "_prompt", "_kind", "transcript", "_seen", "last_at", "clock",
-                 "_inner", "_edit", "_stalled")
+                 "_inner", "_edit", "_stalled", "_never", "unreadable")
 
-    def __init__(self, kind: str, limit: int, prompt: dict[str, Any], clock: Callable[[], float]) -> None:
+    def __init__(self, kind: str, limit: int, prompt: dict[str, Any], clock: Callable[[], float],
+                 never: str | None = None) -> None:
         self.count = 0  # continuations started
+        self._never = never  # why this request is never continued (forms.never_continued), if it is not
+        self.unreadable = False  # a continuation's event could not be rewritten: the engine's fault
         self._limit = limit
         self._prompt = prompt  # the prompt fields' values (the body may hold them encoded)
         self._kind = kind
@@ -70,7 +78,7 @@ class Migration:
         kind = KINDS.get(req.endpoint)
         if not req.stream or limit <= 0 or kind is None:
             return None
-        return cls(kind, limit, req.prompt, clock)
+        return cls(kind, limit, req.prompt, clock, never_continued(req.body))
 
     # -- a continuation's sink ----------------------------------------------------------------
 
@@ -78,6 +86,11 @@ class Migration:
     def editing(self) -> bool:
         """A continuation runs: its spans are rewritten (``passing``) before the client sees them."""
         return self._edit is not None
+
+    @property
+    def continuing(self) -> bool:
+        """A continuation runs and its output already reached the client."""
+        return self._edit is not None and self._stalled is None
 
     def sink(self, inner: Sink) -> Sink:
         """The sink of the attempt starting now: ``inner`` itself, or this stream's rewrite in
@@ -89,13 +102,22 @@ class Migration:
 
     def __call__(self, span: bytes) -> bool:
         span = self.passing(span)
+        if self.unreadable:
+            return False  # stops the relay (as a client behind does): its caller raises the fault
         assert self._inner is not None
         return self._inner(span) if span else True
 
     def passing(self, span: bytes) -> bytes:
-        """What of a continuation's ``span`` goes to the client (``b""``: metadata not repeated)."""
+        """What of a continuation's ``span`` goes to the client (``b""``: metadata not repeated,
+        or an event that could not be rewritten, which sets :attr:`unreadable`). Never raises:
+        it runs inside the engine connection's data callback."""
         assert self._edit is not None
-        span = self._edit(span)
+        try:
+            span = self._edit(span)
+        except Exception:  # whatever an engine sends may not raise here (its caller charges it)
+            log.warning("a continuation's event could not be rewritten: %r", span[:200], exc_info=True)
+            self.unreadable = True
+            return b""
         if span and self._stalled is not None:
             metrics.TALLY.observe(metrics.MIGRATION_STALL_SAMPLES, self.clock() - self._stalled)
             self._stalled = None
@@ -110,13 +132,44 @@ class Migration:
 
     # -- a cut --------------------------------------------------------------------------------
 
+    def finished(self) -> bool:
+        """The stream's finish already reached its client (read from the last spans sent only):
+        a cut now is an early close of a complete stream, never continued."""
+        tail = Seen(self._kind)
+        tail.absorb(self.transcript.tail())
+        return tail.finished
+
+    def completion(self, wants_usage: bool, prompt_tokens: int | None) -> bytes:
+        """What ends a stream cut after its finish as a complete one: the usage chunk from
+        Narwhal's own count (when the client asked for usage, it was not sent, and the prompt's
+        count is known), then the end marker (``[DONE]``; Messages: ``message_stop``)."""
+        if self._kind == "messages":
+            return b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+        seen = self.read()
+        usage = b""
+        if wants_usage and not seen.usage_sent and prompt_tokens is not None and seen.last is not None:
+            done = seen.tokens
+            chunk = {k: v for k, v in seen.last.items() if k in _IDENTITY}
+            chunk["choices"] = []
+            chunk["usage"] = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + done,
+                              "completion_tokens": done}
+            usage = b"data: " + orjson.dumps(chunk) + b"\n\n"
+        return usage + DONE_EVENT
+
+    def may_continue(self, exc: EngineError, deadline: float, now: float) -> bool:
+        """May the cut ``exc`` be continued, as far as this stream alone says (its count, the
+        fault's reason, the deadline)? Nothing of the transcript is read: the router asks the
+        fleet's bound next, and only then :meth:`after`."""
+        if self._never is not None:
+            log.info("stream not continued after %s: %s", exc.reason, self._never)
+            return False
+        return self.count < self._limit and migrates(exc.reason, exc.status) and now < deadline
+
     def after(self, exc: EngineError, req: ClientRequest, now: float, prompt_tokens: int | None) -> \
             ClientRequest | None:
-        """The request that continues the stream ``exc`` cut (``req``: the client's), or None
-        when it may not continue (the reason, the count, the deadline, or no faithful
-        continuation: logged)."""
-        if self.count >= self._limit or not migrates(exc.reason, exc.status) or now >= req.deadline:
-            return None
+        """The request that continues the stream ``exc`` cut (``req``: the client's), once
+        :meth:`may_continue` and the fleet's bound said yes; None when no faithful continuation
+        exists (logged)."""
         seen = self.read()
         try:
             endpoint, body = continuation(req.endpoint, req.body, self._prompt, seen)

@@ -16,6 +16,16 @@
 - responses: not continued (docs/decisions.md "Migration": its events number themselves and
   name the items they build; a faithful continuation would rewrite all of it).
 
+Never continued, whatever the cut (``never_continued``): constrained output of any form
+(``response_format`` ``json_object``/``json_schema``/``structural_tag``, ``structured_outputs``,
+``guided_*``), a ``tool_choice`` other than ``"none"``/``"auto"``, and ``n``/``best_of`` above 1.
+vLLM starts a grammar at its root for every request, so a continuation would write a second
+document after the first half of one; a forced tool call would be forced again.
+
+A continuation leg asks only for the continuation: never ``echo`` (vLLM's chat stream resends a
+final assistant message first, which in a continuation is the output so far) nor
+``prompt_logprobs`` (the continuation's prompt is not the client's).
+
 The limit becomes what is left (``max_tokens``, ``max_completion_tokens``, generate's
 ``sampling_params.max_tokens``; completions' unset limit is vLLM's default of 16), and
 ``min_tokens`` what is left of it; ``stop`` and the sampling parameters are kept. A ``seed``
@@ -44,8 +54,39 @@ _ANTHROPIC_ONLY = frozenset({
 })
 
 
+_ONLY_FIRST_LEG = ("echo", "prompt_logprobs")  # what a continuation leg never asks for
+
+
 class NotContinued(Exception):
     """No faithful continuation exists; the message says why."""
+
+
+def _constrained(params: Any) -> str | None:
+    """Why the sampling fields in ``params`` (a body, or generate's ``sampling_params``) constrain
+    the output, or None."""
+    if not isinstance(params, dict):
+        return None
+    form = params.get("response_format")
+    if isinstance(form, dict) and form.get("type") not in (None, "text"):
+        return f"response_format {form.get('type')!r}"
+    for key, value in params.items():
+        if value is not None and (key == "structured_outputs" or key.startswith("guided_")) and value is not False:
+            return str(key)
+    return None
+
+
+def never_continued(body: dict[str, Any]) -> str | None:
+    """Why a request's stream may never be continued (module docstring), or None."""
+    why = _constrained(body) or _constrained(body.get("sampling_params"))
+    if why is not None:
+        return f"constrained output ({why})"
+    choice = body.get("tool_choice")
+    if choice is not None and choice not in ("none", "auto"):
+        return "a tool_choice that forces a tool"
+    for key in ("n", "best_of"):
+        if type(body.get(key)) is int and body[key] > 1:
+            return f"{key} > 1"
+    return None
 
 
 def _left(limit: Any, seen: Seen) -> int | None:
@@ -79,7 +120,8 @@ def chat(body: dict[str, Any], messages: Any, seen: Seen) -> dict[str, Any]:
         turns = [*messages[:-1], {**last, "content": last["content"] + text}]
     else:
         turns = [*messages, {"role": "assistant", "content": text}]
-    out = {**body, "messages": turns, "continue_final_message": True, "add_generation_prompt": False}
+    out = {k: v for k, v in body.items() if k not in _ONLY_FIRST_LEG}
+    out.update(messages=turns, continue_final_message=True, add_generation_prompt=False)
     _limits(out, ("max_tokens", "max_completion_tokens"), seen)
     return out
 
@@ -96,7 +138,8 @@ def completions(body: dict[str, Any], prompt: Any, seen: Seen) -> dict[str, Any]
         continued = [*prompt, *seen.token_ids]
     else:
         raise NotContinued("its prompt is a batch, or token ids without the output's ids")
-    out = {**body, "prompt": continued}
+    out = {k: v for k, v in body.items() if k not in _ONLY_FIRST_LEG}
+    out["prompt"] = continued
     out.setdefault("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
     _limits(out, ("max_tokens",), seen)
     return out
@@ -106,7 +149,7 @@ def generate(body: dict[str, Any], token_ids: Any, seen: Seen) -> dict[str, Any]
     """The generate continuation: by tokens (module docstring)."""
     if not isinstance(token_ids, list) or len(seen.token_ids) != seen.tokens:
         raise NotContinued("its token ids could not be read")
-    params = dict(body.get("sampling_params") or {})
+    params = {k: v for k, v in (body.get("sampling_params") or {}).items() if k not in _ONLY_FIRST_LEG}
     _limits(params, ("max_tokens",), seen)
     return {**body, "token_ids": [*token_ids, *seen.token_ids], "sampling_params": params}
 

@@ -14,6 +14,12 @@ deltas, reasoning, or more than one choice: the continuation forms carry text (o
 choice, and a half-written tool call or a thought re-entered as text would not be the stream the
 client was reading. Such a stream ends as it did before migrations existed.
 
+It also learns whether the stream's finish already went out (a ``finish_reason``; Messages: a
+``message_delta`` with its ``stop_reason``) and whether its usage did: a stream cut after its
+finish is complete, never continued (docs/behaviour.md "Migration"), and only those two facts
+are read from the last spans (:meth:`~narwhal.request.migration.transcript.Transcript.tail`)
+before a continuation is decided.
+
 Invariant: whatever the spans hold (they came from an engine), absorbing never raises; what it
 cannot read leaves the stream marked not continuable, never a wrong continuation.
 """
@@ -44,6 +50,9 @@ class Seen:
     usage_tokens: int | None = None  # the last completion_tokens the stream carried (continuous usage)
     block: int = 0  # messages: the index of the text block the output is in
     why_not: str | None = None  # what makes an exact continuation impossible, if anything
+    finished: bool = False  # the stream's finish went out (a finish_reason; Messages: a stop_reason)
+    usage_sent: bool = False  # the usage chunk (no choices; Messages: the message_delta) went out
+    last: dict[str, Any] | None = None  # the last event read that had choices: the usage chunk's model
 
     @property
     def tokens(self) -> int:
@@ -64,12 +73,10 @@ class Seen:
         """Read the next spans the client was sent (whole SSE events, in order)."""
         for span in spans:
             for event in sse.split_events(span):
-                if self.why_not is not None:
-                    return
                 try:
                     self._event(event)
                 except (TypeError, ValueError, AttributeError, KeyError) as exc:  # an engine's odd shape
-                    self.why_not = f"an event could not be read ({type(exc).__name__})"
+                    self.why_not = self.why_not or f"an event could not be read ({type(exc).__name__})"
 
     def _event(self, event: bytes) -> None:
         data = sse.event_data(event)
@@ -88,10 +95,17 @@ class Seen:
         usage = obj.get("usage")
         if isinstance(usage, dict) and type(usage.get("completion_tokens")) is int:
             self.usage_tokens = usage["completion_tokens"]
-        for choice in obj.get("choices") or ():
+        choices = obj.get("choices")
+        if not choices:
+            self.usage_sent = self.usage_sent or isinstance(usage, dict)
+            return
+        self.last = obj
+        for choice in choices:
             self._choice(choice)
 
     def _choice(self, choice: dict[str, Any]) -> None:
+        if choice.get("finish_reason") is not None:
+            self.finished = True
         if choice.get("index", 0) != 0:
             self.why_not = "more than one choice"
             return
@@ -102,6 +116,7 @@ class Seen:
             delta = choice.get("delta") or {}
             if delta.get("tool_calls") or delta.get("reasoning") or delta.get("reasoning_content"):
                 self.why_not = "tool calls or reasoning in the output"
+                self.events += 1
                 return
             text = delta.get("content")
         else:
@@ -128,3 +143,6 @@ class Seen:
             elif delta.get("text"):
                 self.text.append(delta["text"])
                 self.events += 1
+        elif kind == "message_delta":
+            if (obj.get("delta") or {}).get("stop_reason") is not None:
+                self.finished = self.usage_sent = True

@@ -71,6 +71,12 @@ class Splice:
         return b"".join(out)
 
     def _rewrite(self, obj: dict[str, Any]) -> None:
+        _only_the_clients(obj)
+        choices = obj.get("choices")
+        if isinstance(choices, list):
+            for choice in choices:
+                if isinstance(choice, dict):
+                    _only_the_clients(choice)
         if self._id is not None and self._id_key in obj:
             obj[self._id_key] = self._id
         if self._created is not None and "created" in obj:
@@ -91,6 +97,17 @@ def count_all(usage: dict[str, Any], before: int, prompt: int | None) -> None:
         prompt = max(asked - before, 0)
     usage["prompt_tokens"], usage["completion_tokens"] = prompt, before + done
     usage["total_tokens"] = prompt + before + done
+
+
+_CONTINUATIONS_OWN = ("prompt_token_ids", "prompt_text")  # of the continuation's prompt, not the client's
+
+
+def _only_the_clients(obj: dict[str, Any]) -> None:
+    """What the engine says of the continuation's own prompt (its token ids, its text: the
+    client's prompt and the output so far) is null, as an unbroken stream's later chunks have it."""
+    for key in _CONTINUATIONS_OWN:
+        if obj.get(key) is not None:
+            obj[key] = None
 
 
 def _drop_role(obj: dict[str, Any]) -> bool:

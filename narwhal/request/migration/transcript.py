@@ -13,6 +13,10 @@ one C call per block, many times smaller): the memory a long stream holds stays 
 reading kept (its text as a list of strings), at a fraction of the CPU (perf/RESULTS.md "Paced
 streams beside vllm-router"). A cut decompresses and reads every block once.
 
+The last :data:`TAIL_SPANS` spans always stay raw (:meth:`Transcript.tail`): whether the stream's
+finish already went out is read from them alone, before a continuation is decided, so a storm of
+cuts reads a few events per stream, not every stream's whole output.
+
 Invariant: spans are kept in the order they were sent, each once; :meth:`Transcript.read`
 hands every one of them to the reader exactly once, in that order.
 """
@@ -25,6 +29,9 @@ from narwhal.request.migration.seen import Seen
 
 COMPACT_AT_BYTES = 16 * 1024
 """Spans kept raw up to this many bytes; past it they go into one compressed block."""
+
+TAIL_SPANS = 2
+"""Spans kept raw after a compaction: a stream's finish and its usage chunk are in the last two."""
 
 _LEVEL = 1  # zlib's fastest: the framing compresses well at any level, and this runs per block
 
@@ -43,9 +50,15 @@ class Transcript:
         """Keep a span the client was just sent (every one, in order)."""
         self.spans.append(span)
         self.size += len(span)
-        if self.size > COMPACT_AT_BYTES:
-            self._blocks.append(zlib.compress(b"".join(self.spans), _LEVEL))
-            self.spans, self.size = [], 0
+        if self.size > COMPACT_AT_BYTES and len(self.spans) > TAIL_SPANS:
+            spans = self.spans
+            self._blocks.append(zlib.compress(b"".join(spans[:-TAIL_SPANS]), _LEVEL))
+            self.spans = spans = spans[-TAIL_SPANS:]
+            self.size = sum(map(len, spans))
+
+    def tail(self) -> list[bytes]:
+        """The last spans sent (up to :data:`TAIL_SPANS`), raw, in order; nothing is consumed."""
+        return self.spans[-TAIL_SPANS:]
 
     def read(self, seen: Seen) -> Seen:
         """Hand every span kept since the last read to ``seen``, in order; return it."""

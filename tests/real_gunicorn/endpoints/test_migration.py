@@ -294,15 +294,129 @@ async def test_no_migrations_leave_the_terminal_event(router: RouterProcess) -> 
     assert terminal_error(reply)["type"] == "engine_disconnect"
 
 
+async def test_a_stream_cut_after_its_finish_is_complete_not_continued(
+    migrating: RouterProcess, fleet: FakeFleet
+) -> None:
+    """Closed after the chunk with ``finish_reason``, before the usage chunk and ``[DONE]``: the
+    client reads one finish, Narwhal's own usage chunk and ``[DONE]``; nothing is continued and
+    the consumer is charged the early close."""
+    prompt = unique_prompt()
+    body = chat(prompt, max_tokens=5, stream_options={"include_usage": True},
+                fake={"decode": {"tokens": 3, "close_after": 3}})  # "stop" after 3 tokens, then closed
+    before = {name: value(scrape(migrating), "narwhal_engine_failures_total", engine=name, phase="decode",
+                          reason="engine_disconnect") for name in ("d0", "d1")}
+    reply = await send(migrating.url, "/v1/chat/completions", body)
+    assert reply.status == 200 and reply.text == expected_text(3) and reply.events[-1] == b"[DONE]"
+    events = [orjson.loads(e) for e in reply.events[:-1]]
+    finishes = [e["choices"][0]["finish_reason"] for e in events if e["choices"]]
+    assert [f for f in finishes if f is not None] == ["stop"]
+    usage = [e for e in events if not e["choices"]]
+    assert len(usage) == 1 and usage[0]["usage"]["completion_tokens"] == 3
+    assert usage[0]["usage"]["total_tokens"] == usage[0]["usage"]["prompt_tokens"] + 3 > 3
+    assert usage[0]["id"] == events[0]["id"] and usage[0]["object"] == "chat.completion.chunk"
+    line = access_line(migrating, reply.headers["x-request-id"])
+    assert line["migrations"] == 0 and line["status"] == 200
+    decodes = [n for n in ("d0", "d1") for r in records(fleet, n, prompt) if r["phase"] == "decode"]
+    assert len(decodes) == 1  # never continued
+    wait_until(lambda: value(scrape(migrating), "narwhal_engine_failures_total", engine=decodes[0], phase="decode",
+                             reason="engine_disconnect") == before[decodes[0]] + 1, 5, "the early close charged")
+
+
+async def test_the_openai_sdk_reads_a_stream_cut_after_its_finish_whole(migrating: RouterProcess) -> None:
+    client = AsyncOpenAI(base_url=migrating.url + "/v1", api_key="unused", max_retries=0)
+    stream = await client.completions.create(model=MODEL, prompt=unique_prompt(), max_tokens=4, stream=True,
+                                             extra_body={"narwhal_fake": {"decode": {"tokens": 2, "close_after": 2}}})
+    chunks = [chunk async for chunk in stream]
+    await client.close()
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected_text(2)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+
+
+@pytest.mark.parametrize("extra", [
+    {"response_format": {"type": "json_object"}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+    {"structured_outputs": {"json": {"type": "object"}}},
+    {"guided_regex": "[a-z ]+"},
+    {"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+])
+async def test_constrained_output_is_never_continued(migrating: RouterProcess, extra: dict[str, Any]) -> None:
+    reply = await send(migrating.url, "/v1/chat/completions", chat(unique_prompt(), max_tokens=6, fake=CLOSE, **extra))
+    assert reply.status == 200 and reply.text == expected_text(3)
+    assert terminal_error(reply)["type"] == "engine_disconnect"
+    assert access_line(migrating, reply.headers["x-request-id"])["migrations"] == 0
+
+
+async def test_a_chat_continuation_never_asks_for_echo(migrating: RouterProcess, fleet: FakeFleet) -> None:
+    """vLLM's chat stream with ``echo`` first resends a final assistant message: in a
+    continuation that is the output so far (``prompt_logprobs`` is refused at admission)."""
+    prompt = unique_prompt()
+    reply = await send(migrating.url, "/v1/chat/completions", chat(prompt, max_tokens=6, fake=CLOSE, echo=True))
+    assert reply.text == expected_text(6)
+    continued = [r["body"] for n in ("d0", "d1") for r in records(fleet, n, prompt)
+                 if r["phase"] == "decode" and r["body"].get("continue_final_message")]
+    assert len(continued) == 1 and "echo" not in continued[0]
+
+
+async def test_a_continuation_refused_with_a_4xx_ends_with_the_cut(migrating: RouterProcess, fleet: FakeFleet) -> None:
+    """The continuation's decode is refused (400: say its prompt, with the output, no longer
+    fits): the client never sent that request, so its stream ends with the fault that cut it."""
+    prompt = unique_prompt()
+    slow_cut = {"decode": {"close_after": 3, "token_delay_s": 0.2}}
+    body = completion(prompt, max_tokens=8, fake=slow_cut)
+    task = asyncio.ensure_future(send(migrating.url, "/v1/completions", body))
+    await asyncio.to_thread(wait_until, lambda: any(r["phase"] == "decode" for n in ("d0", "d1")
+                                                    for r in records(fleet, n, prompt)), 10, "the decode under way")
+    for name in ("d0", "d1"):  # every later decode is refused (the request's own spec sets no status)
+        fleet.control_request("PUT", f"/engines/{name}/faults", {"decode": {"status": 400, "message": "too long"}})
+    reply = await task
+    assert reply.text == expected_text(3)
+    assert terminal_error(reply)["type"] == "engine_disconnect"
+    assert access_line(migrating, reply.headers["x-request-id"])["reason"] == "engine_disconnect"
+
+
 lone = router_fixture(engines_named("p2", "d2"), "p2 → d2: no other consumer to continue on.",
                       recovery={"max_migrations": 1})
 
 
-async def test_with_no_other_consumer_the_one_that_cut_it_continues(lone: RouterProcess, fleet: FakeFleet) -> None:
-    """The failed consumer is avoided where others exist (as a retry's engines are): a lone
-    consumer that cut a stream but still serves carries its continuation."""
+async def test_with_no_other_consumer_the_stream_ends_with_its_cut(lone: RouterProcess, fleet: FakeFleet) -> None:
+    """A migration never goes back to the consumer that just cut the stream: with no other one
+    the stream ends with the fault that cut it, recorded as that fault and not as a migration."""
     prompt = unique_prompt()
+    before = value(scrape(lone), "narwhal_migrations_total", reason="engine_disconnect")
     reply = await send(lone.url, "/v1/completions", completion(prompt, max_tokens=8, fake=CLOSE))
-    assert reply.text == expected_text(8) and reply.events[-1] == b"[DONE]"
-    assert [r["body"]["prompt"] for r in records(fleet, "d2", prompt)] == [prompt, prompt + expected_text(3)]
-    assert access_line(lone, reply.headers["x-request-id"])["migrations"] == 1
+    assert reply.text == expected_text(3)
+    assert terminal_error(reply)["type"] == "engine_disconnect"
+    assert [r["body"]["prompt"] for r in records(fleet, "d2", prompt)] == [prompt]
+    line = access_line(lone, reply.headers["x-request-id"])
+    assert line["migrations"] == 0 and line["reason"] == "engine_disconnect"
+    assert value(scrape(lone), "narwhal_migrations_total", reason="engine_disconnect") == before
+
+
+storm = router_fixture(engines_named("p0", "p1", "d0", "d1"), "p0, p1 → d0, d1; one migration; retry budget 3.",
+                       recovery={"max_migrations": 1, "retry_budget_min": 3, "retry_budget_ratio": 0.2})
+
+
+async def test_a_consumers_death_continues_every_stream_on_it(storm: RouterProcess, fleet: FakeFleet) -> None:
+    """12 streams, one consumer stopped mid-stream: every stream on it continues (a migration
+    never takes the retry budget, which allows 3 here)."""
+    prompts = [unique_prompt() for _ in range(12)]
+    slow = {"decode": {"token_delay_s": 0.15}}
+
+    async def one(prompt: str) -> Reply:
+        return await send(storm.url, "/v1/completions", completion(prompt, max_tokens=16, fake=slow))
+
+    tasks = [asyncio.ensure_future(one(p)) for p in prompts]
+
+    def decoding_on(name: str) -> list[str]:
+        return [p for p in prompts if any(r["phase"] == "decode" for r in records(fleet, name, p))]
+
+    await asyncio.to_thread(wait_until, lambda: len(decoding_on("d0")) + len(decoding_on("d1")) == 12, 10,
+                            "every stream decoding")
+    killed = max(("d0", "d1"), key=lambda name: len(decoding_on(name)))
+    on_killed = decoding_on(killed)
+    fleet.control_request("POST", f"/engines/{killed}/stop")
+    replies = await asyncio.gather(*tasks)
+    assert [r.text for r in replies] == [expected_text(16)] * 12
+    assert [r.events[-1] for r in replies] == [b"[DONE]"] * 12
+    migrated = [access_line(storm, r.headers["x-request-id"])["migrations"] for r in replies]
+    assert sum(migrated) == len(on_killed) > 3

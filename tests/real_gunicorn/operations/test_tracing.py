@@ -140,6 +140,21 @@ def traced(fleet: FakeFleet, receiver: Receiver, tmp_path_factory: pytest.TempPa
     proc.stop()
 
 
+@pytest.fixture(scope="module")
+def traced_pair(fleet: FakeFleet, receiver: Receiver, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
+        RouterProcess]:
+    """Traced like ``traced``, with a second consumer for a migration to go to (never the one that cut)."""
+    engines = [{"name": "p2", "role": "producer"}, {"name": "d2", "role": "consumer"},
+               {"name": "sd1", "role": "consumer"}]
+    proc = start_router(
+        fleet, engines, tmp_path_factory.mktemp("traced_pair"), env={"OTEL_BSP_SCHEDULE_DELAY": "100"},
+        tracing={"enabled": True, "endpoint": receiver.url, "service_name": "narwhal-test"},
+        recovery={"max_migrations": 1},
+    )
+    yield proc
+    proc.stop()
+
+
 def _by_name(spans: list[Received]) -> dict[str, Received]:
     names = [s.name for s in spans]
     assert len(names) == len(set(names)), names
@@ -204,9 +219,9 @@ async def test_a_failed_leg_carries_its_reason_and_a_new_trace_starts_without_a_
     assert server.attributes["http.response.status_code"] == 502
 
 
-async def test_a_migrated_stream_has_a_span_per_leg(traced: RouterProcess, receiver: Receiver) -> None:
+async def test_a_migrated_stream_has_a_span_per_leg(traced_pair: RouterProcess, receiver: Receiver) -> None:
     trace_id = os.urandom(16).hex()
-    reply = await send(traced.url, "/v1/completions",
+    reply = await send(traced_pair.url, "/v1/completions",
                        completion(unique_prompt(), max_tokens=5, fake={"decode": {"close_after": 2}}),
                        headers={"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"})
     assert reply.status == 200 and reply.events[-1] == b"[DONE]"

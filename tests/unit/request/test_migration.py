@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from narwhal.engines.endpoints import CHAT, COMPLETIONS, GENERATE, MESSAGES, RESPONSES
-from narwhal.errors import EngineError
+from narwhal.errors import EngineClientError, EngineError
 from narwhal.fake_engine.continuation import start_of
 from narwhal.reasons import migrates
 from narwhal.request.admission import ClientRequest
@@ -179,10 +179,13 @@ def test_a_cut_continues_while_the_count_and_deadline_allow() -> None:
     assert migration is not None
     migration.transcript.keep(_data({"id": "c", "choices": [{"index": 0, "text": " t0"}]}))
     cut = EngineError("gone", reason="engine_disconnect", engine="d0", phase="decode", status=502)
+    assert migration.may_continue(cut, req.deadline, now=6.0)
     after = migration.after(cut, req, now=6.0, prompt_tokens=1)
     assert after is not None and after.body["prompt"] == "Once t0" and after.body["max_tokens"] == 3
-    assert migration.after(cut, req, now=6.0, prompt_tokens=1) is None  # one migration only
-    assert Migration.of(req, 1, lambda: 5.0).after(cut, _request(deadline=1.0), 6.0, 1) is None  # type: ignore[union-attr]
+    assert not migration.may_continue(cut, req.deadline, now=6.0)  # one migration only
+    assert not Migration.of(req, 1, lambda: 5.0).may_continue(cut, 1.0, 6.0)  # type: ignore[union-attr]
+    refused = EngineClientError("no", engine="d0", phase="decode", status=400)
+    assert not Migration.of(req, 1, lambda: 5.0).may_continue(refused, req.deadline, 6.0)  # type: ignore[union-attr]
     assert Migration.of(req, 0, lambda: 5.0) is None
 
 
@@ -199,11 +202,21 @@ def test_the_fake_continues_where_the_output_stopped(kind: str, body: dict[str, 
 
 
 class _State:
+    def __init__(self) -> None:
+        self.migrating = 0
+
     def request_started(self) -> None: ...
     def request_finished(self) -> None: ...
     def retry_finished(self) -> None: ...
     def try_start_retry(self, ratio: float, minimum: int) -> bool:
+        raise AssertionError("a migration never takes the retry budget")
+
+    def try_start_migration(self, ratio: float, minimum: int) -> bool:
+        self.migrating += 1
         return True
+
+    def migration_finished(self) -> None:
+        self.migrating -= 1
 
 
 async def test_a_continuation_that_finds_no_pair_ends_with_the_cut() -> None:
@@ -221,7 +234,8 @@ async def test_a_continuation_that_finds_no_pair_ends_with_the_cut() -> None:
     client = SimpleNamespace(committed=False)
     legs: list[ClientRequest] = []
 
-    async def run(client_: Any, leg: ClientRequest, rec: Any, started: float, avoid: Any, migration: Any) -> None:
+    async def run(client_: Any, leg: ClientRequest, rec: Any, started: float, avoid: Any, migration: Any,
+                  exclude: Any) -> None:
         legs.append(leg)
         if len(legs) == 1:
             client.committed = True
@@ -231,8 +245,9 @@ async def test_a_continuation_that_finds_no_pair_ends_with_the_cut() -> None:
 
     router = Router.__new__(Router)
     router.recovery = Settings.model_validate({"recovery": {"max_migrations": 1}}).recovery
-    router.state = _State()  # type: ignore[assignment]
+    router.state = state = _State()  # type: ignore[assignment]
     router.attempts = SimpleNamespace(run=run)  # type: ignore[assignment]
+    router.placement = SimpleNamespace(servable=lambda model, local, exclude: exclude == {"d0"})  # type: ignore
     router._loop = asyncio.get_running_loop()
     req = _request(deadline=router._loop.time() + 30)
     rec = AccessRecord(request_id="r", endpoint="/v1/completions")
@@ -240,3 +255,121 @@ async def test_a_continuation_that_finds_no_pair_ends_with_the_cut() -> None:
         await router._serve(client, req, rec, 0.0)  # type: ignore[arg-type]
     assert ended.value is cut and rec.migrations == 1
     assert legs[1].body["prompt"] == "Once t0"
+    assert state.migrating == 0  # the stream's share of the bound is given back
+
+
+def _kept(req: ClientRequest, *spans: bytes) -> Migration:
+    migration = Migration.of(req, 1, lambda: 5.0)
+    assert migration is not None
+    for span in spans:
+        migration.transcript.keep(span)
+    return migration
+
+
+def _chat_request(**body: Any) -> ClientRequest:
+    return ClientRequest(endpoint=CHAT, body={"model": "m", "max_tokens": 4, **body}, model="m", stream=True,
+                         deadline=100.0, forward={}, prompt={"messages": [{"role": "user", "content": "hi"}]})
+
+
+def test_a_stream_whose_finish_went_out_is_finished_and_completed_with_its_usage() -> None:
+    spans = [_chat_chunk(role=True), _chat_chunk(" t0"), _chat_chunk(" t1", finish="stop")]
+    migration = _kept(_chat_request(stream_options={"include_usage": True}), *spans)
+    assert migration.finished()
+    end = migration.completion(True, prompt_tokens=5)
+    usage, done = end.split(b"\n\n")[:2]
+    assert orjson.loads(usage.removeprefix(b"data: ")) == {
+        "id": "chatcmpl-a", "object": "chat.completion.chunk", "created": 7, "model": "m", "choices": [],
+        "usage": {"prompt_tokens": 5, "total_tokens": 7, "completion_tokens": 2}}
+    assert done == b"data: [DONE]"
+    assert migration.completion(False, prompt_tokens=5) == b"data: [DONE]\n\n"  # usage not asked for
+
+
+def test_a_finished_stream_whose_usage_went_out_ends_with_done_alone() -> None:
+    usage = _data({"id": "chatcmpl-a", "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1}})
+    migration = _kept(_chat_request(), _chat_chunk(" t0", finish="length"), usage)
+    assert migration.finished() and migration.completion(True, 1) == b"data: [DONE]\n\n"
+
+
+def test_a_stream_not_finished_is_not_finished_and_a_long_one_keeps_its_tail_raw() -> None:
+    assert not _kept(_chat_request(), _chat_chunk(" t0")).finished()
+    many = [_chat_chunk(f" t{i}") for i in range(400)] + [_chat_chunk(" end", finish="stop")]
+    migration = _kept(_chat_request(), *many)
+    assert migration.transcript.tail() == many[-2:] and migration.finished()
+    assert migration.read().tokens == 401
+
+
+def test_a_messages_stream_is_finished_by_its_stop_reason() -> None:
+    delta = b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"end_turn"}}\n\n'
+    req = ClientRequest(endpoint=MESSAGES, body={"model": "m", "max_tokens": 4}, model="m", stream=True,
+                        deadline=100.0, forward={}, prompt={"messages": []})
+    migration = _kept(req, delta)
+    assert migration.finished()
+    assert migration.completion(True, 3) == b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+
+
+@pytest.mark.parametrize("body", [
+    {"response_format": {"type": "json_object"}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+    {"structured_outputs": {"json": {}}},
+    {"guided_json": {"type": "object"}},
+    {"guided_choice": ["a", "b"]},
+    {"tool_choice": "required"},
+    {"tool_choice": {"type": "function", "function": {"name": "f"}}},
+    {"n": 2},
+    {"best_of": 3},
+    {"sampling_params": {"structured_outputs": {"regex": "a+"}}},
+])
+def test_constrained_output_and_forced_tools_are_never_continued(body: dict[str, Any]) -> None:
+    migration = _kept(_chat_request(**body), _chat_chunk(" t0"))
+    cut = EngineError("gone", reason="engine_disconnect", engine="d0", phase="decode", status=502)
+    assert not migration.may_continue(cut, 100.0, 6.0)
+
+
+@pytest.mark.parametrize("body", [{}, {"response_format": {"type": "text"}}, {"tool_choice": "auto"},
+                                  {"tool_choice": "none"}, {"n": 1}])
+def test_free_output_still_continues(body: dict[str, Any]) -> None:
+    migration = _kept(_chat_request(**body), _chat_chunk(" t0"))
+    cut = EngineError("gone", reason="engine_disconnect", engine="d0", phase="decode", status=502)
+    assert migration.may_continue(cut, 100.0, 6.0)
+
+
+def test_a_continuation_leg_never_asks_for_echo_or_prompt_logprobs() -> None:
+    seen = _seen("chat", _chat_chunk(" t0"))
+    body = {"model": "m", "echo": True, "prompt_logprobs": 2, "logprobs": True, "max_tokens": 4}
+    _, out = continuation(CHAT, body, {"messages": [{"role": "user", "content": "hi"}]}, seen)
+    assert "echo" not in out and "prompt_logprobs" not in out and out["logprobs"] is True
+    completion_seen = _seen("completions", _data({"id": "c", "choices": [{"index": 0, "text": " t0"}]}))
+    _, out = continuation(COMPLETIONS, {"prompt_logprobs": 1}, {"prompt": "Once"}, completion_seen)
+    assert "prompt_logprobs" not in out
+    gen_seen = _seen("generate", _data({"request_id": "g", "choices": [{"index": 0, "token_ids": [1000]}]}))
+    _, out = continuation(GENERATE, {"sampling_params": {"max_tokens": 3, "prompt_logprobs": 1}},
+                          {"token_ids": [5]}, gen_seen)
+    assert out["sampling_params"] == {"max_tokens": 2}
+
+
+def test_a_completions_continuation_never_shows_its_own_prompt_token_ids() -> None:
+    seen = _seen("completions", _data({"id": "c", "created": 1, "choices": [{"index": 0, "text": " t0"}]}))
+    splice = Splice("completions", seen, prompt_tokens=3)
+    first = _data({"id": "other", "created": 2, "choices": [
+        {"index": 0, "text": " t1", "prompt_token_ids": [9, 9, 9, 1000], "token_ids": [1001]}]})
+    out = orjson.loads(splice(first).removeprefix(b"data: "))
+    assert out["choices"][0]["prompt_token_ids"] is None and out["choices"][0]["token_ids"] == [1001]
+    assert (out["id"], out["created"]) == ("c", 1)
+
+
+@pytest.mark.parametrize(("event", "unreadable"), [
+    (b'data: {"choices": {"x": 1}}\n\n', True),
+    (b'data: {"choices": [{"delta": "text"}]}\n\n', True),
+    (b'data: {"choices": [{"finish_reason": "stop", "delta": {"content": 5}}], "usage": 3}\n\n', False),
+])
+def test_an_odd_continuation_event_never_raises_in_the_relay(event: bytes, unreadable: bool) -> None:
+    req = ClientRequest(endpoint=MESSAGES, body={"model": "m", "max_tokens": 4}, model="m", stream=True,
+                        deadline=100.0, forward={}, prompt={"messages": [{"role": "user", "content": "hi"}]})
+    migration = _kept(req, b'event: content_block_delta\ndata: {"type":"content_block_delta",'
+                           b'"delta":{"type":"text_delta","text":" t0"},"index":0}\n\n')
+    cut = EngineError("gone", reason="engine_disconnect", engine="d0", phase="decode", status=502)
+    assert migration.after(cut, req, 6.0, 1) is not None
+    written: list[bytes] = []
+    sink = migration.sink(lambda span: written.append(span) is None)
+    outcome = sink(event)  # never raises: an event it cannot rewrite stops the relay, the engine's fault
+    assert migration.unreadable is unreadable and outcome is not unreadable
