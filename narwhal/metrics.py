@@ -27,6 +27,7 @@ from prometheus_client import (
 )
 
 from narwhal.metric_tally import Tally
+from narwhal.reasons import Reason
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
 
@@ -160,6 +161,34 @@ DISCOVERY_ENGINES = Gauge(
 )
 PROBES = Counter("narwhal_probes_total", "Readmission probes by engine and result", ["engine", "result"])
 SUPERVISOR_RESTARTS = Counter("narwhal_supervisor_restarts_total", "Supervisor processes started after the first")
+
+# Series that exist from the first scrape, at zero (docs/operations.md "Following a request"):
+# the shipped alerts and dashboard read them, and a counter whose series appears only with its
+# first event shows "No data" on a healthy fleet. Engine-labelled ones per engine (engine_series).
+_OWN_CHECKS = frozenset({Reason.HEALTH_CHECK, Reason.PROBE, Reason.PREFLIGHT})
+_LEG_REASONS = tuple(r for r in Reason if r.rule.counts and r not in _OWN_CHECKS)
+_ROLE_PHASES = {"producer": ("prefill",), "consumer": ("decode",), "both": ("prefill", "decode")}
+
+
+def fleet_series() -> None:
+    """The counters labelled by reason alone, every label at zero (the supervisor, at start)."""
+    for reason in Reason:
+        if reason.rule.status is None or reason.rule.status >= 500:  # what can end a committed stream
+            STREAM_ABORTED.labels(reason)
+    for why in ("write_timeout", "buffers_full"):
+        SLOW_CLIENTS_CUT.labels(why)
+
+
+@functools.lru_cache(maxsize=4096)
+def engine_series(name: str, role: str) -> None:
+    """An engine's counters at zero: its failures by each leg its role runs and each reason that
+    may count (and its health checks'), its probes by result."""
+    for phase in _ROLE_PHASES.get(role, ()):
+        for reason in _LEG_REASONS:
+            ENGINE_FAILURES.labels(name, phase, reason)
+    ENGINE_FAILURES.labels(name, "health", Reason.HEALTH_CHECK)
+    for result in ("pass", "fail", "inconclusive"):
+        PROBES.labels(name, result)
 
 
 @functools.lru_cache(maxsize=2048)

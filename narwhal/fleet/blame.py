@@ -10,6 +10,9 @@ The types that cross :mod:`narwhal.supervisor.breaker`'s boundary live here (and
 * prefill-leg faults and handoff faults (``invalid_handoff`` whatever the phase) → P, as a
   producer;
 * decode faults after the first token → D, as a consumer;
+* a decode that could not reach D (``engine_unreachable``: refused, reset before any response,
+  unresolvable) → D alone, as a consumer, whatever the rule below says: the producer's handoff
+  never met a consumer, so it cannot be what failed;
 * same-worker decode faults (P is D) → that engine, as a consumer;
 * a *crossed* decode (P is not D) that failed before its first token is ambiguous: the
   producer is remembered in D's pending set and the consumer in P's, then
@@ -65,7 +68,7 @@ RoleName = Literal["producer", "consumer"]
 # Reasons that never count, even if a report says ``counts=True`` (belt and braces: docs/behaviour.md "Failure
 # semantics",
 # "Recovery"), come from the one table of reasons.
-from narwhal.reasons import UNCOUNTED_REASONS  # noqa: E402, F401
+from narwhal.reasons import UNCOUNTED_REASONS, Reason  # noqa: E402, F401
 
 
 class State(enum.IntEnum):
@@ -213,7 +216,7 @@ def charges(outcome: Outcome, pending: Pending, is_out: Callable[[str], bool]) -
     if outcome.phase == "decode":
         if d not in known:
             return []
-        if p == d or not outcome.before_first_token:
+        if p == d or not outcome.before_first_token or outcome.reason == Reason.ENGINE_UNREACHABLE:
             return [Charge(d, "consumer")]
         if p not in known or is_out(p) or is_out(d):
             return []

@@ -10,8 +10,11 @@ ejected for stream faults but reachable, was held out by the cap.
 Evidence, in the order the supervisor sees it (the last word wins):
 
 * a request leg that could not connect (``engine_unreachable`` with no connection made: the
-  report's connect flag) says unreachable; any other report naming the engine (a success, a 5xx,
-  a connection lost before the response head, a stream fault) says a connection was made;
+  report's connect flag) says unreachable; a connection lost before the response head says
+  nothing (a pooled connection to an engine that died since was made before it died: taking it
+  for a fresh one logged "reachable again" between two refusals of an engine dead throughout);
+  any other report naming the engine (a success, a 5xx, a stream fault) says a connection was
+  made;
 * the supervisor's own control reads (``/health``, ``/metrics``): no connection says
   unreachable, any HTTP answer says reachable; a read that timed out says nothing (a busy
   engine's ``/metrics`` can answer after its short bound);
@@ -49,14 +52,16 @@ class Reachability:
         self.version += 1
         self.changed.append((engine, reachable))
 
-    def reported(self, producer: str, consumer: str, ok: bool, failed: str | None, refused: bool) -> None:
+    def reported(self, producer: str, consumer: str, ok: bool, failed: str | None, refused: bool,
+                 lost: bool = False) -> None:
         """What one worker report says of the engines it names (the module's text): ``refused``,
-        no connection could be made to ``failed``."""
+        no connection could be made to ``failed``; ``lost``, a connection was lost before any
+        response (it says nothing)."""
         if ok:
             if self._down:  # the usual case, nobody down: no set work per success
                 self.saw(consumer, True)
                 self.saw(producer, True)
-        elif failed is not None:
+        elif failed is not None and (refused or not lost):
             self.saw(failed, not refused)
 
     def forget(self, engine: str) -> None:

@@ -219,6 +219,7 @@ def on_starting(server: Any) -> None:
         print(f"narwhal: invalid settings: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     shm.HOLDINGS = create_holdings(settings, shm.SHARED.layout.slots, shm.SHARED.layout.engines)
+    _warn_never_ejected(settings)
     if settings.preflight.on_start and settings.engines:
         from narwhal.master.startup import preflight_on_start
 
@@ -228,6 +229,16 @@ def on_starting(server: Any) -> None:
     keeper.start()
     _KEEPER[:] = [keeper]
     arbiter.adapt(server, keeper)
+
+
+def _warn_never_ejected(settings: Settings) -> None:
+    """Once, in the master: each role ``max_ejected_fraction`` can never eject (docs/behaviour.md "Recovery")."""
+    from narwhal.logs import master_line
+    from narwhal.supervisor.breaker import never_ejected
+
+    engines = [(e.name, e.role) for e in settings.engines]
+    for line in never_ejected(engines, settings.recovery.max_ejected_fraction):
+        print(master_line("warning", "narwhal.supervisor.breakers", line), file=sys.stderr, flush=True)
 
 
 def create_holdings(settings: Settings, slots: int, engines: int | None = None) -> Any:

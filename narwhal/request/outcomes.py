@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from narwhal import metrics
 from narwhal.errors import EngineError
 from narwhal.fleet import Engine, Fleet
 
@@ -62,8 +61,6 @@ class Outcomes:
     ) -> None:
         """Report a failed attempt; quarantine the engine at once if the error counts and blame is clear."""
         failed = self.fleet.by_name.get(error.engine)
-        if error.counts:
-            metrics.ENGINE_FAILURES.labels(error.engine, error.phase, error.reason).inc()
         self.reporter.report(producer, consumer, error=error, failed=failed, before_first_token=before_first_token,
                              local=local)
         if failed is not None and error.connect_failed:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 
+from narwhal import metrics
+from narwhal.errors import EngineError
 from narwhal.fleet import Engine, Fleet
 from narwhal.fleet.placement import LocalInflight
 
@@ -130,5 +132,8 @@ class LocalFleetState(LocalInflight):
         """The stream :meth:`try_start_migration` marked has ended."""
         self._migrations -= 1
 
-    def report(self, producer: Engine, consumer: Engine, **_: object) -> None:
-        """No supervisor listens: outcomes only reach the metrics."""
+    def report(self, producer: Engine, consumer: Engine, *, error: EngineError | None = None, **_: object) -> None:
+        """No supervisor listens: outcomes only reach the metrics (a counted fault, against the
+        engine it was seen on: no blame runs here)."""
+        if error is not None and error.counts:
+            metrics.ENGINE_FAILURES.labels(error.engine, error.phase, error.reason).inc()

@@ -60,6 +60,7 @@ or ambiguity sets with time (only successes, probes and the operator reset them)
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from narwhal.fleet.blame import EngineInfo, EngineStatus, Outcome, Pending, ProbePlan, RoleName, State, charges, counted
 from narwhal.settings import RecoverySettings
@@ -69,6 +70,32 @@ from narwhal.supervisor.readmission import Wave, earliest, probe_interval, probe
 __all__ = ["Breakers", "EngineInfo", "EngineStatus", "Outcome", "ProbePlan", "State"]
 
 PROBE_RESULTS = ("pass", "fail", "inconclusive")
+
+
+@dataclass(frozen=True, slots=True)
+class Charged:
+    """One failure counted against an engine: whom, in which role, and whose leg failed how
+    (the supervisor logs each and counts it in ``narwhal_engine_failures_total``)."""
+
+    engine: str
+    role: RoleName
+    failed: str  # the engine whose leg failed (the charged one, or its partner)
+    phase: str  # "prefill", "decode" or "health"
+    reason: str
+
+
+def never_ejected(engines: Sequence[tuple[str, str]], fraction: float) -> list[str]:
+    """One line per role whose engines (``(name, role)``) ``max_ejected_fraction`` can never
+    eject (its first ejection would already take more than that share: a role of one below 1,
+    of N below 1/N)."""
+    lines = []
+    for role in ("producer", "consumer"):
+        names = [name for name, of in engines if of in (role, "both")]
+        if names and 1 / len(names) > fraction:
+            lines.append(f"role {role} has {len(names)} engine(s) ({', '.join(names)}): recovery.max_ejected_fraction "
+                         f"{fraction:g} never ejects one; a failing one stays degraded, probed once it answers health "
+                         f"checks again (1.0 lets the breaker eject it)")
+    return lines
 
 
 class Breakers:
@@ -99,6 +126,10 @@ class Breakers:
         self.version = 0
         self.changes = 0
         self._quiet_until = float("-inf")  # before this, tick and due_probes have nothing to do
+        self.charged: list[Charged] = []  # charges since the supervisor last took them (take_charged)
+        self._degraded_probing: set[str] = set()  # DEGRADED engines whose probe is under way
+        self._degraded_next: dict[str, float] = {}  # a DEGRADED engine's next probe, not before
+        self._cause: dict[str, str] = {}  # what last moved an engine, in a few words (the log's why)
 
     # ------------------------------------------------------------------------------ reports
 
@@ -113,15 +144,24 @@ class Breakers:
         elif counted(outcome):
             self.changes += 1  # an ambiguous fault is remembered without touching a status
             for c in charges(outcome, self._pending, self._is_out):
-                self._charge(c.engine, (c.role,), outcome.at, outcome.reason, c.original_producer, handoff=c.handoff)
+                if self._charge(c.engine, (c.role,), outcome.at, outcome.reason, c.original_producer,
+                                handoff=c.handoff):
+                    self.charged.append(Charged(c.engine, c.role, outcome.failed_engine or c.engine,
+                                                outcome.phase or "decode", outcome.reason or ""))
         self._commit()
 
     def health_failed(self, engine: str, now: float, reason: str, *, sent_at: float | None = None) -> None:
         """A health check saw 503 or no answer: a failure in every role (stale if sent before readmission)."""
         rec = self._engines.get(engine)
         if rec is not None and (sent_at is None or sent_at >= rec.readmitted_at):
-            self._charge(engine, rec.info.roles, now, reason, None)
+            if self._charge(engine, rec.info.roles, now, reason, None):
+                self.charged.append(Charged(engine, rec.info.roles[0], engine, "health", reason))
         self._commit()
+
+    def take_charged(self) -> list[Charged]:
+        """The charges made since the last call, in order (the supervisor logs and counts them)."""
+        charged, self.charged = self.charged, []
+        return charged
 
     # --------------------------------------------------------------------------- the clock
 
@@ -132,6 +172,7 @@ class Breakers:
         for rec in self._engines.values():
             if rec.state is State.QUARANTINED and rec.quarantined_until is not None and rec.quarantined_until <= now:
                 self._touched.add(rec.info.name)
+                self._cause[rec.info.name] = "quarantine over"
                 rec.end_quarantine(self._settings.eject_after)
         for wave in self._waves.values():
             self._settle(wave, now)
@@ -152,23 +193,44 @@ class Breakers:
         self._quiet_until = earliest(self._engines.values(), self._waves.values(), self._settings)
         return plans
 
+    def degraded_probe(self, engine: str, now: float) -> ProbePlan | None:
+        """A DEGRADED engine (kept serving by ``max_ejected_fraction``) that answers its health
+        check again gets the probe an ejected one would, paced like the first readmission probe
+        (``readmit_interval_s``): a pass clears its streaks, so no client request is the test."""
+        rec = self._engines.get(engine)
+        if rec is None or rec.state is not State.DEGRADED or engine in self._degraded_probing \
+                or now < self._degraded_next.get(engine, float("-inf")):
+            return None
+        self._degraded_probing.add(engine)
+        self._degraded_next[engine] = now + self.probe_interval(1)
+        return probe_plan(rec, self._kind)
+
     def probe_result(self, engine: str, result: str, now: float) -> None:
-        """``"pass"`` readmits (subject to whole-wave restart); anything else keeps the interval."""
+        """``"pass"`` readmits (subject to whole-wave restart); anything else keeps the interval.
+        A DEGRADED engine's probe (:meth:`degraded_probe`) that passes clears its streaks."""
         if result not in PROBE_RESULTS:
             raise ValueError(f"probe result must be one of {PROBE_RESULTS}, not {result!r}")
         rec = self._engines.get(engine)
+        if engine in self._degraded_probing:
+            self._degraded_probing.discard(engine)
+            if rec is not None and rec.state is State.DEGRADED and result == "pass":
+                self._touched.add(engine)
+                self._readmit(rec, now, "a probe passed: streak cleared")
+                self._commit()
+            return
         if rec is None or rec.state is not State.PROBING:
             return  # the operator acted meanwhile, or the engine is gone
         self._touched.add(engine)
         if result != "pass":
             rec.state = State.EJECTED
             rec.next_probe_at = now + self.probe_interval(rec.ejections)
+            self._cause[engine] = f"readmission probe: {result}; next in {self.probe_interval(rec.ejections):g}s"
         else:
             wave = self._wave_of(rec)
             if wave is not None and wave.must_wait(rec):
                 wave.hold(rec, now)
             else:
-                self._readmit(rec, now)
+                self._readmit(rec, now, "readmission probe passed")
             if wave is not None:
                 self._settle(wave, now)
         self._commit()
@@ -190,17 +252,18 @@ class Breakers:
         self._settle_wave_of(rec, now)
         self._commit()
 
-    def readmit(self, engine: str, now: float) -> None:
-        """Back in service now: streaks, quarantine, probes and wave hold cleared."""
+    def readmit(self, engine: str, now: float, by: str = "the operator") -> None:
+        """Back in service now: streaks, quarantine, probes and wave hold cleared (``by``: who, for the log)."""
         rec = self._engines[engine]
-        self._readmit(rec, now)
+        self._readmit(rec, now, f"readmitted by {by}")
         self._settle_wave_of(rec, now)
         self._commit()
 
-    def drain(self, engine: str, now: float) -> None:
-        """No new requests (in-flight ones finish); only :meth:`readmit` undoes it."""
+    def drain(self, engine: str, now: float, by: str = "the operator") -> None:
+        """No new requests (in-flight ones finish); only :meth:`readmit` undoes it (``by``: who, for the log)."""
         rec = self._engines[engine]
         self._touched.add(engine)
+        self._cause[engine] = f"drained by {by}"
         rec.drain()
         self._settle_wave_of(rec, now)
         self._commit()
@@ -251,6 +314,11 @@ class Breakers:
             return rec.quarantined_until is not None and rec.quarantined_until <= now
         return rec.state in SERVING
 
+    def cause(self, engine: str) -> str | None:
+        """What last moved the engine back into service, out of a quarantine or a drain, or
+        failed its probe, in a few words; None when nothing has yet."""
+        return self._cause.get(engine)
+
     def ejected_by_operator(self, engine: str) -> bool:
         """Ejected by the operator: not probed, out until :meth:`readmit`."""
         rec = self._engines[engine]
@@ -286,19 +354,22 @@ class Breakers:
     def _lower_streak(self, rec: BreakerRecord, role: RoleName, to: int) -> None:
         if rec.lower_streak(role, to):
             self._touched.add(rec.info.name)
+            self._cause[rec.info.name] = "a request succeeded on it"
             rec.recover(self._settings.eject_after)
 
     def _charge(
         self, engine: str, roles: Sequence[RoleName], now: float, reason: str | None, original: str | None,
         *, handoff: bool = False,
-    ) -> None:
+    ) -> bool:
+        """Count a failure against ``engine`` in ``roles``; False when it is out (stale evidence)."""
         rec = self._engines.get(engine)
         if rec is None or rec.state in OUT:
-            return
+            return False
         self._touched.add(engine)
+        self._cause.pop(engine, None)  # the streak says why from here
         rec.charge(roles, now, reason, original, handoff)
         if rec.state is State.DRAINING:
-            return
+            return True
         over = rec.over(self._settings.eject_after)
         if over and self._may_eject(rec):
             self._eject(rec, now, by_operator=False)
@@ -306,6 +377,7 @@ class Breakers:
             rec.quarantine(now + self._settings.failure_quarantine_s)
         elif over:
             rec.state = State.DEGRADED
+        return True
 
     def _may_eject(self, rec: BreakerRecord) -> bool:
         """``ejected / engines of that role ≤ max_ejected_fraction`` afterwards, for every role."""
@@ -319,8 +391,9 @@ class Breakers:
         self._touched.add(rec.info.name)
         rec.eject(None if by_operator else now + self.probe_interval(rec.ejections + 1), by_operator=by_operator)
 
-    def _readmit(self, rec: BreakerRecord, now: float) -> None:
+    def _readmit(self, rec: BreakerRecord, now: float, cause: str) -> None:
         self._touched.add(rec.info.name)
+        self._cause[rec.info.name] = cause
         rec.readmit(now)
         self._pending.clear(rec.info.name)
 
@@ -337,7 +410,7 @@ class Breakers:
     def _settle(self, wave: Wave, now: float) -> None:
         """Readmit the members waiting for their wave once none is out unproven, or at the hold."""
         for member in wave.release(now, self._settings.wave_hold_s):
-            self._readmit(member, now)
+            self._readmit(member, now, f"its wave {member.info.wave} is back")
 
     def _moved(self) -> None:
         """Something changed other than time: the next tick looks at every engine again."""

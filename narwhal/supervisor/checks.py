@@ -108,6 +108,11 @@ class Checks:
         if engine.name not in self.fleet.by_name:  # forgotten meanwhile (discovery)
             return
         self.connected(engine, failure is None or failure.startswith("HTTP "), failure == UNREACHABLE)
+        if failure is None and engine.name not in self._probing:  # a DEGRADED one: the probe an ejected one gets
+            plan = self.breakers.degraded_probe(engine.name, self._clock())
+            if plan is not None:
+                self._probing.add(engine.name)
+                self._spawn(self._probe(prober, engine, plan))
         if failure is not None:
             log.warning("health check of %s: fail: %s", engine.name, failure)
             now = self._clock()

@@ -46,7 +46,7 @@ from narwhal.supervisor.membership import ChangingBreakers, Decision, Drain, For
 from narwhal.supervisor.models import ModelReader, ModelsPublished, ModelsRead
 from narwhal.supervisor.reports import RingIndexes, Successes, apply_reports
 from narwhal.supervisor.rounds import Rounds
-from narwhal.supervisor.transitions import log_transitions
+from narwhal.supervisor.transitions import log_charges, log_transitions
 
 log = logging.getLogger("narwhal.supervisor")
 
@@ -153,6 +153,7 @@ class Supervisor:
 
     def restore(self) -> None:
         """Start from the records a previous supervisor published (none at first start)."""
+        metrics.fleet_series()  # zero from the first scrape (metrics.engine_series: per engine, at publish)
         now = self._clock()
         for engine in self.fleet.engines:
             try:  # no supervisor is writing now: a record its predecessor left mid-write counts if whole
@@ -176,6 +177,7 @@ class Supervisor:
                          engine_records.record(engine, self.breakers, self.reach, version, self._wall))
         self.shared.bump_generation()
         self._published = (self.breakers.version, self.reach.version)
+        log_charges(self.fleet.engines, self.breakers.take_charged())
         log_transitions(self.fleet.engines, self.breakers, self.reach, self._states, self.settings.recovery)
         if self.model is not None:
             out = set()
@@ -199,6 +201,7 @@ class Supervisor:
         """
         for engine in self.fleet.engines:
             metrics.ENGINE_STATE.labels(engine.name, engine.role).set(int(self.breakers.status(engine.name).state))
+            metrics.engine_series(engine.name, engine.role)  # once per engine (cached): zero from the first scrape
 
     def admitted(self, engine: Engine) -> bool:
         """Does the engine take requests now (a probe picks its partner by it)? False once it is forgotten."""
@@ -293,9 +296,9 @@ class Supervisor:
         told back through ``refused(join, why, passing)``."""
         for decision in decisions:
             if isinstance(decision, Drain):
-                self.breakers.drain(decision.name, self._clock())
+                self.breakers.drain(decision.name, self._clock(), by="discovery")
             elif isinstance(decision, Readmit):
-                self.breakers.readmit(decision.name, self._clock())
+                self.breakers.readmit(decision.name, self._clock(), by="discovery")
             elif isinstance(decision, Join):
                 self._join(decision, refused)
             else:

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 
 from narwhal.fleet import Engine
 from narwhal.fleet.reachability import Reachability
+from narwhal.reasons import Reason
 from narwhal.shm.records import (
     FLAG_BEFORE_TOKEN,
     FLAG_CONNECT,
@@ -101,7 +102,8 @@ def apply_reports(reports: Sequence[Report], by_slot: Mapping[int, Engine], brea
             failed = None if failed_engine is None else failed_engine.name
             reason = REASONS[r.reason] if r.reason < len(REASONS) else ""
             if reach is not None:
-                reach.reported(producer.name, consumer.name, ok, failed, bool(r.flags & FLAG_CONNECT))
+                reach.reported(producer.name, consumer.name, ok, failed, bool(r.flags & FLAG_CONNECT),
+                               lost=reason == Reason.ENGINE_UNREACHABLE)
             if ok and successes is not None and successes.repeated(breakers, key):
                 continue
             outcome = Outcome(

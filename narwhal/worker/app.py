@@ -132,10 +132,10 @@ async def _ready(request: web.Request) -> web.Response:
     models = router.fleet.served_models
     if not models:
         return _json({"ready": False, "reason": "no engine has reported a model yet"}, status=503)
-    missing = sorted(m for m in models if not router.placement.has_pair(m))
-    if missing:
-        reason = f"no admitted producer->consumer pair for model {missing[0]!r}"
-        return _json({"ready": False, "reason": reason}, status=503)
+    for model in sorted(models):  # docs/behaviour.md "Recovery": could a request succeed now?
+        reason = router.placement.unready(model)
+        if reason is not None:
+            return _json({"ready": False, "reason": reason}, status=503)
     return _json({"ready": True})
 
 

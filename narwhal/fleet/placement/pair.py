@@ -284,6 +284,26 @@ class Placement:
                 return True
         return False
 
+    def unready(self, model: str) -> str | None:
+        """Why no request for ``model`` could succeed now, or None: ``/ready``'s rule
+        (docs/behaviour.md "Recovery") is a permitted pair whose engines are both in
+        service (not ejected, probing or draining; quarantined and degraded ones serve) and
+        reachable (an engine whose last connection attempt failed is not)."""
+        view = self.view
+
+        def ready(engine: Engine) -> bool:
+            return view.placeable(engine) and not view.unreachable(engine)
+
+        candidates = self._candidates(model)
+        if any(ready(p) and any(ready(d) for d in consumers) for p, consumers in candidates):
+            return None
+        if not any(consumers for _, consumers in candidates):
+            return self.incompatibility(model) or f"no producer->consumer pair is permitted for model {model!r}"
+        engines = {e.name: e for p, consumers in candidates for e in (p, *consumers)}
+        down = [f"{name} {'unreachable' if view.unreachable(e) else 'out of service'}"
+                for name, e in sorted(engines.items()) if not ready(e)]
+        return f"no producer->consumer pair for model {model!r} is in service and reachable: {', '.join(down)}"
+
     def incompatibility(self, model: str) -> str | None:
         """Why ``model`` has no pair when engines in service could pair but for their versions or
         transfer modes (docs/decisions.md "vLLM releases": the 503's detail; the compatible ones, if any, are out), else

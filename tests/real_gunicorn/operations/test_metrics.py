@@ -48,8 +48,11 @@ async def test_fault_metrics_count_exactly_what_happened(solo_router: RouterProc
     wait_until(lambda: delta("narwhal_client_disconnects_total") == 1, 5, "the disconnect counted")
     assert delta("narwhal_handoffs_released_total") == 0
     assert delta("narwhal_handoffs_abandoned_total") == 2
-    assert delta("narwhal_engine_failures_total", engine="p2", phase="prefill", reason="invalid_handoff") == 2
-    assert delta("narwhal_engine_failures_total", engine="d2", phase="decode", reason="engine_disconnect") == 1
+    # Counted by the supervisor as it charges (blame decides whom): within a pass or two.
+    wait_until(lambda: delta("narwhal_engine_failures_total", engine="p2", phase="prefill",
+                             reason="invalid_handoff") == 2, 5, "p2's charges counted")
+    wait_until(lambda: delta("narwhal_engine_failures_total", engine="d2", phase="decode",
+                             reason="engine_disconnect") == 1, 5, "d2's charge counted")
     assert delta("narwhal_stream_aborted_total", reason="engine_disconnect") == 1
     assert delta("narwhal_stream_aborted_total", reason="client_disconnect") == 1
     assert delta("narwhal_attempts_total", outcome="invalid_handoff") == 2

@@ -245,3 +245,63 @@ def test_a_local_success_resets_the_consumer_streak() -> None:
     assert streak(b, "d1") == 2
     b.record(local_ok("d1", 3.0))
     assert streak(b, "d1") == 0
+
+
+def test_a_decode_that_cannot_reach_its_consumer_charges_the_consumer_alone() -> None:
+    """1P/1D, where nothing else tells them apart: a refused decode is the consumer's, never the
+    producer's (its handoff never met a consumer); other pre-token faults charge both, as before."""
+    b = breakers(mesh(["p"], ["d"]), eject_after=2)
+    b.record(decode_fault("p", "d", reason="engine_unreachable"))
+    assert [(c.engine, c.role, c.failed, c.phase) for c in b.take_charged()] == [("d", "consumer", "d", "decode")]
+    assert b.status("p").failure_streak == 0 and b.status("d").failure_streak == 1
+    b.record(decode_fault("p", "d", reason="engine_disconnect"))
+    assert {(c.engine, c.failed) for c in b.take_charged()} == {("p", "d"), ("d", "d")}
+    assert b.take_charged() == []
+
+
+def test_a_degraded_engine_healthy_again_is_probed_and_a_pass_clears_its_streak() -> None:
+    b = breakers(mesh(["p"], ["d"]), eject_after=2, max_ejected_fraction=0.5, readmit_interval_s=5)
+    for at in (1.0, 2.0):
+        b.record(decode_fault("p", "d", at=at, before=False, reason="engine_disconnect"))
+    assert b.status("d").state is State.DEGRADED
+    plan = b.degraded_probe("d", 3.0)
+    assert plan is not None and plan.as_consumer
+    assert b.degraded_probe("d", 3.1) is None  # one at a time
+    b.probe_result("d", "fail", 3.2)
+    assert b.status("d").state is State.DEGRADED
+    assert b.degraded_probe("d", 4.0) is None  # paced: readmit_interval_s after the last
+    assert b.degraded_probe("d", 8.1) is not None
+    b.probe_result("d", "pass", 8.2)
+    assert b.status("d").state is State.ADMITTED and b.status("d").failure_streak == 0
+    assert b.degraded_probe("p", 9.0) is None  # only a DEGRADED engine
+
+
+def test_roles_the_fraction_can_never_eject_are_named() -> None:
+    from narwhal.supervisor.breaker import never_ejected
+
+    one_each = [("p0", "producer"), ("d0", "consumer")]
+    assert [line.split(":")[0] for line in never_ejected(one_each, 0.5)] == [
+        "role producer has 1 engine(s) (p0)", "role consumer has 1 engine(s) (d0)"]
+    assert never_ejected(one_each, 1.0) == []
+    assert [line.split(":")[0] for line in never_ejected([*one_each, ("d1", "consumer"), ("p1", "both")], 0.4)] == [
+        "role producer has 2 engine(s) (p0, p1)"]  # 1/3 of the consumers is within 0.4
+
+
+def test_the_log_says_what_moved_an_engine_never_a_streak_cleared_that_still_counts() -> None:
+    from narwhal.settings import RecoverySettings
+    from narwhal.supervisor.transitions import why
+
+    settings = RecoverySettings(eject_after=3, failure_quarantine_s=1.0, readmit_interval_s=5)
+    b = breakers(mesh(["p"], ["d"]), **settings.model_dump())
+    b.record(decode_fault("p", "d", at=1.0, before=False, reason="engine_disconnect"))
+    assert b.status("d").state is State.QUARANTINED
+    b.tick(2.5)
+    assert why(b.status("d"), b, settings) == "quarantine over; 1 failure(s) in a row, last engine_disconnect"
+    b.readmit("d", 3.0)
+    assert why(b.status("d"), b, settings) == "readmitted by the operator"
+    b.drain("d", 3.5, by="discovery")
+    assert why(b.status("d"), b, settings) == "drained by discovery"
+    b.eject("p", 4.0, probe=True)
+    assert len(b.due_probes(9.1)) == 1
+    b.probe_result("p", "fail", 9.2)
+    assert why(b.status("p"), b, settings) == "readmission probe: fail; next in 5s"

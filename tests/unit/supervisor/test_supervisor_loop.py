@@ -215,4 +215,4 @@ async def test_every_breaker_transition_is_one_log_line_with_its_engine_state_an
     loop.step()
     lines = [r.getMessage() for r in caplog.records if r.name == "narwhal.supervisor.breakers"]
     assert lines[1:] == ["engine d0 (consumer): ejected -> probing: readmission probe under way",
-                         "engine d0 (consumer): probing -> admitted: streak cleared"]
+                         "engine d0 (consumer): probing -> admitted: readmission probe passed"]
