@@ -70,6 +70,7 @@ class Fleet:
         self.engines: list[Engine] = []
         self.by_name: dict[str, Engine] = {}
         self._served: frozenset[str] = frozenset()
+        self._contexts: dict[str, int | None] = {}  # model -> its smallest max_model_len (context)
         self.version = 0  # bumped whenever an engine's models change, or the engines (placement caches by it)
         self.replace(members)
 
@@ -127,9 +128,26 @@ class Fleet:
             engine.version = version
             self.version += 1
 
+    def set_context(self, engine: Engine, max_model_len: int | None) -> None:
+        """The context length ``engine``'s ``/v1/models`` reports (None: not said)."""
+        if engine.max_model_len != max_model_len:
+            engine.max_model_len = max_model_len
+            self._contexts = {}
+
+    def context(self, model: str) -> int | None:
+        """The smallest ``max_model_len`` among the engines serving ``model`` (a request that fits
+        it fits any), None when none said; cached until an engine's models or length move."""
+        contexts = self._contexts
+        if model in contexts:
+            return contexts[model]
+        lengths = [e.max_model_len for e in self.engines if model in e.models and e.max_model_len]
+        context = contexts[model] = min(lengths) if lengths else None
+        return context
+
     def _refresh_served(self) -> None:
         self.version += 1
         self._served = frozenset(m for e in self.engines for m in e.models)
+        self._contexts = {}
 
     @property
     def served_models(self) -> frozenset[str]:

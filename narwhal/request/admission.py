@@ -29,7 +29,7 @@ import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from narwhal.engines.endpoints import Endpoint
+from narwhal.engines.endpoints import GENERATE, Endpoint
 from narwhal.errors import RequestError
 from narwhal.fleet import Fleet
 from narwhal.reasons import Reason
@@ -238,15 +238,26 @@ def parse_object(raw: bytes) -> dict[str, Any]:
     body.pop("kv_transfer_params", None)
     if "sampling_params" in body:
         _drop_nested_handoff(body)
+    if "vllm_xargs" in body:
+        _drop_xargs_handoff(body)
     return body
+
+
+def _drop_xargs_handoff(body: dict[str, Any]) -> None:
+    """``vllm_xargs.kv_transfer_params``: vLLM builds the sampling ``extra_args`` from
+    ``vllm_xargs`` and keeps that key when the body has no top-level one (a same-worker or local
+    decode, a passthrough), so a client's would reach the engine (a real 0.32 producer answers
+    500 to ``"x"``: a healthy engine charged a failure per request). Removed on every route."""
+    xargs = body["vllm_xargs"]
+    if type(xargs) is dict and "kv_transfer_params" in xargs:
+        body["vllm_xargs"] = {k: v for k, v in xargs.items() if k != "kv_transfer_params"}
 
 
 def _drop_nested_handoff(body: dict[str, Any]) -> None:
     """``sampling_params.extra_args.kv_transfer_params``: where vLLM's generate route reads a
     handoff when the top-level key is absent (``scale_out/token_in_token_out/serving.py``), as on
     a same-worker or local decode. A client's would make the engine read KV from whatever host it
-    names: removed, like the top-level one. (Chat's ``vllm_xargs`` cannot carry one: its values
-    are scalars or lists.)"""
+    names: removed, like the top-level one (and ``vllm_xargs``' own: :func:`_drop_xargs_handoff`)."""
     params = body["sampling_params"]
     extra = params.get("extra_args") if type(params) is dict else None
     if type(extra) is dict and "kv_transfer_params" in extra:
@@ -274,7 +285,25 @@ def parse(raw: bytes, endpoint: Endpoint, fleet: Fleet) -> tuple[dict[str, Any],
     """Parse and check the body; return it (client kv params removed), its model and stream."""
     body = parse_object(raw)
     _check_fields(body, endpoint)
-    return body, resolve_model(body, fleet), bool(body.get("stream"))
+    model = resolve_model(body, fleet)
+    context = fleet.context(model)
+    if context is not None and endpoint is not GENERATE:  # vLLM's generate never refuses on length
+        _check_limit(body, context)
+    return body, model, bool(body.get("stream"))
+
+
+_LIMIT_KEYS = ("max_completion_tokens", "max_tokens", "max_output_tokens")  # the first one set is the limit
+
+
+def _check_limit(body: dict[str, Any], context: int) -> None:
+    """A limit above the model's context (the smallest ``max_model_len`` its engines report) is
+    refused here with vLLM's own message and ``param`` (0.12 on): the prefill asks for one token
+    and cannot see it, so the consumer would refuse it only after a handoff exists
+    (docs/decisions.md "vLLM releases")."""
+    limit = next((body[k] for k in _LIMIT_KEYS if body.get(k) is not None), None)
+    if type(limit) is int and limit > context:
+        raise _bad(f"max_tokens={limit} cannot be greater than max_model_len={context}. Please request fewer "
+                   f"output tokens. (parameter=max_tokens, value={limit})", "max_tokens")
 
 
 def parse_passthrough(raw: bytes, fleet: Fleet) -> tuple[dict[str, Any], str]:

@@ -93,7 +93,7 @@ class ModelsFollower:
                 if rec.engine_version is not None:  # docs/decisions.md "vLLM releases": which engines may pair
                     self.fleet.set_version(engine, rec.engine_version)
                 engine.generate_refused = rec.generate == M.GENERATE_REFUSED  # shown by /admin/engines
-                engine.max_model_len = rec.max_model_len  # the router's /v1/models lists them
+                self.fleet.set_context(engine, rec.max_model_len)  # the router's /v1/models; admission's bound
                 engine.model_root = (rec.models[0], rec.root) if rec.models and rec.root else None
             elif behind:
                 continue  # another engine's record, not rewritten for this one yet: keep what it had

@@ -126,15 +126,32 @@ async def test_a_consumers_refusal_is_released_only_where_vllm_leaves_the_blocks
     release: tuple[str, FakeFleet, RouterProcess]
 ) -> None:
     version, fleet, router = release
-    prompt = unique_prompt()
-    # beyond the context
-    reply, released = await _refused(router, fleet, "/v1/completions", completion(prompt, max_tokens=9000), 400)
+    # A prompt near the 8192-token context (the fake counts words) and a limit past what is left:
+    # the prefill (one token) fits; 0.11 refuses the decode, 0.12 on clamps its limit.
+    prompt = unique_prompt(8000)
+    body = completion(prompt, max_tokens=500, stream=False)
+    if version != "0.11.0":
+        reply = await send(router.url, "/v1/completions", body)
+        assert reply.status == 200 and reply.json["usage"]["completion_tokens"] == 192, reply.raw[:300]
+        return
+    reply, released = await _refused(router, fleet, "/v1/completions", body, 400)
     decodes = records(fleet, "vd0", prompt)
-    if version == "0.11.0":  # no cleanup in vLLM before 0.21.0: Narwhal's release frees them
-        assert released == 1.0 and len(decodes) == 2
-        assert (decodes[1]["body"]["stream"], decodes[1]["body"]["max_tokens"]) == (False, 1)
-    else:  # the consumer's serving layer freed them itself: no second word
-        assert released == 0.0 and len(decodes) == 1
+    # no cleanup in vLLM before 0.21.0: Narwhal's release frees them
+    assert released == 1.0 and len(decodes) == 2
+    assert (decodes[1]["body"]["stream"], decodes[1]["body"]["max_tokens"]) == (False, 1)
+
+
+async def test_a_limit_past_the_context_is_refused_before_any_prefill_on_every_release(
+    release: tuple[str, FakeFleet, RouterProcess]
+) -> None:
+    """The consumer would refuse it only after a handoff exists: the router refuses it first,
+    with vLLM's message, from the ``max_model_len`` the engines' ``/v1/models`` report."""
+    _, fleet, router = release
+    prompt = unique_prompt()
+    reply = await send(router.url, "/v1/completions", completion(prompt, max_tokens=9000))
+    assert reply.status == 400 and reply.json["error"]["param"] == "max_tokens"
+    assert "cannot be greater than max_model_len=8192" in reply.json["error"]["message"]
+    assert records(fleet, "vp0", prompt) == records(fleet, "vd0", prompt) == []
 
 
 async def test_a_validation_refusal_by_the_consumer_is_released_on_every_release(

@@ -299,3 +299,41 @@ async def test_a_client_handoff_in_generate_sampling_params_never_reaches_an_eng
     assert reply.status == 200, reply.raw
     assert recs and all(b"attacker" not in orjson.dumps(r["body"]) for r in recs)
     assert all(r["body"]["sampling_params"]["extra_args"] == {"keep": 1} for r in recs if r["phase"] == "decode")
+
+
+@pytest.mark.parametrize("which", ["router", "same_router"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/tokenize"])
+async def test_a_client_handoff_in_vllm_xargs_never_reaches_an_engine(
+    which: str, path: str, request: pytest.FixtureRequest, fleet: FakeFleet
+) -> None:
+    """vLLM builds the sampling ``extra_args`` from ``vllm_xargs`` and keeps its
+    ``kv_transfer_params`` when the body has none (a real 0.32 producer answers 500 to ``"x"``):
+    stripped on every route and leg, the client's other extra args kept."""
+    target: RouterProcess = request.getfixturevalue(which)
+    prompt = unique_prompt()
+    xargs = {"vllm_xargs": {"kv_transfer_params": "x", "keep": 1}}
+    if path == "/tokenize":
+        body: dict = {"model": "fake-model", "prompt": prompt, **xargs}
+    elif path == "/v1/completions":
+        body = completion(prompt, max_tokens=2, **xargs)
+    else:
+        body = chat(prompt, max_tokens=2, **xargs)
+    reply = await send(target.url, path, body)
+    assert reply.status == 200, reply.raw
+    recs = [r for recs in records_anywhere(fleet, prompt, [*PRODUCERS, *CONSUMERS, "b0"]).values() for r in recs]
+    assert recs and all(r["body"]["vllm_xargs"] == {"keep": 1} for r in recs)
+
+
+async def test_a_limit_above_the_models_context_is_refused_before_any_prefill(
+    router: RouterProcess, fleet: FakeFleet
+) -> None:
+    """The fleet's engines report ``max_model_len`` 1048576 in ``/v1/models``: a stream asking for
+    more is refused at admission with vLLM's message, and no engine is asked (no handoff exists)."""
+    prompt = unique_prompt()
+    reply = await send(router.url, "/v1/completions", completion(prompt, max_tokens=1048577))
+    assert reply.status == 400
+    error = reply.json["error"]
+    assert error["message"] == ("max_tokens=1048577 cannot be greater than max_model_len=1048576. Please request "
+                                "fewer output tokens. (parameter=max_tokens, value=1048577)")
+    assert error["param"] == "max_tokens"
+    assert records_anywhere(fleet, prompt, [*PRODUCERS, *CONSUMERS, "b0"]) == {}

@@ -341,3 +341,26 @@ def test_bad_request_error_body(fleet: Fleet) -> None:
         }
     }
     assert err.headers() == {"x-narwhal-error": "bad_request"}
+
+
+# --------------------------------------------------------------------------- the model's context
+
+
+def test_a_limit_above_the_smallest_context_is_refused_with_vllms_message(tmp_path: Path) -> None:
+    fleet = make_fleet(tmp_path, FLEET_TOML)
+    fleet.set_context(fleet.by_name["p0"], 2048)
+    fleet.set_context(fleet.by_name["d0"], 1024)
+    for body, endpoint in ((completion_body(max_tokens=1524), COMPLETIONS), (chat_body(max_tokens=1524), CHAT),
+                           (chat_body(max_tokens=10, max_completion_tokens=1524), CHAT)):
+        error = refused(orjson.dumps(body), endpoint, fleet)
+        assert str(error) == ("max_tokens=1524 cannot be greater than max_model_len=1024. Please request fewer "
+                              "output tokens. (parameter=max_tokens, value=1524)")
+        assert error.param == "max_tokens" and error.status == 400
+    assert parse(orjson.dumps(completion_body(max_tokens=1024)), COMPLETIONS, fleet)[0]["max_tokens"] == 1024
+    fleet.set_context(fleet.by_name["d0"], None)
+    assert parse(orjson.dumps(completion_body(max_tokens=1524)), COMPLETIONS, fleet)[0]["max_tokens"] == 1524
+
+
+def test_a_client_handoff_in_vllm_xargs_is_removed(fleet: Fleet) -> None:
+    body, _, _ = parse(orjson.dumps(chat_body(vllm_xargs={"kv_transfer_params": "x", "keep": 1})), CHAT, fleet)
+    assert body["vllm_xargs"] == {"keep": 1}
