@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
+import yarl
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 from pydantic import Field, field_validator
@@ -109,8 +110,20 @@ class EngineSpec(Section):
     @field_validator("url")
     @classmethod
     def _http_url(cls, value: str) -> str:
+        # Checked as every later reader parses it (yarl, the connection pool, the load reader): a
+        # URL that passed here and failed there kept a discovered engine probing forever, and an
+        # admitted one logged a traceback per load read.
         if not value.startswith(("http://", "https://")) or len(value.split("://", 1)[1]) == 0:
             raise ValueError("expected an http:// or https:// URL")
+        try:
+            url = yarl.URL(value)
+            port = url.port
+        except ValueError as exc:
+            raise ValueError(f"expected an http:// or https:// URL with a host and a port 1-65535 ({exc})") from None
+        if not url.host or port is None or not 1 <= port <= 65535:
+            raise ValueError("expected an http:// or https:// URL with a host and a port 1-65535")
+        if url.user is not None or url.query_string or url.fragment:
+            raise ValueError("expected an http:// or https:// URL without credentials, query or fragment")
         return value.rstrip("/")
 
     @property

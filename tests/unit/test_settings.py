@@ -315,6 +315,29 @@ def test_invalid_value_names_the_key(
             '[[engines]]\nname = "p0"\nrole = "producer"\n',
             "engines.0.url: Field required",
         ),
+        (
+            TWO_ENGINES.replace("http://10.0.0.6:8200", "http://10.0.0.6:99999"),
+            "engines.1.url: expected an http:// or https:// URL with a host and a port 1-65535 (Port out of range "
+            "0-65535)",
+        ),
+        (
+            TWO_ENGINES.replace("http://10.0.0.6:8200", "http://10.0.0.6:0"),
+            "engines.1.url: expected an http:// or https:// URL with a host and a port 1-65535",
+        ),
+        (
+            TWO_ENGINES.replace("http://10.0.0.6:8200", "http://10.0.0.6:http"),
+            "engines.1.url: expected an http:// or https:// URL with a host and a port 1-65535 (Invalid URL: port "
+            "can't be converted to integer)",
+        ),
+        (
+            TWO_ENGINES.replace("http://10.0.0.6:8200", "http://:8200"),
+            "engines.1.url: expected an http:// or https:// URL with a host and a port 1-65535 (Invalid URL: host "
+            "is required for absolute urls with the http scheme)",
+        ),
+        (
+            TWO_ENGINES.replace("http://10.0.0.6:8200", "http://user:pw@10.0.0.6:8200"),
+            "engines.1.url: expected an http:// or https:// URL without credentials, query or fragment",
+        ),
     ],
 )
 def test_engines_validation(tmp_path: Path, toml: str, message: str) -> None:

@@ -57,6 +57,17 @@ def test_a_generated_hostile_entry_is_accepted_whole_or_refused(tmp_path: Path, 
     _judge(path)
 
 
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "http://127.0.0.1:0", "http://:9001", "http://h:x"])
+def test_an_engine_url_with_a_bad_port_or_host_is_refused_naming_the_entry(tmp_path: Path, url: str) -> None:
+    """Once accepted, such a URL kept a discovered engine probing forever, or an admitted one's
+    load reader logging a traceback every read."""
+    path = tmp_path / "engines.json"
+    path.write_text(json.dumps({"engines": [_entry({"url": url})]}))
+    with pytest.raises(SourceInvalid) as refused:
+        read_engines_file(str(path))
+    assert "engines.0.url: expected an http:// or https:// URL with a host and a port 1-65535" in str(refused.value)
+
+
 @pytest.mark.parametrize("text", [
     '{"engines": [{"name": "d1", "url": "http://127.0.0.1:9001", "role": "consumer", "models": ["m\\ud800"]}]}',
     '{"engines": [{"name": "d1", "url": "http://127.0.0.1:9001", "role": "consumer", "wave": "a\\u0000b"}]}',
