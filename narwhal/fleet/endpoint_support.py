@@ -3,8 +3,10 @@
 
 * ``PD``: some permitted, compatible producer and consumer can both hand off on the endpoint
   (or a ``both`` engine has the route: its same-worker decode needs no handoff);
-* ``LOCAL``: none can hand off there, but a consumer has the route: the request is served
-  without disaggregation (placement's local decode: one engine prefills and decodes);
+* ``LOCAL``: permitted, compatible pairs exist but their release cannot hand off there, and a
+  consumer has the route: the request is served without disaggregation (placement's local
+  decode: one engine prefills and decodes). A model with no permitted pair at all is ``PD``:
+  placement answers 503 ``no_engine`` with the incompatibility, as for any endpoint;
 * ``NONE``: no engine serving the model has the route: 501 in the endpoint's error shape.
 
 Why: 0.11 hands off only on chat and completions. A Responses prefill on 0.11 answers with no
@@ -47,16 +49,23 @@ def decide(serving: list[Engine], path: str) -> str:
     """The module's rule over the engines that serve the model."""
     if not serving:
         return PD  # nothing serves it: placement answers no_engine as for any endpoint
+    paired = False  # some permitted, compatible pair exists, whatever the endpoint
     for p in serving:
         if not p.can_prefill:
             continue
-        if p.role == "both" and compat.has_route(p.version, path):
-            return PD
-        if not compat.hands_off(p.version, path):
-            continue
-        for d in p.permitted_consumers:
-            if d in serving and d is not p and compat.compatible(p, d) and compat.hands_off(d.version, path):
+        if p.role == "both":
+            paired = True
+            if compat.has_route(p.version, path):
                 return PD
+        for d in p.permitted_consumers:
+            if d in serving and d is not p and compat.compatible(p, d):
+                paired = True
+                if compat.hands_off(p.version, path) and compat.hands_off(d.version, path):
+                    return PD
+    if not paired:
+        # No permitted pair at all (connectors, roles, versions, transfer modes differ): never
+        # a silent fallback onto consumers sized for decode; placement answers 503 no_engine.
+        return PD
     if any(d.can_decode and compat.has_route(d.version, path) for d in serving):
         return LOCAL
     return NONE

@@ -44,7 +44,7 @@ TIMEOUTS = {
 
 def start_router(
     fleet: FakeFleet, engines: list[dict[str, Any]], tmp: Any, gunicorn_args: tuple[str, ...] = (),
-    env: dict[str, str] | None = None, **sections: dict[str, Any],
+    env: dict[str, str] | None = None, wait_ready: bool = True, **sections: dict[str, Any],
 ) -> RouterProcess:
     for engine in engines:
         if "url" not in engine:  # an engine of another fleet comes with its own
@@ -64,7 +64,7 @@ def start_router(
         conf.setdefault(key, {}).update(values)
     return RouterProcess.start(
         write_config(engines, conf), log_path=str(tmp / "router.log"), gunicorn_args=gunicorn_args,
-        workers=int(conf["server"].get("workers", 2)), env=env,
+        workers=int(conf["server"].get("workers", 2)), env=env, wait_ready=wait_ready,
     )
 
 

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from narwhal.testing.asking import http_get
 from narwhal.testing.harness import FakeFleet, RouterProcess
 from tests.real_gunicorn.support import (
     MODEL,
@@ -25,6 +26,7 @@ from tests.real_gunicorn.support import (
     start_router,
     unique_prompt,
     wait_state,
+    wait_until,
 )
 
 ARGS = ["--model", MODEL, "--block-size", "4", "--lease-s", "60"]
@@ -71,3 +73,33 @@ async def test_a_pull_producer_is_never_paired_with_a_push_consumer(
     assert "transfer modes pull and push" in error_of(reply)["message"]
     assert push.stats("td1")["requests"]["total"] == 0
     await admin(router, "POST", "/admin/engines/td0/readmit")
+
+
+@pytest.fixture(scope="module")
+def connectors(modes: tuple[FakeFleet, FakeFleet, RouterProcess],
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FakeFleet, RouterProcess]]:
+    """``tp0`` on NixlConnector, ``td0`` configured on MooncakeConnector: no permitted pair at all."""
+    pull = modes[0]
+    engines = [{"name": "tp0", "role": "producer"},
+               {"name": "td0", "role": "consumer", "kv_connector": "MooncakeConnector"}]
+    router = start_router(pull, engines, tmp_path_factory.mktemp("connectors"), wait_ready=False,
+                          server={"workers": 2, "admin_token": TOKEN})  # never ready: no pair
+    try:
+        wait_until(lambda: MODEL in http_get(router.url + "/v1/models")[1].decode(), 10, "the models read")
+        yield pull, router
+    finally:
+        router.stop()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/responses"])
+async def test_a_model_with_no_permitted_pair_answers_503_not_a_consumer_alone(
+    connectors: tuple[FakeFleet, RouterProcess], path: str
+) -> None:
+    """Consumers sized for decode would take every prefill: never a silent local decode."""
+    pull, router = connectors
+    prompt = unique_prompt()
+    body = completion(prompt, max_tokens=2) if path == "/v1/completions" else \
+        {"model": MODEL, "input": prompt, "max_output_tokens": 2, "stream": True}
+    reply = await send(router.url, path, body)
+    assert reply.status == 503 and reply.headers["x-narwhal-error"] == "no_engine", reply.raw
+    assert records(pull, "td0", prompt) == records(pull, "tp0", prompt) == []

@@ -50,3 +50,16 @@ def test_the_release_facts() -> None:
     assert compat.hands_off("0.11.2", "/v1/chat/completions") and not compat.hands_off("0.11.0", "/v1/responses")
     assert compat.has_route("0.11.0", "/v1/responses") and not compat.has_route("0.11.0", "/v1/messages")
     assert compat.hands_off(None, "/v1/messages") and compat.has_route("0.12.0", "/inference/v1/generate")
+
+
+@pytest.mark.parametrize("engines", [
+    [{"name": "p0", "role": "producer"}, {"name": "d0", "role": "consumer", "kv_connector": "MooncakeConnector"}],
+    [{"name": "d0", "role": "consumer"}],
+])
+def test_a_model_with_no_permitted_pair_is_never_served_by_a_consumer_alone(engines: list[dict]) -> None:
+    """Connectors (or roles) that cannot pair: placement's 503 no_engine, never a local decode on
+    consumers sized for decode."""
+    placement, *_ = build(engines)
+    support = EndpointSupport(placement.fleet)
+    assert {support.of(MODEL, p) for p in PATHS} == {PD}
+    assert not placement.has_pair(MODEL)
