@@ -188,7 +188,7 @@ class ModelReader:
                 if not engine.models_configured:
                     self.settle(engine, answer)
         self._done.clear()
-        due = self._readmitted(engines, breakers)
+        due = back = self._readmitted(engines, breakers)
         if engines is not self._engines_seen:  # the start, or engines joined or left (discovery)
             self._engines_seen = engines
             idents = {e.name: record_hash(e.name, e.url) for e in engines}
@@ -210,17 +210,20 @@ class ModelReader:
         if self._changed:
             self._changed = False
             decisions.append(self.records(engines))
-        self._start_due(now, engines, due)
+        self._start_due(now, engines, due, {e.name for e in back})
         return decisions
 
-    def _start_due(self, now: float, engines: list[Engine], due: list[Engine]) -> None:
+    def _start_due(self, now: float, engines: list[Engine], due: list[Engine], back: set[str]) -> None:
         # Answering again after refusing, or wanted at an earlier pass its pace held back.
         due += [e for e in engines if e.name in self._recheck or e.name in self._held]
-        # At most one round per engine per health_interval_s (docs/behaviour.md): what is not due yet waits.
+        # At most one round per engine per health_interval_s (docs/behaviour.md), except for an
+        # engine that just became reachable or was readmitted (``back``, ``_recheck``): read at
+        # once, so it takes traffic as soon as it is admitted, not a health interval later.
         pace = self.pace_s
         wanted = [e for e in dict.fromkeys(due) if e.name not in self._reading
                   and not (e.models_configured and e.name in self._versions and e.name not in self._recheck)]
-        due = [e for e in wanted if now - self._round_at.get(e.name, -pace) >= pace]
+        due = [e for e in wanted if e.name in back or e.name in self._recheck
+               or now - self._round_at.get(e.name, -pace) >= pace]
         self._held = {e.name for e in wanted} - {e.name for e in due}
         if due:
             self._reading.update(e.name for e in due)

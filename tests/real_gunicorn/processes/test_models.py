@@ -27,8 +27,11 @@ from tests.real_gunicorn.support import (
     TOKEN,
     completion,
     engine_entry,
+    records,
+    send,
     sessions_per_worker,
     start_router,
+    unique_prompt,
     wait_state,
 )
 
@@ -154,3 +157,33 @@ async def test_the_listing_gives_the_smallest_context_of_a_models_engines(tmp_pa
             router.stop()
         wide.stop()
         narrow.stop()
+
+
+async def test_an_engine_down_at_start_takes_traffic_as_soon_as_it_answers(
+    fleet: FakeFleet, tmp_path: Path
+) -> None:
+    """Its first read failed (refused); once it answers, its /version and models are read at
+    once, not at the next round its health_interval_s pace allows (10 s here), so it takes
+    traffic as soon as it serves."""
+    fleet.control_request("POST", "/engines/d1/stop")
+    router = start_router(fleet, [{"name": "p0", "role": "producer"}, {"name": "d0", "role": "consumer"},
+                                  {"name": "d1", "role": "consumer"}], tmp_path,
+                          server={"workers": 2, "admin_token": TOKEN}, placement={"load_interval_s": 0.1},
+                          recovery={"health_interval_s": 10})
+    try:
+        assert (await engine_entry(router, "d1"))["models"] == []
+        fleet.control_request("POST", "/engines/d1/start")
+        started = time.monotonic()
+
+        async def d1_takes_one() -> bool:
+            prompt = unique_prompt()
+            reply = await send(router.url, "/v1/completions", completion(prompt, max_tokens=2))
+            assert reply.status == 200, reply.raw
+            return bool(records(fleet, "d1", prompt))
+
+        while not await d1_takes_one():
+            assert time.monotonic() - started < 3, "d1 took no request within 3 s of answering"
+            await asyncio.sleep(0.05)
+    finally:
+        fleet.control_request("POST", "/engines/d1/start")
+        router.stop()
