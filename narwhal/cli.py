@@ -1,4 +1,4 @@
-"""``narwhal`` command line: ``serve``, ``preflight``, ``demo``, ``fake-engine`` and ``--version``.
+"""``narwhal`` command line: ``serve``, ``preflight``, ``status``, ``demo``, ``fake-engine`` and ``--version``.
 
 Every command's output goes through ``main``, which is the one place a closed pipe is handled:
 ``narwhal preflight --json | head`` ends with one line on stderr and exit status 141 (128 +
@@ -88,6 +88,10 @@ def _run(argv: list[str]) -> int:
         "preflight", help="check every engine against the contract and probe every permitted KV transfer"
     )
     _preflight_arguments(preflight)
+    from narwhal import status as status_command
+
+    status = sub.add_parser("status", help="the engines as a running router sees them (and --settings)")
+    status_command.add_arguments(status)
 
     if argv[:1] == ["fake-engine"]:
         from narwhal.fake_engine import main as fake_main
@@ -104,6 +108,8 @@ def _run(argv: list[str]) -> int:
         from narwhal.preflight.check import main as preflight_main
 
         return preflight_main(args)
+    if args.command == "status":
+        return status_command.main(args)
     from narwhal.demo import run_demo
 
     return run_demo(port=args.port, workers=args.workers)

@@ -160,6 +160,22 @@ DISCOVERY_ENGINES = Gauge(
     multiprocess_mode="livemax",
 )
 PROBES = Counter("narwhal_probes_total", "Readmission probes by engine and result", ["engine", "result"])
+KV_EVENTS = Counter(
+    "narwhal_kv_events_total", "KV-event batches received from an engine's publisher, by what was made of them",
+    ["engine", "verdict"],
+)
+KV_EVENT_GAPS = Counter("narwhal_kv_event_gaps_total", "Sequence gaps in an engine's KV-event stream", ["engine"])
+KV_EVENT_REPLAYS = Counter(
+    "narwhal_kv_event_replays_total", "Replays asked of an engine's publisher, by result", ["engine", "result"]
+)
+KV_EVENT_RESETS = Counter(
+    "narwhal_kv_event_resets_total",
+    "An engine's holdings dropped: a restart, a gap its replay could not fill, a cleared cache", ["engine"],
+)
+KV_EVENT_LAG = Gauge(
+    "narwhal_kv_event_lag_seconds", "Age of an engine's last KV-event batch when it arrived", ["engine"],
+    multiprocess_mode="livemax",
+)
 SUPERVISOR_RESTARTS = Counter("narwhal_supervisor_restarts_total", "Supervisor processes started after the first")
 
 # Series that exist from the first scrape, at zero (docs/operations.md "Following a request"):

@@ -73,8 +73,8 @@ def prefill_body(body: dict[str, Any], *, crossed: bool) -> dict[str, Any]:
 def release_body(body: dict[str, Any], descriptor: dict[str, Any]) -> dict[str, Any]:
     """A one-token, non-streaming decode whose only purpose is to free the producer's blocks."""
     out = dict(body)
-    out.pop("stream_options", None)
-    out.pop("min_tokens", None)  # vLLM refuses min_tokens > max_tokens before queueing
+    for key in _PREFILL_DROPPED.intersection(body):  # a release the consumer refuses frees nothing
+        del out[key]
     out["stream"] = False
     out["max_tokens"] = 1
     if "max_completion_tokens" in body:

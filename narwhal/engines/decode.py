@@ -202,7 +202,10 @@ class DecodeLeg:
         wire = self._wire
         wire.expiry, wire.bound = expiry, expiry[0]
         conn = await self._ctx.post(self._url, self._endpoint, head, self._payload, deadline=expiry[0])
+        # Written in time: from here the consumer has it, and the wait for its head is the first
+        # token's (a consumer that took the request in time decodes it; queueing is not expiry).
         wire.expiry, wire.bound = None, self._first_bound
+        conn.arm(self._first_bound)
         return conn
 
     async def next_span(self) -> bytes | Literal[Signal.END, Signal.BEHIND]:

@@ -143,12 +143,16 @@ class ChunkShape:
     unless the request produced a descriptor, which a decode does not); 0.11's completions are
     dumped without ``exclude_unset``, so every default shows. ``continuous_prompt`` is the prompt's
     token count when ``stream_options.continuous_usage_stats`` asked for usage on every chunk
-    (``serve/utils/api_utils.py`` ``should_include_usage``), None otherwise."""
+    (``serve/utils/api_utils.py`` ``should_include_usage``), None otherwise. ``start`` is the
+    index of the request's first generated token (a continuation's output so far): the running
+    count is this request's, from 1, as vLLM counts it."""
 
-    __slots__ = ("current", "continuous_prompt", "extras")
+    __slots__ = ("current", "continuous_prompt", "extras", "start")
 
-    def __init__(self, current: bool = True, continuous_prompt: int | None = None, extras: bool | None = None) -> None:
+    def __init__(self, current: bool = True, continuous_prompt: int | None = None, extras: bool | None = None,
+                 start: int = 0) -> None:
         self.current = current
+        self.start = start
         # 0.33's ``weight_versions`` and chunk ``kv_transfer_params``: not on a real 0.32 engine
         # (seen in the real tier), so from 0.33 on (``release.Release.chunk_extras``).
         self.extras = current if extras is None else extras
@@ -199,14 +203,14 @@ class StreamFrames:
         """The frame of generated token ``i``: head + token + tail, no JSON encoding."""
         if self._shape.continuous_prompt is None:
             return self._head + token_bytes(i) + self._tail
-        return self._with_usage(self._head + token_bytes(i), None, i + 1)
+        return self._with_usage(self._head + token_bytes(i), None, i + 1 - self._shape.start)
 
     def last_token(self, i: int, finish_reason: str) -> bytes:
         """The frame of the final token, carrying ``finish_reason`` (``"length"`` or ``"stop"``)."""
         if self._shape.continuous_prompt is None:
             tail = self._tail_length if finish_reason == "length" else self._tail_stop
             return self._head + token_bytes(i) + tail
-        return self._with_usage(self._head + token_bytes(i), finish_reason, i + 1)
+        return self._with_usage(self._head + token_bytes(i), finish_reason, i + 1 - self._shape.start)
 
     def empty_stop(self) -> bytes:
         """An immediate end of sequence: no text, ``finish_reason: "stop"``."""
@@ -334,7 +338,7 @@ class ChatFrames(StreamFrames):
         head = self._head.replace(b'"delta":{"content":"', b'"delta":{' + key)
         if self._shape.continuous_prompt is None:
             return head + token_bytes(i) + self._tail
-        return self._with_usage(head + token_bytes(i), None, i + 1)
+        return self._with_usage(head + token_bytes(i), None, i + 1 - self._shape.start)
 
     def _usage_json(self, completion_tokens: int) -> bytes:
         prompt = self._shape.continuous_prompt or 0

@@ -81,6 +81,7 @@ class FakeEngine(EngineState):
             self._site = site
             self.port = site.port
         self.serving = True
+        self.start_kv_events()
         assert self.url is not None
         return self.url
 
@@ -100,6 +101,9 @@ class FakeEngine(EngineState):
     async def close(self) -> None:
         """Stop, free the app runner and leave the registry, so no KV pull finds this engine."""
         await self.stop()
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
+            self.kv_publisher = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

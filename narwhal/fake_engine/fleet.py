@@ -204,6 +204,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--kv-blocks", type=int, default=10000, help="KV capacity in blocks (cache bound, usage base)")
     p.add_argument(
+        "--kv-events", action="store_true",
+        help="publish KV-cache events as vLLM's ZMQ publisher does (implies --prefix-cache): GET /kv_event_sources",
+    )
+    p.add_argument(
         "--tensor-parallel-size", type=int, default=1,
         help="the descriptors' tp_size; a consumer fails pulls from a producer whose TP does not divide its own",
     )
@@ -229,7 +233,7 @@ def _load_model(args: argparse.Namespace, prefill_s_per_token: float) -> EngineM
         return EngineModel(
             max_num_seqs=args.max_num_seqs,
             prefill_s_per_token=prefill_s_per_token,
-            prefix_cache=args.prefix_cache,
+            prefix_cache=args.prefix_cache or args.kv_events,
             kv_blocks=args.kv_blocks,
             tensor_parallel_size=args.tensor_parallel_size,
         )
@@ -275,7 +279,7 @@ def _models(args: argparse.Namespace, names: Sequence[str]) -> tuple[EngineModel
 # what goes to every ``FakeEngine``), passed as parsed.
 _RUN_FLEET_OPTIONS = ("host", "base_port", "control_port", "ready_file", "model", "version", "lease_s", "block_size",
                       "default_tokens", "token_delay_s", "coalesce", "flat_block_ids", "records_max",
-                      "transfer_mode", "enable_scale_out", "max_model_len")
+                      "transfer_mode", "enable_scale_out", "max_model_len", "kv_events")
 
 
 def main(argv: list[str] | None = None) -> int:

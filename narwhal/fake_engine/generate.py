@@ -185,7 +185,7 @@ def _response_id(request: web.Request, engine: EngineState, req: ParsedRequest) 
 def _frames(request: web.Request, engine: EngineState, req: ParsedRequest) -> StreamFrames:
     rid = _response_id(request, engine, req)
     shape = ChunkShape(engine.release.current, req.prompt_tokens if req.continuous_usage else None,
-                       engine.release.since_033)
+                       engine.release.since_033, start=req.start)
     return frames_for(req.kind, engine.templates(req.model), rid, int(time.time()), req.max_tokens, shape)
 
 

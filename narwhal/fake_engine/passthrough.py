@@ -37,6 +37,7 @@ from pydantic import ValidationError
 
 from narwhal.fake_engine.emit import drop_connection, error_response
 from narwhal.fake_engine.faults import RequestFaults, effective_spec
+from narwhal.fake_engine.prefix import piece_ids, prompt_text
 from narwhal.fake_engine.state import EngineState
 
 RECORD_HEADERS = ("x-request-id", "authorization", "traceparent", "tracestate", "content-type")
@@ -113,6 +114,10 @@ def tokenize(engine: EngineState, body: dict[str, Any], model: str, rid: str) ->
                         and isinstance(m.get("content"), str))
     else:
         raise Invalid("`prompt` (a string) or `messages` is required")
+    if engine.cache is not None:  # its tokens are the prefix cache's (what its KV events carry), template included
+        chat = isinstance(body.get("messages"), list)
+        pieces = piece_ids(prompt_text(body, chat, "chat" if chat else "completions"))
+        return {"count": len(pieces), "max_model_len": engine.max_model_len, "tokens": pieces, "token_strs": None}
     tokens = token_ids(text)
     strs = _words(text) if body.get("return_token_strs") is True else None
     return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens, "token_strs": strs}

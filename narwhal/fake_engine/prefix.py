@@ -13,8 +13,10 @@ head, evicting that block's hash. So eviction is least recently *freed* first, a
 a block that a running request uses. A hit on a free block takes it out of the queue.
 
 How the fake does it: a token is 4 characters of the prompt text as the engine sees it
-(``prompt_text``, per endpoint), so a block is 64 characters and the hash chain is Python's
-``hash`` of (previous hash, slice): per process, which is all an engine needs. ``acquire`` takes
+(``prompt_text``, per endpoint; its id :func:`piece_ids`, what the fake's ``/tokenize`` answers),
+so a block is 64 characters, and the hash chain is vLLM's own (``kv_events.chain``: sha256 over
+the parent's digest and the block's ids), carried as its low 64 bits, so a KV event names a block
+as a real engine would. ``acquire`` takes
 a running request's blocks (its prompt's full blocks, computed or not), ``lookup`` walks the
 chain until the first miss, ``insert`` records the blocks once the prefill has computed them (a
 concurrent request with the same prefix does not hit blocks still being computed, as in vLLM),
@@ -31,10 +33,21 @@ vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits`` counters. A leaf: no eng
 
 from __future__ import annotations
 
+import zlib
 from collections import OrderedDict
 from typing import Any
 
+from narwhal.fake_engine.kv_events import Cleared, Event, KvEventPublisher, Removed, Stored, chain, event_hash
+
 CHARS_PER_TOKEN = 4
+VOCABULARY = 50_000
+_MAX_PENDING = 65536  # blocks hashed, not yet cached: what an insert publishes (parent, tokens)
+
+
+def piece_ids(text: str) -> list[int]:
+    """The fake's token ids of ``text``: one per 4-character piece (a deterministic id each)."""
+    return [zlib.crc32(text[i : i + CHARS_PER_TOKEN].encode()) % VOCABULARY
+            for i in range(0, len(text), CHARS_PER_TOKEN)]
 
 
 def _content_text(content: Any) -> str:
@@ -83,14 +96,18 @@ def text_tokens(text: str) -> int:
 class PrefixCache:
     """vLLM's block pool within ``capacity`` blocks: cached hashes, reference counts, free queue."""
 
-    __slots__ = ("capacity", "block_size", "_cached", "_free", "_refs")
+    __slots__ = ("capacity", "block_size", "_cached", "_free", "_refs", "_pending", "_seed", "publisher")
 
-    def __init__(self, capacity: int, block_size: int = 16) -> None:
+    def __init__(self, capacity: int, block_size: int = 16, seed: bytes = b"",
+                 publisher: KvEventPublisher | None = None) -> None:
         self.capacity = capacity
         self.block_size = block_size
         self._cached: set[int] = set()  # computed blocks, in use or free
         self._free: OrderedDict[int, None] = OrderedDict()  # cached, unused: least recently freed first
         self._refs: dict[int, int] = {}  # blocks running requests use, by hash: how many use each
+        self._pending: dict[int, tuple[int | None, tuple[int, ...]]] = {}  # hashed: (parent, ids) until cached
+        self._seed = seed  # the first block's parent digest (kv_events.none_hash)
+        self.publisher = publisher  # its events' publisher, when the engine publishes them
 
     def __len__(self) -> int:
         return len(self._cached)
@@ -101,13 +118,18 @@ class PrefixCache:
         return len(self._refs)
 
     def block_hashes(self, text: str) -> list[int]:
-        """The chained hashes of the full blocks of ``text``."""
-        width = self.block_size * CHARS_PER_TOKEN
+        """The chained hashes of the full blocks of ``text`` (vLLM's chain, low 64 bits)."""
         hashes: list[int] = []
-        parent = 0
-        for start in range(0, len(text) - width + 1, width):
-            parent = hash((parent, text[start : start + width]))
-            hashes.append(parent)
+        pending = self._pending
+        if len(pending) > _MAX_PENDING:
+            pending.clear()
+        parent: int | None = None
+        for digest, block in chain(piece_ids(text), self.block_size, self._seed):
+            h = event_hash(digest)
+            if h not in self._cached:
+                pending[h] = (parent, block)
+            hashes.append(h)
+            parent = h
         return hashes
 
     def acquire(self, hashes: list[int]) -> None:
@@ -139,23 +161,44 @@ class PrefixCache:
         return hit * self.block_size
 
     def insert(self, hashes: list[int], others: int = 0) -> None:
-        """The prefill computed these blocks; a block no request holds is freed at once."""
+        """The prefill computed these blocks; a block no request holds is freed at once. The
+        newly cached ones are one step's ``BlockStored`` (a run per gap), published with the
+        evictions the insert caused."""
         refs, free = self._refs, self._free
+        events: list[Event] = []
+        run: Stored | None = None
         for h in hashes:
             if h not in self._cached:
                 self._cached.add(h)
                 if h not in refs:
                     free[h] = None
-        self.trim(others)
+                parent, block = self._pending.pop(h, (None, ()))
+                if run is not None and run.hashes[-1] == parent:
+                    run.hashes.append(h)
+                    run.tokens.extend(block)
+                else:
+                    run = Stored([h], parent, list(block))
+                    events.append(run)
+            else:
+                run = None
+        self.trim(others, events)
 
-    def trim(self, others: int = 0) -> None:
-        """Evict free blocks, least recently freed first, until the pool fits ``capacity``."""
+    def trim(self, others: int = 0, events: list[Event] | None = None) -> None:
+        """Evict free blocks, least recently freed first, until the pool fits ``capacity``
+        (one ``BlockRemoved`` each); ``events``: this step's others, published with them."""
         free, cached = self._free, self._cached
+        events = [] if events is None else events
         room = self.capacity - others - len(self._refs)
         while len(free) > max(room, 0):
-            cached.discard(free.popitem(last=False)[0])
+            evicted = free.popitem(last=False)[0]
+            cached.discard(evicted)
+            events.append(Removed(evicted))
+        if events and self.publisher is not None:
+            self.publisher.publish(events)
 
     def clear(self) -> None:
         """Forget every cached hash (vLLM's reset_prefix_cache); blocks in use stay in use."""
         self._cached.clear()
         self._free.clear()
+        if self.publisher is not None:
+            self.publisher.publish([Cleared()])

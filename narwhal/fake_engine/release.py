@@ -68,6 +68,15 @@ class Release:
         return self.current
 
     @property
+    def minor(self) -> tuple[int, int]:
+        """(major, minor) of the release: what the KV-event shapes change by (``kv_events``)."""
+        try:
+            parsed = Version(self.version)
+        except InvalidVersion:
+            parsed = Version(DEFAULT_VERSION)
+        return parsed.major, parsed.minor
+
+    @property
     def tp_multiple_rule(self) -> bool:
         """0.11's handshake: the consumer's TP must be a multiple of the producer's."""
         return not self.current

@@ -32,6 +32,7 @@ from narwhal.fake_engine.batch import Background, Scheduler
 from narwhal.fake_engine.chunks import ModelTemplates
 from narwhal.fake_engine.faults import NO_FAULTS, EngineFaults
 from narwhal.fake_engine.histogram import Histogram
+from narwhal.fake_engine.kv_events import KvEventPublisher, none_hash
 from narwhal.fake_engine.kvstore import KvStore
 from narwhal.fake_engine.prefix import PrefixCache
 from narwhal.fake_engine.release import DEFAULT_VERSION, release_of
@@ -110,8 +111,11 @@ class EngineState:
         records_max: int = 2000,
         ssl_context: ssl.SSLContext | None = None,
         load_model: EngineModel | None = None,
+        kv_events: bool = False,
     ) -> None:
         self.name = name
+        self.kv_events = kv_events  # publish KV-cache events (fake_engine.kv_events), prefix cache on
+        self.kv_publisher: KvEventPublisher | None = None  # made once the engine serves (its loop runs)
         self.engine_id = str(uuid.uuid4())
         self.model = model
         self.base_version = version
@@ -160,6 +164,7 @@ class EngineState:
         self.scheduler = Scheduler()
         self.background = Background(self.scheduler)
         self.cache: PrefixCache | None = None
+        self._hash_seed = none_hash(self.release.minor)  # the first block's parent (random before 0.29)
         self.prefix_queries = 0  # tokens looked up in the prefix cache (vLLM's counter unit)
         self.prefix_hits = 0  # of those, tokens found cached
         # vLLM's request phases: queued for a batch slot, then scheduled until the prefill is done.
@@ -209,8 +214,23 @@ class EngineState:
         unregister(self)
         self.engine_id = str(uuid.uuid4())
         register(self)
+        self._hash_seed = none_hash(self.release.minor)
+        if self.kv_publisher is not None:  # a new process: a new publisher on the same ports, seq from 0
+            self.kv_publisher = self.kv_publisher.restarted(self.release.minor)
         if self.cache is not None:
-            self.cache = PrefixCache(self.load_model.kv_blocks, self.kv.block_size)
+            self.cache = self._new_cache(self.load_model.kv_blocks)
+
+    def start_kv_events(self) -> None:
+        """Publish KV-cache events from now on (the serving loop runs): PUB and replay bound."""
+        if self.kv_events and self.kv_publisher is None:
+            self.kv_publisher = KvEventPublisher(self.release.minor, f"kv@{self.listen_host}:{self.port}@{self.model}",
+                                                 self.kv.block_size)
+            self.kv_publisher.start()
+            if self.cache is not None:
+                self.cache.publisher = self.kv_publisher
+
+    def _new_cache(self, capacity: int) -> PrefixCache:
+        return PrefixCache(capacity, self.kv.block_size, self._hash_seed, self.kv_publisher)
 
     def set_load_model(self, model: EngineModel) -> EngineModel:
         """Apply new model settings at once; a kept prefix cache keeps its blocks (trimmed)."""
@@ -219,7 +239,7 @@ class EngineState:
         if not model.prefix_cache:
             self.cache = None
         elif self.cache is None:
-            self.cache = PrefixCache(model.kv_blocks, self.kv.block_size)
+            self.cache = self._new_cache(model.kv_blocks)
         else:
             self.cache.capacity = model.kv_blocks
             self.cache.trim(self.scheduler.running_blocks)

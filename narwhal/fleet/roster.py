@@ -229,3 +229,8 @@ class FleetView(Protocol):
         """Out because its breaker ejected it (not by an operator, not draining): a last resort
         when every placeable engine of its role is unreachable (``fleet.placement.fallback``)."""
         ...
+
+    def why_out(self, engine: Engine) -> str:
+        """Why a not placeable engine is out, in a word or two (``ejected``, ``ejected by the
+        operator``, ``probing``, ``draining``, ``joining``): what a 503 and ``/ready`` name."""
+        ...

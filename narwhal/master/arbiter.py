@@ -11,7 +11,10 @@ the Arbiter's methods are wrapped, on the running instance only (never its class
 * ``stop``: the keeper told to stop restarting first, so a master on its way out forks no
   supervisor again;
 * ``spawn_worker``: the stop signals blocked across the fork, so a stop right after a fork is
-  never lost (``worker.lifecycle`` takes them once the worker's loop runs).
+  never lost (``worker.lifecycle`` takes them once the worker's loop runs);
+* ``reload``: a SIGHUP whose settings file would be refused changes nothing at all (one line):
+  gunicorn's own reload replaces every worker whatever the file holds, so a refused reload
+  restarted the fleet's workers on the settings they already ran.
 
 Everything else of gunicorn (signals, reloads, the worker count, timeouts) is its own. A gunicorn
 release that renames one of these methods fails ``tests/unit/master/test_arbiter.py``, not a fleet.
@@ -21,6 +24,8 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from narwhal.worker.lifecycle import STOP_SIGNALS
@@ -30,13 +35,30 @@ if TYPE_CHECKING:
 
     from narwhal.master.keeper import SupervisorKeeper
 
-WRAPPED = ("manage_workers", "reap_workers", "stop", "spawn_worker")
+WRAPPED = ("manage_workers", "reap_workers", "stop", "spawn_worker", "reload")
 
 
-def adapt(server: Arbiter, keeper: SupervisorKeeper) -> None:
+def adapt(server: Arbiter, keeper: SupervisorKeeper, reload_refusal: Callable[[], str | None]) -> None:
     """Wrap the four methods (the module's opening text) of the running master ``server``."""
     _watch_from_the_main_loop(server, keeper)
     _hold_stop_signals_across_fork(server)
+    _refuse_before_replacing(server, reload_refusal)
+
+
+def _refuse_before_replacing(server: Arbiter, reload_refusal: Callable[[], str | None]) -> None:
+    """A reload whose settings would be refused (``reload_refusal``: why, or None) is refused
+    before gunicorn replaces any worker."""
+    reload = server.reload
+
+    def reload_unless_refused() -> None:
+        why = reload_refusal()
+        if why is not None:
+            print(f"narwhal: reload refused, keeping the running settings and workers: {why}", file=sys.stderr,
+                  flush=True)
+            return
+        reload()
+
+    server.reload = reload_unless_refused
 
 
 def _watch_from_the_main_loop(server: Arbiter, keeper: SupervisorKeeper) -> None:

@@ -66,7 +66,23 @@ def _load() -> Settings:
     except SettingsError as exc:
         print(f"narwhal: reload refused, keeping the running settings: {exc}", file=sys.stderr, flush=True)
         return running
+    from narwhal.settings.effective import changed_keys
+
+    changed = changed_keys(running, settings)
+    print(f"narwhal: reload: {'changed ' + ', '.join(changed) if changed else 'no setting changed'}",
+          file=sys.stderr, flush=True)
     return settings
+
+
+def reload_refusal() -> str | None:
+    """Why the settings file as it stands would be refused by a reload (None: it would be
+    taken): asked before gunicorn replaces a single worker (``master.arbiter``)."""
+    try:
+        settings = load_settings()
+        _check_room(settings)
+    except SettingsError as exc:
+        return str(exc)
+    return None
 
 
 def _assign_engine_slots(settings: Settings) -> None:
@@ -228,7 +244,7 @@ def on_starting(server: Any) -> None:
     keeper = SupervisorKeeper(shm.SHARED)
     keeper.start()
     _KEEPER[:] = [keeper]
-    arbiter.adapt(server, keeper)
+    arbiter.adapt(server, keeper, reload_refusal)
 
 
 def _warn_never_ejected(settings: Settings) -> None:

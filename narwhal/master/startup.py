@@ -26,7 +26,12 @@ from narwhal.supervisor.breaker import State
 
 def preflight_on_start(shared: SharedFleet, settings: Settings) -> set[str]:
     """Master, before any fork: run preflight, print it, publish failed engines EJECTED; their names."""
-    report = asyncio.run(run_preflight(settings))
+    json_mode = settings.log.format == "json"
+
+    def progress(line: str) -> None:  # each engine and pair as it ends: a long run is never silent
+        print(json_line("info", "narwhal.preflight", line) if json_mode else line, file=sys.stderr, flush=True)
+
+    report = asyncio.run(run_preflight(settings, progress=progress))
     failed = report.failed_engines()
     if settings.log.format == "json":  # one JSON line, the report as data, like every other line
         level = "info" if report.ok else "warning"

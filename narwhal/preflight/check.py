@@ -32,7 +32,7 @@ import asyncio
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import aiohttp
@@ -56,7 +56,7 @@ from narwhal.engines.control import (
 )
 from narwhal.engines.control_decode import decode_to_end, give_back
 from narwhal.engines.prefill_result import PrefillResult
-from narwhal.errors import DeadlineExceeded, NarwhalError
+from narwhal.errors import DeadlineExceeded, EngineError, NarwhalError
 from narwhal.fleet import Engine, Fleet, compat
 from narwhal.preflight import causes
 from narwhal.preflight.report import (
@@ -83,18 +83,21 @@ MAX_CONCURRENCY = 32  # checks in flight at once: tiny requests, but a 64×64 fl
 
 
 async def run_preflight(
-    settings: Settings, session: aiohttp.ClientSession | None = None, *, timeout: float | None = None
+    settings: Settings, session: aiohttp.ClientSession | None = None, *, timeout: float | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> PreflightReport:
     """Check every engine and every role-permitted transfer; never raises for engine faults.
 
     ``timeout`` bounds every single request (default ``engine.first_token_timeout_s``). An
-    invalid contract never gets here: the settings refused it.
+    invalid contract never gets here: the settings refused it. ``progress`` is told one line per
+    engine and per pair as each finishes (a long run is never silent until its table).
     """
     pin = VersionPin.of(settings.engine_contract)
     bound = timeout if timeout is not None else settings.engine.first_token_timeout_s
     own = session is None
     active = open_session(settings.engine) if session is None else session
     preflight = _Preflight(settings, active, bound, pin)
+    preflight.progress = progress
     try:
         return await preflight.run()
     finally:
@@ -125,6 +128,7 @@ class _Preflight:
         self.report = PreflightReport(timeout_s=timeout)
         self.handoffs: dict[str, tuple[PrefillResult, dict[str, Any]]] = {}  # to release
         self.tp: dict[str, int] = {}  # each prefill-capable engine's TP, as its phase-1 descriptor says
+        self.progress: Callable[[str], None] | None = None  # told each engine's and pair's line as it ends
 
     async def run(self) -> PreflightReport:
         report = self.report
@@ -133,10 +137,11 @@ class _Preflight:
             return report
         report.engines = list(await asyncio.gather(*(self._engine(e) for e in self.fleet.engines)))
         by_name = {r.name: r for r in report.engines}
+        await self._handoffs(by_name)
         pairs = [(p, d) for p in self.fleet.engines for d in p.permitted_consumers]
         if not pairs:
             report.errors.append("no role-permitted producer -> consumer pair")
-        probes = asyncio.gather(*(self._pair(p, d, by_name) for p, d in pairs))
+        probes = asyncio.gather(*(self._reported(self._pair(p, d, by_name)) for p, d in pairs))
         results, _ = await asyncio.gather(probes, self._release_all(by_name))
         report.pairs = list(results)
         refusing = [r for r in report.engines if "generate" in r.checks]
@@ -154,7 +159,17 @@ class _Preflight:
             started = time.monotonic()
             await self._check_engine(engine, result)
             result.latency_ms = _ms_since(started)
+        if not (engine.can_prefill and result.ok):  # else its line comes after its handoff check
+            self._checked(result)
         return result
+
+    def _checked(self, result: EngineResult | PairResult) -> None:
+        """One line for the operator as an engine's or a pair's checks end."""
+        if self.progress is None:
+            return
+        what = f"engine {result.name}" if isinstance(result, EngineResult) else f"pair {result.name}"
+        took = f" ({result.latency_ms:g} ms)" if result.latency_ms is not None else ""
+        self.progress(f"preflight: {what}: {result.verdict}{': ' + result.reason if result.reason else ''}{took}")
 
     async def _check_engine(self, engine: Engine, result: EngineResult) -> None:
         later = ["version", "models"] + (["handoff"] if engine.can_prefill else [])
@@ -178,16 +193,31 @@ class _Preflight:
                 result.checks[name] = check
         if generate is not None:
             result.checks["generate"] = generate
-        if not engine.can_prefill:
-            return
-        if not result.ok:
+        if engine.can_prefill and not result.ok:
             _skip(result, ["handoff"])
-            return
-        check = await self._handoff(engine, result)
-        if check.verdict == FAIL:
-            result.fail("handoff", check.detail)
-        else:
-            result.checks["handoff"] = check
+        # A passing producer's handoff check waits for every engine's checks (``_handoffs``).
+
+    async def _handoffs(self, by_name: dict[str, EngineResult]) -> None:
+        """Each passing producer's handoff check, once every engine's first checks are in: a
+        handoff is made only where a passing consumer could take it back (decode or release it),
+        so none waits for a lease (a rolling upgrade's new producer before its consumers answer)."""
+
+        async def one(engine: Engine, result: EngineResult) -> None:
+            if not self._release_candidates(engine, by_name):
+                result.checks["handoff"] = Check(SKIP, "no passing consumer could take its handoff back")
+                return
+            async with self.gate:
+                started = time.monotonic()
+                check = await self._handoff(engine, result)
+                result.latency_ms = (result.latency_ms or 0.0) + _ms_since(started)
+            if check.verdict == FAIL:
+                result.fail("handoff", check.detail)
+            else:
+                result.checks["handoff"] = check
+            self._checked(result)
+
+        await asyncio.gather(*(one(e, by_name[e.name]) for e in self.fleet.engines
+                               if e.can_prefill and by_name[e.name].ok))
 
     async def _read(
         self, engine: Engine, path: str, parse: Callable[[bytes], T | None], what: str, unparsed: str, verdict: Verdict
@@ -280,15 +310,26 @@ class _Preflight:
     async def _release(
         self, name: str, handoff: PrefillResult, body: dict[str, Any], by_name: dict[str, EngineResult]
     ) -> None:
-        p = self.fleet.by_name[name]
-        permitted = [d for d in p.permitted_consumers if by_name[d.name].ok and compat.compatible(p, d)]
-        permitted.sort(key=lambda d: d is p)  # a crossed consumer first: the way traffic goes
-        if not permitted:  # no permitted consumer passed: any healthy reader of the same connector
-            permitted = [d for d in self.fleet.engines if d.can_decode and d.connector == p.connector
-                         and by_name[d.name].ok and compat.compatible(p, d)]
+        permitted = self._release_candidates(self.fleet.by_name[name], by_name)
         # The first that takes it in time frees it now; else the producer's lease will (abandoned).
         if await give_back(self.client, handoff, body, permitted, self.settings.handoff.max_age_s) == "abandoned":
             self._abandoned(name, "no consumer took it back in time")
+
+    def _release_candidates(self, p: Engine, by_name: dict[str, EngineResult]) -> list[Engine]:
+        """The passing consumers a handoff of ``p`` may be released to, in order: its permitted
+        compatible ones (a crossed one first: the way traffic goes), else any healthy reader of
+        the same connector."""
+        permitted = [d for d in p.permitted_consumers if by_name[d.name].ok and compat.compatible(p, d)]
+        permitted.sort(key=lambda d: d is p)
+        if not permitted:
+            permitted = [d for d in self.fleet.engines if d.can_decode and d.connector == p.connector
+                         and by_name[d.name].ok and compat.compatible(p, d)]
+        return permitted
+
+    async def _reported(self, pair: Awaitable[PairResult]) -> PairResult:
+        result = await pair
+        self._checked(result)
+        return result
 
     async def _pair(self, p: Engine, d: Engine, by_name: dict[str, EngineResult]) -> PairResult:
         result = PairResult(p.name, d.name)
@@ -311,9 +352,13 @@ class _Preflight:
             try:
                 await self._transfer(p, d, common[0], result, by_name)
             except DeadlineExceeded:
-                result.verdict, result.reason = FAIL, f"transfer failed: no [DONE] within {self.timeout:g}s"
+                result.verdict, result.reason = FAIL, (
+                    f"transfer failed: {d.name} sent no [DONE] within {self.timeout:g}s (the bound of each "
+                    f"preflight request); {_READ_HINT.format(d=d.name)}")
             except NarwhalError as exc:
                 result.verdict, result.reason = FAIL, f"transfer failed: {exc.message}"
+                if isinstance(exc, EngineError) and exc.engine == d.name and exc.phase == "decode" and p is not d:
+                    result.reason += f"; {_READ_HINT.format(d=d.name)}"
             result.latency_ms = _ms_since(started)
         if result.verdict == FAIL and p is not d and compat.tp_multiple_rule(by_name[d.name].version):
             # 0.11's rule only (docs/decisions.md "vLLM releases"): later releases accept heterogeneous TP
@@ -337,6 +382,10 @@ class _Preflight:
                                       max_age_s=self.settings.handoff.max_age_s, release_to=others)
         if decoded.handoff == "abandoned":
             self._abandoned(p.name, f"{d.name} never received it and no other consumer took it in time")
+        elif decoded.handoff == "received" and decoded.error is not None and crossed:
+            # Sent, and the consumer failed: it may have read some of it, so nobody else may; a
+            # consumer that could not read it leaves it to the producer's lease.
+            self._abandoned(p.name, f"{d.name} took it and failed ({decoded.error.reason})")
         if decoded.error is not None:
             raise decoded.error
 
@@ -345,6 +394,10 @@ class _Preflight:
         (a warning; preflight runs in the master before any fork, where no metric may be touched)."""
         self.report.warnings.append(f"{producer}: a preflight handoff was abandoned ({why}): "
                                     "its blocks wait for the producer's lease")
+
+
+_READ_HINT = ("a consumer that cannot read a handoff (a NIXL handshake or transfer failure) says why only in its "
+              "own log: look at {d}'s connector log")
 
 
 def _skip(result: EngineResult, checks: list[str]) -> None:
@@ -374,8 +427,13 @@ def main(args: argparse.Namespace) -> int:
         print("narwhal preflight: --timeout must be > 0", file=sys.stderr)
         return 2
     try:
-        report = asyncio.run(run_preflight(settings, timeout=args.timeout))
+        report = asyncio.run(run_preflight(settings, timeout=args.timeout, progress=_to_stderr))
     except KeyboardInterrupt:
         return 130
     print(report.to_json() if args.json else report.table())
     return 0 if report.ok else 1
+
+
+def _to_stderr(line: str) -> None:
+    """A progress line, on stderr: stdout carries the table (or the JSON report) alone."""
+    print(line, file=sys.stderr, flush=True)

@@ -149,19 +149,25 @@ def _bad(message: str, param: str | None = None) -> RequestError:
     return error
 
 
-def _check_stripped(body: dict[str, Any]) -> None:
+def _check_stripped(body: dict[str, Any], prefix: str = "") -> None:
     """The fields the prefill drops (``connector.prefill_body``), checked as vLLM's request
     validation checks them. The producer never sees them, so only the consumer would refuse them,
     after the prefill, with a validation 400 that frees nothing: the handoff would stay pinned.
-    Refused here, before any prefill (docs/behaviour.md, "A consumer's refusal")."""
+    Refused here, before any prefill (docs/behaviour.md, "A consumer's refusal"). ``prefix``:
+    where they sit (generate's ``sampling_params.``)."""
     if "stop" in body and (stop := body["stop"]) is not None and type(stop) is not str and not (
             type(stop) is list and all(type(s) is str for s in stop)):
-        raise _bad("'stop' must be a string or a list of strings", "stop")
+        raise _bad(f"'{prefix}stop' must be a string or a list of strings", f"{prefix}stop")
     if "stop_token_ids" in body and (ids := body["stop_token_ids"]) is not None and not (
             type(ids) is list and all(type(i) is int for i in ids)):
-        raise _bad("'stop_token_ids' must be a list of integers", "stop_token_ids")
-    if "min_tokens" in body and (least := body["min_tokens"]) is not None and (type(least) is not int or least < 0):
-        raise _bad("'min_tokens' must be an integer >= 0", "min_tokens")
+        raise _bad(f"'{prefix}stop_token_ids' must be a list of integers", f"{prefix}stop_token_ids")
+    if "min_tokens" in body and (least := body["min_tokens"]) is not None:
+        if type(least) is not int or least < 0:
+            raise _bad(f"'{prefix}min_tokens' must be an integer >= 0", f"{prefix}min_tokens")
+        most = body.get("max_tokens")
+        if type(most) is int and least > most:  # vLLM's SamplingParams refuses it, on the consumer only
+            raise _bad(f"min_tokens must be less than or equal to max_tokens={most}, got {least}.",
+                       f"{prefix}min_tokens")
 
 
 def _check_fields(body: dict[str, Any], endpoint: Endpoint) -> None:
@@ -181,6 +187,8 @@ def _check_fields(body: dict[str, Any], endpoint: Endpoint) -> None:
             raise _bad("Stream options can only be defined when `stream=True`.", "stream_options")
     _check_stripped(body)
     endpoint.dialect.check(body)  # the endpoint's own fields: prompt, messages, token_ids …
+    if endpoint is GENERATE:  # its sampling fields sit in sampling_params (an object: checked above)
+        _check_stripped(body["sampling_params"], "sampling_params.")
     # Disaggregation runs one prefill and one decode: what needs more cannot be honoured.
     for key in ("n", "best_of"):
         if key in body and (value := body[key]) is not None and (type(value) is not int or value > 1):

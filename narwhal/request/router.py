@@ -203,7 +203,7 @@ class Router:
         attempts = 0
         loop = self._loop
         assert loop is not None  # handle() took it
-        migration = Migration.of(req, self.recovery.max_migrations, loop.time)
+        migration = Migration.of(req, self.recovery.max_migrations, loop.time, self.buffers)
         leg = req  # the request the next attempt sends: the client's, or a continuation of its stream
         cut: EngineError | None = None  # the fault the running continuation continues after
         state.request_started()
@@ -251,6 +251,8 @@ class Router:
                 state.retry_finished()
             if migrating:
                 state.migration_finished()
+            if migration is not None:
+                migration.transcript.close()  # what it held of the worker's budget
             state.request_finished()
 
     def _continuation(self, exc: EngineError, req: ClientRequest, rec: AccessRecord, migration: Migration,

@@ -99,7 +99,7 @@ class WaitingPlacement(Placement):
         retry_after = self.settings.retry_after_s
         self.queue.refuse_if_full(self.settings.max_queue, retry_after)
         if not self.servable(model, local, exclude):
-            why = None if local else self.incompatibility(model)
+            why = None if local else (self.incompatibility(model) or self.unready(model))
             raise PlacementError(
                 f"no engine available for model {model!r}: {why or 'every engine serving it is out'}",
                 retry_after_s=retry_after,

@@ -15,8 +15,13 @@ why (``buffers_full``; a client that reads nothing for ``server.client_write_tim
 ``write_timeout``), and its engine request aborted as for any client gone. Clients that keep up
 never wait, and never charge anything: no work per span.
 
-Invariant: the total is the sum of the charges of the waits under way, each given back exactly
-once; one instance per worker (one process, one loop: no lock).
+The transcripts of streams that may migrate (``request.migration.transcript``) count in the same
+budget: each compacted block is *held* (:meth:`StreamBuffers.hold`) until its stream ends, and a
+block the budget cannot take ends that stream's transcript instead (the stream is then not
+continued after a cut) — memory is bounded in total, and no client is cut for a transcript.
+
+Invariant: the total is the sum of the charges of the waits under way and of the transcripts'
+holds, each given back exactly once; one instance per worker (one process, one loop: no lock).
 """
 
 from __future__ import annotations
@@ -57,6 +62,17 @@ class StreamBuffers:
         """The wait that took ``charge`` ended (drained, cut, or the stream ended)."""
         self.total -= charge
         self.waiting -= 1
+
+    def hold(self, size: int) -> bool:
+        """A transcript keeps ``size`` more bytes, if the budget has them (False: it may not)."""
+        if self.total + size > self.limit:
+            return False
+        self.total += size
+        return True
+
+    def free(self, size: int) -> None:
+        """A transcript's held bytes are given back (its stream ended, or it stopped keeping)."""
+        self.total -= size
 
 
 def cut(why: str = "buffers_full") -> None:

@@ -81,6 +81,10 @@ class PlacementSettings(Section):
     (bounded-load rendezvous), `least_loaded` (prefixes ignored; also what `prefix_affinity = false` means)"""
     held: HeldSettings = HeldSettings()
     """`[placement.held]`: the `held` policy's own settings (below)"""
+    kv_events: bool = True
+    """follow each engine's KV-cache events (its `/kv_event_sources`; vLLM 0.31+ with `--kv-events-config`): a
+    restarted engine, one that cleared its cache or whose stream has a gap its replay cannot fill has its holdings
+    dropped at once (false: learned from traffic alone)"""
 
     @model_validator(mode="before")
     @classmethod

@@ -90,6 +90,10 @@ class LocalFleetState(LocalInflight):
         """No breaker runs in one process alone: never (``FleetView``)."""
         return False
 
+    def why_out(self, engine: Engine) -> str:
+        """Only an operator takes an engine out here (``FleetView``)."""
+        return "taken out by the operator"
+
     def mark_unreachable(self, engine: Engine) -> None:
         """A connection to ``engine`` failed here: avoided for :data:`UNREACHABLE_HOLD_S`."""
         self._unreachable.add(engine.index, UNREACHABLE_HOLD_S)

@@ -124,12 +124,13 @@ class EngineRecord:
     last_failure_reason: str | None
     last_failure_at: float | None  # Unix seconds
     name_hash: int
-    flags: int = 0  # RECORD_BY_OPERATOR | RECORD_WAITING_FOR_WAVE | RECORD_UNREACHABLE
+    flags: int = 0  # RECORD_BY_OPERATOR | RECORD_WAITING_FOR_WAVE | RECORD_UNREACHABLE | RECORD_KV_EVENTS
 
 
 RECORD_BY_OPERATOR = 1
 RECORD_WAITING_FOR_WAVE = 2
 RECORD_UNREACHABLE = 4  # its last connection attempt failed (fleet.reachability, docs/behaviour.md "Recovery")
+RECORD_KV_EVENTS = 8  # its holdings follow its KV-cache events, in order (supervisor.kv_events)
 
 
 def _opt(value: float) -> float | None:

@@ -53,6 +53,7 @@ from narwhal.shm.table import LIVE, record_hash, worker_epoch
 
 ADMITTED_STATES = frozenset({0, 5})  # admitted, degraded
 QUARANTINED = 1
+_OUT_WORDS = {2: "ejected", 3: "probing", 4: "draining"}  # the out states, as /ready and a 503 name them
 BREAKER_OUT_STATES = frozenset({2, 3})  # ejected, probing: the breaker's (draining is the operator's)
 PLACEABLE_STATES = ADMITTED_STATES | {QUARANTINED}  # quarantine is soft (docs/behaviour.md "Recovery"); 2-4 are out
 _PHASE = {"prefill": 0, "decode": 1}
@@ -213,6 +214,15 @@ class WorkerFleetState:
         """Ejected or probing by its breaker, not by an operator (``FleetView``)."""
         rec = self.records()[engine.index]
         return rec is not None and rec.state in BREAKER_OUT_STATES and not rec.flags & RECORD_BY_OPERATOR
+
+    def why_out(self, engine: Engine) -> str:
+        """Why it is out, as the supervisor published it (``FleetView``)."""
+        rec = self.records()[engine.index]
+        if rec is None:
+            return "joining"
+        if rec.flags & RECORD_BY_OPERATOR:
+            return "ejected by the operator"
+        return _OUT_WORDS.get(rec.state, "out of service")
 
     def mark_unreachable(self, engine: Engine) -> None:
         """A connection to ``engine`` failed in this worker: avoided at once, until the

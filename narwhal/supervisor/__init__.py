@@ -35,6 +35,10 @@ itself, so no round delays the heartbeat or wakes the process between passes), `
 good set per source, and the decisions from it against the running fleet it reads through
 ``Running``: engines joined through the table PROBING (deferred while no slot or name is free),
 vanished ones drained then forgotten; ``sources.py`` the watched file, DNS; ``wanted.py`` the wanted
-fleet, pure: static wins, a taken name or no slot refused), ``probes.py``, ``transitions.py`` (one
-log line per breaker transition and reachability change, written as they are published)
+fleet, pure: static wins, a taken name or no slot refused), ``kv_events/`` (the engines' KV-cache
+events: ``hub.py`` a ZMQ subscription per engine from its ``/kv_event_sources``, gaps replayed,
+resets dropping learned holdings; ``stream.py`` one publisher's sequence and exact block set, pure;
+``decode.py`` a batch's payload in either of vLLM's shapes, nothing trusted), ``probes.py``,
+``transitions.py`` (one log line per breaker transition, reachability change and charge, written as
+they are published)
 """

@@ -19,6 +19,7 @@ from narwhal.fleet import Engine
 from narwhal.fleet.reachability import Reachability
 from narwhal.shm.records import (
     RECORD_BY_OPERATOR,
+    RECORD_KV_EVENTS,
     RECORD_UNREACHABLE,
     RECORD_WAITING_FOR_WAVE,
     EngineRecord,
@@ -37,8 +38,10 @@ class Restored:
     unreachable: bool
 
 
-def record(engine: Engine, breakers: Breakers, reach: Reachability, version: int, wall: float) -> EngineRecord:
-    """``engine``'s record under generation ``version`` (``wall``: the wall clock minus the monotonic one)."""
+def record(engine: Engine, breakers: Breakers, reach: Reachability, version: int, wall: float,
+           events: bool = False) -> EngineRecord:
+    """``engine``'s record under generation ``version`` (``wall``: the wall clock minus the
+    monotonic one; ``events``: its holdings follow its KV-cache events)."""
     st = breakers.status(engine.name)
     return EngineRecord(
         version=version,
@@ -51,7 +54,8 @@ def record(engine: Engine, breakers: Breakers, reach: Reachability, version: int
         name_hash=record_hash(engine.name, engine.url),
         flags=(RECORD_BY_OPERATOR if breakers.ejected_by_operator(engine.name) else 0)
         | (RECORD_WAITING_FOR_WAVE if breakers.waiting_for_wave(engine.name) else 0)
-        | (RECORD_UNREACHABLE if reach.unreachable(engine.name) else 0),
+        | (RECORD_UNREACHABLE if reach.unreachable(engine.name) else 0)
+        | (RECORD_KV_EVENTS if events else 0),
     )
 
 

@@ -13,7 +13,8 @@ Time is the supervisor's injected clock, so a test drives the passes with a fake
 5. applies what the deciding parts returned (the load readings, discovery's joins and leavings,
    the models read), and publishes once any status changed (``supervisor.main``: the one writer).
 
-Less often: sweeping slots of dead workers, forgetting drained engines, exporting the in-flight
+Less often: sweeping slots of dead workers, forgetting drained engines, following the engines'
+KV-cache events (``supervisor.kv_events``: a subscription per engine), exporting the in-flight
 gauges. Whatever must wait (probes, health checks, reads) is started, never awaited, so the
 beat goes on.
 """
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from narwhal.engines.control import PooledReader, open_session
+from narwhal.supervisor.kv_events.hub import KvEventsHub
 from narwhal.supervisor.load import LoadReader
 from narwhal.supervisor.main import LOOP_S, Supervisor
 from narwhal.supervisor.models import ModelReader
@@ -95,6 +97,8 @@ class Loop:
         if now >= self.next_sweep:
             self.next_sweep = now + SWEEP_S
             sup.sweep()
+            if sup.kv_events is not None:  # engines that joined subscribe, those that left end theirs
+                sup.kv_events.follow((e.name, e.url) for e in sup.fleet.engines)
             if self.discovery is not None:  # and the gauge follows the engines' states
                 sup.apply_membership(self.discovery.sweep(sup, sup.shared.totals(sup.slots)), self.discovery.refused)
                 self.discovery.export(sup)
@@ -144,4 +148,10 @@ async def run(sup: Supervisor) -> None:
                            on_connect=sup.connected)
         loop = Loop.start(sup, Prober(settings, sup.fleet, session, sup.admitted), loads)
         sup.read_models(ModelReader.over(session, settings.engine, sup.rounds, settings.recovery.health_interval_s))
-        await loop.passes()
+        if settings.placement.kv_events:  # one subscription per engine per host (supervisor.kv_events)
+            sup.kv_events = KvEventsHub(session, sup.kv_events_reset)
+        try:
+            await loop.passes()
+        finally:
+            if sup.kv_events is not None:
+                sup.kv_events.close()

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from narwhal import metrics
-from narwhal.fleet import Engine, Fleet
+from narwhal.fleet import Engine, Fleet, compat
 from narwhal.fleet.reachability import Reachability
 from narwhal.settings import Settings
 from narwhal.settings.engines import EngineSpec
@@ -42,6 +42,7 @@ from narwhal.supervisor import engine_records
 from narwhal.supervisor.breaker import EngineInfo, State
 from narwhal.supervisor.checks import Checks
 from narwhal.supervisor.holdings import HoldingsModel
+from narwhal.supervisor.kv_events.hub import KvEventsHub
 from narwhal.supervisor.membership import ChangingBreakers, Decision, Drain, Forget, Join, Readmit
 from narwhal.supervisor.models import ModelReader, ModelsPublished, ModelsRead
 from narwhal.supervisor.reports import RingIndexes, Successes, apply_reports
@@ -84,7 +85,8 @@ class Supervisor:
         self._map_slots()
         self._outcome_rings = RingIndexes(shared.layout.slot_offset(0) + L.SLOT_RING_WRITE, shared.layout.slot_size)
         self._successes = Successes()
-        self._published = (-1, -1)  # the (breakers, reachability) versions last published
+        self._published = (-1, -1, -1)  # the (breakers, reachability, KV events) versions last published
+        self.kv_events: KvEventsHub | None = None  # the engines' KV-event subscriptions (supervisor.loop starts it)
         self._states: dict[str, State] = {}  # each engine's state as last published, for the transition lines
         self.checks = Checks(self.fleet, self.breakers, self.reach, clock)  # probes and health checks
         self.rounds = Rounds(LOOP_S)  # health checks, load and model reads: a batch per pass (supervisor.rounds)
@@ -110,9 +112,14 @@ class Supervisor:
         return stamps
 
     def _infos(self) -> list[EngineInfo]:
+        """Blame's view of each engine: its partners are the *compatible* permitted ones (versions,
+        transfer modes: docs/decisions.md "vLLM releases"), so during a mixed-version window a
+        consumer with one compatible producer is judged as having one (``fleet.blame``)."""
         return [EngineInfo(name=e.name, role=e.role, wave=e.wave,
-                           permitted_consumers=frozenset(d.name for d in e.permitted_consumers),
-                           permitted_producers=frozenset(p.name for p in e.permitted_producers))
+                           permitted_consumers=frozenset(d.name for d in e.permitted_consumers
+                                                         if compat.compatible(e, d)),
+                           permitted_producers=frozenset(p.name for p in e.permitted_producers
+                                                         if compat.compatible(p, e)))
                 for e in self.fleet.engines]
 
     def _map_slots(self) -> None:
@@ -172,11 +179,13 @@ class Supervisor:
     def publish(self) -> None:
         """Every engine's record under the next generation, then the bump: workers re-read once they see it."""
         version = self.shared.generation + 1  # each record carries it: shm.worker waits for it
+        events = self.kv_events
         for engine in self.fleet.engines:
+            follows = events is not None and events.source(engine.name) == "events"
             write_record(self.shared.region, self.slot_of(engine),
-                         engine_records.record(engine, self.breakers, self.reach, version, self._wall))
+                         engine_records.record(engine, self.breakers, self.reach, version, self._wall, follows))
         self.shared.bump_generation()
-        self._published = (self.breakers.version, self.reach.version)
+        self._published = (self.breakers.version, self.reach.version, self._events_version())
         log_charges(self.fleet.engines, self.breakers.take_charged())
         log_transitions(self.fleet.engines, self.breakers, self.reach, self._states, self.settings.recovery)
         if self.model is not None:
@@ -192,8 +201,18 @@ class Supervisor:
 
     def publish_if_moved(self) -> None:
         """Publish once any breaker or reachability moved since the last publish."""
-        if (self.breakers.version, self.reach.version) != self._published:
+        if (self.breakers.version, self.reach.version, self._events_version()) != self._published:
             self.publish()
+
+    def _events_version(self) -> int:
+        return -1 if self.kv_events is None else self.kv_events.version
+
+    def kv_events_reset(self, name: str, why: str) -> None:
+        """An engine's KV events say its cache is not what was known (a restart, a cleared cache,
+        a gap its replay could not fill): its learned holdings are dropped at once."""
+        engine = self.fleet.by_name.get(name)
+        if engine is not None and self.model is not None:
+            self.model.forget(engine.index)
 
     def export_states(self) -> None:
         """Engine states as gauges at every publish: within one loop of ``/admin/engines`` (docs/operations.md
@@ -374,6 +393,8 @@ class Supervisor:
     def _set_version(self, engine: Engine, version: str | None) -> None:
         old = engine.version
         self.fleet.set_version(engine, version)
+        if old != version:  # which pairs are compatible moved: blame judges by those
+            self.breakers.reshape(self._infos(), set(), self._clock())
         if version is None:
             return
         if old is not None and old != version:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -31,13 +32,16 @@ from narwhal.fleet.blame import State
 from narwhal.reasons import Reason
 from narwhal.request.admission import presented_token
 from narwhal.request.router import Router
+from narwhal.settings.effective import redacted
 from narwhal.shm.local import LocalFleetState
-from narwhal.shm.records import KIND_DRAIN, KIND_EJECT, KIND_READMIT, LoadRecord
+from narwhal.shm.records import KIND_DRAIN, KIND_EJECT, KIND_READMIT, RECORD_KV_EVENTS, LoadRecord
 from narwhal.shm.worker import WorkerFleetState
 from narwhal.worker.guard import Handler
 
 STATE_NAMES = tuple(state.name.lower() for state in State)  # index = the state's gauge value
 # action -> (the command for the supervisor, the state that shows it took effect)
+log = logging.getLogger("narwhal.worker.admin")
+
 ACTIONS = {"eject": (KIND_EJECT, State.EJECTED), "readmit": (KIND_READMIT, State.ADMITTED),
            "drain": (KIND_DRAIN, State.DRAINING)}
 _ACTION_WAIT_S = 2.0
@@ -82,6 +86,11 @@ def engine_view(router: Router, state: WorkerFleetState | LocalFleetState, engin
             )
             if rec.last_failure_reason is not None:
                 entry["last_failure"] = {"reason": rec.last_failure_reason, "at": rec.last_failure_at}
+            source = "events" if rec.flags & RECORD_KV_EVENTS else "learned"  # docs/behaviour.md "Placement"
+            if isinstance(entry["holdings"], dict):
+                entry["holdings"]["source"] = source
+            elif source == "events":  # a consumer's (or a policy without holdings): where they would come from
+                entry["holdings"] = {"source": source}
             if entry["state"] == "admitted" and not (engine.models_configured or engine.models_read):
                 # Admitted, but this worker has not taken up its models yet, so
                 # placement cannot use it: the answer says what placement does.
@@ -89,6 +98,16 @@ def engine_view(router: Router, state: WorkerFleetState | LocalFleetState, engin
     elif engine.index in state.out:
         entry["state"] = "ejected"
     return entry
+
+
+def last_pair_gone(router: Router, engine: Engine) -> str | None:
+    """What taking ``engine`` out left without service: the models it served that now have no
+    pair in service and reachable (``/ready`` 503, requests 503 ``no_engine``), said in one line."""
+    gone = [m for m in sorted(engine.models) if router.placement.unready(m) is not None]
+    if not gone:
+        return None
+    return (f"engine {engine.name} was the last of its role in service for {', '.join(map(repr, gone))}: /ready "
+            f"answers 503 and its requests 503 no_engine until an engine of its role is readmitted")
 
 
 def workers_view(state: WorkerFleetState | LocalFleetState) -> dict[str, int]:
@@ -128,7 +147,8 @@ def add_admin_routes(
     app: web.Application, token: str, router_key: Any, state_key: Any,
     wrap: Callable[[Handler], Handler],
 ) -> None:
-    """``/admin/engines`` and its eject/readmit/drain actions, every one behind the admin token;
+    """``/admin/engines`` and its eject/readmit/drain actions, ``/admin/settings`` (the running
+    settings, secrets redacted), every one behind the admin token;
     each handler registered through ``wrap`` (the app's error shaping, ``worker.guard``)."""
     expected = token.encode()
 
@@ -166,7 +186,18 @@ def add_admin_routes(
             state.out.discard(engine.index)
         else:
             state.out.add(engine.index)
-        return json({**engine_view(router, state, engine), "workers": workers_view(state)})
+        answer = {**engine_view(router, state, engine), "workers": workers_view(state)}
+        if kind != KIND_READMIT:
+            left = last_pair_gone(router, engine)
+            if left:  # accepted, and said: the operator may not know it was the last one
+                answer["warning"] = left
+                log.warning("%s", left)
+        return json(answer)
+
+    async def effective_settings(request: web.Request) -> web.Response:
+        authorize(request)
+        return json(redacted(request.app[router_key].settings))
 
     app.router.add_get("/admin/engines", wrap(list_engines))
+    app.router.add_get("/admin/settings", wrap(effective_settings))
     app.router.add_post(r"/admin/engines/{name}/{action:eject|readmit|drain}", wrap(act))

@@ -161,11 +161,14 @@ class Generate(Completions, endpoint=GENERATE, prompt_fields=("token_ids",)):
         return out
 
     def release_body(self, body: dict[str, Any], request_id: str, descriptor: dict[str, Any]) -> dict[str, Any]:
-        """One token, not streamed, ``min_tokens`` dropped (vLLM refuses it above max), the descriptor in."""
+        """One token, not streamed, the descriptor in; what could end it early or be refused
+        (``min_tokens``, ``stop``, ``stop_token_ids``) dropped: a release the consumer refuses
+        frees nothing."""
         out = dict(body)
         out.pop("stream_options", None)
         params = dict(out.get("sampling_params") or {})
-        params.pop("min_tokens", None)
+        for key in _PREFILL_SAMPLING_DROPPED:
+            params.pop(key, None)
         params["max_tokens"] = 1
         out["sampling_params"] = params
         out["stream"] = False

@@ -300,7 +300,7 @@ class Placement:
         if not any(consumers for _, consumers in candidates):
             return self.incompatibility(model) or f"no producer->consumer pair is permitted for model {model!r}"
         engines = {e.name: e for p, consumers in candidates for e in (p, *consumers)}
-        down = [f"{name} {'unreachable' if view.unreachable(e) else 'out of service'}"
+        down = [f"{name} {'unreachable' if view.placeable(e) else view.why_out(e)}"
                 for name, e in sorted(engines.items()) if not ready(e)]
         return f"no producer->consumer pair for model {model!r} is in service and reachable: {', '.join(down)}"
 

@@ -43,6 +43,7 @@ from narwhal.request.migration.forms import KINDS, NotContinued, continuation, n
 from narwhal.request.migration.seen import Seen
 from narwhal.request.migration.splice import MessagesSplice, Splice
 from narwhal.request.migration.transcript import Transcript
+from narwhal.request.stream_buffers import StreamBuffers
 
 log = logging.getLogger("narwhal.request.migration")
 
@@ -57,14 +58,14 @@ class Migration:
                  "_inner", "_edit", "_stalled", "_never", "unreadable")
 
     def __init__(self, kind: str, limit: int, prompt: dict[str, Any], clock: Callable[[], float],
-                 never: str | None = None) -> None:
+                 never: str | None = None, buffers: StreamBuffers | None = None) -> None:
         self.count = 0  # continuations started
         self._never = never  # why this request is never continued (forms.never_continued), if it is not
         self.unreadable = False  # a continuation's event could not be rewritten: the engine's fault
         self._limit = limit
         self._prompt = prompt  # the prompt fields' values (the body may hold them encoded)
         self._kind = kind
-        self.transcript = Transcript()  # what the client was sent, kept by the client's writes
+        self.transcript = Transcript(buffers)  # what the client was sent, kept by the client's writes
         self._seen: Seen | None = None  # what the spans read so far said
         self.last_at: float | None = None  # when the cut leg's last output went out (loop time)
         self.clock = clock
@@ -73,12 +74,13 @@ class Migration:
         self._stalled: float | None = None  # a continuation under way: when the output stopped
 
     @classmethod
-    def of(cls, req: ClientRequest, limit: int, clock: Callable[[], float]) -> Migration | None:
+    def of(cls, req: ClientRequest, limit: int, clock: Callable[[], float],
+           buffers: StreamBuffers | None = None) -> Migration | None:
         """A streamed request on an endpoint that continues, with migrations on; else None."""
         kind = KINDS.get(req.endpoint)
         if not req.stream or limit <= 0 or kind is None:
             return None
-        return cls(kind, limit, req.prompt, clock, never_continued(req.body))
+        return cls(kind, limit, req.prompt, clock, never_continued(req.body), buffers)
 
     # -- a continuation's sink ----------------------------------------------------------------
 
@@ -145,6 +147,8 @@ class Migration:
         count is known), then the end marker (``[DONE]``; Messages: ``message_stop``)."""
         if self._kind == "messages":
             return b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+        if self.transcript.full:  # nothing left to count from (its memory bound): the end marker alone
+            return DONE_EVENT
         seen = self.read()
         usage = b""
         if wants_usage and not seen.usage_sent and prompt_tokens is not None and seen.last is not None:
@@ -162,6 +166,9 @@ class Migration:
         fleet's bound next, and only then :meth:`after`."""
         if self._never is not None:
             log.info("stream not continued after %s: %s", exc.reason, self._never)
+            return False
+        if self.transcript.full:
+            log.info("stream not continued after %s: its transcript passed its memory bound", exc.reason)
             return False
         return self.count < self._limit and migrates(exc.reason, exc.status) and now < deadline
 

@@ -269,14 +269,25 @@ async def test_messages_engine_error_types_map_to_statuses(router: RouterProcess
 
 
 async def test_messages_engine_4xx_in_anthropic_shape_passes_through(router: RouterProcess) -> None:
-    # The consumer's own refusal (max_tokens beyond its context: the one-token prefill passes), which
-    # a one-token release of the handoff does not repeat: on 0.11 Narwhal's release frees the blocks,
-    # on 0.33 the consumer does (docs/decisions.md "vLLM releases"); the module's end checks no producer holds any.
-    reply = await send(router.url, MESSAGES.path, MESSAGES.body(uuid.uuid4().hex, max_tokens=2_000_000))
+    # The consumer's own refusal, which a one-token release of the handoff does not repeat: on 0.11
+    # Narwhal's release frees the blocks, on 0.33 the consumer does (docs/decisions.md "vLLM
+    # releases"); the module's end checks no producer holds any.
+    fault = {"decode": {"status": 400, "message": "bad stop sequence", "streams_only": True}}
+    reply = await send(router.url, MESSAGES.path, MESSAGES.body(uuid.uuid4().hex, fake=fault))
     assert reply.status == 400
     assert reply.headers["x-narwhal-error"] == "engine_client_error"
     assert reply.json["type"] == "error" and reply.json["error"]["type"] == "invalid_request_error"
-    # 0.12 on refuse only max_tokens beyond max_model_len, with their own message.
+    assert reply.json["error"]["message"] == "bad stop sequence"
+
+
+async def test_messages_limit_past_the_context_is_refused_at_admission_in_anthropic_shape(
+    router: RouterProcess
+) -> None:
+    # max_tokens beyond the context: the one-token prefill would pass and the consumer refuse it
+    # after a handoff exists; the router refuses it first, with vLLM's message (0.12 on).
+    reply = await send(router.url, MESSAGES.path, MESSAGES.body(uuid.uuid4().hex, max_tokens=2_000_000))
+    assert reply.status == 400 and reply.headers["x-narwhal-error"] == "bad_request"
+    assert reply.json["type"] == "error" and reply.json["error"]["type"] == "invalid_request_error"
     assert reply.json["error"]["message"].startswith("max_tokens=2000000 cannot be greater than max_model_len=")
 
 

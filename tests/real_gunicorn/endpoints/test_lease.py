@@ -67,3 +67,17 @@ async def test_a_handoff_past_max_age_is_sent_nowhere_and_never_read_late(
     assert lease_fleet.stats("lp0")["expired_requests"] == expired + 1
     assert records(lease_fleet, "ld0", prompt) == []  # no decode, no release
     assert lease_fleet.stats("lp0")["expired_reads"] == 0
+
+
+async def test_a_consumer_that_took_the_decode_in_time_decodes_it_however_late_its_head(
+    leased: RouterProcess, lease_fleet: FakeFleet
+) -> None:
+    """The handoff's age bounds the decode's connect and send only: a consumer that accepted the
+    request at once and sends its head after 1 s (past max_age_s 0.6, within the first token's
+    bound) decodes it; queueing is not expiry."""
+    prompt = unique_prompt()
+    reply = await send(leased.url, "/v1/completions",
+                       completion(prompt, max_tokens=3, fake={"decode": {"delay_headers_s": 1.0}}))
+    assert reply.status == 200, reply.raw
+    assert reply.text == " t0 t1 t2"
+    assert lease_fleet.stats("lp0")["expired_reads"] == 0

@@ -194,6 +194,22 @@ async def test_what_only_the_consumer_would_validate_is_refused_before_any_prefi
     assert records(fleet, "vp0", tag) == [] and records(fleet, "vd0", tag) == [], version
 
 
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"stop": 5}, "sampling_params.stop"),
+    ({"stop_token_ids": ["a"]}, "sampling_params.stop_token_ids"),
+    ({"min_tokens": 9}, "sampling_params.min_tokens"),
+])
+async def test_generates_nested_fields_only_the_consumer_would_validate_are_refused_before_any_prefill(
+    release: tuple[str, FakeFleet, RouterProcess], extra: dict[str, Any], param: str
+) -> None:
+    version, fleet, router = release
+    tag = unique_prompt()
+    body = {"model": MODEL, "token_ids": [5, 6, 7], "cache_salt": tag, "sampling_params": {"max_tokens": 4, **extra}}
+    reply = await send(router.url, "/inference/v1/generate", body)
+    assert reply.status == 400 and reply.json["error"]["param"] == param, reply.raw
+    assert records(fleet, "vp0", tag) == [] and records(fleet, "vd0", tag) == [], version
+
+
 async def test_a_refusal_on_generate_is_released(release: tuple[str, FakeFleet, RouterProcess]) -> None:
     version, fleet, router = release
     if version == "0.11.0":

@@ -14,6 +14,7 @@ healthy producer was charged for the consumer's refused connections, and a consu
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -144,3 +145,45 @@ async def test_a_degraded_consumer_that_recovers_is_probed_back_without_a_client
 
     await _until(ready, 4 * HEALTH_S + 1, "/ready 200 again, d0 reachable")
     assert "engine d0 (consumer): degraded -> admitted: a probe passed: streak cleared" in first.log_text()
+
+
+async def test_draining_the_last_consumer_is_said_and_named_by_ready_and_the_503(first: RouterProcess) -> None:
+    from tests.real_gunicorn.support import admin
+
+    await wait_state(first, "d0", "admitted")
+    drained = await admin(first, "POST", "/admin/engines/d0/drain")
+    try:
+        assert drained["state"] == "draining"
+        assert drained["warning"] == ("engine d0 was the last of its role in service for 'fake-model': /ready answers "
+                                      "503 and its requests 503 no_engine until an engine of its role is readmitted")
+        assert await _ready(first) == (503, {"ready": False, "reason": "no producer->consumer pair for model "
+                                                                      "'fake-model' is in service and reachable: "
+                                                                      "d0 draining"})
+        reply = await send(first.url, "/v1/completions", completion(unique_prompt(), max_tokens=2))
+        assert reply.status == 503 and error_of(reply)["type"] == "no_engine"
+        assert error_of(reply)["message"].endswith("d0 draining")
+    finally:
+        readmitted = await admin(first, "POST", "/admin/engines/d0/readmit")
+    assert "warning" not in readmitted
+
+
+def test_narwhal_status_shows_the_engines_and_the_settings_redacted(first: RouterProcess) -> None:
+    import subprocess
+    import sys
+
+    def status(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "narwhal", "status", "--url", first.url, *args],
+                              capture_output=True, text=True, timeout=30)
+
+    shown = status("--token", TOKEN, "--settings")
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[0].split() == ["NAME", "ROLE", "STATE", "STREAK", "UNREACHABLE", "VERSION", "LOAD", "HOLDINGS"]
+    rows = {line.split()[0]: line.split() for line in lines[1:3]}
+    assert rows["p0"][1:3] == ["producer", "admitted"] and rows["d0"][1] == "consumer"
+    settings = json.loads(shown.stdout.split("\n\n", 1)[1])
+    assert settings["server"]["admin_token"] == "<redacted>" and TOKEN not in shown.stdout
+    assert settings["recovery"]["max_ejected_fraction"] == 0.5
+    refused = status("--token", "wrong")
+    assert refused.returncode == 1 and refused.stderr.strip() == (
+        "narwhal status: /admin/engines answered 401 (check --token or server.admin_token)")

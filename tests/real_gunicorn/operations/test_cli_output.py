@@ -83,5 +83,7 @@ def test_a_reader_that_closed_the_pipe_ends_preflight_with_one_line(fleet: FakeF
         )
     finally:
         os.close(write_end)
-    assert proc.stderr == "narwhal preflight: output not fully written: the reader closed the pipe\n"
+    *progress, last = proc.stderr.splitlines()  # one line per engine and pair as each ended, then the one line
+    assert last == "narwhal preflight: output not fully written: the reader closed the pipe"
+    assert len(progress) == 3 and all(line.startswith("preflight: ") for line in progress)
     assert proc.returncode == 141

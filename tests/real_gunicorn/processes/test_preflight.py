@@ -41,6 +41,8 @@ ROOT = Path(__file__).resolve().parents[3]
 FOUR = [("pf-p0", "producer"), ("pf-p1", "producer"), ("pf-d0", "consumer"), ("pf-d1", "consumer")]
 PAIRS = ["pf-p0 -> pf-d0", "pf-p0 -> pf-d1", "pf-p1 -> pf-d0", "pf-p1 -> pf-d1"]
 CONTRACT = {"model": MODEL, "kv_connector": "NixlConnector"}  # and the fleet's version, pinned
+READ_HINT = ("a consumer that cannot read a handoff (a NIXL handshake or transfer failure) says why only in its own "
+             "log: look at {c}'s connector log")
 FLEET_ARGS = ["--model", MODEL, "--lease-s", str(LEASE_S), "--block-size", "1", "--enable-scale-out"]
 
 
@@ -121,7 +123,11 @@ def test_all_good_exits_0_with_one_row_per_engine_and_pair(pf_fleet: FakeFleet, 
     assert _rows(proc.stdout) == _all_ok(["pf-p0", "pf-p1", "pf-d0", "pf-d1"], PAIRS)
     assert proc.stdout.splitlines()[-1] == "preflight: ok (4 engines, 4 pairs)"
     assert len(proc.stdout.splitlines()) == 10  # header, 4 engines, 4 pairs, summary
-    assert proc.stderr == ""
+    # One line on stderr per engine and per pair as each ends: a long run is never silent.
+    progress = proc.stderr.splitlines()
+    assert sorted(line.split(": ok")[0] for line in progress) == sorted(
+        [f"preflight: engine {n}" for n, _ in FOUR] + [f"preflight: pair {p}" for p in PAIRS])
+    assert all(re.fullmatch(r"preflight: (engine|pair) .+: ok \([0-9.]+ ms\)", line) for line in progress)
     # Every handoff was decoded (pairs) or released (the engine checks), not left to the lease.
     assert _held(pf_fleet) == 0
     assert pf_fleet.stats("pf-p0")["requests"]["prefill"] == 3  # 1 engine check + 2 pairs
@@ -137,7 +143,7 @@ ONE_ENGINE_FAILS: list[tuple[str, str, dict[str, Any] | None, str, str, str]] = 
     ("connector", "pf-p0", {"prefill": {"descriptor": "mooncake"}},
      "connector mismatch: invalid handoff: connector mismatch", "skip", "producer pf-p0 failed"),
     ("transfers", "pf-p0", {"kv_read_fails": True}, "transfers to pf-d0, pf-d1 failed",
-     "fail", "transfer failed: KV transfer failed"),
+     "fail", "transfer failed: KV transfer failed; " + READ_HINT.replace("{c}", "{consumer}")),
     ("unreachable", "pf-d1", None, "unreachable", "skip", "consumer pf-d1 failed"),
     ("health_503", "pf-d0", {"health_status": 503}, "health 503", "skip", "consumer pf-d0 failed"),
 ]
@@ -158,7 +164,7 @@ def test_one_failing_engine_fails_alone_and_its_pairs_say_why(
     mine = [p for p in PAIRS if engine in p.split(" -> ")]
     expected = _all_ok([n for n, _ in FOUR if n != engine], [p for p in PAIRS if p not in mine])
     expected[f"engine {engine}"] = ("fail", reason.format(pin=pf_fleet.version), "-")
-    expected.update({f"pair {p}": (pair_verdict, pair_reason, "-") for p in mine})
+    expected.update({f"pair {p}": (pair_verdict, pair_reason.format(consumer=p.split(" -> ")[1]), "-") for p in mine})
     assert _rows(proc.stdout) == expected
     assert proc.stdout.splitlines()[-1] == "preflight: FAILED (1 of 4 engines, 2 of 4 pairs failed)"
 
@@ -191,11 +197,13 @@ def test_a_consumer_whose_tp_is_no_multiple_of_the_producers_is_named_as_the_cau
     expected["engine pf-p0"] = ("fail", "transfers to pf-b0, pf-d1 failed", "-")
     # pf-d1 only decodes: its TP is not known to preflight, so the cause is named as likely.
     expected["pair pf-p0 -> pf-d1"] = ("fail", (
-        "transfer failed: KV transfer failed; likely cause: pf-p0 runs TP 2 (its tp_size) and vLLM's "
+        f"transfer failed: KV transfer failed; {READ_HINT.format(c='pf-d1')}; likely cause: pf-p0 runs TP 2 "
+        "(its tp_size) and vLLM's "
         "NixlConnector refuses a consumer whose --tensor-parallel-size is not a multiple of it: check pf-d1's"), "-")
     # pf-b0 prefills too: its own descriptor says TP 1, so the mismatch is certain.
     expected["pair pf-p0 -> pf-b0"] = ("fail", (
-        f"transfer failed: KV transfer failed; tensor parallel mismatch: pf-p0 runs TP 2, pf-b0 TP 1: {rule}"), "-")
+        f"transfer failed: KV transfer failed; {READ_HINT.format(c='pf-b0')}; tensor parallel mismatch: pf-p0 runs "
+        f"TP 2, pf-b0 TP 1: {rule}"), "-")
     assert _rows(proc.stdout) == expected
 
 
@@ -325,7 +333,8 @@ def test_same_worker_pair_and_a_short_timeout(pf_fleet: FakeFleet, tmp_path: Pat
     proc = _cli(_config(pf_fleet, tmp_path, engines), "--timeout", "0.5")
     assert proc.returncode == 1
     rows = _rows(proc.stdout)
-    assert rows["pair pf-b0 -> pf-d0"] == ("fail", "transfer failed: no [DONE] within 0.5s", "-")
+    assert rows["pair pf-b0 -> pf-d0"] == ("fail", "transfer failed: pf-d0 sent no [DONE] within 0.5s (the bound of "
+                                           f"each preflight request); {READ_HINT.format(c='pf-d0')}", "-")
     assert rows["pair pf-b0 -> pf-b0"] == ("ok", "-", "-")
     assert rows["engine pf-d0"] == ("fail", "transfers from pf-b0 failed", "-")  # its only producer
     assert rows["engine pf-b0"] == ("ok", "-", "-")
@@ -394,3 +403,15 @@ def test_localhost_descriptor_across_hosts_is_a_warning(tmp_path: Path) -> None:
         assert doc["pairs"][0]["note"] == note
     finally:
         fleet.stop()
+
+
+def test_no_handoff_is_made_where_no_passing_consumer_could_take_it_back(pf_fleet: FakeFleet, tmp_path: Path) -> None:
+    """A rolling upgrade's new producer checked before its consumers answer: its handoff check
+    is skipped rather than leaving a handoff pinned for the producer's lease."""
+    pf_fleet.control_request("POST", "/engines/pf-d0/stop")
+    before = pf_fleet.stats("pf-p0")["requests"]["prefill"]
+    proc = _cli(_config(pf_fleet, tmp_path, [("pf-p0", "producer"), ("pf-d0", "consumer")]))
+    assert proc.returncode == 1
+    assert _rows(proc.stdout)["engine pf-p0"] == ("ok", "-", "-")
+    assert pf_fleet.stats("pf-p0")["requests"]["prefill"] == before and _held(pf_fleet) == 0  # none made
+    assert "preflight: engine pf-d0: fail: unreachable" in proc.stderr

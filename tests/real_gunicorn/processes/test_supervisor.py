@@ -168,11 +168,14 @@ async def test_ready_follows_the_admitted_pairs(sup_router: RouterProcess) -> No
     try:
         reply = await send(sup_router.url, "/ready", method="GET")
         assert reply.status == 503
+        out = ", ".join(f"{n} ejected by the operator" for n in sorted(CONSUMERS))
         assert reply.json == {"ready": False, "reason": "no producer->consumer pair for model 'fake-model' is in "
-                              "service and reachable: " + ", ".join(f"{n} out of service" for n in sorted(CONSUMERS))}
+                              f"service and reachable: {out}"}
         refused = await send(sup_router.url, "/v1/completions", completion(unique_prompt()))
         assert refused.status == 503 and refused.headers["Retry-After"] == "1"
         assert error_of(refused)["type"] == "no_engine"
+        assert error_of(refused)["message"].endswith(  # which engines, and why each is out
+            ", ".join(f"{n} ejected by the operator" for n in sorted(CONSUMERS)))
     finally:
         await readmit_all(sup_router, CONSUMERS)
     assert (await send(sup_router.url, "/ready", method="GET")).status == 200

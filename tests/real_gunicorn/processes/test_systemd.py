@@ -78,6 +78,9 @@ def test_ready_comes_from_the_main_pid_after_the_preflight(fleet: FakeFleet, tmp
     # log.format = "json" (the default): the start-up preflight report is one JSON line too.
     reports = [line for line in map(orjson.loads, re.findall(r"^\{.*\}$", before_ready, re.MULTILINE))
                if line.get("logger") == "narwhal.preflight"]
-    assert [r["message"] for r in reports] == ["preflight: ok (2 engines, 1 pairs)"], before_ready
-    assert reports[0]["level"] == "info" and [e["name"] for e in reports[0]["preflight"]["engines"]] == ["p0", "d0"]
+    # One progress line per engine and pair as each ended, then the report.
+    assert sorted(r["message"].split(": ok")[0] for r in reports[:-1]) == [
+        "preflight: engine d0", "preflight: engine p0", "preflight: pair p0 -> d0"], before_ready
+    assert reports[-1]["message"] == "preflight: ok (2 engines, 1 pairs)", before_ready
+    assert reports[-1]["level"] == "info" and [e["name"] for e in reports[-1]["preflight"]["engines"]] == ["p0", "d0"]
     assert proc.returncode == 0

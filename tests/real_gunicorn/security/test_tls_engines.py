@@ -54,7 +54,8 @@ def trusting(tls_fleet: FakeFleet, certs: Path, tmp_path_factory: pytest.TempPat
 
 @pytest.fixture(scope="module")
 def untrusting(tls_fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
-    proc = start_router(tls_fleet, _engines(), tmp_path_factory.mktemp("tls-no"))
+    # Never ready: its engines are unreachable to it (docs/behaviour.md "Recovery": /ready).
+    proc = start_router(tls_fleet, _engines(), tmp_path_factory.mktemp("tls-no"), wait_ready=False)
     yield proc
     proc.stop()
 

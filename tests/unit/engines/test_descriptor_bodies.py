@@ -185,3 +185,17 @@ def test_parameters_each_call_is_a_new_object() -> None:
 
 def test_parameters_of_same_worker_result_is_none() -> None:
     assert make_result(None).parameters() is None
+
+
+def test_a_release_body_carries_nothing_the_consumer_may_refuse() -> None:
+    """``stop``, ``stop_token_ids`` and ``min_tokens`` (top-level, and in generate's
+    ``sampling_params``) dropped: a release the consumer refuses frees nothing."""
+    from narwhal.engines.endpoints import GENERATE
+
+    body = {"model": "m", "prompt": "hi", "stop": ["x"], "stop_token_ids": [3], "min_tokens": 9, "max_tokens": 64}
+    assert release_body(body, valid_descriptor()).keys() == {"model", "prompt", "stream", "max_tokens",
+                                                              "kv_transfer_params"}
+    generate = {"model": "m", "token_ids": [1], "sampling_params": {"max_tokens": 9, "stop": 5, "stop_token_ids": [1],
+                                                                    "min_tokens": 3, "temperature": 0.5}}
+    out = GENERATE.dialect.release_body(generate, "r", valid_descriptor())
+    assert out["sampling_params"] == {"max_tokens": 1, "temperature": 0.5}

@@ -120,6 +120,18 @@ async def test_continuous_usage_stats_put_the_running_usage_on_every_chunk(
     assert all(not e.get("usage") for e in plain[:-1])
 
 
+async def test_a_continuations_running_usage_counts_from_its_own_start(aiohttp_client: ClientFactory) -> None:
+    """A continuation (the prompt ends with the output so far, `` t0 t1``) generates `` t2`` …;
+    vLLM counts its usage from the request's first token: 1, 2, 3, not the whole output's 3, 4, 5."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    evs = decoded(await _stream(aiohttp_client, "0.33.0", "/v1/completions",
+                                {"prompt": "a b c t0 t1", "max_tokens": 3, "stream_options": options}))
+    chunks = [e for e in evs[:-2] if e["choices"]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == " t2 t3 t4"
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 3]
+    assert evs[-2]["usage"]["completion_tokens"] == 3
+
+
 async def test_non_streaming_bodies(client: TestClient[Any, Any], engine: FakeEngine) -> None:
     resp = await client.post(
         "/v1/completions", json={"model": "fake-model", "prompt": ["a b", "c"], "max_tokens": 4}

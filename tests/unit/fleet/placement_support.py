@@ -36,6 +36,9 @@ class FakeView:
     def ejected_by_breaker(self, engine: Engine) -> bool:
         return engine.name in self.ejected
 
+    def why_out(self, engine: Engine) -> str:
+        return "ejected" if engine.name in self.ejected else "out of service"
+
     def placeable(self, engine: Engine) -> bool:
         self.calls["placeable"] += 1
         return engine.name not in self.out

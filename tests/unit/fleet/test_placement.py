@@ -153,7 +153,7 @@ async def test_reserve_refuses_at_once_only_when_every_pair_is_out() -> None:
     placement, view, _ = _two_by_two()
     view.out = {"p0", "p1"}
     view.left = {"d0": 1.0}
-    with pytest.raises(PlacementError, match="every engine serving it is out"):
+    with pytest.raises(PlacementError, match="is in service and reachable: p0 out of service, p1 out of service"):
         await placement.reserve(MODEL, time.monotonic() + 5)
 
 

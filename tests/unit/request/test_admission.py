@@ -364,3 +364,23 @@ def test_a_limit_above_the_smallest_context_is_refused_with_vllms_message(tmp_pa
 def test_a_client_handoff_in_vllm_xargs_is_removed(fleet: Fleet) -> None:
     body, _, _ = parse(orjson.dumps(chat_body(vllm_xargs={"kv_transfer_params": "x", "keep": 1})), CHAT, fleet)
     assert body["vllm_xargs"] == {"keep": 1}
+
+
+@pytest.mark.parametrize(("params", "message", "param"), [
+    ({"max_tokens": 4, "stop": 5}, "'sampling_params.stop' must be a string or a list of strings",
+     "sampling_params.stop"),
+    ({"max_tokens": 4, "stop_token_ids": ["a"]}, "'sampling_params.stop_token_ids' must be a list of integers",
+     "sampling_params.stop_token_ids"),
+    ({"max_tokens": 4, "min_tokens": -1}, "'sampling_params.min_tokens' must be an integer >= 0",
+     "sampling_params.min_tokens"),
+    ({"max_tokens": 4, "min_tokens": 5}, "min_tokens must be less than or equal to max_tokens=4, got 5.",
+     "sampling_params.min_tokens"),
+])
+def test_generate_sampling_fields_only_the_consumer_sees_are_checked_at_admission(
+    fleet: Fleet, params: dict[str, Any], message: str, param: str
+) -> None:
+    from narwhal.engines.endpoints import GENERATE
+
+    body = {"model": "m", "token_ids": [1, 2], "sampling_params": params}
+    error = refused(orjson.dumps(body), GENERATE, fleet)
+    assert (str(error), error.param) == (message, param)

@@ -249,6 +249,7 @@ async def test_a_continuation_that_finds_no_pair_ends_with_the_cut() -> None:
     router.attempts = SimpleNamespace(run=run)  # type: ignore[assignment]
     router.placement = SimpleNamespace(servable=lambda model, local, exclude: exclude == {"d0"})  # type: ignore
     router._loop = asyncio.get_running_loop()
+    router.buffers = None  # type: ignore[assignment]
     req = _request(deadline=router._loop.time() + 30)
     rec = AccessRecord(request_id="r", endpoint="/v1/completions")
     with pytest.raises(EngineError) as ended:
@@ -373,3 +374,29 @@ def test_an_odd_continuation_event_never_raises_in_the_relay(event: bytes, unrea
     sink = migration.sink(lambda span: written.append(span) is None)
     outcome = sink(event)  # never raises: an event it cannot rewrite stops the relay, the engine's fault
     assert migration.unreadable is unreadable and outcome is not unreadable
+
+
+def test_a_transcript_is_bounded_and_held_against_the_workers_budget() -> None:
+    from narwhal.request.stream_buffers import StreamBuffers
+
+    buffers = StreamBuffers(1 << 20)
+    transcript = Transcript(buffers)
+    for i in range(2000):  # incompressible-ish spans: each compaction holds a real block
+        transcript.keep(_data({"id": "c", "choices": [{"index": 0, "text": f" {i:08x}{'x' * (i % 97)}",
+                                                       "logprobs": {"x": [i * 7919 % 104729] * 40}}]}))
+    assert not transcript.full and buffers.total > 0
+    transcript.close()
+    assert buffers.total == 0  # given back when the stream ends
+    small = StreamBuffers(1024)
+    capped = Transcript(small)
+    for i in range(200):
+        capped.keep(_data({"id": "c", "choices": [{"index": 0, "text": f" t{i}" * 50}]}))
+    assert capped.full and small.total == 0  # the budget could not take a block: it stopped keeping
+    assert len(capped.tail()) == 2  # the finish probe still reads the last spans
+
+
+def test_a_stream_whose_transcript_is_full_is_not_continued() -> None:
+    migration = _kept(_chat_request(), _chat_chunk(" t0"))
+    migration.transcript.full = True
+    cut = EngineError("gone", reason="engine_disconnect", engine="d0", phase="decode", status=502)
+    assert not migration.may_continue(cut, 100.0, 6.0)

@@ -68,7 +68,7 @@ def test_the_largest_entry_the_settings_accept_fits_its_descriptor(shared: Share
 
     wide = "\U0001f600"  # four bytes in UTF-8: the most a character costs in the JSON
     entry = E.EngineSpec.model_validate({
-        "name": "n" * E.MAX_NAME, "url": "http://" + wide * (E.MAX_URL - 7), "role": "both",
+        "name": "n" * E.MAX_NAME, "url": "http://h:1/" + wide * (E.MAX_URL - 11), "role": "both",
         "wave": wide * E.MAX_WAVE, "kv_connector": wide * E.MAX_CONNECTOR,
         "max_inflight_prefill": 2**62, "max_inflight_decode": 2**62, "transfer_mode": "push",
         "kv_peers": ["p" * E.MAX_NAME] * E.MAX_PEERS, "models": [wide * E.MAX_MODEL] * E.MAX_MODELS,

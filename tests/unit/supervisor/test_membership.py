@@ -62,3 +62,31 @@ def test_a_roster_keeps_each_engine_at_its_index_and_its_object() -> None:
     assert f.by_name["b"] is b and f.version > version
     assert [e.index for e in f.engines] == [1, 7]
     assert f.by_name["c"].permitted_producers == ()
+
+
+def test_blame_is_judged_by_compatible_pairs_in_a_mixed_version_window() -> None:
+    """p_old (0.32) and p_new (0.33) may both hand off to d_new by configuration, but only p_new
+    is compatible with it: d_new has one producer it can fail with, so a pre-token fault of the
+    pair is charged to it too (as 1P/1D's is), not left to an ambiguity only a second producer
+    (one it can never pair with) could resolve."""
+    from narwhal.fleet.blame import Outcome
+    from narwhal.shm.shared import SharedFleet
+    from narwhal.supervisor.main import Supervisor
+
+    settings = Settings.model_validate({"engines": [
+        {"name": n, "url": f"http://127.0.0.1:{9100 + i}", "role": r, "models": ["m"]}
+        for i, (n, r) in enumerate([("p_old", "producer"), ("p_new", "producer"), ("d_new", "consumer")])]})
+    region = SharedFleet.create(engines=4, slots=2)
+    try:
+        region.assign_engines([(e.name, e.url) for e in settings.engines])
+        sup = Supervisor(region, settings)
+        fault = Outcome("p_new", "d_new", False, "d_new", "decode", "first_token_timeout", True, True, 1.0)
+        sup.breakers.record(fault)
+        # Versions unknown: d_new might pair with both producers, so only p_new is charged.
+        assert {c.engine for c in sup.breakers.take_charged()} == {"p_new"}
+        for name, version in (("p_old", "0.32.0"), ("p_new", "0.33.0"), ("d_new", "0.33.0")):
+            sup._set_version(sup.fleet.by_name[name], version)
+        sup.breakers.record(fault)
+        assert {c.engine for c in sup.breakers.take_charged()} == {"p_new", "d_new"}
+    finally:
+        region.close()

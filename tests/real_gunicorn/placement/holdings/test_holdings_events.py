@@ -1,0 +1,84 @@
+"""The engines' KV-cache events (docs/behaviour.md "Placement"), through real gunicorn: two
+routers over one fleet of fakes that publish as vLLM does each follow every engine's events
+(their own subscriptions: nothing shared but what the engines publish), show it in
+``/admin/engines`` (``holdings.source``), and both drop a producer's learned holdings at once
+when its events say it restarted, without any traffic of their own to it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import aiohttp
+import pytest
+
+from narwhal.testing.harness import FakeFleet, RouterProcess
+from tests.real_gunicorn.placement.holdings import holdings_support as hs
+from tests.real_gunicorn.support import (
+    MODEL,
+    completion,
+    engine_entry,
+    scrape,
+    send,
+    value,
+    wait_until,
+)
+
+
+@pytest.fixture(scope="module")
+def efleet() -> Iterator[FakeFleet]:
+    fleet = FakeFleet.start(hs.PRODUCERS + hs.CONSUMERS, args=[
+        "--model", MODEL, "--lease-s", "120", "--kv-events", "--kv-blocks", str(hs.KV_BLOCKS),
+        "--prefill-us-per-token", "10"])
+    yield fleet
+    fleet.stop()
+
+
+@pytest.fixture(scope="module")
+def two(efleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RouterProcess, RouterProcess]]:
+    first = hs.start(efleet, tmp_path_factory.mktemp("first"))
+    second = hs.start(efleet, tmp_path_factory.mktemp("second"))
+    try:
+        yield first, second
+    finally:
+        first.stop()
+        second.stop()
+
+
+async def _sources(router: RouterProcess) -> dict[str, str | None]:
+    return {name: ((await engine_entry(router, name))["holdings"] or {}).get("source")
+            for name in hs.PRODUCERS + hs.CONSUMERS}
+
+
+async def test_each_replica_follows_every_engines_events_and_drops_a_restarted_ones_holdings(
+    two: tuple[RouterProcess, RouterProcess], efleet: FakeFleet
+) -> None:
+    first, second = two
+    prefix = hs.make_prefix()
+    # Traffic through the first router only: the second learns nothing from it but the events.
+    for i in range(len(hs.PRODUCERS) * 2):
+        reply = await send(first.url, "/v1/completions", completion(f"{prefix} q{i}", max_tokens=2, stream=False))
+        assert reply.status == 200, reply.raw
+    for router in two:
+        # A publisher is followed once it has sent a batch in order: each engine that prefilled.
+        wait_until(lambda r=router: sum(value(scrape(r), "narwhal_kv_events_total", engine=n, verdict="applied")
+                                        for n in hs.PRODUCERS) >= 1, 10, "events applied")
+    holder = next(n for n in hs.PRODUCERS
+                  if value(scrape(first), "narwhal_kv_events_total", engine=n, verdict="applied") >= 1)
+    for router in two:
+        assert (await _sources(router))[holder] == "events"
+    held = await hs.wait_blocks(first, holder, lambda blocks: blocks > 0, "the first router learned its blocks")
+    assert held["source"] == "events"
+
+    before = [value(scrape(r), "narwhal_kv_event_resets_total", engine=holder) for r in two]
+    efleet.control_request("POST", f"/engines/{holder}/start?restart=1")  # a new process: its cache empty
+    # Its next batch (sequence 0 again) shows the restart to both replicas: a prefill sent to the
+    # engine directly, so neither router's traffic has anything to do with it.
+    async with aiohttp.ClientSession() as session, session.post(
+            efleet.engines[holder] + "/v1/completions",
+            json={"model": MODEL, "prompt": hs.make_prefix(), "max_tokens": 1}) as resp:
+        assert resp.status == 200
+    for router, was in zip(two, before, strict=True):
+        wait_until(lambda r=router, w=was: value(scrape(r), "narwhal_kv_event_resets_total", engine=holder) == w + 1,
+                   10, "the restart seen")
+    await hs.wait_blocks(first, holder, lambda blocks: blocks == 0, "its learned holdings dropped")
+    assert f"engine {holder}: its KV-cache holdings dropped: its sequence started again" in first.log_text()
