@@ -176,6 +176,10 @@ KV_EVENT_LAG = Gauge(
     "narwhal_kv_event_lag_seconds", "Age of an engine's last KV-event batch when it arrived", ["engine"],
     multiprocess_mode="livemax",
 )
+KV_EVENT_BLOCKS = Gauge(
+    "narwhal_kv_event_blocks", "Blocks an engine holds as its KV events say, after its last batch", ["engine"],
+    multiprocess_mode="livemax",
+)
 SUPERVISOR_RESTARTS = Counter("narwhal_supervisor_restarts_total", "Supervisor processes started after the first")
 
 # Series that exist from the first scrape, at zero (docs/operations.md "Following a request"):

@@ -57,6 +57,12 @@ class RealEngine:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def kv_events_config(self) -> dict[str, object]:
+        """The producer's ``--kv-events-config``: PUB and replay on Unix sockets beside its log."""
+        base = self.log_path.parent / f"kv-{self.name}"
+        return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"ipc://{base}.pub",
+                "replay_endpoint": f"ipc://{base}.replay", "topic": "kv", "buffer_steps": 1000}
+
     def start(self, python: Path, model_dir: Path) -> None:
         kv = {"kv_connector": "NixlConnector", "kv_role": "kv_" + self.role, "kv_buffer_device": "cpu"}
         argv = [
@@ -65,6 +71,8 @@ class RealEngine:
             "--enforce-eager", "--max-model-len", str(CONTEXT), "--dtype", "bfloat16",
             "--kv-transfer-config", json.dumps(kv), "--enable-request-id-headers",
         ]
+        if self.role == "producer":  # its KV-cache events, on a local socket (a wildcard tcp:// binds every interface)
+            argv += ["--kv-events-config", json.dumps(self.kv_events_config())]
         env = {
             **os.environ,
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",

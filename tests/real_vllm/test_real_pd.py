@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from narwhal.testing.harness import RouterProcess
-from tests.real_gunicorn.support import admin, send
+from tests.real_gunicorn.support import admin, scrape, send, value, wait_until
 from tests.real_vllm.conftest import VERSION, needs_transfer, router_config
 from tests.real_vllm.engines import MODEL, RealEngine, get, metric
 
@@ -114,3 +114,44 @@ async def test_the_openai_sdk_streams_through_it(
     assert usage is not None and usage.completion_tokens == 6, usage
     assert "".join(pieces)
     assert kv_reads(consumer) == reads + 1
+
+
+async def test_the_routers_holdings_follow_the_real_producers_kv_events(
+    real_router: RouterProcess, real_pair: list[RealEngine]
+) -> None:
+    """The producer publishes its KV-cache events (``--kv-events-config``, over a local socket);
+    the router's supervisor follows them from its ``/kv_event_sources``: ``/admin/engines`` says
+    ``events``, and the block set it keeps is the one the engine published, counted by a
+    subscriber of this test's own."""
+    import msgspec
+    import zmq
+    import zmq.asyncio
+
+    producer = real_pair[0]
+    sub = zmq.asyncio.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(str(producer.kv_events_config()["endpoint"]))
+    held: set[object] = set()
+    try:
+        for _ in range(30):  # until both subscribers hear (a SUB connects in the background)
+            reply = await send(real_router.url, "/v1/completions",
+                               {"model": MODEL, "prompt": prompt(300), "max_tokens": 2})
+            assert reply.status == 200, reply.raw
+            while await sub.poll(500):
+                _, _, payload = await sub.recv_multipart()
+                for event in msgspec.msgpack.decode(payload)[1]:
+                    kind = event["type"] if isinstance(event, dict) else event[0]
+                    hashes = event["block_hashes"] if isinstance(event, dict) else event[1]
+                    if kind == "BlockStored":
+                        held.update(hashes)
+                    elif kind == "BlockRemoved":
+                        held.difference_update(hashes)
+            entry = next(e for e in (await admin(real_router))["engines"] if e["name"] == producer.name)
+            if held and (entry["holdings"] or {}).get("source") == "events":
+                break
+        assert held and (entry["holdings"] or {}).get("source") == "events", entry
+        wait_until(lambda: value(scrape(real_router), "narwhal_kv_event_blocks", engine=producer.name) >= len(held),
+                   30, "the router's block set caught up")
+    finally:
+        sub.close()

@@ -18,7 +18,7 @@ import pytest
 from narwhal.testing.harness import RouterProcess
 from tests.real_gunicorn.support import admin, at_rest, send, value
 from tests.real_vllm.conftest import needs_transfer
-from tests.real_vllm.engines import MODEL, RealEngine, metric
+from tests.real_vllm.engines import MODEL, RealEngine, metric, post
 from tests.real_vllm.test_real_pd import kv_reads, prompt
 
 pytestmark = pytest.mark.timeout(300)
@@ -36,24 +36,44 @@ async def until(check: object, what: str, bound_s: float = 60.0) -> None:
         await asyncio.sleep(0.2)
 
 
-async def test_a_consumers_4xx_passes_through_and_its_vllm_frees_the_blocks(
+async def test_a_limit_past_the_context_is_refused_before_any_prefill(
     real_router: RouterProcess, real_pair: list[RealEngine]
 ) -> None:
-    producer, consumer = real_pair
-    before = value(at_rest(real_router, RELEASED), RELEASED)
+    """``max_tokens`` past the model's ``max_model_len`` (which the engines' ``/v1/models`` give):
+    the one-token prefill could not see it and the consumer refused it only after a handoff
+    existed (then, on real engines, the next decode of the prompt stalled for the lease). The
+    router refuses it first, with vLLM's own message and param, and no engine is asked."""
+    producer = real_pair[0]
+    before = [metric(e.metrics(), "vllm:prompt_tokens_total") for e in real_pair]
     body = {"model": MODEL, "prompt": prompt(), "max_tokens": 5000, "stream": True}  # beyond the 2,048 context
     reply = await send(real_router.url, "/v1/completions", body)
     assert reply.status == 400, reply.raw
     error = reply.json["error"]
     assert error["message"].startswith("max_tokens=5000 cannot be greater than max_model_len=2048."), error
-    assert (error["param"], error["code"]) == ("max_tokens", 400)  # vLLM's param, kept
-    # The refusal was raised inside vLLM's completions handler: the consumer tells the producer
-    # to free the blocks (at its next step), so Narwhal sends no second word.
-    ok = await send(real_router.url, "/v1/completions", {"model": MODEL, "prompt": prompt(), "max_tokens": 2})
-    assert ok.status == 200, ok.raw
+    assert (error["param"], error["code"]) == ("max_tokens", 400)  # vLLM's param
+    assert [metric(e.metrics(), "vllm:prompt_tokens_total") for e in real_pair] == before  # nothing prefilled
+    # The same prompt right after decodes at once: no handoff is pinned, nothing stalls.
+    started = time.monotonic()
+    ok = await send(real_router.url, "/v1/completions", {**body, "max_tokens": 2})
+    assert ok.status == 200 and ok.events[-1] == b"[DONE]", ok.raw
+    assert time.monotonic() - started < 20
     await until(lambda: kv_usage(producer) == 0.0, "the producer's blocks freed")
-    assert value(at_rest(real_router, RELEASED), RELEASED) == before
-    assert "Potentially invalid KV blocks" not in producer.log()  # no late read
+
+
+async def test_a_client_handoff_in_vllm_xargs_never_reaches_a_real_producer(
+    real_router: RouterProcess, real_pair: list[RealEngine]
+) -> None:
+    """vLLM builds the sampling ``extra_args`` from ``vllm_xargs`` and keeps its
+    ``kv_transfer_params`` when the body has none: a real producer fails on a client's. Through
+    Narwhal it is stripped on every leg, and no engine is charged."""
+    producer, _ = real_pair
+    body = {"model": MODEL, "prompt": prompt(), "max_tokens": 2, "vllm_xargs": {"kv_transfer_params": "x"}}
+    direct = await asyncio.to_thread(post, producer.url + "/v1/completions", body, 120)
+    assert direct[0] >= 400, direct  # what the engine does with it when it does reach it
+    reply = await send(real_router.url, "/v1/completions", {**body, "stream": True})
+    assert reply.status == 200 and reply.events[-1] == b"[DONE]", reply.raw
+    entries = {e["name"]: e for e in (await admin(real_router))["engines"]}
+    assert all(e["failure_streak"] == 0 for e in entries.values()), entries
 
 
 async def test_a_handoff_whose_client_left_is_released_and_read(

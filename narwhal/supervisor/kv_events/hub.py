@@ -59,14 +59,16 @@ def endpoints(sources: Any, engine_url: str) -> tuple[str, str | None, str] | No
     if not isinstance(first, dict) or first.get("enable_kv_cache_events") is False:
         return None
     pub, replay, topic = first.get("endpoint"), first.get("replay_endpoint"), first.get("topic") or ""
-    if not isinstance(pub, str) or not pub.startswith("tcp://") or not isinstance(topic, str):
-        return None
+    if not isinstance(pub, str) or not pub.startswith(("tcp://", "ipc://")) or not isinstance(topic, str):
+        return None  # (an ipc:// publisher is the router's own host's: as it stands)
     host = URL(engine_url).host or "127.0.0.1"
     return (_resolved(pub, host), _resolved(replay, host) if isinstance(replay, str) else None, topic)
 
 
 def _resolved(endpoint: str, host: str) -> str:
-    """``tcp://*:5557`` (or ``0.0.0.0``, ``::``) is the engine's own host."""
+    """``tcp://*:5557`` (or ``0.0.0.0``, ``::``) is the engine's own host; ``ipc://`` as it is."""
+    if not endpoint.startswith("tcp://"):
+        return endpoint
     rest = endpoint.removeprefix("tcp://")
     bind_host, _, port = rest.rpartition(":")
     if bind_host in ("*", "0.0.0.0", "[::]", "::", ""):
@@ -185,6 +187,7 @@ class KvEventsHub:
             stream.cleared = False
             self._reset(name, stream, "it cleared its cache (AllBlocksCleared)")
         metrics.KV_EVENT_LAG.labels(name).set(max(time.time() - ts, 0.0))
+        metrics.KV_EVENT_BLOCKS.labels(name).set(len(stream.blocks))
         if stream.in_sync != was:
             self.version += 1
 

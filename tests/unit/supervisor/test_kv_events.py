@@ -82,6 +82,8 @@ def test_a_replay_fills_a_gap_or_resets_when_it_cannot() -> None:
      ("tcp://10.0.0.1:5557", None, "")),
     ({}, None), ({"0": {"enable_kv_cache_events": False, "endpoint": "tcp://*:1"}}, None),
     ({"0": {"endpoint": 5}}, None), ("garbage", None),
+    ({"0": {"endpoint": "ipc:///run/kv.pub", "replay_endpoint": "ipc:///run/kv.replay"}},
+     ("ipc:///run/kv.pub", "ipc:///run/kv.replay", "")),
 ])
 def test_sources_are_read_from_either_shape_with_a_wildcard_as_the_engines_host(sources: Any, found: Any) -> None:
     assert endpoints(sources, "http://10.0.0.5:8100") == found
