@@ -17,7 +17,7 @@ handoff (:class:`ControlDecode`), and its caller counts and judges.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -27,7 +27,7 @@ from narwhal.engines.decode import DecodeLeg
 from narwhal.engines.handoff_check import checked_handoff
 from narwhal.engines.prefill_result import PrefillResult
 from narwhal.engines.relay import Signal
-from narwhal.errors import NarwhalError
+from narwhal.errors import EngineClientError, NarwhalError
 from narwhal.reasons import Reason
 
 Fate = Literal["decoded", "received", "released", "abandoned"]
@@ -46,10 +46,13 @@ class ControlDecode:
 async def decode_to_end(
     client: EngineClient, result: PrefillResult, consumer: EngineRef, body: dict[str, Any], *,
     deadline: float, max_age_s: float, release_to: Sequence[EngineRef] = (),
+    frees_refused: Callable[[EngineClientError], bool] | None = None,
 ) -> ControlDecode:
     """Stream ``result``'s decode on ``consumer`` to ``[DONE]`` under the handoff rules (module
     text); ``release_to``: the consumers its handoff may be given back through when ``consumer``
-    never received it (``consumer`` itself is skipped)."""
+    never received it (``consumer`` itself is skipped); ``frees_refused``: whether ``consumer``'s
+    release frees a handoff whose decode it refused with a 4xx (vLLM 0.21 on; before, the
+    refusal keeps the blocks pinned and the handoff is released here, to it first)."""
     leg: DecodeLeg | None = None
     try:
         descriptor = checked_handoff(result, result.endpoint, max_age_s)
@@ -59,6 +62,10 @@ async def decode_to_end(
         while await leg.next_span() is not Signal.END:
             pass
     except NarwhalError as exc:
+        if result.crossed and leg is not None and leg.sent and isinstance(exc, EngineClientError) \
+                and exc.engine == consumer.name and frees_refused is not None and not frees_refused(exc):
+            # Refused, and this consumer's vLLM keeps the blocks pinned: a release frees them.
+            return ControlDecode(exc, await give_back(client, result, body, [consumer, *release_to], max_age_s))
         if not result.crossed or (leg is not None and leg.sent):
             return ControlDecode(exc, "received")  # no handoff, or its consumer has it
         if exc.reason in (Reason.INVALID_HANDOFF, Reason.HANDOFF_EXPIRED):

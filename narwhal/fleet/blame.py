@@ -211,8 +211,8 @@ def charges(outcome: Outcome, pending: Pending, is_out: Callable[[str], bool]) -
     p, d, failed = outcome.producer, outcome.consumer, outcome.failed_engine
     known = pending.infos
     assert failed is not None
-    if outcome.reason == "invalid_handoff" or outcome.phase == "prefill":
-        return [Charge(p, "producer", handoff=outcome.reason == "invalid_handoff")] if p in known else []
+    if outcome.reason == Reason.INVALID_HANDOFF or outcome.phase == "prefill":
+        return [Charge(p, "producer", handoff=outcome.reason == Reason.INVALID_HANDOFF)] if p in known else []
     if outcome.phase == "decode":
         if d not in known:
             return []

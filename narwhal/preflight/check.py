@@ -378,8 +378,11 @@ class _Preflight:
         # Where a handoff d never received may go back: another consumer of p that passed.
         others = [c for c in p.permitted_consumers if c is not d and by_name[c.name].ok and compat.compatible(p, c)]
         # An invalid descriptor raises before any request: it is sent nowhere, as in the router.
+        version = by_name[d.name].version  # what its /version said (a consumer below 0.21 keeps refused blocks)
         decoded = await decode_to_end(self.client, handoff, d, {**body, "stream": True}, deadline=deadline,
-                                      max_age_s=self.settings.handoff.max_age_s, release_to=others)
+                                      max_age_s=self.settings.handoff.max_age_s, release_to=others,
+                                      frees_refused=lambda exc: compat.frees_refused_decode(version, False,
+                                                                                            exc.engine_type))
         if decoded.handoff == "abandoned":
             self._abandoned(p.name, f"{d.name} never received it and no other consumer took it in time")
         elif decoded.handoff == "received" and decoded.error is not None and crossed:

@@ -43,6 +43,7 @@ from narwhal.engines.control_decode import decode_to_end, give_back
 from narwhal.engines.prefill_result import PrefillResult
 from narwhal.errors import EngineError, NarwhalError
 from narwhal.fleet import Engine, Fleet, compat
+from narwhal.reasons import Reason
 from narwhal.settings import Settings
 
 ENDPOINT = endpoints.PROBE
@@ -190,12 +191,14 @@ class Prober:
                   if c is not engine and self.admitted(c) and compat.compatible(producer, c)] if crossed else []
         decoded = await decode_to_end(self.client, result, engine, self._body(model),
                                       deadline=loop.time() + self.timeout, max_age_s=self.settings.handoff.max_age_s,
-                                      release_to=others)
+                                      release_to=others,
+                                      frees_refused=lambda exc: compat.frees_refused_decode(
+                                          engine.version, False, exc.engine_type))
         metrics.count_handoff_fate(decoded.handoff)
         failed = decoded.error
         if failed is None:
             return PASS, ""
-        if isinstance(failed, EngineError) and failed.reason in ("invalid_handoff", "handoff_expired"):
+        if isinstance(failed, EngineError) and failed.reason in (Reason.INVALID_HANDOFF, Reason.HANDOFF_EXPIRED):
             return INCONCLUSIVE, f"decode: {_why(failed)}"  # the producer's handoff, not this consumer
         return FAIL, f"decode: {_why(failed)}"
 

@@ -85,3 +85,18 @@ async def test_a_handoff_past_its_age_is_sent_nowhere(
     assert done.error is not None and done.error.reason == "handoff_expired"
     assert done.handoff == "abandoned"
     assert d.get_records() == []  # neither decoded nor released: a late read is never made
+
+
+@pytest.mark.parametrize(("frees", "fate"), [(False, "released"), (True, "received")])
+async def test_a_probe_decode_refused_by_a_consumer_that_keeps_the_blocks_is_released(
+    fleet: tuple[FakeEngine, FakeEngine], client: EngineClient, frees: bool, fate: str
+) -> None:
+    """A 4xx refusal by a consumer whose vLLM (below 0.21) leaves the producer's blocks pinned:
+    the handoff is released (to it first); one that frees them itself gets no second word."""
+    p, d = fleet
+    d.set_faults({"decode": {"status": 400, "message": "refused", "streams_only": True}})
+    result = await _handoff(client, p)
+    done = await decode_to_end(client, result, Ref("d1", d.url), STREAM, deadline=1e12, max_age_s=10,  # type: ignore[arg-type]
+                               frees_refused=lambda exc: frees)
+    assert done.handoff == fate and done.error is not None and done.error.status == 400
+    assert p.kv.held_blocks == 0  # released by the router, or freed by the consumer's own vLLM
