@@ -112,18 +112,21 @@ class Fleet:
         self._refresh_served()
         return added, list(old.values())
 
-    def set_models(self, engine: Engine, models: frozenset[str]) -> None:
-        """The models ``engine`` serves (from ``/v1/models``); placement's caches move with ``version``."""
-        if engine.models != models:
+    def set_models(self, engine: Engine, models: frozenset[str], *, say: bool = True) -> None:
+        """The models ``engine`` serves (from ``/v1/models``); placement's caches move with ``version``.
+        ``say``: log the change (the supervisor does; a worker following its records does not, or
+        the line would repeat once per process)."""
+        if engine.models != models and say:
             log.info("engine %s serves %s", engine.name, sorted(models))
         engine.models = models
         self._refresh_served()
 
-    def set_version(self, engine: Engine, version: str | None) -> None:
+    def set_version(self, engine: Engine, version: str | None, *, say: bool = True) -> None:
         """The vLLM version ``engine`` reports (``/version``); placement's pairs move with ``version``
-        (docs/decisions.md "vLLM releases": only engines of one version hand off)."""
+        (docs/decisions.md "vLLM releases": only engines of one version hand off). ``say``: as
+        :meth:`set_models`."""
         if engine.version != version:
-            if version is not None:
+            if version is not None and say:
                 log.info("engine %s runs vLLM %s", engine.name, version)
             engine.version = version
             self.version += 1

@@ -294,22 +294,22 @@ def parse(raw: bytes, endpoint: Endpoint, fleet: Fleet) -> tuple[dict[str, Any],
     body = parse_object(raw)
     _check_fields(body, endpoint)
     model = resolve_model(body, fleet)
-    context = fleet.context(model)
-    if context is not None and endpoint is not GENERATE:  # vLLM's generate never refuses on length
-        _check_limit(body, context)
+    limit = body.get("max_completion_tokens")
+    if limit is None:
+        limit = body.get("max_tokens")
+        if limit is None:
+            limit = body.get("max_output_tokens")
+    if type(limit) is int and endpoint is not GENERATE:  # vLLM's generate never refuses on length
+        _check_limit(limit, fleet.context(model))
     return body, model, bool(body.get("stream"))
 
 
-_LIMIT_KEYS = ("max_completion_tokens", "max_tokens", "max_output_tokens")  # the first one set is the limit
-
-
-def _check_limit(body: dict[str, Any], context: int) -> None:
+def _check_limit(limit: int, context: int | None) -> None:
     """A limit above the model's context (the smallest ``max_model_len`` its engines report) is
     refused here with vLLM's own message and ``param`` (0.12 on): the prefill asks for one token
     and cannot see it, so the consumer would refuse it only after a handoff exists
     (docs/decisions.md "vLLM releases")."""
-    limit = next((body[k] for k in _LIMIT_KEYS if body.get(k) is not None), None)
-    if type(limit) is int and limit > context:
+    if context is not None and limit > context:
         raise _bad(f"max_tokens={limit} cannot be greater than max_model_len={context}. Please request fewer "
                    f"output tokens. (parameter=max_tokens, value={limit})", "max_tokens")
 

@@ -52,6 +52,9 @@ log = logging.getLogger("narwhal.request.router")
 
 
 
+_NO_ENGINES: frozenset[str] = frozenset()
+
+
 def _refused(exc: EngineError) -> bool:
     """An engine's 4xx (a status or an in-stream error's code): the request's fault, not the engine's."""
     return not exc.counts and exc.status is not None and 400 <= exc.status < 500
@@ -213,7 +216,7 @@ class Router:
                 rec.attempts = attempts
                 try:
                     return await self.attempts.run(client, leg, rec, started, frozenset(avoid), migration,
-                                                   frozenset(cut_by))
+                                                   frozenset(cut_by) if cut_by else _NO_ENGINES)
                 except NarwhalError as exc:
                     if not isinstance(exc, EngineError):
                         if cut is not None:  # a continuation found no pair, or no time: the cut ends it
@@ -251,7 +254,7 @@ class Router:
                 state.retry_finished()
             if migrating:
                 state.migration_finished()
-            if migration is not None:
+            if migration is not None and migration.transcript.held:
                 migration.transcript.close()  # what it held of the worker's budget
             state.request_finished()
 

@@ -91,7 +91,7 @@ class ModelsFollower:
                 models = frozenset(rec.models)
                 engine.models_read = rec.status != M.PENDING  # /admin/engines: "admitted" only from then
                 if rec.engine_version is not None:  # docs/decisions.md "vLLM releases": which engines may pair
-                    self.fleet.set_version(engine, rec.engine_version)
+                    self.fleet.set_version(engine, rec.engine_version, say=False)  # the supervisor said it
                 engine.generate_refused = rec.generate == M.GENERATE_REFUSED  # shown by /admin/engines
                 self.fleet.set_context(engine, rec.max_model_len)  # the router's /v1/models; admission's bound
                 engine.model_root = (rec.models[0], rec.root) if rec.models and rec.root else None
@@ -100,7 +100,7 @@ class ModelsFollower:
             else:
                 models = frozenset()  # the supervisor publishes no record for this engine
             if models != engine.models and not engine.models_configured:
-                self.fleet.set_models(engine, models)
+                self.fleet.set_models(engine, models, say=False)  # the supervisor said it
         if complete:
             self._seen, self._engines = generation, engines
 

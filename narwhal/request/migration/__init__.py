@@ -55,12 +55,12 @@ class Migration:
     runs, the sink in front of the client's (``sink``) that rewrites its spans."""
 
     __slots__ = ("count", "_limit", "_prompt", "_kind", "transcript", "_seen", "last_at", "clock",
-                 "_inner", "_edit", "_stalled", "_never", "unreadable")
+                 "_inner", "_edit", "_stalled", "_body", "unreadable")
 
     def __init__(self, kind: str, limit: int, prompt: dict[str, Any], clock: Callable[[], float],
-                 never: str | None = None, buffers: StreamBuffers | None = None) -> None:
+                 body: dict[str, Any] | None = None, buffers: StreamBuffers | None = None) -> None:
         self.count = 0  # continuations started
-        self._never = never  # why this request is never continued (forms.never_continued), if it is not
+        self._body = body  # the client's body: whether it may ever continue is asked at a cut, not per request
         self.unreadable = False  # a continuation's event could not be rewritten: the engine's fault
         self._limit = limit
         self._prompt = prompt  # the prompt fields' values (the body may hold them encoded)
@@ -80,7 +80,7 @@ class Migration:
         kind = KINDS.get(req.endpoint)
         if not req.stream or limit <= 0 or kind is None:
             return None
-        return cls(kind, limit, req.prompt, clock, never_continued(req.body), buffers)
+        return cls(kind, limit, req.prompt, clock, req.body, buffers)
 
     # -- a continuation's sink ----------------------------------------------------------------
 
@@ -164,8 +164,9 @@ class Migration:
         """May the cut ``exc`` be continued, as far as this stream alone says (its count, the
         fault's reason, the deadline)? Nothing of the transcript is read: the router asks the
         fleet's bound next, and only then :meth:`after`."""
-        if self._never is not None:
-            log.info("stream not continued after %s: %s", exc.reason, self._never)
+        never = None if self._body is None else never_continued(self._body)
+        if never is not None:
+            log.info("stream not continued after %s: %s", exc.reason, never)
             return False
         if self.transcript.full:
             log.info("stream not continued after %s: its transcript passed its memory bound", exc.reason)

@@ -50,13 +50,13 @@ _LEVEL = 1  # zlib's fastest: the framing compresses well at any level, and this
 class Transcript:
     """What a stream's client was sent: recent spans raw, older ones in compressed blocks."""
 
-    __slots__ = ("spans", "size", "_blocks", "_held", "_buffers", "full")
+    __slots__ = ("spans", "size", "_blocks", "held", "_buffers", "full")
 
     def __init__(self, buffers: StreamBuffers | None = None) -> None:
         self.spans: list[bytes] = []  # sent, not compacted yet (appended by the client's sink)
         self.size = 0  # bytes in ``spans``
         self._blocks: list[bytes] = []  # older spans, joined and compressed, in order
-        self._held = 0  # compacted bytes held (against ``_buffers``, when given)
+        self.held = 0  # compacted bytes held (against ``_buffers``, when given): :meth:`close` gives them back
         self._buffers = buffers  # the worker's stream-buffer budget
         self.full = False  # stopped keeping: past its bound, or the worker's budget
 
@@ -72,19 +72,19 @@ class Transcript:
             self.size = sum(map(len, spans))
 
     def _compact(self, block: bytes) -> None:
-        held = self._held + len(block)
+        held = self.held + len(block)
         if held > MAX_KEPT_BYTES or (self._buffers is not None and not self._buffers.hold(len(block))):
             self.full = True  # from here only the tail is kept; what was held is given back
             self._blocks = []
             self._release()
             return
         self._blocks.append(block)
-        self._held = held
+        self.held = held
 
     def _release(self) -> None:
-        if self._buffers is not None and self._held:
-            self._buffers.free(self._held)
-        self._held = 0
+        if self._buffers is not None and self.held:
+            self._buffers.free(self.held)
+        self.held = 0
 
     def close(self) -> None:
         """The stream ended: what it held is given back (idempotent)."""

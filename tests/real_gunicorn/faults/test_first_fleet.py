@@ -92,6 +92,9 @@ def test_a_role_of_one_is_said_at_start(first: RouterProcess) -> None:
         line = (f"role {role} has 1 engine(s) ({name}): recovery.max_ejected_fraction 0.5 never ejects one; a failing "
                 "one stays degraded, probed once it answers health checks again")
         assert log.count(line) == 1, log[-3000:]  # once, by the master: not once per process
+    for name in ("p0", "d0"):  # what the supervisor read, said by it alone (not again by each worker)
+        assert log.count(f"engine {name} serves ['fake-model']") == 1, log[-3000:]
+        assert log.count(f"engine {name} runs vLLM 0.33.0") == 1, log[-3000:]
 
 
 async def test_a_dead_only_consumer_makes_ready_503_and_charges_it_alone(
