@@ -18,7 +18,7 @@ from narwhal.fleet import Fleet
 from narwhal.logs import json_line
 from narwhal.preflight.check import run_preflight
 from narwhal.settings import Settings
-from narwhal.shm.records import EngineRecord, write_record
+from narwhal.shm.records import RECORD_UNREACHABLE, EngineRecord, write_record
 from narwhal.shm.shared import SharedFleet
 from narwhal.shm.table import record_hash
 from narwhal.supervisor.breaker import State
@@ -40,6 +40,7 @@ def preflight_on_start(shared: SharedFleet, settings: Settings) -> set[str]:
     else:
         print(report.table(), file=sys.stderr, flush=True)
     now = time.time()
+    unreachable = report.unreachable_engines()  # said so from the first record (the supervisor takes it over)
     version = shared.generation + 1  # the generation bumped below (shm.records)
     for engine in Fleet(settings).engines:
         bad = engine.name in failed
@@ -58,6 +59,7 @@ def preflight_on_start(shared: SharedFleet, settings: Settings) -> set[str]:
                 last_failure_reason="preflight" if bad else None,
                 last_failure_at=now if bad else None,
                 name_hash=record_hash(engine.name, engine.url),
+                flags=RECORD_UNREACHABLE if engine.name in unreachable else 0,
             ),
         )
     shared.bump_generation()

@@ -143,6 +143,12 @@ class PreflightReport:
                 return result
         raise KeyError(name)
 
+    def unreachable_engines(self) -> set[str]:
+        """The engines no connection could be made to (their health check's reason)."""
+        return {e.name for e in self.engines
+                if (check := e.checks.get("health")) is not None and check.verdict == FAIL
+                and check.detail == "unreachable"}
+
     def failed_engines(self) -> set[str]:
         """Engines that should not take traffic: a failed check, or charged with failed transfers."""
         return {e.name for e in self.engines if not e.ok}

@@ -190,3 +190,21 @@ def test_narwhal_status_shows_the_engines_and_the_settings_redacted(first: Route
     refused = status("--token", "wrong")
     assert refused.returncode == 1 and refused.stderr.strip() == (
         "narwhal status: /admin/engines answered 401 (check --token or server.admin_token)")
+
+
+async def test_an_engine_preflight_found_unreachable_is_shown_so_from_the_start(
+    fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Preflight at start said d0 is unreachable: the admin view says so at once (it used to say
+    ``unreachable: false`` until the supervisor's first failed read)."""
+    from tests.real_gunicorn.support import start_router
+
+    fleet.control_request("POST", "/engines/d0/stop")
+    router = start_router(fleet, engines_named("p0", "d0"), tmp_path_factory.mktemp("pre"), wait_ready=False,
+                          server={"workers": 1, "admin_token": TOKEN}, preflight={"on_start": True})
+    try:
+        entry = await engine_entry(router, "d0")
+        assert (entry["state"], entry["unreachable"]) == ("ejected", True), entry
+        assert (await engine_entry(router, "p0"))["unreachable"] is False
+    finally:
+        router.stop()
