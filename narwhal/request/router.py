@@ -238,13 +238,9 @@ class Router:
                         rec.migrations += 1
                         metrics.MIGRATIONS.labels(exc.reason).inc()
                         continue
-                    if not self._retryable(exc, req, attempts, client):
+                    if not self._retryable(exc, req, attempts, client) or not (retrying or self._budget_allows()):
                         raise
-                    if not retrying:
-                        if not state.try_start_retry(self.recovery.retry_budget_ratio, self.recovery.retry_budget_min):
-                            metrics.RETRY_BUDGET_EXHAUSTED.inc()
-                            raise
-                        retrying = True
+                    retrying = True
                     avoid.add(exc.engine)
                     metrics.RETRIES.inc()
                     if exc.phase == "decode" and exc.pair is not None and exc.pair[0] != exc.pair[1]:
@@ -257,6 +253,13 @@ class Router:
             if migration is not None and migration.transcript.held:
                 migration.transcript.close()  # what it held of the worker's budget
             state.request_finished()
+
+    def _budget_allows(self) -> bool:
+        """This request may start retrying: the fleet-wide retry budget has room (counted if not)."""
+        if self.state.try_start_retry(self.recovery.retry_budget_ratio, self.recovery.retry_budget_min):
+            return True
+        metrics.RETRY_BUDGET_EXHAUSTED.inc()
+        return False
 
     def _continuation(self, exc: EngineError, req: ClientRequest, rec: AccessRecord, migration: Migration,
                       cut_by: set[str], migrating: bool) -> ClientRequest | None:

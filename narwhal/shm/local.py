@@ -62,8 +62,7 @@ class LocalFleetState(LocalInflight):
         self._quarantine = Quarantine()
         self._unreachable = Quarantine()  # engines this process failed to connect to, a moment ago
         self._requests = 0
-        self._retries = 0
-        self._migrations = 0
+        self._bounded = {"retries": 0, "migrations": 0}  # retries and migrated streams in flight
 
     def admitted(self, engine: Engine) -> bool:
         """Neither taken out by an operator nor quarantined (``FleetView``)."""
@@ -116,25 +115,25 @@ class LocalFleetState(LocalInflight):
 
     def try_start_retry(self, ratio: float, minimum: int) -> bool:
         """Mark a request retrying if this process's budget allows (``ratio`` of requests, at least ``minimum``)."""
-        if self._retries >= max(minimum, int(ratio * self._requests)):
-            return False
-        self._retries += 1
-        return True
+        return self._start("retries", ratio, minimum)
 
     def retry_finished(self) -> None:
         """The request :meth:`try_start_retry` marked has ended: its share of the budget is free."""
-        self._retries -= 1
+        self._bounded["retries"] -= 1
 
     def try_start_migration(self, ratio: float, minimum: int) -> bool:
         """Mark a stream migrating if this process's bound allows (``ratio`` of requests, at least ``minimum``)."""
-        if self._migrations >= max(minimum, int(ratio * self._requests)):
-            return False
-        self._migrations += 1
-        return True
+        return self._start("migrations", ratio, minimum)
 
     def migration_finished(self) -> None:
         """The stream :meth:`try_start_migration` marked has ended."""
-        self._migrations -= 1
+        self._bounded["migrations"] -= 1
+
+    def _start(self, kind: str, ratio: float, minimum: int) -> bool:
+        if self._bounded[kind] >= max(minimum, int(ratio * self._requests)):
+            return False
+        self._bounded[kind] += 1
+        return True
 
     def report(self, producer: Engine, consumer: Engine, *, error: EngineError | None = None, **_: object) -> None:
         """No supervisor listens: outcomes only reach the metrics (a counted fault, against the

@@ -100,8 +100,7 @@ class WorkerFleetState:
         self._quarantine = Quarantine()  # local, at once
         self._unreachable = Quarantine()  # engines this worker just failed to connect to (shm.local)
         self._requests = 0
-        self._retries = 0
-        self._migrations = 0
+        self._bounded = {L.SLOT_RETRIES: 0, L.SLOT_MIGRATIONS: 0}  # this worker's retries and migrated streams
         # This slot's fields at fixed offsets, written several times per request: one
         # store_u32 each (never pack_into, which zeroes the field first: shm.layout), not a
         # chain of offset helpers (see SharedFleet for the layout).
@@ -342,34 +341,34 @@ class WorkerFleetState:
 
     def try_start_retry(self, ratio: float, minimum: int) -> bool:
         """Mark a request retrying if the fleet-wide budget allows (``ratio`` of requests, at least ``minimum``)."""
-        inflight = self.shared.slot_field_total(L.SLOT_REQUESTS)
-        retries = self.shared.slot_field_total(L.SLOT_RETRIES)
-        if retries >= max(minimum, int(ratio * inflight)):
-            return False
-        self._retries += 1
-        self.shared.set_slot_field(self.slot, L.SLOT_RETRIES, self._retries)
-        return True
+        return self._start(L.SLOT_RETRIES, ratio, minimum)
 
     def retry_finished(self) -> None:
         """The request :meth:`try_start_retry` marked has ended: its share of the budget is free."""
-        self._retries -= 1
-        self.shared.set_slot_field(self.slot, L.SLOT_RETRIES, self._retries)
+        self._finish(L.SLOT_RETRIES)
 
     def try_start_migration(self, ratio: float, minimum: int) -> bool:
         """Mark a stream migrating if the fleet-wide bound allows (``ratio`` of requests, at least
         ``minimum``): its own count, not the retry budget's (docs/decisions.md "Migration")."""
-        inflight = self.shared.slot_field_total(L.SLOT_REQUESTS)
-        migrating = self.shared.slot_field_total(L.SLOT_MIGRATIONS)
-        if migrating >= max(minimum, int(ratio * inflight)):
-            return False
-        self._migrations += 1
-        self.shared.set_slot_field(self.slot, L.SLOT_MIGRATIONS, self._migrations)
-        return True
+        return self._start(L.SLOT_MIGRATIONS, ratio, minimum)
 
     def migration_finished(self) -> None:
         """The stream :meth:`try_start_migration` marked has ended: its share of the bound is free."""
-        self._migrations -= 1
-        self.shared.set_slot_field(self.slot, L.SLOT_MIGRATIONS, self._migrations)
+        self._finish(L.SLOT_MIGRATIONS)
+
+    def _start(self, field: int, ratio: float, minimum: int) -> bool:
+        """One more of ``field``'s count (a slot header u32) if the fleet's total stays below
+        ``ratio`` of the requests in flight, or ``minimum``."""
+        inflight = self.shared.slot_field_total(L.SLOT_REQUESTS)
+        if self.shared.slot_field_total(field) >= max(minimum, int(ratio * inflight)):
+            return False
+        mine = self._bounded[field] = self._bounded[field] + 1
+        self.shared.set_slot_field(self.slot, field, mine)
+        return True
+
+    def _finish(self, field: int) -> None:
+        mine = self._bounded[field] = self._bounded[field] - 1
+        self.shared.set_slot_field(self.slot, field, mine)
 
     # -- client connections (narwhal.worker.accept.ConnectionShare) ----------------------------------
 
