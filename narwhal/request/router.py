@@ -29,7 +29,7 @@ from aiohttp import web
 from narwhal import metrics
 from narwhal.engines.client import EngineClient
 from narwhal.engines.endpoints import Endpoint
-from narwhal.errors import EngineError, NarwhalError, RequestError
+from narwhal.errors import DeadlineExceeded, EngineError, NarwhalError, RequestError
 from narwhal.fleet import Fleet
 from narwhal.fleet.endpoint_support import NONE, PD, EndpointSupport
 from narwhal.reasons import Reason, retryable
@@ -139,6 +139,7 @@ class Router:
         )
         task = asyncio.current_task(loop)
         self._active.add(task)
+        req: ClientRequest | None = None
         try:
             response: web.StreamResponse
             req = await admit(request, endpoint, self.settings, self.fleet, arrival, traceparent)
@@ -156,6 +157,8 @@ class Router:
             rec.status = response.status
             return response
         except NarwhalError as exc:
+            if isinstance(exc, DeadlineExceeded) and req is not None:  # every 504 names its bound's value
+                exc = DeadlineExceeded(f"{exc.message} (the request's deadline: {round(req.deadline - arrival, 3):g}s)")
             return await client_failures.fail(client, rec, exc)
         except (asyncio.CancelledError, ConnectionError) as exc:
             if isinstance(exc, asyncio.CancelledError) and self._stopping and task is not None:

@@ -135,6 +135,7 @@ async def test_decode_read_timeout_zero_bounds_only_by_the_deadline(solo_router:
     assert reply.status == 200
     err = terminal_error(reply)
     assert err["type"] == "deadline_exceeded" and err["code"] == 504
+    assert err["message"] == "the request deadline ran out while decoding (the request's deadline: 1s)"
 
 
 async def test_prefill_timeout_is_a_504(router: RouterProcess) -> None:
@@ -150,6 +151,7 @@ async def test_deadline_before_the_first_token_is_a_504(router: RouterProcess) -
                        headers={"x-narwhal-deadline-s": "0.8"})
     assert reply.status == 504
     assert reply.headers["x-narwhal-error"] == "deadline_exceeded"
+    assert error_of(reply)["message"].endswith("(the request's deadline: 0.8s)")  # the bound and its value
 
 
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
