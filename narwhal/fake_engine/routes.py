@@ -62,6 +62,17 @@ def _generating(engine: EngineState, kind: str) -> Callable[[web.Request], Await
     return route
 
 
+def _kv_event_sources(engine: EngineState) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """``GET /kv_event_sources``: each DP rank's ``KVEventsConfig`` keyed by the rank as a
+    string, as vLLM answers it; ``{}`` when the engine publishes no events."""
+
+    async def sources(request: web.Request) -> web.Response:
+        publisher = engine.kv_publisher
+        return json_response({} if publisher is None else {"0": publisher.config()})
+
+    return sources
+
+
 def add_routes(app: web.Application, engine: EngineState) -> None:
     """Every route of one engine: the generating ones, vLLM's control routes and the fake's ``/fake/*``."""
     async def health(request: web.Request) -> web.Response:
@@ -98,11 +109,6 @@ def add_routes(app: web.Application, engine: EngineState) -> None:
     async def stats(request: web.Request) -> web.Response:
         return json_response(engine.stats())
 
-    async def kv_event_sources(request: web.Request) -> web.Response:
-        # vLLM's body: each DP rank's KVEventsConfig, keyed by the rank as a string; {} without events.
-        publisher = engine.kv_publisher
-        return json_response({} if publisher is None else {"0": publisher.config()})
-
     async def kv_read(request: web.Request) -> web.Response:
         try:
             body = orjson.loads(await request.read())
@@ -119,8 +125,8 @@ def add_routes(app: web.Application, engine: EngineState) -> None:
     app.router.add_get("/load", load)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/fake/stats", stats)
-    if engine.release.minor >= (0, 31):  # vLLM's route from 0.31 on (PR #55844): 404 before
-        app.router.add_get("/kv_event_sources", kv_event_sources)
+    if engine.release.minor >= (0, 31):  # vLLM's route from 0.31 on: 404 before
+        app.router.add_get("/kv_event_sources", _kv_event_sources(engine))
     app.router.add_post("/fake/kv/read", kv_read)
     passthrough.add_routes(app, engine)  # /tokenize, /v1/embeddings, /score, /rerank ...
 
