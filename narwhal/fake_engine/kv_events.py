@@ -134,25 +134,18 @@ class KvEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.set_hwm(HWM)
-        self.port = self._bind(self._pub, host, None)
+        self.port = int(self._pub.bind_to_random_port(f"tcp://{host}"))
         self._replay = self._ctx.socket(zmq.ROUTER)
         self._replay.setsockopt(zmq.LINGER, 0)
         if version >= (0, 33):
             self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
-        self.replay_port = self._bind(self._replay, host, None)
+        self.replay_port = int(self._replay.bind_to_random_port(f"tcp://{host}"))
         self.host = host
         self._seq = 0
         self._kept: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self.fault: str | None = None  # "gap", "gap_past_replay", "duplicate", "silence": the next batch's
         self.sent = 0  # batches sent live
         self._server: asyncio.Task[None] | None = None
-
-    @staticmethod
-    def _bind(socket: zmq.asyncio.Socket, host: str, port: int | None) -> int:
-        if port is None:
-            return int(socket.bind_to_random_port(f"tcp://{host}"))
-        socket.bind(f"tcp://{host}:{port}")
-        return port
 
     def restarted(self, version: tuple[int, int]) -> KvEventPublisher:
         """The publisher of the engine's next process: the same endpoints, ``seq`` from 0, nothing

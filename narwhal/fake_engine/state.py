@@ -136,6 +136,20 @@ class EngineState:
         self.kv = KvStore(lease_s=lease_s, block_size=block_size)
         self.records: deque[dict[str, Any]] = deque(maxlen=records_max)
         self.records_dropped = 0  # pushed out of the bounded list: a reader needing all must know
+        self._init_counters()
+        self._id_prefix = secrets.token_hex(4)
+        self._seq = 0
+        self._templates: dict[str, ModelTemplates] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.listen_host = "127.0.0.1"
+        self.ssl_context = ssl_context  # serve https, as an engine behind a TLS terminator would
+        self.created = int(time.time())
+        self._init_models(load_model or EngineModel())
+        register(self)
+
+    def _init_counters(self) -> None:
+        """What the fake counts of the requests it served (``/fake/stats``: tests read them)."""
         self.requests_prefill = 0
         self.requests_decode = 0
         self.active_requests = 0
@@ -149,16 +163,6 @@ class EngineState:
         # GETs of /health, /version and /v1/models answered: lets a test wait for N health
         # checks (or a lifecycle validation) instead of sleeping and hoping they happened.
         self.control_reads = {"health": 0, "version": 0, "models": 0, "metrics": 0}
-        self._id_prefix = secrets.token_hex(4)
-        self._seq = 0
-        self._templates: dict[str, ModelTemplates] = {}
-        self._session: aiohttp.ClientSession | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self.listen_host = "127.0.0.1"
-        self.ssl_context = ssl_context  # serve https, as an engine behind a TLS terminator would
-        self.created = int(time.time())
-        self._init_models(load_model or EngineModel())
-        register(self)
 
     def _init_models(self, load_model: EngineModel) -> None:
         self.scheduler = Scheduler()

@@ -14,7 +14,7 @@ import zmq
 import zmq.asyncio
 
 from narwhal.fake_engine import FakeEngine
-from narwhal.fake_engine.kv_events import END_SEQ, chain, event_hash, none_hash
+from narwhal.fake_engine.kv_events import END_SEQ, Cleared, chain, event_hash, none_hash
 
 PROMPT = "x" * 64 * 3 + "tail"  # three full blocks of 16 four-character tokens, then a partial one
 
@@ -35,7 +35,18 @@ async def _subscribe(engine: FakeEngine) -> zmq.asyncio.Socket:
     sub.setsockopt(zmq.LINGER, 0)
     assert engine.kv_publisher is not None
     sub.connect(f"tcp://127.0.0.1:{engine.kv_publisher.port}")
-    await asyncio.sleep(0.2)  # a SUB's connect completes in the background: the slow-joiner rule
+    # A SUB's connect completes in the background (ZMQ's slow joiner): publish a probe batch until
+    # one arrives, then start the publisher's sequence again so the test's batches are seq 0 on.
+    publisher = engine.kv_publisher
+    for _ in range(100):
+        publisher.publish([Cleared()])
+        if await sub.poll(50):
+            break
+    else:
+        raise AssertionError("the subscription never heard its publisher")
+    publisher.restarted(publisher.version)
+    while await sub.poll(50):  # probes still on their way
+        await sub.recv_multipart()
     return sub
 
 
