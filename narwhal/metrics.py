@@ -180,6 +180,12 @@ KV_EVENT_BLOCKS = Gauge(
     "narwhal_kv_event_blocks", "Blocks an engine holds as its KV events say, after its last batch", ["engine"],
     multiprocess_mode="livemax",
 )
+PROMPT_TOKEN_IDS = Counter(
+    "narwhal_prompt_token_ids_total",
+    "Requests placed while KV events are followed, by where their prompt's token ids came from (body, tokenize) or "
+    "why there were none (unsupported, failed)",
+    ["source"],
+)
 SUPERVISOR_RESTARTS = Counter("narwhal_supervisor_restarts_total", "Supervisor processes started after the first")
 
 # Series that exist from the first scrape, at zero (docs/operations.md "Following a request"):

@@ -273,7 +273,9 @@ def create_holdings(settings: Settings, slots: int, engines: int | None = None) 
     producers = sum(1 for e in settings.engines if e.role != "consumer")
     keys = max(need.keys // max(producers, 1), 1)
     sections = max(engines if engines is not None else 0, len(settings.engines))
-    return Holdings.create(HoldingsLayout(sections=sections, keys=keys, slots=slots, entry_keys=need.entry_keys))
+    token_keys = keys if settings.placement.kv_events else 0  # room for the engines' own blocks, as much again
+    return Holdings.create(HoldingsLayout(sections=sections, keys=keys, slots=slots, entry_keys=need.entry_keys,
+                                          token_keys=token_keys))
 
 
 def on_reload(server: Any) -> None:

@@ -49,6 +49,7 @@ class AccessRecord:
     backend_ids: list[str] = field(default_factory=list)  # the X-Request-Id of each attempt, in order
     completion_tokens: int | None = None  # the decode's, when the engine reported usage
     predicted_cached_chars: int | None = None  # policy "held": the prompt characters believed cached
+    predicted_cached_tokens: int | None = None  # policy "held", by the producer's KV-cache events: what it reports
     # The request's trace: its server span's with tracing on, else the client's traceparent's (the
     # trace the engines' spans join); None without tracing and without a valid traceparent.
     trace_id: str | None = None
@@ -79,6 +80,7 @@ class AccessRecord:
             "backend_ids": self.backend_ids,
             "completion_tokens": self.completion_tokens,
             "predicted_cached_chars": self.predicted_cached_chars,
+            "predicted_cached_tokens": self.predicted_cached_tokens,
             "trace_id": self.trace_id,
         }
 

@@ -265,6 +265,7 @@ class Attempts:
         note = resv.note
         if note is not None:  # the placement policy keeps something of it (policy.Placed)
             rec.predicted_cached_chars = note.predicted_cached_chars
+            rec.predicted_cached_tokens = note.predicted_cached_tokens
             # Runs at the decode's first wait: what the policy does of it is off the critical path.
             self._running_loop().call_soon(self.placement.policy.prefilled, resv, result)
         return ttft_s

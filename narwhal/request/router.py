@@ -43,6 +43,7 @@ from narwhal.request.ids import client_request_id, trace_id_of
 from narwhal.request.migration import Migration
 from narwhal.request.outcomes import Outcomes
 from narwhal.request.passthrough import Passthrough
+from narwhal.request.prompt_tokens import PromptTokens
 from narwhal.request.slot_wait import WaitingPlacement
 from narwhal.request.stream_buffers import StreamBuffers
 from narwhal.request.usage import wants_usage
@@ -111,6 +112,7 @@ class Router:
         self._policy = placement.policy
         self.attempts = Attempts(settings, placement, client, outcomes, self._spawn)
         self.passthrough = Passthrough(settings, placement, client, outcomes)
+        self.prompt_tokens = PromptTokens(settings.placement, placement, client)
         self._support = EndpointSupport(fleet)  # which endpoints the engines' releases serve, how
         # What this worker's clients that are behind may hold together (request.stream_buffers).
         self.buffers = StreamBuffers(settings.server.max_buffered_mib << 20)
@@ -147,6 +149,7 @@ class Router:
                 response = await self.passthrough.serve(req, rec, started)
             else:
                 req.local, req.note = prepared(endpoint, req.body, self.settings.placement, self._policy)
+                await self.prompt_tokens.give(req, rec.request_id + "-tokenize")  # only when the policy wants them
                 support = self._support.of(req.model, path)
                 if support is not PD:  # the engines' release cannot hand off here (0.11 and Responses, …)
                     req.local = self._served_alone(support, req.model, path)

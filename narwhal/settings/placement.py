@@ -84,7 +84,11 @@ class PlacementSettings(Section):
     kv_events: bool = True
     """follow each engine's KV-cache events (its `/kv_event_sources`; vLLM 0.31+ with `--kv-events-config`): a
     restarted engine, one that cleared its cache or whose stream has a gap its replay cannot fill has its holdings
-    dropped at once (false: learned from traffic alone)"""
+    dropped at once, and a prompt is placed by the blocks each producer's events say it holds (false: learned from
+    traffic alone)"""
+    tokenize_timeout_s: Annotated[float, Field(gt=0, le=60)] = 1.0
+    """with `kv_events`, the prompt's token ids are asked of a producer's `/tokenize` before placement; past this
+    bound (or on any error) the request is placed by learned holdings"""
 
     @model_validator(mode="before")
     @classmethod

@@ -9,8 +9,10 @@ change independently. ::
         seq u64 (odd while written), identity u32 (CRC32 of name and URL), count u32,
         capacity_blocks u32, crc u32, engine id u64, prefill chars/s f64, chars/token f64,
         mean uncached chars per prefill f64, hot blocks u32 (reused in the last few seconds),
-        homes u32; then ``count`` block keys, most recent first, then ``homes`` pairs of (first
-        block key, blocks) u64: the live prefixes whose home this producer is
+        homes u32, token keys u32, tokens per block u32; then ``count`` block keys, most recent
+        first, then ``homes`` pairs of (first block key, blocks) u64: the live prefixes whose home
+        this producer is; then, in a room of its own (``token_keys``), the token block keys its
+        KV-cache events say it holds (``fleet.placement.token_blocks``), most recent first
     rings       W × (16 B + R × entry)  per worker slot, written only by that worker:
         write index u64 (worker), read index u64 (supervisor); each entry one completed
         prefill: producer, its identity and engine id, prompt chars and tokens, cached
@@ -49,12 +51,13 @@ from typing import NamedTuple
 from narwhal.shm.layout import RING_INDICES, U32, U64, Mapped, store_u32, whole_pages
 
 MAGIC = 0x4E484C44  # "NHLD"
-HEADER = struct.Struct("<IIIIIII")  # magic, version, sections, keys per section, slots, ring, keys per entry
+HEADER = struct.Struct("<IIIIIIII")  # magic, version, sections, keys per section, slots, ring, keys per entry,
+#                                      token keys per section
 HEADER_SIZE = 64
 GENERATION_OFFSET = 32
 SECTION_HEAD = 72
-_SECTION = struct.Struct("<IIIIQdddII")  # identity, count, capacity, crc, engine id, rate, cpt, mean, hot,
-#                                           homes (at 8)
+_SECTION = struct.Struct("<IIIIQdddIIII")  # identity, count, capacity, crc, engine id, rate, cpt, mean, hot,
+#                                             homes, token keys, tokens per block (at 8)
 RING_HEAD = 16
 _ENTRY = struct.Struct("<QHHIIIIdQId")  # seq, producer, nkeys, identity, chars, tokens, cached, duration,
 #                                          engine id, queued chars, finished at (monotonic)
@@ -94,11 +97,13 @@ class HoldingsLayout:
     slots: int  # worker slots (the fleet region's slot numbers)
     ring: int = 256
     entry_keys: int = 256  # block keys per report: max_prefix_chars // block_chars
+    token_keys: int = 0  # token block keys per section (the engine's KV-cache events; 0: not followed)
 
     @cached_property  # read several times per request (report, work): computed once
     def section_size(self) -> int:
-        """Bytes of one producer's section: its head and room for ``keys`` block keys."""
-        return SECTION_HEAD + self.keys * 8
+        """Bytes of one producer's section: its head, room for ``keys`` block keys and for
+        ``token_keys`` token block keys."""
+        return SECTION_HEAD + (self.keys + self.token_keys) * 8
 
     def section_offset(self, engine: int) -> int:
         """Where producer ``engine``'s section starts."""
@@ -141,6 +146,8 @@ class Held:
     engine_id: int
     hot_blocks: int = 0  # of ``blocks``, those reused lately: live prefixes a new one would evict
     homes: dict[int, int] | None = None  # first block key -> blocks: the live prefixes homed here
+    token_keys: frozenset[int] = frozenset()  # token block keys its KV-cache events say it holds
+    block_tokens: int = 0  # tokens per block of ``token_keys``; 0: its events are not followed
 
 
 class PrefillReport(NamedTuple):
@@ -167,10 +174,10 @@ class Holdings(Mapped[HoldingsLayout]):
     NAME = "narwhal-holdings"  # its own memfd, inherited across fork as the fleet region is
 
     def write_header(self) -> None:
-        """Magic, version 2 and the layout's sizes; a new region is zeroed otherwise."""
+        """Magic, version 3 and the layout's sizes; a new region is zeroed otherwise."""
         layout = self.layout
-        HEADER.pack_into(self.mm, 0, MAGIC, 2, layout.sections, layout.keys, layout.slots, layout.ring,
-                         layout.entry_keys)
+        HEADER.pack_into(self.mm, 0, MAGIC, 3, layout.sections, layout.keys, layout.slots, layout.ring,
+                         layout.entry_keys, layout.token_keys)
 
     def _u64(self, offset: int) -> int:
         value: int = U64.unpack_from(self.mm, offset)[0]
@@ -189,10 +196,12 @@ class Holdings(Mapped[HoldingsLayout]):
     def publish(
         self, engine: int, stamp: int, engine_id: int, keys: list[int], capacity_blocks: int | None,
         prefill_chars_per_s: float | None, chars_per_token: float | None, mean_uncached_chars: float,
-        hot_blocks: int = 0, homes: dict[int, int] | None = None,
+        hot_blocks: int = 0, homes: dict[int, int] | None = None, token_keys: Sequence[int] = (),
+        block_tokens: int = 0,
     ) -> None:
         """Supervisor side: one producer's holdings, most recent key first (cut to the room,
-        the homes first)."""
+        the homes first); its token block keys (most recent first, cut to their room) with
+        ``block_tokens`` > 0 when its KV-cache events are followed."""
         if engine >= self.layout.sections:
             return
         pairs = list(homes.items())[: self.layout.keys // 2] if homes else []
@@ -200,19 +209,24 @@ class Holdings(Mapped[HoldingsLayout]):
         off = self.layout.section_offset(engine)
         seq = self._u64(off)
         self._set_u64(off, seq | 1)  # odd: being written
+        tokens = token_keys[: self.layout.token_keys] if block_tokens > 0 else ()
         body = struct.pack(f"<{len(keys) + 2 * len(pairs)}Q", *keys, *(v for pair in pairs for v in pair))
+        token_body = struct.pack(f"<{len(tokens)}Q", *tokens)
         # A capacity the u32 cannot hold (an engine reporting 2^32 blocks or more)
         # is stored as the largest one it can: far beyond any section's room, so no bound at all.
         capacity = NONE32 if capacity_blocks is None else min(max(capacity_blocks, 0), NONE32 - 1)
         head = _SECTION.pack(stamp, len(keys), capacity, 0,
                              engine_id, prefill_chars_per_s or 0.0, chars_per_token or 0.0, mean_uncached_chars,
-                             min(hot_blocks, len(keys)), len(pairs))
+                             min(hot_blocks, len(keys)), len(pairs), len(tokens),
+                             block_tokens if block_tokens > 0 else 0)
         done = (seq | 1) + 1
         # The CRC covers the generation it is published under (as shm.records' do): on aarch64 a
         # reader may see the new even seq before the new body, and must not take the old body for it.
-        crc = zlib.crc32(body, zlib.crc32(head, zlib.crc32(done.to_bytes(8, "little"))))
+        crc = zlib.crc32(token_body, zlib.crc32(body, zlib.crc32(head, zlib.crc32(done.to_bytes(8, "little")))))
         self.mm[off + 8 : off + 8 + _SECTION.size] = head[:12] + crc.to_bytes(4, "little") + head[16:]
         self.mm[off + SECTION_HEAD : off + SECTION_HEAD + len(body)] = body
+        at = off + SECTION_HEAD + self.layout.keys * 8  # the token keys' room
+        self.mm[at : at + len(token_body)] = token_body
         self._set_u64(off, done)
         self._set_u64(GENERATION_OFFSET, self.generation + 1)
 
@@ -247,21 +261,25 @@ class Holdings(Mapped[HoldingsLayout]):
             if seq & 1:
                 continue
             raw = mm[off + 8 : off + 8 + _SECTION.size]
-            ident, count, capacity, crc, engine_id, rate, cpt, mean, hot, nhomes = _SECTION.unpack(raw)
+            ident, count, capacity, crc, engine_id, rate, cpt, mean, hot, nhomes, ntokens, bt = _SECTION.unpack(raw)
             if ident != stamp:
                 return None
             count = min(count, self.layout.keys)
             nhomes = min(nhomes, (self.layout.keys - count) // 2)
+            ntokens = min(ntokens, self.layout.token_keys)
             body = mm[off + SECTION_HEAD : off + SECTION_HEAD + (count + 2 * nhomes) * 8]
+            at = off + SECTION_HEAD + self.layout.keys * 8
+            token_body = mm[at : at + ntokens * 8]
             head = raw[:12] + b"\0\0\0\0" + raw[16:]
             under = zlib.crc32(seq.to_bytes(8, "little"))  # the generation this body must be for
-            if self._u64(off) != seq or zlib.crc32(body, zlib.crc32(head, under)) != crc:
+            if self._u64(off) != seq or zlib.crc32(token_body, zlib.crc32(body, zlib.crc32(head, under))) != crc:
                 continue
             values = struct.unpack(f"<{count + 2 * nhomes}Q", body)
             homes = dict(zip(values[count::2], values[count + 1 :: 2], strict=True)) if nhomes else None
+            tokens = frozenset(struct.unpack(f"<{ntokens}Q", token_body)) if ntokens else frozenset()
             return Held(frozenset(values[:count]), count,
                         None if capacity == NONE32 else capacity, cpt or None, rate or None, mean, engine_id, hot,
-                        homes)
+                        homes, tokens, bt)
         return TORN
 
     def read_keys(self, engine: int, stamp: int) -> list[int] | None:

@@ -43,6 +43,7 @@ from narwhal.supervisor.breaker import EngineInfo, State
 from narwhal.supervisor.checks import Checks
 from narwhal.supervisor.holdings import HoldingsModel
 from narwhal.supervisor.kv_events.hub import KvEventsHub
+from narwhal.supervisor.kv_events.stream import Stream
 from narwhal.supervisor.membership import ChangingBreakers, Decision, Drain, Forget, Join, Readmit
 from narwhal.supervisor.models import ModelReader, ModelsPublished, ModelsRead
 from narwhal.supervisor.reports import RingIndexes, Successes, apply_reports
@@ -99,6 +100,7 @@ class Supervisor:
         if holdings is not None:
             self.model = HoldingsModel(self._holdings_stamps(), holdings.layout.keys,
                                        settings.placement.held.block_chars, self.fleet.engines)
+            self.model.events = self._followed
             rings = holdings.layout
             self._prefill_rings = RingIndexes(rings.ring_offset(0), rings.ring_offset(1) - rings.ring_offset(0))
 
@@ -206,6 +208,15 @@ class Supervisor:
 
     def _events_version(self) -> int:
         return -1 if self.kv_events is None else self.kv_events.version
+
+    def _followed(self) -> dict[int, Stream]:
+        """Per engine index, its KV-event stream while it is in order (the holdings publish it)."""
+        events = self.kv_events
+        if events is None or not events.streams:
+            return {}
+        streams = events.streams
+        return {e.index: stream for e in self.fleet.engines
+                if (stream := streams.get(e.name)) is not None and stream.in_sync}
 
     def kv_events_reset(self, name: str, why: str) -> None:
         """An engine's KV events say its cache is not what was known (a restart, a cleared cache,

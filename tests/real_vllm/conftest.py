@@ -99,7 +99,7 @@ def router_config(pair: list[RealEngine], **sections: dict[str, object]) -> str:
 @pytest.fixture(scope="session")
 def real_router(real_pair: list[RealEngine], tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
     logs = tmp_path_factory.mktemp("router")
-    router = RouterProcess.start(router_config(real_pair), workers=2, timeout=60,
-                                 log_path=str(logs / "router.log"))
+    router = RouterProcess.start(router_config(real_pair, log={"access_log": str(logs / "access.log")}), workers=2,
+                                 timeout=60, log_path=str(logs / "router.log"))
     yield router
     router.stop()

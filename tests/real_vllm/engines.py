@@ -70,6 +70,7 @@ class RealEngine:
             "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(self.port),
             "--enforce-eager", "--max-model-len", str(CONTEXT), "--dtype", "bfloat16",
             "--kv-transfer-config", json.dumps(kv), "--enable-request-id-headers",
+            "--enable-prompt-tokens-details",  # cached tokens in usage: what placement's prediction is judged by
         ]
         if self.role == "producer":  # its KV-cache events, on a local socket (a wildcard tcp:// binds every interface)
             argv += ["--kv-events-config", json.dumps(self.kv_events_config())]

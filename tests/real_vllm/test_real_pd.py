@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from narwhal.testing.harness import RouterProcess
-from tests.real_gunicorn.support import admin, scrape, send, value, wait_until
+from tests.real_gunicorn.support import access_line, admin, scrape, send, value, wait_until
 from tests.real_vllm.conftest import VERSION, needs_transfer, router_config
 from tests.real_vllm.engines import MODEL, RealEngine, get, metric
 
@@ -155,3 +155,25 @@ async def test_the_routers_holdings_follow_the_real_producers_kv_events(
                    30, "the router's block set caught up")
     finally:
         sub.close()
+
+
+async def test_placement_predicts_the_cached_tokens_the_real_producer_reports(
+    real_router: RouterProcess, real_pair: list[RealEngine]
+) -> None:
+    """A chat prompt asked again once the producer's events for it are in: the router took its
+    token ids from the producer's ``/tokenize`` (the chat template applied there), matched them
+    with the blocks the producer published, and predicted exactly the cached tokens the producer
+    then reports."""
+    body = {"model": MODEL, "messages": [{"role": "system", "content": prompt(300)},
+                                         {"role": "user", "content": "which block comes last?"}], "max_tokens": 2}
+    line: dict[str, object] = {}
+    for attempt in range(20):  # the first prefills it; once its events are in, the next is predicted
+        rid = f"predicted-{uuid.uuid4().hex}"
+        reply = await send(real_router.url, "/v1/chat/completions", body, headers={"x-request-id": rid})
+        assert reply.status == 200, reply.raw
+        line = access_line(real_router, rid)
+        if attempt and line["predicted_cached_tokens"]:
+            break
+    assert line["producer"] == real_pair[0].name
+    assert line["predicted_cached_tokens"] == line["cached_tokens"], line
+    assert isinstance(line["cached_tokens"], int) and line["cached_tokens"] > 0, line

@@ -145,6 +145,12 @@ class Dialect:
         affinity key, never a local decode)."""
         return None
 
+    def token_ids(self, body: dict[str, Any]) -> list[int] | dict[str, Any] | None:
+        """The prompt's token ids as the engine will see them: the ids themselves when the body
+        carries them, else the ``/tokenize`` body (without ``model``) that gives them, else None
+        (this endpoint's prompt is not tokenized here: placement by learned holdings)."""
+        return None
+
     def probe_body(self, model: str, prompt: str) -> dict[str, Any]:
         """A tiny request for ``model`` (two tokens), as the supervisor's probes and preflight send."""
         raise NotImplementedError

@@ -63,6 +63,18 @@ class Completions(Dialect, endpoint=COMPLETIONS, prompt_fields=("prompt",)):
             return _ids_text(first if isinstance(first, list) else prompt, limit)
         return ""
 
+    def token_ids(self, body: dict[str, Any]) -> list[int] | dict[str, Any] | None:
+        """A string prompt's ``/tokenize`` body (special tokens as the request asks, vLLM's
+        default on); a prompt of token ids (or a list of them: the first) is its ids."""
+        prompt = body.get("prompt")
+        if type(prompt) is str:
+            return {"prompt": prompt, "add_special_tokens": body.get("add_special_tokens", True)}
+        if isinstance(prompt, list) and prompt:
+            ids = prompt[0] if isinstance(prompt[0], list) else prompt
+            if all(is_int(t) for t in ids):
+                return ids
+        return None
+
     def probe_body(self, model: str, prompt: str) -> dict[str, Any]:
         """A two-token completion of ``prompt``."""
         return {"model": model, "prompt": prompt, "max_tokens": 2}
@@ -110,10 +122,21 @@ class Chat(Completions, endpoint=CHAT, prompt_fields=("messages",)):
                 break
         return "".join(parts)
 
+    def token_ids(self, body: dict[str, Any]) -> list[int] | dict[str, Any] | None:
+        """The ``/tokenize`` body of the messages with what shapes the chat template's output
+        (vLLM's ``TokenizeChatRequest``: its defaults are the chat endpoint's)."""
+        out = {key: body[key] for key in _CHAT_TEMPLATE_FIELDS if key in body}
+        out["messages"] = body.get("messages")
+        return out
+
     def probe_body(self, model: str, prompt: str) -> dict[str, Any]:
         """A two-token chat of one user message."""
         return {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 2}
 
+
+# What vLLM's chat template rendering reads beside the messages (``TokenizeChatRequest`` takes each).
+_CHAT_TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
+                         "chat_template_kwargs", "tools", "documents", "mm_processor_kwargs")
 
 # Removed from the prefill's sampling_params so its single token never ends the request early.
 _PREFILL_SAMPLING_DROPPED = ("min_tokens", "stop", "stop_token_ids")
@@ -138,6 +161,11 @@ class Generate(Completions, endpoint=GENERATE, prompt_fields=("token_ids",)):
         n = params.get("n")
         if n is not None and (not is_int(n) or n > 1):
             raise bad("'sampling_params.n' > 1 is not supported by disaggregated serving")
+
+    def token_ids(self, body: dict[str, Any]) -> list[int] | dict[str, Any] | None:
+        """The prompt's ids, as the client sent them."""
+        ids = body.get("token_ids")
+        return ids if isinstance(ids, list) else None
 
     def affinity_text(self, body: dict[str, Any], limit: int) -> str | None:
         """The prompt's ids joined by spaces, no more of them than ``limit`` characters need."""

@@ -14,6 +14,8 @@ clock and randomness come in through arguments and protocols):
 * :mod:`.held` — policy ``held`` (the default): the producer with the least estimated time to
   handoff, knowing what each holds (docs/behaviour.md "Placement");
 * :mod:`.blocks` — the prompt's chained prefix block keys (docs/behaviour.md "Placement"), computed lazily;
+* :mod:`.token_blocks` — token block keys: what a prompt's token ids and an engine's KV-cache events are
+  compared by (docs/behaviour.md "Placement");
 * :mod:`.load` — engine-reported load as placement weighs it (fresh readings only);
 * :mod:`.reservation` — in-flight counts and the slots an attempt holds.
 """

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import hashlib
 
+from narwhal.fleet.placement.token_blocks import TokenBlocks
+
 _NO_SALT = b""
 _FIRST = -1  # the "previous key" of block 0 in a memo entry: no 64-bit key (unsigned) is -1
 # A worker's memo: 4,096 blocks (1 MiB of prompt text, ≈2 MiB with the entries; the runs as much again) hold the
@@ -75,7 +77,7 @@ def _utf8_blocks(chunk: str, width: int) -> list[bytes]:
 class PrefixBlocks:
     """The block keys of one prompt, computed lazily, at most once each."""
 
-    __slots__ = ("text", "block_chars", "count", "cut", "computed", "_salt", "_memo")
+    __slots__ = ("text", "block_chars", "count", "cut", "computed", "tokens", "_salt", "_memo")
 
     def __init__(self, text: str, block_chars: int, max_chars: int, memo: KeyMemo | None = None) -> None:
         self.text = text
@@ -83,6 +85,7 @@ class PrefixBlocks:
         self.count = min(len(text), max_chars) // block_chars  # full blocks that get a key
         self.cut = len(text) > max_chars  # the text goes on past what is keyed
         self.computed: list[int] = []  # the keys so far, in order: grown in place, read by the lookup
+        self.tokens: TokenBlocks | None = None  # the prompt's token ids, where the request path got them
         self._salt = _NO_SALT  # the last digest, without a memo (with one, the last key says it)
         self._memo = memo
 

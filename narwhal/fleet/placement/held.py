@@ -60,6 +60,7 @@ from narwhal.fleet.placement.policy import (
     PromptText,
     producer_index,
 )
+from narwhal.fleet.placement.token_blocks import DEFAULT_CHARS_PER_TOKEN, FOLLOWED_EMPTY, TokenBlocks, cached_tokens
 from narwhal.settings import PlacementSettings
 
 if TYPE_CHECKING:
@@ -125,22 +126,29 @@ def order(
     ours: Callable[[T], float],
     others: Callable[[T], float],
     slack: float,
-) -> tuple[list[T], list[tuple[int, int, int]]]:
+) -> tuple[list[T], list[tuple[int, int, int, int]]]:
     """``items`` in the order to try them, and for each (same order) the characters it matched,
-    the prompt's characters it would compute, and the queued work ahead of them. ``ours``: this
+    the prompt's characters it would compute, the queued work ahead of them, and the cached tokens
+    its KV-cache events predict (-1: none: not followed, or the prompt has no token ids). A
+    followed producer is matched by the prompt's token blocks when the request path got them
+    (``blocks.tokens``), its learned keys unused: its events are the truth. ``ours``: this
     host's in-flight prefill work there, in characters; ``others``: its requests not ours."""
     size = len(held)
     readings = [held[i] if (i := index(item)) < size else None for item in items]
-    runs = matched_blocks(blocks, [_NOTHING if r is None else r.keys for r in readings])
+    tokens = blocks.tokens
+    runs = matched_blocks(blocks, [_NOTHING if r is None or (tokens is not None and r.block_tokens) else r.keys
+                                   for r in readings])
+    predicted = _by_events(blocks, tokens, readings, runs) if tokens is not None else None
     if len(items) == 1:  # its estimate and rank order nothing: only its facts are asked for
         item, reading = items[0], readings[0]
         matched = runs[0] * blocks.block_chars
         queued = _queued(item, reading, _fleet_mean(readings, blocks), ours, others)
         uncached = len(blocks.text) - matched
-        return items, [(matched, uncached if uncached > 0 else 0, int(queued))]
+        tokens_cached = -1 if predicted is None else predicted[0]
+        return items, [(matched, uncached if uncached > 0 else 0, int(queued), tokens_cached)]
     first = blocks.key(0)
     home = [r is not None and r.homes is not None and first in r.homes for r in readings]
-    estimates, facts = _estimates(items, blocks, readings, runs, home, ours, others)
+    estimates, facts = _estimates(items, blocks, readings, runs, home, ours, others, predicted)
     bound = min(estimates) * (1 + slack) + 1e-9
     ranked = sorted(
         range(len(items)),
@@ -150,11 +158,36 @@ def order(
     return [items[i] for i in ranked], [facts[i] for i in ranked]
 
 
+def _by_events(blocks: PrefixBlocks, tokens: TokenBlocks, readings: list[HeldReading | None],
+               runs: list[int]) -> list[int]:
+    """For each candidate whose KV-cache events are followed, its run of the prompt's token blocks
+    (in place of the learned one, in ``runs``: as the characters those tokens cover, in whole
+    character blocks) and the cached tokens it will report (the list returned; -1 where not
+    followed)."""
+    predicted = [-1] * len(readings)
+    ids = len(tokens.ids)
+    text = len(blocks.text)
+    for i, reading in enumerate(readings):
+        if reading is None or not reading.block_tokens:
+            continue
+        size = reading.block_tokens
+        run = tokens.matched(size, reading.token_keys) if reading.token_keys and size != FOLLOWED_EMPTY else 0
+        predicted[i] = cached_tokens(run, size, ids)
+        if run and ids:  # the prompt's own characters per token, unless its text was cut
+            per_token = text / ids if not blocks.cut else reading.chars_per_token or DEFAULT_CHARS_PER_TOKEN
+            chars = min(int(run * size * per_token), text)
+            runs[i] = min(chars // blocks.block_chars, blocks.count)
+        else:
+            runs[i] = 0
+    return predicted
+
+
 def _estimates(
     items: list[T], blocks: PrefixBlocks, readings: list[HeldReading | None], runs: list[int], home: list[bool],
-    ours: Callable[[T], float], others: Callable[[T], float],
-) -> tuple[list[float], list[tuple[int, int, int]]]:
-    """Per candidate its estimated time to handoff, and (matched, uncached, queued) characters."""
+    ours: Callable[[T], float], others: Callable[[T], float], predicted: list[int] | None,
+) -> tuple[list[float], list[tuple[int, int, int, int]]]:
+    """Per candidate its estimated time to handoff, and (matched, uncached, queued) characters
+    with the cached tokens its events predict (-1: not followed, or no token ids)."""
     width = blocks.block_chars
     prompt = len(blocks.text)
     known = [r.prefill_chars_per_s for r in readings if r is not None and r.prefill_chars_per_s]
@@ -162,12 +195,12 @@ def _estimates(
     fleet_mean = _fleet_mean(readings, blocks)
     first = blocks.key(0)
     estimates: list[float] = []
-    facts: list[tuple[int, int, int]] = []
-    for item, reading, run, at_home in zip(items, readings, runs, home, strict=True):
+    facts: list[tuple[int, int, int, int]] = []
+    for i, (item, reading, run, at_home) in enumerate(zip(items, readings, runs, home, strict=True)):
         rate = default_rate if reading is None else reading.prefill_chars_per_s or default_rate
         queued = _queued(item, reading, fleet_mean, ours, others)
         uncached = max(prompt - run * width, 0)
-        facts.append((run * width, uncached, int(queued)))
+        facts.append((run * width, uncached, int(queued), -1 if predicted is None else predicted[i]))
         if at_home:  # every replica sends it there: reckoned held (homes.py says why)
             assert reading is not None and reading.homes is not None
             uncached = max(prompt - max(run, min(reading.homes[first], blocks.count)) * width, 0)
@@ -221,6 +254,7 @@ class HeldPlaced:
     predicted_cached_chars: int | None  # the prompt's characters it was believed to hold (None: not reckoned)
     queued_chars: int  # the queued prefill work reckoned ahead of it there
     work: int  # its uncached characters, counted as this host's queued work there until the prefill ends
+    predicted_cached_tokens: int | None = None  # the cached tokens its KV-cache events predict (None: not known)
 
 
 class Held:
@@ -262,6 +296,18 @@ class Held:
         if size < settings.affinity_min_chars:
             return None
         return key_hash(head[: settings.affinity_chars])
+
+    def wants_tokens(self, note: Any) -> bool:
+        """A prompt with blocks, while some producer's KV-cache events are followed: its token
+        blocks are compared with theirs (:func:`order`)."""
+        if not isinstance(note, PrefixBlocks) or not note.count or self.holdings is None:
+            return False
+        return any(r is not None and r.block_tokens for r in self.holdings.current())
+
+    def tokens(self, note: Any, ids: Sequence[int]) -> None:
+        """The prompt's token ids: kept with its blocks."""
+        if isinstance(note, PrefixBlocks):
+            note.tokens = TokenBlocks(ids)
 
     def keeps_saturated(self, asked: Asked) -> Callable[[Candidate], bool] | None:
         """A saturated producer that holds the prompt's first block, or is its home, stays a
@@ -306,16 +352,16 @@ class Held:
         not reckoned at all."""
         if not isinstance(note, PrefixBlocks):
             return
-        facts: list[tuple[int, int, int]] | None = ordered.kept
+        facts: list[tuple[int, int, int, int]] | None = ordered.kept
         if facts is None:
             resv.note = HeldPlaced(note, None, 0, 0)
             return
-        matched, uncached, queued = facts[position] if position < len(facts) else (0, len(note.text), 0)
+        matched, uncached, queued, tokens = facts[position] if position < len(facts) else (0, len(note.text), 0, -1)
         holdings, work = self.holdings, 0
         if holdings is not None and uncached:
             work = uncached
             holdings.add_work(resv.producer.index, work)
-        resv.note = HeldPlaced(note, matched, queued, work)
+        resv.note = HeldPlaced(note, matched, queued, work, None if tokens < 0 else tokens)
 
     def prefilled(self, resv: Reservation, result: PrefillFacts) -> None:
         """The finished prefill for the holdings (docs/behaviour.md "Placement"): its producer,
@@ -354,4 +400,7 @@ class Held:
             "prefill_chars_per_s": held.prefill_chars_per_s,
             "hot_blocks": held.hot_blocks,  # reused in the last few seconds: the live part of blocks
             "homes": len(held.homes or ()),  # live prefixes every replica sends here first
+            # Its KV-cache events' blocks, where followed (None: learned from traffic alone).
+            "event_blocks": len(held.token_keys) if held.block_tokens else None,
+            "block_tokens": held.block_tokens if 0 < held.block_tokens != FOLLOWED_EMPTY else None,
         }

@@ -39,6 +39,13 @@ class HeldReading(Protocol):
     @property
     def homes(self) -> dict[int, int] | None:
         """The live prefixes homed here, first block key to blocks; None for none."""
+    @property
+    def token_keys(self) -> frozenset[int]:
+        """The token block keys its KV-cache events say it holds (``token_blocks``)."""
+    @property
+    def block_tokens(self) -> int:
+        """Tokens per block of ``token_keys``; 0: its events are not followed (``FOLLOWED_EMPTY``:
+        followed, nothing stored yet)."""
 
 
 class HoldingsSource(Protocol):

@@ -92,6 +92,7 @@ class Placement:
         self._by_model: dict[str, tuple[Candidate, ...]] = {}
         self._consumers_by_model: dict[str, tuple[Engine, ...]] = {}
         self._version = -1
+        self._turn = 0  # the producers asked for token ids take turns (tokenizer)
         # Engine-reported load only when the supervisor reads it: off, no per-request cost.
         self._loads = (
             LoadCache(loads, clock, settings.load_stale_s, settings.kv_saturated)
@@ -268,6 +269,17 @@ class Placement:
                 d for d in self.fleet.engines if d.can_decode and model in d.models
             )
         return found
+
+    def tokenizer(self, model: str) -> Engine | None:
+        """An engine to ask for a prompt's token ids (``request.prompt_tokens``): a producer of
+        ``model`` that is admitted and reachable, in turn (each engine of a model tokenizes alike);
+        None when there is none."""
+        view = self.view
+        ready = [p for p, _ in self._candidates(model) if view.admitted(p) and not view.unreachable(p)]
+        if not ready:
+            return None
+        self._turn += 1
+        return ready[self._turn % len(ready)]
 
     def has_pair(self, model: str, exclude: frozenset[str] = frozenset()) -> bool:
         """Is there a placeable, role-permitted pair for ``model`` (ignoring load, and the engines

@@ -100,6 +100,9 @@ class Placed(Protocol):
     @property
     def predicted_cached_chars(self) -> int | None:
         """The prompt's characters the chosen producer was believed to hold (the access log's field)."""
+    @property
+    def predicted_cached_tokens(self) -> int | None:
+        """The cached tokens the chosen producer's KV-cache events predict (the access log's field; None: not known)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +128,13 @@ class Policy(Protocol):
     def prepare(self, prompt: PromptText) -> Any:
         """What this policy keeps of the request (its note; None: nothing), read from the prompt
         text once; never read by the request path."""
+
+    def wants_tokens(self, note: Any) -> bool:
+        """Would the prompt's token ids change the order it gives for the request ``note`` was
+        kept of? The request path then asks an engine for them, once per request (``request.prompt_tokens``)."""
+
+    def tokens(self, note: Any, ids: Sequence[int]) -> None:
+        """The prompt's token ids as the engines tokenize it, for the request ``note`` was kept of."""
 
     def keeps_saturated(self, asked: Asked) -> Callable[[Candidate], bool] | None:
         """Which saturated candidates stay among the others (None: none do)."""
@@ -156,6 +166,13 @@ class KeepsNothing:
     def region(settings: PlacementSettings) -> HoldingsRegion | None:
         """No shared memory."""
         return None
+
+    def wants_tokens(self, note: Any) -> bool:
+        """Token ids change nothing."""
+        return False
+
+    def tokens(self, note: Any, ids: Sequence[int]) -> None:
+        """Never called: token ids are never wanted."""
 
     def placed(self, resv: Reservation, note: Any, ordered: Ordered, position: int) -> None:
         """Nothing kept: the reservation's note stays None."""

@@ -29,6 +29,11 @@ fleet wide, the mean uncached characters of a prefill (what a queued request is 
    in the estimate a producer is placed at the learned rates' mean at its class
    (``holdings.rate`` says why: learned rates differ by replica, classes do not).
 
+6. *The engine's own KV-cache events* (``supervisor.kv_events``), where they are followed: the
+   token block keys of every block it holds, published beside the learned keys as they are
+   (``events``: the supervisor's streams by engine index); a prompt with token ids is placed by
+   them (``fleet.placement.held``), one without by the learned keys.
+
 Pure apart from ``publish`` (the shared-memory write): time comes in as an argument. The
 record kept per producer is ``supervisor.holdings.producer``'s.
 """
@@ -37,15 +42,17 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Mapping, Sequence
+from itertools import islice
+from typing import Any, Protocol
 
 from narwhal.engines.load_metrics import PrefillCounters
 from narwhal.fleet.placement import homes
+from narwhal.fleet.placement.token_blocks import DEFAULT_CHARS_PER_TOKEN, FOLLOWED_EMPTY
 from narwhal.shm.holdings import Holdings, PrefillReport
 from narwhal.supervisor.holdings.fit import Fit, Prefix
 from narwhal.supervisor.holdings.lru import drop, leading, reused, touch
-from narwhal.supervisor.holdings.producer import DEFAULT_CHARS_PER_TOKEN, HOT_S, ProducerHoldings
+from narwhal.supervisor.holdings.producer import HOT_S, ProducerHoldings
 from narwhal.supervisor.holdings.rate import placing_rates
 
 ALPHA = 0.2  # weight of a new sample in the learned means
@@ -57,6 +64,20 @@ MAX_PREFIXES = 65536  # live prefixes tracked (first keys); more are not given h
 PUBLISH_S = 0.1
 def _ewma(old: float | None, sample: float) -> float:
     return sample if old is None else old + ALPHA * (sample - old)
+
+
+class EventBlocks(Protocol):
+    """One engine's followed KV-cache events, as publishing needs them (``kv_events.stream.Stream``)."""
+
+    @property
+    def keys(self) -> dict[Any, int]:
+        """Its blocks' token block keys, most recently stored last."""
+    @property
+    def block_size(self) -> int:
+        """Tokens per block (0: nothing stored yet)."""
+    @property
+    def changes(self) -> int:
+        """Moves whenever ``keys`` does."""
 
 
 class Named(Protocol):
@@ -94,6 +115,8 @@ class HoldingsModel:
         self.block_chars = block_chars
         self.mean_uncached: float | None = None
         self.fit = Fit()  # duration against uncached characters, every producer's unqueued prefills
+        # Per engine index, its followed KV-cache events (the supervisor's; None: none followed).
+        self.events: Callable[[], Mapping[int, EventBlocks]] | None = None
 
     def reshape(self, stamps: Sequence[int | None], engines: Sequence[Named]) -> None:
         """The engines changed (discovery, docs/behaviour.md "Engines that come and go"): per index, a producer whose
@@ -346,12 +369,17 @@ class HoldingsModel:
             self.homes_at = now
             self.assign_homes(now)
         rates = self.placing_rates()  # once per pass: each depends on every producer's
+        followed = self.events() if self.events is not None else {}
         for index, p in enumerate(self.producers):
             if p is None:
                 continue
             hot = p.hot_blocks(now) if p.hot else 0  # nothing reused lately: nothing to age (most passes)
             if hot != p.published_hot:
                 p.dirty = True  # the live count moves with time alone, as reuses age out
+            events = followed.get(index)
+            marker = None if events is None else (id(events), events.changes)
+            if marker != p.published_events:
+                p.dirty = True
             if not p.dirty or (now - p.published_at < PUBLISH_S and not p.urgent):
                 continue
             p.dirty = p.urgent = False
@@ -359,5 +387,18 @@ class HoldingsModel:
             p.published_hot = hot
             keys = list(reversed(p.keys))
             p.rate = self.rate_of(p)
+            p.published_events = marker
+            token_keys, block_tokens = _token_keys(events, holdings.layout.token_keys)
             holdings.publish(index, p.stamp, p.engine_id, keys, self.capacity_blocks(p), rates[index],
-                             p.chars_per_token, p.mean_uncached or self.mean_uncached or 0.0, hot, p.homes)
+                             p.chars_per_token, p.mean_uncached or self.mean_uncached or 0.0, hot, p.homes,
+                             token_keys, block_tokens)
+
+
+def _token_keys(events: EventBlocks | None, room: int) -> tuple[list[int], int]:
+    """An engine's token block keys, most recent first, at most ``room``; and its block size (0:
+    not followed, or no room for them; ``FOLLOWED_EMPTY``: followed, nothing stored yet)."""
+    if events is None or room <= 0:
+        return [], 0
+    if events.block_size <= 0:
+        return [], FOLLOWED_EMPTY
+    return list(islice(reversed(events.keys.values()), room)), events.block_size

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from narwhal.supervisor.holdings.engine_rate import EngineRate
 from narwhal.supervisor.holdings.lru import drop, hot_count
 
-DEFAULT_CHARS_PER_TOKEN = 4.0  # until a producer's answers say otherwise (English text, roughly)
 # A block reused within this many seconds is *hot*: a live prefix whose eviction would be paid
 # for again soon. Long enough to span the gap between a chat's turns and between uses of a
 # tenant's system prompt at a few requests a second; short enough that a prefix its traffic has
@@ -56,6 +55,7 @@ class ProducerHoldings:
     engine_rate: EngineRate = field(default_factory=EngineRate)  # as its /metrics say (tokens/s)
     dirty: bool = True
     published_at: float = float("-inf")
+    published_events: tuple[int, int] | None = None  # (its event stream, its changes) last published
 
     def forget(self) -> None:
         """A new engine behind the name (restarted, or ejected and back): nothing it held is held."""

@@ -12,8 +12,11 @@ restarted engine numbers from 0 again, with no incarnation on the wire. So, per 
   and the stream goes on from what the replay did bring.
 
 ``blocks`` maps each cached block's hash to its parent's (None: the chain starts at token 0), as
-``BlockStored``/``BlockRemoved``/``AllBlocksCleared`` say; ``tokens`` the ids of each, for a
-router that compares a prompt's blocks with them.
+``BlockStored``/``BlockRemoved``/``AllBlocksCleared`` say; ``keys`` each block's key in
+Narwhal's own chain over its token ids (``fleet.placement.token_blocks``: what a prompt's token
+blocks are compared with), in the order they were stored, most recent last. A block whose
+parent is not known (stored before the subscription began) has no key: its place in a prompt
+cannot be known. ``changes`` moves with every batch that stored or removed a block.
 
 Invariant: pure (no I/O, no clock); ``blocks`` is exactly what the applied batches say, and is
 emptied by every reset: never a picture spliced across a gap or a restart.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from narwhal.fleet.placement.token_blocks import Unkeyable, as_key, digest
 from narwhal.supervisor.kv_events.decode import Cleared, Event, Removed, Stored
 
 APPLIED, DUPLICATE, GAP, RESTART = "applied", "duplicate", "gap", "restart"
@@ -31,12 +35,14 @@ APPLIED, DUPLICATE, GAP, RESTART = "applied", "duplicate", "gap", "restart"
 class Stream:
     """One publisher's sequence and blocks (the module's text)."""
 
-    __slots__ = ("next_seq", "blocks", "tokens", "_last", "resets", "cleared")
+    __slots__ = ("next_seq", "blocks", "keys", "block_size", "changes", "_last", "resets", "cleared")
 
     def __init__(self) -> None:
         self.next_seq: int | None = None  # None: nothing applied yet
         self.blocks: dict[int | bytes, int | bytes | None] = {}
-        self.tokens: dict[int | bytes, tuple[int, ...]] = {}
+        self.keys: dict[int | bytes, int] = {}  # engine hash -> our key of the block (token_blocks)
+        self.block_size = 0  # tokens per block, as the last BlockStored said (0: none yet)
+        self.changes = 0
         self._last = b""  # the last applied payload: what a duplicate repeats
         self.resets = 0
         self.cleared = False  # an AllBlocksCleared was applied since the caller last looked
@@ -95,28 +101,42 @@ class Stream:
     def reset(self) -> None:
         """Forget every block and the sequence: the engine's cache is not what was known."""
         self.blocks.clear()
-        self.tokens.clear()
+        self.keys.clear()
+        self.changes += 1
         self.next_seq = None
         self._last = b""
         self.resets += 1
 
     def _apply(self, seq: int, payload: bytes, events: list[Event]) -> None:
-        blocks, tokens = self.blocks, self.tokens
+        blocks, keys = self.blocks, self.keys
         for event in events:
             if isinstance(event, Stored):
                 parent = event.parent
                 size = event.block_size
+                known = None if parent is None else keys.get(parent)
+                keyable = parent is None or known is not None
+                previous = None if known is None else known.to_bytes(8, "little")
+                self.block_size = size
                 for i, h in enumerate(event.hashes):
                     blocks[h] = parent
-                    tokens[h] = event.tokens[i * size : (i + 1) * size]
+                    keys.pop(h, None)  # stored again: the most recent now
+                    if keyable:
+                        try:
+                            previous = digest(previous, event.tokens[i * size : (i + 1) * size])
+                        except Unkeyable:
+                            keyable = False
+                        else:
+                            keys[h] = as_key(previous)
                     parent = h
             elif isinstance(event, Removed):
                 for h in event.hashes:
                     blocks.pop(h, None)
-                    tokens.pop(h, None)
+                    keys.pop(h, None)
             elif isinstance(event, Cleared):
                 blocks.clear()
-                tokens.clear()
+                keys.clear()
                 self.cleared = True
+        if events:
+            self.changes += 1
         self.next_seq = seq + 1
         self._last = payload

@@ -160,7 +160,7 @@ def test_a_lone_candidate_gets_the_facts_it_would_get_beside_one_with_no_holding
             both, pair_facts = order(*_order_args([0, 1], reading, ours, others))
             assert alone == [0] and facts == [pair_facts[both.index(0)]]
     matched = 3 * 256
-    assert order(*_order_args([0], holder, 10.0, 2.0))[1] == [(matched, len(blocks.text) - matched, 1410)]
+    assert order(*_order_args([0], holder, 10.0, 2.0))[1] == [(matched, len(blocks.text) - matched, 1410, -1)]
 
 
 def test_the_policy_reports_each_finished_prefill_with_what_it_reckoned_and_releases_its_work() -> None:

@@ -32,6 +32,21 @@ def test_a_published_section_reads_back_for_its_engine_only() -> None:
     assert again is not None and again.blocks == 8 and again.capacity_blocks is None  # cut to the room
 
 
+def test_a_sections_token_keys_read_back_in_their_own_room_and_are_covered_by_its_crc() -> None:
+    h = _region(token_keys=4)
+    h.publish(0, P0, 77, [3, 2, 1], None, None, None, 0.0, token_keys=[9, 8, 7, 6, 5], block_tokens=16)
+    held = h.read(0, P0)
+    assert held is not None
+    assert (held.keys, held.token_keys, held.block_tokens) == (frozenset({1, 2, 3}), frozenset({9, 8, 7, 6}), 16)
+    h.publish(0, P0, 77, [3], None, None, None, 0.0)  # not followed (any more): no token keys
+    again = h.read(0, P0)
+    assert again is not None and (again.token_keys, again.block_tokens) == (frozenset(), 0)
+    h.publish(0, P0, 77, [3], None, None, None, 0.0, token_keys=[9], block_tokens=16)
+    at = h.layout.section_offset(0) + SECTION_HEAD + h.layout.keys * 8
+    h.mm[at : at + 8] = struct.pack("<Q", 99)  # a token key changed, CRC not
+    assert h.read(0, P0) is None
+
+
 def test_a_torn_section_is_not_read_as_holdings() -> None:
     h = _region()
     h.publish(0, P0, 1, [5, 6], None, None, None, 0.0)

@@ -1,12 +1,17 @@
 """The engines' KV-cache events (docs/behaviour.md "Placement"), through real gunicorn: two
 routers over one fleet of fakes that publish as vLLM does each follow every engine's events
 (their own subscriptions: nothing shared but what the engines publish), show it in
-``/admin/engines`` (``holdings.source``), and both drop a producer's learned holdings at once
-when its events say it restarted, without any traffic of their own to it."""
+``/admin/engines`` (``holdings.source``), place a prompt where the events say its blocks are
+(both replicas alike, whatever traffic each saw), predict the cached tokens the engine then
+reports, and drop a producer's holdings at once when its events say it restarted, without any
+traffic of their own to it."""
 
 from __future__ import annotations
 
+import asyncio
+import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import aiohttp
 import pytest
@@ -15,6 +20,7 @@ from narwhal.testing.harness import FakeFleet, RouterProcess
 from tests.real_gunicorn.placement.holdings import holdings_support as hs
 from tests.real_gunicorn.support import (
     MODEL,
+    access_line,
     completion,
     engine_entry,
     scrape,
@@ -82,3 +88,66 @@ async def test_each_replica_follows_every_engines_events_and_drops_a_restarted_o
                    10, "the restart seen")
     await hs.wait_blocks(first, holder, lambda blocks: blocks == 0, "its learned holdings dropped")
     assert f"engine {holder}: its KV-cache holdings dropped: its sequence started again" in first.log_text()
+
+
+async def _placed(router: RouterProcess, prompt: str) -> dict[str, Any]:
+    rid = f"events-{uuid.uuid4().hex}"
+    reply = await send(router.url, "/v1/completions", completion(prompt, max_tokens=2, stream=False),
+                       headers={"x-request-id": rid})
+    assert reply.status == 200, reply.raw
+    return access_line(router, rid)
+
+
+async def test_both_replicas_place_a_prompt_where_the_events_say_it_is_and_predict_its_cached_tokens(
+    two: tuple[RouterProcess, RouterProcess], efleet: FakeFleet
+) -> None:
+    """A prompt prefilled on the producer its rank puts last, by another client straight to the
+    engine (neither router saw it): each router sends it there, as ``held``, predicting exactly
+    the cached tokens the engine reports; after that producer restarts, neither counts on it."""
+    first, second = two
+    prompt = hs.make_prefix() + " the user's question"
+    holder = hs.favourites(prompt)[-1]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+    async with aiohttp.ClientSession() as session, session.post(efleet.engines[holder] + "/v1/completions",
+                                                                json=body) as resp:
+        assert resp.status == 200
+    for router in two:
+        await _wait_event_blocks(router, holder, above=0)
+    for router in (second, first):
+        line = await _placed(router, prompt)
+        assert (line["producer"], line["predicted_cached_tokens"]) == (holder, line["cached_tokens"]), line
+        assert line["cached_tokens"] > 0 and line["predicted_cached_chars"] > 0
+    assert value(scrape(first), "narwhal_prompt_token_ids_total", source="tokenize") >= 1
+
+    before = [value(scrape(r), "narwhal_kv_event_resets_total", engine=holder) for r in two]
+    efleet.control_request("POST", f"/engines/{holder}/start?restart=1")  # its cache empty, its sequence at 0
+    async with aiohttp.ClientSession() as session, session.post(
+            efleet.engines[holder] + "/v1/completions",
+            json={"model": MODEL, "prompt": hs.make_prefix(), "max_tokens": 1}) as resp:
+        assert resp.status == 200  # another prompt: its first batch shows the restart
+    for router, was in zip(two, before, strict=True):
+        wait_until(lambda r=router, w=was: value(scrape(r), "narwhal_kv_event_resets_total", engine=holder) > w,
+                   10, "the restart seen")
+    seen = {name: await _event_blocks(second, name) for name in hs.PRODUCERS}
+    line = await _placed(first, prompt)
+    # Nobody holds it now: nothing predicted (None: a producer that never published is not followed yet), nothing
+    # cached (vLLM leaves prompt_tokens_details out of a prefill that hit nothing).
+    assert not line["predicted_cached_tokens"] and not line["cached_tokens"], str(line)
+    now = line["producer"]  # where the first replica put it: the second follows once the events say so
+    await _wait_event_blocks(second, now, above=seen[now])
+    again = await _placed(second, prompt)
+    assert (again["producer"], again["predicted_cached_tokens"]) == (now, again["cached_tokens"]), again
+    assert again["cached_tokens"] > 0
+
+
+async def _event_blocks(router: RouterProcess, name: str) -> int:
+    return (await hs.holdings(router, name)).get("event_blocks") or 0
+
+
+async def _wait_event_blocks(router: RouterProcess, name: str, above: int, timeout: float = 10) -> None:
+    """Until ``name``'s holdings in ``router`` show more than ``above`` blocks from its events (bounded)."""
+    end = asyncio.get_running_loop().time() + timeout
+    while await _event_blocks(router, name) <= above:
+        if asyncio.get_running_loop().time() > end:
+            raise AssertionError(f"{name}: no new event blocks in {router.url}'s holdings")
+        await asyncio.sleep(0.05)
