@@ -50,11 +50,14 @@ class PromptTokens:
         self.policy: Policy = placement.policy
         self._counts = {source: metrics.PROMPT_TOKEN_IDS.labels(source) for source in _SOURCES}
 
-    async def give(self, req: ClientRequest, request_id: str) -> None:
-        """Hand the request's note its prompt's token ids when the policy wants them."""
+    def wanted(self, req: ClientRequest) -> bool:
+        """Does the policy want this request's token ids (no coroutine made per request otherwise)?"""
         note = req.note
-        if note is None or req.local or not self.policy.wants_tokens(note):
-            return
+        return note is not None and not req.local and self.policy.wants_tokens(note)
+
+    async def give(self, req: ClientRequest, request_id: str) -> None:
+        """Hand the request's note its prompt's token ids (:meth:`wanted` said it wants them)."""
+        note = req.note
         asked = req.endpoint.dialect.token_ids(req.body)
         if isinstance(asked, list):
             self._counts["body"].inc()

@@ -149,7 +149,8 @@ class Router:
                 response = await self.passthrough.serve(req, rec, started)
             else:
                 req.local, req.note = prepared(endpoint, req.body, self.settings.placement, self._policy)
-                await self.prompt_tokens.give(req, rec.request_id + "-tokenize")  # only when the policy wants them
+                if self.prompt_tokens.wanted(req):  # a producer's KV-cache events are followed
+                    await self.prompt_tokens.give(req, rec.request_id + "-tokenize")
                 support = self._support.of(req.model, path)
                 if support is not PD:  # the engines' release cannot hand off here (0.11 and Responses, …)
                     req.local = self._served_alone(support, req.model, path)
