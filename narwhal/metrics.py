@@ -155,7 +155,8 @@ BUILD_INFO = Gauge(
 # (active, probing, draining, refused: narwhal.supervisor.discovery).
 DISCOVERY_ENGINES = Gauge(
     "narwhal_discovery_engines",
-    "Engines found by a discovery source, by source (file, dns) and state (active, probing, draining, refused)",
+    "Engines found by a discovery source, by source (file, dns, kubernetes) and state (active, probing, draining, "
+    "refused)",
     ["source", "state"],
     multiprocess_mode="livemax",
 )

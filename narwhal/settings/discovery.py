@@ -47,6 +47,42 @@ class DnsSource(BaseModel):
         return self
 
 
+class KubernetesSource(BaseModel):
+    """``[discovery.kubernetes]``: the engines of one namespace, from its EndpointSlices (docs/behaviour.md
+    "Engines that come and go")."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    namespace: Annotated[str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")]
+    """the namespace whose EndpointSlices are watched (list and watch there: deploy/kubernetes/rbac.yaml)"""
+    producer_selector: str = ""
+    """label selector of the producers' EndpointSlices, e.g. `kubernetes.io/service-name=vllm-prefill` (`""`: none)"""
+    consumer_selector: str = ""
+    """label selector of the consumers' EndpointSlices (`""`: none)"""
+    both_selector: str = ""
+    """label selector of the EndpointSlices of engines that both prefill and decode (`""`: none)"""
+    port: Annotated[int, Field(ge=1, le=65535)] | None = None
+    """the engines' port (unset: the slice's port named `port_name`, else its only port)"""
+    port_name: str = "http"
+    """the slice port to take when `port` is unset"""
+    scheme: Literal["http", "https"] = "http"
+    """how the engines are spoken to"""
+    kubeconfig: str = ""
+    """a kubeconfig file (`""`: the pod's service account, in-cluster)"""
+
+    @model_validator(mode="after")
+    def _a_selector(self) -> KubernetesSource:
+        if not (self.producer_selector or self.consumer_selector or self.both_selector):
+            raise ValueError("set producer_selector, consumer_selector or both_selector")
+        return self
+
+    def selectors(self) -> list[tuple[Literal["producer", "consumer", "both"], str]]:
+        """(role, label selector) for each role that has one."""
+        roles: tuple[tuple[Literal["producer", "consumer", "both"], str], ...] = (
+            ("producer", self.producer_selector), ("consumer", self.consumer_selector), ("both", self.both_selector))
+        return [(role, sel) for role, sel in roles if sel]
+
+
 class DiscoverySettings(BaseModel):
     """``[discovery]``: engines beside the static ``[[engines]]``, re-read every ``interval_s``."""
 
@@ -61,6 +97,10 @@ class DiscoverySettings(BaseModel):
     optional `max_inflight_prefill` / `max_inflight_decode` for every engine it lists"""
     resolver: str = ""
     """`HOST:PORT` of the DNS server to ask (`""`: the host's `/etc/resolv.conf`)"""
+    kubernetes: KubernetesSource | None = None
+    """`[discovery.kubernetes]`: engines from a namespace's EndpointSlices, watched: `namespace`,
+    `producer_selector` / `consumer_selector` / `both_selector`, `port` or `port_name`, `scheme`, `kubeconfig`
+    (docs/deploy.md "Kubernetes discovery")"""
     max_engines: Annotated[int, Field(ge=1, le=4096)] = DEFAULT_DISCOVERED_SLOTS
     """the shared layout's engine slots once a source is set (static and discovered together)"""
 
@@ -76,7 +116,7 @@ class DiscoverySettings(BaseModel):
     @property
     def enabled(self) -> bool:
         """Is any source set? Without one the fleet is exactly ``[[engines]]``."""
-        return bool(self.file or self.dns)
+        return bool(self.file or self.dns or self.kubernetes)
 
     def slots(self, static_slots: int) -> int:
         """The shared layout's engine slots: ``max_engines`` once a source is set (engines come

@@ -155,3 +155,5 @@ async def run(sup: Supervisor) -> None:
         finally:
             if sup.kv_events is not None:
                 sup.kv_events.close()
+            if loop.discovery is not None:
+                loop.discovery.close()

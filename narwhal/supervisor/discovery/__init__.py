@@ -13,9 +13,10 @@ loop only starts the read (:meth:`Discovery.tick`) and, once it finished, applie
   warning per source per minute (a new reason is said at once). At start, a source's last good
   set is what the table holds from it (a restarted supervisor, or one started by a reload, drains
   nothing its predecessor had found just because its first read fails).
-* **The wanted fleet** is ``supervisor.discovery.wanted.wanted_fleet``: static first, then the file, then each
-  DNS name in order; engines serving now before newcomers; a taken name or no slot left refused,
-  the refusals logged once per change of what is refused.
+* **The wanted fleet** is ``supervisor.discovery.wanted.wanted_fleet``: static first, then the file,
+  then each DNS name in order, then Kubernetes (``kubernetes.py``: watched, so a change is read at
+  the next pass); engines serving now before newcomers; a taken name or no slot left refused, the
+  refusals logged once per change of what is refused.
 * **Joining**: under the table lock, a slot is chosen, the engine's descriptor written there
   (``shm.descriptors``), the supervisor takes it up PROBING (``supervisor.membership``) and publishes its
   record, and only then does the table entry turn LIVE and the epoch move: a worker that takes it
@@ -31,7 +32,7 @@ forgotten engine's slot, and the slot given to a new engine before the next drai
 be charged to the new engine; it takes the slot's reuse within one drain of the worker's last leg
 there, and costs one report.
 
-``narwhal_discovery_engines{source,state}``: by source (``file``, ``dns``) the engines found that
+``narwhal_discovery_engines{source,state}``: by source (``file``, ``dns``, ``kubernetes``) the engines found that
 are ``active`` (in the fleet, not probing or draining), ``probing`` (not yet through their first
 checks), ``draining`` (gone from the source, legs still finishing) and ``refused`` (a taken name,
 or no engine slot left).
@@ -105,10 +106,17 @@ class Discovery:
     def __init__(self, running: Running, settings: Settings) -> None:
         self.settings = settings.discovery
         self.static = list(settings.engines)
-        self.order = (["file"] if self.settings.file else []) + [f"dns:{d.name}" for d in self.settings.dns]
+        self.order = ((["file"] if self.settings.file else []) + [f"dns:{d.name}" for d in self.settings.dns]
+                      + (["kubernetes"] if self.settings.kubernetes else []))
         bound_s = min(self.settings.interval_s, 5.0)
         self._dns = DnsReader(self.settings, bound_s) if self.settings.dns else None
         self._file = FileReader(self.settings.file, bound_s) if self.settings.file else None
+        # Watched, not polled: each change makes the next pass read the sources (kubernetes.py).
+        self._k8s = None
+        if self.settings.kubernetes:  # imported only then: kubernetes_asyncio costs the other sources nothing
+            from narwhal.supervisor.discovery.kubernetes import KubernetesWatch
+
+            self._k8s = KubernetesWatch(self.settings.kubernetes, self._changed)
         by_source: dict[str, list[EngineSpec]] = {source: [] for source in self.order}
         for engine in running.fleet.engines:  # what the table holds from each source: its last good set
             source = running.sources.get(engine.name, STATIC)
@@ -129,8 +137,19 @@ class Discovery:
 
     # -- reading -------------------------------------------------------------------------------
 
+    def _changed(self) -> None:
+        """A watched source moved: read the sources at the next pass, not at the next interval."""
+        self._next_read = 0.0
+
+    def close(self) -> None:
+        """Stop the watches (the supervisor stops)."""
+        if self._k8s is not None:
+            self._k8s.close()
+
     def tick(self, now: float, running: Running) -> list[Decision]:
         """From the loop: start the next read when due (never two at once); decide on what came."""
+        if self._k8s is not None:
+            self._k8s.start()  # once: its tasks run on the supervisor's loop
         if self._task is None and now >= self._next_read:
             self._next_read = now + self.settings.interval_s
             self._task = asyncio.ensure_future(self._read_all())
@@ -157,6 +176,12 @@ class Discovery:
                 if source == "file":
                     assert self._file is not None
                     found = await self._file.read()
+                elif source == "kubernetes":
+                    assert self._k8s is not None
+                    listed = self._k8s.engines()
+                    if listed is None:
+                        continue  # not listed yet: nothing to say (its first list makes the next pass read)
+                    found = listed
                 else:
                     assert self._dns is not None
                     dns = next(d for d in self.settings.dns if f"dns:{d.name}" == source)

@@ -324,7 +324,8 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
 def test_kubernetes_manifests_fit_together(tmp_path: Path) -> None:
     docs = manifests()
     assert sorted(docs) == [
-        "ConfigMap", "Deployment", "Kustomization", "PodDisruptionBudget", "PodMonitor", "PrometheusRule", "Service",
+        "ConfigMap", "Deployment", "Kustomization", "PodDisruptionBudget", "PodMonitor", "PrometheusRule", "Role",
+        "RoleBinding", "Service", "ServiceAccount",
     ]
     assert docs["PodMonitor"]["apiVersion"] == "monitoring.coreos.com/v1"
     deploy, config = docs["Deployment"], docs["ConfigMap"]
@@ -361,7 +362,37 @@ def test_kubernetes_manifests_fit_together(tmp_path: Path) -> None:
 
 def test_kustomize_builds() -> None:
     kinds = sorted(doc["kind"] for doc in kustomized(K8S))
-    assert kinds == ["ConfigMap", "Deployment", "PodDisruptionBudget", "PodMonitor", "PrometheusRule", "Service"]
+    assert kinds == ["ConfigMap", "Deployment", "PodDisruptionBudget", "PodMonitor", "PrometheusRule", "Role",
+                     "RoleBinding", "Service", "ServiceAccount"]
+
+
+def test_the_api_discovery_overlay_watches_the_engines_services_with_exactly_its_role(tmp_path: Path) -> None:
+    """deploy/kubernetes-discovery: 2 replicas whose settings (the ConfigMap's, with the overlay's
+    variables) find the engines from the EndpointSlices of the engines' Services, as the
+    ServiceAccount whose Role allows list and watch of EndpointSlices in the namespace alone."""
+    docs = {doc["kind"]: doc for doc in kustomized(K8S.parent / "kubernetes-discovery")}
+    deploy, config = docs["Deployment"], docs["ConfigMap"]
+    pod = deploy["spec"]["template"]["spec"]
+    assert deploy["spec"]["replicas"] == 2
+    assert pod["serviceAccountName"] == docs["ServiceAccount"]["metadata"]["name"]
+    assert pod["automountServiceAccountToken"] is True
+    env = {e["name"]: e["value"] for e in pod["containers"][0]["env"] if "value" in e and e["name"].startswith(
+        "NARWHAL_DISCOVERY")}
+    path = tmp_path / "narwhal.toml"
+    path.write_text(config["data"]["narwhal.toml"])
+    settings = load_settings(str(path), environ=env)
+    kube = settings.discovery.kubernetes
+    assert settings.discovery.dns == [] and kube is not None and kube.namespace == deploy["metadata"]["namespace"]
+    engines = [doc for p in sorted((K8S / "engines").glob("vllm-*.yaml")) for doc in yaml.safe_load_all(p.read_text())]
+    services = {d["metadata"]["name"]: d for d in engines if d["kind"] == "Service"}
+    for role, selector in kube.selectors():
+        service = services[selector.removeprefix("kubernetes.io/service-name=")]
+        assert kube.port_name in [p["name"] for p in service["spec"]["ports"]], role
+    (rule,) = docs["Role"]["rules"]
+    assert rule == {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}
+    binding = docs["RoleBinding"]
+    assert binding["roleRef"]["name"] == docs["Role"]["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "narwhal", "namespace": "llm"}]
 
 
 def test_service_links_would_stop_the_router() -> None:
