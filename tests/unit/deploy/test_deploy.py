@@ -389,7 +389,8 @@ def test_the_api_discovery_overlay_watches_the_engines_services_with_exactly_its
         service = services[selector.removeprefix("kubernetes.io/service-name=")]
         assert kube.port_name in [p["name"] for p in service["spec"]["ports"]], role
     (rule,) = docs["Role"]["rules"]
-    assert rule == {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}
+    assert rule == {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                    "verbs": ["get", "list", "watch"]}
     binding = docs["RoleBinding"]
     assert binding["roleRef"]["name"] == docs["Role"]["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "narwhal", "namespace": "llm"}]
