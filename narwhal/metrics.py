@@ -118,7 +118,8 @@ PREFILL_TOKENS = Counter(
 )
 PLACEMENTS = Counter(
     "narwhal_placements_total",
-    "Producers chosen, by why: held, rendezvous, affinity, affinity_overflow, least_loaded, saturated",
+    "Producers chosen, by why: held, rendezvous, affinity, affinity_overflow, least_loaded, saturated; "
+    "consumer_holds: none, a consumer held the prompt and decoded it alone",
     ["producer_choice"],
 )
 # Written by the supervisor, which judges each prefill's reported cached tokens (docs/behaviour.md "Placement").

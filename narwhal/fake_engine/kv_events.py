@@ -121,6 +121,11 @@ def encode_event(event: Event, block_size: int, version: tuple[int, int]) -> Any
     return {"type": "AllBlocksCleared"} if version >= (0, 24) else ["AllBlocksCleared"]
 
 
+def encode_batch(encoded: list[Any], ts: float) -> bytes:
+    """One batch's payload: ``[ts, events, data_parallel_rank]`` (vLLM's ``KVEventBatch``, an array)."""
+    return _ENCODER.encode([ts, encoded, 0])
+
+
 class KvEventPublisher:
     """One engine's publisher: PUB for live batches, ROUTER for replay (the module's text)."""
 
@@ -172,7 +177,7 @@ class KvEventPublisher:
         encoded = [encode_event(e, self.block_size, self.version) for e in events]
         if not encoded:
             return
-        payload = _ENCODER.encode([time.time(), encoded, 0])
+        payload = encode_batch(encoded, time.time())
         seq = self._seq
         self._seq += 1
         fault, self.fault = self.fault, None

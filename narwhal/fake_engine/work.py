@@ -13,7 +13,9 @@ The steps, in vLLM's order:
 2. ``run`` (when generation starts: after the headers of a stream, after the consumer's KV pull):
    wait for a batch slot in FIFO order, then, unless the KV came from a producer (a decode with
    ``do_remote_prefill``), look the blocks up, spend the prefill cost of the uncached tokens on the
-   engine's prefill lane and cache the blocks; returns the cached tokens for ``usage``. As vLLM's
+   engine's prefill lane; cache the blocks (the ones a producer sent too, as vLLM's scheduler does
+   once they are received: a consumer then holds, and publishes, the prompts it decoded); returns
+   the cached tokens for ``usage``. As vLLM's
    ``RequestStateStats``: the wait for the slot is the request's ``vllm:request_queue_time_seconds``,
    from the slot (scheduled) to its prefill done its ``vllm:request_prefill_time_seconds``;
 3. ``end`` (always, in the handler's ``finally``): give the slot back.
@@ -58,7 +60,7 @@ class Work:
             return cls(None, computes)
         text = prompt_text(body, req.chat, req.kind)
         req.prompt_tokens = text_tokens(text)
-        return cls(cache.block_hashes(text) if computes else None, computes)
+        return cls(cache.block_hashes(text), computes)
 
     async def run(self, engine: EngineState, req: ParsedRequest) -> int:
         """Wait for a slot, then prefill what the cache lacks; the cached prompt tokens."""
@@ -78,6 +80,8 @@ class Work:
         if cache is not None:
             cache.trim(sched.running_blocks)  # this request's blocks were allocated
         if not self.computes:
+            if cache is not None and self.hashes:  # the loaded blocks are cached, as vLLM's scheduler caches
+                cache.insert(self.hashes, sched.running_blocks)  # them once received (_update_waiting_for_remote_kv)
             engine.prefill_time.observe(time.monotonic() - scheduled)  # nothing to compute: its first token is now
             return 0
         cached = 0

@@ -214,6 +214,8 @@ class Attempts:
         """A local decode's result of its own: the consumer, and no descriptor (docs/behaviour.md "Placement")."""
         rec.mode = "local"
         metrics.TALLY.counts[metrics.LOCAL_DECODES] += 1
+        if resv.choice != "local":  # a consumer that held the prompt (consumer_holds): its prefill skipped
+            metrics.TALLY.counts[metrics.placements_child(resv.choice)] += 1
         consumer = resv.consumer
         return PrefillResult(consumer.name, consumer.url, req.endpoint, request_id, None, crossed=False)
 

@@ -86,6 +86,9 @@ class PlacementSettings(Section):
     restarted engine, one that cleared its cache or whose stream has a gap its replay cannot fill has its holdings
     dropped at once, and a prompt is placed by the blocks each producer's events say it holds (false: learned from
     traffic alone)"""
+    skip_prefill_share: Annotated[float, Field(ge=0, le=1)] = 0.9
+    """a prompt whose leading blocks a consumer's KV-cache events say it holds, to this share of the prompt's blocks
+    or more, is decoded on that consumer alone, its prefill skipped (a follow-up turn; `0`: never)"""
     tokenize_timeout_s: Annotated[float, Field(gt=0, le=60)] = 1.0
     """with `kv_events`, the prompt's token ids are asked of a producer's `/tokenize` before placement; past this
     bound (or on any error) the request is placed by learned holdings"""

@@ -101,6 +101,7 @@ class Supervisor:
             self.model = HoldingsModel(self._holdings_stamps(), holdings.layout.keys,
                                        settings.placement.held.block_chars, self.fleet.engines)
             self.model.events = self._followed
+            self.model.consumer_stamps = self._consumer_stamps()
             rings = holdings.layout
             self._prefill_rings = RingIndexes(rings.ring_offset(0), rings.ring_offset(1) - rings.ring_offset(0))
 
@@ -112,6 +113,13 @@ class Supervisor:
             if e.can_prefill and e.index < len(stamps):
                 stamps[e.index] = section_stamp(e.name, e.url)
         return stamps
+
+    def _consumer_stamps(self) -> dict[int, int]:
+        """Per consumer's section (an engine slot), its stamp: what its KV-cache events are published under."""
+        assert self.holdings is not None
+        sections = self.holdings.layout.sections
+        return {e.index: section_stamp(e.name, e.url) for e in self.fleet.engines
+                if not e.can_prefill and e.index < sections}
 
     def _infos(self) -> list[EngineInfo]:
         """Blame's view of each engine: its partners are the *compatible* permitted ones (versions,
@@ -153,6 +161,7 @@ class Supervisor:
         self.breakers.reshape(self._infos(), joining, self._clock())
         if self.model is not None:  # a discovered producer gets its section
             self.model.reshape(self._holdings_stamps(), self.fleet.engines)
+            self.model.consumer_stamps = self._consumer_stamps()
         for name in self.reach.names():
             if name not in self.fleet.by_name:  # gone from the fleet: nothing is remembered of it
                 self.reach.forget(name)

@@ -177,3 +177,61 @@ async def test_placement_predicts_the_cached_tokens_the_real_producer_reports(
     assert line["producer"] == real_pair[0].name
     assert line["predicted_cached_tokens"] == line["cached_tokens"], line
     assert isinstance(line["cached_tokens"], int) and line["cached_tokens"] > 0, line
+
+
+async def test_the_fakes_kv_event_frames_have_the_real_publishers_shape(
+    real_router: RouterProcess, real_pair: list[RealEngine]
+) -> None:
+    """The fake engine's KV-event batches (``narwhal/fake_engine/kv_events.py``, for this release)
+    against what the real producer publishes for a prompt: the same frames, the same batch
+    layout, and each event kind with the same keys, each value of the same type."""
+    import msgspec
+    import zmq
+    import zmq.asyncio
+
+    from narwhal.fake_engine.kv_events import Removed, Stored, encode_batch, encode_event
+
+    producer = real_pair[0]
+    sub = zmq.asyncio.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(str(producer.kv_events_config()["endpoint"]))
+    real: dict[str, object] = {}
+    frames: list[bytes] = []
+    batch: list[object] = []
+    try:
+        for _ in range(30):  # until the subscriber hears a store (a SUB connects in the background)
+            reply = await send(real_router.url, "/v1/completions",
+                               {"model": MODEL, "prompt": prompt(300), "max_tokens": 2})
+            assert reply.status == 200, reply.raw
+            while await sub.poll(500):
+                frames = await sub.recv_multipart()
+                batch = msgspec.msgpack.decode(frames[2])
+                for event in batch[1]:
+                    real.setdefault(event["type"], event)
+            if "BlockStored" in real:
+                break
+    finally:
+        sub.close()
+    assert "BlockStored" in real, real
+    assert len(frames) == 3 and len(frames[1]) == 8 and frames[0] == b"kv"
+
+    def shape(value: object) -> object:
+        if isinstance(value, dict):
+            return {k: shape(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return ["list", shape(value[0]) if value else None]
+        return type(value).__name__
+
+    release = tuple(int(p) for p in VERSION.split(".")[:2])
+    stored = real["BlockStored"]
+    assert isinstance(stored, dict)
+    fake = encode_event(Stored(list(stored["block_hashes"]), stored["parent_block_hash"], list(stored["token_ids"])),
+                        int(stored["block_size"]), release)
+    assert shape(fake) == shape(stored), (fake, stored)
+    if "BlockRemoved" in real:
+        removed = real["BlockRemoved"]
+        assert isinstance(removed, dict)
+        assert shape(encode_event(Removed(removed["block_hashes"][0]), 16, release)) == shape(removed)
+    fake_batch = msgspec.msgpack.decode(encode_batch([fake], 1.0))
+    assert [shape(v) for i, v in enumerate(fake_batch) if i != 1] == [shape(v) for i, v in enumerate(batch) if i != 1]

@@ -309,6 +309,25 @@ class Held:
         if isinstance(note, PrefixBlocks):
             note.tokens = TokenBlocks(ids)
 
+    def holders(self, note: Any, consumers: Sequence[Engine], share: float) -> list[Engine]:
+        """The consumers whose KV-cache events show at least ``share`` of the prompt's token
+        blocks as a leading run, the longest first (docs/behaviour.md "Placement": a follow-up
+        turn decoded where the previous turn left its prompt); none without token ids."""
+        tokens = note.tokens if isinstance(note, PrefixBlocks) else None
+        if tokens is None or self.holdings is None or share <= 0:
+            return []
+        readings = self.holdings.current()
+        found: list[tuple[float, int, Engine]] = []
+        for position, engine in enumerate(consumers):
+            reading = readings[engine.index] if engine.index < len(readings) else None
+            if reading is None or not reading.token_keys or reading.block_tokens in (0, FOLLOWED_EMPTY):
+                continue
+            total = tokens.count(reading.block_tokens)
+            held = tokens.matched(reading.block_tokens, reading.token_keys) / total if total else 0.0
+            if held >= share:
+                found.append((-held, position, engine))
+        return [engine for _, _, engine in sorted(found)]
+
     def keeps_saturated(self, asked: Asked) -> Callable[[Candidate], bool] | None:
         """A saturated producer that holds the prompt's first block, or is its home, stays a
         candidate: a scarce KV is always nearly full of cached prefixes, and a hit shares them."""
@@ -387,12 +406,17 @@ class Held:
         placed.work = 0
 
     def describe(self, engine: Engine) -> dict[str, Any] | None:
-        """What the supervisor believes the producer holds (docs/behaviour.md "Placement"); None for a
-        consumer, without the holdings, or before anything was published for it."""
+        """What the supervisor believes the producer holds (docs/behaviour.md "Placement"); for a
+        consumer, the blocks its KV-cache events say it holds; None without the holdings, or before
+        anything was published for it."""
         readings = self.holdings.current() if self.holdings is not None else ()
-        held = readings[engine.index] if engine.index < len(readings) and engine.can_prefill else None
+        held = readings[engine.index] if engine.index < len(readings) else None
         if held is None:
             return None
+        if not engine.can_prefill:  # a consumer: what its events say it holds (placement.skip_prefill_share)
+            followed = 0 < held.block_tokens != FOLLOWED_EMPTY
+            return {"event_blocks": len(held.token_keys) if held.block_tokens else None,
+                    "block_tokens": held.block_tokens if followed else None}
         return {
             "blocks": held.blocks,
             "capacity_blocks": held.capacity_blocks,

@@ -115,6 +115,10 @@ class Placement:
         Engines not quarantined first; quarantined ones only when those cannot take it (by the
         fallback's rank, the note unread)."""
         loads = self.current_loads()
+        if not local and note is not None and self.settings.skip_prefill_share:
+            found = self._pick_holder(model, avoid, note)
+            if found is not None:
+                return found
         pick = self._pick_local if local else self._pick
         found = pick(model, avoid, None, note, loads)
         if found is None and self.view.any_avoided():
@@ -214,6 +218,16 @@ class Placement:
             return label(position, producer) if position < within else "least_loaded"
 
         return ordered.candidates + tried_last, choice, ordered
+
+    def _pick_holder(self, model: str, avoid: frozenset[str], note: Any) -> Reservation | None:
+        """A consumer that already holds the prompt (``placement.skip_prefill_share``, by the
+        policy: ``Policy.holders``), admitted and with a free slot, decodes it alone; None: P/D."""
+        holders = self.policy.holders(note, self._consumers(model), self.settings.skip_prefill_share)
+        for d in holders:
+            if (not avoid or d.name not in avoid) and self.view.admitted(d) and self.inflight.try_reserve(
+                    d, "decode", d.max_inflight_decode):
+                return Reservation(self, d, d, "consumer_holds", local=True)
+        return None
 
     def _pick_local(
         self, model: str, avoid: frozenset[str], second: Fallback | None, note: Any, loads: Loads | None,

@@ -136,6 +136,10 @@ class Policy(Protocol):
     def tokens(self, note: Any, ids: Sequence[int]) -> None:
         """The prompt's token ids as the engines tokenize it, for the request ``note`` was kept of."""
 
+    def holders(self, note: Any, consumers: Sequence[Engine], share: float) -> list[Engine]:
+        """The consumers of ``consumers`` that already hold at least ``share`` of the prompt's
+        blocks, most first, to decode it alone (none: P/D as usual)."""
+
     def keeps_saturated(self, asked: Asked) -> Callable[[Candidate], bool] | None:
         """Which saturated candidates stay among the others (None: none do)."""
 
@@ -173,6 +177,10 @@ class KeepsNothing:
 
     def tokens(self, note: Any, ids: Sequence[int]) -> None:
         """Never called: token ids are never wanted."""
+
+    def holders(self, note: Any, consumers: Sequence[Engine], share: float) -> list[Engine]:
+        """No consumer's holdings are known."""
+        return []
 
     def placed(self, resv: Reservation, note: Any, ordered: Ordered, position: int) -> None:
         """Nothing kept: the reservation's note stays None."""

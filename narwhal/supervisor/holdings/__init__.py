@@ -117,6 +117,10 @@ class HoldingsModel:
         self.fit = Fit()  # duration against uncached characters, every producer's unqueued prefills
         # Per engine index, its followed KV-cache events (the supervisor's; None: none followed).
         self.events: Callable[[], Mapping[int, EventBlocks]] | None = None
+        # Consumers by engine index, their stamps: a section each with their events' blocks alone
+        # (placement.skip_prefill_share: a follow-up turn decoded where its prompt already is).
+        self.consumer_stamps: dict[int, int] = {}
+        self._consumers_published: dict[int, tuple[tuple[int, int] | None, float]] = {}
 
     def reshape(self, stamps: Sequence[int | None], engines: Sequence[Named]) -> None:
         """The engines changed (discovery, docs/behaviour.md "Engines that come and go"): per index, a producer whose
@@ -392,6 +396,23 @@ class HoldingsModel:
             holdings.publish(index, p.stamp, p.engine_id, keys, self.capacity_blocks(p), rates[index],
                              p.chars_per_token, p.mean_uncached or self.mean_uncached or 0.0, hot, p.homes,
                              token_keys, block_tokens)
+        self._publish_consumers(holdings, followed, now)
+
+    def _publish_consumers(self, holdings: Holdings, followed: Mapping[int, EventBlocks], now: float) -> None:
+        """Each consumer's section, its events' token keys alone, when they moved (at most every
+        ``PUBLISH_S``); an empty one when its events stop being followed."""
+        for index, stamp in self.consumer_stamps.items():
+            events = followed.get(index)
+            marker = None if events is None else (id(events), events.changes)
+            published = self._consumers_published.get(index)
+            if published is not None and (published[0] == marker or now - published[1] < PUBLISH_S):
+                continue
+            if published is None and marker is None:
+                continue  # never followed: nothing to say
+            self._consumers_published[index] = (marker, now)
+            token_keys, block_tokens = _token_keys(events, holdings.layout.token_keys)
+            holdings.publish(index, stamp, 0, [], None, None, None, 0.0, token_keys=token_keys,
+                             block_tokens=block_tokens)
 
 
 def _token_keys(events: EventBlocks | None, room: int) -> tuple[list[int], int]:

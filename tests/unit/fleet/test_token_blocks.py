@@ -5,6 +5,7 @@ placement by them."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from narwhal.fleet.placement.held import order
 from narwhal.fleet.placement.token_blocks import FOLLOWED_EMPTY, TokenBlocks, as_key, cached_tokens, chain_keys
@@ -101,3 +102,22 @@ def test_order_reports_no_token_prediction_where_events_are_not_followed() -> No
     reading = Held(frozenset(), 0, None, 4.0, None, 0.0, 1)
     _, facts = order([0], blocks, [reading], lambda i: i, lambda i: 0, lambda i: 0.0, lambda i: 0.0, 0.1)
     assert facts[0][3] == -1
+
+
+def _consumer_holds(keys: int, share: float = 0.9) -> tuple[Any, Any]:
+    placement, holdings, *_ = build_held(skip_prefill_share=share)
+    blocks = prompt_blocks()
+    ids = list(range(len(blocks.text) // 4))
+    d0 = len(PRODUCERS)  # the consumer's engine index
+    holdings.held[d0] = _followed(Held(frozenset(), 0, None, None, None, 0.0, 0), TokenBlocks(ids).keys(4, keys))
+    blocks.tokens = TokenBlocks(ids)
+    return place_blocks(placement, blocks), TokenBlocks(ids).count(4)
+
+
+def test_a_consumer_holding_the_prompt_past_the_share_decodes_it_alone() -> None:
+    found, total = _consumer_holds(10_000)
+    assert (found.local, found.consumer.name, found.choice) == (True, "d0", "consumer_holds")
+    short, _ = _consumer_holds(int(total * 0.8))  # 80 % held, 90 % asked: P/D as usual
+    assert not short.local and short.choice != "consumer_holds"
+    never, _ = _consumer_holds(10_000, share=0.0)  # 0: never
+    assert not never.local

@@ -41,8 +41,9 @@ def efleet() -> Iterator[FakeFleet]:
 
 @pytest.fixture(scope="module")
 def two(efleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RouterProcess, RouterProcess]]:
-    first = hs.start(efleet, tmp_path_factory.mktemp("first"))
-    second = hs.start(efleet, tmp_path_factory.mktemp("second"))
+    # Consumers hold what they decoded: these tests are about producers, so none decodes alone here.
+    first = hs.start(efleet, tmp_path_factory.mktemp("first"), skip_prefill_share=0)
+    second = hs.start(efleet, tmp_path_factory.mktemp("second"), skip_prefill_share=0)
     try:
         yield first, second
     finally:
@@ -138,6 +139,38 @@ async def test_both_replicas_place_a_prompt_where_the_events_say_it_is_and_predi
     again = await _placed(second, prompt)
     assert (again["producer"], again["predicted_cached_tokens"]) == (now, again["cached_tokens"]), again
     assert again["cached_tokens"] > 0
+
+
+async def test_a_follow_up_turn_is_decoded_alone_by_the_consumer_that_holds_its_prompt(
+    efleet: FakeFleet, tmp_path: Any
+) -> None:
+    """Turn 1 goes P/D; the consumer that decoded it caches its prompt (as vLLM does once the KV
+    arrives) and publishes it; turn 2, that prompt and a short follow-up, is decoded there alone
+    (``placement.skip_prefill_share``, 0.9 by default): no producer prefills it."""
+    router = hs.start(efleet, tmp_path)
+    try:
+        messages = [{"role": "system", "content": hs.make_prefix()}, {"role": "user", "content": "first question"}]
+        body = {"model": MODEL, "messages": messages, "max_tokens": 4, "stream": False}
+        turn1 = f"turn1-{uuid.uuid4().hex}"
+        reply = await send(router.url, "/v1/chat/completions", body, headers={"x-request-id": turn1})
+        assert reply.status == 200, reply.raw
+        line = access_line(router, turn1)
+        assert line["mode"] == "disaggregated" and line["producer"] in hs.PRODUCERS, line
+        consumer = line["consumer"]
+        await _wait_event_blocks(router, consumer, above=0)
+        follow = messages + [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "and then?"}]
+        prefills = {name: efleet.stats(name)["requests"]["prefill"] for name in hs.PRODUCERS}
+        turn2 = f"turn2-{uuid.uuid4().hex}"
+        reply = await send(router.url, "/v1/chat/completions", {**body, "messages": follow},
+                           headers={"x-request-id": turn2})
+        assert reply.status == 200, reply.raw
+        line = access_line(router, turn2)
+        assert (line["mode"], line["consumer"], line["producer"]) == ("local", consumer, None), line
+        assert {name: efleet.stats(name)["requests"]["prefill"] for name in hs.PRODUCERS} == prefills  # none prefilled
+        wait_until(lambda: value(scrape(router), "narwhal_placements_total", producer_choice="consumer_holds") == 1,
+                   5, "the placement counted")
+    finally:
+        router.stop()
 
 
 async def _event_blocks(router: RouterProcess, name: str) -> int:
