@@ -28,7 +28,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from narwhal.worker.lifecycle import STOP_SIGNALS
+from narwhal.stop_signals import STOP_SIGNALS
 
 if TYPE_CHECKING:
     from gunicorn.arbiter import Arbiter

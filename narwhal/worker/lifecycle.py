@@ -23,8 +23,7 @@ from __future__ import annotations
 import signal
 from typing import Any
 
-# The signals by which the master stops its workers (gunicorn's kill_workers).
-STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGQUIT, signal.SIGINT})
+from narwhal.stop_signals import STOP_SIGNALS
 
 
 def post_worker_init(worker: Any) -> None:

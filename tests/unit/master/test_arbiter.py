@@ -12,7 +12,7 @@ from typing import Any
 from gunicorn.arbiter import Arbiter
 
 from narwhal.master import arbiter
-from narwhal.worker.lifecycle import STOP_SIGNALS
+from narwhal.stop_signals import STOP_SIGNALS
 
 
 class Keeper:
