@@ -208,6 +208,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         help="publish KV-cache events as vLLM's ZMQ publisher does (implies --prefix-cache): GET /kv_event_sources",
     )
     p.add_argument(
+        "--kv-buffer-steps", type=int, default=10_000,
+        help="batches the KV-event replay keeps (vLLM's buffer_steps): a subscriber further behind loses the rest",
+    )
+    p.add_argument(
         "--tensor-parallel-size", type=int, default=1,
         help="the descriptors' tp_size; a consumer fails pulls from a producer whose TP does not divide its own",
     )
@@ -279,7 +283,7 @@ def _models(args: argparse.Namespace, names: Sequence[str]) -> tuple[EngineModel
 # what goes to every ``FakeEngine``), passed as parsed.
 _RUN_FLEET_OPTIONS = ("host", "base_port", "control_port", "ready_file", "model", "version", "lease_s", "block_size",
                       "default_tokens", "token_delay_s", "coalesce", "flat_block_ids", "records_max",
-                      "transfer_mode", "enable_scale_out", "max_model_len", "kv_events")
+                      "transfer_mode", "enable_scale_out", "max_model_len", "kv_events", "kv_buffer_steps")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -196,6 +196,16 @@ class PrefixCache:
         if events and self.publisher is not None:
             self.publisher.publish(events)
 
+    def announce(self, text: str, blocks: int) -> None:
+        """The first ``blocks`` blocks of ``text``, reused by a request that asked for the full
+        report (``kv_cache_report_mode = "full"``): one ``BlockStored`` from block 0, as vLLM's
+        ``emit_cached_block_events`` sends it (the same hashes again)."""
+        if self.publisher is None or blocks <= 0:
+            return
+        run = chain(piece_ids(text), self.block_size, self._seed)[:blocks]
+        self.publisher.publish([Stored([event_hash(d) for d, _ in run], None,
+                                       [t for _, block in run for t in block])])
+
     def clear(self) -> None:
         """Forget every cached hash (vLLM's reset_prefix_cache); blocks in use stay in use."""
         self._cached.clear()

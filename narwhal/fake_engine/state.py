@@ -112,10 +112,12 @@ class EngineState:
         ssl_context: ssl.SSLContext | None = None,
         load_model: EngineModel | None = None,
         kv_events: bool = False,
+        kv_buffer_steps: int = 10_000,
     ) -> None:
         self.name = name
         self.kv_events = kv_events  # publish KV-cache events (fake_engine.kv_events), prefix cache on
         self.kv_publisher: KvEventPublisher | None = None  # made once the engine serves (its loop runs)
+        self.kv_buffer_steps = kv_buffer_steps  # batches its replay keeps (vLLM's buffer_steps)
         self.engine_id = str(uuid.uuid4())
         self.model = model
         self.base_version = version
@@ -228,7 +230,7 @@ class EngineState:
         """Publish KV-cache events from now on (the serving loop runs): PUB and replay bound."""
         if self.kv_events and self.kv_publisher is None:
             self.kv_publisher = KvEventPublisher(self.release.minor, f"kv@{self.listen_host}:{self.port}@{self.model}",
-                                                 self.kv.block_size)
+                                                 self.kv.block_size, buffer_steps=self.kv_buffer_steps)
             self.kv_publisher.start()
             if self.cache is not None:
                 self.cache.publisher = self.kv_publisher

@@ -43,13 +43,14 @@ from narwhal.fake_engine.state import EngineState
 class Work:
     """The slot, blocks and cache hashes of one request."""
 
-    __slots__ = ("hashes", "computes", "slot", "blocks")
+    __slots__ = ("hashes", "computes", "slot", "blocks", "announce")
 
-    def __init__(self, hashes: list[int] | None, computes: bool) -> None:
+    def __init__(self, hashes: list[int] | None, computes: bool, announce: str | None = None) -> None:
         self.hashes = hashes
         self.computes = computes  # False: the KV was computed elsewhere (a remote prefill)
         self.slot = False
         self.blocks = 0  # blocks of this request alone (its hashed blocks are shared, while it has a slot)
+        self.announce = announce  # the prompt text, when its reused blocks are to be re-announced (full report)
 
     @classmethod
     def prepare(cls, engine: EngineState, req: ParsedRequest, body: dict[str, Any]) -> Work:
@@ -60,7 +61,8 @@ class Work:
             return cls(None, computes)
         text = prompt_text(body, req.chat, req.kind)
         req.prompt_tokens = text_tokens(text)
-        return cls(cache.block_hashes(text), computes)
+        full = engine.release.minor >= (0, 26) and _report_mode(body) == "full"
+        return cls(cache.block_hashes(text), computes, text if full else None)
 
     async def run(self, engine: EngineState, req: ParsedRequest) -> int:
         """Wait for a slot, then prefill what the cache lacks; the cached prompt tokens."""
@@ -89,6 +91,8 @@ class Work:
             cached = cache.lookup(self.hashes, req.prompt_tokens)
             engine.prefix_queries += req.prompt_tokens
             engine.prefix_hits += cached
+            if cached and self.announce is not None:  # kv_cache_report_mode "full": the reused prefix again
+                cache.announce(self.announce, cached // cache.block_size)
         cost = engine.load_model.prefill_s_per_token * (req.prompt_tokens - cached)
         if cost > 0:
             await sched.prefill(cost)
@@ -108,3 +112,13 @@ class Work:
             if cache is not None and self.hashes:
                 cache.release(self.hashes)
             engine.scheduler.release()
+
+
+def _report_mode(body: dict[str, Any]) -> Any:
+    """``kv_cache_report_mode`` as vLLM reads it: ``SamplingParams.extra_args`` (``vllm_xargs``, or
+    generate's ``sampling_params.extra_args``)."""
+    xargs = body.get("vllm_xargs")
+    if not isinstance(xargs, dict):
+        params = body.get("sampling_params")
+        xargs = params.get("extra_args") if isinstance(params, dict) else None
+    return xargs.get("kv_cache_report_mode") if isinstance(xargs, dict) else None

@@ -243,7 +243,7 @@ class Attempts:
         return self.client.prefill(
             resv.producer,
             req.endpoint,
-            req.body,
+            req.body if not resv.report_full else req.endpoint.dialect.full_report(req.body),
             request_id=life.request_id,
             crossed=resv.crossed,
             deadline=req.deadline,

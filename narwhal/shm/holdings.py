@@ -5,14 +5,15 @@ same way (no name, nothing left after ``kill -9``); kept apart from the fleet la
 change independently. ::
 
     header                 64 B  magic, sizes, generation (bumped after each publish)
-    sections    E × (64 B + K × 8 B)   per engine index, written only by the supervisor:
+    sections    E × (80 B + (K + T) × 8 B)   per engine index, written only by the supervisor:
         seq u64 (odd while written), identity u32 (CRC32 of name and URL), count u32,
         capacity_blocks u32, crc u32, engine id u64, prefill chars/s f64, chars/token f64,
         mean uncached chars per prefill f64, hot blocks u32 (reused in the last few seconds),
-        homes u32, token keys u32, tokens per block u32; then ``count`` block keys, most recent
-        first, then ``homes`` pairs of (first block key, blocks) u64: the live prefixes whose home
-        this producer is; then, in a room of its own (``token_keys``), the token block keys its
-        KV-cache events say it holds (``fleet.placement.token_blocks``), most recent first
+        homes u32, token keys u32, tokens per block u32, flags u32 (``REPORT_FULL``), 0 u32;
+        then ``count`` block keys, most recent first, then ``homes`` pairs of (first block key,
+        blocks) u64: the live prefixes whose home this producer is; then, in a room of its own
+        (T = ``token_keys``), the token block keys its KV-cache events say it holds
+        (``fleet.placement.token_blocks``), most recent first
     rings       W × (16 B + R × entry)  per worker slot, written only by that worker:
         write index u64 (worker), read index u64 (supervisor); each entry one completed
         prefill: producer, its identity and engine id, prompt chars and tokens, cached
@@ -55,9 +56,10 @@ HEADER = struct.Struct("<IIIIIIII")  # magic, version, sections, keys per sectio
 #                                      token keys per section
 HEADER_SIZE = 64
 GENERATION_OFFSET = 32
-SECTION_HEAD = 72
-_SECTION = struct.Struct("<IIIIQdddIIII")  # identity, count, capacity, crc, engine id, rate, cpt, mean, hot,
-#                                             homes, token keys, tokens per block (at 8)
+SECTION_HEAD = 80
+_SECTION = struct.Struct("<IIIIQdddIIIIII")  # identity, count, capacity, crc, engine id, rate, cpt, mean, hot,
+#                                               homes, token keys, tokens per block, flags, 0 (at 8)
+REPORT_FULL = 1  # section flag: its prefills ask for the full report of reused blocks (a late joiner)
 RING_HEAD = 16
 _ENTRY = struct.Struct("<QHHIIIIdQId")  # seq, producer, nkeys, identity, chars, tokens, cached, duration,
 #                                          engine id, queued chars, finished at (monotonic)
@@ -148,6 +150,7 @@ class Held:
     homes: dict[int, int] | None = None  # first block key -> blocks: the live prefixes homed here
     token_keys: frozenset[int] = frozenset()  # token block keys its KV-cache events say it holds
     block_tokens: int = 0  # tokens per block of ``token_keys``; 0: its events are not followed
+    report_full: bool = False  # just subscribed: its prefills ask it to re-announce the blocks they reuse
 
 
 class PrefillReport(NamedTuple):
@@ -197,7 +200,7 @@ class Holdings(Mapped[HoldingsLayout]):
         self, engine: int, stamp: int, engine_id: int, keys: list[int], capacity_blocks: int | None,
         prefill_chars_per_s: float | None, chars_per_token: float | None, mean_uncached_chars: float,
         hot_blocks: int = 0, homes: dict[int, int] | None = None, token_keys: Sequence[int] = (),
-        block_tokens: int = 0,
+        block_tokens: int = 0, report_full: bool = False,
     ) -> None:
         """Supervisor side: one producer's holdings, most recent key first (cut to the room,
         the homes first); its token block keys (most recent first, cut to their room) with
@@ -218,7 +221,7 @@ class Holdings(Mapped[HoldingsLayout]):
         head = _SECTION.pack(stamp, len(keys), capacity, 0,
                              engine_id, prefill_chars_per_s or 0.0, chars_per_token or 0.0, mean_uncached_chars,
                              min(hot_blocks, len(keys)), len(pairs), len(tokens),
-                             block_tokens if block_tokens > 0 else 0)
+                             block_tokens if block_tokens > 0 else 0, REPORT_FULL if report_full else 0, 0)
         done = (seq | 1) + 1
         # The CRC covers the generation it is published under (as shm.records' do): on aarch64 a
         # reader may see the new even seq before the new body, and must not take the old body for it.
@@ -261,7 +264,8 @@ class Holdings(Mapped[HoldingsLayout]):
             if seq & 1:
                 continue
             raw = mm[off + 8 : off + 8 + _SECTION.size]
-            ident, count, capacity, crc, engine_id, rate, cpt, mean, hot, nhomes, ntokens, bt = _SECTION.unpack(raw)
+            (ident, count, capacity, crc, engine_id, rate, cpt, mean, hot, nhomes, ntokens, bt, flags,
+             _) = _SECTION.unpack(raw)
             if ident != stamp:
                 return None
             count = min(count, self.layout.keys)
@@ -279,7 +283,7 @@ class Holdings(Mapped[HoldingsLayout]):
             tokens = frozenset(struct.unpack(f"<{ntokens}Q", token_body)) if ntokens else frozenset()
             return Held(frozenset(values[:count]), count,
                         None if capacity == NONE32 else capacity, cpt or None, rate or None, mean, engine_id, hot,
-                        homes, tokens, bt)
+                        homes, tokens, bt, bool(flags & REPORT_FULL))
         return TORN
 
     def read_keys(self, engine: int, stamp: int) -> list[int] | None:

@@ -219,13 +219,12 @@ class Supervisor:
         return -1 if self.kv_events is None else self.kv_events.version
 
     def _followed(self) -> dict[int, Stream]:
-        """Per engine index, its KV-event stream while it is in order (the holdings publish it)."""
+        """Per engine index, its KV-event subscription (the holdings publish its blocks while it is in order)."""
         events = self.kv_events
         if events is None or not events.streams:
             return {}
         streams = events.streams
-        return {e.index: stream for e in self.fleet.engines
-                if (stream := streams.get(e.name)) is not None and stream.in_sync}
+        return {e.index: stream for e in self.fleet.engines if (stream := streams.get(e.name)) is not None}
 
     def kv_events_reset(self, name: str, why: str) -> None:
         """An engine's KV events say its cache is not what was known (a restart, a cleared cache,

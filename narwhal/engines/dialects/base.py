@@ -145,6 +145,12 @@ class Dialect:
         affinity key, never a local decode)."""
         return None
 
+    def full_report(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``body`` asking the engine to publish, as KV-cache events, the cached blocks the request
+        reuses (vLLM's ``kv_cache_report_mode = "full"``, 0.26 on; an older release ignores it):
+        this endpoint cannot ask, so unchanged."""
+        return body
+
     def token_ids(self, body: dict[str, Any]) -> list[int] | dict[str, Any] | None:
         """The prompt's token ids as the engine will see them: the ids themselves when the body
         carries them, else the ``/tokenize`` body (without ``model``) that gives them, else None

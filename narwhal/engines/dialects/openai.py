@@ -63,6 +63,12 @@ class Completions(Dialect, endpoint=COMPLETIONS, prompt_fields=("prompt",)):
             return _ids_text(first if isinstance(first, list) else prompt, limit)
         return ""
 
+    def full_report(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``vllm_xargs.kv_cache_report_mode = "full"`` beside the client's own ``vllm_xargs``
+        (vLLM hands them to the engine as ``SamplingParams.extra_args``)."""
+        xargs = body.get("vllm_xargs")
+        return {**body, "vllm_xargs": {**(xargs if isinstance(xargs, dict) else {}), "kv_cache_report_mode": "full"}}
+
     def token_ids(self, body: dict[str, Any]) -> list[int] | dict[str, Any] | None:
         """A string prompt's ``/tokenize`` body (special tokens as the request asks, vLLM's
         default on); a prompt of token ids (or a list of them: the first) is its ids."""
@@ -161,6 +167,14 @@ class Generate(Completions, endpoint=GENERATE, prompt_fields=("token_ids",)):
         n = params.get("n")
         if n is not None and (not is_int(n) or n > 1):
             raise bad("'sampling_params.n' > 1 is not supported by disaggregated serving")
+
+    def full_report(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``kv_cache_report_mode = "full"`` in ``sampling_params.extra_args``."""
+        params = body.get("sampling_params")
+        params = dict(params) if isinstance(params, dict) else {}
+        extra = params.get("extra_args")
+        params["extra_args"] = {**(extra if isinstance(extra, dict) else {}), "kv_cache_report_mode": "full"}
+        return {**body, "sampling_params": params}
 
     def token_ids(self, body: dict[str, Any]) -> list[int] | dict[str, Any] | None:
         """The prompt's ids, as the client sent them."""

@@ -381,6 +381,11 @@ class Held:
             work = uncached
             holdings.add_work(resv.producer.index, work)
         resv.note = HeldPlaced(note, matched, queued, work, None if tokens < 0 else tokens)
+        if holdings is not None:  # its events newly followed: a late joiner asks for the full report
+            readings = holdings.current()
+            index = resv.producer.index
+            reading = readings[index] if index < len(readings) else None
+            resv.report_full = reading is not None and reading.report_full
 
     def prefilled(self, resv: Reservation, result: PrefillFacts) -> None:
         """The finished prefill for the holdings (docs/behaviour.md "Placement"): its producer,
@@ -427,4 +432,5 @@ class Held:
             # Its KV-cache events' blocks, where followed (None: learned from traffic alone).
             "event_blocks": len(held.token_keys) if held.block_tokens else None,
             "block_tokens": held.block_tokens if 0 < held.block_tokens != FOLLOWED_EMPTY else None,
+            "full_report": held.report_full,  # newly subscribed: its prefills ask it to re-announce reused blocks
         }

@@ -43,6 +43,9 @@ class HeldReading(Protocol):
     def token_keys(self) -> frozenset[int]:
         """The token block keys its KV-cache events say it holds (``token_blocks``)."""
     @property
+    def report_full(self) -> bool:
+        """Its events are newly followed: its prefills ask it to re-announce the blocks they reuse."""
+    @property
     def block_tokens(self) -> int:
         """Tokens per block of ``token_keys``; 0: its events are not followed (``FOLLOWED_EMPTY``:
         followed, nothing stored yet)."""

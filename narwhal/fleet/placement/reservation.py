@@ -99,7 +99,7 @@ class Reservation:
     ``affinity``, ``affinity_overflow``, ``least_loaded``, ``saturated``, ``held``,
     ``rendezvous``, or ``local`` for a local decode, which chose no producer at all."""
 
-    __slots__ = ("producer", "consumer", "choice", "crossed", "local", "note", "_placement",
+    __slots__ = ("producer", "consumer", "choice", "crossed", "local", "note", "report_full", "_placement",
                  "_prefill_held", "_decode_held", "_unsent")
 
     def __init__(
@@ -115,6 +115,9 @@ class Reservation:
         # The placement policy's, set when the pair was reserved (``Policy.placed``), read by it
         # alone: the request path carries it (None: the policy keeps nothing of this reservation).
         self.note: Any = None
+        # Its prefill asks the producer to re-announce the blocks it reuses (vLLM's
+        # kv_cache_report_mode "full"): the policy says so while the producer's events are newly followed.
+        self.report_full = False
         self._placement = placement
         self._prefill_held = not local
         self._decode_held = True

@@ -78,6 +78,12 @@ class EventBlocks(Protocol):
     @property
     def changes(self) -> int:
         """Moves whenever ``keys`` does."""
+    @property
+    def in_sync(self) -> bool:
+        """A contiguous run of batches is applied: its blocks are the engine's own account."""
+    @property
+    def report_until(self) -> float:
+        """Until when (monotonic) its prefills ask for the full report of reused blocks."""
 
 
 class Named(Protocol):
@@ -120,7 +126,7 @@ class HoldingsModel:
         # Consumers by engine index, their stamps: a section each with their events' blocks alone
         # (placement.skip_prefill_share: a follow-up turn decoded where its prompt already is).
         self.consumer_stamps: dict[int, int] = {}
-        self._consumers_published: dict[int, tuple[tuple[int, int] | None, float]] = {}
+        self._consumers_published: dict[int, tuple[tuple[int, int, bool] | None, float]] = {}
 
     def reshape(self, stamps: Sequence[int | None], engines: Sequence[Named]) -> None:
         """The engines changed (discovery, docs/behaviour.md "Engines that come and go"): per index, a producer whose
@@ -381,7 +387,8 @@ class HoldingsModel:
             if hot != p.published_hot:
                 p.dirty = True  # the live count moves with time alone, as reuses age out
             events = followed.get(index)
-            marker = None if events is None else (id(events), events.changes)
+            marker = None if events is None else (id(events), events.changes if events.in_sync else -1,
+                                                  now < events.report_until)
             if marker != p.published_events:
                 p.dirty = True
             if not p.dirty or (now - p.published_at < PUBLISH_S and not p.urgent):
@@ -395,7 +402,7 @@ class HoldingsModel:
             token_keys, block_tokens = _token_keys(events, holdings.layout.token_keys)
             holdings.publish(index, p.stamp, p.engine_id, keys, self.capacity_blocks(p), rates[index],
                              p.chars_per_token, p.mean_uncached or self.mean_uncached or 0.0, hot, p.homes,
-                             token_keys, block_tokens)
+                             token_keys, block_tokens, report_full=marker is not None and marker[2])
         self._publish_consumers(holdings, followed, now)
 
     def _publish_consumers(self, holdings: Holdings, followed: Mapping[int, EventBlocks], now: float) -> None:
@@ -403,7 +410,7 @@ class HoldingsModel:
         ``PUBLISH_S``); an empty one when its events stop being followed."""
         for index, stamp in self.consumer_stamps.items():
             events = followed.get(index)
-            marker = None if events is None else (id(events), events.changes)
+            marker = None if events is None else (id(events), events.changes if events.in_sync else -1, False)
             published = self._consumers_published.get(index)
             if published is not None and (published[0] == marker or now - published[1] < PUBLISH_S):
                 continue
@@ -417,8 +424,8 @@ class HoldingsModel:
 
 def _token_keys(events: EventBlocks | None, room: int) -> tuple[list[int], int]:
     """An engine's token block keys, most recent first, at most ``room``; and its block size (0:
-    not followed, or no room for them; ``FOLLOWED_EMPTY``: followed, nothing stored yet)."""
-    if events is None or room <= 0:
+    not followed, its stream not in order, or no room for them; ``FOLLOWED_EMPTY``: followed, nothing stored yet)."""
+    if events is None or not events.in_sync or room <= 0:
         return [], 0
     if events.block_size <= 0:
         return [], FOLLOWED_EMPTY

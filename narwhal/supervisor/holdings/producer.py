@@ -55,7 +55,7 @@ class ProducerHoldings:
     engine_rate: EngineRate = field(default_factory=EngineRate)  # as its /metrics say (tokens/s)
     dirty: bool = True
     published_at: float = float("-inf")
-    published_events: tuple[int, int] | None = None  # (its event stream, its changes) last published
+    published_events: tuple[int, int, bool] | None = None  # (its event stream, its changes, full report) published
 
     def forget(self) -> None:
         """A new engine behind the name (restarted, or ejected and back): nothing it held is held."""

@@ -41,6 +41,11 @@ log = logging.getLogger("narwhal.supervisor.kv_events")
 
 RETRY_S = 5.0  # a subscription that failed (an engine down, a publisher gone) tries again
 NO_PUBLISHER_S = 30.0  # an engine that publishes nothing (events off, a release before 0.31) is asked again
+# For this long after a subscription begins, prefills to the engine ask for the full report of the
+# blocks they reuse (vLLM's kv_cache_report_mode, 0.26 on): a cache hit publishes nothing, so what
+# the engine cached before this router subscribed is learned as requests reuse it (docs/behaviour.md
+# "Placement"); afterwards the events alone keep the picture, at no extra event per hit.
+REPORT_FULL_S = 300.0
 REPLAY_IDLE_S = 2.0  # a replay that sends nothing for this long is over (the gap not filled)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _SOURCES_PATH = "/kv_event_sources"
@@ -149,6 +154,7 @@ class KvEventsHub:
                 dealer.setsockopt(zmq.LINGER, 0)
                 dealer.connect(replay)
             stream = Stream()
+            stream.report_until = time.monotonic() + REPORT_FULL_S
             self._set_stream(name, stream)
             self._said.discard(name)
             log.info("engine %s: following its KV events at %s", name, pub)

@@ -35,7 +35,7 @@ APPLIED, DUPLICATE, GAP, RESTART = "applied", "duplicate", "gap", "restart"
 class Stream:
     """One publisher's sequence and blocks (the module's text)."""
 
-    __slots__ = ("next_seq", "blocks", "keys", "block_size", "changes", "_last", "resets", "cleared")
+    __slots__ = ("next_seq", "blocks", "keys", "block_size", "changes", "report_until", "_last", "resets", "cleared")
 
     def __init__(self) -> None:
         self.next_seq: int | None = None  # None: nothing applied yet
@@ -43,6 +43,9 @@ class Stream:
         self.keys: dict[int | bytes, int] = {}  # engine hash -> our key of the block (token_blocks)
         self.block_size = 0  # tokens per block, as the last BlockStored said (0: none yet)
         self.changes = 0
+        # Until when (the follower's clock) prefills ask the engine to re-announce the blocks they
+        # reuse: what it cached before the subscription began is learned so (the hub sets it).
+        self.report_until = 0.0
         self._last = b""  # the last applied payload: what a duplicate repeats
         self.resets = 0
         self.cleared = False  # an AllBlocksCleared was applied since the caller last looked

@@ -16,15 +16,20 @@ from typing import Any
 import aiohttp
 import pytest
 
+from narwhal.fleet.placement.affinity import key_hash, rank
+from narwhal.fleet.placement.blocks import PrefixBlocks
 from narwhal.testing.harness import FakeFleet, RouterProcess
 from tests.real_gunicorn.placement.holdings import holdings_support as hs
 from tests.real_gunicorn.support import (
     MODEL,
+    TOKEN,
     access_line,
     completion,
     engine_entry,
+    records,
     scrape,
     send,
+    start_router,
     value,
     wait_until,
 )
@@ -171,6 +176,45 @@ async def test_a_follow_up_turn_is_decoded_alone_by_the_consumer_that_holds_its_
                    5, "the placement counted")
     finally:
         router.stop()
+
+
+async def test_a_router_that_subscribes_late_learns_a_reused_prefix_from_the_full_report(tmp_path: Any) -> None:
+    """A prefix cached before the router subscribed, its batch gone from a one-batch replay buffer:
+    nothing the router hears says the producer holds it, and a cache hit publishes nothing. For
+    a while after subscribing, the router's prefills ask for the full report
+    (``vllm_xargs.kv_cache_report_mode``): the first one that reuses the prefix has the producer
+    re-announce it, and the next is placed by it, predicting the cached tokens exactly."""
+    fleet = FakeFleet.start(["lp0", "lp1", "ld0"], args=["--model", MODEL, "--lease-s", "60", "--kv-events",
+                                                         "--kv-buffer-steps", "1"])
+    try:
+        prompt = hs.make_prefix() + " the question"
+        holder = rank(["lp0", "lp1"], PrefixBlocks(prompt, 256, 65536).key(0), key_hash)[0]  # where rank sends it
+        async with aiohttp.ClientSession() as session:
+            for text in (prompt, hs.make_prefix()):  # cached, then rolled out of the replay buffer
+                async with session.post(fleet.engines[holder] + "/v1/completions",
+                                        json={"model": MODEL, "prompt": text, "max_tokens": 1}) as resp:
+                    assert resp.status == 200
+        engines = [{"name": "lp0", "role": "producer"}, {"name": "lp1", "role": "producer"},
+                   {"name": "ld0", "role": "consumer"}]
+        router = start_router(fleet, engines, tmp_path, server={"workers": 1, "admin_token": TOKEN},
+                              placement={"load_interval_s": 0.1, "skip_prefill_share": 0,
+                                         "held": {"affinity_slack": hs.SLACK}})
+        try:
+            end = asyncio.get_running_loop().time() + 10
+            while not (await hs.holdings(router, holder)).get("full_report"):  # subscribed, and said so
+                assert asyncio.get_running_loop().time() < end, await hs.holdings(router, holder)
+                await asyncio.sleep(0.05)
+            first = await _placed(router, prompt)
+            assert first["producer"] == holder and first["cached_tokens"], first  # a hit the router did not foresee
+            (prefill,) = [r for r in records(fleet, holder, prompt) if r["phase"] == "prefill"][-1:]
+            assert prefill["body"].get("vllm_xargs") == {"kv_cache_report_mode": "full"}, prefill["body"]
+            await _wait_event_blocks(router, holder, above=0)
+            again = await _placed(router, prompt + " again")
+            assert again["producer"] == holder and again["predicted_cached_tokens"] == again["cached_tokens"] > 0, again
+        finally:
+            router.stop()
+    finally:
+        fleet.stop()
 
 
 async def _event_blocks(router: RouterProcess, name: str) -> int:
