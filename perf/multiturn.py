@@ -19,13 +19,13 @@ import asyncio
 import os
 import statistics
 import tempfile
-import time
 import uuid
 from typing import Any
 
 import aiohttp
 
 from narwhal.testing.harness import FakeFleet, RouterProcess, write_config
+from perf.token_ids import first_byte
 
 MODEL = "fake-model"
 PRODUCERS = ["mp0", "mp1"]
@@ -43,14 +43,8 @@ def _router(fleet: FakeFleet, tmp: str, share: float) -> RouterProcess:
 
 
 async def _turn(session: aiohttp.ClientSession, url: str, messages: list[dict[str, str]]) -> tuple[float, str]:
-    body = {"model": MODEL, "messages": messages, "max_tokens": 8, "stream": True}
-    start = time.perf_counter()
-    async with session.post(url + "/v1/chat/completions", json=body) as resp:
-        assert resp.status == 200, await resp.read()
-        await resp.content.readany()
-        first = time.perf_counter() - start
-        await resp.read()
-    return first, "an answer of a few words"
+    body: dict[str, object] = {"model": MODEL, "messages": messages, "max_tokens": 8, "stream": True}
+    return await first_byte(session, url, body), "an answer of a few words"
 
 
 async def _conversations(routers: dict[str, RouterProcess], count: int, turns: int) -> dict[str, list[float]]:

@@ -60,7 +60,8 @@ def _prompt(i: int, chars: int) -> dict[str, object]:
             "messages": [{"role": "system", "content": system[:chars]}, {"role": "user", "content": f"question {i}"}]}
 
 
-async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, object]) -> float:
+async def first_byte(session: aiohttp.ClientSession, url: str, body: dict[str, object]) -> float:
+    """One streamed chat completion through ``url``: seconds to its first body byte (read whole)."""
     start = time.perf_counter()
     async with session.post(url + "/v1/chat/completions", json=body) as resp:
         assert resp.status == 200, await resp.read()
@@ -77,11 +78,11 @@ async def _measure(routers: dict[str, RouterProcess], requests: int, chars: int)
     async with aiohttp.ClientSession() as session:
         for router in routers.values():  # warm: connections, the events followed
             for i in range(20):
-                await _one(session, router.url, _prompt(-1 - i, chars))
+                await first_byte(session, router.url, _prompt(-1 - i, chars))
         for i in range(requests):
             for name, router in routers.items():
                 before = _cpu_ns(pids[name])
-                ttft[name].append(await _one(session, router.url, _prompt(i, chars)))
+                ttft[name].append(await first_byte(session, router.url, _prompt(i, chars)))
                 cpu[name] += _cpu_ns(pids[name]) - before
     return {name: (cpu[name] / requests / 1e3, statistics.median(ttft[name]) * 1e3) for name in routers}
 
