@@ -18,6 +18,7 @@ import pytest
 
 from narwhal.fleet.placement.affinity import key_hash, rank
 from narwhal.fleet.placement.blocks import PrefixBlocks
+from narwhal.supervisor.holdings import PUBLISH_S
 from narwhal.testing.harness import FakeFleet, RouterProcess
 from tests.real_gunicorn.placement.holdings import holdings_support as hs
 from tests.real_gunicorn.support import (
@@ -114,11 +115,12 @@ async def test_both_replicas_place_a_prompt_where_the_events_say_it_is_and_predi
     prompt = hs.make_prefix() + " the user's question"
     holder = hs.favourites(prompt)[-1]
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+    heard = [_batches(router, holder) for router in two]
     async with aiohttp.ClientSession() as session, session.post(efleet.engines[holder] + "/v1/completions",
                                                                 json=body) as resp:
         assert resp.status == 200
-    for router in two:
-        await _wait_event_blocks(router, holder, above=0)
+    for router, was in zip(two, heard, strict=True):
+        await _published(router, holder, was)
     for router in (second, first):
         line = await _placed(router, prompt)
         assert (line["producer"], line["predicted_cached_tokens"]) == (holder, line["cached_tokens"]), line
@@ -134,13 +136,13 @@ async def test_both_replicas_place_a_prompt_where_the_events_say_it_is_and_predi
     for router, was in zip(two, before, strict=True):
         wait_until(lambda r=router, w=was: value(scrape(r), "narwhal_kv_event_resets_total", engine=holder) > w,
                    10, "the restart seen")
-    seen = {name: await _event_blocks(second, name) for name in hs.PRODUCERS}
+    heard = {name: _batches(second, name) for name in hs.PRODUCERS}
     line = await _placed(first, prompt)
     # Nobody holds it now: nothing predicted (None: a producer that never published is not followed yet), nothing
     # cached (vLLM leaves prompt_tokens_details out of a prefill that hit nothing).
     assert not line["predicted_cached_tokens"] and not line["cached_tokens"], str(line)
     now = line["producer"]  # where the first replica put it: the second follows once the events say so
-    await _wait_event_blocks(second, now, above=seen[now])
+    await _published(second, now, heard[now])
     again = await _placed(second, prompt)
     assert (again["producer"], again["predicted_cached_tokens"]) == (now, again["cached_tokens"]), again
     assert again["cached_tokens"] > 0
@@ -157,12 +159,13 @@ async def test_a_follow_up_turn_is_decoded_alone_by_the_consumer_that_holds_its_
         messages = [{"role": "system", "content": hs.make_prefix()}, {"role": "user", "content": "first question"}]
         body = {"model": MODEL, "messages": messages, "max_tokens": 4, "stream": False}
         turn1 = f"turn1-{uuid.uuid4().hex}"
+        heard = {name: _batches(router, name) for name in hs.CONSUMERS}
         reply = await send(router.url, "/v1/chat/completions", body, headers={"x-request-id": turn1})
         assert reply.status == 200, reply.raw
         line = access_line(router, turn1)
         assert line["mode"] == "disaggregated" and line["producer"] in hs.PRODUCERS, line
         consumer = line["consumer"]
-        await _wait_event_blocks(router, consumer, above=0)
+        await _published(router, consumer, heard[consumer])
         follow = messages + [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "and then?"}]
         prefills = {name: efleet.stats(name)["requests"]["prefill"] for name in hs.PRODUCERS}
         turn2 = f"turn2-{uuid.uuid4().hex}"
@@ -215,6 +218,20 @@ async def test_a_router_that_subscribes_late_learns_a_reused_prefix_from_the_ful
             router.stop()
     finally:
         fleet.stop()
+
+
+def _batches(router: RouterProcess, name: str) -> float:
+    """The KV-event batches ``router`` heard from ``name``, whatever it made of them."""
+    text = scrape(router)
+    return sum(value(text, "narwhal_kv_events_total", engine=name, verdict=v)
+               for v in ("applied", "gap", "restart", "duplicate"))
+
+
+async def _published(router: RouterProcess, name: str, heard: float) -> None:
+    """Until ``router`` heard a batch from ``name`` beyond ``heard``, then one publish of the
+    supervisor's holdings (at most every ``supervisor.holdings.PUBLISH_S``, 0.1 s, on a 20 ms loop)."""
+    wait_until(lambda: _batches(router, name) > heard, 10, f"a KV-event batch of {name} heard")
+    await asyncio.sleep(3 * PUBLISH_S)
 
 
 async def _event_blocks(router: RouterProcess, name: str) -> int:
