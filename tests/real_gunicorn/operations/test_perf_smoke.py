@@ -57,7 +57,9 @@ def test_quick_run_works(tmp_path: Path) -> None:
     # With a --baseline that is no commit: it is refused before the first scenario, so every
     # scenario runs as in a plain --quick run, and that run shows the refusal is reported, not
     # fatal (a run of its own cost ~15 s; the run without --baseline is the prefix_scarce one's).
-    proc = run_perf(tmp_path, "--baseline", "no-such-ref")
+    # Half the quick run's measured time per target: the smoke asks that every scenario works, not
+    # for figures, and the suite's time is short.
+    proc = run_perf(tmp_path, "--baseline", "no-such-ref", "--duration", "0.25")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
     doc = json.loads((tmp_path / "results.json").read_text())
@@ -114,7 +116,7 @@ def test_baseline_runs_in_the_same_rounds(tmp_path: Path) -> None:
     head = _git_head()
     if head is None:
         pytest.skip("not a git checkout: --baseline needs one")
-    proc = run_perf(tmp_path, "--scenarios", "nonstream", "--baseline", "HEAD", timeout=100)
+    proc = run_perf(tmp_path, "--scenarios", "nonstream", "--baseline", "HEAD", "--duration", "0.25", timeout=100)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     doc = json.loads((tmp_path / "results.json").read_text())
     assert doc["meta"]["baseline"] == {"ref": "HEAD", "commit": head, "error": None}
