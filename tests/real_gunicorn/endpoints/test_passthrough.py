@@ -287,6 +287,10 @@ async def test_a_refusing_engine_is_unreachable_and_placed_last(solo: RouterProc
         # docs/behaviour.md "Recovery" (round 4): once d2 refused a connection it is unreachable and comes last, so the
         # producer takes the next requests instead of d2 answering every one 502.
         reply, _ = await _tokenize(solo)
+        if error_of(reply)["message"] == "engine d2 closed the connection before a response (decode)":
+            # A kept-alive connection the stopping engine closed under the request (a POST is never
+            # resent): the next request connects afresh, and is refused.
+            reply, _ = await _tokenize(solo)
         assert (reply.status, reply.headers["x-narwhal-error"]) == (502, "engine_unreachable"), reply.raw
         assert error_of(reply)["message"] == "engine d2 is unreachable (decode)"
         # The supervisor's line is written once the flag is published (every worker's next request
