@@ -129,20 +129,21 @@ def _host(address: str, kind: str) -> str:
     return f"[{parsed}]" if parsed.version == 6 else str(parsed)
 
 
-def _slice_key(raw: Any) -> str:
+def _metadata(raw: Any, key: str) -> str:
+    """``metadata.<key>`` of an API object, a non-empty string; :class:`Unshaped` otherwise."""
     meta = raw.get("metadata") if isinstance(raw, dict) else None
-    name = meta.get("name") if isinstance(meta, dict) else None
-    if not isinstance(name, str) or not name:
-        raise Unshaped("an EndpointSlice without metadata.name")
-    return name
+    value = meta.get(key) if isinstance(meta, dict) else None
+    if not isinstance(value, str) or not value:
+        raise Unshaped(f"no metadata.{key}")
+    return value
+
+
+def _slice_key(raw: Any) -> str:
+    return _metadata(raw, "name")
 
 
 def _version(raw: Any) -> str:
-    meta = raw.get("metadata") if isinstance(raw, dict) else None
-    version = meta.get("resourceVersion") if isinstance(meta, dict) else None
-    if not isinstance(version, str) or not version:
-        raise Unshaped("no metadata.resourceVersion")
-    return version
+    return _metadata(raw, "resourceVersion")
 
 
 class KubernetesWatch:
@@ -153,7 +154,6 @@ class KubernetesWatch:
         self.on_change = on_change
         self.slices: dict[str, dict[str, list[EngineSpec]]] = {role: {} for role, _ in source.selectors()}
         self.listed: set[str] = set()  # roles listed at least once: their membership is known
-        self.relists = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._api: k8s_client.ApiClient | None = None
         self._down: str | None = None  # the outage said, until the API server answers again
@@ -194,7 +194,6 @@ class KubernetesWatch:
                 backoff = BACKOFF_MIN_S
                 while version is not None:
                     version = await self._watch(api, role, selector, version)
-                self.relists += 1  # a 410: the version is gone, list again at once
                 log.info("discovery: kubernetes: the watch of %s engines is too old (410 Gone): listing again", role)
                 continue
             except asyncio.CancelledError:
