@@ -1,5 +1,5 @@
-"""The KV handoff: the prefill rewrite, the descriptor, and its validation (docs/behaviour.md "The request path" steps
-3–5).
+"""The KV handoff: the prefill rewrite, the descriptor, and its validation (docs/behaviour.md
+"Prefill", "Handoff validation").
 
 The descriptor is the producer's ``kv_transfer_params``. Proxies copy it *verbatim* into the
 decode request: vLLM adds fields with every NIXL connector version (``tp_size``, ``dcp_size``,
@@ -8,7 +8,7 @@ fields it knows would silently drop what a newer consumer needs (without ``tp_si
 consumer sends no lease heartbeats and the producer's blocks expire). So validation checks
 only what would make the decode useless or dangerous, and keeps every other key untouched.
 
-Rule order matters: the first failing rule decides the detail (docs/behaviour.md "The request path" step 5).
+Rule order matters: the first failing rule decides the detail (docs/behaviour.md "Handoff validation").
 """
 
 from __future__ import annotations

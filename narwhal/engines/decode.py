@@ -6,7 +6,7 @@ named steps — :meth:`open` (POST, read the head under the first-token timer),
 :meth:`next_span` (the next bytes for the client), :meth:`close` (pool or close the
 connection). What the client sees is decided by its caller; what the engine did is decided
 here. Before any leg, ``engines.handoff_check.checked_handoff`` is the handoff's own step
-(docs/behaviour.md "The request path" step 5): a leg takes only its ``CheckedHandoff``.
+(docs/behaviour.md "Handoff validation"): a leg takes only its ``CheckedHandoff``.
 
 The hot path: after the first token, spans that cannot end the stream are handed to the
 caller's *sink* from the connection's data callback (``narwhal.engines.relay``), so a long

@@ -1,4 +1,5 @@
-"""The handoff's own step before any decode leg (docs/behaviour.md "The request path" step 5, and step 6's age rule).
+"""The handoff's own step before any decode leg (docs/behaviour.md "Handoff validation", and
+the handoff's age).
 
 Invariant: a decode leg carries a descriptor only as this step returned it (``CheckedHandoff``,
 ``engines.connector``): validated by the NixlConnector rules in order and younger than
@@ -18,7 +19,7 @@ from narwhal.engines.prefill_result import PrefillResult
 def checked_handoff(
     result: PrefillResult, decode_endpoint: Endpoint, max_age_s: float | None
 ) -> CheckedHandoff | None:
-    """docs/behaviour.md "The request path" step 5, and step 6's age rule: the descriptor a decode on
+    """docs/behaviour.md "Handoff validation", and the handoff's age: the descriptor a decode on
     ``decode_endpoint`` may
     carry (None when the prefill was not crossed: a same-worker or local decode carries none),
     or raise ``invalid_handoff`` (the NixlConnector rules in order) or ``handoff_expired``. Its

@@ -43,8 +43,7 @@ def producer_descriptor(
 
     Allocates and holds the blocks when a usable descriptor is returned; ``MISSING`` means "omit
     the key". A corrupted descriptor holds nothing: no consumer could ever read or free it, so a
-    router is right to send it nowhere (docs/behaviour.md "The request path" step 5), and held blocks must stay a
-    measure of
+    router is right to send it nowhere (docs/behaviour.md "Cleanup"), and held blocks must stay a measure of
     what a *router* strands.
     """
     if fault == "missing":

@@ -8,7 +8,7 @@ prefill). A router that forgets either rewrite fails against the fake as it woul
 Phase detection decides which fault spec applies and labels the request records:
 ``do_remote_decode`` marks a producer prefill, ``do_remote_prefill`` a consumer decode, and a
 non-streaming ``max_tokens: 1`` + ``ignore_eos`` request without ``kv_transfer_params`` is the
-router's same-engine warm-up prefill (docs/behaviour.md "The request path" step 3).
+router's same-engine warm-up prefill (docs/behaviour.md "Prefill").
 
 Invariant: ``parse_request`` either returns a ``ParsedRequest`` that generation can trust as is
 (known model, non-negative integer ``max_tokens``, ``kv_params`` a dict or None) or raises

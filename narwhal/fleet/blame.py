@@ -89,7 +89,7 @@ class EngineInfo:
     name: str
     role: str  # "producer" | "consumer" | "both"
     wave: str | None
-    permitted_consumers: frozenset[str]  # by configuration (docs/behaviour.md "The request path" step 2)
+    permitted_consumers: frozenset[str]  # by configuration (docs/behaviour.md "Placement")
     permitted_producers: frozenset[str]
 
     @property

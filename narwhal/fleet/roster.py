@@ -49,7 +49,7 @@ class Engine:
 
 
 def pair_permitted(p: Engine, d: Engine) -> bool:
-    """docs/behaviour.md "The request path" step 2: roles, kv_peers, same connector; P = D only for role ``both``."""
+    """docs/behaviour.md "Placement": roles, kv_peers, same connector; P = D only for role ``both``."""
     if not (p.can_prefill and d.can_decode) or p.connector != d.connector:
         return False
     if p is d:

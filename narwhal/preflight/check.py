@@ -287,7 +287,7 @@ class _Preflight:
                 handoff.descriptor, producer=engine.name, prefill_endpoint=ENDPOINT.path, decode_endpoint=ENDPOINT.path
             )
         except InvalidHandoff as exc:
-            # sent nowhere (docs/behaviour.md "The request path" step 5)
+            # sent nowhere (docs/behaviour.md "Cleanup")
             self._abandoned(engine.name, "its descriptor is invalid")
             return Check(FAIL, f"connector mismatch: {exc.message}")
         self.handoffs[engine.name] = (handoff, body)
@@ -369,7 +369,7 @@ class _Preflight:
                         by_name: dict[str, EngineResult]) -> None:
         """One handoff from ``p`` decoded on ``d`` to ``[DONE]``, under the request path's handoff
         rules (``engines.control_decode``); raises what ended it otherwise."""
-        crossed = p is not d  # P = D: a same-worker decode, no descriptor (docs/behaviour.md "The request path" step 3)
+        crossed = p is not d  # P = D: a same-worker decode, no descriptor (docs/behaviour.md "The request path", P = D)
         body = _probe_body(model)
         handoff = await self.client.prefill(p, ENDPOINT, body, request_id=_request_id(), crossed=crossed)
         if crossed:

@@ -22,6 +22,8 @@ from typing import Any
 
 import orjson
 
+from narwhal.fleet.placement.policy import Placed
+
 
 @dataclass(slots=True)
 class AccessRecord:
@@ -48,8 +50,9 @@ class AccessRecord:
     client: str | None = None  # the peer address (X-Forwarded-For is not trusted: see README)
     backend_ids: list[str] = field(default_factory=list)  # the X-Request-Id of each attempt, in order
     completion_tokens: int | None = None  # the decode's, when the engine reported usage
-    predicted_cached_chars: int | None = None  # policy "held": the prompt characters believed cached
-    predicted_cached_tokens: int | None = None  # policy "held", by the producer's KV-cache events: what it reports
+    # The placement policy's note of the reservation (policy.Placed): its predicted cached
+    # characters and tokens are the line's; None: the policy keeps none.
+    placed: Placed | None = None
     # The request's trace: its server span's with tracing on, else the client's traceparent's (the
     # trace the engines' spans join); None without tracing and without a valid traceparent.
     trace_id: str | None = None
@@ -58,6 +61,7 @@ class AccessRecord:
         """The line's JSON fields in their documented order (docs/operations.md "Following a request"), stamped with
         the wall clock now.
         """
+        placed = self.placed
         return {
             "ts": round(time.time(), 6),
             "request_id": self.request_id,
@@ -79,8 +83,8 @@ class AccessRecord:
             "client": self.client,
             "backend_ids": self.backend_ids,
             "completion_tokens": self.completion_tokens,
-            "predicted_cached_chars": self.predicted_cached_chars,
-            "predicted_cached_tokens": self.predicted_cached_tokens,
+            "predicted_cached_chars": None if placed is None else placed.predicted_cached_chars,
+            "predicted_cached_tokens": None if placed is None else placed.predicted_cached_tokens,
             "trace_id": self.trace_id,
         }
 

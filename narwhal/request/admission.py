@@ -1,4 +1,6 @@
-"""Admission: read the body once, check what the router reads, refuse the rest with a 4xx.
+"""Admission, the one door of every route (docs/behaviour.md "Admission"): read the body once,
+check what the router reads, refuse the rest with a 4xx, and hand the router a request ready to
+place (:meth:`Admission.admit`).
 
 The body is parsed once with orjson and kept as a dict; every engine body is built from that
 dict (never spliced from the client's bytes), so a duplicate key cannot smuggle a client
@@ -22,8 +24,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import math
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
@@ -32,7 +35,10 @@ from aiohttp.http_exceptions import HttpProcessingError
 from narwhal.engines.endpoints import GENERATE, Endpoint
 from narwhal.errors import RequestError
 from narwhal.fleet import Fleet
+from narwhal.fleet.endpoint_support import NONE, PD, EndpointSupport
+from narwhal.fleet.placement.policy import Policy
 from narwhal.reasons import Reason
+from narwhal.request.affinity import prepared
 from narwhal.request.ids import printable_ascii
 from narwhal.settings import Settings
 
@@ -321,14 +327,14 @@ def parse_passthrough(raw: bytes, fleet: Fleet) -> tuple[dict[str, Any], str]:
     return body, resolve_model(body, fleet)
 
 
-async def admit(
+async def checked_request(
     request: web.Request, endpoint: Endpoint, settings: Settings, fleet: Fleet, arrival: float,
     traceparent: str | None,
 ) -> ClientRequest:
     """Key, deadline and body checked once, before anything is placed; a ``RequestError`` (4xx) if not.
-    ``traceparent``: the header as the router read it (:func:`trace_context`). The one door of
-    every route: a passthrough route's body is only an object naming a model (every other field
-    is its engine's to validate), and its answer is relayed whole."""
+    ``traceparent``: the header as the router read it (:func:`trace_context`). A passthrough
+    route's body is only an object naming a model (every other field is its engine's to
+    validate), and its answer is relayed whole."""
     check_api_key(request, settings.server.api_keys, x_api_key=endpoint.x_api_key)
     deadline = request_deadline(request, settings, arrival)
     raw = await read_body(request, settings)
@@ -340,3 +346,53 @@ async def admit(
         endpoint=endpoint, body=body, model=model, stream=stream, deadline=deadline,
         forward=trace_context(request, traceparent),
     )
+
+
+class TokenIds(Protocol):
+    """The prompt's token ids for the policy's note (``narwhal.request.prompt_tokens.PromptTokens``)."""
+
+    def wanted(self, req: ClientRequest) -> bool:
+        """Does the policy want this request's token ids?"""
+
+    def give(self, req: ClientRequest, request_id: str) -> Awaitable[None]:
+        """Hand the request's note its prompt's token ids."""
+
+
+class Admission:
+    """One worker's door: every route's request is admitted here once, and leaves ready to place."""
+
+    def __init__(self, settings: Settings, fleet: Fleet, policy: Policy, token_ids: TokenIds) -> None:
+        self.settings = settings
+        self.fleet = fleet
+        self.policy = policy
+        self.token_ids = token_ids
+        self._support = EndpointSupport(fleet)  # which endpoints the engines' releases serve, how
+
+    async def admit(
+        self, request: web.Request, endpoint: Endpoint, arrival: float, traceparent: str | None, request_id: str,
+    ) -> ClientRequest:
+        """The request checked (:func:`checked_request`) and, on a P/D route, ready to place: a
+        local decode decided and the placement policy's note kept (``narwhal.request.affinity``),
+        the engines' releases asked whether they hand off here, the prompt's token ids given to
+        the note where the policy wants them, and the prompt's fields encoded once
+        (:func:`embed_prompt`). A 4xx (``RequestError``) if not; ``request_id`` is the client's."""
+        req = await checked_request(request, endpoint, self.settings, self.fleet, arrival, traceparent)
+        if endpoint.passthrough:
+            return req
+        req.local, req.note = prepared(endpoint, req.body, self.settings.placement, self.policy)
+        support = self._support.of(req.model, endpoint.path)
+        if support is not PD:  # the engines' release cannot hand off here (0.11 and Responses, …)
+            req.local = _served_alone(support, req.model, endpoint.path)
+        if self.token_ids.wanted(req):  # a producer's KV-cache events are followed
+            await self.token_ids.give(req, request_id + "-tokenize")
+        # Nothing reads the prompt from the body after this; a continuation reads req.prompt.
+        req.prompt = embed_prompt(req.body, endpoint.dialect.prompt_fields)
+        return req
+
+
+def _served_alone(support: str, model: str, path: str) -> bool:
+    """A request the engines' releases cannot hand off on: one engine serves it (True), or 501."""
+    if support is NONE:
+        raise RequestError(f"{path} is not served by the vLLM release of the engines serving {model!r}",
+                           reason=Reason.NOT_IMPLEMENTED)
+    return True

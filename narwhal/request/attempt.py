@@ -1,15 +1,16 @@
-"""One attempt, read top to bottom as docs/behaviour.md "The request path"'s steps: :meth:`Attempts.run` reserves the
-pair (2),
-runs the prefill (3, ``_prefill``), reads its result (4, ``_prefilled``), checks the handoff as a
-step of its own (5, and step 6's age rule: ``_handoff``, over ``engines.handoff_check.checked_handoff``),
-decodes and relays (6-7, ``_decode``), reports the outcome and gives back the reservation (8).
+"""One attempt, read top to bottom as docs/behaviour.md "The request path"'s named steps.
+:meth:`Attempts.run` takes the pair **Placement** reserves, then **Prefill** (``_prefill``, its
+answer read by ``_prefilled``), **Handoff validation** (``_handoff``, over
+``engines.handoff_check.checked_handoff``, with the handoff's age), **Decode** (``_decode``: the
+consumer's stream relayed), and **Cleanup** as the attempt's life ends (the reservation given
+back by its state table, an undecoded handoff released), and **A consumer's refusal** where
+``_decode`` meets one (``handoff_release.decode_ending``). **Admission** was the router's.
 
-An attempt is one prefill and one decode on a pair placed together (docs/behaviour.md "The request path"). Its life is
-an
-:class:`~narwhal.request.attempt_state.AttemptLife`: every step is a move the state table allows
-(placed → prefilling → handed_off → decoding → streaming → done / failed / detached), and an
-observer (tracing) learns the attempt from those moves. The attempt owns both phase
-reservations, the handoff and the decode connection, and gives each back exactly once however it
+An attempt is one prefill and one decode on a pair placed together (docs/behaviour.md "The
+request path"). Its life is an :class:`~narwhal.request.attempt_state.AttemptLife`: every step
+is a move the state table allows (placed → prefilling → handed_off → decoding → streaming →
+done / failed / detached), and an observer (tracing) learns the attempt from those moves. The
+attempt owns both phase reservations, the handoff and the decode connection, and gives each back exactly once however it
 ends: the reservations at its end (or, when the client left mid-prefill, in the background task
 that now owns them), the decode connection with the leg, and a handoff that will not be decoded
 through :class:`~narwhal.request.handoff_release.HandoffReleases`, whose table says, for each way
@@ -77,9 +78,9 @@ async def _stream(
     client: ClientStream, leg: DecodeLeg, life: AttemptLife, started: float, ttft_s: float | None,
     age: float | None, tap: UsageTap | None, migration: Migration | None,
 ) -> web.StreamResponse:
-    """Relay an opened stream to the client until its terminal event (docs/behaviour.md "The request path" step 7, "The
-    other P/D endpoints");
-    a continuation's spans rewritten (``migration``), and a cut's last output noted for it."""
+    """Relay an opened stream to the client until its terminal event (docs/behaviour.md "Decode",
+    "The other P/D endpoints"); a continuation's spans rewritten (``migration``), and a cut's last
+    output noted for it."""
     rec = life.rec
     observed = ended = False
     first_byte_s = None  # this attempt's, when it committed the stream (a continuation did not)
@@ -137,8 +138,9 @@ def _observe_stream_end(rec: AccessRecord, started: float, spans: int, tap: Usag
 
 
 class Attempts:
-    """Runs one attempt of a request, docs/behaviour.md "The request path" steps 2-8 in order (:meth:`run`); the router
-    retries.
+    """Runs one attempt of a request (:meth:`run`): docs/behaviour.md "The request path" in order,
+    **Placement** (the reservation it is given), **Prefill**, **Handoff validation**, **Decode**,
+    **Cleanup** and **A consumer's refusal**; the router retries.
     """
 
     def __init__(
@@ -162,13 +164,12 @@ class Attempts:
         self, client: ClientStream, req: ClientRequest, rec: AccessRecord, started: float, avoid: frozenset[str],
         migration: Migration | None = None, exclude: frozenset[str] = frozenset(),
     ) -> web.StreamResponse:
-        """One attempt, docs/behaviour.md "The request path"'s steps in order (step 1, admission, was the router's);
-        raises
-        what the router retries or answers. ``migration``: the stream's, when it may continue
+        """One attempt, docs/behaviour.md "The request path"'s steps in order (**Admission** was
+        the router's); raises what the router retries or answers. ``migration``: the stream's, when it may continue
         after a cut (its transcript records what the client is sent; ``req`` may be a continuation);
         ``exclude``: engines never placed on (the consumers that cut the stream)."""
         resv = await self.placement.reserve(req.model, req.deadline, avoid, req.note, req.local, exclude)
-        producer, consumer = resv.producer, resv.consumer  # 2. placement: the pair, both slots held
+        producer, consumer = resv.producer, resv.consumer  # Placement: the pair, both slots held
         rec.producer, rec.consumer = (None if resv.local else producer.name), consumer.name
         request_id = backend_id(rec.request_id, rec.attempts)
         rec.backend_ids.append(request_id)
@@ -179,12 +180,12 @@ class Attempts:
                 ttft_s = descriptor = None
             else:
                 life.to(S.PREFILLING)
-                result = life.result = await self._prefill(req, life)  # 3. prefill
-                ttft_s = self._prefilled(req, resv, rec, result, started, migration)  # 4. the PrefillResult
+                result = life.result = await self._prefill(req, life)  # Prefill
+                ttft_s = self._prefilled(req, resv, rec, result, started, migration)  # Prefill: its answer
                 life.to(S.HANDED_OFF)
-                descriptor = self._handoff(req, resv, result, ttft_s)  # 5. validation (and 6's age rule)
+                descriptor = self._handoff(req, resv, result, ttft_s)  # Handoff validation
             life.to(S.DECODING)
-            response = await self._decode(client, req, life, descriptor, started, ttft_s, migration)  # 6-7.
+            response = await self._decode(client, req, life, descriptor, started, ttft_s, migration)  # Decode
             life.to(S.DONE)
         except BaseException as exc:
             streamed = life.state is S.STREAMING  # this attempt's own output reached the client
@@ -195,7 +196,7 @@ class Attempts:
             metrics.TALLY.counts[metrics.attempts_child("success")] += 1
             self.outcomes.success(producer, consumer, local=resv.local)
             return response
-        # 8. cleanup: ending done or failed gave the slots back (attempt_state.ON_ENTRY); a
+        # Cleanup: ending done or failed gave the slots back (attempt_state.ON_ENTRY); a
         # detached reservation is its background task's.
 
     def _failed(
@@ -226,10 +227,9 @@ class Attempts:
         return loop
 
     def _prefill(self, req: ClientRequest, life: AttemptLife) -> Awaitable[PrefillResult]:
-        """docs/behaviour.md "The request path" step 3: the prefill leg on the producer, as the awaitable of its
-        PrefillResult.
-        A plain function returning the leg's coroutine: no frame of its own to resume on every
-        wakeup of the prefill."""
+        """**Prefill** (docs/behaviour.md "Prefill"): the prefill leg on the producer, as the
+        awaitable of its PrefillResult. A plain function returning the leg's coroutine: no frame
+        of its own to resume on every wakeup of the prefill."""
         resv = life.resv
         life.rec.mode = "disaggregated" if resv.crossed else "same_worker"
         metrics.TALLY.counts[metrics.placements_child(resv.choice)] += 1
@@ -255,29 +255,29 @@ class Attempts:
         self, req: ClientRequest, resv: Reservation, rec: AccessRecord, result: PrefillResult, started: float,
         migration: Migration | None,
     ) -> float | None:
-        """docs/behaviour.md "The request path" step 4: what the PrefillResult says (TTFT, returned;
-        tokens; the placement policy's report). A continuation's prefill leaves the request's TTFT
-        and prompt alone. The prefill slot goes back as the attempt moves on to ``handed_off``
+        """**Prefill**, its answer (docs/behaviour.md "Prefill"): what the PrefillResult says
+        (TTFT, returned; tokens; the placement policy's note, for the access log and its
+        ``prefilled`` hook). A continuation's prefill leaves the request's TTFT and prompt alone.
+        The prefill slot goes back as the attempt moves on to ``handed_off``
         (``attempt_state.ON_ENTRY``): nothing here awaits, so that is as soon as before."""
         metrics.count_prefill_tokens(result.prompt_tokens, result.cached_tokens)
         ttft_s = None
         if migration is None or not migration.count:
             rec.ttft_s = ttft_s = time.perf_counter() - started
             rec.prompt_tokens, rec.cached_tokens = result.prompt_tokens, result.cached_tokens
-        note = resv.note
-        if note is not None:  # the placement policy keeps something of it (policy.Placed)
-            rec.predicted_cached_chars = note.predicted_cached_chars
-            rec.predicted_cached_tokens = note.predicted_cached_tokens
+        if resv.note is not None:  # the placement policy keeps a note of it, carried unread
+            rec.placed = resv.note
             # Runs at the decode's first wait: what the policy does of it is off the critical path.
-            self._running_loop().call_soon(self.placement.policy.prefilled, resv, result)
+            self._running_loop().call_soon(resv.prefilled, result)
         return ttft_s
 
     def _handoff(
         self, req: ClientRequest, resv: Reservation, result: PrefillResult, ttft_s: float | None
     ) -> CheckedHandoff | None:
-        """docs/behaviour.md "The request path" step 5 (none for a same-worker decode) and step 6's
-        age rule: the descriptor the decode carries. A rejected one is sent nowhere (counted abandoned: a malformed one
-        could crash a consumer), and so is an expired one (docs/decisions.md "vLLM releases")."""
+        """**Handoff validation** (docs/behaviour.md "Handoff validation"; none for a same-worker
+        decode) and the handoff's age: the descriptor the decode carries. A rejected one is sent
+        nowhere (counted abandoned: a malformed one could crash a consumer), and so is an expired
+        one (docs/decisions.md "vLLM releases")."""
         try:
             descriptor = checked_handoff(result, result.endpoint, self.settings.handoff.max_age_s)
             if descriptor is not None and descriptor.get("transfer_mode", resv.producer.transfer_mode) \
@@ -300,9 +300,10 @@ class Attempts:
         ttft_s: float | None,
         migration: Migration | None,
     ) -> web.StreamResponse:
-        """Decode on the consumer and relay what it sends (docs/behaviour.md "The request path" steps 6-7).
-        ``life.rec`` is
-        only written: what the client was sent is ``client.committed``."""
+        """**Decode** (docs/behaviour.md "Decode"): decode on the consumer and relay what it sends,
+        then, for a decode that did not happen, **Cleanup** or **A consumer's refusal**
+        (``handoff_release.decode_ending``). ``life.rec`` is only
+        written: what the client was sent is ``client.committed``."""
         resv, rec, result = life.resv, life.rec, life.result
         assert result is not None  # the prefill's, or a local decode's own
         leg = None
@@ -332,7 +333,8 @@ class Attempts:
             streaming = True
             return await _stream(client, leg, life, started, ttft_s, age, tap, migration)
         except NarwhalError as exc:
-            # Never sent (the consumer never saw the handoff), or refused by a consumer that keeps it.
+            # Cleanup, or A consumer's refusal: never sent (the consumer never saw the handoff), or
+            # refused by a consumer that keeps it.
             ending = decode_ending(exc, leg is None or leg.sent, resv.consumer, req.endpoint is GENERATE)
             if ending is not None:
                 self.releases.end(ending, result, req, resv)

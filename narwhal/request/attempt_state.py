@@ -1,4 +1,5 @@
-"""Where an attempt is in its life, and the only ways it may move on (docs/behaviour.md "The request path" steps 2-8).
+"""Where an attempt is in its life, and the only ways it may move on (docs/behaviour.md "The request path":
+**Placement** to **Cleanup**).
 
 One attempt is one prefill and one decode on a pair placed together. Its life, as a table:
 
@@ -10,8 +11,7 @@ One attempt is one prefill and one decode on a pair placed together. Its life, a
 
 - ``placed``: the pair is reserved (both phase slots held).
 - ``prefilling``: the one-token prefill is on the producer.
-- ``handed_off``: the producer answered; its descriptor is being checked (docs/behaviour.md "The request path" steps
-  4-5).
+- ``handed_off``: the producer answered; its descriptor is being checked (docs/behaviour.md "Handoff validation").
 - ``decoding``: the decode is on its way to the consumer (a local decode starts here).
 - ``streaming``: output reached the client: from here on nothing is retried (docs/behaviour.md "Recovery").
 - ``done`` / ``failed``: the attempt ended. ``detached``: the client left mid-prefill and a

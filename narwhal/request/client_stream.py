@@ -5,7 +5,7 @@ A :class:`ClientStream` owns the response a request answers with, its flow contr
 or terminal event, whose fault a failure was, whether a handoff still needs releasing). The
 access-log record only *records* what happened; nothing decides from it.
 
-HTTP 200 and the headers go out only with the first generated token (docs/behaviour.md "The request path" step 7); after
+HTTP 200 and the headers go out only with the first generated token (docs/behaviour.md "Decode"); after
 that, spans relayed from the engine's data callback go straight to the client's transport
 through the :class:`ClientSink`, framed as aiohttp frames the rest of the body. A client that
 does not read for ``server.client_write_timeout_s`` is dropped: its buffer stops growing and

@@ -1,5 +1,5 @@
-"""Every way a handoff that will not be decoded ends, in one table (docs/behaviour.md "The request path" step 8,
-docs/decisions.md "vLLM releases").
+"""Every way a handoff that will not be decoded ends, in one table (docs/behaviour.md "Cleanup",
+"A consumer's refusal", docs/decisions.md "vLLM releases").
 
 A producer's vLLM pins a prompt's KV blocks from the prefill until a consumer pulls them (or
 its ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` runs out, minutes later). So every handoff an attempt
@@ -157,7 +157,7 @@ class HandoffReleases:
             validate_descriptor(result.descriptor, producer=result.producer, prefill_endpoint=result.endpoint.path,
                                 decode_endpoint=result.endpoint.path)
         except InvalidHandoff:
-            metrics.HANDOFFS_ABANDONED.inc()  # sent nowhere (docs/behaviour.md "The request path" step 5)
+            metrics.HANDOFFS_ABANDONED.inc()  # sent nowhere (docs/behaviour.md "Cleanup")
             return
         outcome = "unreachable"
         for consumer in consumers:

@@ -50,10 +50,10 @@ class Passthrough:
         self.engines = WaitingEngine(placement)
 
     async def serve(self, req: ClientRequest, rec: AccessRecord, started: float) -> web.Response:
-        """Reserve one engine, send, relay ``req`` (admitted by ``admission.admit``, the one door);
+        """Reserve one engine, send, relay ``req`` (admitted by ``Admission.admit``, the one door);
         ``started`` in ``perf_counter`` time. Raises ``NarwhalError`` for the router to answer."""
         rec.mode = MODE
-        rec.model = model = req.model
+        model = req.model
         deadline = req.deadline
         slot = await self.engines.reserve(model, deadline)
         engine = slot.engine

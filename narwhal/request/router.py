@@ -29,14 +29,12 @@ from aiohttp import web
 from narwhal import metrics
 from narwhal.engines.client import EngineClient
 from narwhal.engines.endpoints import Endpoint
-from narwhal.errors import DeadlineExceeded, EngineError, NarwhalError, RequestError
+from narwhal.errors import DeadlineExceeded, EngineError, NarwhalError
 from narwhal.fleet import Fleet
-from narwhal.fleet.endpoint_support import NONE, PD, EndpointSupport
-from narwhal.reasons import Reason, retryable
+from narwhal.reasons import retryable
 from narwhal.request import client_failures
 from narwhal.request.accesslog import AccessLog, AccessRecord
-from narwhal.request.admission import ClientRequest, admit, embed_prompt
-from narwhal.request.affinity import prepared
+from narwhal.request.admission import Admission, ClientRequest
 from narwhal.request.attempt import Attempts
 from narwhal.request.client_stream import ClientStream
 from narwhal.request.ids import client_request_id, trace_id_of
@@ -109,11 +107,10 @@ class Router:
         self.state = parts.state
         self.access_log = parts.access_log
         self._background: set[asyncio.Task[Any]] = set()
-        self._policy = placement.policy
+        self.admission = Admission(settings, fleet, placement.policy,
+                                   PromptTokens(settings.placement, placement, client))
         self.attempts = Attempts(settings, placement, client, outcomes, self._spawn)
         self.passthrough = Passthrough(settings, placement, client, outcomes)
-        self.prompt_tokens = PromptTokens(settings.placement, placement, client)
-        self._support = EndpointSupport(fleet)  # which endpoints the engines' releases serve, how
         # What this worker's clients that are behind may hold together (request.stream_buffers).
         self.buffers = StreamBuffers(settings.server.max_buffered_mib << 20)
         self._active: set[asyncio.Task[Any] | None] = set()  # client requests being handled
@@ -144,19 +141,11 @@ class Router:
         req: ClientRequest | None = None
         try:
             response: web.StreamResponse
-            req = await admit(request, endpoint, self.settings, self.fleet, arrival, traceparent)
+            req = await self.admission.admit(request, endpoint, arrival, traceparent, rec.request_id)
+            rec.model, rec.stream = req.model, req.stream
             if endpoint.passthrough:
                 response = await self.passthrough.serve(req, rec, started)
             else:
-                req.local, req.note = prepared(endpoint, req.body, self.settings.placement, self._policy)
-                if self.prompt_tokens.wanted(req):  # a producer's KV-cache events are followed
-                    await self.prompt_tokens.give(req, rec.request_id + "-tokenize")
-                support = self._support.of(req.model, path)
-                if support is not PD:  # the engines' release cannot hand off here (0.11 and Responses, …)
-                    req.local = self._served_alone(support, req.model, path)
-                # Nothing reads the prompt from the body after this; a continuation reads req.prompt.
-                req.prompt = embed_prompt(req.body, endpoint.dialect.prompt_fields)
-                rec.model, rec.stream = req.model, req.stream
                 response = await self._serve(client, req, rec, started)
             rec.status = response.status
             return response
@@ -179,14 +168,6 @@ class Router:
             rec.total_s = time.perf_counter() - started
             metrics.TALLY.counts[metrics.requests_child(path, rec.status, rec.model or "")] += 1
             self.access_log.write(rec)
-
-    @staticmethod
-    def _served_alone(support: str, model: str, path: str) -> bool:
-        """A request the engines' releases cannot hand off on: one engine serves it (True), or 501."""
-        if support is NONE:
-            raise RequestError(f"{path} is not served by the vLLM release of the engines serving {model!r}",
-                               reason=Reason.NOT_IMPLEMENTED)
-        return True
 
     def begin_drain(self, grace_s: float) -> None:
         """SIGTERM: in-flight requests may finish for ``grace_s``; then the rest are ended

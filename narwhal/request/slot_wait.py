@@ -1,5 +1,4 @@
-"""The bounded wait for a free slot, shared by P/D pairs and passthrough engines (docs/behaviour.md "The request path"
-step 2).
+"""The bounded wait for a free slot, shared by P/D pairs and passthrough engines (docs/behaviour.md "Placement").
 
 The choice itself is pure and lives in ``narwhal.fleet`` (:class:`~narwhal.fleet.placement.Placement`,
 :class:`~narwhal.fleet.passthrough.SingleEngine`: reserve now or say no); waiting awaits, so it

@@ -1,8 +1,8 @@
 """The decode's ``completion_tokens``, read from the engine's bytes without parsing them.
 
-The relay never parses the events it passes on (docs/behaviour.md "The request path" step 7), and a whole answer is sent
-as received, so the count is found by a byte search from the end: vLLM writes ``usage`` last
-in a non-streaming body, and in a stream (only when the client asked for
+The relay never parses the events it passes on (docs/behaviour.md "Decode"), and a whole answer
+is sent as received, so the count is found by a byte search from the end: vLLM writes ``usage``
+last in a non-streaming body, and in a stream (only when the client asked for
 ``stream_options.include_usage``) in the last event before ``[DONE]``; with
 ``continuous_usage_stats`` every event carries it and the last one is the total. Anything that
 does not look like a count gives None rather than a guess.

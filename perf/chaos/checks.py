@@ -5,7 +5,7 @@ producer's blocks *legitimately* until the fake's lease expires, whatever a rout
 consumer that crashes (``reset``) after taking the handoff, a KV read that fails (producer
 stopped or ``kv_read_fails``), a consumer stopped with decodes in flight (their connections cut
 before it pulled), a router worker killed between prefill and decode. (A handoff whose consumer
-refuses the connection is released through another consumer: docs/behaviour.md "The request path" step 8.) The check
+refuses the connection is released through another consumer: docs/behaviour.md "Cleanup".) The check
 therefore counts every handoff a producer never saw read (still held + expired by lease, from
 the fake's stats) and subtracts the handoffs the fake's request records show were stranded for
 one of those reasons. Anything left is a handoff the router produced and neither decoded nor

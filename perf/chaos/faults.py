@@ -104,7 +104,8 @@ def _varying_fault(kind: str, rng: random.Random, n: int, k: int) -> _Fault:
         return "decode", {"silence_after": k, "silence_s": 1.6, "heartbeat_s": 0.25}, set(), n, None
     if kind.startswith("descriptor_"):
         target = kind[len("descriptor_"):]
-        if target == "localhost":  # remote_host "localhost" is a valid, non-empty host ("The request path" step 5)
+        # remote_host "localhost" is a valid, non-empty host (docs/behaviour.md "Handoff validation")
+        if target == "localhost":
             return "prefill", {"descriptor": target}, set(), n, None
         return "prefill", {"descriptor": target}, {"http:502:invalid_handoff"}, None, None
     if kind == "empty":

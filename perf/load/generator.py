@@ -69,7 +69,7 @@ class Workload:
         return float(delay) * self.tokens
 
     def prefill_body(self) -> bytes:
-        """The producer leg as a PD proxy sends it (docs/behaviour.md "The request path" step 3), for the client-side
+        """The producer leg as a PD proxy sends it (docs/behaviour.md "Prefill"), for the client-side
         PD floor.
         """
         data = self.data()

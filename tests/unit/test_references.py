@@ -112,3 +112,22 @@ def test_the_docs_deploy_files_and_scripts_cite_only_what_the_repository_holds()
                for name, text in _tracked_texts().items()
                if not name.endswith(".py") and (found := _OUTSIDE.search(text)) is not None]
     assert outside == []
+
+
+_STEP_BY_NUMBER = re.compile(r'request path"(?:\'s)?,?\s+(?:#\s*)?steps?\s+[0-9]')
+
+
+def test_the_request_paths_steps_are_cited_by_their_names() -> None:
+    # docs/behaviour.md "The request path" numbers its seven steps; citations by number drifted
+    # from them (a step 8 that never existed), so the code, the tests and the docs cite the bold
+    # names ("Handoff validation"), which the check above resolves.
+    by_number = [f"{name}:{text.count(chr(10), 0, found.start()) + 1}"
+                 for name, text in _tracked_texts().items()
+                 for found in _STEP_BY_NUMBER.finditer(text)]
+    assert by_number == []
+    names = re.findall(r"^\d\. \*\*([^*]+)\*\*", (ROOT / "docs" / "behaviour.md").read_text(), re.M)
+    assert [n.rstrip(".") for n in names[:7]] == [
+        "Admission", "Placement", "Prefill", "Handoff validation", "Decode", "Cleanup", "A consumer's refusal"]
+    walk = (ROOT / "ARCHITECTURE.md").read_text().split("## One streaming request, step by step")[1]
+    headings = re.findall(r"^### (.+)$", walk.split("\n## ")[0], re.M)
+    assert headings == [n.rstrip(".") for n in names[:7]]

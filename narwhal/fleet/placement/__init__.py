@@ -1,4 +1,4 @@
-"""Placement (docs/behaviour.md "The request path" step 2, "Placement"): which producer and consumer take a request,
+"""Placement (docs/behaviour.md "Placement"): which producer and consumer take a request,
 and their slots.
 
 A policy per module behind one interface, the choice pure (no I/O; counts, engine reports,

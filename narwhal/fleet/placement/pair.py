@@ -1,5 +1,5 @@
-"""Choosing a producer and a consumer together, and holding both phase slots (docs/behaviour.md "The request path" step
-2, "Placement", "Recovery").
+"""Choosing a producer and a consumer together, and holding both phase slots (docs/behaviour.md
+"Placement", "Recovery").
 
 Invariants, and why:
 
@@ -50,6 +50,7 @@ from narwhal.fleet.placement.policy import (
     Choice,
     Ordered,
     Policy,
+    PrefillFacts,
     producer_index,
     saturated,
     split_saturated,
@@ -347,8 +348,7 @@ class Placement:
                 "version and transfer mode (" + "; ".join(reasons) + ")")
 
     def release_consumers(self, producer: Engine, chosen: Engine, model: str, *, chosen_first: bool) -> list[Engine]:
-        """Where an undecoded handoff of ``producer`` may be released, in order (docs/behaviour.md "The request path"
-        step 8):
+        """Where an undecoded handoff of ``producer`` may be released, in order (docs/behaviour.md "Cleanup"):
         the chosen consumer, then the producer's other permitted consumers that serve ``model``:
         admitted, then quarantined, then ejected by their breaker (a release is one tiny
         non-streaming decode: a consumer ejected for stream faults may still free the blocks,
@@ -383,6 +383,10 @@ class Placement:
     def released(self, resv: Reservation) -> None:
         """A reservation with a note gave its prefill slot back: its policy hears of it."""
         self.policy.released(resv)
+
+    def prefilled(self, resv: Reservation, result: PrefillFacts) -> None:
+        """A reservation with a note has its prefill's answer: its policy hears of it."""
+        self.policy.prefilled(resv, result)
 
     def _release(self, engine: Engine, phase: PhaseName) -> None:
         """A slot of this worker is free again (``narwhal.request.slot_wait`` wakes its waiters)."""

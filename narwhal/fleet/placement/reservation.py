@@ -91,6 +91,9 @@ class _Releaser(Protocol):
     def released(self, resv: Reservation) -> None:
         """The reservation's prefill slot was given back: its policy hears of it (``Policy.released``)."""
 
+    def prefilled(self, resv: Reservation, result: Any) -> None:
+        """The reservation's prefill answered: its policy hears of it (``Policy.prefilled``)."""
+
 
 class Reservation:
     """The slots of one attempt; each released exactly once.
@@ -130,6 +133,11 @@ class Reservation:
         if self._unsent:
             self._unsent = False
             self._placement.inflight.unsent_decode(self.consumer, -1)
+
+    def prefilled(self, result: Any) -> None:
+        """Its prefill answered (a ``policy.PrefillFacts``): the policy that keeps its note hears of it."""
+        if self.note is not None:
+            self._placement.prefilled(self, result)
 
     def release_prefill(self) -> None:
         """Give back the prefill slot (its policy told, when it keeps a note); idempotent."""

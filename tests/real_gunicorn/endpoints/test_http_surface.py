@@ -1,4 +1,4 @@
-"""docs/behaviour.md "The request path" routes, admission ("The request path" step 1), metrics and the access log,
+"""docs/behaviour.md "The request path" routes, admission ("Admission"), metrics and the access log,
 through real gunicorn.
 """
 

@@ -1,4 +1,4 @@
-"""docs/decisions.md "vLLM releases" "the lease", "The request path" step 6 and 8 through real gunicorn: a handoff is
+"""docs/decisions.md "vLLM releases" "the lease", docs/behaviour.md "Cleanup" through real gunicorn: a handoff is
 decoded or released
 only while younger than ``handoff.max_age_s``, kept below the producers' KV lease. A prefill that
 answers after that age gets 504 ``handoff_expired``, its handoff goes nowhere (counted abandoned),

@@ -92,7 +92,7 @@ async def test_every_endpoint_decodes_the_producers_descriptor_unchanged(
     if version == "0.11.0":  # nothing reached the producer for what 0.11 cannot hand off
         paths = [r["path"] for r in records(fleet, "vp0", tag)]
         assert not set(paths) & {*NO_ROUTE_0_11, *ALONE_0_11}, paths
-    # Every decode carried exactly what its prefill answered (docs/behaviour.md "The request path" step 5: opaque keys
+    # Every decode carried exactly what its prefill answered (docs/behaviour.md "Handoff validation": opaque keys
     # kept).
     decodes = [r for r in fleet.control_request("GET", "/engines/vd0/requests")["requests"]
                if r["body"].get("kv_transfer_params", {}).get("do_remote_prefill")]
@@ -238,7 +238,7 @@ async def test_continuous_usage_reaches_the_client_on_every_chunk(
 ) -> None:
     """guidellm and aiperf's ``--per-chunk-usage`` ask for ``continuous_usage_stats``: the running
     usage the consumer writes on every chunk reaches the client's SDK, and the access log counts
-    the last one (docs/behaviour.md "The request path" step 7's relay, vLLM's chunk shapes of each release)."""
+    the last one (docs/behaviour.md "Decode", its relay; vLLM's chunk shapes of each release)."""
     version, _, router = release
     options: Any = {"include_usage": True, "continuous_usage_stats": True}
     rid = f"cont-{path}-{version}-{unique_prompt(2).replace(' ', '-')}"

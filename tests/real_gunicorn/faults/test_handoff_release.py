@@ -1,4 +1,4 @@
-"""docs/behaviour.md "The request path" step 8 through real gunicorn: a handoff whose decode was never sent — the
+"""docs/behaviour.md "Cleanup" through real gunicorn: a handoff whose decode was never sent — the
 consumer
 refused the connection, or connecting outlasted the first-token timeout or the request's
 deadline — is released through another consumer that can pull it, so the producer's blocks are

@@ -1,4 +1,4 @@
-"""Phase reservations (docs/behaviour.md "The request path" steps 2 and 8) and client keys ("The request path") through
+"""Phase reservations (docs/behaviour.md "Placement", "Cleanup") and client keys ("The request path") through
 real gunicorn.
 
 The capped router has one worker: reservations are per worker until the supervisor's

@@ -325,7 +325,7 @@ def test_same_worker_pair_and_a_short_timeout(pf_fleet: FakeFleet, tmp_path: Pat
     assert _rows(proc.stdout) == _all_ok(["pf-b0", "pf-d0"], ["pf-b0 -> pf-b0", "pf-b0 -> pf-d0"])
     same = pf_fleet.control_request("GET", "/engines/pf-b0/requests")["requests"]
     # The engine check's and the crossed pair's prefills ask for a descriptor; the same-worker
-    # prefill must not (docs/behaviour.md "The request path" step 3).
+    # prefill must not (docs/behaviour.md "Prefill").
     prefills = sorted("kv_transfer_params" in r["body"] for r in same if r["phase"] == "prefill")
     assert prefills == [False, True, True]
 

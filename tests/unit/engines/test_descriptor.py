@@ -1,4 +1,4 @@
-"""The KV handoff descriptor's validation (docs/behaviour.md "The request path" step 5, NixlConnector format): what is
+"""The KV handoff descriptor's validation (docs/behaviour.md "Handoff validation", NixlConnector format): what is
 accepted as
 is, what is refused and why, in which order the rules apply."""
 

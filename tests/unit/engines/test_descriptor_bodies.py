@@ -147,7 +147,7 @@ def test_release_body_is_acceptable_with_client_min_tokens() -> None:
     # BUG (narwhal/engines/connector.py, release_body): the client's min_tokens is kept while
     # max_tokens becomes 1. vLLM refuses min_tokens > max_tokens with a 400 ("min_tokens must be
     # less than or equal to max_tokens=1") before queueing the request, so the release frees
-    # nothing (docs/behaviour.md "The request path" step 8). prefill_body drops min_tokens for the same reason.
+    # nothing (docs/behaviour.md "Cleanup"). prefill_body drops min_tokens for the same reason.
     out = release_body(client_body(), valid_descriptor())
     assert out.get("min_tokens", 0) <= out["max_tokens"]
 

@@ -55,7 +55,7 @@ def test_with_no_compatible_consumer_the_model_has_no_pair_and_the_detail_says_w
 
 
 def test_an_undecoded_handoff_is_released_only_through_a_compatible_consumer() -> None:
-    """docs/behaviour.md "The request path" step 8 with docs/decisions.md "vLLM releases": a release is a decode too;
+    """docs/behaviour.md "Cleanup" with docs/decisions.md "vLLM releases": a release is a decode too;
     an incompatible consumer's handshake
     fails and the blocks stay pinned, so releases never go there."""
     placement, *_ = build([{"name": "p0", "role": "producer"}, {"name": "d0", "role": "consumer"},

@@ -1,4 +1,4 @@
-"""Placement's pure decision (docs/behaviour.md "The request path" step 2, "Recovery"): out is hard, quarantine is soft.
+"""Placement's pure decision (docs/behaviour.md "Placement", "Recovery"): out is hard, quarantine is soft.
 
 A fake view says which engines are out and how long each quarantine has left; counts are
 :class:`LocalInflight`. The last tests check the two real views (shared memory and local)

@@ -1,5 +1,4 @@
-"""Admission: parse the body once, refuse what the router cannot honour (docs/behaviour.md "The request path" step
-1).
+"""Admission: parse the body once, refuse what the router cannot honour (docs/behaviour.md "Admission").
 """
 
 from __future__ import annotations

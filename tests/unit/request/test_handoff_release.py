@@ -1,5 +1,4 @@
-"""The handoffs an attempt leaves undecoded (``narwhal.request.handoff_release``, docs/behaviour.md "The request path"
-step 8),
+"""The handoffs an attempt leaves undecoded (``narwhal.request.handoff_release``, docs/behaviour.md "Cleanup"),
 decided by what the client was sent (``committed``) and whether the decode went out (``sent``),
 not by a log: released through a consumer that can pull them, or abandoned, and where a release
 goes when a consumer cannot be reached."""
@@ -86,7 +85,7 @@ async def test_a_client_gone_before_the_first_token_has_its_handoff_released() -
     assert engines.releases == ["d0"] and held(state) == ([0, 0], [0, 0])
 
 
-# -- a handoff the consumer never saw (docs/behaviour.md "The request path" step 8): released through a consumer that
+# -- a handoff the consumer never saw (docs/behaviour.md "Cleanup"): released through a consumer that
 # can pull it --
 
 
