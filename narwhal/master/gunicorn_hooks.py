@@ -234,7 +234,7 @@ def on_starting(server: Any) -> None:
     except SettingsError as exc:  # an engine's description too long for its slot: one line, no traceback
         print(f"narwhal: invalid settings: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-    shm.HOLDINGS = create_holdings(settings, shm.SHARED.layout.slots, shm.SHARED.layout.engines)
+    shm.POLICY_REGION = create_policy_region(settings, shm.SHARED.layout.slots, shm.SHARED.layout.engines)
     _warn_never_ejected(settings)
     if settings.preflight.on_start and settings.engines:
         from narwhal.master.startup import preflight_on_start
@@ -257,25 +257,15 @@ def _warn_never_ejected(settings: Settings) -> None:
         print(master_line("warning", "narwhal.supervisor.breakers", line), file=sys.stderr, flush=True)
 
 
-def create_holdings(settings: Settings, slots: int, engines: int | None = None) -> Any:
-    """The holdings region (docs/behaviour.md "Placement") beside the fleet's, when the placement
-    policy asks for one (``Policy.region``: the master knows no policy): a section per engine slot
-    (``engines``, default the configured engines), so a producer added by a reload or by
-    discovery has one; the region's keys shared among the configured producers (each producer
-    that joins later gets a section as large: pages are committed only as a section fills)."""
+def create_policy_region(settings: Settings, slots: int, engines: int | None = None) -> Any:
+    """The placement policy's own shared memory beside the fleet's, when it asks for some
+    (``Policy.region``: the master knows no policy and builds what the policy names), sized
+    for ``slots`` workers and ``engines`` engine slots (default the configured engines)."""
+    from narwhal.fleet.placement.policy import part
     from narwhal.fleet.placement.registry import region
 
     need = region(settings.placement)
-    if need is None:
-        return None
-    from narwhal.shm.holdings import Holdings, HoldingsLayout
-
-    producers = sum(1 for e in settings.engines if e.role != "consumer")
-    keys = max(need.keys // max(producers, 1), 1)
-    sections = max(engines if engines is not None else 0, len(settings.engines))
-    token_keys = keys if settings.placement.kv_events else 0  # room for the engines' own blocks, as much again
-    return Holdings.create(HoldingsLayout(sections=sections, keys=keys, slots=slots, entry_keys=need.entry_keys,
-                                          token_keys=token_keys))
+    return None if need is None else part(need.create)(need, settings, slots, engines)
 
 
 def on_reload(server: Any) -> None:
@@ -304,8 +294,8 @@ def child_exit(server: Any, worker: Any) -> None:
         # The worker is gone: give back whatever it held (its slot has no other writer now).
         for slot in range(shm.SHARED.in_use()):
             if shm.SHARED.slot_pid(slot) == worker.pid:
-                if shm.HOLDINGS is not None:  # before the slot can be claimed again: its work was this worker's
-                    shm.HOLDINGS.clear_work(slot)
+                if shm.POLICY_REGION is not None:  # before the slot can be claimed again: its work was this worker's
+                    shm.POLICY_REGION.worker_gone(slot)
                 shm.SHARED.release(slot, worker.pid)
     if os.environ.get(_PROM_ENV):
         from prometheus_client import multiprocess

@@ -22,11 +22,12 @@ counters, reading only up to the highest slot in use)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from narwhal.shm.holdings import Holdings
     from narwhal.shm.shared import SharedFleet
 
 SHARED: SharedFleet | None = None
-HOLDINGS: Holdings | None = None  # placement.policy "held" only: its own memfd (narwhal.shm.holdings)
+# The placement policy's own shared memory, when it asks for some (``PolicyRegion``): a memfd of
+# its own, created by the master beside ``SHARED`` and inherited alike; None without.
+POLICY_REGION: Any = None

@@ -49,6 +49,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
 
+from narwhal.fleet.placement.policy import PolicyRegion
+from narwhal.settings import Settings
 from narwhal.shm.layout import RING_INDICES, U32, U64, Mapped, store_u32, whole_pages
 
 MAGIC = 0x4E484C44  # "NHLD"
@@ -348,9 +350,9 @@ class Holdings(Mapped[HoldingsLayout]):
         """Supervisor side: a slot whose worker is gone: drop its unread reports and its prefill work."""
         base = self.layout.ring_offset(slot)
         self._set_u64(base + 8, self._u64(base))
-        self.clear_work(slot)
+        self.worker_gone(slot)
 
-    def clear_work(self, slot: int) -> None:
+    def worker_gone(self, slot: int) -> None:
         """A slot whose worker is gone (it was their one writer): no prefill work queued by it is
         left counted on any producer. The master calls it as it frees the slot (``child_exit``),
         which it nearly always does before the supervisor's sweep."""
@@ -372,3 +374,18 @@ class Holdings(Mapped[HoldingsLayout]):
         return PrefillReport(producer, ident, engine_id, chars, None if tokens == NONE32 else tokens,
                              None if cached == NONE32 else cached, duration, struct.unpack(f"<{nkeys}Q", body),
                              queued, at)
+
+
+def create_region(need: PolicyRegion, settings: Settings, slots: int, engines: int | None = None) -> Holdings:
+    """The holdings region policy ``held`` asks for (``PolicyRegion.create``), beside the fleet's:
+    a section per engine slot (``engines``, default the configured engines), so a producer added
+    by a reload or by discovery has one; the region's keys shared among the configured producers
+    (each producer that joins later gets a section as large: pages are committed only as a
+    section fills), and as much again for the engines' own blocks when their KV-cache events are
+    followed."""
+    producers = sum(1 for e in settings.engines if e.role != "consumer")
+    keys = max(need.keys // max(producers, 1), 1)
+    sections = max(engines if engines is not None else 0, len(settings.engines))
+    token_keys = keys if settings.placement.kv_events else 0
+    return Holdings.create(HoldingsLayout(sections=sections, keys=keys, slots=slots, entry_keys=need.entry_keys,
+                                          token_keys=token_keys))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from narwhal.fleet import Engine
 from narwhal.shm.column_sums import ColumnSums
 from narwhal.shm.holdings import GENERATION_OFFSET, NONE32, Held, Holdings, Torn, engine_id_hash, section_stamp
 from narwhal.shm.layout import U64
@@ -118,6 +119,10 @@ class WorkerHoldings(HoldingsReader):
         self._restamp(stamps)
         self._shape(self._mine, [i >= len(old) or old[i] != s for i, s in enumerate(stamps)])
 
+    def roster(self, engines: Sequence[Engine]) -> None:
+        """The worker's engines are now ``engines`` (discovery): its sections follow them."""
+        self.restamp(stamps_by_index([(e.index, e.name, e.url) for e in engines]))
+
     def add_work(self, engine: int, chars: int) -> None:
         """This worker's prefill legs in flight on ``engine`` gained (or, negative, lost)
         ``chars`` uncached characters: one store, no lock."""
@@ -148,3 +153,8 @@ class WorkerHoldings(HoldingsReader):
         if not self.holdings.write_report(self.slot, producer, self.stamps[producer], stamp, prompt_chars,
                                           prompt_tokens, cached_tokens, duration_s, keys, int(queued_chars), at):
             self.dropped += 1
+
+
+def worker_view(region: Holdings, engines: Sequence[Engine], slot: int) -> WorkerHoldings:
+    """A worker's view of the holdings region (``PolicyRegion.worker``), for its ``slot``."""
+    return WorkerHoldings(region, stamps_by_index([(e.index, e.name, e.url) for e in engines]), slot)

@@ -10,10 +10,10 @@ this host's in-flight legs on the engine at that moment that the engine counted 
 (``SharedFleet.engine_seen``: not a decode reserved for a prefill that still runs). The record
 waits for the loop's next pass, which writes every reading taken since and bumps the load
 generation once (``SharedFleet.publish_loads``: only the loop writes shared memory), so workers
-pick them up on their next placement, lock-free, within a pass (~20 ms) of the answer. With the
-holdings (policy ``held``), each reading's capacity and prefill counters go to them too
-(``on_reading``: docs/behaviour.md "Placement"'s capacity bound and the engine-reported prefill
-rate, ``supervisor.holdings.engine_rate``).
+pick them up on their next placement, lock-free, within a pass (~20 ms) of the answer. When the
+placement policy's part wants them (``on_reading``, ``supervisor.policy_part``), each reading's
+KV capacity and prefill counters go to it too (docs/behaviour.md "Placement"'s capacity bound and
+the engine-reported prefill rate).
 
 Invariants, and why:
 
@@ -63,7 +63,7 @@ class LoadReader:
     ) -> None:
         self.shared = shared
         self.control = control
-        # The holdings' (docs/behaviour.md "Placement") share of each reading: the capacity bound, the prefill counters.
+        # The placement policy part's share of each reading: the KV capacity, the prefill counters.
         self.on_reading = on_reading
         self.rounds = rounds  # the loop's, whose passes start a round's reads; None: all at once
         # (engine, answered, refused): each read's word on reachability (docs/behaviour.md "Recovery")

@@ -58,8 +58,8 @@ class Loop:
     def start(cls, sup: Supervisor, prober: Prober, loads: LoadReader) -> Loop:
         """Take over the last published state and publish it: what a (re)started loop begins with."""
         sup.restore()
-        if sup.model is not None and sup.holdings is not None:
-            sup.model.restore(sup.holdings)
+        if sup.part is not None:
+            sup.part.restore()
         sup.publish()
         discovery = None
         if sup.settings.discovery.enabled:  # imported only then: dnspython costs a static fleet's start nothing
@@ -74,7 +74,7 @@ class Loop:
         sup = self.sup
         sup.shared.beat(self.pid)
         sup.drain()
-        sup.drain_prefills()
+        sup.drain_policy()
         now = sup.now()
         sup.breakers.tick(now)
         sup.checks.start_probes(self.prober, now)
@@ -144,7 +144,7 @@ async def run(sup: Supervisor) -> None:
         load_every = settings.placement.load_interval_s
         # Each read bounded by the interval: a round never outlives the next one's start.
         loads = LoadReader(sup.shared, PooledReader(settings.engine, load_every or 1.0),
-                           on_reading=None if sup.model is None else sup.model.engine_read, rounds=sup.rounds,
+                           on_reading=None if sup.part is None else sup.part.on_reading, rounds=sup.rounds,
                            on_connect=sup.connected)
         loop = Loop.start(sup, Prober(settings, sup.fleet, session, sup.admitted), loads)
         sup.read_models(ModelReader.over(session, settings.engine, sup.rounds, settings.recovery.health_interval_s))

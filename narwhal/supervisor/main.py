@@ -1,8 +1,8 @@
 """The supervisor's state, and the edge where its decisions take effect: the one writer of breaker state.
 
 It holds the fleet as the supervisor knows it (each engine at its slot in the shared table), the
-breakers, the reachability and the holdings' model; its loop (``supervisor.loop``) calls it a pass
-at a time. Invariants, and why:
+breakers, the reachability and the placement policy's part (``supervisor.policy_part``); its
+loop (``supervisor.loop``) calls it a pass at a time. Invariants, and why:
 
 * **Decisions in, effects at the edge.** Discovery and the model reader decide from what they
   read and return decisions (``supervisor.membership``'s ``Join``/``Drain``/``Readmit``/``Forget``,
@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
+from typing import Any
 
 from narwhal import metrics
 from narwhal.fleet import Engine, Fleet, compat
@@ -33,7 +34,6 @@ from narwhal.settings.engines import EngineSpec
 from narwhal.shm import descriptors
 from narwhal.shm import layout as L
 from narwhal.shm import models as M
-from narwhal.shm.holdings import Holdings, section_stamp
 from narwhal.shm.layout import TABLE_LOCK
 from narwhal.shm.records import RecordBusy, Report, read_record, write_record
 from narwhal.shm.shared import SharedFleet, alive
@@ -41,11 +41,11 @@ from narwhal.shm.table import TableFull, identity, record_hash
 from narwhal.supervisor import engine_records
 from narwhal.supervisor.breaker import EngineInfo, State
 from narwhal.supervisor.checks import Checks
-from narwhal.supervisor.holdings import HoldingsModel
 from narwhal.supervisor.kv_events.hub import KvEventsHub
 from narwhal.supervisor.kv_events.stream import Stream
 from narwhal.supervisor.membership import ChangingBreakers, Decision, Drain, Forget, Join, Readmit
 from narwhal.supervisor.models import ModelReader, ModelsPublished, ModelsRead
+from narwhal.supervisor.policy_part import PolicyPart, policy_part
 from narwhal.supervisor.reports import RingIndexes, Successes, apply_reports
 from narwhal.supervisor.rounds import Rounds
 from narwhal.supervisor.transitions import log_charges, log_transitions
@@ -55,15 +55,13 @@ log = logging.getLogger("narwhal.supervisor")
 # Draining engines too: their load shows, and a drained engine restarted for an upgrade is seen
 # refusing and answering again, so its new version is read before an operator readmits it.
 _LOAD_READ_STATES = frozenset({State.ADMITTED, State.DEGRADED, State.QUARANTINED, State.DRAINING})
-# Producers that take no homes: placement sends them no new prefill (fleet.placement.homes).
-_NO_HOMES = frozenset({State.EJECTED, State.PROBING, State.DRAINING})
 LOOP_S = 0.02  # ejections reach every worker within one loop: ~20 ms, well under docs/behaviour.md "Processes"'s 100 ms
 
 
 class Supervisor:
-    """The supervisor's state and its edge: the one writer of breaker, model and holdings records."""
+    """The supervisor's state and its edge: the one writer of breaker, load and model records."""
 
-    def __init__(self, shared: SharedFleet, settings: Settings, holdings: Holdings | None = None,
+    def __init__(self, shared: SharedFleet, settings: Settings, policy_region: Any = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.shared = shared
         self._clock = clock  # every decision's time: a test drives the loop's passes with a fake one
@@ -92,34 +90,8 @@ class Supervisor:
         self.checks = Checks(self.fleet, self.breakers, self.reach, clock)  # probes and health checks
         self.rounds = Rounds(LOOP_S)  # health checks, load and model reads: a batch per pass (supervisor.rounds)
         self._wall = time.time() - clock()
-        self.holdings = holdings
-        # Policy held only: the series exist (at 0) from the start, so a rate() sees the first one.
-        self._predictions = {r: metrics.HOLDINGS_PREDICTIONS.labels(r)
-                             for r in (("exact", "over", "under") if holdings is not None else ())}
-        self.model: HoldingsModel | None = None
-        if holdings is not None:
-            self.model = HoldingsModel(self._holdings_stamps(), holdings.layout.keys,
-                                       settings.placement.held.block_chars, self.fleet.engines)
-            self.model.events = self._followed
-            self.model.consumer_stamps = self._consumer_stamps()
-            rings = holdings.layout
-            self._prefill_rings = RingIndexes(rings.ring_offset(0), rings.ring_offset(1) - rings.ring_offset(0))
-
-    def _holdings_stamps(self) -> list[int | None]:
-        """Per section (an engine slot), the stamp of the producer there; None: no producer."""
-        assert self.holdings is not None
-        stamps: list[int | None] = [None] * self.holdings.layout.sections
-        for e in self.fleet.engines:
-            if e.can_prefill and e.index < len(stamps):
-                stamps[e.index] = section_stamp(e.name, e.url)
-        return stamps
-
-    def _consumer_stamps(self) -> dict[int, int]:
-        """Per consumer's section (an engine slot), its stamp: what its KV-cache events are published under."""
-        assert self.holdings is not None
-        sections = self.holdings.layout.sections
-        return {e.index: section_stamp(e.name, e.url) for e in self.fleet.engines
-                if not e.can_prefill and e.index < sections}
+        # The placement policy's supervisor part, over its shared memory (None: it keeps none).
+        self.part: PolicyPart | None = policy_part(settings, policy_region, self.fleet.engines, self._followed)
 
     def _infos(self) -> list[EngineInfo]:
         """Blame's view of each engine: its partners are the *compatible* permitted ones (versions,
@@ -159,9 +131,8 @@ class Supervisor:
         self.fleet.replace(members)
         self.specs = {spec.name: spec for _, spec in members}
         self.breakers.reshape(self._infos(), joining, self._clock())
-        if self.model is not None:  # a discovered producer gets its section
-            self.model.reshape(self._holdings_stamps(), self.fleet.engines)
-            self.model.consumer_stamps = self._consumer_stamps()
+        if self.part is not None:  # a discovered producer gets its section
+            self.part.reshape(self.fleet.engines)
         for name in self.reach.names():
             if name not in self.fleet.by_name:  # gone from the fleet: nothing is remembered of it
                 self.reach.forget(name)
@@ -199,15 +170,8 @@ class Supervisor:
         self._published = (self.breakers.version, self.reach.version, self._events_version())
         log_charges(self.fleet.engines, self.breakers.take_charged())
         log_transitions(self.fleet.engines, self.breakers, self.reach, self._states, self.settings.recovery)
-        if self.model is not None:
-            out = set()
-            for engine in self.fleet.engines:  # an ejected producer's cache is not to be counted on
-                state = self.breakers.status(engine.name).state
-                if state == State.EJECTED:
-                    self.model.forget(engine.index)
-                if state in _NO_HOMES:
-                    out.add(engine.index)
-            self.model.out = frozenset(out)  # no homes there: placement would not send them
+        if self.part is not None:
+            self.part.states(self.fleet.engines, lambda engine: self.breakers.status(engine.name).state)
         self.export_states()
 
     def publish_if_moved(self) -> None:
@@ -219,7 +183,7 @@ class Supervisor:
         return -1 if self.kv_events is None else self.kv_events.version
 
     def _followed(self) -> dict[int, Stream]:
-        """Per engine index, its KV-event subscription (the holdings publish its blocks while it is in order)."""
+        """Per engine index, its KV-event subscription (what the policy's part reads of its blocks)."""
         events = self.kv_events
         if events is None or not events.streams:
             return {}
@@ -228,10 +192,10 @@ class Supervisor:
 
     def kv_events_reset(self, name: str, why: str) -> None:
         """An engine's KV events say its cache is not what was known (a restart, a cleared cache,
-        a gap its replay could not fill): its learned holdings are dropped at once."""
+        a gap its replay could not fill): the policy's part forgets what it learned of it at once."""
         engine = self.fleet.by_name.get(name)
-        if engine is not None and self.model is not None:
-            self.model.forget(engine.index)
+        if engine is not None and self.part is not None:
+            self.part.forget(engine)
 
     def export_states(self) -> None:
         """Engine states as gauges at every publish: within one loop of ``/admin/engines`` (docs/operations.md
@@ -263,24 +227,11 @@ class Supervisor:
         if reports:
             apply_reports(reports, self._by_slot, self.breakers, self._clock(), self._successes, self.reach)
 
-    def drain_prefills(self) -> None:
-        """The workers' completed prefills into the holdings (docs/behaviour.md "Placement"), then what changed
-        published. Each prefill with reported cached tokens is judged once, in order of completion
-        across workers: judged in ring order, a prefill that hit what another worker's finished a
-        moment earlier would read as ``under`` and that one's as ``over``."""
-        if self.holdings is None or self.model is None:
-            return
-        claimed = min(self.holdings.layout.slots, self.shared.in_use())  # slots ever claimed
-        reports = [rep for slot in self._prefill_rings.written(self.holdings.mm, claimed)
-                   for rep in self.holdings.drain(slot)]
-        reports.sort(key=lambda rep: rep.at)
-        apply = self.model.apply
-        judged = [result for result in map(apply, reports) if result is not None]
-        for result, counter in self._predictions.items():  # one inc per result a drain, not per prefill
-            count = judged.count(result)
-            if count:
-                counter.inc(count)
-        self.model.publish(self.holdings, self._clock())
+    def drain_policy(self) -> None:
+        """The placement policy's part takes what the workers reported since the last pass
+        (``supervisor.policy_part``)."""
+        if self.part is not None:
+            self.part.drain(self.shared.in_use(), self._clock())
 
     def sweep(self) -> None:
         """Give back the counts of workers that died without a word (kill -9, OOM)."""
@@ -292,8 +243,8 @@ class Supervisor:
                 # may have claimed the slot since (claim_slot reclaims dead owners' slots too).
                 if self.shared.release(slot, pid):
                     log.warning("worker %d is gone: released its slot", pid)
-                    if self.holdings is not None:
-                        self.holdings.skip(slot)
+                    if self.part is not None:
+                        self.part.worker_gone(slot)
 
     def export(self) -> None:
         """In-flight gauges every EXPORT_S: they move with every request; a scrape needs no fresher figure."""

@@ -52,7 +52,7 @@ def run_supervisor(shared: SharedFleet, *, restarted: bool) -> None:
         metrics.SUPERVISOR_RESTARTS.inc()
     from narwhal import shm
 
-    supervisor = Supervisor(shared, settings, holdings=shm.HOLDINGS)
+    supervisor = Supervisor(shared, settings, policy_region=shm.POLICY_REGION)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

@@ -2,7 +2,7 @@
 built from the settings in one place and handed to the router by name (``RouterParts``).
 
 Why one place: which state a worker gets (its shared-memory slot, or process-local without one),
-whether it follows the engine table, sees the holdings, or traces, is decided here once at start
+whether it follows the engine table, sees its placement policy's shared memory, or traces, is decided here once at start
 and never again per request; the app (``worker.app``) only serves what this built.
 """
 
@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 from narwhal import shm
 from narwhal.engines.client import EngineClient
 from narwhal.fleet import Fleet
-from narwhal.fleet.placement.registry import build
+from narwhal.fleet.placement.policy import part
+from narwhal.fleet.placement.registry import build, region
 from narwhal.request.accesslog import AccessLog
 from narwhal.request.outcomes import Outcomes
 from narwhal.request.router import Router, RouterParts
 from narwhal.request.slot_wait import WaitingPlacement
 from narwhal.settings import Settings
-from narwhal.shm.holdings_view import WorkerHoldings, stamps_by_index
 from narwhal.shm.local import LocalFleetState
 from narwhal.shm.worker import UnmappedEngine, WorkerFleetState
 from narwhal.worker import roster_follow
@@ -33,14 +34,14 @@ def compose(settings: Settings) -> tuple[Fleet, WorkerFleetState | LocalFleetSta
     """The worker's fleet, its fleet state, the table follower (with ``[discovery]``) and its router."""
     fleet, state, follower = roster_follow.fleet_and_state(settings, worker_state)  # with [discovery]: the table's
     loads = state if isinstance(state, WorkerFleetState) else None  # engine reports come from the supervisor
-    holdings = worker_holdings(fleet, state)
+    view = policy_view(settings, fleet, state)
     if follower is not None:
-        follower.holdings = holdings  # its sections follow the engine table too
+        follower.policy_view = view  # it follows the engine table too
     parts = RouterParts(
         settings=settings,
         fleet=fleet,
         placement=WaitingPlacement(fleet, state, state, settings.placement, loads=loads,
-                                   policy=build(settings.placement, holdings)),
+                                   policy=build(settings.placement, view)),
         client=EngineClient.for_settings(settings.engine),
         outcomes=Outcomes(fleet, state, settings.recovery.failure_quarantine_s),
         state=state,
@@ -74,9 +75,11 @@ def worker_state(fleet: Fleet, by_slot: bool = False) -> WorkerFleetState | Loca
     return LocalFleetState(fleet)
 
 
-def worker_holdings(fleet: Fleet, state: WorkerFleetState | LocalFleetState) -> WorkerHoldings | None:
-    """This worker's view of the holdings and its ring for reporting prefills (policy ``held``
-    under gunicorn); None without the region, when ``held`` places by rendezvous rank alone."""
-    if shm.HOLDINGS is None or not isinstance(state, WorkerFleetState):
+def policy_view(settings: Settings, fleet: Fleet, state: WorkerFleetState | LocalFleetState) -> Any:
+    """This worker's view of its placement policy's shared memory (``PolicyRegion.worker``: the
+    policy names it), which the policy is built with; None without the region (outside gunicorn,
+    or a policy that asks for none)."""
+    need = region(settings.placement)
+    if need is None or shm.POLICY_REGION is None or not isinstance(state, WorkerFleetState):
         return None
-    return WorkerHoldings(shm.HOLDINGS, stamps_by_index([(e.index, e.name, e.url) for e in fleet.engines]), state.slot)
+    return part(need.worker)(shm.POLICY_REGION, fleet.engines, state.slot)

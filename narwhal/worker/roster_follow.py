@@ -27,13 +27,13 @@ Invariants:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from narwhal import shm
-from narwhal.fleet import Fleet
+from narwhal.fleet import Engine, Fleet
 from narwhal.settings import Settings
 from narwhal.settings.engines import EngineSpec
-from narwhal.shm.holdings_view import WorkerHoldings, stamps_by_index
 from narwhal.shm.local import LocalFleetState
 from narwhal.shm.shared import SharedFleet
 from narwhal.shm.table import RETIRED
@@ -90,6 +90,13 @@ def scraped(settings: Settings, fleet: Fleet) -> frozenset[str] | None:
     return frozenset(e.name for e in fleet.engines) if settings.discovery.enabled else None
 
 
+class RosterView(Protocol):
+    """A placement policy's view of its shared memory (``PolicyRegion.worker``), as the roster moves it."""
+
+    def roster(self, engines: Sequence[Engine]) -> None:
+        """The worker's engines are now ``engines``."""
+
+
 class RosterFollower:
     """Keeps a worker's fleet the engine table's (with ``[discovery]``); one u32 compare per check."""
 
@@ -99,7 +106,8 @@ class RosterFollower:
         self.state = state
         self._seen = epoch
         self._leaving: set[int] = set()  # engine slots removed from the roster with legs still on them
-        self.holdings: WorkerHoldings | None = None  # policy held: its sections follow the roster (compose)
+        # The placement policy's view of its shared memory, when it has one (compose): it follows the roster too.
+        self.policy_view: RosterView | None = None
         _, _, discovered = members(shared)
         # A discovered engine waits for its first record even at this worker's start.
         state.follow([e for e in fleet.engines if e.name in discovered], [])
@@ -112,8 +120,8 @@ class RosterFollower:
             found, complete, _ = members(self.shared)
             added, removed = self.fleet.replace(found)
             self.state.follow(added, removed)
-            if self.holdings is not None and (added or removed):
-                self.holdings.restamp(stamps_by_index([(e.index, e.name, e.url) for e in self.fleet.engines]))
+            if self.policy_view is not None and (added or removed):
+                self.policy_view.roster(self.fleet.engines)
             self._leaving.update(e.index for e in removed)
             for e in added:
                 log.info("engine %s at %s joins this worker's fleet (probing until the supervisor admits it)",

@@ -106,3 +106,40 @@ def test_the_purity_check_sees_an_await() -> None:
     assert _awaits("import asyncio\nasync def f():\n    await g()\n") == [1, 2, 3]
     assert _awaits("from asyncio import sleep\ndef f():\n    return 1\n") == [1]
     assert _awaits((ROOT / "request" / "slot_wait.py").read_text())  # what moved out of fleet/ awaits
+
+
+# Policy held's pieces, one per process: its ordering, its region and a worker's view of it, its
+# supervisor part. Everything else reaches them through the Policy interface and the parts its
+# region names (fleet/placement/policy.py PolicyRegion, supervisor/policy_part.py).
+HELD_PIECES = ("narwhal.fleet.placement.held", "narwhal.shm.holdings", "narwhal.shm.holdings_view",
+               "narwhal.supervisor.holdings")
+HELD_OWNERS = (*HELD_PIECES, "narwhal.fleet.placement.registry")
+
+
+def _within(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def test_no_module_outside_the_policy_names_its_pieces() -> None:
+    naming = [f"{_module(path)} imports {target}" for path in ROOT.rglob("*.py")
+              if not _within(_module(path), HELD_OWNERS)
+              for target in _imports(path) if _within(target, HELD_PIECES)]
+    assert naming == []
+
+
+def test_the_held_policys_parts_resolve_to_what_each_process_calls() -> None:
+    from narwhal.fleet.placement.policy import part
+    from narwhal.fleet.placement.registry import POLICIES
+    from narwhal.settings import PlacementSettings
+    from narwhal.shm.holdings_view import WorkerHoldings
+    from narwhal.supervisor.holdings.part import HoldingsPart
+
+    for name, cls in POLICIES.items():
+        need = cls.region(PlacementSettings(policy=name))
+        if need is None:
+            continue
+        assert callable(part(need.create))
+        assert callable(part(need.worker))
+        built = part(need.supervisor)
+        assert isinstance(built, type) and built is HoldingsPart
+        assert hasattr(WorkerHoldings, "roster")

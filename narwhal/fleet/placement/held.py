@@ -54,8 +54,8 @@ from narwhal.fleet.placement.holdings_source import HeldReading, HoldingsSource
 from narwhal.fleet.placement.policy import (
     Asked,
     Candidate,
-    HoldingsRegion,
     Ordered,
+    PolicyRegion,
     PrefillFacts,
     PromptText,
     producer_index,
@@ -276,11 +276,14 @@ class Held:
         self._memo = KeyMemo(MEMO_BLOCKS)  # this worker's block keys already computed, never shared
 
     @staticmethod
-    def region(settings: PlacementSettings) -> HoldingsRegion:
+    def region(settings: PlacementSettings) -> PolicyRegion:
         """The holdings region: ``holdings_slots`` keys shared among the configured producers, a
         prefill report's keys up to ``max_prefix_chars`` (at most 4096 blocks)."""
         own = settings.held
-        return HoldingsRegion(own.holdings_slots, min(own.max_prefix_chars // own.block_chars, 4096))
+        return PolicyRegion(own.holdings_slots, min(own.max_prefix_chars // own.block_chars, 4096),
+                            create="narwhal.shm.holdings:create_region",
+                            worker="narwhal.shm.holdings_view:worker_view",
+                            supervisor="narwhal.supervisor.holdings.part:HoldingsPart")
 
     def prepare(self, prompt: PromptText) -> PrefixBlocks | int | None:
         """The prompt's prefix blocks when it has a full block, read to one character past

@@ -29,6 +29,7 @@ Invariants, and why:
 
 from __future__ import annotations
 
+import importlib
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -106,13 +107,25 @@ class Placed(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class HoldingsRegion:
-    """Shared memory a policy asks the master for (``Policy.region``): the holdings region
-    (``shm.holdings``), its size in block keys. The master creates it before any fork, the
-    supervisor keeps it, each worker's view reaches the policy as its ``holdings``."""
+class PolicyRegion:
+    """Shared memory a policy asks the master for (``Policy.region``), and the parts that use it
+    in each process, named by ``module:attribute`` so that no process names the policy: the
+    master calls ``create`` before any fork (the region, or None), each worker ``worker`` (its
+    view, which the policy is built with as its ``holdings``), the supervisor ``supervisor`` (its
+    part, ``narwhal.supervisor.policy_part.PolicyPart``). Like llm-d's plugin factories, the
+    policy says what it runs where; the processes only build what it names."""
 
     keys: int  # block keys for the configured producers' sections together
     entry_keys: int  # block keys one prefill report carries at most
+    create: str  # (need, settings, worker slots, engine slots) -> the region
+    worker: str  # (region, engines, worker slot) -> the worker's view
+    supervisor: str  # (region, settings, engines, followed KV events) -> the supervisor's part
+
+
+def part(path: str) -> Any:
+    """A policy part named ``module:attribute`` (:class:`PolicyRegion`), imported when first asked."""
+    module, _, attribute = path.partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 class Policy(Protocol):
@@ -122,7 +135,7 @@ class Policy(Protocol):
     name: str
 
     @staticmethod
-    def region(settings: PlacementSettings) -> HoldingsRegion | None:
+    def region(settings: PlacementSettings) -> PolicyRegion | None:
         """The shared memory it needs (None: none), asked by the master before any fork."""
 
     def prepare(self, prompt: PromptText) -> Any:
@@ -167,7 +180,7 @@ class KeepsNothing:
     shared memory."""
 
     @staticmethod
-    def region(settings: PlacementSettings) -> HoldingsRegion | None:
+    def region(settings: PlacementSettings) -> PolicyRegion | None:
         """No shared memory."""
         return None
 

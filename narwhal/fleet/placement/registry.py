@@ -14,7 +14,7 @@ from narwhal.fleet.placement.affinity import Affinity
 from narwhal.fleet.placement.held import Held
 from narwhal.fleet.placement.holdings_source import HoldingsSource
 from narwhal.fleet.placement.least_loaded import LeastLoaded
-from narwhal.fleet.placement.policy import HoldingsRegion, Policy
+from narwhal.fleet.placement.policy import Policy, PolicyRegion
 from narwhal.settings import PlacementSettings
 
 POLICIES: dict[str, type[Held] | type[Affinity] | type[LeastLoaded]] = {
@@ -30,6 +30,6 @@ def build(settings: PlacementSettings, holdings: HoldingsSource | None = None) -
     return POLICIES[settings.placement_policy](settings, holdings)
 
 
-def region(settings: PlacementSettings) -> HoldingsRegion | None:
+def region(settings: PlacementSettings) -> PolicyRegion | None:
     """The shared memory the named policy needs (None: none)."""
     return POLICIES[settings.placement_policy].region(settings)

@@ -17,7 +17,7 @@ from narwhal.fleet.placement.affinity import Affinity
 from narwhal.fleet.placement.blocks import PrefixBlocks
 from narwhal.fleet.placement.held import Held
 from narwhal.fleet.placement.least_loaded import LeastLoaded
-from narwhal.fleet.placement.policy import Asked, Candidate, HoldingsRegion, Ordered, split_saturated
+from narwhal.fleet.placement.policy import Asked, Candidate, Ordered, split_saturated
 from narwhal.fleet.placement.registry import POLICIES, build, region
 from narwhal.settings import PlacementSettings
 from narwhal.settings import placement as settings_module
@@ -70,7 +70,11 @@ def test_each_policy_keeps_what_its_rule_needs_of_the_prompt_and_nothing_more() 
 
 def test_only_held_asks_the_master_for_shared_memory() -> None:
     settings = PlacementSettings(held={"holdings_slots": 4096})  # type: ignore[arg-type]
-    assert region(PlacementSettings(policy="held", held=settings.held)) == HoldingsRegion(4096, 256)
+    need = region(PlacementSettings(policy="held", held=settings.held))
+    assert need is not None and (need.keys, need.entry_keys) == (4096, 256)
+    assert (need.create, need.worker, need.supervisor) == (
+        "narwhal.shm.holdings:create_region", "narwhal.shm.holdings_view:worker_view",
+        "narwhal.supervisor.holdings.part:HoldingsPart")
     assert {name: cls.region(settings) is None for name, cls in POLICIES.items()} == {
         "held": False, "affinity": True, "least_loaded": True}
     assert isinstance(build(PlacementSettings(policy="held")), Held)

@@ -21,7 +21,7 @@ def test_a_gone_worker_leaves_no_queued_prefill_work_on_a_producer(monkeypatch: 
     shared = SharedFleet.create(engines=2, slots=2)
     holdings = Holdings.create(HoldingsLayout(sections=2, keys=8, slots=2, ring=4, entry_keys=4))
     monkeypatch.setattr(shm, "SHARED", shared)
-    monkeypatch.setattr(shm, "HOLDINGS", holdings)
+    monkeypatch.setattr(shm, "POLICY_REGION", holdings)
     try:
         gone_pid = 999_999  # not a live process: the worker that died
         slot = shared.claim_slot(gone_pid)

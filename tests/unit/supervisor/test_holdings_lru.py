@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from narwhal.shm.holdings import PrefillReport, section_stamp
-from narwhal.supervisor import holdings as holdings_module
 from narwhal.supervisor.holdings import HOT_S, HoldingsModel, ProducerHoldings
+from narwhal.supervisor.holdings import model as holdings_module
 from narwhal.supervisor.holdings import producer as producer_module
 
 STAMPS = [section_stamp("p0", "http://p0"), section_stamp("p1", "http://p1")]

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from narwhal.master.gunicorn_hooks import create_holdings
+from narwhal.master.gunicorn_hooks import create_policy_region
 from narwhal.settings import RecoverySettings, Settings
 from narwhal.shm import layout as L
 from narwhal.shm.holdings import PrefillReport
@@ -69,7 +69,7 @@ def test_only_the_rings_written_since_the_last_drain_are_named(shared: SharedFle
 def test_only_the_prefill_rings_written_since_the_last_drain_are_named() -> None:
     settings = Settings.model_validate({"engines": [{"name": "p", "url": "http://127.0.0.1:1", "role": "producer"},
                                                     {"name": "d", "url": "http://127.0.0.1:2", "role": "consumer"}]})
-    holdings = create_holdings(settings, 3)
+    holdings = create_policy_region(settings, 3)
     assert holdings is not None
     layout = holdings.layout
     rings = RingIndexes(layout.ring_offset(0), layout.ring_offset(1) - layout.ring_offset(0))
