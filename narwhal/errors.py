@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-import orjson
-
 Phase = Literal["prefill", "decode"]
 
 # Statuses come from the one table of reasons (its module says why there is one).
@@ -39,14 +37,6 @@ class NarwhalError(Exception):
             self.reason = reason
         self.message = message
         self.status = status if status is not None else STATUS_OF.get(self.reason, 500)
-
-    def body(self) -> bytes:
-        """The OpenAI-shaped error body (``error_body``)."""
-        return error_body(self.message, self.reason, self.status, self.param)
-
-    def sse_event(self) -> bytes:
-        """The terminal event that ends a stream whose 200 was already committed."""
-        return b"data: " + self.body() + b"\n\n"
 
     def headers(self) -> dict[str, str]:
         """The headers that go with the body: ``x-narwhal-error`` names the reason."""
@@ -116,7 +106,3 @@ class EngineClientError(EngineError):
         self.engine_type = engine_type
         self.param = param
 
-
-def error_body(message: str, kind: str, status: int, param: str | None = None) -> bytes:
-    """OpenAI's error object (``type`` is the reason, ``code`` the status) as bytes."""
-    return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}})

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from narwhal.engines.load_metrics import PrefillCounters
 from narwhal.fake_engine.prefix import PrefixCache
+from narwhal.supervisor.load_metrics import PrefillCounters
 from perf.load.scarce import KV_BLOCKS, MAX_NUM_SEQS
 
 
@@ -90,5 +90,5 @@ class Producer:
         return min((self.cache.in_use + self.running_blocks) / KV_BLOCKS, 1.0)
 
     def counters(self) -> PrefillCounters:
-        """What its ``/metrics`` would say of its prefills (``engines.load_metrics.parse_prefill``)."""
+        """What its ``/metrics`` would say of its prefills (``supervisor.load_metrics.parse_prefill``)."""
         return PrefillCounters(self.prefill_s, float(self.prefilled), float(self.queries), float(self.hits))

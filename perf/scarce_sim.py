@@ -45,8 +45,8 @@ from narwhal.fleet.placement.registry import build
 from narwhal.request.affinity import prepared
 from narwhal.settings import Settings
 from narwhal.shm.holdings import Held, PrefillReport
+from narwhal.supervisor.edge import LOOP_S
 from narwhal.supervisor.holdings import HoldingsModel
-from narwhal.supervisor.main import LOOP_S
 from perf.load.chat import ChatUsers, system_prompts
 from perf.load.generator import MODEL as MODEL_NAME
 from perf.load.scarce import (

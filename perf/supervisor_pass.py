@@ -47,8 +47,8 @@ async def _passes(engines: int, seconds: float) -> tuple[float, float]:
     from narwhal.master.gunicorn_hooks import create_policy_region
     from narwhal.settings import Settings
     from narwhal.shm.shared import SharedFleet
+    from narwhal.supervisor.edge import Supervisor
     from narwhal.supervisor.load import LoadReader
-    from narwhal.supervisor.main import Supervisor
 
     try:  # the loop's own module; a baseline before it ran the passes on the Supervisor
         from narwhal.supervisor.loop import Loop, run

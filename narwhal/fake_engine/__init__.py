@@ -33,33 +33,34 @@ Per-request faults: the body key ``narwhal_fake: {"prefill": FaultSpec, "decode"
 
 Invariant: the package imports nothing else from ``narwhal`` (it shares no wire code with the
 router it tests, so a router bug cannot hide in both), and its modules import only downward, so
-there is no import cycle (``tests/unit/fake_engine/test_fake_engine_layout.py`` checks both). From the bottom:
+there is no import cycle (``tests/unit/fake_engine/test_fake_engine_layout.py`` checks both). It
+imitates vLLM 0.33 by default and 0.32, 0.21, 0.11 on demand, judged by real engines in
+``tests/real_vllm/test_real_shapes.py``. Its modules, from the bottom:
 
-* ``faults`` (fault specs), ``chunks`` (vLLM's frames, pre-encoded), ``kvstore`` (held blocks and
-  their leases), ``prefix`` (the prefix cache), ``batch`` (batch slots, prefill lane, background
-  load): leaves;
-* ``frames_messages``, ``frames_responses``, ``frames_generate`` (each endpoint's frames, on
-  ``chunks``), then ``frames`` (which frames a request is written with);
-* ``parse`` (vLLM-like validation), then ``parse_endpoints`` (the other endpoints' fields),
-  ``emit`` (SSE writes, error bodies, dropped connections),
-  ``state`` (``EngineState``: one engine's state, and the registry of engines by id);
-* ``kv`` (descriptor and pull: the KV handoff) and ``work`` (a request's slot, cache lookup and
-  prefill), then ``generate`` (every generating route: the order of events and the faults) and
-  ``passthrough`` (tokenize, embeddings, score …), then ``routes``
-  (the engine's routes);
-* ``engine`` (``FakeEngine``, an ``EngineState`` that listens, and ``build_engine_app``), then
-  ``control`` (control app), then ``fleet`` (process and CLI).
-
-Its modules: the fake vLLM engine, imitating vLLM 0.33 by default and 0.32, 0.21, 0.11 on demand
-(``admit.py``: a generating request parsed and validated as vLLM does, recorded, its fault spec
-resolved; ``generate.py``: the order of its events after that; ``continuation.py``: where a
-continued output starts, so it carries on exactly; ``release.py``: each release's descriptor keys,
-block ids, metrics labels, refusal cleanup, routes and generate gate, context rule, compatibility;
-``stream_handoff.py`` a 0.33 streamed prefill's handoff on its last chunk), judged by real engines
-in ``tests/real_vllm/test_real_shapes.py``, with its load and cache models off by default
-(``prefix.py``, ``batch.py``, ``work.py``: prefix cache, prefill cost, batch limit, background load;
-``histogram.py``: vLLM's request-phase histograms on its ``/metrics``); shares no wire code with the
-router
+- ``faults.py``: fault specs, per engine and per request
+- ``chunks.py``: vLLM's frames, pre-encoded
+- ``kvstore.py``: held KV blocks and their leases
+- ``prefix.py``: the prefix cache of chained 16-token blocks
+- ``batch.py``: batch slots, the prefill lane, background load
+- ``histogram.py``: vLLM's request-phase histograms on ``/metrics``
+- ``release.py``: each release's descriptor keys, block ids, labels, routes, refusal cleanup
+- ``frames_messages.py``, ``frames_responses.py``, ``frames_generate.py``: each endpoint's frames
+- ``frames.py``: which frames a request is written with
+- ``parse.py``: vLLM-like validation; ``parse_endpoints.py``: the other endpoints' fields
+- ``emit.py``: SSE writes, error bodies, dropped connections
+- ``kv_events.py``: the KV-cache event publisher (ZMQ, replay, ``/kv_event_sources``)
+- ``state.py``: ``EngineState``, one engine's state, and the registry of engines by id
+- ``kv.py``: the descriptor and the pull: the KV handoff
+- ``stream_handoff.py``: a 0.33 streamed prefill's handoff on its last chunk
+- ``work.py``: a request's slot, cache lookup and prefill cost
+- ``admit.py``: a generating request parsed, validated, recorded, its fault spec resolved
+- ``continuation.py``: where a continued output starts, so it carries on exactly
+- ``generate.py``: every generating route: the order of its events and its faults
+- ``passthrough.py``: tokenize, embeddings, score …
+- ``routes.py``: the engine's routes
+- ``engine.py``: ``FakeEngine``, an ``EngineState`` that listens, and ``build_engine_app``
+- ``control.py``: the fleet's control app
+- ``fleet.py``: the fleet process and its CLI
 """
 
 from __future__ import annotations

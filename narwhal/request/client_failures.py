@@ -56,7 +56,7 @@ def error_response(exc: NarwhalError, request_id: str | None, dialect: dialects.
     headers = exc.headers()
     if request_id is not None:
         headers["x-request-id"] = request_id
-    body = exc.body() if dialect is None else dialect.error_body(exc)
+    body = (dialect or dialects.DEFAULT_ERRORS).error_body(exc)
     return web.Response(status=exc.status, body=body, content_type="application/json", headers=headers)
 
 

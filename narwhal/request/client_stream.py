@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from multidict import CIMultiDict
 
-from narwhal.engines.dialects import Dialect
+from narwhal.engines.dialects import DEFAULT_ERRORS, Dialect
 from narwhal.engines.timers import LazyTimeout
 from narwhal.errors import NarwhalError
 from narwhal.request import stream_buffers
@@ -178,7 +178,7 @@ class ClientStream:
     async def fail(self, exc: NarwhalError) -> None:
         """After the 200: end the stream with one terminal error event (no [DONE] after it)."""
         assert self.stream is not None
-        await self.stream.write(exc.sse_event() if self.dialect is None else self.dialect.error_event(exc))
+        await self.stream.write((self.dialect or DEFAULT_ERRORS).error_event(exc))
         await self.stream.write_eof()
 
     def close(self) -> None:

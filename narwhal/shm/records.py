@@ -129,7 +129,7 @@ class EngineRecord:
 
 RECORD_BY_OPERATOR = 1
 RECORD_WAITING_FOR_WAVE = 2
-RECORD_UNREACHABLE = 4  # its last connection attempt failed (fleet.reachability, docs/behaviour.md "Recovery")
+RECORD_UNREACHABLE = 4  # its last connection attempt failed (supervisor.reachability, docs/behaviour.md "Recovery")
 RECORD_KV_EVENTS = 8  # its holdings follow its KV-cache events, in order (supervisor.kv_events)
 
 

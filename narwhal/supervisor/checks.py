@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 from narwhal import metrics
 from narwhal.engines.control import UNREACHABLE
 from narwhal.fleet import Engine, Fleet
-from narwhal.fleet.reachability import Reachability
 from narwhal.supervisor.membership import ChangingBreakers
 from narwhal.supervisor.probes import Prober
+from narwhal.supervisor.reachability import Reachability
 
 if TYPE_CHECKING:
     from narwhal.supervisor.models import ModelReader
@@ -31,7 +31,7 @@ log = logging.getLogger("narwhal.supervisor")
 
 class Checks:
     """Starts probes and health checks from the loop's passes and feeds their results to the
-    breakers; keeps whose last connection attempt failed (``fleet.reachability``)."""
+    breakers; keeps whose last connection attempt failed (``supervisor.reachability``)."""
 
     def __init__(
         self, fleet: Fleet, breakers: ChangingBreakers, reach: Reachability, clock: Callable[[], float]
@@ -45,7 +45,7 @@ class Checks:
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def connected(self, engine: Engine, answered: bool, refused: bool) -> None:
-        """A control read's word on reaching ``engine`` (``fleet.reachability``): no connection says
+        """A control read's word on reaching ``engine`` (``supervisor.reachability``): no connection says
         unreachable, any HTTP answer reachable (whatever its status), a timeout nothing. An engine
         that answers again after refusing connections may be a new process — a rolling upgrade's
         next release — so its ``/version`` and models are read again (``supervisor.models``,

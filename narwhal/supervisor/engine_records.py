@@ -6,7 +6,7 @@ process, and a supervisor started later, reads them), the operator's ejection, t
 and unreachability as flags — stamped with the engine's identity, so a record left at a slot
 another engine has since taken is never read as that engine's.
 
-Why apart from the edge (``supervisor.main``): the edge decides when to publish and writes; what
+Why apart from the edge (``supervisor.edge``): the edge decides when to publish and writes; what
 a record holds is a question of its own, asked at every publish and at every restart, and
 answered here without shared memory or a clock.
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from narwhal.fleet import Engine
-from narwhal.fleet.reachability import Reachability
 from narwhal.shm.records import (
     RECORD_BY_OPERATOR,
     RECORD_KV_EVENTS,
@@ -26,6 +25,7 @@ from narwhal.shm.records import (
 )
 from narwhal.shm.table import record_hash
 from narwhal.supervisor.breaker import Breakers, EngineStatus, State
+from narwhal.supervisor.reachability import Reachability
 
 
 @dataclass(frozen=True, slots=True)

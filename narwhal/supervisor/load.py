@@ -5,7 +5,7 @@ Every ``placement.load_interval_s`` the supervisor starts one read per admitted 
 in parallel, each bounded by the interval, with the TLS context and engine key of every other
 control read (``engines.control.PooledReader``: ``ControlClient``'s answer over the pooled
 HTTP/1.1 client, half its CPU per read). A reading is parsed
-(``narwhal.engines.load_metrics``) into the engine's load record, with the time it was read and
+(``narwhal.supervisor.load_metrics``) into the engine's load record, with the time it was read and
 this host's in-flight legs on the engine at that moment that the engine counted among its own
 (``SharedFleet.engine_seen``: not a decode reserved for a prefill that still runs). The record
 waits for the loop's next pass, which writes every reading taken since and bumps the load
@@ -40,11 +40,11 @@ from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from narwhal.engines.control import UNREACHABLE, ControlClient, ControlError, PooledReader
-from narwhal.engines.load_metrics import PrefillCounters, parse_capacity, parse_load, parse_prefill
 from narwhal.fleet import Engine
 from narwhal.shm.records import LoadRecord
 from narwhal.shm.shared import SharedFleet
 from narwhal.shm.table import record_hash
+from narwhal.supervisor.load_metrics import PrefillCounters, parse_capacity, parse_load, parse_prefill
 from narwhal.supervisor.rounds import Rounds
 
 log = logging.getLogger("narwhal.supervisor.load")

@@ -11,7 +11,7 @@ Time is the supervisor's injected clock, so a test drives the passes with a fake
 4. starts what is due of the rounds of reads: health checks, load (``supervisor.load``, every
    ``placement.load_interval_s``), discovery's sources, the engines' models;
 5. applies what the deciding parts returned (the load readings, discovery's joins and leavings,
-   the models read), and publishes once any status changed (``supervisor.main``: the one writer).
+   the models read), and publishes once any status changed (``supervisor.edge``: the one writer).
 
 Less often: sweeping slots of dead workers, forgetting drained engines, following the engines'
 KV-cache events (``supervisor.kv_events``: a subscription per engine), exporting the in-flight
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from narwhal.engines.control import PooledReader, open_session
+from narwhal.supervisor.edge import LOOP_S, Supervisor
 from narwhal.supervisor.kv_events.hub import KvEventsHub
 from narwhal.supervisor.load import LoadReader
-from narwhal.supervisor.main import LOOP_S, Supervisor
 from narwhal.supervisor.models import ModelReader
 from narwhal.supervisor.probes import Prober
 

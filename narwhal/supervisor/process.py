@@ -40,8 +40,8 @@ def run_supervisor(shared: SharedFleet, *, restarted: bool) -> None:
     from narwhal import metrics
     from narwhal.logs import configure_logging
     from narwhal.settings import current_or_load
+    from narwhal.supervisor.edge import Supervisor
     from narwhal.supervisor.loop import run
-    from narwhal.supervisor.main import Supervisor
 
     set_title(TITLE)
     # The settings the master validated and reconciled with gunicorn's options (the workers

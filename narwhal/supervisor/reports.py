@@ -22,7 +22,6 @@ import struct
 from collections.abc import Mapping, Sequence
 
 from narwhal.fleet import Engine
-from narwhal.fleet.reachability import Reachability
 from narwhal.reasons import Reason
 from narwhal.shm.records import (
     FLAG_BEFORE_TOKEN,
@@ -40,6 +39,7 @@ from narwhal.shm.records import (
     Report,
 )
 from narwhal.supervisor.breaker import Breakers, Outcome
+from narwhal.supervisor.reachability import Reachability
 
 
 class RingIndexes:

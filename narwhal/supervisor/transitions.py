@@ -23,9 +23,9 @@ from collections.abc import Iterable
 
 from narwhal import metrics
 from narwhal.fleet import Engine
-from narwhal.fleet.reachability import Reachability
 from narwhal.settings import RecoverySettings
 from narwhal.supervisor.breaker import Breakers, Charged, EngineStatus, State
+from narwhal.supervisor.reachability import Reachability
 
 log = logging.getLogger("narwhal.supervisor.breakers")
 charges_log = logging.getLogger("narwhal.supervisor.charges")

@@ -71,3 +71,32 @@ def test_not_yet_lists_only_modules_still_undocumented() -> None:
     modules = _modules()
     done = sorted(name for name in NOT_YET if not undocumented(modules.get(name, "")))
     assert done == [], "documented (or gone): remove from NOT_YET"
+
+
+def _package_faces() -> dict[str, tuple[list[str], list[str]]]:
+    """Per package below ``narwhal/``: (its modules and subpackages its ``__init__.py`` does not
+    name, the top-level statements there that are not imports, ``__all__`` or the docstring)."""
+    faces: dict[str, tuple[list[str], list[str]]] = {}
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        package = init.parent
+        if package == PACKAGE:
+            continue  # the root: ARCHITECTURE.md is its face
+        tree = ast.parse(init.read_text())
+        doc = ast.get_docstring(tree) or ""
+        names = [p.stem for p in package.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
+        names += [p.name for p in package.iterdir() if (p / "__init__.py").exists()]
+        unnamed = sorted(n for n in names if not any(
+            form in doc for form in (f"``{n}.py``", f"``{n}/``", f":mod:`.{n}`")))
+        code = [f"{node.lineno}" for node in tree.body[1:]
+                if not isinstance(node, ast.Import | ast.ImportFrom)
+                and not (isinstance(node, ast.Assign) and [getattr(t, "id", "") for t in node.targets] == ["__all__"])
+                and not (isinstance(node, ast.AnnAssign | ast.Assign | ast.If) and init.parent.name == "shm")]
+        faces[str(package.relative_to(ROOT))] = (unnamed, code)
+    return faces
+
+
+def test_each_package_names_its_modules_and_keeps_no_code_in_its_init() -> None:
+    # A package's __init__.py is its face: one line per module, then its exports. Code there is
+    # where nobody looks for it (shm's is the exception: the regions every process inherits).
+    faces = _package_faces()
+    assert {name: face for name, face in faces.items() if face != ([], [])} == {}

@@ -7,8 +7,8 @@ reports to its pool through a protocol (``engines.http1_connection.Pool``); a pr
 left the connector's rules (``engines.prefill_result``); the holdings' interface left the
 ``held`` policy (``fleet.placement.holdings_source``); the chaos phases' driver left the command
 (``perf.chaos.driver``); the supervisor's discovery and model reader return decisions the loop
-applies, reading the running fleet through a protocol (``supervisor.discovery.Running``), and
-never import the supervisor (``supervisor.main``).
+applies, reading the running fleet through a protocol (``supervisor.discovery.decisions.Running``), and
+never import the supervisor (``supervisor.edge``).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from typing import Any
 import orjson
 
 from narwhal.engines.sse import DONE_EVENT, Kind, event_data
-from narwhal.errors import NarwhalError, RequestError, error_body
+from narwhal.errors import NarwhalError, RequestError
 from narwhal.reasons import Reason
 
 __all__ = ["Dialect", "Kind", "bad", "event_name", "is_int", "json_of", "status_of_code", "turns_text"]
@@ -212,8 +212,12 @@ class Dialect:
     # -- the router's own errors, shaped for this endpoint's clients ---------------------------
 
     def error_body(self, exc: NarwhalError) -> bytes:
-        """The router's own error as this endpoint's clients expect it (here OpenAI's shape)."""
-        return error_body(exc.message, exc.reason, exc.status, exc.param)
+        """The router's own error as this endpoint's clients expect it (here OpenAI's error
+        object: ``type`` is the reason, ``code`` the status). The one place an error's shape is
+        chosen: a route without a dialect (passthrough, the guard's refusals) answers in
+        :data:`~narwhal.engines.dialects.DEFAULT_ERRORS`'s."""
+        return orjson.dumps({"error": {"message": exc.message, "type": exc.reason, "param": exc.param,
+                                       "code": exc.status}})
 
     def error_event(self, exc: NarwhalError) -> bytes:
         """The one terminal event that ends a stream whose 200 was already committed."""

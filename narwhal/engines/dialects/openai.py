@@ -228,3 +228,8 @@ class Generate(Completions, endpoint=GENERATE, prompt_fields=("token_ids",)):
         if isinstance(choices, list) and any(isinstance(c, dict) and c.get("token_ids") for c in choices):
             return Kind.TOKEN, None
         return Kind.METADATA, None
+
+
+# The error shape of a route without a dialect of its own (passthrough, the guard's 404/405/413):
+# OpenAI's, as on completions.
+DEFAULT_ERRORS: Dialect = Completions()

@@ -16,6 +16,9 @@ clock and randomness come in through arguments and protocols):
 * :mod:`.blocks` — the prompt's chained prefix block keys (docs/behaviour.md "Placement"), computed lazily;
 * :mod:`.token_blocks` — token block keys: what a prompt's token ids and an engine's KV-cache events are
   compared by (docs/behaviour.md "Placement");
+* :mod:`.homes` — the live prefixes' homes, the same in every replica (the supervisor computes them);
+* :mod:`.holdings_source` — the holdings as policy ``held`` reads them and reports prefills to them;
+* :mod:`.fallback` — the second look when the first found no pair (quarantined, then ejected);
 * :mod:`.load` — engine-reported load as placement weighs it (fresh readings only);
 * :mod:`.reservation` — in-flight counts and the slots an attempt holds.
 """

@@ -5,7 +5,7 @@ Why: the rate the holdings learn (``supervisor.holdings``) comes from this repli
 so two replicas learn two rates, and homes scaled by them differ by replica (``fleet.placement.homes``
 says what that costs). The engine's own ``/metrics`` say the same to every reader: uncached prompt
 tokens per second of prefill = Δ(``vllm:prefix_cache_queries_total`` − ``…_hits_total``) ÷
-Δ``vllm:request_prefill_time_seconds_sum`` between reads (``engines.load_metrics.parse_prefill``).
+Δ``vllm:request_prefill_time_seconds_sum`` between reads (``supervisor.load_metrics.parse_prefill``).
 
 How: successive reads are differenced; a *sample* spans at least ``SAMPLE_PREFILLS`` finished
 prefills (Δ``_count``), however many reads that takes, so a sample means the same span of work
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from narwhal.engines.load_metrics import PrefillCounters
+from narwhal.supervisor.load_metrics import PrefillCounters
 
 SAMPLE_PREFILLS = 32  # finished prefills a sample spans at least
 # The samples the rate is the best of: ~2,000 prefills. Shorter (16) let a fast producer whose

@@ -46,7 +46,6 @@ from collections.abc import Callable, Mapping, Sequence
 from itertools import islice
 from typing import Any, Protocol
 
-from narwhal.engines.load_metrics import PrefillCounters
 from narwhal.fleet.placement import homes
 from narwhal.fleet.placement.token_blocks import DEFAULT_CHARS_PER_TOKEN, FOLLOWED_EMPTY
 from narwhal.shm.holdings import Holdings, PrefillReport
@@ -54,6 +53,7 @@ from narwhal.supervisor.holdings.fit import Fit, Prefix
 from narwhal.supervisor.holdings.lru import drop, leading, reused, touch
 from narwhal.supervisor.holdings.producer import HOT_S, ProducerHoldings
 from narwhal.supervisor.holdings.rate import placing_rates
+from narwhal.supervisor.load_metrics import PrefillCounters
 
 ALPHA = 0.2  # weight of a new sample in the learned means
 RATE_MIN_BLOCKS = 8

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from narwhal.engines import endpoints, sse
 from narwhal.engines.connector import InvalidHandoff, validate_descriptor
 from narwhal.engines.control import parse_models, parse_version
-from narwhal.engines.load_metrics import parse_capacity, parse_load, parse_prefill
 from narwhal.request.usage import completion_tokens
+from narwhal.supervisor.load_metrics import parse_capacity, parse_load, parse_prefill
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats(allow_nan=False)

@@ -198,8 +198,8 @@ async def test_queue_and_prefill_times_are_vllm_histograms_split_at_scheduling(
 ) -> None:
     # vLLM's RequestStateStats: queued → scheduled is the queue time, scheduled → first token the
     # prefill time. The fake's clock is the test's: arrival 10.0, its slot at 12.5, prefill done at 13.0.
-    from narwhal.engines.load_metrics import PrefillCounters, parse_prefill
     from narwhal.fake_engine import work
+    from narwhal.supervisor.load_metrics import PrefillCounters, parse_prefill
 
     clock = iter([10.0, 12.5, 13.0])
     monkeypatch.setattr(work, "time", type("Clock", (), {"monotonic": staticmethod(lambda: next(clock))}))

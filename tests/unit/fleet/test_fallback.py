@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from narwhal.fleet.placement.fallback import reachable_first
-from narwhal.fleet.reachability import Reachability
+from narwhal.supervisor.reachability import Reachability
 from tests.unit.fleet.placement_support import KEY, MODEL, Reading, fleet_of, place
 
 

@@ -136,7 +136,7 @@ def test_fields_the_prefill_drops_are_refused_before_any_prefill(
     with pytest.raises(RequestError) as refused:
         parse(orjson.dumps(chat_body(**extra)), CHAT, fleet)
     assert refused.value.param == param and refused.value.status == 400
-    assert orjson.loads(refused.value.body())["error"]["param"] == param
+    assert orjson.loads(COMPLETIONS.dialect.error_body(refused.value))["error"]["param"] == param
 
 
 def test_unknown_fields_pass_through_untouched(fleet: Fleet) -> None:
@@ -318,7 +318,7 @@ def test_unknown_model(fleet: Fleet, endpoint: Endpoint) -> None:
 
 def test_unknown_model_error_body(fleet: Fleet) -> None:
     err = refused(orjson.dumps(completion_body(model="x")), COMPLETIONS, fleet)
-    assert orjson.loads(err.body()) == {
+    assert orjson.loads(COMPLETIONS.dialect.error_body(err)) == {
         "error": {
             "message": "The model `x` does not exist.",
             "type": "model_not_found",
@@ -331,7 +331,7 @@ def test_unknown_model_error_body(fleet: Fleet) -> None:
 
 def test_bad_request_error_body(fleet: Fleet) -> None:
     err = refused(b"[]", CHAT, fleet)
-    assert orjson.loads(err.body()) == {
+    assert orjson.loads(COMPLETIONS.dialect.error_body(err)) == {
         "error": {
             "message": "the request body must be a JSON object",
             "type": "bad_request",

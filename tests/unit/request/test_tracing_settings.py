@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
-from narwhal import settings as settings_module
 from narwhal.settings import SettingsError, TracingSettings, load_settings
+from narwhal.settings import sections as settings_module
 
 
 def _error(tmp_path: Path, toml: str) -> str:

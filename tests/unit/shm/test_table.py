@@ -12,7 +12,7 @@ from narwhal.settings import Settings
 from narwhal.shm.shared import SharedFleet
 from narwhal.shm.table import FREE, LIVE, RETIRED, TableFull, identity, worker_epoch
 from narwhal.shm.worker import UnmappedEngine, WorkerFleetState
-from narwhal.supervisor.main import Supervisor
+from narwhal.supervisor.edge import Supervisor
 
 
 def _engines(*names: str) -> list[tuple[str, str]]:

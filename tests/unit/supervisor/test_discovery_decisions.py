@@ -28,7 +28,8 @@ def spec(name: str, port: int, role: str = "consumer") -> EngineSpec:
 
 @dataclass
 class View:
-    """The running fleet as discovery reads it (``supervisor.discovery.Running``), changed by the test alone."""
+    """The running fleet as discovery reads it (``supervisor.discovery.decisions.Running``), changed by the
+    test alone."""
 
     settings: Settings
     members: list[tuple[int, EngineSpec, str]]  # slot, entry, source

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from narwhal.engines.load_metrics import PrefillCounters
 from narwhal.supervisor.holdings.engine_rate import MIN_SAMPLES, SAMPLE_PREFILLS, WINDOW, EngineRate
+from narwhal.supervisor.load_metrics import PrefillCounters
 
 
 class Engine:

@@ -163,8 +163,8 @@ def test_without_a_known_capacity_an_eviction_bounds_the_holdings_to_what_outliv
 
 def _engine_rate(m: HoldingsModel, engine: int, tokens_per_s: float) -> None:
     """Enough ``/metrics`` reads of ``engine`` for its engine-reported rate to be ``tokens_per_s``."""
-    from narwhal.engines.load_metrics import PrefillCounters
     from narwhal.supervisor.holdings.engine_rate import MIN_SAMPLES, SAMPLE_PREFILLS
+    from narwhal.supervisor.load_metrics import PrefillCounters
 
     for i in range(MIN_SAMPLES + 1):
         counters = PrefillCounters(float(i), float(i * SAMPLE_PREFILLS), i * tokens_per_s, 0.0)

@@ -4,9 +4,9 @@ the learned prefill rate; and ``vllm:cache_config_info`` read as a capacity."""
 
 from __future__ import annotations
 
-from narwhal.engines.load_metrics import parse_capacity
 from narwhal.shm.holdings import Holdings, HoldingsLayout, PrefillReport, section_stamp
 from narwhal.supervisor.holdings import HoldingsModel
+from narwhal.supervisor.load_metrics import parse_capacity
 
 P0 = section_stamp("p0", "http://p0")
 P1 = section_stamp("p1", "http://p1")

@@ -120,7 +120,7 @@ async def test_a_flapping_engine_logs_once_a_minute(shared: SharedFleet, caplog:
 
 
 async def test_each_reading_gives_the_holdings_its_capacity_and_prefill_counters(shared: SharedFleet) -> None:
-    from narwhal.engines.load_metrics import PrefillCounters
+    from narwhal.supervisor.load_metrics import PrefillCounters
 
     fleet = Fleet(Settings(engines=[{"name": "p", "role": "producer", "url": "http://127.0.0.1:1"}]))
     body = GOOD + (

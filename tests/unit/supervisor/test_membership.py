@@ -71,7 +71,7 @@ def test_blame_is_judged_by_compatible_pairs_in_a_mixed_version_window() -> None
     (one it can never pair with) could resolve."""
     from narwhal.fleet.blame import Outcome
     from narwhal.shm.shared import SharedFleet
-    from narwhal.supervisor.main import Supervisor
+    from narwhal.supervisor.edge import Supervisor
 
     settings = Settings.model_validate({"engines": [
         {"name": n, "url": f"http://127.0.0.1:{9100 + i}", "role": r, "models": ["m"]}

@@ -19,9 +19,9 @@ from narwhal.settings import Settings
 from narwhal.shm import models as M
 from narwhal.shm.shared import SharedFleet
 from narwhal.shm.table import record_hash
+from narwhal.supervisor.edge import Supervisor
 from narwhal.supervisor.load import LoadReader
 from narwhal.supervisor.loop import Loop
-from narwhal.supervisor.main import Supervisor
 from narwhal.supervisor.models import REFRESH_S, RETRY_S, ModelReader
 from narwhal.worker.models_follow import ModelsFollower
 

@@ -13,8 +13,8 @@ import pytest
 from narwhal.engines.control import PooledReader
 from narwhal.settings import Settings
 from narwhal.shm.shared import SharedFleet
+from narwhal.supervisor.edge import Supervisor
 from narwhal.supervisor.loop import run
-from narwhal.supervisor.main import Supervisor
 from narwhal.supervisor.rounds import BATCH, Rounds
 
 ENGINES = 64

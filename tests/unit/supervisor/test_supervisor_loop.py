@@ -20,9 +20,9 @@ from narwhal.shm.records import read_record
 from narwhal.shm.shared import SharedFleet
 from narwhal.shm.worker import WorkerFleetState
 from narwhal.supervisor.breaker import State
+from narwhal.supervisor.edge import Supervisor
 from narwhal.supervisor.load import LoadReader
 from narwhal.supervisor.loop import Loop
-from narwhal.supervisor.main import Supervisor
 
 READMIT_S = 5.0
 HEALTH_S = 30.0

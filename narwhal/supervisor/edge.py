@@ -28,7 +28,6 @@ from typing import Any
 
 from narwhal import metrics
 from narwhal.fleet import Engine, Fleet, compat
-from narwhal.fleet.reachability import Reachability
 from narwhal.settings import Settings
 from narwhal.settings.engines import EngineSpec
 from narwhal.shm import descriptors
@@ -46,6 +45,7 @@ from narwhal.supervisor.kv_events.stream import Stream
 from narwhal.supervisor.membership import ChangingBreakers, Decision, Drain, Forget, Join, Readmit
 from narwhal.supervisor.models import ModelReader, ModelsPublished, ModelsRead
 from narwhal.supervisor.policy_part import PolicyPart, policy_part
+from narwhal.supervisor.reachability import Reachability
 from narwhal.supervisor.reports import RingIndexes, Successes, apply_reports
 from narwhal.supervisor.rounds import Rounds
 from narwhal.supervisor.transitions import log_charges, log_transitions
@@ -263,7 +263,7 @@ class Supervisor:
         """A control read's word on reaching ``engine`` (:meth:`Checks.connected`)."""
         self.checks.connected(engine, answered, refused)
 
-    # -- what discovery reads of the running fleet (supervisor.discovery.Running) -----------------
+    # -- what discovery reads of the running fleet (supervisor.discovery.decisions.Running) -----------------
 
     @property
     def slots(self) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from narwhal.engines.load_metrics import EngineLoad, PrefillCounters, parse_capacity, parse_load, parse_prefill
+from narwhal.supervisor.load_metrics import EngineLoad, PrefillCounters, parse_capacity, parse_load, parse_prefill
 
 # As vLLM 0.11 (V1 engine, prometheus_client) writes it, abridged: histograms, counters with
 # _total and _created, the deprecated gpu_* copies beside the new names, one label set.
