@@ -9,10 +9,9 @@ The hierarchy::
     └── EngineError              an engine's fault or answer; knows the engine and the leg
         └── EngineClientError    an engine's 4xx: passed through, never counted against it
 
-Engine errors are raised by the engine client (``narwhal.engines``), which maps transport
-failures and the stream rules of docs/behaviour.md "Failure semantics" onto these reasons; each reason's status, retry
-rule
-and breaker weight are in ``narwhal.reasons``.
+Engine errors are raised by the engine client (``narwhal.engines``), which maps transport failures
+and the stream rules of docs/behaviour.md "Failure semantics" onto these reasons; each reason's
+status, retry rule and breaker weight are in ``narwhal.reasons``.
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 
 class Retry(enum.Enum):
-    """When a reason's failure may be retried on another engine, before visible output (docs/behaviour.md
-    "Recovery").
+    """When a reason's failure may be retried on another engine, before visible output
+    (docs/behaviour.md "Recovery").
     """
 
     NEVER = "never"

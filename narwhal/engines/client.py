@@ -5,11 +5,10 @@ the wire is :mod:`narwhal.engines.http1`, a lean pooled HTTP/1.1 client (see the
 aiohttp's client on this path); a decode's steps are :mod:`narwhal.engines.decode`; how a
 failure becomes a reason is :mod:`narwhal.engines.failures`, the one place for that.
 
-Timeouts are deadlines (loop time, ``failures.leg_bound``) enforced by the connection, one
-timer per exchange, so "the first token within N seconds" covers connect and response headers
-too (docs/behaviour.md "Failure semantics"); after the headers each relay read has its own bound, so no total timeout
-ever
-ends a long generation.
+Timeouts are deadlines (loop time, ``failures.leg_bound``) enforced by the connection, one timer per
+exchange, so "the first token within N seconds" covers connect and response headers too
+(docs/behaviour.md "Failure semantics"); after the headers each relay read has its own bound, so no
+total timeout ever ends a long generation.
 """
 
 from __future__ import annotations
@@ -212,13 +211,11 @@ class EngineClient:
         """Hand an undecoded descriptor to ``consumer`` as a one-token decode, so vLLM frees
         the producer's KV blocks now instead of at its lease or abort timeout.
 
-        Bounded by ``first_token_timeout_s``; the answer is discarded. The descriptor is sent as
-        it is: a caller on the request path validates it first. With ``max_age_s`` (docs/behaviour.md "The request
-        path" step
-        8, docs/decisions.md "vLLM releases"), only a handoff younger than that is sent, and its request must be on its
-        way
-        before that age: a later read could take blocks the producer already gave to another
-        request. See :data:`ReleaseOutcome`.
+        Bounded by ``first_token_timeout_s``; the answer is discarded. The descriptor is sent as it
+        is: a caller on the request path validates it first. With ``max_age_s`` (docs/behaviour.md
+        "Cleanup", docs/decisions.md "vLLM releases"), only a handoff younger than
+        that is sent, and its request must be on its way before that age: a later read could take
+        blocks the producer already gave to another request. See :data:`ReleaseOutcome`.
         """
         if result.descriptor is None:
             return "failed"
@@ -261,9 +258,9 @@ class EngineClient:
         deadline: float | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> tuple[int, bytes, str]:
-        """POST ``body`` to ``path`` on ``engine`` (``/tokenize``, ``/v1/embeddings`` …, docs/behaviour.md "The other
-        P/D endpoints")
-        and return its 2xx answer: status, body and content type, to relay as they are.
+        """POST ``body`` to ``path`` on ``engine`` (``/tokenize``, ``/v1/embeddings`` …,
+        docs/behaviour.md "The other P/D endpoints") and return its 2xx answer: status, body and
+        content type, to relay as they are.
 
         One request, no descriptor, bounded by ``first_token_timeout_s`` and ``deadline`` (loop
         time): the engine owes an answer as it owes a first token. ``phase`` is the role the
@@ -325,9 +322,8 @@ def _prefill_result(result: PrefillResult, status: int, data: bytes) -> PrefillR
 def _from_descriptor(result: PrefillResult, descriptor: dict[str, Any]) -> None:
     """The producer's cache hits (``remote_prefill_cached_tokens``, whenever present) and the
     prompt's tokens (``remote_num_tokens``, where usage said none) from a 0.33 descriptor: a
-    holdings source without ``--enable-prompt-tokens-details`` (docs/decisions.md "vLLM releases", "Placement" source
-    2). Not a
-    whole number in range: unknown, the usage's word stands."""
+    holdings source without ``--enable-prompt-tokens-details`` (docs/decisions.md "vLLM releases",
+    "Placement" source 2). Not a whole number in range: unknown, the usage's word stands."""
     cached = token_count(descriptor.get("remote_prefill_cached_tokens"))
     if cached is not None:
         result.cached_tokens = cached

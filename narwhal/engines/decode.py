@@ -1,12 +1,11 @@
 """One decode leg, the engine's side: open it, then take spans until the stream has ended.
 
-A :class:`DecodeLeg` reads the consumer's answer and applies the stream rules of docs/behaviour.md "Failure semantics"
-in
-named steps — :meth:`open` (POST, read the head under the first-token timer),
-:meth:`next_span` (the next bytes for the client), :meth:`close` (pool or close the
-connection). What the client sees is decided by its caller; what the engine did is decided
-here. Before any leg, ``engines.handoff_check.checked_handoff`` is the handoff's own step
-(docs/behaviour.md "Handoff validation"): a leg takes only its ``CheckedHandoff``.
+A :class:`DecodeLeg` reads the consumer's answer and applies the stream rules of docs/behaviour.md
+"Failure semantics" in named steps — :meth:`open` (POST, read the head under the first-token timer),
+:meth:`next_span` (the next bytes for the client), :meth:`close` (pool or close the connection).
+What the client sees is decided by its caller; what the engine did is decided here. Before any leg,
+``engines.handoff_check.checked_handoff`` is the handoff's own step (docs/behaviour.md "Handoff
+validation"): a leg takes only its ``CheckedHandoff``.
 
 The hot path: after the first token, spans that cannot end the stream are handed to the
 caller's *sink* from the connection's data callback (``narwhal.engines.relay``), so a long
@@ -76,10 +75,9 @@ _RELAY_AFTER = 1
 @dataclass(frozen=True, slots=True)
 class DecodeContext:
     """What a decode leg needs of the client that made it, and nothing more: the pool's ``post``,
-    the engine headers and the two timeouts of docs/behaviour.md "Failure semantics". Built once per client (not per
-    leg);
-    the leg imports nothing from ``engines.client``, so the two modules no longer import each
-    other."""
+    the engine headers and the two timeouts of docs/behaviour.md "Failure semantics". Built once per
+    client (not per leg); the leg imports nothing from ``engines.client``, so the two modules no
+    longer import each other."""
 
     post: Callable[..., Awaitable[Connection]]  # UpstreamPool.post
     engine_headers: Callable[[str, Mapping[str, str] | None], bytes]  # EngineClient.engine_headers

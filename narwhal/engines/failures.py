@@ -1,10 +1,10 @@
 """Where an engine's failures become reasons: transport errors, HTTP statuses, stream errors.
 
-The one place that turns what the wire reports (``narwhal.engines.http1``'s exceptions, a
-status, an error object inside a stream, a clock that ran out) into :class:`EngineError` with
-its reason, engine, leg and message (docs/behaviour.md "The request path", "Failure semantics"). Messages name engines
-by name, never by URL.
-Each reason's status, retry rule and breaker weight are in ``narwhal.reasons``.
+The one place that turns what the wire reports (``narwhal.engines.http1``'s exceptions, a status, an
+error object inside a stream, a clock that ran out) into :class:`EngineError` with its reason,
+engine, leg and message (docs/behaviour.md "The request path", "Failure semantics"). Messages name
+engines by name, never by URL. Each reason's status, retry rule and breaker weight are in
+``narwhal.reasons``.
 
 The wire's exceptions are mapped by one context manager, :class:`WireFailures`, that every leg
 (prefill, decode, release, passthrough) holds around its awaits on the wire, as httpx's

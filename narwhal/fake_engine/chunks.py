@@ -14,11 +14,10 @@ Invariant: every completion body and frame the fake sends is built here and nowh
 writes them, ``generate`` picks them), so matching vLLM byte for byte is this module's job alone.
 It is a leaf: it imports nothing from the rest of the fake.
 
-Shapes follow vLLM's OpenAI server (vLLM's OpenAI server, `vllm/entrypoints/openai/`): completions frames carry
-``text``,
-``logprobs``, ``finish_reason``, ``stop_reason`` and ``"usage": null``; chat frames carry a
-``delta`` and are serialized with ``exclude_unset`` so a plain content chunk has no ``stop_reason``
-while the final one does.
+Shapes follow vLLM's OpenAI server (vLLM's OpenAI server, `vllm/entrypoints/openai/`): completions
+frames carry ``text``, ``logprobs``, ``finish_reason``, ``stop_reason`` and ``"usage": null``; chat
+frames carry a ``delta`` and are serialized with ``exclude_unset`` so a plain content chunk has no
+``stop_reason`` while the final one does.
 """
 
 from __future__ import annotations

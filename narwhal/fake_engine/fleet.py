@@ -187,8 +187,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
-    """The load and cache models (docs/behaviour.md "Fake engines") for every engine of the fleet; all off by
-    default.
+    """The load and cache models (docs/behaviour.md "Fake engines") for every engine of the fleet;
+    all off by default.
     """
     p.add_argument("--max-num-seqs", type=int, default=0, help="batch limit; beyond it FIFO waiting (0: none)")
     p.add_argument(

@@ -41,10 +41,10 @@ def producer_descriptor(
     """The producer's handoff in the key set of the engine's release (``fake_engine.release``,
     vLLM's NixlConnector, `nixl_connector.py`, in each release), corrupted on demand.
 
-    Allocates and holds the blocks when a usable descriptor is returned; ``MISSING`` means "omit
-    the key". A corrupted descriptor holds nothing: no consumer could ever read or free it, so a
-    router is right to send it nowhere (docs/behaviour.md "Cleanup"), and held blocks must stay a measure of
-    what a *router* strands.
+    Allocates and holds the blocks when a usable descriptor is returned; ``MISSING`` means "omit the
+    key". A corrupted descriptor holds nothing: no consumer could ever read or free it, so a router
+    is right to send it nowhere (docs/behaviour.md "Cleanup"), and held blocks must stay a measure
+    of what a *router* strands.
     """
     if fault == "missing":
         return MISSING

@@ -248,10 +248,10 @@ class _Preflight:
         return Check(OK, version)
 
     async def _generate(self, engine: Engine) -> Check | None:
-        """docs/decisions.md "vLLM releases": an engine that answers 403 on ``/inference/v1/generate`` (vLLM 0.33
-        without
-        ``--enable-scale-out``) serves everything else, so it does not fail; the check is a skip
-        whose detail is the one line the report's warnings repeat. None: it serves generate."""
+        """docs/decisions.md "vLLM releases": an engine that answers 403 on
+        ``/inference/v1/generate`` (vLLM 0.33 without ``--enable-scale-out``) serves everything
+        else, so it does not fail; the check is a skip whose detail is the one line the report's
+        warnings repeat. None: it serves generate."""
         if await self.control.generate_refused(engine):
             return Check(SKIP, SCALE_OUT_REFUSAL)
         return None

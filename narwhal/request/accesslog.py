@@ -58,8 +58,8 @@ class AccessRecord:
     trace_id: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """The line's JSON fields in their documented order (docs/operations.md "Following a request"), stamped with
-        the wall clock now.
+        """The line's JSON fields in their documented order (docs/operations.md "Following a
+        request"), stamped with the wall clock now.
         """
         placed = self.placed
         return {

@@ -99,11 +99,11 @@ def _valid_tracestate(value: str) -> bool:
 
 def trace_context(request: web.Request, parent: str | None) -> dict[str, str]:
     """The client's ``traceparent`` / ``tracestate`` to send on both legs, each only when it is
-    valid W3C trace context: printable ASCII within W3C's lengths (docs/behaviour.md "The request path"). An invalid
-    one is
-    dropped, not refused: tracing is the client's convenience, never a reason to fail its
-    request, and an engine must never see bytes the router cannot vouch for. ``parent``: the
-    ``traceparent`` header as the router read it for the access log (None: not sent), read once."""
+    valid W3C trace context: printable ASCII within W3C's lengths (docs/behaviour.md "The request
+    path"). An invalid one is dropped, not refused: tracing is the client's convenience, never a
+    reason to fail its request, and an engine must never see bytes the router cannot vouch for.
+    ``parent``: the ``traceparent`` header as the router read it for the access log (None: not
+    sent), read once."""
     forward = {}
     if parent and len(parent) <= _TRACEPARENT_MAX and printable_ascii(parent):
         forward["traceparent"] = parent

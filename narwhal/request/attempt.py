@@ -354,10 +354,9 @@ _MODE_WARNED: set[str] = set()  # producers whose disagreement this worker has s
 
 
 def _mode_disagrees(producer: Engine, said: Any) -> None:
-    """docs/decisions.md "vLLM releases": a producer's descriptor names another transfer mode than its setting: a
-    warning,
-    once per engine across the router (docs/behaviour.md: the first worker to see it says it): the pairs
-    are chosen by the setting, so fix one or the other."""
+    """docs/decisions.md "vLLM releases": a producer's descriptor names another transfer mode than
+    its setting: a warning, once per engine across the router (docs/behaviour.md: the first worker
+    to see it says it): the pairs are chosen by the setting, so fix one or the other."""
     if producer.name in _MODE_WARNED:
         return
     _MODE_WARNED.add(producer.name)

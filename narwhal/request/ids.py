@@ -1,10 +1,9 @@
 """Request ids: the client's ``x-request-id`` when usable, else a new one; backend ids per attempt.
 
 A client's id is used only when it is printable ASCII of at most ``_MAX_REQUEST_ID`` characters
-(docs/behaviour.md "The request path"); anything else is replaced by a new id, never refused: the id is echoed in a
-response
-header and logged, and only ASCII survives every hop unchanged (aiohttp decodes header bytes as
-UTF-8, with undecodable bytes as surrogates that no encoder accepts).
+(docs/behaviour.md "The request path"); anything else is replaced by a new id, never refused: the id
+is echoed in a response header and logged, and only ASCII survives every hop unchanged (aiohttp
+decodes header bytes as UTF-8, with undecodable bytes as surrogates that no encoder accepts).
 
 A backend id (the ``X-Request-Id`` both legs of an attempt send) is derived from the client's
 id — ``<client id>-<nonce>-a<attempt>`` — so a grep for the client's id finds the router's

@@ -28,13 +28,13 @@ class Reporter(Protocol):
         self, producer: Engine, consumer: Engine, *, error: EngineError | None = None,
         failed: Engine | None = None, before_first_token: bool = False, local: bool = False,
     ) -> None:
-        """Hand one attempt's outcome to the supervisor, which keeps the streaks (docs/behaviour.md "Recovery"); never
-        awaits.
+        """Hand one attempt's outcome to the supervisor, which keeps the streaks (docs/behaviour.md
+        "Recovery"); never awaits.
         """
 
     def quarantine(self, engine: Engine, seconds: float) -> None:
-        """Keep ``engine`` out of placement for ``seconds`` now, not waiting for the supervisor (docs/behaviour.md
-        "Recovery").
+        """Keep ``engine`` out of placement for ``seconds`` now, not waiting for the supervisor
+        (docs/behaviour.md "Recovery").
         """
 
     def mark_unreachable(self, engine: Engine) -> None:

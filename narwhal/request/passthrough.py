@@ -13,11 +13,10 @@ count go to the engine's breaker through :class:`narwhal.request.outcomes.Outcom
 do, charged in the role the engine served in. A success resets no streak: an answered
 ``/tokenize`` proves no more about decoding than a passed health check.
 
-No retries: each goes to *one* engine (docs/behaviour.md "Passthrough routes"), and each is cheap for a client to
-repeat.
-The router (``narwhal.request.router``) owns what every request shares: the access-log line
-(``mode: "passthrough"``), ``narwhal_requests_total``, ``x-request-id``, client disconnects and
-the graceful drain.
+No retries: each goes to *one* engine (docs/behaviour.md "Passthrough routes"), and each is cheap
+for a client to repeat. The router (``narwhal.request.router``) owns what every request shares: the
+access-log line (``mode: "passthrough"``), ``narwhal_requests_total``, ``x-request-id``, client
+disconnects and the graceful drain.
 """
 
 from __future__ import annotations

@@ -281,8 +281,8 @@ class Router:
         return client.stream
 
     def _retryable(self, exc: EngineError, req: ClientRequest, attempts: int, client: ClientStream) -> bool:
-        """May a fresh attempt cure ``exc`` (docs/behaviour.md "Recovery")? Never once output went out (that is a
-        migration's call).
+        """May a fresh attempt cure ``exc`` (docs/behaviour.md "Recovery")? Never once output went
+        out (that is a migration's call).
         """
         if attempts > self.recovery.max_retries or client.committed:
             return False

@@ -20,8 +20,8 @@ from narwhal.settings.section import Section
 
 
 class EngineContract(Section):
-    """``[engine_contract]``, optional: the model, version pin and connector every engine must meet (docs/behaviour.md
-    "Recovery").
+    """``[engine_contract]``, optional: the model, version pin and connector every engine must meet
+    (docs/behaviour.md "Recovery").
     """
     model: str = ""
     engine_version: str = ""  # a PEP 440 version ("0.11.0") or specifier set (">=0.10,<0.12")

@@ -46,8 +46,8 @@ _DEPRECATION_SAID: list[bool] = []
 
 
 class PlacementSettings(Section):
-    """``[placement]``: the wait for a slot, engine load readings, affinity, the producer policy (docs/behaviour.md
-    "Placement").
+    """``[placement]``: the wait for a slot, engine load readings, affinity, the producer policy
+    (docs/behaviour.md "Placement").
     """
     # Keys now in [placement.held]: a TOML file's are taken there (below), a variable is refused
     # with the one to set (settings.env).

@@ -163,8 +163,8 @@ def _tracing_installed() -> bool:
 
 
 class RecoverySettings(Section):
-    """``[recovery]``: breakers, quarantine, retries and their budget, readmission, waves (docs/behaviour.md
-    "Recovery").
+    """``[recovery]``: breakers, quarantine, retries and their budget, readmission, waves
+    (docs/behaviour.md "Recovery").
     """
     eject_after: Annotated[int, Field(ge=1)] = 3
     """consecutive failures that eject an engine"""

@@ -198,8 +198,8 @@ class Supervisor:
             self.part.forget(engine)
 
     def export_states(self) -> None:
-        """Engine states as gauges at every publish: within one loop of ``/admin/engines`` (docs/operations.md
-        "Following a request").
+        """Engine states as gauges at every publish: within one loop of ``/admin/engines``
+        (docs/operations.md "Following a request").
         """
         for engine in self.fleet.engines:
             metrics.ENGINE_STATE.labels(engine.name, engine.role).set(int(self.breakers.status(engine.name).state))
@@ -212,8 +212,8 @@ class Supervisor:
         return self.breakers.admitted(engine.name, self._clock())
 
     def placeable(self, engine: Engine) -> bool:
-        """Admitted or quarantined (placement's fallback, docs/behaviour.md "Recovery"): whose load placement may
-        weigh.
+        """Admitted or quarantined (placement's fallback, docs/behaviour.md "Recovery"): whose load
+        placement may weigh.
         """
         return self.breakers.status(engine.name).state in _LOAD_READ_STATES
 

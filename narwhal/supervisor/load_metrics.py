@@ -140,9 +140,9 @@ _CONFIG = CACHE_CONFIG.encode() + b"{"
 
 
 def parse_capacity(text: str | bytes) -> int | None:
-    """The KV capacity in tokens from ``vllm:cache_config_info`` (docs/behaviour.md "Placement" source 3,
-    docs/decisions.md "vLLM releases"), or
-    None when unknown. Pure and total: whatever an engine sends, a number or None.
+    """The KV capacity in tokens from ``vllm:cache_config_info`` (docs/behaviour.md "Placement"
+    source 3, docs/decisions.md "vLLM releases"), or None when unknown. Pure and total: whatever an
+    engine sends, a number or None.
 
     One series per data-parallel engine (label ``engine``); labels are read by their whole
     names (0.33 has five more that end in ``block_size``, one of them ``hash_block_size="None"``).

@@ -1,10 +1,10 @@
 """Model discovery, run by the supervisor alone: each engine's ``/v1/models``, into shared memory.
 
-docs/behaviour.md "The request path": which engine serves which model is read from its ``/v1/models`` at start and at
-every
-readmission (``engines[].models``, when set, is taken as it is and never read). The supervisor
-reads; the workers only read the result (``shm.models``, followed by ``worker.models_follow``):
-one reader per host instead of one per worker, and every worker sees the same models.
+docs/behaviour.md "The request path": which engine serves which model is read from its
+``/v1/models`` at start and at every readmission (``engines[].models``, when set, is taken as it is
+and never read). The supervisor reads; the workers only read the result (``shm.models``, followed by
+``worker.models_follow``): one reader per host instead of one per worker, and every worker sees the
+same models.
 
 An engine is read:
 

@@ -1,13 +1,12 @@
 """What every endpoint's stream description shares: the interface, OpenAI's error shapes, helpers.
 
-A :class:`Dialect` says, for one P/D endpoint, everything the request path must know that
-differs between endpoints (docs/behaviour.md "The other P/D endpoints"): the prefill, decode and release bodies, the
-admission
-checks and the affinity text, which events are generated output, the valid terminal event, how
-an in-stream error is recognised and its status, and how the router's own errors are shaped
-for that endpoint's clients. The request path (``narwhal.engines.decode``,
-``narwhal.request``) is one path for all endpoints and asks its dialect; no endpoint has a copy
-of it.
+A :class:`Dialect` says, for one P/D endpoint, everything the request path must know that differs
+between endpoints (docs/behaviour.md "The other P/D endpoints"): the prefill, decode and release
+bodies, the admission checks and the affinity text, which events are generated output, the valid
+terminal event, how an in-stream error is recognised and its status, and how the router's own errors
+are shaped for that endpoint's clients. The request path (``narwhal.engines.decode``,
+``narwhal.request``) is one path for all endpoints and asks its dialect; no endpoint has a copy of
+it.
 
 Why byte probes: after the first token, the relay looks at a span only when ``may_end`` says
 its bytes could hold the terminal event or an error — a ``in`` test or two on bytes, no parse

@@ -39,8 +39,8 @@ def _ids_text(ids: list[Any], limit: int) -> str:
 
 
 class Completions(Dialect, endpoint=COMPLETIONS, prompt_fields=("prompt",)):
-    """Completions and chat: the rules of docs/behaviour.md "The request path"–"Failure semantics" as ``engines.sse``
-    and ``connector`` hold them.
+    """Completions and chat: the rules of docs/behaviour.md "The request path"–"Failure semantics"
+    as ``engines.sse`` and ``connector`` hold them.
     """
 
     __slots__ = ()

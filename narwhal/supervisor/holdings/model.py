@@ -129,9 +129,9 @@ class HoldingsModel:
         self._consumers_published: dict[int, tuple[tuple[int, int, bool] | None, float]] = {}
 
     def reshape(self, stamps: Sequence[int | None], engines: Sequence[Named]) -> None:
-        """The engines changed (discovery, docs/behaviour.md "Engines that come and go"): per index, a producer whose
-        stamp stays keeps
-        what it is believed to hold; a new one starts with nothing, a gone one has no section."""
+        """The engines changed (discovery, docs/behaviour.md "Engines that come and go"): per index,
+        a producer whose stamp stays keeps what it is believed to hold; a new one starts with
+        nothing, a gone one has no section."""
         old = self.producers
         self.producers = [
             None if s is None else (old[i] if i < len(old) and (q := old[i]) is not None and q.stamp == s
