@@ -14,6 +14,7 @@ total timeout ever ends a long generation.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import Any, Literal, Unpack
@@ -31,6 +32,7 @@ from narwhal.engines.handoff_check import checked_handoff
 from narwhal.engines.http1 import Connection, UpstreamPool, header_lines
 from narwhal.engines.prefill_result import PrefillResult
 from narwhal.engines.relay import Signal
+from narwhal.engines.sse import Budget
 from narwhal.errors import EngineError, Phase
 from narwhal.settings import EngineSettings
 
@@ -60,6 +62,11 @@ class EngineClient:
         # What a decode leg sees of this client (engines.decode imports nothing from here).
         self.decode_context = DecodeContext(pool.post, self.engine_headers, settings.first_token_timeout_s,
                                             settings.decode_read_timeout_s)
+
+    def charge_events_to(self, budget: Budget) -> None:
+        """Decode legs charge what an unfinished SSE event holds past ``sse.CHARGED_FROM`` to
+        ``budget``, the worker's stream buffers (``server.max_buffered_mib``)."""
+        self.decode_context = dataclasses.replace(self.decode_context, budget=budget)
 
     @classmethod
     def for_settings(cls, settings: EngineSettings) -> EngineClient:

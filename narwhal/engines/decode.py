@@ -83,6 +83,9 @@ class DecodeContext:
     engine_headers: Callable[[str, Mapping[str, str] | None], bytes]  # EngineClient.engine_headers
     first_token_timeout_s: float
     decode_read_timeout_s: float
+    # The worker's stream buffers: an unfinished event past sse.CHARGED_FROM is charged to them
+    # (None: a probe's or preflight's leg, bounded by MAX_EVENT_BYTES alone).
+    budget: sse.Budget | None = None
 
 
 class LegOptions(TypedDict, total=False):
@@ -152,7 +155,7 @@ class DecodeLeg:
                                            ctx.first_token_timeout_s, self._first_bound)
         self._conn: Connection | None = None
         self._state = NEW
-        self._framer = sse.SSEFramer()
+        self._framer = sse.SSEFramer(ctx.budget)
         self._held: list[bytes] = []  # metadata before the first token, sent along with it
         self._timer: LazyTimeout | None = None
         self._relay: DirectRelay | None = None  # built when first needed: short streams never are
@@ -273,6 +276,7 @@ class DecodeLeg:
         if self._timer is not None:
             self._timer.close()
             self._timer = None
+        self._framer.close()  # what an unfinished event held goes back to the budget
         conn, self._conn = self._conn, None
         if conn is not None:
             if self._state is ENDED:
@@ -290,7 +294,10 @@ class DecodeLeg:
             self._relay = DirectRelay(self._conn, self._framer, self._sink, self._ctx.decode_read_timeout_s,
                                       self._deadline, self._dialect.may_end, self._loop)
         with self._wire:  # the relay's silence raises BoundPassed, which carries its bound
-            return await self._relay.run()
+            try:
+                return await self._relay.run()
+            except sse.EventOverBudget as exc:
+                raise failures.over_budget(self._name, exc.size) from None
 
     async def _read_span(self) -> bytes:
         """One read under its bound: the first token's before it, then the silence bound.
@@ -317,6 +324,8 @@ class DecodeLeg:
             return self._framer.feed(chunk)
         except sse.EventTooLarge:
             raise failures.disconnected(self._name, self._dialect.terminal) from None
+        except sse.EventOverBudget as exc:
+            raise failures.over_budget(self._name, exc.size) from None
 
     async def _classify(self, span: bytes) -> bytes | None:
         """Judge a span that may hold the first token or the stream's end; return what goes to

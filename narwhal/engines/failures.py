@@ -213,6 +213,17 @@ def disconnected(name: str, terminal: str = "[DONE]") -> EngineError:
     )
 
 
+def over_budget(name: str, size: int) -> EngineError:
+    """An unfinished event of ``size`` bytes the worker's stream buffers cannot hold: the stream
+    ends as a disconnect (retried before output, continued after it), never charged to the engine."""
+    exc = EngineError(
+        f"engine {name} sent an unfinished event of {size} bytes, more than the router's stream buffers hold "
+        "now (server.max_buffered_mib)", reason=Reason.ENGINE_DISCONNECT, engine=name, phase="decode",
+    )
+    exc.counts = False
+    return exc
+
+
 def done_before_token(name: str, terminal: str = "[DONE]") -> EngineError:
     """``terminal`` is the bare name of the endpoint's terminal event (docs/behaviour.md "The other P/D endpoints")."""
     return EngineError(

@@ -35,7 +35,7 @@ from typing import Literal
 
 from narwhal.engines.failures import BoundPassed, leg_bound
 from narwhal.engines.http1 import Connection
-from narwhal.engines.sse import EventTooLarge, SSEFramer, may_end_stream
+from narwhal.engines.sse import EventOverBudget, EventTooLarge, SSEFramer, may_end_stream
 
 Sink = Callable[[bytes], bool]  # write a span to the client; False when the client fell behind
 
@@ -78,7 +78,7 @@ class DirectRelay:
         self._stopped = False
         self._held: bytes | None = None
         self.timed_out_at: float | None = None
-        self._broken: EventTooLarge | None = None  # the engine's stream could not be framed
+        self._broken: EventTooLarge | EventOverBudget | None = None  # the engine's stream could not be framed
         self.spans = 0  # spans handed to the sink (the inter-token figure's count)
 
     async def run(self) -> bytes | Literal[Signal.BEHIND, Signal.HANDBACK]:
@@ -115,7 +115,7 @@ class DirectRelay:
         self._last = self._loop.time()
         try:
             span = self._framer.feed(chunk)
-        except EventTooLarge as exc:  # raised from run(), under the leg's WireFailures
+        except (EventTooLarge, EventOverBudget) as exc:  # raised from run(), under the leg's WireFailures
             self._broken = exc
             self._stop(None)
             return

@@ -17,7 +17,7 @@ rules of docs/behaviour.md "Failure semantics" require:
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -29,6 +29,30 @@ _SEP = b"\n\n"
 # engine that sends more without a blank line is broken, and each byte it sent reset the silence
 # timer: the framer would have held it without bound.
 MAX_EVENT_BYTES = 16 << 20
+# Past this, what an unfinished event holds is charged to the worker's budget of stream buffers
+# (``server.max_buffered_mib``, ``request.stream_buffers``) in steps of the same size: ordinary
+# partial events never reach it, and a thousand streams each holding megabytes of one event
+# cannot take a worker past its bound.
+CHARGED_FROM = 256 << 10
+
+
+class EventOverBudget(Exception):
+    """An unfinished event the worker's stream buffers cannot take (``failures.over_budget``: the
+    stream ends as a disconnect, the consumer not charged: it is the router's memory, not its fault)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(f"an unfinished event of {size} bytes")
+        self.size = size
+
+
+class Budget(Protocol):
+    """A worker's budget of bytes held for streams (``request.stream_buffers.StreamBuffers``)."""
+
+    def hold(self, size: int) -> bool:
+        """Keep ``size`` more bytes, if the budget has them (False: it may not)."""
+
+    def free(self, size: int) -> None:
+        """Give back ``size`` held bytes."""
 
 
 class EventTooLarge(UpstreamError):
@@ -39,13 +63,15 @@ class EventTooLarge(UpstreamError):
 class SSEFramer:
     """Accumulates transport chunks; ``feed`` returns the complete events received so far."""
 
-    __slots__ = ("buf", "crlf", "_skip_lf")
+    __slots__ = ("buf", "crlf", "_skip_lf", "_budget", "_held")
 
-    def __init__(self) -> None:
+    def __init__(self, budget: Budget | None = None) -> None:
         # Public, read by the relay to take feed's common case without calling it (relay._on_body).
         self.buf = bytearray()  # the start of an event still to come
         self.crlf = False  # has this stream ever sent a CR?
         self._skip_lf = False  # the last chunk ended in CR: an LF opening the next one is its pair
+        self._budget = budget  # the worker's, charged past CHARGED_FROM (None: not charged)
+        self._held = 0  # bytes charged to it now
 
     def feed(self, chunk: bytes) -> bytes:
         """Return the bytes of every event completed by ``chunk`` (possibly ``b""``)."""
@@ -63,24 +89,53 @@ class SSEFramer:
             end = chunk.rfind(_SEP)
             if end == -1:
                 self.buf += chunk
-                if len(self.buf) > MAX_EVENT_BYTES:
-                    raise EventTooLarge(f"an event of over {MAX_EVENT_BYTES} bytes without end")
+                if len(self.buf) > CHARGED_FROM or self._held:
+                    self._bounded()
                 return b""
             end += 2
             if end == len(chunk):
                 return chunk  # the common case: whole events, no copy at all
             self.buf += chunk[end:]
+            if len(self.buf) > CHARGED_FROM or self._held:
+                self._bounded()
             return chunk[:end]
         self.buf += chunk
         end = self.buf.rfind(_SEP)
         if end == -1:
-            if len(self.buf) > MAX_EVENT_BYTES:
-                raise EventTooLarge(f"an event of over {MAX_EVENT_BYTES} bytes without end")
+            if len(self.buf) > CHARGED_FROM or self._held:
+                self._bounded()
             return b""
         end += 2
         out = bytes(self.buf[:end])
         del self.buf[:end]
+        if self._held:
+            self._bounded()
         return out
+
+    def _bounded(self) -> None:
+        """What the unfinished event holds, within its bounds: :data:`MAX_EVENT_BYTES` for the
+        event, and past :data:`CHARGED_FROM` the worker's budget, charged and given back a step
+        at a time (the budget full: :class:`EventOverBudget`)."""
+        size = len(self.buf)
+        if size > MAX_EVENT_BYTES:
+            raise EventTooLarge(f"an event of over {MAX_EVENT_BYTES} bytes without end")
+        budget = self._budget
+        if budget is None:
+            return
+        want = -(-size // CHARGED_FROM) * CHARGED_FROM if size > CHARGED_FROM else 0  # whole steps
+        if want > self._held:
+            if not budget.hold(want - self._held):
+                raise EventOverBudget(size)
+            self._held = want
+        elif want < self._held:
+            budget.free(self._held - want)
+            self._held = want
+
+    def close(self) -> None:
+        """The stream ended: whatever was charged to the budget is given back (a second call does nothing)."""
+        if self._held and self._budget is not None:
+            self._budget.free(self._held)
+        self._held = 0
 
     @property
     def pending(self) -> int:

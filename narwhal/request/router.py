@@ -113,6 +113,7 @@ class Router:
         self.passthrough = Passthrough(settings, placement, client, outcomes)
         # What this worker's clients that are behind may hold together (request.stream_buffers).
         self.buffers = StreamBuffers(settings.server.max_buffered_mib << 20)
+        client.charge_events_to(self.buffers)  # an unfinished SSE event's bytes count in the same bound
         self._active: set[asyncio.Task[Any] | None] = set()  # client requests being handled
         self._stopping = False
         self._drain_timer: asyncio.Future[None] | None = None

@@ -9,14 +9,18 @@ waiting stream holds its transport buffer and a paused engine connection. With
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import threading
 from collections.abc import Iterator
 
 import orjson
 import pytest
+from aiohttp import web
 
 from narwhal.testing.harness import FakeFleet, RouterProcess
 from tests.real_gunicorn.support import (
+    MODEL,
     completion,
     expected_text,
     router_addr,
@@ -61,3 +65,95 @@ async def test_slow_clients_past_the_workers_budget_are_cut_and_counted(tight: R
     finally:
         for sock in clients:
             sock.close()
+
+
+class BigEventEngine:
+    """A vLLM-like engine (role ``both``) whose decode streams one event that never ends: a first
+    chunk megabytes long (as a long prompt's logprobs make), in 64 KiB writes. An aiohttp server
+    in a thread of its own on 127.0.0.1."""
+
+    def __init__(self, event_bytes: int) -> None:
+        self.event_bytes = event_bytes
+        self.decodes = 0
+        self.url = ""
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        assert self._ready.wait(10), "the engine did not start"
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        answers = {
+            "/health": b"",
+            "/version": orjson.dumps({"version": "0.33.0"}),
+            "/v1/models": orjson.dumps({"object": "list", "data": [{"id": MODEL, "object": "model",
+                                                                     "max_model_len": 4096}]}),
+            "/metrics": b"",
+        }
+
+        async def control(request: web.Request) -> web.Response:
+            return web.Response(body=answers[request.path], content_type="application/json")
+
+        for path in answers:
+            app.router.add_get(path, control)
+        app.router.add_post("/v1/completions", self._completions)
+        runner = web.AppRunner(app, access_log=None)
+        self._loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        self._loop.run_until_complete(site.start())
+        self.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        self._runner = runner
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if not body.get("stream"):  # the same-worker prefill: one token, answered whole
+            return web.json_response({
+                "id": "cmpl-1", "object": "text_completion", "created": 1, "model": MODEL,
+                "choices": [{"index": 0, "text": "a", "logprobs": None, "finish_reason": "length",
+                             "stop_reason": None}],
+                "usage": {"prompt_tokens": 8, "total_tokens": 9, "completion_tokens": 1}})
+        self.decodes += 1
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":"')
+        sent = 0
+        while sent < self.event_bytes:
+            await resp.write(b"a" * 65536)
+            sent += 65536
+        for _ in range(300):  # never ends it: the router must not wait for it, and closes the connection
+            if request.transport is None or request.transport.is_closing():
+                break
+            await asyncio.sleep(0.1)
+        return resp
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+
+async def test_an_unfinished_event_past_the_workers_budget_ends_the_stream_uncharged(
+    fleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    # docs/behaviour.md "Slow clients": an event the consumer has not finished counts in
+    # server.max_buffered_mib; past it the decode ends as a disconnect the engine is not charged for.
+    engine = BigEventEngine(event_bytes=3 << 20)
+    router = start_router(fleet, [{"name": "big", "role": "both", "url": engine.url, "models": [MODEL]}],
+                          tmp_path_factory.mktemp("big_event"), server={"workers": 1, "max_buffered_mib": 1})
+    try:
+        for _ in range(2):  # the budget was given back: the second meets the same bound, not a smaller one
+            reply = await send(router.url, "/v1/completions", completion(unique_prompt(), stream=True, max_tokens=4))
+            assert (reply.status, reply.headers.get("x-narwhal-error")) == (502, "engine_disconnect"), reply.raw[:300]
+            assert b"server.max_buffered_mib" in reply.raw
+        assert engine.decodes == 2
+        scraped = scrape(router)
+        assert value(scraped, "narwhal_engine_failures_total", engine="big", phase="decode",
+                     reason="engine_disconnect") == 0
+    finally:
+        router.stop()
+        engine.stop()

@@ -200,9 +200,9 @@ def test_an_illegal_move_names_both_states() -> None:
 
 
 def test_the_leg_sees_a_narrow_context_and_imports_nothing_from_the_client() -> None:
-    # The client makes legs; a leg needs four things of it (DecodeContext), not the client.
+    # The client makes legs; a leg needs five things of it (DecodeContext), not the client.
     tree = ast.parse(inspect.getsource(decode))
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert "narwhal.engines.client" not in imported
     assert [f.name for f in decode.DecodeContext.__dataclass_fields__.values()] == [
-        "post", "engine_headers", "first_token_timeout_s", "decode_read_timeout_s"]
+        "post", "engine_headers", "first_token_timeout_s", "decode_read_timeout_s", "budget"]
