@@ -58,6 +58,8 @@ class KubeApi:
         self.compacted = 0  # a watch from a version at or below this gets 410
         self.events: list[tuple[int, str, dict[str, Any]]] = []
         self.requests: list[str] = []  # "list" or "watch", in order
+        self.watched_from: list[int] = []  # each watch's resourceVersion, in order
+        self.bookmarks_sent = 0  # BOOKMARK events written to open watches
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kube-api", daemon=True)
         self._thread.start()
@@ -134,9 +136,10 @@ class KubeApi:
             self._notify()
         self._call(apply)
 
-    def compact(self) -> None:
-        """Every version so far is too old: a watch resumed from one gets 410."""
-        self._call(lambda: setattr(self, "compacted", self.version))
+    def compact(self, through: int | None = None) -> None:
+        """Every version through ``through`` (default: every one so far) is too old: a watch
+        resumed from one gets 410."""
+        self._call(lambda: setattr(self, "compacted", self.version if through is None else through))
 
     def drop_watches(self) -> None:
         """End every open watch (the client resumes from its last version)."""
@@ -177,6 +180,7 @@ class KubeApi:
                 "items": [item for item in self.slices.values() if matches(item)]})
         self.requests.append("watch")
         since = int(request.query.get("resourceVersion") or 0)
+        self.watched_from.append(since)
         resp = web.StreamResponse(headers={"Content-Type": "application/json"})
         await resp.prepare(request)
         if since <= self.compacted:
@@ -197,6 +201,7 @@ class KubeApi:
                         continue
                     if kind == "BOOKMARK" or matches(item):
                         await resp.write(json.dumps({"type": kind, "object": item}).encode() + b"\n")
+                        self.bookmarks_sent += kind == "BOOKMARK"
                 await wake.wait()
         finally:
             self._watches.discard(task)

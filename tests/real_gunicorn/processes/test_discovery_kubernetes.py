@@ -154,3 +154,38 @@ async def test_an_api_server_that_goes_away_changes_nothing_and_is_said_once(
             await asyncio.sleep(0.1)
     finally:
         router.stop()
+
+
+async def test_a_watch_resumes_from_its_last_bookmark_without_listing_again(
+    kfleet: FakeFleet, api: KubeApi, tmp_path: Path
+) -> None:
+    # Bookmarks are asked for (allowWatchBookmarks) and taken: a watch that saw only other
+    # objects' changes resumes from the bookmark's version, which the API server still has,
+    # rather than from an older one it compacted away (a 410 and a relist of every slice).
+    api.put(endpoint_slice("prefill-a", PREFILL, kfleet.engines["kp0"], "kp0"))
+    api.put(endpoint_slice("decode-a", DECODE, kfleet.engines["kd0"], "kd0"))
+    router = _router(kfleet, api, tmp_path)
+    try:
+        await _until(router, lambda s: s.get("kp0") == "admitted" and s.get("kd0") == "admitted", "listed pods joined")
+        lists, watches = api.requests.count("list"), len(api.watched_from)
+        assert watches == 2  # one per role
+        for i in range(5):  # changes neither watch is shown: the versions move on without them
+            api.put(endpoint_slice(f"other-{i}", {"app": "other"}, kfleet.engines["kp1"], f"x{i}"))
+        api.bookmark()
+        marked = api.version
+        end = time.monotonic() + 10
+        while api.bookmarks_sent < 2:  # written to both watches
+            assert time.monotonic() < end, "the bookmark never reached the watches"
+            await asyncio.sleep(0.02)
+        api.compact(through=marked - 1)  # every version before the bookmark is gone
+        api.drop_watches()
+        end = time.monotonic() + 10
+        while len(api.watched_from) < watches + 2:
+            assert time.monotonic() < end, f"the watches did not resume: {api.requests}"
+            await asyncio.sleep(0.02)
+        assert api.watched_from[watches:] == [marked, marked]
+        assert api.requests.count("list") == lists
+        assert "(410 Gone)" not in router.log_text()
+        assert sorted(await _states(router)) == ["kd0", "kp0"]
+    finally:
+        router.stop()

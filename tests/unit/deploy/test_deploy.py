@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -405,3 +406,54 @@ def test_service_links_would_stop_the_router() -> None:
              f"{name}_PORT": "tcp://10.96.0.10:80"}
     with pytest.raises(SettingsError, match=f"^{name}_SERVICE_HOST: unknown setting$"):
         load_settings(None, environ=links)
+
+
+# The Kubernetes release whose API schemas the manifests are checked against (kubernetes-validate
+# bundles them: no cluster, no network). The Prometheus Operator's kinds are CRDs it has no
+# schema for; their fields are checked by the tests above.
+KUBERNETES_VERSION = "1.33"
+OPERATOR_KINDS = {"PodMonitor", "PrometheusRule"}
+
+
+def _manifests() -> list[tuple[str, dict[str, Any]]]:
+    """Every Kubernetes object in deploy/kubernetes*/, as written, with its file."""
+    found = []
+    for path in sorted(K8S.parent.glob("kubernetes*/**/*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") not in (None, "Kustomization"):
+                found.append((path.relative_to(K8S.parent).as_posix(), doc))
+    return found
+
+
+def test_the_manifests_match_the_kubernetes_api_schemas() -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    checked = []
+    for name, doc in _manifests():
+        if doc["kind"] in OPERATOR_KINDS:
+            assert doc["apiVersion"] == "monitoring.coreos.com/v1", name
+            continue
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)  # raises, naming the field
+        checked.append(doc["kind"])
+    assert sorted(set(checked)) == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Role", "RoleBinding",
+                                    "Service", "ServiceAccount", "StatefulSet"]
+
+
+def test_the_schema_check_refuses_a_field_the_api_does_not_have() -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    deployment = next(doc for name, doc in _manifests() if doc["kind"] == "Deployment")
+    wrong = json.loads(json.dumps(deployment))
+    wrong["spec"]["replica"] = 2  # a typo kubectl apply would refuse
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(wrong, KUBERNETES_VERSION, strict=True)
+    wrong = json.loads(json.dumps(deployment))
+    wrong["spec"]["replicas"] = "two"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(wrong, KUBERNETES_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("folder", ["kubernetes", "kubernetes-discovery"])
+def test_what_kustomize_builds_matches_the_schemas(folder: str) -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    for doc in kustomized(K8S.parent / folder):  # skipped without kubectl
+        if doc["kind"] not in OPERATOR_KINDS:
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
