@@ -99,7 +99,11 @@ def router_config(pair: list[RealEngine], **sections: dict[str, object]) -> str:
 @pytest.fixture(scope="session")
 def real_router(real_pair: list[RealEngine], tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
     logs = tmp_path_factory.mktemp("router")
-    router = RouterProcess.start(router_config(real_pair, log={"access_log": str(logs / "access.log")}), workers=2,
+    # Every request through the pair: the consumer publishes its KV-cache events too, and a prompt
+    # it already holds would otherwise be decoded there alone (test_real_pd's follow-up test
+    # shows that, on a router of its own).
+    router = RouterProcess.start(router_config(real_pair, log={"access_log": str(logs / "access.log")},
+                                               placement={"skip_prefill_share": 0}), workers=2,
                                  timeout=60, log_path=str(logs / "router.log"))
     yield router
     router.stop()

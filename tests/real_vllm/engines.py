@@ -58,7 +58,7 @@ class RealEngine:
         return f"http://127.0.0.1:{self.port}"
 
     def kv_events_config(self) -> dict[str, object]:
-        """The producer's ``--kv-events-config``: PUB and replay on Unix sockets beside its log."""
+        """The engine's ``--kv-events-config``: PUB and replay on Unix sockets beside its log."""
         base = self.log_path.parent / f"kv-{self.name}"
         return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"ipc://{base}.pub",
                 "replay_endpoint": f"ipc://{base}.replay", "topic": "kv", "buffer_steps": 1000}
@@ -72,8 +72,9 @@ class RealEngine:
             "--kv-transfer-config", json.dumps(kv), "--enable-request-id-headers",
             "--enable-prompt-tokens-details",  # cached tokens in usage: what placement's prediction is judged by
         ]
-        if self.role == "producer":  # its KV-cache events, on a local socket (a wildcard tcp:// binds every interface)
-            argv += ["--kv-events-config", json.dumps(self.kv_events_config())]
+        # Its KV-cache events, on a local socket (a wildcard tcp:// binds every interface): a
+        # producer's for placement, a consumer's for a follow-up turn decoded where it is held.
+        argv += ["--kv-events-config", json.dumps(self.kv_events_config())]
         env = {
             **os.environ,
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",

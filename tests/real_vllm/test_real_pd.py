@@ -179,6 +179,43 @@ async def test_placement_predicts_the_cached_tokens_the_real_producer_reports(
     assert isinstance(line["cached_tokens"], int) and line["cached_tokens"] > 0, line
 
 
+async def test_a_follow_up_turn_the_consumer_holds_is_decoded_there_alone(
+    real_pair: list[RealEngine], nixl_moves: str | None, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """docs/behaviour.md "Placement": the consumer's own KV-cache events say it holds the first
+    turn (its prompt, loaded over NIXL, and the answer it decoded); the follow-up turn, whose
+    prompt starts with both, is decoded on the consumer alone (``placement.skip_prefill_share``,
+    lowered here for a short conversation), and the consumer reports the cached tokens."""
+    needs_transfer(nixl_moves)
+    producer, consumer = real_pair
+    logs = tmp_path_factory.mktemp("follow_up")
+    router = RouterProcess.start(router_config(real_pair, placement={"skip_prefill_share": 0.5},
+                                               log={"access_log": str(logs / "access.log")}),
+                                 workers=1, timeout=60, log_path=str(logs / "router.log"))
+    try:
+        first = [{"role": "system", "content": prompt(300)}, {"role": "user", "content": "name the last block"}]
+        reply = await send(router.url, "/v1/chat/completions",
+                           {"model": MODEL, "messages": first, "max_tokens": 40, "ignore_eos": True})
+        assert reply.status == 200, reply.raw
+        answer = reply.json["choices"][0]["message"]["content"]
+        follow_up = {"model": MODEL, "max_tokens": 2, "messages": [
+            *first, {"role": "assistant", "content": answer}, {"role": "user", "content": "and the first?"}]}
+        line: dict[str, object] = {}
+        usage: dict[str, object] = {}
+        for _ in range(20):  # until the consumer's events for the first turn are in
+            rid = f"follow-up-{uuid.uuid4().hex}"
+            reply = await send(router.url, "/v1/chat/completions", follow_up, headers={"x-request-id": rid})
+            assert reply.status == 200, reply.raw
+            line, usage = access_line(router, rid), reply.json["usage"]
+            if line["mode"] == "local":
+                break
+        assert (line["mode"], line["producer"], line["consumer"]) == ("local", None, consumer.name), line
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")  # type: ignore[union-attr]
+        assert isinstance(cached, int) and cached > 0, usage
+    finally:
+        router.stop()
+
+
 async def test_the_fakes_kv_event_frames_have_the_real_publishers_shape(
     real_router: RouterProcess, real_pair: list[RealEngine]
 ) -> None:
