@@ -44,11 +44,17 @@ async def _passes(engines: int, seconds: float) -> tuple[float, float]:
     """The supervisor's passes every LOOP_S for ``seconds``: this process's CPU ms per second; then
     Python calls per pass (``cProfile``, back to back): a figure the host's load does not move."""
     from narwhal.engines.control import PooledReader
-    from narwhal.master.gunicorn_hooks import create_policy_region
     from narwhal.settings import Settings
     from narwhal.shm.shared import SharedFleet
-    from narwhal.supervisor.edge import Supervisor
     from narwhal.supervisor.load import LoadReader
+
+    try:  # the policy's region and the supervisor's edge by their names since 9107e2d
+        from narwhal.master.gunicorn_hooks import create_policy_region as region_of
+        from narwhal.supervisor.edge import Supervisor
+    except ImportError:  # a baseline before them
+        from narwhal.supervisor.main import Supervisor  # type: ignore
+
+        from narwhal.master.gunicorn_hooks import create_holdings as region_of  # type: ignore
 
     try:  # the loop's own module; a baseline before it ran the passes on the Supervisor
         from narwhal.supervisor.loop import Loop, run
@@ -65,7 +71,7 @@ async def _passes(engines: int, seconds: float) -> tuple[float, float]:
     shared.assign_engines([(e.name, e.url) for e in settings.engines])
     shared.claim_slot(os.getpid())
     shared.claim_slot(1)  # a second worker (pid 1 lives), as with server.workers = 2
-    supervisor = Supervisor(shared, settings, policy_region=create_policy_region(settings, shared.layout.slots))
+    supervisor = Supervisor(shared, settings, region_of(settings, shared.layout.slots))
     # The real loop, as the supervisor process runs it.
     running = asyncio.ensure_future(run(supervisor) if Loop is not None else supervisor.run())
     await asyncio.sleep(1.0)  # its start first: imports, the first publish, caches
