@@ -256,6 +256,7 @@ async def _stream(
         state.finish(engine, "closed", 200)
         drop_connection(request, rst=False)
         return resp
+    state.work.generated(engine, req, n)
     await out.emit(frames.end(prompt, n, req.include_usage, finish, cached))
     return _stream_end(engine, state, await out.finish(), "completed", hold=None if handed else req)
 
@@ -351,6 +352,7 @@ async def _plain(
         text, finish, n = "", "stop", 0
     else:
         text = "".join([token_text(i) for i in range(req.start, req.start + n)])
+    state.work.generated(engine, req, n)
     rid = _response_id(request, engine, req)
     if req.kind in ("chat", "completions"):
         body = completion_body(

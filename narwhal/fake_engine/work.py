@@ -35,6 +35,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from narwhal.fake_engine.chunks import token_text
 from narwhal.fake_engine.parse import ParsedRequest
 from narwhal.fake_engine.prefix import prompt_text, text_tokens
 from narwhal.fake_engine.state import EngineState
@@ -43,14 +44,16 @@ from narwhal.fake_engine.state import EngineState
 class Work:
     """The slot, blocks and cache hashes of one request."""
 
-    __slots__ = ("hashes", "computes", "slot", "blocks", "announce")
+    __slots__ = ("hashes", "computes", "slot", "blocks", "announce", "text")
 
-    def __init__(self, hashes: list[int] | None, computes: bool, announce: str | None = None) -> None:
+    def __init__(self, hashes: list[int] | None, computes: bool, announce: str | None = None,
+                 text: str | None = None) -> None:
         self.hashes = hashes
         self.computes = computes  # False: the KV was computed elsewhere (a remote prefill)
         self.slot = False
         self.blocks = 0  # blocks of this request alone (its hashed blocks are shared, while it has a slot)
         self.announce = announce  # the prompt text, when its reused blocks are to be re-announced (full report)
+        self.text = text  # the prompt text, which the output's blocks extend (generated)
 
     @classmethod
     def prepare(cls, engine: EngineState, req: ParsedRequest, body: dict[str, Any]) -> Work:
@@ -62,7 +65,7 @@ class Work:
         text = prompt_text(body, req.chat, req.kind)
         req.prompt_tokens = text_tokens(text)
         full = engine.release.minor >= (0, 26) and _report_mode(body) == "full"
-        return cls(cache.block_hashes(text), computes, text if full else None)
+        return cls(cache.block_hashes(text), computes, text if full else None, text)
 
     async def run(self, engine: EngineState, req: ParsedRequest) -> int:
         """Wait for a slot, then prefill what the cache lacks; the cached prompt tokens."""
@@ -102,6 +105,22 @@ class Work:
         # booked before it included (on a GPU they share its steps), the batch queue not.
         engine.prefill_time.observe(time.monotonic() - scheduled)
         return cached
+
+    def generated(self, engine: EngineState, req: ParsedRequest, n: int) -> None:
+        """The request generated ``n`` tokens: the blocks they filled are cached too, as vLLM
+        caches a request's full blocks as its decode fills them (``BlockStored`` with the output's
+        token ids): prompt, the chat template's generation prompt, then the output. A follow-up
+        turn whose prompt carries the answer finds them. A continuation's (its prompt holds earlier
+        output already) and generate's (token ids, no text) are left out."""
+        cache = engine.cache
+        if cache is None or self.text is None or self.hashes is None or n <= 0 or req.start or req.kind == "generate":
+            return
+        # The generation prompt of the fake's template, after a prompt rendered from roles.
+        header = "assistant\n" if req.kind in ("chat", "messages", "responses") and self.text.endswith("\n") else ""
+        output = "".join([token_text(i) for i in range(n)])
+        hashes = cache.block_hashes(self.text + header + output)
+        if len(hashes) > len(self.hashes):
+            cache.insert(hashes[len(self.hashes):], engine.scheduler.running_blocks)
 
     def end(self, engine: EngineState) -> None:
         """Give back the slot and blocks :meth:`run` took; idempotent, called on every path."""

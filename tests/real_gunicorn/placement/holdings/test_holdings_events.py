@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 
 from narwhal.fleet.placement.affinity import key_hash, rank
@@ -177,6 +178,38 @@ async def test_a_follow_up_turn_is_decoded_alone_by_the_consumer_that_holds_its_
         assert {name: efleet.stats(name)["requests"]["prefill"] for name in hs.PRODUCERS} == prefills  # none prefilled
         wait_until(lambda: value(scrape(router), "narwhal_placements_total", producer_choice="consumer_holds") == 1,
                    5, "the placement counted")
+    finally:
+        router.stop()
+
+
+async def test_a_follow_up_carrying_a_long_answer_is_held_by_the_consumer_that_wrote_it(
+    efleet: FakeFleet, tmp_path: Any
+) -> None:
+    """The consumer caches the blocks its decode filled too, as vLLM does, and publishes them: a
+    follow-up whose prompt is mostly turn 1's answer (a short question, a 300-token answer) is
+    held past ``skip_prefill_share`` only by those blocks, and is decoded there alone."""
+    router = hs.start(efleet, tmp_path)
+    try:
+        messages = [{"role": "user", "content": hs.make_prefix()[:600]}]
+        body = {"model": MODEL, "messages": messages, "max_tokens": 300, "stream": True, "ignore_eos": True}
+        turn1 = f"turn1-{uuid.uuid4().hex}"
+        heard = {name: _batches(router, name) for name in hs.CONSUMERS}
+        reply = await send(router.url, "/v1/chat/completions", body, headers={"x-request-id": turn1})
+        assert reply.status == 200, reply.raw
+        answer = "".join((orjson.loads(e)["choices"] or [{}])[0].get("delta", {}).get("content") or ""
+                         for e in reply.events[:-1])
+        assert len(answer) > 4 * len(messages[0]["content"]) // 2, answer[:80]  # most of turn 2 is the answer
+        line = access_line(router, turn1)
+        assert line["mode"] == "disaggregated", line
+        consumer = line["consumer"]
+        await _published(router, consumer, heard[consumer])
+        follow = messages + [{"role": "assistant", "content": answer}, {"role": "user", "content": "why?"}]
+        turn2 = f"turn2-{uuid.uuid4().hex}"
+        reply = await send(router.url, "/v1/chat/completions", {**body, "messages": follow, "max_tokens": 2},
+                           headers={"x-request-id": turn2})
+        assert reply.status == 200, reply.raw
+        line = access_line(router, turn2)
+        assert (line["mode"], line["consumer"], line["producer"]) == ("local", consumer, None), line
     finally:
         router.stop()
 
