@@ -195,6 +195,8 @@ class Attempts:
         else:
             metrics.TALLY.counts[metrics.attempts_child("success")] += 1
             self.outcomes.success(producer, consumer, local=resv.local)
+            if resv.note is not None:  # the policy learns where the prompt now is (its consumer)
+                resv.decoded(time.monotonic())
             return response
         # Cleanup: ending done or failed gave the slots back (attempt_state.ON_ENTRY); a
         # detached reservation is its background task's.

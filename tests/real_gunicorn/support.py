@@ -59,6 +59,10 @@ def start_router(
         # semantics"
         # says unless a test is about migrations (test_migration turns them on).
         "recovery": {"eject_after": 1000, "max_migrations": 0},
+        # Every request through a pair unless a test is about follow-up turns: tests repeat
+        # prompts, and a consumer that decoded one would take the repeat alone (docs/behaviour.md
+        # "Placement").
+        "placement": {"skip_prefill_share": 0},
     }
     for key, values in sections.items():
         conf.setdefault(key, {}).update(values)

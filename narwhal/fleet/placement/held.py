@@ -313,20 +313,27 @@ class Held:
             note.tokens = TokenBlocks(ids)
 
     def holders(self, note: Any, consumers: Sequence[Engine], share: float) -> list[Engine]:
-        """The consumers whose KV-cache events show at least ``share`` of the prompt's token
-        blocks as a leading run, the longest first (docs/behaviour.md "Placement": a follow-up
-        turn decoded where the previous turn left its prompt); none without token ids."""
-        tokens = note.tokens if isinstance(note, PrefixBlocks) else None
-        if tokens is None or self.holdings is None or share <= 0:
+        """The consumers that hold at least ``share`` of the prompt's blocks as a leading run, the
+        most first (docs/behaviour.md "Placement": a follow-up turn decoded where the previous
+        turn left it): by their KV-cache events' token blocks where the prompt has token ids and
+        the consumer's events are followed, else by the prompts it decoded (learned, as a
+        producer's holdings are)."""
+        if not isinstance(note, PrefixBlocks) or self.holdings is None or share <= 0:
             return []
+        tokens = note.tokens
         readings = self.holdings.current()
         found: list[tuple[float, int, Engine]] = []
         for position, engine in enumerate(consumers):
             reading = readings[engine.index] if engine.index < len(readings) else None
-            if reading is None or not reading.token_keys or reading.block_tokens in (0, FOLLOWED_EMPTY):
+            if reading is None:
                 continue
-            total = tokens.count(reading.block_tokens)
-            held = tokens.matched(reading.block_tokens, reading.token_keys) / total if total else 0.0
+            if tokens is not None and reading.token_keys and reading.block_tokens not in (0, FOLLOWED_EMPTY):
+                total = tokens.count(reading.block_tokens)
+                held = tokens.matched(reading.block_tokens, reading.token_keys) / total if total else 0.0
+            elif reading.keys and note.count:
+                held = matched_blocks(note, [reading.keys])[0] / note.count
+            else:
+                continue
             if held >= share:
                 found.append((-held, position, engine))
         return [engine for _, _, engine in sorted(found)]
@@ -406,6 +413,17 @@ class Held:
             max(result.finished_at - result.started_at, 0.0), blocks.keys(), placed.queued_chars, result.finished_at,
         )
 
+    def decoded(self, resv: Reservation, at: float) -> None:
+        """Its decode completed: the consumer holds the prompt now (vLLM caches a handoff's
+        blocks once they arrive), reported as a prefill of its own for the consumer's learned
+        holdings (docs/behaviour.md "Placement": follow-up turns, without KV-cache events)."""
+        if self.holdings is None or not resv.crossed:
+            return
+        placed: HeldPlaced = resv.note
+        blocks = placed.blocks
+        self.holdings.report_prefill(resv.consumer.index, None, 0 if blocks.cut else len(blocks.text), None, None,
+                                     0.0, blocks.keys(), 0, at)
+
     def released(self, resv: Reservation) -> None:
         """Its prefill ended: its uncached characters are no longer queued there."""
         placed: HeldPlaced = resv.note
@@ -423,7 +441,8 @@ class Held:
             return None
         if not engine.can_prefill:  # a consumer: what its events say it holds (placement.skip_prefill_share)
             followed = 0 < held.block_tokens != FOLLOWED_EMPTY
-            return {"event_blocks": len(held.token_keys) if held.block_tokens else None,
+            return {"blocks": held.blocks,  # learned: the prompts it decoded
+                    "event_blocks": len(held.token_keys) if held.block_tokens else None,
                     "block_tokens": held.block_tokens if followed else None}
         return {
             "blocks": held.blocks,

@@ -388,6 +388,10 @@ class Placement:
         """A reservation with a note has its prefill's answer: its policy hears of it."""
         self.policy.prefilled(resv, result)
 
+    def decoded(self, resv: Reservation, at: float) -> None:
+        """A reservation with a note has its decode completed: its policy hears of it."""
+        self.policy.decoded(resv, at)
+
     def _release(self, engine: Engine, phase: PhaseName) -> None:
         """A slot of this worker is free again (``narwhal.request.slot_wait`` wakes its waiters)."""
         self.inflight.release(engine, phase)

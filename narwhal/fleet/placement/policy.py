@@ -171,6 +171,10 @@ class Policy(Protocol):
     def released(self, resv: Reservation) -> None:
         """The reservation's prefill slot was given back (only for one with a note)."""
 
+    def decoded(self, resv: Reservation, at: float) -> None:
+        """The reservation's decode completed at ``at`` (monotonic): its consumer now holds the
+        prompt (only for one with a note)."""
+
     def describe(self, engine: Engine) -> dict[str, Any] | None:
         """What the policy knows of ``engine``, for the admin API (None: nothing)."""
 
@@ -202,6 +206,9 @@ class KeepsNothing:
         """Never called: no reservation of this policy has a note."""
 
     def released(self, resv: Reservation) -> None:
+        """Never called: no reservation of this policy has a note."""
+
+    def decoded(self, resv: Reservation, at: float) -> None:
         """Never called: no reservation of this policy has a note."""
 
     def describe(self, engine: Engine) -> dict[str, Any] | None:

@@ -94,6 +94,9 @@ class _Releaser(Protocol):
     def prefilled(self, resv: Reservation, result: Any) -> None:
         """The reservation's prefill answered: its policy hears of it (``Policy.prefilled``)."""
 
+    def decoded(self, resv: Reservation, at: float) -> None:
+        """The reservation's decode completed: its policy hears of it (``Policy.decoded``)."""
+
 
 class Reservation:
     """The slots of one attempt; each released exactly once.
@@ -138,6 +141,11 @@ class Reservation:
         """Its prefill answered (a ``policy.PrefillFacts``): the policy that keeps its note hears of it."""
         if self.note is not None:
             self._placement.prefilled(self, result)
+
+    def decoded(self, at: float) -> None:
+        """Its decode completed at ``at`` (monotonic): the policy that keeps its note hears of it."""
+        if self.note is not None:
+            self._placement.decoded(self, at)
 
     def release_prefill(self) -> None:
         """Give back the prefill slot (its policy told, when it keeps a note); idempotent."""

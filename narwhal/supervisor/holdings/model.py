@@ -126,7 +126,12 @@ class HoldingsModel:
         # Consumers by engine index, their stamps: a section each with their events' blocks alone
         # (placement.skip_prefill_share: a follow-up turn decoded where its prompt already is).
         self.consumer_stamps: dict[int, int] = {}
-        self._consumers_published: dict[int, tuple[tuple[int, int, bool] | None, float]] = {}
+        # Per consumer's engine index, the block keys of the prompts it decoded, most recent last
+        # (learned from traffic as a producer's are, for a fleet without consumers' events), and
+        # how often they changed (what its section's publish compares).
+        self.consumer_keys: dict[int, OrderedDict[int, None]] = {}
+        self._consumer_changes: dict[int, int] = {}
+        self._consumers_published: dict[int, tuple[tuple[int, int, bool, int] | None, float]] = {}
 
     def reshape(self, stamps: Sequence[int | None], engines: Sequence[Named]) -> None:
         """The engines changed (discovery, docs/behaviour.md "Engines that come and go"): per index,
@@ -149,6 +154,9 @@ class HoldingsModel:
         if rep.producer >= len(self.producers):
             return None
         p = self.producers[rep.producer]
+        if p is None and self.consumer_stamps.get(rep.producer) == rep.identity:
+            self._decoded(rep.producer, rep.keys)  # a consumer's completed decode: it holds the prompt
+            return None
         if p is None or p.stamp != rep.identity:
             return None  # another engine list's report (a reload): not this producer
         if rep.engine_id and rep.engine_id != p.engine_id:
@@ -193,6 +201,16 @@ class HoldingsModel:
         self._trim(p)
         p.dirty = True
         return result
+
+    def _decoded(self, engine: int, keys: Sequence[int]) -> None:
+        """A consumer decoded a prompt of ``keys``: now its most recent, bounded by the section's room."""
+        held = self.consumer_keys.setdefault(engine, OrderedDict())
+        for key in keys:
+            held[key] = None
+            held.move_to_end(key)
+        while len(held) > self.room:
+            held.popitem(last=False)
+        self._consumer_changes[engine] = self._consumer_changes.get(engine, 0) + 1
 
     def _used(self, first: int, hits: int, blocks: int, at: float) -> None:
         """A prefix (by its first key) was prefilled again, ``hits`` of its ``blocks`` cached.
@@ -342,10 +360,12 @@ class HoldingsModel:
             p.engine_rate.observe(counters, at)
 
     def forget(self, engine: int) -> None:
-        """An ejected or restarted producer: it holds nothing we know of."""
+        """An ejected or restarted engine: it holds nothing we know of."""
         p = self.producers[engine] if engine < len(self.producers) else None
         if p is not None:
             p.forget()
+        if self.consumer_keys.pop(engine, None):
+            self._consumer_changes[engine] = self._consumer_changes.get(engine, 0) + 1
 
     def placing_rates(self) -> list[float | None]:
         """Per engine index, the rate the estimate places it by (``holdings.rate``; None: a consumer)."""
@@ -410,15 +430,18 @@ class HoldingsModel:
         ``PUBLISH_S``); an empty one when its events stop being followed."""
         for index, stamp in self.consumer_stamps.items():
             events = followed.get(index)
-            marker = None if events is None else (id(events), events.changes if events.in_sync else -1, False)
+            learned = self._consumer_changes.get(index, 0)
+            marker = None if events is None and not learned else (
+                id(events), -1 if events is None else events.changes if events.in_sync else -1, False, learned)
             published = self._consumers_published.get(index)
             if published is not None and (published[0] == marker or now - published[1] < PUBLISH_S):
                 continue
             if published is None and marker is None:
-                continue  # never followed: nothing to say
+                continue  # never followed nor decoded on: nothing to say
             self._consumers_published[index] = (marker, now)
             token_keys, block_tokens = _token_keys(events, holdings.layout.token_keys)
-            holdings.publish(index, stamp, 0, [], None, None, None, 0.0, token_keys=token_keys,
+            keys = list(reversed(self.consumer_keys.get(index, ())))
+            holdings.publish(index, stamp, 0, keys, None, None, None, 0.0, token_keys=token_keys,
                              block_tokens=block_tokens)
 
 

@@ -68,7 +68,11 @@ class HoldingsPart:
     def reshape(self, engines: Sequence[Engine]) -> None:
         """The fleet changed (discovery): a producer that joined gets its section, one that left loses it."""
         self.model.reshape(self._stamps(engines), engines)
-        self.model.consumer_stamps = self._consumer_stamps(engines)
+        old, new = self.model.consumer_stamps, self._consumer_stamps(engines)
+        for index, stamp in old.items():
+            if new.get(index) != stamp:  # gone, or another engine at its slot: what it held is not known
+                self.model.consumer_keys.pop(index, None)
+        self.model.consumer_stamps = new
 
     def states(self, engines: Sequence[Engine], state_of: Callable[[Engine], State]) -> None:
         """The breakers' states as just published: an ejected producer's cache is not to be counted

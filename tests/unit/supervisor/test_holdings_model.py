@@ -167,3 +167,22 @@ def test_a_prefill_that_started_before_the_prefix_was_computed_is_no_eviction() 
     assert _held(m) == [3, 2, 1]
     # Started after they were done: they should have hit; none did, so they were evicted.
     assert m.apply(PrefillReport(0, P0, 11, 808, 202, 0, 0.05, (1, 2, 3), 0, at=10.2)) == "over"
+
+
+D0 = section_stamp("d0", "http://d0")
+
+
+def test_a_consumers_decodes_teach_what_it_holds_most_recent_last_bounded_and_forgotten() -> None:
+    # docs/behaviour.md "Placement": without events, a consumer holds the prompts it decoded.
+    m = HoldingsModel([P0, P1, None], 4, 256)
+    m.consumer_stamps = {2: D0}
+    assert m.apply(_rep([1, 2], cached=None, producer=2, stamp=D0)) is None  # no prediction to judge
+    assert list(m.consumer_keys[2]) == [1, 2]
+    m.apply(_rep([3, 1, 4], cached=None, producer=2, stamp=D0))
+    assert list(m.consumer_keys[2]) == [2, 3, 1, 4]  # 1 again: the most recent
+    m.apply(_rep([5], cached=None, producer=2, stamp=P1))  # another engine's stamp: not this consumer
+    m.apply(_rep([6], cached=None, producer=2, stamp=D0))
+    assert list(m.consumer_keys[2]) == [3, 1, 4, 6]  # bounded by the room: the oldest go
+    assert _held(m) == []  # no producer learned anything
+    m.forget(2)  # ejected, or its events say it restarted
+    assert 2 not in m.consumer_keys

@@ -85,10 +85,13 @@ def fresh_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Route
 def start(hfleet: FakeFleet, tmp: Any, workers: int = 2, held: dict[str, Any] | None = None,
           **placement: Any) -> RouterProcess:
     """A router over the holdings fleet (``[placement.held]`` ``affinity_slack`` ``SLACK``: the
-    module docstring says why; ``held``: more of that table, ``placement``: of ``[placement]``)."""
+    module docstring says why; ``held``: more of that table, ``placement``: of ``[placement]``).
+    Every request goes to a producer (``skip_prefill_share`` 0) unless a test asks otherwise: these
+    tests repeat prompts to see what producers hold, and a consumer that decoded one would take
+    the repeat alone."""
     return start_router(hfleet, engines(), tmp, server={"workers": workers, "admin_token": TOKEN},
-                        placement={"load_interval_s": 0.1, "held": {"affinity_slack": SLACK, **(held or {})},
-                                   **placement})
+                        placement={"load_interval_s": 0.1, "skip_prefill_share": 0,
+                                   "held": {"affinity_slack": SLACK, **(held or {})}, **placement})
 
 
 def module_router(hfleet: FakeFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:

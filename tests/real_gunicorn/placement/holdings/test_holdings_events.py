@@ -155,7 +155,7 @@ async def test_a_follow_up_turn_is_decoded_alone_by_the_consumer_that_holds_its_
     """Turn 1 goes P/D; the consumer that decoded it caches its prompt (as vLLM does once the KV
     arrives) and publishes it; turn 2, that prompt and a short follow-up, is decoded there alone
     (``placement.skip_prefill_share``, 0.9 by default): no producer prefills it."""
-    router = hs.start(efleet, tmp_path)
+    router = hs.start(efleet, tmp_path, skip_prefill_share=0.9)  # the default
     try:
         messages = [{"role": "system", "content": hs.make_prefix()}, {"role": "user", "content": "first question"}]
         body = {"model": MODEL, "messages": messages, "max_tokens": 4, "stream": False}
@@ -188,7 +188,7 @@ async def test_a_follow_up_carrying_a_long_answer_is_held_by_the_consumer_that_w
     """The consumer caches the blocks its decode filled too, as vLLM does, and publishes them: a
     follow-up whose prompt is mostly turn 1's answer (a short question, a 300-token answer) is
     held past ``skip_prefill_share`` only by those blocks, and is decoded there alone."""
-    router = hs.start(efleet, tmp_path)
+    router = hs.start(efleet, tmp_path, skip_prefill_share=0.9)  # the default
     try:
         messages = [{"role": "user", "content": hs.make_prefix()[:600]}]
         body = {"model": MODEL, "messages": messages, "max_tokens": 300, "stream": True, "ignore_eos": True}

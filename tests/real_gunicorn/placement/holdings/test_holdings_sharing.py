@@ -4,6 +4,9 @@ what the fleet is)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+import uuid
 from typing import Any
 
 import aiohttp
@@ -12,7 +15,16 @@ import pytest
 from narwhal.testing.harness import FakeFleet, RouterProcess
 from tests.real_gunicorn.placement.holdings import holdings_support as hs
 from tests.real_gunicorn.placement.holdings.holdings_support import BLOCKS, PRODUCERS
-from tests.real_gunicorn.support import admin, scrape, sessions_per_worker, settled, value, wait_state
+from tests.real_gunicorn.support import (
+    access_line,
+    admin,
+    scrape,
+    send,
+    sessions_per_worker,
+    settled,
+    value,
+    wait_state,
+)
 
 
 async def test_a_prefix_prefilled_through_one_worker_is_placed_on_its_producer_by_the_other(
@@ -118,3 +130,36 @@ async def test_each_policy_setting_labels_its_choices(
         assert [line["predicted_cached_chars"] for line in lines] == ([0, BLOCKS * 256] if held else [None, None])
     finally:
         proc.stop()
+
+
+async def test_a_follow_up_goes_to_the_consumer_that_decoded_its_prompt_without_any_events(
+    hfleet: FakeFleet, tmp_path: Any
+) -> None:
+    # docs/behaviour.md "Placement": with no KV-cache events (these fakes publish none), what a
+    # consumer holds is learned from the prompts it decoded, as a producer's holdings are; a
+    # follow-up whose prompt it holds past skip_prefill_share is decoded there alone.
+    router = hs.start(hfleet, tmp_path, skip_prefill_share=0.9)
+    try:
+        messages = [{"role": "system", "content": hs.make_prefix()}, {"role": "user", "content": "first question"}]
+        body = {"model": hs.MODEL, "messages": messages, "max_tokens": 4}
+        turn1 = f"turn1-{uuid.uuid4().hex}"
+        reply = await send(router.url, "/v1/chat/completions", body, headers={"x-request-id": turn1})
+        assert reply.status == 200, reply.raw
+        line = access_line(router, turn1)
+        assert line["mode"] == "disaggregated", line
+        consumer = line["consumer"]
+        end = time.monotonic() + 10
+        while not ((await hs.holdings(router, consumer)) or {}).get("blocks"):  # published to every worker
+            assert time.monotonic() < end, await hs.holdings(router, consumer)
+            await asyncio.sleep(0.05)
+        prefills = {name: hfleet.stats(name)["requests"]["prefill"] for name in hs.PRODUCERS}
+        follow = messages + [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "and then?"}]
+        turn2 = f"turn2-{uuid.uuid4().hex}"
+        reply = await send(router.url, "/v1/chat/completions", {**body, "messages": follow},
+                           headers={"x-request-id": turn2})
+        assert reply.status == 200, reply.raw
+        line = access_line(router, turn2)
+        assert (line["mode"], line["consumer"], line["producer"]) == ("local", consumer, None), line
+        assert {name: hfleet.stats(name)["requests"]["prefill"] for name in hs.PRODUCERS} == prefills
+    finally:
+        router.stop()
