@@ -20,12 +20,12 @@ from narwhal.shm.holdings import GENERATION_OFFSET, NONE32, Held, Holdings, Torn
 from narwhal.shm.layout import U64
 
 
-def stamps_by_index(engines: Sequence[tuple[int, str, str]]) -> list[int]:
-    """Per engine index up to the highest of ``engines`` (index, name, URL), its stamp; 0 where
-    no engine is (with discovery an index is a slot, and slots in use need not be contiguous)."""
-    stamps = [0] * (max((index for index, _, _ in engines), default=-1) + 1)
-    for index, name, url in engines:
-        stamps[index] = section_stamp(name, url)
+def stamps_by_index(engines: Sequence[Engine]) -> list[int]:
+    """Per engine index up to the highest of ``engines``, its stamp (by name and URL); 0 where no
+    engine is (with discovery an index is a slot, and slots in use need not be contiguous)."""
+    stamps = [0] * (max((e.index for e in engines), default=-1) + 1)
+    for e in engines:
+        stamps[e.index] = section_stamp(e.name, e.url)
     return stamps
 
 
@@ -121,7 +121,7 @@ class WorkerHoldings(HoldingsReader):
 
     def roster(self, engines: Sequence[Engine]) -> None:
         """The worker's engines are now ``engines`` (discovery): its sections follow them."""
-        self.restamp(stamps_by_index([(e.index, e.name, e.url) for e in engines]))
+        self.restamp(stamps_by_index(engines))
 
     def add_work(self, engine: int, chars: int) -> None:
         """This worker's prefill legs in flight on ``engine`` gained (or, negative, lost)
@@ -157,4 +157,4 @@ class WorkerHoldings(HoldingsReader):
 
 def worker_view(region: Holdings, engines: Sequence[Engine], slot: int) -> WorkerHoldings:
     """A worker's view of the holdings region (``PolicyRegion.worker``), for its ``slot``."""
-    return WorkerHoldings(region, stamps_by_index([(e.index, e.name, e.url) for e in engines]), slot)
+    return WorkerHoldings(region, stamps_by_index(engines), slot)

@@ -431,8 +431,10 @@ class HoldingsModel:
         for index, stamp in self.consumer_stamps.items():
             events = followed.get(index)
             learned = self._consumer_changes.get(index, 0)
-            marker = None if events is None and not learned else (
-                id(events), -1 if events is None else events.changes if events.in_sync else -1, False, learned)
+            if events is None:
+                marker = None if not learned else (0, -1, False, learned)
+            else:
+                marker = (id(events), events.changes if events.in_sync else -1, False, learned)
             published = self._consumers_published.get(index)
             if published is not None and (published[0] == marker or now - published[1] < PUBLISH_S):
                 continue

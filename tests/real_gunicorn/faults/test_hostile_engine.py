@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -42,6 +41,7 @@ from tests.real_gunicorn.support import (
     unique_prompt,
     wait_until,
 )
+from tests.threaded_app import ThreadedApp
 
 SEED = 40_12
 LEASE_S = 3  # the healthy producer's lease: what a garbage consumer never read is freed by it
@@ -136,32 +136,19 @@ def _metrics(rng: random.Random) -> bytes:
     return b"\n".join(lines) + rng.choice([b"\n", b"", b"\n\xff"])
 
 
-class HostileEngine:
-    """The garbage engine: an aiohttp server in a thread of its own on 127.0.0.1."""
+class HostileEngine(ThreadedApp):
+    """The garbage engine."""
 
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
         self.answers = {"GET": 0, "POST": 0}  # control reads, inference requests
-        self.url = ""
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        assert self._ready.wait(10), "the hostile engine did not start"
+        super().__init__()
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
+    def build(self) -> web.Application:
+        """Every path, every method: :meth:`_answer`."""
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_route("*", "/{tail:.*}", self._answer)
-        runner = web.AppRunner(app, access_log=None)
-        self._loop.run_until_complete(runner.setup())
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        self._loop.run_until_complete(site.start())
-        port = runner.addresses[0][1]
-        self.url = f"http://127.0.0.1:{port}"
-        self._runner = runner
-        self._ready.set()
-        self._loop.run_forever()
+        return app
 
     async def _answer(self, request: web.Request) -> web.StreamResponse:
         self.answers[request.method] = self.answers.get(request.method, 0) + 1
@@ -186,15 +173,6 @@ class HostileEngine:
             return resp
         status = rng.choice([200, 200, 200, 400, 500, 200])
         return web.Response(status=status, body=_whole(rng), content_type="application/json")
-
-    def stop(self) -> None:
-        async def close() -> None:
-            await self._runner.cleanup()
-
-        asyncio.run_coroutine_threadsafe(close(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
 
 
 @pytest.fixture(scope="module")

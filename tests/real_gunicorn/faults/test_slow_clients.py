@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 from collections.abc import Iterator
 
 import orjson
@@ -31,6 +30,7 @@ from tests.real_gunicorn.support import (
     value,
     wait_until,
 )
+from tests.threaded_app import ThreadedApp
 
 SLOW = 8
 
@@ -67,23 +67,17 @@ async def test_slow_clients_past_the_workers_budget_are_cut_and_counted(tight: R
             sock.close()
 
 
-class BigEventEngine:
+class BigEventEngine(ThreadedApp):
     """A vLLM-like engine (role ``both``) whose decode streams one event that never ends: a first
-    chunk megabytes long (as a long prompt's logprobs make), in 64 KiB writes. An aiohttp server
-    in a thread of its own on 127.0.0.1."""
+    chunk megabytes long (as a long prompt's logprobs make), in 64 KiB writes."""
 
     def __init__(self, event_bytes: int) -> None:
         self.event_bytes = event_bytes
         self.decodes = 0
-        self.url = ""
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        assert self._ready.wait(10), "the engine did not start"
+        super().__init__()
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
+    def build(self) -> web.Application:
+        """Its control reads answered as a 0.33 engine serving ``MODEL``, and its completions."""
         app = web.Application()
         answers = {
             "/health": b"",
@@ -99,14 +93,7 @@ class BigEventEngine:
         for path in answers:
             app.router.add_get(path, control)
         app.router.add_post("/v1/completions", self._completions)
-        runner = web.AppRunner(app, access_log=None)
-        self._loop.run_until_complete(runner.setup())
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        self._loop.run_until_complete(site.start())
-        self.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        self._runner = runner
-        self._ready.set()
-        self._loop.run_forever()
+        return app
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -129,12 +116,6 @@ class BigEventEngine:
                 break
             await asyncio.sleep(0.1)
         return resp
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
 
 
 async def test_an_unfinished_event_past_the_workers_budget_ends_the_stream_uncharged(

@@ -63,6 +63,19 @@ async def _until(router: RouterProcess, check: Any, what: str, timeout: float = 
         await asyncio.sleep(0.05)
 
 
+async def _listed_pair(fleet: FakeFleet, api: KubeApi, tmp: Path) -> RouterProcess:
+    """A router over one ready producer pod (kp0) and one ready consumer pod (kd0), both admitted."""
+    api.put(endpoint_slice("prefill-a", PREFILL, fleet.engines["kp0"], "kp0"))
+    api.put(endpoint_slice("decode-a", DECODE, fleet.engines["kd0"], "kd0"))
+    router = _router(fleet, api, tmp)
+    try:
+        await _until(router, lambda s: s.get("kp0") == "admitted" and s.get("kd0") == "admitted", "listed pods joined")
+    except BaseException:
+        router.stop()
+        raise
+    return router
+
+
 async def test_ready_pods_join_a_deleted_one_drains_its_stream_and_a_410_relists(
     kfleet: FakeFleet, api: KubeApi, tmp_path: Path
 ) -> None:
@@ -131,11 +144,8 @@ async def test_ready_pods_join_a_deleted_one_drains_its_stream_and_a_410_relists
 async def test_an_api_server_that_goes_away_changes_nothing_and_is_said_once(
     kfleet: FakeFleet, api: KubeApi, tmp_path: Path
 ) -> None:
-    api.put(endpoint_slice("prefill-a", PREFILL, kfleet.engines["kp0"], "kp0"))
-    api.put(endpoint_slice("decode-a", DECODE, kfleet.engines["kd0"], "kd0"))
-    router = _router(kfleet, api, tmp_path)
+    router = await _listed_pair(kfleet, api, tmp_path)
     try:
-        await _until(router, lambda s: s.get("kp0") == "admitted" and s.get("kd0") == "admitted", "listed pods joined")
         api.stop()
         deadline = time.monotonic() + 10
         while "kubernetes API server not answering" not in router.log_text():
@@ -162,11 +172,8 @@ async def test_a_watch_resumes_from_its_last_bookmark_without_listing_again(
     # Bookmarks are asked for (allowWatchBookmarks) and taken: a watch that saw only other
     # objects' changes resumes from the bookmark's version, which the API server still has,
     # rather than from an older one it compacted away (a 410 and a relist of every slice).
-    api.put(endpoint_slice("prefill-a", PREFILL, kfleet.engines["kp0"], "kp0"))
-    api.put(endpoint_slice("decode-a", DECODE, kfleet.engines["kd0"], "kd0"))
-    router = _router(kfleet, api, tmp_path)
+    router = await _listed_pair(kfleet, api, tmp_path)
     try:
-        await _until(router, lambda s: s.get("kp0") == "admitted" and s.get("kd0") == "admitted", "listed pods joined")
         lists, watches = api.requests.count("list"), len(api.watched_from)
         assert watches == 2  # one per role
         for i in range(5):  # changes neither watch is shown: the versions move on without them

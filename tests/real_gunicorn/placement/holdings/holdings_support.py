@@ -35,6 +35,7 @@ from tests.real_gunicorn.support import (
     completion,
     engine_entry,
     scrape,
+    send,
     settled,
     start_router,
     value,
@@ -138,6 +139,19 @@ async def wait_blocks(router: RouterProcess, name: str, check: Any, what: str, t
         if asyncio.get_running_loop().time() > end:
             raise AssertionError(f"{name}: {what}; holdings {held}")
         await asyncio.sleep(0.05)
+
+
+async def chat_turn(router: RouterProcess, body: dict[str, Any], tag: str) -> dict[str, Any]:
+    """One chat turn through ``router`` (a 200, or the test fails): its access-log line."""
+    rid = f"{tag}-{uuid.uuid4().hex}"
+    reply = await send(router.url, "/v1/chat/completions", body, headers={"x-request-id": rid})
+    assert reply.status == 200, reply.raw
+    return access_line(router, rid)
+
+
+def prefills(fleet: FakeFleet) -> dict[str, int]:
+    """Each producer's prefills so far (the fakes' own counters)."""
+    return {name: fleet.stats(name)["requests"]["prefill"] for name in PRODUCERS}
 
 
 def predictions(router: RouterProcess) -> dict[str, float]:

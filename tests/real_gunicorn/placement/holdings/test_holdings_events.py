@@ -159,23 +159,16 @@ async def test_a_follow_up_turn_is_decoded_alone_by_the_consumer_that_holds_its_
     try:
         messages = [{"role": "system", "content": hs.make_prefix()}, {"role": "user", "content": "first question"}]
         body = {"model": MODEL, "messages": messages, "max_tokens": 4, "stream": False}
-        turn1 = f"turn1-{uuid.uuid4().hex}"
         heard = {name: _batches(router, name) for name in hs.CONSUMERS}
-        reply = await send(router.url, "/v1/chat/completions", body, headers={"x-request-id": turn1})
-        assert reply.status == 200, reply.raw
-        line = access_line(router, turn1)
+        line = await hs.chat_turn(router, body, "turn1")
         assert line["mode"] == "disaggregated" and line["producer"] in hs.PRODUCERS, line
         consumer = line["consumer"]
         await _published(router, consumer, heard[consumer])
         follow = messages + [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "and then?"}]
-        prefills = {name: efleet.stats(name)["requests"]["prefill"] for name in hs.PRODUCERS}
-        turn2 = f"turn2-{uuid.uuid4().hex}"
-        reply = await send(router.url, "/v1/chat/completions", {**body, "messages": follow},
-                           headers={"x-request-id": turn2})
-        assert reply.status == 200, reply.raw
-        line = access_line(router, turn2)
+        prefills = hs.prefills(efleet)
+        line = await hs.chat_turn(router, {**body, "messages": follow}, "turn2")
         assert (line["mode"], line["consumer"], line["producer"]) == ("local", consumer, None), line
-        assert {name: efleet.stats(name)["requests"]["prefill"] for name in hs.PRODUCERS} == prefills  # none prefilled
+        assert hs.prefills(efleet) == prefills  # none prefilled
         wait_until(lambda: value(scrape(router), "narwhal_placements_total", producer_choice="consumer_holds") == 1,
                    5, "the placement counted")
     finally:

@@ -4,9 +4,6 @@ what the fleet is)."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-import uuid
 from typing import Any
 
 import aiohttp
@@ -16,10 +13,8 @@ from narwhal.testing.harness import FakeFleet, RouterProcess
 from tests.real_gunicorn.placement.holdings import holdings_support as hs
 from tests.real_gunicorn.placement.holdings.holdings_support import BLOCKS, PRODUCERS
 from tests.real_gunicorn.support import (
-    access_line,
     admin,
     scrape,
-    send,
     sessions_per_worker,
     settled,
     value,
@@ -142,24 +137,14 @@ async def test_a_follow_up_goes_to_the_consumer_that_decoded_its_prompt_without_
     try:
         messages = [{"role": "system", "content": hs.make_prefix()}, {"role": "user", "content": "first question"}]
         body = {"model": hs.MODEL, "messages": messages, "max_tokens": 4}
-        turn1 = f"turn1-{uuid.uuid4().hex}"
-        reply = await send(router.url, "/v1/chat/completions", body, headers={"x-request-id": turn1})
-        assert reply.status == 200, reply.raw
-        line = access_line(router, turn1)
+        line = await hs.chat_turn(router, body, "turn1")
         assert line["mode"] == "disaggregated", line
         consumer = line["consumer"]
-        end = time.monotonic() + 10
-        while not ((await hs.holdings(router, consumer)) or {}).get("blocks"):  # published to every worker
-            assert time.monotonic() < end, await hs.holdings(router, consumer)
-            await asyncio.sleep(0.05)
-        prefills = {name: hfleet.stats(name)["requests"]["prefill"] for name in hs.PRODUCERS}
+        await hs.wait_blocks(router, consumer, lambda blocks: blocks > 0, "its decode learned and published")
+        prefills = hs.prefills(hfleet)
         follow = messages + [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "and then?"}]
-        turn2 = f"turn2-{uuid.uuid4().hex}"
-        reply = await send(router.url, "/v1/chat/completions", {**body, "messages": follow},
-                           headers={"x-request-id": turn2})
-        assert reply.status == 200, reply.raw
-        line = access_line(router, turn2)
+        line = await hs.chat_turn(router, {**body, "messages": follow}, "turn2")
         assert (line["mode"], line["consumer"], line["producer"]) == ("local", consumer, None), line
-        assert {name: hfleet.stats(name)["requests"]["prefill"] for name in hs.PRODUCERS} == prefills
+        assert hs.prefills(hfleet) == prefills
     finally:
         router.stop()
