@@ -36,7 +36,8 @@ from narwhal.testing.harness import FakeFleet, RouterProcess, router_roles, writ
 MODEL = "fake-model"
 
 
-def _cpu_ns(pids: list[int]) -> int:
+def cpu_ns(pids: list[int]) -> int:
+    """The CPU time, in ns, every thread of ``pids`` ran so far (``/proc/<pid>/task/*/schedstat``)."""
     total = 0
     for pid in pids:
         for task in Path(f"/proc/{pid}/task").iterdir():
@@ -81,9 +82,9 @@ async def _measure(routers: dict[str, RouterProcess], requests: int, chars: int)
                 await first_byte(session, router.url, _prompt(-1 - i, chars))
         for i in range(requests):
             for name, router in routers.items():
-                before = _cpu_ns(pids[name])
+                before = cpu_ns(pids[name])
                 ttft[name].append(await first_byte(session, router.url, _prompt(i, chars)))
-                cpu[name] += _cpu_ns(pids[name]) - before
+                cpu[name] += cpu_ns(pids[name]) - before
     return {name: (cpu[name] / requests / 1e3, statistics.median(ttft[name]) * 1e3) for name in routers}
 
 

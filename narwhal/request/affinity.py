@@ -22,7 +22,6 @@ Invariants, and why:
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 from narwhal.engines.endpoints import Endpoint
@@ -35,6 +34,27 @@ def prompt_head(endpoint: Endpoint, body: dict[str, Any], limit: int) -> str | N
     endpoint has no prompt text."""
     text = endpoint.dialect.affinity_text(body, limit)
     return None if text is None else text[:limit]
+
+
+class Prompt:
+    """The request's prompt as placement policies read it (``policy.PromptText``): read only as
+    far as each asks. A policy may ask where the last answer sits after admission (``held``
+    does, at placement): by then admission has encoded the prompt's fields in the body
+    (``embed_prompt``), so this keeps a shallow copy of the body as it came (one C call; the
+    values themselves are shared, never copied)."""
+
+    __slots__ = ("endpoint", "body")
+
+    def __init__(self, endpoint: Endpoint, body: dict[str, Any]) -> None:
+        self.endpoint = endpoint
+        self.body = dict(body)
+
+    def __call__(self, limit: int) -> str | None:
+        return prompt_head(self.endpoint, self.body, limit)
+
+    def answer_span(self, limit: int) -> tuple[int, int] | None:
+        """Where the last answer a later turn follows sits in the text (``Dialect.answer_span``)."""
+        return self.endpoint.dialect.answer_span(self.body, limit)
 
 
 def local_decode(endpoint: Endpoint, body: dict[str, Any], settings: PlacementSettings) -> bool:
@@ -50,4 +70,4 @@ def prepared(endpoint: Endpoint, body: dict[str, Any], settings: PlacementSettin
     """(local decode, the policy's note) for one request, each read once."""
     if settings.local_prefill_chars and local_decode(endpoint, body, settings):
         return True, None
-    return False, policy.prepare(partial(prompt_head, endpoint, body))
+    return False, policy.prepare(Prompt(endpoint, body))

@@ -98,6 +98,27 @@ def turns_text(head: str, turns: Any, limit: int) -> str:
     return "\n".join(p for p in parts if p)
 
 
+def turns_answer(head: str, turns: Any, limit: int) -> tuple[int, int] | None:
+    """Where the last ``assistant`` turn that a later turn follows sits in
+    ``turns_text(head, turns, limit)``: its (start, end) characters; None: there is none."""
+    if not isinstance(turns, list):
+        return None
+    at = len(head) + 1 if head else 0  # where the next part starts ("\n" between parts)
+    size = len(head)
+    span = None
+    last = len(turns) - 1
+    for i, turn in enumerate(turns):
+        if size >= limit:
+            break
+        if isinstance(turn, dict):
+            n = len(f"{turn.get('role', '')}: {content_text(turn.get('content'))}")
+            if i < last and turn.get("role") == "assistant":
+                span = (at, at + n)
+            at += n + 1
+            size += n
+    return span
+
+
 def status_of_code(code: Any) -> int | None:
     """An error object's ``code`` as an HTTP status when it is one (4xx/5xx), else None (→ 502)."""
     return code if is_int(code) and 400 <= code <= 599 else None
@@ -142,6 +163,12 @@ class Dialect:
         """The prompt text the affinity key is cut from, from its start (at least ``limit``
         characters when the prompt has them); None when the endpoint has no prompt text (no
         affinity key, never a local decode)."""
+        return None
+
+    def answer_span(self, body: dict[str, Any], limit: int) -> tuple[int, int] | None:
+        """Where the last answer a later turn follows sits in :meth:`affinity_text`'s text (the
+        same ``limit``): its (start, end) characters; None: the prompt has no turns (a consumer
+        that decoded the turn before holds that answer: it wrote it)."""
         return None
 
     def full_report(self, body: dict[str, Any]) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from narwhal.engines.dialects.base import (
     json_of,
     status_of_code,
     token_count,
+    turns_answer,
     turns_text,
 )
 from narwhal.errors import NarwhalError
@@ -83,6 +84,10 @@ class Messages(Dialect, endpoint=MESSAGES, prompt_fields=("system", "messages"),
     def affinity_text(self, body: dict[str, Any], limit: int) -> str:
         """The system prompt, then each message as ``role: text``, until ``limit`` characters."""
         return turns_text(content_text(body.get("system")), body.get("messages"), limit)
+
+    def answer_span(self, body: dict[str, Any], limit: int) -> tuple[int, int] | None:
+        """The last ``assistant`` message a later one follows, as :meth:`affinity_text` writes it."""
+        return turns_answer(content_text(body.get("system")), body.get("messages"), limit)
 
     def prompt_usage(self, usage: Any) -> tuple[int | None, int | None]:
         """Anthropic's usage: ``input_tokens`` are the tokens *not* read from or written to the

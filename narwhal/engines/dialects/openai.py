@@ -128,6 +128,23 @@ class Chat(Completions, endpoint=CHAT, prompt_fields=("messages",)):
                 break
         return "".join(parts)
 
+    def answer_span(self, body: dict[str, Any], limit: int) -> tuple[int, int] | None:
+        """The last ``assistant`` message a later message follows, as :meth:`affinity_text` writes it."""
+        messages = body.get("messages") or ()
+        last = len(messages) - 1
+        size = 0
+        span = None
+        for i, message in enumerate(messages):
+            role = message.get("role")
+            text = content_text(message.get("content"), "text")[:limit]
+            n = len(role if isinstance(role, str) else "") + len(text) + 2  # "role\ntext\n"
+            if i < last and role == "assistant":
+                span = (size, size + n)
+            size += n
+            if size >= limit:
+                break
+        return span
+
     def token_ids(self, body: dict[str, Any]) -> list[int] | dict[str, Any] | None:
         """The ``/tokenize`` body of the messages with what shapes the chat template's output
         (vLLM's ``TokenizeChatRequest``: its defaults are the chat endpoint's)."""

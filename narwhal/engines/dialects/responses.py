@@ -29,6 +29,7 @@ from narwhal.engines.dialects.base import (
     json_of,
     status_of_code,
     token_count,
+    turns_answer,
     turns_text,
 )
 from narwhal.errors import NarwhalError
@@ -89,6 +90,11 @@ class Responses(Dialect, endpoint=RESPONSES, prompt_fields=("instructions", "inp
         if isinstance(items, str):
             return "\n".join(p for p in (head, items) if p)
         return turns_text(head, items, limit)
+
+    def answer_span(self, body: dict[str, Any], limit: int) -> tuple[int, int] | None:
+        """The last ``assistant`` item a later one follows, as :meth:`affinity_text` writes it."""
+        instructions = body.get("instructions")
+        return turns_answer(instructions if isinstance(instructions, str) else "", body.get("input"), limit)
 
     def prompt_usage(self, usage: Any) -> tuple[int | None, int | None]:
         """``input_tokens`` and ``input_tokens_details.cached_tokens`` (vLLM's ResponseUsage)."""

@@ -27,8 +27,11 @@ Invariants, and why:
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 from narwhal.fleet.placement.token_blocks import TokenBlocks
+
+Answer = tuple[int, int] | None  # (start, end) characters in the prompt text; None: no answer there
 
 _NO_SALT = b""
 _FIRST = -1  # the "previous key" of block 0 in a memo entry: no 64-bit key (unsigned) is -1
@@ -77,7 +80,7 @@ def _utf8_blocks(chunk: str, width: int) -> list[bytes]:
 class PrefixBlocks:
     """The block keys of one prompt, computed lazily, at most once each."""
 
-    __slots__ = ("text", "block_chars", "count", "cut", "computed", "tokens", "_salt", "_memo")
+    __slots__ = ("text", "block_chars", "count", "cut", "computed", "tokens", "answer", "_salt", "_memo")
 
     def __init__(self, text: str, block_chars: int, max_chars: int, memo: KeyMemo | None = None) -> None:
         self.text = text
@@ -86,6 +89,10 @@ class PrefixBlocks:
         self.cut = len(text) > max_chars  # the text goes on past what is keyed
         self.computed: list[int] = []  # the keys so far, in order: grown in place, read by the lookup
         self.tokens: TokenBlocks | None = None  # the prompt's token ids, where the request path got them
+        # Where the prompt's last answer sits in ``text``: (start, end) characters, or a callable
+        # of the text's length bound that says so, asked only when needed; None: nowhere. The
+        # policy's, unread here.
+        self.answer: Answer | Callable[[int], Answer] = None
         self._salt = _NO_SALT  # the last digest, without a memo (with one, the last key says it)
         self._memo = memo
 

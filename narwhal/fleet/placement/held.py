@@ -295,7 +295,9 @@ class Held:
             return None
         size = len(head)
         if size >= own.block_chars:
-            return PrefixBlocks(head, own.block_chars, own.max_prefix_chars, self._memo)
+            blocks = PrefixBlocks(head, own.block_chars, own.max_prefix_chars, self._memo)
+            blocks.answer = prompt.answer_span  # asked (with this limit) only by holders
+            return blocks
         if size < settings.affinity_min_chars:
             return None
         return key_hash(head[: settings.affinity_chars])
@@ -331,12 +333,32 @@ class Held:
                 total = tokens.count(reading.block_tokens)
                 held = tokens.matched(reading.block_tokens, reading.token_keys) / total if total else 0.0
             elif reading.keys and note.count:
-                held = matched_blocks(note, [reading.keys])[0] / note.count
+                run = matched_blocks(note, [reading.keys])[0]
+                if run and run < share * note.count:
+                    run = self._with_answer(note, run)
+                held = run / note.count
             else:
                 continue
             if held >= share:
                 found.append((-held, position, engine))
         return [engine for _, _, engine in sorted(found)]
+
+    def _with_answer(self, note: PrefixBlocks, run: int) -> int:
+        """A consumer's learned leading ``run`` of the prompt's blocks, with the answer of the
+        turn before counted in when the run reaches it: learned holdings come from the prompts a
+        consumer decoded, and the one that decoded the turn before holds, right after that prompt,
+        the answer it wrote (vLLM caches the blocks its decode fills), which the next turn sends
+        back. Its place is asked of the prompt once, the first time a run needs it."""
+        span = note.answer
+        if callable(span):
+            span = note.answer = span(self.own.max_prefix_chars + 1)
+        if span is None:
+            return run
+        start, end = span
+        width = note.block_chars
+        if run < start // width:  # it never held what came right before the answer
+            return run
+        return max(run, min(end // width, note.count))
 
     def keeps_saturated(self, asked: Asked) -> Callable[[Candidate], bool] | None:
         """A saturated producer that holds the prompt's first block, or is its home, stays a
@@ -377,8 +399,8 @@ class Held:
     def placed(self, resv: Reservation, note: Any, ordered: Ordered, position: int) -> None:
         """A prompt with blocks keeps them and what was reckoned of its producer; its uncached
         characters count as this host's queued work there until its prefill ends. A producer
-        tried last (set aside as saturated) matched nothing; one the fallback's pass chose was
-        not reckoned at all."""
+        tried last (set aside as saturated) matched nothing; one the fallback's pass chose, or a
+        consumer that holds the prompt, was not reckoned at all."""
         if not isinstance(note, PrefixBlocks):
             return
         facts: list[tuple[int, int, int, int]] | None = ordered.kept
@@ -416,8 +438,10 @@ class Held:
     def decoded(self, resv: Reservation, at: float) -> None:
         """Its decode completed: the consumer holds the prompt now (vLLM caches a handoff's
         blocks once they arrive), reported as a prefill of its own for the consumer's learned
-        holdings (docs/behaviour.md "Placement": follow-up turns, without KV-cache events)."""
-        if self.holdings is None or not resv.crossed:
+        holdings (docs/behaviour.md "Placement": follow-up turns, without KV-cache events); a
+        turn it decoded alone too. An engine that also prefills hears only of a handoff it took:
+        what it prefilled itself was reported by its prefill."""
+        if self.holdings is None or (resv.consumer.can_prefill and not resv.crossed):
             return
         placed: HeldPlaced = resv.note
         blocks = placed.blocks

@@ -68,6 +68,10 @@ def _producer_of(candidate: Candidate) -> Engine:
     return candidate[0]
 
 
+# What a consumer that holds the prompt was chosen by (``_pick_holder``): no producer order at all.
+_NO_ORDER = Ordered([], lambda position, producer: "consumer_holds")
+
+
 class Placement:
     """Chooses a (producer, consumer) pair and reserves it, without waiting (docs/behaviour.md "Placement").
 
@@ -227,7 +231,11 @@ class Placement:
         for d in holders:
             if (not avoid or d.name not in avoid) and self.view.admitted(d) and self.inflight.try_reserve(
                     d, "decode", d.max_inflight_decode):
-                return Reservation(self, d, d, "consumer_holds", local=True)
+                resv = Reservation(self, d, d, "consumer_holds", local=True)
+                # Its note too: the policy hears the decode completed (the consumer holds this
+                # turn's prompt now, for the next turn), with no producer order to tell of.
+                self.policy.placed(resv, note, _NO_ORDER, 0)
+                return resv
         return None
 
     def _pick_local(

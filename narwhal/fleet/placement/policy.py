@@ -44,7 +44,18 @@ if TYPE_CHECKING:
 
 Candidate = tuple[Engine, tuple[Engine, ...]]  # a producer and its permitted consumers
 Choice = Callable[[int, Engine], str]  # (position in the order, producer) -> producer_choice
-PromptText = Callable[[int], "str | None"]  # the prompt text's first n characters; None: the endpoint has none
+
+
+class PromptText(Protocol):
+    """The prompt as a policy may read it: its text's first ``limit`` characters (None: the
+    endpoint has none), and where its last answer sits in that text."""
+
+    def __call__(self, limit: int) -> str | None:
+        """The prompt text's first ``limit`` characters; None: the endpoint has no prompt text."""
+
+    def answer_span(self, limit: int) -> tuple[int, int] | None:
+        """The (start, end) characters of the last answer a later turn follows in the text of
+        the same ``limit``; None: none (``Dialect.answer_span``)."""
 
 
 def producer_index(candidate: Candidate) -> int:

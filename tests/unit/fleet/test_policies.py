@@ -44,11 +44,22 @@ def test_the_settings_choices_are_the_registrys_names() -> None:
         assert build(PlacementSettings(policy=name)).name == name  # type: ignore[arg-type]
 
 
+class _Prompt:
+    """A prompt of ``text`` (no turns) that records each length a policy read it to."""
+
+    def __init__(self, text: str | None, read: list[int]) -> None:
+        self.text, self.read = text, read
+
+    def __call__(self, limit: int) -> str | None:
+        self.read.append(limit)
+        return None if self.text is None else self.text[:limit]
+
+    def answer_span(self, limit: int) -> tuple[int, int] | None:
+        return None
+
+
 def _prompt(text: str | None, read: list[int]) -> Any:
-    def head(limit: int) -> str | None:
-        read.append(limit)
-        return None if text is None else text[:limit]
-    return head
+    return _Prompt(text, read)
 
 
 def test_each_policy_keeps_what_its_rule_needs_of_the_prompt_and_nothing_more() -> None:

@@ -4,15 +4,20 @@ what the fleet is)."""
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import aiohttp
 import pytest
+from openai import AsyncOpenAI
 
+from narwhal.engines.dialects.openai import Chat
+from narwhal.fleet.placement.blocks import PrefixBlocks
 from narwhal.testing.harness import FakeFleet, RouterProcess
 from tests.real_gunicorn.placement.holdings import holdings_support as hs
 from tests.real_gunicorn.placement.holdings.holdings_support import BLOCKS, PRODUCERS
 from tests.real_gunicorn.support import (
+    access_line,
     admin,
     scrape,
     sessions_per_worker,
@@ -147,4 +152,57 @@ async def test_a_follow_up_goes_to_the_consumer_that_decoded_its_prompt_without_
         assert (line["mode"], line["consumer"], line["producer"]) == ("local", consumer, None), line
         assert hs.prefills(hfleet) == prefills
     finally:
+        router.stop()
+
+
+def _blocks(messages: list[dict[str, Any]]) -> int:
+    """The full blocks of a chat's affinity text (256 characters each, as the router keys them)."""
+    return PrefixBlocks(Chat().affinity_text({"messages": messages}, 65536) or "", 256, 65536).count
+
+
+async def test_a_conversation_with_long_answers_follows_its_consumer_by_what_it_wrote_too(
+    hfleet: FakeFleet, tmp_path: Any
+) -> None:
+    # docs/behaviour.md "Placement": without KV-cache events a consumer's holdings are learned from
+    # the prompts it decoded, and the one that decoded a turn holds the answer it wrote right after
+    # that prompt, which the next turn sends back: a conversation whose answers are long against
+    # its history still skips the prefill (streamed or whole), and a turn decoded there alone is
+    # learned too. The openai SDK is the client, as in a chat application.
+    router = hs.start(hfleet, tmp_path, skip_prefill_share=0.9)
+    client = AsyncOpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+    try:
+        messages: list[dict[str, Any]] = [{"role": "system", "content": hs.make_prefix()},
+                                          {"role": "user", "content": "first question"}]
+        rid = f"turn1-{uuid.uuid4().hex}"
+        stream = await client.chat.completions.create(model=hs.MODEL, messages=messages, max_tokens=200,  # type: ignore[arg-type]
+                                                      stream=True, extra_headers={"x-request-id": rid})
+        answer = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        line = access_line(router, rid)
+        assert line["mode"] == "disaggregated", line
+        consumer = line["consumer"]
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "and then?"}]
+        # The test means something: the first prompt alone is under the share of this one.
+        assert _blocks(messages[:2]) / _blocks(messages) < 0.9, (len(answer), _blocks(messages))
+        learned = await hs.wait_blocks(router, consumer, lambda blocks: blocks >= _blocks(messages[:2]),
+                                       "its decode learned and published")
+        prefills = hs.prefills(hfleet)
+        rid = f"turn2-{uuid.uuid4().hex}"
+        reply = await client.chat.completions.create(model=hs.MODEL, messages=messages, max_tokens=200,  # type: ignore[arg-type]
+                                                     extra_headers={"x-request-id": rid})
+        line = access_line(router, rid)
+        assert (line["mode"], line["consumer"], line["producer"]) == ("local", consumer, None), (line, learned)
+        second = reply.choices[0].message.content or ""
+        assert len(second) > 800, second
+        messages += [{"role": "assistant", "content": second}, {"role": "user", "content": "and after that?"}]
+        assert _blocks(messages[:4]) / _blocks(messages) < 0.9
+        await hs.wait_blocks(router, consumer, lambda blocks: blocks >= _blocks(messages[:4]),
+                             "the turn it decoded alone learned")
+        rid = f"turn3-{uuid.uuid4().hex}"
+        await client.chat.completions.create(model=hs.MODEL, messages=messages, max_tokens=4,  # type: ignore[arg-type]
+                                             extra_headers={"x-request-id": rid})
+        line = access_line(router, rid)
+        assert (line["mode"], line["consumer"]) == ("local", consumer), line
+        assert hs.prefills(hfleet) == prefills  # neither follow-up cost a producer a prefill
+    finally:
+        await client.close()
         router.stop()
