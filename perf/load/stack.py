@@ -54,8 +54,20 @@ class Target:
     prefill_url: str | None = None  # "direct-pd": the load generator runs the prefill leg itself
 
 
-def router_sections(workers: int, access_log: str) -> dict[str, dict[str, object]]:
-    """Narwhal settings for perf: no preflight, quiet logs, timeouts that never fire."""
+def _knows(root: str | None, key: str) -> bool:
+    """Do the settings of the ``narwhal`` package under ``root`` (this checkout's by default) have ``key``?"""
+    base = Path(root) if root else Path(__file__).resolve().parents[2]
+    return any(key in path.read_text() for path in (base / "narwhal" / "settings").glob("*.py"))
+
+
+def router_sections(workers: int, access_log: str, root: str | None = None) -> dict[str, dict[str, object]]:
+    """Narwhal settings for perf: no preflight, quiet logs, timeouts that never fire; every request
+    through a pair (``skip_prefill_share`` 0, where the router at ``root`` has it: a repeated
+    system prompt would otherwise be decoded on the consumer that holds it, and these scenarios
+    measure P/D; ``perf.multiturn`` measures the skip)."""
+    placement: dict[str, object] = {"queue_timeout_s": 30, "max_queue": 100000}
+    if _knows(root, "skip_prefill_share"):
+        placement["skip_prefill_share"] = 0
     return {
         # No graceful_timeout_s: a float reaches gunicorn as "5.0", which it refuses (see the report).
         "server": {"workers": workers},
@@ -63,7 +75,7 @@ def router_sections(workers: int, access_log: str) -> dict[str, dict[str, object
         "engine": {"prefill_timeout_s": 60, "first_token_timeout_s": 60, "decode_read_timeout_s": 60},
         # Below the default handoff.lease_s (30): a setting a baseline router of before lease_s also reads.
         "handoff": {"max_age_s": 25},
-        "placement": {"queue_timeout_s": 30, "max_queue": 100000},
+        "placement": placement,
         "preflight": {"on_start": False},
         "log": {"level": "warning", "access_log": access_log},
     }
@@ -256,7 +268,7 @@ class Stack:
             {"name": "p0", "url": self.producer_url, "role": "producer"},
             {"name": "d0", "url": self.consumer_url, "role": "consumer"},
         ]
-        config = write_config(engines, router_sections(workers, log_target))
+        config = write_config(engines, router_sections(workers, log_target, root))
         self.configs.append(config)
         router = RouterProcess.start(
             config, log_path=str(self.out_dir / f"router-{name}.log"), timeout=60, root=root, workers=workers
