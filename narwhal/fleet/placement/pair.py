@@ -121,7 +121,7 @@ class Placement:
         fallback's rank, the note unread)."""
         loads = self.current_loads()
         if not local and note is not None and self.settings.skip_prefill_share:
-            found = self._pick_holder(model, avoid, note)
+            found = self._pick_holder(model, avoid, note, loads)
             if found is not None:
                 return found
         pick = self._pick_local if local else self._pick
@@ -224,10 +224,21 @@ class Placement:
 
         return ordered.candidates + tried_last, choice, ordered
 
-    def _pick_holder(self, model: str, avoid: frozenset[str], note: Any) -> Reservation | None:
+    def _pick_holder(
+        self, model: str, avoid: frozenset[str], note: Any, loads: Loads | None,
+    ) -> Reservation | None:
         """A consumer that already holds the prompt (``placement.skip_prefill_share``, by the
-        policy: ``Policy.holders``), admitted and with a free slot, decodes it alone; None: P/D."""
-        holders = self.policy.holders(note, self._consumers(model), self.settings.skip_prefill_share)
+        policy: ``Policy.holders``, the most held first), admitted and with a free slot, decodes
+        it alone; None: P/D. Consumers that hold as much go least loaded first: a system prompt
+        every consumer holds would otherwise send every short question to the first of them."""
+        consumers = self._consumers(model)
+        share = self.settings.skip_prefill_share
+        holders = self.policy.holders(note, consumers, share)
+        if len(holders) > 1:  # asked again in load order: the policy keeps that order among equals
+            decodes = self.inflight.totals("decode")
+            extra = loads.extra if loads is not None else None
+            holders = self.policy.holders(note, sorted(consumers, key=lambda e: decodes[e.index] + (
+                extra[e.index] if extra is not None else 0)), share)
         for d in holders:
             if (not avoid or d.name not in avoid) and self.view.admitted(d) and self.inflight.try_reserve(
                     d, "decode", d.max_inflight_decode):

@@ -43,8 +43,10 @@ class FakeHoldings:
         self.reports.append((producer, *report))
 
 
-def build_held(seed: int = 0, **placement: Any) -> tuple[Placement, FakeHoldings, Readings, Clock, LocalInflight]:
-    engines = [{"name": n, "role": "producer"} for n in PRODUCERS] + [{"name": "d0", "role": "consumer"}]
+def build_held(seed: int = 0, consumers: int = 1,
+               **placement: Any) -> tuple[Placement, FakeHoldings, Readings, Clock, LocalInflight]:
+    engines = [{"name": n, "role": "producer"} for n in PRODUCERS]
+    engines += [{"name": f"d{i}", "role": "consumer"} for i in range(consumers)]
     specs = [{"url": f"http://127.0.0.1:{9000 + i}", "models": [MODEL], **e} for i, e in enumerate(engines)]
     settings = Settings(engines=specs, placement={"policy": "held", **placement})
     fleet = Fleet(settings)

@@ -113,3 +113,21 @@ def test_the_answers_place_is_where_the_affinity_text_writes_it(
 def test_a_prompt_without_an_answer_followed_by_a_turn_has_none(messages: list[dict[str, Any]]) -> None:
     assert CHAT.dialect.answer_span({"messages": messages}, LIMIT) is None
     assert MESSAGES.dialect.answer_span({"messages": messages}, LIMIT) is None
+
+
+def test_consumers_that_hold_as_much_take_it_least_loaded_first() -> None:
+    # A long system prompt both consumers hold, a short new question: either may decode it alone;
+    # the one with fewer decodes in flight does, not always the first of the list.
+    placement, holdings, _, _, inflight = build_held(skip_prefill_share=0.9, consumers=2)
+    system = _note(placement, _turns())
+    for index in (D0, D0 + 1):
+        _learned(holdings, system)
+        holdings.held[index] = holdings.held[D0]
+    d0, d1 = (e for e in placement.fleet.engines if e.name in ("d0", "d1"))
+    assert inflight.try_reserve(d0, "decode", None)  # d0 busy with one decode
+    found = place_blocks(placement, _note(placement, _turns()))
+    assert (found.local, found.consumer.name) == (True, "d1")
+    inflight.release(d0, "decode")
+    assert inflight.try_reserve(d1, "decode", None) and inflight.try_reserve(d1, "decode", None)
+    found = place_blocks(placement, _note(placement, _turns()))
+    assert (found.local, found.consumer.name) == (True, "d0")
