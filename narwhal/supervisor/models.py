@@ -261,7 +261,12 @@ class ModelReader:
         try:
             version = await self._version(engine)
             answer = None if engine.models_configured else await self._answer(engine)
-            refused = await self.control.generate_refused(engine)
+            # Asked once per engine process, not per read: vLLM logs each question as a 400 on
+            # its generate route. Again when the version moved or the engine came back (a new
+            # process may run with or without --enable-scale-out).
+            name = engine.name
+            if name not in self._generate or name in self._recheck or version != self._versions.get(name):
+                refused = await self.control.generate_refused(engine)
         except Exception:  # a read must never take the supervisor down
             if self._stopped():
                 return  # the session closed under it: the supervisor is stopping

@@ -43,8 +43,10 @@ class FakeControl:
         self.reads: list[str] = []
         self.version_reads: list[str] = []
         self.refusing: set[str] = set()  # answer 403 on /inference/v1/generate
+        self.generate_asks: list[str] = []
 
     async def generate_refused(self, engine: EngineRef) -> bool | None:
+        self.generate_asks.append(engine.name)
         if engine.name in self.answers and self.answers[engine.name] is None:
             return None
         return engine.name in self.refusing
@@ -154,6 +156,27 @@ async def test_an_engine_that_never_answered_is_asked_every_retry_and_one_that_s
     assert sorted(control.reads[3:]) == ["d0", "p0"]  # every engine, now and then
     worker.check()
     assert models_of(worker.fleet)["p0"] == {"m-one"}  # unreachable, it keeps what it answered
+
+
+async def test_the_generate_question_is_asked_once_per_engine_process_not_per_read(
+    shared: SharedFleet, settings: Settings
+) -> None:
+    """vLLM logs each question (an empty body on /inference/v1/generate) as a 400: asked at the
+    first read, again only when the version moved or the engine came back, never per read."""
+    control = FakeControl(p0=["m-one"], d0=["m-one"])
+    sup, reader = reading(shared, settings, control)
+    now = 1000.0
+    sup.tick_models(now)
+    await settle(sup, now)
+    assert sorted(control.generate_asks) == ["c0", "d0", "p0"]
+    sup.tick_models(now + REFRESH_S)
+    await settle(sup, now + REFRESH_S)
+    assert control.version_reads.count("p0") == control.version_reads.count("d0") == 2  # read again, not asked
+    assert len(control.generate_asks) == 3
+    reader.reread(sup.fleet.by_name["d0"])  # it answers again after refusing connections: a new process
+    sup.tick_models(now + REFRESH_S + 0.1)
+    await settle(sup)
+    assert control.generate_asks[3:] == ["d0"]
 
 
 async def test_a_readmitted_engine_is_read_again_through_the_loop_and_its_new_model_seen(
