@@ -41,6 +41,9 @@ class Checks:
         self.reach = reach
         self._clock = clock
         self.models: ModelReader | None = None  # set once the supervisor runs: /version is read again through it
+        # Told of an engine that answers again after refusing connections (maybe a new process,
+        # whose cache is empty): the placement policy's part forgets what it learned of it.
+        self.came_back: Callable[[Engine], None] | None = None
         self._probing: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -50,7 +53,9 @@ class Checks:
         that answers again after refusing connections may be a new process — a rolling upgrade's
         next release — so its ``/version`` and models are read again (``supervisor.models``,
         paced: at most a round per engine per ``health_interval_s``); a ``/version`` it cannot
-        give leaves its version unknown, never the engine unreachable (docs/behaviour.md)."""
+        give leaves its version unknown, never the engine unreachable (docs/behaviour.md); what
+        placement learned it holds is forgotten (``came_back``): a restarted consumer tells no
+        other way that its cache is empty."""
         if refused:
             self.reach.saw(engine.name, False)
         elif answered:
@@ -58,6 +63,8 @@ class Checks:
             self.reach.saw(engine.name, True)
             if came_back and self.models is not None:
                 self.models.reread(engine)
+            if came_back and self.came_back is not None:
+                self.came_back(engine)
 
     def start_probes(self, prober: Prober, now: float) -> None:
         """Start every probe the breakers say is due, unless that engine's last one still runs."""

@@ -92,6 +92,8 @@ class Supervisor:
         self._wall = time.time() - clock()
         # The placement policy's supervisor part, over its shared memory (None: it keeps none).
         self.part: PolicyPart | None = policy_part(settings, policy_region, self.fleet.engines, self._followed)
+        if self.part is not None:
+            self.checks.came_back = self.part.forget
 
     def _infos(self) -> list[EngineInfo]:
         """Blame's view of each engine: its partners are the *compatible* permitted ones (versions,

@@ -41,7 +41,8 @@ class PolicyPart(Protocol):
         """The breakers' states, as just published."""
 
     def forget(self, engine: Engine) -> None:
-        """The engine's own KV-cache events say its cache is not what was known."""
+        """The engine's cache is not what was known: its own KV-cache events say so, or it answers
+        again after refusing connections (maybe a new process)."""
 
     def drain(self, slots_in_use: int, now: float) -> None:
         """A pass: what the workers reported since the last, merged and published."""

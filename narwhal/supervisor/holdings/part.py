@@ -87,7 +87,8 @@ class HoldingsPart:
         self.model.out = frozenset(out)
 
     def forget(self, engine: Engine) -> None:
-        """The engine's own KV-cache events say its cache is not what was known: its learned keys go."""
+        """The engine's cache is not what was known (its KV-cache events say so, or it came back
+        after refusing connections): its learned keys go."""
         self.model.forget(engine.index)
 
     def drain(self, slots_in_use: int, now: float) -> None:

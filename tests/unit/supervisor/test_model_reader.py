@@ -9,17 +9,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 
 import orjson
 import pytest
 
 from narwhal.engines.control import ControlError, EngineRef, PooledReader
 from narwhal.fleet import Engine, Fleet
+from narwhal.master.gunicorn_hooks import create_policy_region
 from narwhal.settings import Settings
 from narwhal.shm import models as M
 from narwhal.shm.shared import SharedFleet
 from narwhal.shm.table import record_hash
 from narwhal.supervisor.edge import Supervisor
+from narwhal.supervisor.holdings.part import HoldingsPart
 from narwhal.supervisor.load import LoadReader
 from narwhal.supervisor.loop import Loop
 from narwhal.supervisor.models import REFRESH_S, RETRY_S, ModelReader
@@ -296,6 +299,25 @@ async def test_an_engine_answering_again_is_reachable_and_read_again_at_once_and
         await settle(sup)
     assert control.version_reads.count("d0") == 2  # at once, though its last round was under 1 s ago; once
     assert d0.version is None and not sup.reach.unreachable("d0")  # unknown, and reachable
+
+
+def test_an_engine_answering_again_after_refusing_connections_is_forgotten_by_placement(
+    shared: SharedFleet, settings: Settings
+) -> None:
+    """A restarted consumer's cache is empty, and nothing else says so (no descriptor names its
+    process): what placement learned it holds goes when it answers again after refusing
+    connections (docs/behaviour.md "Placement": follow-up turns)."""
+    region = create_policy_region(settings, 2, len(settings.engines))
+    sup = Supervisor(shared, settings, policy_region=region)
+    assert isinstance(sup.part, HoldingsPart)
+    d0 = sup.fleet.by_name["d0"]
+    sup.part.model.consumer_keys[d0.index] = OrderedDict.fromkeys([1, 2, 3])
+    sup.checks.connected(d0, answered=True, refused=False)  # reachable all along: kept
+    assert list(sup.part.model.consumer_keys[d0.index]) == [1, 2, 3]
+    sup.checks.connected(d0, answered=False, refused=True)  # a stopped process
+    assert d0.index in sup.part.model.consumer_keys  # unreachable alone says nothing of its cache
+    sup.checks.connected(d0, answered=True, refused=False)  # a new one answers
+    assert d0.index not in sup.part.model.consumer_keys
 
 
 def test_a_readmission_by_probe_marks_the_engine_reachable(shared: SharedFleet, settings: Settings) -> None:
