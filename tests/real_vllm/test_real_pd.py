@@ -8,6 +8,7 @@ and the capacity and load read from real ``/metrics``, and the openai SDK stream
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import uuid
@@ -16,8 +17,10 @@ import openai
 import orjson
 import pytest
 
+from narwhal.engines.dialects.openai import Chat
+from narwhal.fleet.placement.blocks import PrefixBlocks
 from narwhal.testing.harness import RouterProcess
-from tests.real_gunicorn.support import access_line, admin, scrape, send, value, wait_until
+from tests.real_gunicorn.support import access_line, admin, engine_entry, scrape, send, value, wait_until
 from tests.real_vllm.conftest import VERSION, needs_transfer, router_config
 from tests.real_vllm.engines import MODEL, RealEngine, get, metric
 
@@ -210,6 +213,49 @@ async def test_a_follow_up_turn_the_consumer_holds_is_decoded_there_alone(
             if line["mode"] == "local":
                 break
         assert (line["mode"], line["producer"], line["consumer"]) == ("local", None, consumer.name), line
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")  # type: ignore[union-attr]
+        assert isinstance(cached, int) and cached > 0, usage
+    finally:
+        router.stop()
+
+
+async def test_without_events_a_follow_up_goes_to_the_consumer_that_wrote_its_answer(
+    real_pair: list[RealEngine], nixl_moves: str | None, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """docs/behaviour.md "Placement", without KV-cache events (``placement.kv_events = false``):
+    the consumer learned the first turn's prompt from decoding it, and holds the answer it wrote
+    right after it; the follow-up, whose prompt alone it would not hold to the share, is decoded
+    there alone, and the real consumer serves it from its cache."""
+    needs_transfer(nixl_moves)
+    _, consumer = real_pair
+    logs = tmp_path_factory.mktemp("follow_up_learned")
+    router = RouterProcess.start(router_config(real_pair, placement={"kv_events": False, "skip_prefill_share": 0.9},
+                                               log={"access_log": str(logs / "access.log")}),
+                                 workers=1, timeout=60, log_path=str(logs / "router.log"))
+    try:
+        first = [{"role": "system", "content": prompt(300)}, {"role": "user", "content": "name the last block"}]
+        reply = await send(router.url, "/v1/chat/completions",
+                           {"model": MODEL, "messages": first, "max_tokens": 200, "ignore_eos": True})
+        assert reply.status == 200, reply.raw
+        answer = reply.json["choices"][0]["message"]["content"]
+        messages = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "and the first?"}]
+
+        def blocks(turns: list[dict[str, object]]) -> int:
+            return PrefixBlocks(Chat().affinity_text({"messages": turns}, 65537) or "", 256, 65536).count
+
+        assert blocks(first) / blocks(messages) < 0.9, len(answer)  # its prompt alone: P/D
+        for _ in range(40):  # until the supervisor has published what the consumer learned
+            held = (await engine_entry(router, consumer.name))["holdings"]
+            if held and held["blocks"] >= blocks(first):
+                break
+            await asyncio.sleep(0.25)
+        # The first follow-up: one decoded P/D would teach the consumer its whole prompt.
+        rid = f"follow-up-{uuid.uuid4().hex}"
+        reply = await send(router.url, "/v1/chat/completions", {"model": MODEL, "messages": messages,
+                                                                 "max_tokens": 2}, headers={"x-request-id": rid})
+        assert reply.status == 200, reply.raw
+        line, usage = access_line(router, rid), reply.json["usage"]
+        assert (line["mode"], line["producer"], line["consumer"]) == ("local", None, consumer.name), (line, held)
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")  # type: ignore[union-attr]
         assert isinstance(cached, int) and cached > 0, usage
     finally:
