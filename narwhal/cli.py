@@ -92,6 +92,10 @@ def _run(argv: list[str]) -> int:
 
     status = sub.add_parser("status", help="the engines as a running router sees them (and --settings)")
     status_command.add_arguments(status)
+    from narwhal import sizing
+
+    workers = sub.add_parser("workers", help="measure the server.workers this host needs (fake engines, 127.0.0.1)")
+    sizing.add_arguments(workers)
 
     if argv[:1] == ["fake-engine"]:
         from narwhal.fake_engine import main as fake_main
@@ -110,6 +114,8 @@ def _run(argv: list[str]) -> int:
         return preflight_main(args)
     if args.command == "status":
         return status_command.main(args)
+    if args.command == "workers":
+        return sizing.main(args)
     from narwhal.demo import run_demo
 
     return run_demo(port=args.port, workers=args.workers)

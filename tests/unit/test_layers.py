@@ -10,7 +10,8 @@ import narwhal
 ROOT = Path(narwhal.__file__).resolve().parent
 # Top to bottom, as ARCHITECTURE.md lists them.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("commands", ("narwhal.cli", "narwhal.demo", "narwhal.status", "narwhal.__main__", "narwhal.app")),
+    ("commands", ("narwhal.cli", "narwhal.demo", "narwhal.status", "narwhal.sizing", "narwhal.__main__",
+                  "narwhal.app")),
     ("testing", ("narwhal.testing",)),
     ("master", ("narwhal.master",)),
     ("worker", ("narwhal.worker",)),

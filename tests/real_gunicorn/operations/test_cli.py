@@ -230,3 +230,19 @@ def test_a_unix_socket_bind_serves_through_every_worker(fleet: FakeFleet, tmp_pa
         err = _stop(proc, config)
     assert proc.returncode == 0, err.decode()
     assert b"Traceback" not in err
+
+
+def test_narwhal_workers_measures_a_worker_count_with_what_the_wheel_carries(tmp_path: Path) -> None:
+    # deploy/README.md "Sizing": the sweep from an installed router (fake engines and gunicorn on
+    # 127.0.0.1), not only the perf suite in a clone: one count, briefly; everything it started
+    # is gone once it returns.
+    proc = subprocess.run([sys.executable, "-m", "narwhal", "workers", "--counts", "1", "--seconds", "0.5",
+                           "--concurrency", "8"], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env=_clean_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    row = re.search(r"^ +1 worker\(s\): +([0-9.]+) req/s, +([0-9]+) µs of router CPU per request$", proc.stdout, re.M)
+    assert row is not None and float(row.group(1)) > 0 and int(row.group(2)) > 0, proc.stdout
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("server.workers = 1  "), proc.stdout
+    # Its fake engines (the only processes with its model's name) stopped with it.
+    left = lambda: subprocess.run(["pgrep", "-f", "sizing-model"], capture_output=True).returncode != 1  # noqa: E731
+    wait_until(lambda: not left(), 10, "narwhal workers' fake engines gone")
