@@ -4,6 +4,7 @@ what the fleet is)."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any
 
@@ -19,6 +20,7 @@ from tests.real_gunicorn.placement.holdings.holdings_support import BLOCKS, PROD
 from tests.real_gunicorn.support import (
     access_line,
     admin,
+    engine_entry,
     scrape,
     sessions_per_worker,
     settled,
@@ -206,3 +208,35 @@ async def test_a_conversation_with_long_answers_follows_its_consumer_by_what_it_
     finally:
         await client.close()
         router.stop()
+
+
+async def test_a_consumer_that_restarts_has_what_it_learned_forgotten_once_it_answers(
+    hfleet: FakeFleet, tmp_path: Any
+) -> None:
+    # docs/behaviour.md "Placement": a restarted consumer's cache is empty and nothing it sends says
+    # so; an engine that answers again after refusing connections starts from nothing learned, so
+    # the follow-up it no longer holds goes P/D instead of being computed whole on it.
+    router = hs.start(hfleet, tmp_path, skip_prefill_share=0.9)
+    messages = [{"role": "system", "content": hs.make_prefix()}, {"role": "user", "content": "first question"}]
+    body = {"model": hs.MODEL, "messages": messages, "max_tokens": 4}
+    stopped = ""  # the consumer while it is stopped: the module's fleet gets it back whatever happens
+    try:
+        consumer = (await hs.chat_turn(router, body, "turn1"))["consumer"]
+        await hs.wait_blocks(router, consumer, lambda blocks: blocks > 0, "its decode learned and published")
+        hfleet.control_request("POST", f"/engines/{consumer}/stop")
+        stopped = consumer
+        for _ in range(100):  # the supervisor's control reads find it refusing connections
+            if (await engine_entry(router, consumer))["unreachable"]:
+                break
+            await asyncio.sleep(0.1)
+        assert (await engine_entry(router, consumer))["unreachable"]
+        hfleet.control_request("POST", f"/engines/{consumer}/start?restart=1")
+        stopped = ""
+        await hs.wait_blocks(router, consumer, lambda blocks: blocks == 0, "forgotten once it answered again")
+        follow = messages + [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "and then?"}]
+        line = await hs.chat_turn(router, {**body, "messages": follow}, "turn2")
+        assert line["mode"] == "disaggregated", line
+    finally:
+        router.stop()
+        if stopped:
+            hfleet.control_request("POST", f"/engines/{stopped}/start?restart=1")
