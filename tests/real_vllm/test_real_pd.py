@@ -182,6 +182,24 @@ async def test_placement_predicts_the_cached_tokens_the_real_producer_reports(
     assert isinstance(line["cached_tokens"], int) and line["cached_tokens"] > 0, line
 
 
+def _conversation_router(pair: list[RealEngine], tmp: pytest.TempPathFactory, **placement: object) -> RouterProcess:
+    """A router of its own over the pair, one worker, its access log beside its log."""
+    logs = tmp.mktemp("conversation")
+    return RouterProcess.start(router_config(pair, placement=placement, log={"access_log": str(logs / "access.log")}),
+                               workers=1, timeout=60, log_path=str(logs / "router.log"))
+
+
+async def _first_turn(router: RouterProcess, max_tokens: int) -> tuple[list[dict[str, object]], str]:
+    """A conversation's first chat turn through ``router``: its messages, and the answer (``max_tokens``
+    of it, ``ignore_eos``)."""
+    first: list[dict[str, object]] = [{"role": "system", "content": prompt(300)},
+                                      {"role": "user", "content": "name the last block"}]
+    reply = await send(router.url, "/v1/chat/completions",
+                       {"model": MODEL, "messages": first, "max_tokens": max_tokens, "ignore_eos": True})
+    assert reply.status == 200, reply.raw
+    return first, reply.json["choices"][0]["message"]["content"]
+
+
 async def test_a_follow_up_turn_the_consumer_holds_is_decoded_there_alone(
     real_pair: list[RealEngine], nixl_moves: str | None, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -191,16 +209,9 @@ async def test_a_follow_up_turn_the_consumer_holds_is_decoded_there_alone(
     lowered here for a short conversation), and the consumer reports the cached tokens."""
     needs_transfer(nixl_moves)
     producer, consumer = real_pair
-    logs = tmp_path_factory.mktemp("follow_up")
-    router = RouterProcess.start(router_config(real_pair, placement={"skip_prefill_share": 0.5},
-                                               log={"access_log": str(logs / "access.log")}),
-                                 workers=1, timeout=60, log_path=str(logs / "router.log"))
+    router = _conversation_router(real_pair, tmp_path_factory, skip_prefill_share=0.5)
     try:
-        first = [{"role": "system", "content": prompt(300)}, {"role": "user", "content": "name the last block"}]
-        reply = await send(router.url, "/v1/chat/completions",
-                           {"model": MODEL, "messages": first, "max_tokens": 40, "ignore_eos": True})
-        assert reply.status == 200, reply.raw
-        answer = reply.json["choices"][0]["message"]["content"]
+        first, answer = await _first_turn(router, 40)
         follow_up = {"model": MODEL, "max_tokens": 2, "messages": [
             *first, {"role": "assistant", "content": answer}, {"role": "user", "content": "and the first?"}]}
         line: dict[str, object] = {}
@@ -228,16 +239,9 @@ async def test_without_events_a_follow_up_goes_to_the_consumer_that_wrote_its_an
     there alone, and the real consumer serves it from its cache."""
     needs_transfer(nixl_moves)
     _, consumer = real_pair
-    logs = tmp_path_factory.mktemp("follow_up_learned")
-    router = RouterProcess.start(router_config(real_pair, placement={"kv_events": False, "skip_prefill_share": 0.9},
-                                               log={"access_log": str(logs / "access.log")}),
-                                 workers=1, timeout=60, log_path=str(logs / "router.log"))
+    router = _conversation_router(real_pair, tmp_path_factory, kv_events=False, skip_prefill_share=0.9)
     try:
-        first = [{"role": "system", "content": prompt(300)}, {"role": "user", "content": "name the last block"}]
-        reply = await send(router.url, "/v1/chat/completions",
-                           {"model": MODEL, "messages": first, "max_tokens": 200, "ignore_eos": True})
-        assert reply.status == 200, reply.raw
-        answer = reply.json["choices"][0]["message"]["content"]
+        first, answer = await _first_turn(router, 200)
         messages = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "and the first?"}]
 
         def blocks(turns: list[dict[str, object]]) -> int:
