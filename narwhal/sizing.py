@@ -12,8 +12,9 @@ Why its own small load loop and not the perf suite's generator: the generator ti
 bytes, per-token gaps and latency percentiles across interleaved rounds; sizing needs one
 number per count, and the loop is twenty lines of aiohttp.
 
-Invariant: everything it starts it stops (``finally``), and it binds 127.0.0.1 only; a count
-whose router does not start is one line and no figure, never a traceback.
+Invariant: everything it starts it stops (``finally``), and it binds 127.0.0.1 only; its scratch
+directory (router logs) goes too, unless a count's router did not start: that is one line naming
+its log, and no figure, never a traceback.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -90,6 +92,8 @@ def main(args: argparse.Namespace) -> int:
                   flush=True)
     finally:
         fleet.stop()
+        if len(rates) == len(counts):  # a failed count's log stays for the operator to read
+            shutil.rmtree(scratch, ignore_errors=True)
     choice = recommend(rates)
     if choice is None:
         print("narwhal workers: no worker count could be measured", file=sys.stderr)
@@ -109,7 +113,8 @@ def _measure(engines: list[dict[str, str]], workers: int, seconds: float, concur
         router = RouterProcess.start(config, log_path=str(Path(scratch) / f"router-w{workers}.log"), timeout=60,
                                      workers=workers)
     except (RuntimeError, TimeoutError) as exc:
-        print(f"  {workers:>3} worker(s): the router did not start ({exc})", file=sys.stderr)
+        log = Path(scratch) / f"router-w{workers}.log"
+        print(f"  {workers:>3} worker(s): the router did not start ({exc}); its log: {log}", file=sys.stderr)
         return None
     try:
         pids = [p for pids in router_roles(router.proc.pid).values() for p in pids]  # master, supervisor, workers
@@ -120,7 +125,7 @@ def _measure(engines: list[dict[str, str]], workers: int, seconds: float, concur
         router.stop()
         os.unlink(config)
     if not done:
-        print(f"  {workers:>3} worker(s): no request completed", file=sys.stderr)
+        print(f"  {workers:>3} worker(s): no request completed; its log: {router.log_path}", file=sys.stderr)
         return None
     return done / seconds, used / done * 1e6
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from narwhal.sizing import default_counts
 from perf.load.generator import CHAT, COMPLETIONS, RoundResult, Workload, new_session, run_round
 from perf.load.pd_endpoints import MESSAGES, RESPONSES
 from perf.load.stack import Stack, Target
@@ -47,13 +48,8 @@ class Scenario:
 
 
 def sweep_workers(cores: int) -> tuple[int, ...]:
-    """1, 2, 4 … up to 2 × cores (the last step is 2 × cores even when not a power of two)."""
-    out = [1]
-    while out[-1] * 2 <= 2 * cores:
-        out.append(out[-1] * 2)
-    if out[-1] != 2 * cores:
-        out.append(2 * cores)
-    return tuple(out)
+    """1, 2, 4 … up to 2 × cores: the counts ``narwhal workers`` tries (``narwhal.sizing``)."""
+    return tuple(default_counts(cores))
 
 
 def all_scenarios(quick: bool, cores: int | None = None) -> list[Scenario]:

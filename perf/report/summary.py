@@ -14,6 +14,7 @@ import statistics
 from collections import Counter
 from typing import Any
 
+from narwhal.sizing import recommend
 from perf.load.generator import RoundResult, percentile
 from perf.load.stack import Target
 
@@ -139,10 +140,8 @@ def ratios(s: dict[str, Any], d: dict[str, Any]) -> dict[str, Any]:
 
 
 
-def recommend_workers(stats: dict[str, dict[str, Any]], within: float = 0.05) -> int | None:
-    """The smallest worker count whose throughput is within ``within`` of the best."""
-    sweep = {int(k.removeprefix("narwhal-w")): v["rps"] for k, v in stats.items() if k.startswith("narwhal-w")}
-    if not sweep:
-        return None
-    best = max(sweep.values())
-    return min(n for n, rps in sweep.items() if rps >= (1.0 - within) * best)
+def recommend_workers(stats: dict[str, dict[str, Any]]) -> int | None:
+    """The smallest worker count whose throughput is within 5 % of the best (``narwhal workers``'
+    rule, ``narwhal.sizing.recommend``)."""
+    rates = {int(k.removeprefix("narwhal-w")): v["rps"] for k, v in stats.items() if k.startswith("narwhal-w")}
+    return recommend(rates)

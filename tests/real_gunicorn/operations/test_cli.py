@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -236,6 +237,7 @@ def test_narwhal_workers_measures_a_worker_count_with_what_the_wheel_carries(tmp
     # deploy/README.md "Sizing": the sweep from an installed router (fake engines and gunicorn on
     # 127.0.0.1), not only the perf suite in a clone: one count, briefly; everything it started
     # is gone once it returns.
+    scratch = set(Path(tempfile.gettempdir()).glob("narwhal-workers-*"))
     proc = subprocess.run([sys.executable, "-m", "narwhal", "workers", "--counts", "1", "--seconds", "0.5",
                            "--concurrency", "8"], capture_output=True, text=True, timeout=120, cwd=tmp_path,
                           env=_clean_env())
@@ -246,3 +248,4 @@ def test_narwhal_workers_measures_a_worker_count_with_what_the_wheel_carries(tmp
     # Its fake engines (the only processes with its model's name) stopped with it.
     left = lambda: subprocess.run(["pgrep", "-f", "sizing-model"], capture_output=True).returncode != 1  # noqa: E731
     wait_until(lambda: not left(), 10, "narwhal workers' fake engines gone")
+    assert set(Path(tempfile.gettempdir()).glob("narwhal-workers-*")) == scratch  # its router logs too
