@@ -265,7 +265,8 @@ class ModelReader:
             # its generate route. Again when the version moved or the engine came back (a new
             # process may run with or without --enable-scale-out).
             name = engine.name
-            if name not in self._generate or name in self._recheck or version != self._versions.get(name):
+            moved = version is not None and version != self._versions.get(name)  # no answer: nothing moved
+            if name not in self._generate or name in self._recheck or moved:
                 refused = await self.control.generate_refused(engine)
         except Exception:  # a read must never take the supervisor down
             if self._stopped():

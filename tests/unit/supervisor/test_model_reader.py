@@ -176,6 +176,11 @@ async def test_the_generate_question_is_asked_once_per_engine_process_not_per_re
     await settle(sup, now + REFRESH_S)
     assert control.version_reads.count("p0") == control.version_reads.count("d0") == 2  # read again, not asked
     assert len(control.generate_asks) == 3
+    control.answers["p0"] = None  # a busy engine: no /version this time, so nothing says it moved
+    sup.tick_models(now + 2 * REFRESH_S)
+    await settle(sup, now + 2 * REFRESH_S)
+    assert control.version_reads.count("p0") == 3 and len(control.generate_asks) == 3
+    control.answers["p0"] = ["m-one"]
     reader.reread(sup.fleet.by_name["d0"])  # it answers again after refusing connections: a new process
     sup.tick_models(now + REFRESH_S + 0.1)
     await settle(sup)
